@@ -1,0 +1,28 @@
+# Two entry points (README): `make demo` trains the tiny CPU config on the built-in
+# `local` host end to end; `make test` runs the whole suite (what .ci/run calls).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test sshd
+
+$(BIN)/dflash: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: 2.13.0 is the CPU build; an unpinned torch pulls a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[train,test]'
+	touch $(BIN)/dflash
+
+setup: $(BIN)/dflash
+
+demo: setup
+	$(BIN)/dflash launch local --config configs/train/tiny-cpu.yaml --follow
+
+# The tests start their own OpenSSH server on 127.0.0.1 from Debian's openssh-server.
+sshd:
+	@test -x /usr/sbin/sshd || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q openssh-server; }
+
+test: setup sshd
+	$(BIN)/python -m pytest -q tests

@@ -1,0 +1,1 @@
+"""dflash: train DFlash drafters on remote GPU hosts; see README.md."""

@@ -1,0 +1,80 @@
+"""Calling the agent of a host's current release, through its transport.
+
+The agent answers every verb with one JSON object (remote/dflash_agent/__init__.py);
+`follow` streams JSON lines. A tiny bootstrap passed with `python -c` expands `~` in
+the workspace on the host itself (no shell expands it: argv is quoted once) and runs
+remote/agent.py of the release `current` points to.
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterator, Sequence
+
+from .errors import DflashError, ExitCode, UnreachableError
+from .inventory import Host
+from .transports.base import Transport
+
+_BOOTSTRAP = (
+    "import os, runpy, sys\n"
+    "workspace = os.path.expanduser(sys.argv[1])\n"
+    "script = os.path.join(workspace, 'current', 'remote', 'agent.py')\n"
+    "if not os.path.isfile(script):\n"
+    "    print('{\"error\": \"no release deployed in %s\", \"kind\": \"not_deployed\"}' % workspace)\n"
+    "    sys.exit(2)\n"
+    "sys.path.insert(0, os.path.dirname(script))\n"
+    "sys.argv = [script, '--workspace', workspace] + sys.argv[2:]\n"
+    "runpy.run_path(script, run_name='__main__')\n"
+)
+
+_EXIT_FOR_KIND = {"usage": ExitCode.USAGE, "conflict": ExitCode.USAGE,
+                  "not_found": ExitCode.USAGE, "not_deployed": ExitCode.USAGE}
+
+
+class AgentClient:
+    def __init__(self, host: Host, transport: Transport):
+        self.host = host
+        self.transport = transport
+
+    def argv(self, verb: str, args: Sequence[str]) -> list[str]:
+        return [self.host.python, "-c", _BOOTSTRAP, self.host.workspace, verb, *args]
+
+    def call(self, verb: str, *args: str, stdin: bytes | None = None,
+             timeout: float | None = None) -> dict:
+        done = self.transport.run(self.argv(verb, args), stdin=stdin, timeout=timeout)
+        if done.exit_code == 127:
+            raise DflashError(f"host {self.host.name}: interpreter {self.host.python!r} not found "
+                              f"({done.stderr.decode(errors='replace').strip()})", ExitCode.USAGE,
+                              hint=f"set python: in the inventory entry of {self.host.name}")
+        reply = _parse(done.stdout)
+        if reply is None:
+            stderr = done.stderr.decode(errors="replace").strip()
+            raise DflashError(f"host {self.host.name}: agent {verb} gave no answer "
+                              f"(exit {done.exit_code}): {stderr[-2000:]}", ExitCode.UNREACHABLE)
+        if "error" in reply:
+            kind = reply.get("kind", "internal")
+            hint = f"run: dflash deploy {self.host.name}" if kind == "not_deployed" else None
+            raise DflashError(f"host {self.host.name}: {reply['error']}",
+                              _EXIT_FOR_KIND.get(kind, ExitCode.UNREACHABLE), hint=hint)
+        return reply
+
+    def follow(self, *args: str) -> Iterator[dict]:
+        """The agent's follow stream as dicts. UnreachableError if the connection drops."""
+        for line in self.transport.stream(self.argv("follow", args)):
+            message = _parse(line)
+            if message is None:
+                raise UnreachableError(f"host {self.host.name}: unreadable follow line {line[:200]!r}")
+            if "error" in message and "t" not in message:
+                raise DflashError(f"host {self.host.name}: {message['error']}",
+                                  _EXIT_FOR_KIND.get(message.get("kind", ""), ExitCode.UNREACHABLE))
+            yield message
+
+
+def _parse(raw: bytes) -> dict | None:
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text:
+        return None
+    try:
+        value = json.loads(text.splitlines()[-1])
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

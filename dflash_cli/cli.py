@@ -1,0 +1,188 @@
+"""The click layer: parse options, call a verb's run(...), turn DflashError into an exit code.
+
+Command docstrings are the --help text.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from . import console
+from .commands import deploy, fetch_traceback, hosts, launch, status, stop, watch
+from .errors import DflashError, ExitCode
+from .local_state import resolve_run
+from .session import Session
+
+
+class _Group(click.Group):
+    """Runs a command and maps the core's one error type to a message and exit code."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except DflashError as exc:
+            console.human.print(f"dflash: error: {exc.message}", style="red", markup=False,
+                                highlight=False, soft_wrap=True)
+            if exc.hint:
+                console.human.print(f"hint: {exc.hint}", markup=False, highlight=False, soft_wrap=True)
+            ctx.exit(int(exc.exit_code))
+        except KeyboardInterrupt:
+            console.say("interrupted")
+            ctx.exit(int(ExitCode.INTERRUPTED))
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--hosts", "hosts_file", envvar="DFLASH_HOSTS", type=click.Path(dir_okay=False),
+              help="Host inventory (default: ./configs/hosts.yaml; env DFLASH_HOSTS).")
+@click.option("--logs-dir", default="logs", envvar="DFLASH_LOGS", show_default=True,
+              type=click.Path(file_okay=False), help="Where fetched logs and tracebacks are kept.")
+@click.option("--accept-new-host-key", is_flag=True,
+              help="Record the SSH host key of a host seen for the first time instead of refusing it.")
+@click.pass_context
+def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_host_key: bool) -> None:
+    """Train DFlash drafters on remote GPU hosts and see why they failed, at once.
+
+    Exit codes: 0 success, 1 the run failed (traceback printed), 2 usage or
+    configuration error, 3 host unreachable, 4 the run was stopped, 130 interrupted
+    (the run keeps going). Data goes to stdout; progress and tables to stderr.
+    """
+    ctx.obj = ctx.with_resource(_closing(Session(hosts_file, Path(logs_dir), accept_new_host_key)))
+
+
+class _closing:
+    def __init__(self, session: Session):
+        self.session = session
+
+    def __enter__(self) -> Session:
+        return self.session
+
+    def __exit__(self, *exc: object) -> None:
+        self.session.close()
+
+
+@main.command("deploy")
+@click.argument("host_names", nargs=-1, metavar="HOST...")
+@click.option("--all", "all_hosts", is_flag=True, help="Deploy to every host of the inventory.")
+@click.pass_obj
+def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool) -> None:
+    """Send remote/ and configs/ to HOSTs as a content-addressed release.
+
+    Only files the host's current release lacks travel, in one tar stream; the host
+    verifies every file's sha256 before switching `current`, so an interrupted deploy
+    leaves the previous release in place. An unchanged tree costs one round trip.
+    Prints `host<TAB>release<TAB>result` per host on stdout.
+    """
+    sys.exit(deploy.run(session, list(host_names), all_hosts))
+
+
+@main.command("launch")
+@click.argument("host_name", metavar="HOST")
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Training config (YAML), validated here before anything is sent.")
+@click.option("--name", help="Run name (default: the config's file name); the run id starts with it.")
+@click.option("--follow", is_flag=True, help="Watch the run after starting it (as `dflash watch`).")
+@click.option("--force", is_flag=True, help="Start even if another run holds the same GPUs.")
+@click.pass_obj
+def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | None,
+               follow: bool, force: bool) -> None:
+    """Start a training run on HOST, detached; print its run id on stdout.
+
+    Deploys first if the host's current release differs from this checkout. Refuses
+    a second run on the same GPUs of a host unless --force.
+    """
+    ref = launch.run(session, host_name, config_path, name, force)
+    console.data(ref.run_id + "\n")
+    if follow:
+        sys.exit(watch.run(session, ref, tail=None, interval=5.0, as_json=False, retry_for=60.0))
+
+
+@main.command("watch")
+@click.argument("run_id", metavar="[RUN]", required=False)
+@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@click.option("--tail", type=click.IntRange(min=0), help="First show the last N lines of the log.")
+@click.option("--interval", default=5.0, show_default=True, type=click.FloatRange(min=0.5),
+              help="Seconds between GPU lines.")
+@click.option("--json", "as_json", is_flag=True, help="Print every message as a JSON line on stdout.")
+@click.option("--retry-for", default=60.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds to keep reconnecting to an unreachable host before exit 3.")
+@click.pass_obj
+def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail: int | None,
+              interval: float, as_json: bool, retry_for: float) -> None:
+    """Follow RUN live (default: the latest run): log lines, GPU line, failures.
+
+    When a thread records an error its full traceback is printed at once and saved
+    under logs/<host>/<run>/. A dropped connection resumes where it stopped, with no
+    gap and no duplicate. Ctrl-C detaches; the run keeps going. Exits 0 when the run
+    succeeded, 1 failed, 4 stopped, 3 host unreachable.
+    """
+    ref = resolve_run(session.logs_dir, run_id, host_name)
+    sys.exit(watch.run(session, ref, tail, interval, as_json, retry_for))
+
+
+@main.command("fetch-traceback")
+@click.argument("run_id", metavar="[RUN]", required=False)
+@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@click.option("--thread", help="The record of this thread (e.g. drafter-1).")
+@click.option("--all", "all_records", is_flag=True, help="Every error record, earliest first.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write to FILE.")
+@click.pass_obj
+def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | None,
+                        thread: str | None, all_records: bool, output: Path | None) -> None:
+    """Print the complete traceback of the run's root cause (its earliest error record).
+
+    The text is exactly what the failing thread formatted, chained causes included,
+    under a one-line header. A run that died with no record (killed, OOM, segfault,
+    abort) gets its exit.json, faulthandler.log and last log lines by thread instead.
+    """
+    ref = resolve_run(session.logs_dir, run_id, host_name)
+    sys.exit(fetch_traceback.run(session, ref, thread, all_records, output))
+
+
+@main.command("status")
+@click.argument("run_id", metavar="[RUN]", required=False)
+@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@click.option("--json", "as_json", is_flag=True, help="The status as JSON on stdout.")
+@click.pass_obj
+def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_json: bool) -> None:
+    """Print RUN's state (default: the latest run) on stdout, details on stderr.
+
+    Exit code 0 while it is fine, 1 failed or degraded, 4 stopped.
+    """
+    ref = resolve_run(session.logs_dir, run_id, host_name)
+    sys.exit(status.run_status(session, ref, as_json))
+
+
+@main.command("stop")
+@click.argument("run_id", metavar="[RUN]", required=False)
+@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@click.option("--grace", default=10.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds between SIGTERM and SIGKILL.")
+@click.pass_obj
+def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace: float) -> None:
+    """Stop RUN: SIGTERM to its process group, then SIGKILL after --grace seconds.
+
+    Returns only when none of the run's processes is left.
+    """
+    ref = resolve_run(session.logs_dir, run_id, host_name)
+    sys.exit(stop.run(session, ref, grace))
+
+
+@main.command("runs")
+@click.option("--host", "host_names", multiple=True, help="Only this host (repeatable; default: local).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per run on stdout.")
+@click.pass_obj
+def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> None:
+    """List the runs on hosts, newest first: `host<TAB>run<TAB>state` on stdout."""
+    sys.exit(status.list_runs(session, list(host_names) or ["local"], as_json))
+
+
+@main.command("hosts")
+@click.option("--check", "do_check", is_flag=True,
+              help="Connect to each host: reachable, container running, python/torch/transformers, GPUs.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
+@click.pass_obj
+def hosts_cmd(session: Session, do_check: bool, as_json: bool) -> None:
+    """List the hosts of the inventory (the built-in `local` included)."""
+    sys.exit(hosts.run(session, do_check, as_json))

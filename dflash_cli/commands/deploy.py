@@ -1,0 +1,144 @@
+"""dflash deploy: a content-addressed release of remote/ and configs/ on each host."""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import json
+import time
+from pathlib import Path
+
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.table import Table
+
+from .. import console, release
+from ..errors import DflashError, ExitCode, UnreachableError
+from ..inventory import Host
+from ..session import Session
+
+RECEIVER_SOURCE = (Path(__file__).resolve().parent.parent / "deploy_receiver.py").read_text()
+PROGRESS_ABOVE_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployResult:
+    host: str
+    release_id: str
+    status: str  # unchanged | switched | installed
+    files_sent: int
+    files_reused: int
+    bytes_sent: int
+    round_trips: int
+    seconds: float
+
+
+def deploy_host(session: Session, host: Host, tree: release.Release) -> DeployResult:
+    """Make `tree` the current release of `host`; one round trip when it already is."""
+    started = time.monotonic()
+    transport = session.transport(host)
+    trips_before = transport.round_trips
+    release_id = tree.release_id
+    reply = _receiver(session, host, "probe", release_id)
+    files_sent = bytes_sent = files_reused = 0
+    if reply["status"] == "missing":
+        have = reply.get("current_files", {})
+        changed = {f.path for f in tree.files if have.get(f.path) != f.sha256}
+        payload = tree.tar_of(changed)
+        reply = _receiver(session, host, "install", release_id, payload)
+        files_sent, bytes_sent = len(changed), len(payload)
+        files_reused = reply.get("files_reused", 0)
+    return DeployResult(host.name, release_id, reply["status"], files_sent, files_reused,
+                        bytes_sent, transport.round_trips - trips_before,
+                        time.monotonic() - started)
+
+
+def _receiver(session: Session, host: Host, verb: str, release_id: str,
+              payload: bytes | None = None) -> dict:
+    argv = [host.python, "-c", RECEIVER_SOURCE, verb, host.workspace, release_id]
+    stdin = None if payload is None else _with_progress(host.name, payload)
+    done = session.transport(host).run(argv, stdin=stdin)
+    text = done.stdout.decode(errors="replace").strip()
+    try:
+        reply = json.loads(text.splitlines()[-1])
+    except (ValueError, IndexError):
+        reply = {"status": "error", "error": f"exit {done.exit_code}: "
+                 f"{done.stderr.decode(errors='replace').strip()[-1000:]}"}
+    if done.exit_code == 127:
+        raise DflashError(f"host {host.name}: interpreter {host.python!r} not found", ExitCode.USAGE,
+                          hint=f"set python: in the inventory entry of {host.name}")
+    if reply.get("status") == "error":
+        raise DflashError(f"host {host.name}: deploy {verb} failed: {reply['error']}; "
+                          "the previous release stays current", ExitCode.UNREACHABLE)
+    return reply
+
+
+class _ProgressReader(io.RawIOBase):
+    def __init__(self, data: bytes, progress: Progress, task: int):
+        self._data, self._pos, self._progress, self._task = data, 0, progress, task
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        chunk = self._data[self._pos:self._pos + len(buffer)]
+        buffer[:len(chunk)] = chunk
+        self._pos += len(chunk)
+        self._progress.update(self._task, completed=self._pos)
+        return len(chunk)
+
+
+def _with_progress(host_name: str, payload: bytes):
+    if len(payload) <= PROGRESS_ABOVE_BYTES or not console.human.is_terminal:
+        return payload
+    progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), console=console.human, transient=True)
+    progress.start()
+    task = progress.add_task(f"deploy {host_name}", total=len(payload))
+    reader = _ProgressReader(payload, progress, task)
+    reader.close = lambda: progress.stop()  # type: ignore[method-assign]
+    return reader
+
+
+def run(session: Session, host_names: list[str], all_hosts: bool) -> ExitCode:
+    """Deploy to each host in parallel; a table of results on stderr."""
+    if all_hosts:
+        host_names = sorted(session.inventory.hosts)
+    if not host_names:
+        raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
+    hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
+    tree = release.scan()
+    results: dict[str, DeployResult | DflashError] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
+        futures = {pool.submit(deploy_host, session, host, tree): host.name for host in hosts}
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                results[futures[future]] = future.result()
+            except DflashError as exc:
+                results[futures[future]] = exc
+    _print_table(results, host_names, tree)
+    failures = [r for r in results.values() if isinstance(r, DflashError)]
+    for result in host_names:
+        outcome = results[result]
+        if isinstance(outcome, DeployResult):
+            console.data(f"{result}\t{outcome.release_id}\t{outcome.status}\n")
+    if not failures:
+        return ExitCode.OK
+    if all(isinstance(f, UnreachableError) for f in failures):
+        return ExitCode.UNREACHABLE
+    return max(f.exit_code for f in failures)
+
+
+def _print_table(results: dict, order: list[str], tree: release.Release) -> None:
+    table = Table(title=f"release {tree.release_id} ({len(tree.files)} files, "
+                        f"{tree.total_bytes / 1024:.0f} KiB)", title_justify="left")
+    for column in ("host", "result", "files sent", "reused", "bytes sent", "round trips", "seconds"):
+        table.add_column(column, justify="left" if column in ("host", "result") else "right")
+    for name in order:
+        r = results[name]
+        if isinstance(r, DflashError):
+            table.add_row(name, f"[red]failed: {escape(r.message)}[/red]", "", "", "", "", "")
+        else:
+            table.add_row(name, r.status, str(r.files_sent), str(r.files_reused), str(r.bytes_sent),
+                          str(r.round_trips), f"{r.seconds:.2f}")
+    console.human.print(table)

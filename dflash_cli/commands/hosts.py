@@ -1,0 +1,96 @@
+"""dflash hosts: the inventory, and with --check what each host really has."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+from rich.table import Table
+
+from .. import console
+from ..errors import DflashError, ExitCode, UnreachableError
+from ..inventory import Host
+from ..session import Session
+
+# Sent with `python -c`: works before anything is deployed. No torch import (slow):
+# package versions come from their metadata.
+_PROBE = r"""
+import json, os, platform, shutil, subprocess, sys
+from importlib import metadata
+def version(name):
+    try:
+        return metadata.version(name)
+    except Exception:
+        return None
+gpus = []
+if shutil.which("nvidia-smi"):
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        index, name, memory = [part.strip() for part in line.split(",")]
+        gpus.append({"index": int(index), "name": name, "memory_total_mib": float(memory)})
+workspace = os.path.expanduser(sys.argv[1])
+try:
+    current = os.path.basename(os.readlink(os.path.join(workspace, "current")))
+except OSError:
+    current = None
+print(json.dumps({"python": platform.python_version(), "hostname": platform.node(),
+                  "torch": version("torch"), "transformers": version("transformers"),
+                  "gpus": gpus, "current_release": current}))
+"""
+
+
+def check(session: Session, host: Host) -> dict:
+    done = session.transport(host).run([host.python, "-c", _PROBE, host.workspace], timeout=60)
+    if done.exit_code != 0:
+        raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}): "
+                          f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+
+def _where(host: Host) -> str:
+    if host.transport == "pct":
+        return f"{host.ssh} -> pct {host.container}"
+    return host.ssh or "this machine"
+
+
+def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
+    hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts)]
+    results: dict[str, dict | DflashError] = {}
+    if do_check:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
+            futures = {pool.submit(check, session, h): h.name for h in hosts}
+            for future in concurrent.futures.as_completed(futures):
+                try:
+                    results[futures[future]] = future.result()
+                except DflashError as exc:
+                    results[futures[future]] = exc
+    table = Table(title=f"hosts ({session.inventory.source})", title_justify="left")
+    for column in ["host", "transport", "where", "workspace"] + (
+            ["status", "python", "torch", "transformers", "GPUs", "release"] if do_check else []):
+        table.add_column(column)
+    for host in hosts:
+        row = [host.name, host.transport, _where(host), host.workspace]
+        result = results.get(host.name)
+        if isinstance(result, DflashError):
+            row += [f"unreachable: {result.message}" if isinstance(result, UnreachableError)
+                    else f"error: {result.message}", "", "", "", "", ""]
+        elif result is not None:
+            gpus = ", ".join(f"{g['index']}:{g['name']}" for g in result["gpus"]) or "none"
+            row += ["ok", result["python"], result["torch"] or "-", result["transformers"] or "-",
+                    gpus, result["current_release"] or "-"]
+        table.add_row(*row)
+        if as_json:
+            entry = {"host": host.name, "transport": host.transport, "where": _where(host),
+                     "workspace": host.workspace}
+            if isinstance(result, DflashError):
+                entry["error"] = result.message
+            elif result is not None:
+                entry.update(result)
+            console.data(json.dumps(entry) + "\n")
+        elif not do_check:
+            console.data(f"{host.name}\n")
+    console.human.print(table)
+    failures = [r for r in results.values() if isinstance(r, DflashError)]
+    if not failures:
+        return ExitCode.OK
+    return ExitCode.UNREACHABLE if any(isinstance(f, UnreachableError) for f in failures) else ExitCode.USAGE

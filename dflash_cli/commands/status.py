@@ -1,0 +1,60 @@
+"""dflash status / dflash runs: run states as the agent derives them on the host."""
+from __future__ import annotations
+
+import datetime
+import json
+
+from rich.table import Table
+
+from .. import console
+from ..agent import AgentClient
+from ..errors import ExitCode
+from ..local_state import RunRef
+from ..session import Session
+
+EXIT_FOR_STATE = {"FAILED": ExitCode.RUN_FAILED, "LOST": ExitCode.RUN_FAILED,
+                  "STOPPED": ExitCode.STOPPED, "DEGRADED": ExitCode.RUN_FAILED}
+
+
+def _when(ts) -> str:
+    if not ts:
+        return ""
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def runs_table(host_name: str, runs: list[dict]) -> Table:
+    table = Table(title=f"runs on {host_name}", title_justify="left")
+    for column in ("run", "state", "step", "errors", "started", "ended", "release"):
+        table.add_column(column)
+    for r in runs:
+        table.add_row(r["run_id"], r["state"], "" if r.get("step") is None else str(r["step"]),
+                      str(r.get("errors", 0)), _when(r.get("started_at")), _when(r.get("ended_at")),
+                      r.get("release_id") or "")
+    return table
+
+
+def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
+    """Print one run's state; the exit code says it too (0 fine, 1 failed, 4 stopped)."""
+    host = session.host(ref.host)
+    reply = AgentClient(host, session.transport(host)).call("status", "--run-id", ref.run_id)
+    status = reply["runs"][0]
+    if as_json:
+        console.data(json.dumps(status) + "\n")
+    else:
+        console.data(f"{status['state']}\n")
+        console.human.print(runs_table(host.name, [status]))
+    return EXIT_FOR_STATE.get(status["state"], ExitCode.OK)
+
+
+def list_runs(session: Session, host_names: list[str], as_json: bool) -> ExitCode:
+    for name in host_names:
+        host = session.host(name)
+        runs = AgentClient(host, session.transport(host)).call("status")["runs"]
+        if as_json:
+            for r in runs:
+                console.data(json.dumps({"host": name, **r}) + "\n")
+        else:
+            for r in runs:
+                console.data(f"{name}\t{r['run_id']}\t{r['state']}\n")
+            console.human.print(runs_table(name, runs))
+    return ExitCode.OK

@@ -1,0 +1,180 @@
+"""dflash watch: follow a run live through one streaming channel to the agent.
+
+The host does the following (the agent's `follow`); this side prints what arrives,
+mirrors the log under logs/<host>/<run>/, and keeps a cursor so that a dropped
+connection resumes with no gap and no duplicated line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+from .. import console
+from ..agent import AgentClient
+from ..errors import DflashError, ExitCode, UnreachableError
+from ..local_state import Cursor, RunLogs, RunRef
+from ..session import Session
+from .fetch_traceback import render_no_record, render_record
+
+EXIT_FOR_STATE = {"SUCCEEDED": ExitCode.OK, "FAILED": ExitCode.RUN_FAILED,
+                  "LOST": ExitCode.RUN_FAILED, "STOPPED": ExitCode.STOPPED}
+CURSOR_SAVE_EVERY_S = 0.5
+
+
+def gpu_line(gpus: list[dict]) -> str:
+    """One compact line: index, memory used/total, utilisation, temperature, power."""
+    def num(value, fmt):
+        return "?" if value is None else format(value, fmt)
+    parts = []
+    for g in gpus:
+        used, total = g.get("memory_used_mib"), g.get("memory_total_mib")
+        memory = f"{num(used and used / 1024, '.1f')}/{num(total and total / 1024, '.0f')}GiB"
+        parts.append(f"gpu{g.get('index')} {memory} {num(g.get('utilization_pct'), '.0f')}% "
+                     f"{num(g.get('temperature_c'), '.0f')}C {num(g.get('power_w'), '.0f')}W")
+    return "  ".join(parts)
+
+
+class Watcher:
+    def __init__(self, session: Session, ref: RunRef, interval: float, as_json: bool):
+        self.ref = ref
+        self.host = session.host(ref.host)
+        self.agent = AgentClient(self.host, session.transport(self.host))
+        self.logs = RunLogs(session.logs_dir, ref)
+        self.interval = interval
+        self.as_json = as_json
+        self.cursor = self.logs.load_cursor()
+        self.records = self.logs.load_errors()[: self.cursor.errors_seen]
+        self.mirror = None
+        self.last_saved = 0.0
+        self.end: dict | None = None
+        self.messages = 0  # handled so far; tells a reconnect that made progress
+
+    # -- one connection's worth of messages ---------------------------------------
+    def follow_once(self, tail_lines: int | None) -> None:
+        args = ["--run-id", self.ref.run_id, "--errors-seen", str(self.cursor.errors_seen),
+                "--gpu-interval", str(self.interval)]
+        if tail_lines is not None:
+            args += ["--tail-lines", str(tail_lines)]
+        else:
+            args += ["--offset", str(self.cursor.offset)]
+            if self.cursor.inode is not None:
+                args += ["--inode", str(self.cursor.inode)]
+        for message in self.agent.follow(*args):
+            self.handle(message)
+            if self.end is not None:
+                return
+        raise UnreachableError(f"host {self.host.name}: follow stream ended before the run did")
+
+    def handle(self, message: dict) -> None:
+        kind = message.get("t")
+        self.messages += 1
+        if self.as_json:
+            console.data(json.dumps(message) + "\n")
+        if kind == "log":
+            self.on_log(message)
+        elif kind == "error":
+            self.on_error(message)
+        elif kind == "gpu" and not self.as_json and message.get("gpus"):
+            console.human.print(gpu_line(message["gpus"]), style="dim", markup=False, highlight=False)
+        elif kind == "state" and not self.as_json:
+            console.say(f"[{self.ref.run_id}] state {message.get('state')}")
+        elif kind == "end":
+            self.end = message
+
+    def on_log(self, message: dict) -> None:
+        data = message["data"].encode("utf-8", "surrogateescape")
+        start, end, inode = message["offset"], message["end"], message.get("inode")
+        if inode != self.cursor.inode or start > self.cursor.offset:
+            # A new log file, or --tail skipped ahead: the mirror starts over there.
+            self.cursor = dataclasses.replace(self.cursor, inode=inode, offset=start, mirror_start=start)
+            self._close_mirror()
+            self.logs.train_log.unlink(missing_ok=True)
+        if not self.as_json:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        fresh = data[max(0, self.cursor.offset - start):]  # --tail may resend mirrored bytes
+        if fresh:
+            if self.mirror is None:
+                self.mirror = self.logs.open_mirror(self.cursor)
+            self.mirror.write(fresh)
+            self.mirror.flush()
+        self.cursor = dataclasses.replace(self.cursor, offset=max(end, self.cursor.offset))
+        self.save_cursor(force=False)
+
+    def on_error(self, message: dict) -> None:
+        index, record = message["index"], message["record"]
+        if index < len(self.records):
+            return
+        self.records.append(record)
+        if not self.as_json:
+            text = render_record(record, self.ref)
+            console.human.rule(f"thread {record.get('thread')} failed", style="red")
+            console.data(text)
+        self.logs.save_errors(self.records)
+        if index == 0:
+            path = self.logs.save_traceback(record.get("traceback", ""))
+            console.say(f"traceback saved to {path}")
+        self.cursor = dataclasses.replace(self.cursor, errors_seen=len(self.records))
+        self.save_cursor(force=True)
+
+    def save_cursor(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self.last_saved >= CURSOR_SAVE_EVERY_S:
+            if self.mirror is not None:
+                self.mirror.flush()
+            self.logs.save_cursor(self.cursor)
+            self.last_saved = now
+
+    def _close_mirror(self) -> None:
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror = None
+
+    def close(self) -> None:
+        self.save_cursor(force=True)
+        self._close_mirror()
+
+    # -- the outcome -----------------------------------------------------------------
+    def finish(self) -> ExitCode:
+        state = self.end.get("state", "LOST")
+        code = EXIT_FOR_STATE.get(state, ExitCode.UNREACHABLE)
+        if code == ExitCode.RUN_FAILED and not self.records and not self.as_json:
+            report = self.agent.call("report", "--run-id", self.ref.run_id)
+            console.data(render_no_record(report, self.ref))
+        console.say(f"run {self.ref.run_id} on {self.ref.host} ended: {state}")
+        return code
+
+
+def run(session: Session, ref: RunRef, tail: int | None, interval: float, as_json: bool,
+        retry_for: float) -> ExitCode:
+    watcher = Watcher(session, ref, interval, as_json)
+    if tail is None and watcher.cursor.offset:
+        console.say(f"resuming {ref.run_id} at byte {watcher.cursor.offset} "
+                    "(--tail N shows earlier lines)")
+    tail_lines = tail
+    delay, down_since = 0.5, None
+    try:
+        while True:
+            seen = watcher.messages
+            try:
+                watcher.follow_once(tail_lines)
+                return watcher.finish()
+            except UnreachableError as exc:
+                watcher.save_cursor(force=True)
+                tail_lines = None  # from now on resume exactly at the cursor
+                if watcher.messages > seen:  # the last connection worked for a while
+                    delay, down_since = 0.5, None
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > retry_for:
+                    raise UnreachableError(f"{exc.message}; gave up after {retry_for:.0f} s of retries "
+                                           f"(the run may still be going: dflash watch resumes it)")
+                console.warn(f"{exc.message}; reconnecting in {delay:.1f} s")
+                time.sleep(delay)
+                delay = min(delay * 2, 8.0)
+    except KeyboardInterrupt:
+        console.say(f"\ndetached from {ref.run_id}; it keeps running (dflash watch resumes)")
+        return ExitCode.INTERRUPTED
+    finally:
+        watcher.close()

@@ -1,0 +1,100 @@
+"""The host inventory (configs/hosts.yaml, DESIGN.md "Inventory").
+
+`local` always exists, even without the file. `--hosts FILE` or DFLASH_HOSTS picks
+another inventory; otherwise ./configs/hosts.yaml is read when present.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Literal, Mapping
+
+import dflash_schema
+
+from .errors import DflashError, ExitCode
+
+DEFAULT_INVENTORY = Path("configs/hosts.yaml")
+LOCAL_WORKSPACE = "~/.dflash/local"
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    transport: Literal["local", "ssh", "pct"]
+    workspace: str
+    ssh: str | None = None  # user@host[:port] or an alias from ~/.ssh/config
+    container: int | None = None  # the LXC vmid, for transport pct
+    python: str = "python3"  # interpreter on the host (inside the container for pct)
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    host_key: Literal["strict", "accept-new"] = "strict"  # unknown host keys: refuse or record
+    pct: str = "pct"  # path of pct on the Proxmox node
+    connect_timeout: float = 10.0
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # for the trainer
+    name: str = dataclasses.field(default="", metadata={"internal": True})
+
+    def __post_init__(self) -> None:
+        if self.transport in ("ssh", "pct") and not self.ssh:
+            raise ValueError(f"transport {self.transport} needs the key 'ssh' (user@host[:port] or an alias)")
+        if self.transport == "pct" and self.container is None:
+            raise ValueError("transport pct needs the key 'container' (the LXC vmid)")
+        if self.transport != "pct" and self.container is not None:
+            raise ValueError(f"'container' only applies to transport pct, not {self.transport}")
+        if self.transport == "local" and self.ssh:
+            raise ValueError("transport local takes no 'ssh' key")
+        if not self.workspace:
+            raise ValueError("'workspace' must not be empty")
+        if self.connect_timeout <= 0:
+            raise ValueError("'connect_timeout' must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class InventoryFile:
+    hosts: Mapping[str, Host] = dataclasses.field(default_factory=dict)
+
+
+_HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    source: str  # the file read, or "(built-in)"
+    hosts: Mapping[str, Host]
+
+    def get(self, name: str) -> Host:
+        try:
+            return self.hosts[name]
+        except KeyError:
+            known = ", ".join(sorted(self.hosts))
+            raise DflashError(f"{self.source}: unknown host {name!r} (known hosts: {known})",
+                              ExitCode.USAGE) from None
+
+
+def builtin_local() -> Host:
+    return Host(transport="local", workspace=LOCAL_WORKSPACE, name="local")
+
+
+def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
+    """Read the inventory named by `path`, DFLASH_HOSTS or ./configs/hosts.yaml.
+
+    A file named explicitly must exist; the default one may be absent (then only the
+    built-in `local` host exists)."""
+    explicit = path or os.environ.get("DFLASH_HOSTS")
+    file = Path(explicit) if explicit else DEFAULT_INVENTORY
+    hosts: dict[str, Host] = {"local": builtin_local()}
+    if not file.exists():
+        if explicit:
+            raise DflashError(f"{file}: inventory file not found", ExitCode.USAGE)
+        return Inventory("(built-in)", hosts)
+    try:
+        data = dflash_schema.read_yaml(file)
+        parsed = dflash_schema.load(InventoryFile, data, str(file))
+    except dflash_schema.SchemaError as exc:
+        raise DflashError(str(exc), ExitCode.USAGE) from exc
+    for name, host in parsed.hosts.items():
+        if not _HOST_NAME.match(name):
+            raise DflashError(f"{file}: hosts.{name}: host names may use letters, digits, '.', '_' and '-'",
+                              ExitCode.USAGE)
+        hosts[name] = dataclasses.replace(host, name=name)
+    return Inventory(str(file), hosts)

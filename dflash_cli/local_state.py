@@ -1,0 +1,126 @@
+"""logs/: what the CLI fetched, per host and run (DESIGN.md "Local state").
+
+logs/<host>/<run-id>/ holds train.log (as streamed), traceback.txt, errors.jsonl and
+cursor.json; logs/latest.json names the run `watch`, `fetch-traceback`, `status` and
+`stop` use by default. Everything read by another command is written atomically.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import DflashError, ExitCode
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """Where a follow stream stopped: the remote log's inode and byte offset, and how
+    many error records were received. The local mirror holds the remote bytes
+    [mirror_start, offset); a mirror found longer than that (the CLI died between
+    writing it and saving the cursor) is cut back, so a resume duplicates nothing."""
+    inode: int | None = None
+    offset: int = 0
+    errors_seen: int = 0
+    mirror_start: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRef:
+    host: str
+    run_id: str
+
+
+class RunLogs:
+    def __init__(self, logs_dir: Path, ref: RunRef):
+        self.ref = ref
+        self.dir = logs_dir / ref.host / ref.run_id
+
+    @property
+    def train_log(self) -> Path:
+        return self.dir / "train.log"
+
+    def load_cursor(self) -> Cursor:
+        try:
+            return Cursor(**json.loads((self.dir / "cursor.json").read_text()))
+        except (OSError, ValueError, TypeError):
+            return Cursor()
+
+    def save_cursor(self, cursor: Cursor) -> None:
+        write_atomic(self.dir / "cursor.json", json.dumps(dataclasses.asdict(cursor)).encode())
+
+    def open_mirror(self, cursor: Cursor):
+        """The local train.log, cut back to what the cursor accounts for, open for append."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fh = open(self.train_log, "ab")
+        expected = cursor.offset - cursor.mirror_start
+        if fh.tell() != expected:
+            fh.truncate(min(fh.tell(), expected))
+            fh.seek(0, os.SEEK_END)
+        return fh
+
+    def load_errors(self) -> list[dict]:
+        try:
+            lines = (self.dir / "errors.jsonl").read_text().splitlines()
+        except OSError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def save_errors(self, records: list[dict]) -> None:
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        write_atomic(self.dir / "errors.jsonl", text.encode())
+
+    def save_traceback(self, text: str) -> Path:
+        path = self.dir / "traceback.txt"
+        write_atomic(path, text.encode("utf-8", "surrogateescape"))
+        return path
+
+
+def set_latest(logs_dir: Path, ref: RunRef) -> None:
+    write_atomic(logs_dir / "latest.json", json.dumps(dataclasses.asdict(ref)).encode())
+
+
+def resolve_run(logs_dir: Path, run_id: str | None, host: str | None) -> RunRef:
+    """The run named on the command line, or the latest one this checkout launched."""
+    if run_id and host:
+        return RunRef(host, run_id)
+    try:
+        latest = RunRef(**json.loads((logs_dir / "latest.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        latest = None
+    if run_id is None:
+        if latest is None or (host and latest.host != host):
+            raise DflashError("no run given and no latest run recorded in "
+                              f"{logs_dir / 'latest.json'}", ExitCode.USAGE,
+                              hint="name the run: dflash watch RUN --host HOST")
+        return latest
+    if latest and latest.run_id == run_id:
+        return latest
+    # A run id without --host: look for it among the runs this checkout has seen.
+    matches = sorted(p.parent.name for p in logs_dir.glob(f"*/{_glob_escape(run_id)}") if p.is_dir())
+    if len(matches) == 1:
+        return RunRef(matches[0], run_id)
+    if not matches:
+        return RunRef("local", run_id)
+    raise DflashError(f"run {run_id!r} exists on several hosts ({', '.join(matches)})",
+                      ExitCode.USAGE, hint="pick one with --host")
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)

@@ -1,0 +1,41 @@
+"""What one CLI invocation holds: the inventory, one transport per host, local state."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from pathlib import Path
+
+from .inventory import Host, Inventory, load_inventory
+from .transports import open_transport
+from .transports.base import Transport
+
+
+@dataclasses.dataclass
+class Session:
+    hosts_file: str | None
+    logs_dir: Path
+    accept_new_host_key: bool = False
+    _transports: dict[str, Transport] = dataclasses.field(default_factory=dict)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @functools.cached_property
+    def inventory(self) -> Inventory:
+        """Read on first use, so `--help` works even with a broken inventory."""
+        return load_inventory(self.hosts_file)
+
+    def host(self, name: str) -> Host:
+        return self.inventory.get(name)
+
+    def transport(self, host: Host) -> Transport:
+        """The one connection to `host` for this invocation (opened on first use)."""
+        with self._lock:
+            if host.name not in self._transports:
+                self._transports[host.name] = open_transport(
+                    host, accept_new_host_key=self.accept_new_host_key)
+            return self._transports[host.name]
+
+    def close(self) -> None:
+        for transport in self._transports.values():
+            transport.close()
+        self._transports.clear()

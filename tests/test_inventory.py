@@ -1,0 +1,100 @@
+"""The strict loader and the host inventory: every bad input names file, host and key."""
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from typing import Literal, Mapping
+
+import pytest
+
+import dflash_schema
+from dflash_cli.errors import DflashError, ExitCode
+from dflash_cli.inventory import load_inventory
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "hosts.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_builtin_local_exists_without_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DFLASH_HOSTS", raising=False)
+    inventory = load_inventory()
+    assert list(inventory.hosts) == ["local"]
+    assert inventory.get("local").transport == "local"
+
+
+def test_full_pct_entry_loads(tmp_path):
+    path = write(tmp_path, """
+        hosts:
+          ct200:
+            transport: pct
+            ssh: root@10.1.2.6
+            container: 200
+            workspace: /workspace/dflash
+            python: python3
+            identity_file: ~/.ssh/id_ed25519
+            known_hosts: ~/.ssh/known_hosts
+            env: {HF_HOME: /workspace/hf}
+    """)
+    host = load_inventory(path).get("ct200")
+    assert (host.name, host.container, host.env["HF_HOME"]) == ("ct200", 200, "/workspace/hf")
+    assert load_inventory(path).get("local").workspace == "~/.dflash/local"
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("ct200: {transport: pct, ssh: root@n, container: 200, workspace: /w, colour: red}",
+     "hosts.ct200.colour: unknown key"),
+    ("ct200: {transport: pct, ssh: root@n, container: '200', workspace: /w}",
+     "hosts.ct200.container: expected an integer, got a string '200'"),
+    ("ct200: {transport: pct, ssh: root@n, container: 200}",
+     "hosts.ct200.workspace: missing required key"),
+    ("ct200: {transport: pct, ssh: root@n, workspace: /w}",
+     "hosts.ct200: transport pct needs the key 'container'"),
+    ("box: {transport: rsh, ssh: root@n, workspace: /w}",
+     "hosts.box.transport: expected one of 'local' | 'ssh' | 'pct', got 'rsh'"),
+    ("box: {transport: ssh, workspace: /w, env: {A: 1}}",
+     "hosts.box.env.A: expected a string, got an integer 1"),
+    ("box: {transport: ssh, ssh: root@n, workspace: /w, host_key: yes-please}",
+     "hosts.box.host_key: expected one of 'strict' | 'accept-new'"),
+])
+def test_bad_entries_name_file_host_and_key(tmp_path, body, expected):
+    path = write(tmp_path, "hosts:\n  " + body + "\n")
+    with pytest.raises(DflashError) as info:
+        load_inventory(path)
+    assert info.value.exit_code == ExitCode.USAGE
+    assert info.value.message.startswith(f"{path}: ")
+    assert expected in info.value.message
+
+
+def test_yaml_syntax_error_and_missing_file(tmp_path):
+    path = write(tmp_path, "hosts: {a: [\n")
+    with pytest.raises(DflashError, match="invalid YAML"):
+        load_inventory(path)
+    with pytest.raises(DflashError, match="inventory file not found"):
+        load_inventory(tmp_path / "nope.yaml")
+
+
+def test_unknown_host_lists_the_known_ones(tmp_path):
+    path = write(tmp_path, "hosts:\n  box: {transport: ssh, ssh: root@n, workspace: /w}\n")
+    with pytest.raises(DflashError, match=r"unknown host 'gpu9' \(known hosts: box, local\)"):
+        load_inventory(path).get("gpu9")
+
+
+def test_loader_types_are_strict():
+    @dataclasses.dataclass(frozen=True)
+    class Part:
+        rate: float = 1.0
+        on: bool = False
+        mode: Literal["a", "b"] = "a"
+        sizes: tuple[int, ...] = ()
+        extra: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    assert dflash_schema.load(Part, {"rate": 2, "sizes": [1, 2]}, "x.yaml") == Part(rate=2.0, sizes=(1, 2))
+    for bad, where in [({"on": 1}, "on"), ({"rate": True}, "rate"), ({"sizes": [1, "2"]}, "sizes[1]"),
+                       ({"mode": "c"}, "mode"), ({"extra": {"k": 1.5}}, "extra.k"), ([], "")]:
+        with pytest.raises(dflash_schema.SchemaError) as info:
+            dflash_schema.load(Part, bad, "x.yaml")
+        assert info.value.where == where
