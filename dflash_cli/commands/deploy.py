@@ -118,10 +118,14 @@ def run(session: Session, host_names: list[str], all_hosts: bool) -> ExitCode:
                 results[futures[future]] = exc
     _print_table(results, host_names, tree)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
-    for result in host_names:
-        outcome = results[result]
+    for name in host_names:
+        outcome = results[name]
+        if isinstance(outcome, DflashError) and outcome.hint:
+            console.say(f"{name}: hint: {outcome.hint}")
+    for name in host_names:
+        outcome = results[name]
         if isinstance(outcome, DeployResult):
-            console.data(f"{result}\t{outcome.release_id}\t{outcome.status}\n")
+            console.data(f"{name}\t{outcome.release_id}\t{outcome.status}\n")
     if not failures:
         return ExitCode.OK
     if all(isinstance(f, UnreachableError) for f in failures):

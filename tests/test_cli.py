@@ -1,0 +1,92 @@
+"""The CLI's edges: --help, exit codes, stdout carrying data only, clear errors."""
+from __future__ import annotations
+
+import pytest
+
+from support import container_workspace
+
+from dflash_run import REPO, dflash
+
+COMMANDS = ["deploy", "launch", "watch", "fetch-traceback", "status", "stop", "runs", "hosts"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_of_every_command(command, tmp_path):
+    broken = tmp_path / "hosts.yaml"
+    broken.write_text("hosts: [not, a, mapping]\n")  # --help must not need a good inventory
+    done = dflash(command, "--help", hosts=broken)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"Usage: python -m dflash_cli {command}")
+    assert len(done.stdout.split("\n\n")[1].strip()) > 20  # the docstring's summary
+
+
+def test_top_level_help_lists_every_command_and_exit_codes():
+    done = dflash("--help")
+    assert done.returncode == 0
+    for command in COMMANDS:
+        assert command in done.stdout
+    assert "130 interrupted" in " ".join(done.stdout.split())
+
+
+def test_bad_inventory_is_a_usage_error_naming_file_host_and_key(tmp_path):
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("hosts:\n  ct200: {transport: pct, ssh: root@n, container: 200, workspace: /w, contianer: 3}\n")
+    done = dflash("hosts", hosts=hosts)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert f"{hosts}: hosts.ct200.contianer: unknown key" in done.stderr
+
+
+def test_hosts_lists_names_on_stdout_and_table_on_stderr(make_inventory, tmp_path):
+    done = dflash("hosts", hosts=make_inventory(tmp_path))
+    assert done.returncode == 0
+    assert done.stdout.split() == ["ct200", "ct201", "ct999", "down", "local", "node"]
+    assert "pct 200" in done.stderr
+
+
+def test_hosts_check_reports_each_failure_and_exits_3(make_inventory, tmp_path):
+    done = dflash("hosts", "--check", "--json", hosts=make_inventory(tmp_path))
+    assert done.returncode == 3
+    import json
+    entries = {e["host"]: e for e in map(json.loads, done.stdout.splitlines())}
+    assert entries["ct200"]["python"] and entries["node"]["hostname"]
+    assert "not running" in entries["ct201"]["error"]
+    assert "999" in entries["ct999"]["error"] and "does not exist" in entries["ct999"]["error"]
+    assert "down" in entries and "error" in entries["down"]
+
+
+def test_unknown_ssh_host_key_is_refused_unless_accepted(make_inventory, tmp_path):
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    hosts = make_inventory(tmp_path, node={"known_hosts": str(empty)})
+    done = dflash("deploy", "node", hosts=hosts)
+    assert done.returncode == 3
+    assert "accept-new-host-key" in done.stderr
+    accepted = dflash("--accept-new-host-key", "deploy", "node", hosts=hosts)
+    assert accepted.returncode == 0, accepted.stderr
+    assert "127.0.0.1" in empty.read_text()
+
+
+def test_launch_with_a_bad_training_config_sends_nothing(make_inventory, fake_pve, tmp_path):
+    config = tmp_path / "bad.yaml"
+    good = (REPO / "configs" / "train" / "tiny-cpu.yaml").read_text()
+    config.write_text(good.replace("optim:\n", "optim:\n  lr: fast\n", 1).replace("  lr: 3.0e-3\n", ""))
+    done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert f"{config}: optim.lr: expected a number, got a string 'fast'" in done.stderr
+    assert not fake_pve.on_node(200, container_workspace(fake_pve, tmp_path)).exists()  # nothing deployed
+
+
+@pytest.mark.parametrize("host, message", [("ct201", "not running"), ("ct999", "does not exist"),
+                                           ("down", "down")])
+def test_launch_on_unreachable_targets_exits_3(make_inventory, tmp_path, host, message):
+    done = dflash("launch", host, "--config", "configs/train/tiny-cpu.yaml", hosts=make_inventory(tmp_path))
+    assert done.returncode == 3, done.stderr
+    assert message in done.stderr and done.stdout == ""
+
+
+def test_watch_without_any_run_is_a_usage_error(tmp_path):
+    done = dflash("--logs-dir", str(tmp_path / "logs"), "watch")
+    assert done.returncode == 2
+    assert "no latest run" in done.stderr
