@@ -1,0 +1,63 @@
+"""Fixtures shared by the whole suite: a real OpenSSH sshd on 127.0.0.1, a fake Proxmox
+node with a strict `pct`, and an inventory writer for them (tests/support/)."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+# The suite never touches the network: no model or tokenizer downloads, ever.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+from support import FakePve, SshNode, make_fake_pve, start_sshd, stop_sshd, write_inventory  # noqa: E402
+from support.pve import NeedsRoot  # noqa: E402
+from support.sshd import SshdMissing  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ssh_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshNode]:
+    """A real sshd on 127.0.0.1 (root logs in with `identity_file`; its key is in
+    `known_hosts`), stopped at the end of the session."""
+    try:
+        node, proc = start_sshd(tmp_path_factory.mktemp("sshd"))
+    except SshdMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield node
+    finally:
+        stop_sshd(proc)
+
+
+@pytest.fixture(scope="session")
+def fake_pve(tmp_path_factory: pytest.TempPathFactory) -> FakePve:
+    """The node's fake pct: container 200 running, 201 stopped, 999 unknown."""
+    try:
+        return make_fake_pve(tmp_path_factory.mktemp("pve") / "pve node")
+    except NeedsRoot as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+def make_inventory(ssh_node: SshNode, fake_pve: FakePve) -> Iterator[Callable[..., Path]]:
+    """make_inventory(tmp_path, **overrides) -> path of a hosts.yaml with hosts local,
+    node, ct200, ct201, ct999 and down (see support/inventory.py for overrides).
+
+    After the test, the node's side of the containers' mount point must still be
+    empty: a file there was written on the node instead of inside a container."""
+
+    def make(tmp_path: Path, /, **overrides: dict[str, Any] | None) -> Path:
+        return write_inventory(tmp_path, ssh_node, fake_pve, **overrides)
+
+    yield make
+    leaks = fake_pve.node_leaks()
+    for leak in leaks:  # removed, so that the tests after this one start clean
+        path = fake_pve.mount_point / leak
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    assert not leaks, f"written on the node instead of inside the container: {fake_pve.mount_point}/{leaks}"

@@ -1,0 +1,62 @@
+"""Writes a hosts.yaml for the test bed: `local`, `node` (ssh), `ct200` (pct, running),
+`ct201` (stopped), `ct999` (unknown) and `down` (ssh to a closed port)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .pve import UNKNOWN_CONTAINER, FakePve
+from .sshd import SshNode, free_port
+
+#: passed to the trainer on every host: the tests never touch the network
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def container_workspace(pve: FakePve, tmp_path: Path) -> Path:
+    """The workspace path, as the containers see it, for the test owning `tmp_path`."""
+    return pve.mount_point / f"ws {tmp_path.name}"
+
+
+def default_hosts(tmp_path: Path, node: SshNode, pve: FakePve) -> dict[str, dict[str, Any]]:
+    remote = {"ssh": node.target, "identity_file": str(node.identity_file),
+              "known_hosts": str(node.known_hosts), "python": sys.executable,
+              "connect_timeout": 5.0, "env": dict(OFFLINE_ENV)}
+    ct_workspace = str(container_workspace(pve, tmp_path))
+
+    def container(vmid: int) -> dict[str, Any]:
+        return {"transport": "pct", **remote, "container": vmid, "pct": str(pve.pct), "workspace": ct_workspace}
+
+    return {
+        "local": {"transport": "local", "workspace": str(tmp_path / "local ws"), "python": sys.executable,
+                  "env": dict(OFFLINE_ENV)},
+        "node": {"transport": "ssh", **remote, "workspace": str(tmp_path / "node ws")},
+        "ct200": container(200),
+        "ct201": container(201),
+        "ct999": container(UNKNOWN_CONTAINER),
+        "down": {"transport": "ssh", **remote, "ssh": f"root@{node.address}:{free_port()}",
+                 "connect_timeout": 1.0, "workspace": "/nonexistent/dflash"},
+    }
+
+
+def write_inventory(tmp_path: Path, node: SshNode, pve: FakePve, /, **overrides: dict[str, Any] | None) -> Path:
+    """Write tmp_path/hosts.yaml and return its path.
+
+    overrides: `name=None` drops a host; `name={key: value}` changes keys of a host (a
+    value of None drops that key), or adds a host of that name."""
+    hosts = default_hosts(tmp_path, node, pve)
+    for name, changes in overrides.items():
+        if changes is None:
+            hosts.pop(name, None)
+            continue
+        entry = hosts.setdefault(name, {})
+        for key, value in changes.items():
+            if value is None:
+                entry.pop(key, None)
+            else:
+                entry[key] = value
+    path = tmp_path / "hosts.yaml"
+    path.write_text(yaml.safe_dump({"hosts": hosts}, sort_keys=False, allow_unicode=True))
+    return path

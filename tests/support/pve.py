@@ -1,0 +1,62 @@
+"""The fake Proxmox node: a state folder holding the strict fake `pct` (fake_pct, see
+its docstring) and the containers it knows. Container 200 runs, 201 is stopped, and
+999 does not exist. Inside a container, its own root folder is bind-mounted over
+`mount_point`, which on the node stays an EMPTY folder: anything found there was
+written on the node instead of inside the container."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+FAKE_PCT = Path(__file__).with_name("fake_pct")
+CONTAINERS = {200: "running", 201: "stopped"}
+UNKNOWN_CONTAINER = 999
+
+
+class NeedsRoot(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class FakePve:
+    root: Path  # the state folder: pct and lxc/<vmid>.conf
+    pct: Path  # the inventory's `pct:` value
+    mount_point: Path  # empty on the node; a container's root folder inside it
+    node_name: str  # as pct's messages name the node
+
+    def rootfs(self, vmid: int) -> Path:
+        """The container's own root folder, as the node sees it."""
+        return self.root / "rootfs" / str(vmid)
+
+    def on_node(self, vmid: int, container_path: str | os.PathLike[str]) -> Path:
+        """Where a path under mount_point, as container `vmid` sees it, lies on the node."""
+        return self.rootfs(vmid) / Path(container_path).relative_to(self.mount_point)
+
+    def node_leaks(self) -> list[str]:
+        """What the node's side of mount_point holds: empty unless something wrote a file
+        on the node that belonged in a container."""
+        return sorted(os.listdir(self.mount_point))
+
+
+def make_fake_pve(root: Path) -> FakePve:
+    """Lay out a node under `root` (which must not exist yet)."""
+    if os.geteuid() != 0:
+        raise NeedsRoot("the fake pct needs root for unshare(2) and mount(2), as Proxmox's pct does; "
+                        "run the tests as root (CI does)")
+    (root / "lxc").mkdir(parents=True)
+    pct = root / "pct"  # it finds its state in the folder it lives in
+    # This interpreter, not `env python3`: the node's PATH (and whatever a shell profile
+    # puts in front of it) must not pick it. -IS: stdlib only, nothing from the environment.
+    body = FAKE_PCT.read_text().split("\n", 1)[1]
+    pct.write_text(f"#!{sys.executable} -IS\n{body}")
+    pct.chmod(0o755)
+    mount_point = root / "ct mount"
+    mount_point.mkdir()
+    for vmid, status in CONTAINERS.items():
+        rootfs = root / "rootfs" / str(vmid)
+        rootfs.mkdir(parents=True)
+        (root / "lxc" / f"{vmid}.conf").write_text(
+            f"hostname: ct{vmid}\nstatus: {status}\nrootfs: {rootfs}\nmountpoint: {mount_point}\n")
+    return FakePve(root, pct, mount_point, os.uname().nodename.split(".")[0])
