@@ -1,0 +1,162 @@
+"""End to end over the `pct` transport with the real trainer: deploy, launch, watch,
+fetch-traceback, status, stop — as a user runs them, through sshd and the fake pct."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_run import REPO, dflash
+from support import container_workspace, kill_ssh_sessions
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def small_config(tmp_path: Path, name: str = "small", **changes) -> Path:
+    """The tiny CPU config, made smaller so a run takes seconds; `changes` are merged in."""
+    config = yaml.safe_load((REPO / "configs" / "train" / "tiny-cpu.yaml").read_text())
+    config["data"]["synthetic"].update(num_train=32, num_eval=2, response_tokens=24)
+    config["optim"]["max_steps"] = 12
+    config["eval"].update(num_prompts=2, max_new_tokens=16)
+    config["checkpoint"]["every"] = 0
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            config.setdefault(key, {}).update(value)
+        else:
+            config[key] = value
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class Bed:
+    """One test's inventory, logs folder and view of container 200's workspace."""
+
+    def __init__(self, make_inventory, fake_pve, tmp_path: Path):
+        self.hosts = make_inventory(tmp_path)
+        self.logs = tmp_path / "logs"
+        self.tmp_path = tmp_path
+        self.workspace_on_node = fake_pve.on_node(200, container_workspace(fake_pve, tmp_path))
+
+    def dflash(self, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+        return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
+
+    def launch(self, config: Path, *extra: str) -> str:
+        done = self.dflash("launch", "ct200", "--config", str(config), *extra)
+        assert done.returncode == 0, done.stderr
+        (run_id,) = done.stdout.splitlines()
+        return run_id
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.workspace_on_node / "runs" / run_id
+
+    def error_records(self, run_id: str) -> list[dict]:
+        text = (self.run_dir(run_id) / "errors.jsonl").read_text()
+        return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture
+def bed(make_inventory, fake_pve, tmp_path):
+    return Bed(make_inventory, fake_pve, tmp_path)
+
+
+def test_startup_fault_in_drafter_1_is_shown_whole_by_watch_and_fetch_traceback(bed, tmp_path):
+    config = small_config(tmp_path, faults=[{"thread": "drafter-1", "at": "startup", "kind": "raise", "depth": 40}])
+    run_id = bed.launch(config, "--name", "fault 'quoted' run")
+    assert run_id.startswith("fault 'quoted' run-")
+
+    watch = bed.dflash("watch")  # the latest run, found through logs/latest.json
+    assert watch.returncode == 1, watch.stderr
+
+    (root_cause, *later) = bed.error_records(run_id)
+    assert root_cause["thread"] == "drafter-1" and root_cause["phase"] == "startup"
+    traceback_text = root_cause["traceback"]
+    assert traceback_text.count(", in _descend_") >= 40  # all `depth` frames, none cut
+    assert "The above exception was the direct cause" in traceback_text
+    assert any(r["thread"] == "coordinator" and "drafter-1" in r["message"] for r in later)
+    # watch printed the whole root-cause traceback, byte for byte, and saved it.
+    assert traceback_text in watch.stdout
+    saved = bed.logs / "ct200" / run_id / "traceback.txt"
+    assert saved.read_text() == traceback_text
+
+    fetched = bed.dflash("fetch-traceback", run_id, "--host", "ct200")
+    assert fetched.returncode == 0, fetched.stderr
+    header, body = fetched.stdout.split("\n", 1)
+    assert header.startswith(f"==> run {run_id} on ct200: thread drafter-1 failed in startup")
+    assert body == traceback_text
+    every = bed.dflash("fetch-traceback", "--all")
+    assert every.stdout.count("==> run ") == 1 + len(later)
+    coordinator = bed.dflash("fetch-traceback", "--thread", "coordinator")
+    assert "drafter-1" in coordinator.stdout
+
+    status = bed.dflash("status", "--json")
+    assert status.returncode == 1
+    assert json.loads(status.stdout)["state"] == "FAILED"
+
+
+def test_watch_resumes_after_the_ssh_connection_dies_with_no_gap_and_no_duplicate(bed, ssh_node, tmp_path):
+    config = small_config(tmp_path, optim={"max_steps": 40}, data={"synthetic": {
+        "num_train": 96, "num_eval": 2, "prompt_words": 12, "response_tokens": 24}})
+    run_id = bed.launch(config)
+    argv = [sys.executable, "-m", "dflash_cli", "--logs-dir", str(bed.logs), "--hosts", str(bed.hosts),
+            "watch", run_id, "--host", "ct200", "--retry-for", "60"]
+    watch = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "NO_COLOR": "1"})
+    printed: list[bytes] = []
+    reader = threading.Thread(target=lambda: printed.extend(iter(watch.stdout.readline, b"")))
+    reader.start()
+    kills = 0
+    deadline = time.monotonic() + 240
+    while watch.poll() is None and time.monotonic() < deadline:
+        steps = sum(b" step " in line for line in printed)
+        if (kills == 0 and steps >= 3) or (kills == 1 and steps >= 12):
+            kills += bool(kill_ssh_sessions(ssh_node))
+        time.sleep(0.05)
+    stderr = watch.stderr.read().decode()
+    watch.wait(timeout=10)
+    reader.join(timeout=10)
+    assert kills == 2, "the run ended before both connection drops"
+    assert watch.returncode == 0, stderr
+    assert stderr.count("reconnecting") >= 2
+    remote_log = (bed.run_dir(run_id) / "train.log").read_bytes()
+    assert b"".join(printed) == remote_log  # every line once, in order
+    assert (bed.logs / "ct200" / run_id / "train.log").read_bytes() == remote_log
+
+
+def test_stop_ends_every_process_of_the_run_and_watch_says_stopped(bed, tmp_path):
+    config = small_config(tmp_path, faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
+    run_id = bed.launch(config)
+    refused = bed.dflash("launch", "ct200", "--config", str(config))
+    assert refused.returncode == 2
+    assert run_id in refused.stderr  # names the run that holds the CPU
+    forced_id = bed.launch(config, "--force")
+    for rid in (forced_id, run_id):
+        stopped = bed.dflash("stop", rid, "--host", "ct200", "--grace", "3")
+        assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout.strip() == "STOPPED"
+        pid = json.loads((bed.run_dir(rid) / "run.json").read_text())["pid"]
+        assert not Path(f"/proc/{pid}").exists()
+    watch = bed.dflash("watch", run_id, "--host", "ct200")
+    assert watch.returncode == 4
+    runs = bed.dflash("runs", "--host", "ct200")
+    assert sorted(runs.stdout.splitlines()) == sorted(f"ct200\t{r}\tSTOPPED" for r in (run_id, forced_id))
+
+
+def test_a_run_that_dies_without_a_record_is_explained(bed, tmp_path):
+    config = small_config(tmp_path, faults=[{"thread": "drafter-1", "at": "step:1", "kind": "abort"}])
+    run_id = bed.launch(config)
+    watch = bed.dflash("watch", "--tail", "5")
+    assert watch.returncode == 1
+    assert "SIGABRT" in watch.stdout
+    fetched = bed.dflash("fetch-traceback", run_id, "--host", "ct200")
+    assert fetched.returncode == 1
+    assert "no error record" in fetched.stdout and "SIGABRT" in fetched.stdout
+    assert "--- faulthandler.log ---" in fetched.stdout
+    assert "--- train.log, last lines of drafter-1 ---" in fetched.stdout
