@@ -8,7 +8,7 @@ probe    If releases/<id> exists (and its MANIFEST hashes to <id>), point `curre
          and answer {"status": "unchanged" | "switched"}; otherwise answer
          {"status": "missing", "current": id or null, "current_files": {path: sha256}} so
          the CLI sends only what the current release lacks.
-install  Read an uncompressed tar on stdin (MANIFEST + the changed files) into a private
+install  Read a tar (gzipped or not) on stdin (MANIFEST + the changed files) into a private
          folder, take unchanged files from the current release (hard links: releases are
          immutable), verify every file's size and sha256 against MANIFEST and that nothing
          else is there, rename the folder to releases/<id>, then switch `current` with one
@@ -104,7 +104,7 @@ def install(workspace, release_id):
     os.makedirs(incoming)
     try:
         received = 0
-        with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
+        with tarfile.open(fileobj=sys.stdin.buffer, mode="r|*") as tar:
             for member in tar:
                 name = os.path.normpath(member.name)
                 if not member.isfile() or name.startswith(("/", "..")):

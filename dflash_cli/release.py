@@ -55,19 +55,22 @@ class Release:
         return sum(f.size for f in self.files)
 
     def tar_of(self, paths: set[str]) -> bytes:
-        """An uncompressed tar holding MANIFEST and the files named in `paths`."""
+        """A gzipped tar holding MANIFEST and the files named in `paths`."""
         buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT, compresslevel=6) as tar:
             manifest = self.manifest_text.encode()
             info = tarfile.TarInfo("MANIFEST")
             info.size, info.mode = len(manifest), 0o444
             tar.addfile(info, io.BytesIO(manifest))
             for entry in self.files:
                 if entry.path in paths:
+                    data = (self.root / entry.path).read_bytes()
+                    if hashlib.sha256(data).hexdigest() != entry.sha256:
+                        raise DflashError(f"{entry.path} changed while deploying; run the command again",
+                                          ExitCode.USAGE)
                     info = tarfile.TarInfo(entry.path)
                     info.size, info.mode = entry.size, entry.mode
-                    with open(self.root / entry.path, "rb") as fh:
-                        tar.addfile(info, fh)
+                    tar.addfile(info, io.BytesIO(data))
         return buf.getvalue()
 
 

@@ -1,8 +1,10 @@
 """dflash deploy over the real transports: content-addressed, verified, atomic."""
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -78,11 +80,14 @@ def test_interrupted_or_corrupt_deploy_leaves_current_release(session, fake_pve,
 
     with pytest.raises(DflashError, match="previous release stays current"):
         deploy._receiver(session, host, "install", changed.release_id, payload[: len(payload) // 2])
-    # Same MANIFEST, other bytes for the file it lists: verification must refuse it.
-    (changed_root / "configs" / "extra.yaml").write_text("a: 2\n")
+    # Same MANIFEST, other bytes for the file it lists: the host's verification refuses it.
     with pytest.raises(DflashError, match="verification failed for configs/extra.yaml"):
         deploy._receiver(session, host, "install", changed.release_id,
-                         _tar_with_manifest(changed, changed_root))
+                         _tar(MANIFEST=changed.manifest_text.encode(), **{"configs/extra.yaml": b"a: 2\n"}))
+    # The CLI itself refuses to send a file that changed since it was hashed.
+    (changed_root / "configs" / "extra.yaml").write_text("a: 3\n")
+    with pytest.raises(DflashError, match="configs/extra.yaml changed while deploying"):
+        changed.tar_of({"configs/extra.yaml"})
 
     current = node_path(fake_pve, tmp_path, "current")
     assert os.readlink(current) == f"releases/{tree.release_id}"
@@ -90,9 +95,14 @@ def test_interrupted_or_corrupt_deploy_leaves_current_release(session, fake_pve,
     assert releases == [tree.release_id], "no half-deployed release may remain"
 
 
-def _tar_with_manifest(stale: release.Release, root: Path) -> bytes:
-    """A tar whose MANIFEST is `stale`'s but whose files are read from disk now."""
-    return release.Release(root, stale.files).tar_of({"configs/extra.yaml"})
+def _tar(**members: bytes) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def test_cli_deploys_several_hosts_in_parallel_and_reports_each(make_inventory, tmp_path):

@@ -11,29 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from dflash_run import REPO, dflash
+from dflash_run import dflash
 from support import container_workspace, kill_ssh_sessions
+from support.train_configs import small_config as write_small_config
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def small_config(tmp_path: Path, name: str = "small", **changes) -> Path:
-    """The tiny CPU config, made smaller so a run takes seconds; `changes` are merged in."""
-    config = yaml.safe_load((REPO / "configs" / "train" / "tiny-cpu.yaml").read_text())
-    config["data"]["synthetic"].update(num_train=32, num_eval=2, response_tokens=24)
-    config["optim"]["max_steps"] = 12
-    config["eval"].update(num_prompts=2, max_new_tokens=16)
-    config["checkpoint"]["every"] = 0
-    for key, value in changes.items():
-        if isinstance(value, dict):
-            config.setdefault(key, {}).update(value)
-        else:
-            config[key] = value
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_small_config(tmp_path / f"{name}.yaml", **changes)
 
 
 class Bed:

@@ -1,0 +1,99 @@
+"""Re-deploy cost over the pct transport (sshd on 127.0.0.1 + the fake pct), beside
+`rsync -a` through the same two hops (ssh to the node, then `pct exec 200 --`).
+
+Measures: an unchanged tree (seconds, round trips) and a tree with one changed file
+(bytes sent against the tree's size). dflash's figures come from its own transport
+counters; rsync's from `--stats` ("Total bytes sent"). Prints numbers; asserts nothing.
+
+    sudo .venv/bin/python bench/redeploy.py [--repeat 5]     (needs rsync installed)
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from testbed import ROOT, test_bed
+
+from dflash_cli import release
+from dflash_cli.commands import deploy
+from dflash_cli.session import Session
+
+RSH = """#!{python}
+import os, shlex, sys
+# rsync calls: RSH HOST rsync --server ...; the host is ours to ignore (two fixed hops).
+# rsync has already escaped its arguments for the remote shell: joined as they are.
+remote = shlex.join([{pct!r}, "exec", "200", "--"]) + " " + " ".join(sys.argv[2:])
+os.execvp("ssh", ["ssh", "-p", "{port}", "-i", {key!r}, "-o", "UserKnownHostsFile=" + {known!r},
+                  "-o", "BatchMode=yes", "root@{address}", remote])
+"""
+
+
+def changed_copy(work: Path) -> Path:
+    root = work / "checkout"
+    for top in release.RELEASE_DIRS:
+        shutil.copytree(ROOT / top, root / top, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "configs" / "hosts.yaml").write_text((root / "configs" / "hosts.yaml").read_text() + "# changed\n")
+    return root
+
+
+def rsync(rsh: Path, source: Path, dest: str) -> tuple[float, int]:
+    started = time.perf_counter()
+    done = subprocess.run(["rsync", "-a", "--delete", "--stats", "-e", str(rsh), f"{source}/", f"ct:{dest}/"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"rsync failed ({done.returncode}): {done.stderr}")
+    seconds = time.perf_counter() - started
+    return seconds, int(re.search(r"Total bytes sent: ([\d,]+)", done.stdout).group(1).replace(",", ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    if not shutil.which("rsync"):
+        raise SystemExit("rsync is not installed (apt-get install -y rsync)")
+    with test_bed() as bed:
+        session = Session(str(bed.hosts), bed.logs)
+        host = session.host("ct200")
+        tree = release.scan()
+        print(f"tree: {len(tree.files)} files, {tree.total_bytes} bytes")
+        deploy.deploy_host(session, host, tree)
+        unchanged = [deploy.deploy_host(session, host, tree) for _ in range(args.repeat)]
+        print(f"dflash unchanged:  {statistics.median(r.seconds for r in unchanged) * 1000:.0f} ms median, "
+              f"{unchanged[0].round_trips} round trip(s), {unchanged[0].bytes_sent} bytes sent")
+        one = deploy.deploy_host(session, host, release.scan(changed_copy(bed.work)))
+        print(f"dflash one change: {one.seconds * 1000:.0f} ms, {one.round_trips} round trips, "
+              f"{one.files_sent} file / {one.bytes_sent} bytes sent "
+              f"({100 * one.bytes_sent / tree.total_bytes:.1f}% of the tree)")
+        session.close()
+
+        rsh = bed.work / "rsh"
+        rsh.write_text(RSH.format(python=sys.executable, pct=str(bed.pve.pct), port=bed.node.port,
+                                  key=str(bed.node.identity_file), known=str(bed.node.known_hosts),
+                                  address=bed.node.address))
+        rsh.chmod(0o755)
+        staged = bed.work / "staged"
+        for top in release.RELEASE_DIRS:
+            shutil.copytree(ROOT / top, staged / top, ignore=shutil.ignore_patterns("__pycache__"))
+        dest = str(bed.workspace) + "/rsync-copy"
+        bed.dflash("deploy", "ct200")  # makes the workspace inside the container
+        rsync(rsh, staged, dest)
+        runs = [rsync(rsh, staged, dest) for _ in range(args.repeat)]
+        print(f"rsync unchanged:   {statistics.median(s for s, _ in runs) * 1000:.0f} ms median, "
+              f"{runs[0][1]} bytes sent (one ssh connection + one pct exec per call)")
+        (staged / "configs" / "hosts.yaml").write_text((staged / "configs" / "hosts.yaml").read_text() + "# changed\n")
+        seconds, sent = rsync(rsh, staged, dest)
+        print(f"rsync one change:  {seconds * 1000:.0f} ms, {sent} bytes sent "
+              f"({100 * sent / tree.total_bytes:.1f}% of the tree)")
+        print("note: dflash verifies every file's sha256 on the host and switches `current` atomically; "
+              "rsync -a updates files in place (no verification, no atomic switch)")
+
+
+if __name__ == "__main__":
+    main()
