@@ -7,13 +7,16 @@ The CLI runs it as one argv (quoted once by the transport):
 
 Every verb but `follow` prints exactly one JSON object on stdout and exits 0; on a
 problem it prints {"error": "<message>", "kind": "<usage|not_found|conflict|internal>"}
-and exits 2 (usage/conflict/not_found) or 1 (internal). stderr is free-form.
+and exits 2 (usage/conflict/not_found) or 1 (internal); an error may carry more keys
+(a lock conflict adds "holder": the run id holding it, and "resource"). stderr is
+free-form; --help goes to stderr too.
 
 Verbs
 -----
 launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          [--env KEY=VALUE]... [--python EXE] [--stall-after S=300]
-         Creates runs/ID/, copies the config to runs/ID/config.yaml, takes the locks
+         Creates runs/ID/, copies the config to runs/ID/config.yaml (a relative PATH
+         is read from the release root; "-" reads the config from stdin), takes the locks
          for its resources (GPU indices as "gpu0", "gpu1", or "cpu" for a CPU-only run;
          a lock held by a non-terminal run -> kind "conflict" naming that run, unless
          --force), then starts a supervisor in a new session (setsid; stdin /dev/null;
@@ -26,8 +29,12 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          release root), DFLASH_WORKSPACE, the --env pairs, stdout+stderr appended to
          runs/ID/train.log. The release is the one `current` points to at launch,
          resolved (runs keep their release even when `current` moves on). When the
-         trainer ends it writes exit.json {exit_code, signal, oom_killed, ended_at}
-         atomically. `launch` returns after run.json exists:
+         trainer ends it writes exit.json {exit_code, signal, oom_killed, ended_at,
+         exec_error} atomically (exec_error: null, or why the exec failed; exit_code
+         is then 127 and train.log holds the reason). run.json also records name,
+         release_dir, workspace, config_source, cwd, env_keys (the --env keys; values
+         are not recorded), resources, start_time (/proc stat field 22) and
+         supervisor {pid, start_time}. `launch` returns after run.json exists:
          {"run_id", "run_dir", "pid", "pgid", "release_id"}.
 status   [--run-id ID]    {"runs": [RunStatus...]} (all runs if no id; newest first)
          RunStatus = {"run_id", "name", "state", "pid", "started_at", "ended_at",
@@ -39,17 +46,22 @@ stop     --run-id ID [--grace S=10]
          exit.json exists: {"run_id", "state", "killed": bool}.
 stacks   --run-id ID [--timeout S=5]
          SIGUSR1 to the trainer (faulthandler dumps all threads into
-         faulthandler.log); returns {"run_id", "text": the new dump}.
+         faulthandler.log); returns {"run_id", "text": the new dump}. Refused (kind
+         "conflict") when the trainer is not running or has no SIGUSR1 handler yet,
+         whose default action would kill it.
 report   --run-id ID [--log-lines N=200]
          Everything fetch-traceback needs: {"run_id", "state", "run": run.json,
          "exit": exit.json|null, "errors": [records...], "faulthandler": text,
-         "log_tail": last N lines of train.log}.
+         "log_tail": last N lines of train.log}. A record line that is not JSON is
+         given as {"raw": text}.
 gpus     {"gpus": [{"index", "name", "memory_used_mib", "memory_total_mib",
-          "utilization_pct", "temperature_c", "power_w"}]} ([] without nvidia-smi).
+          "utilization_pct", "temperature_c", "power_w"}]} ([] without nvidia-smi;
+          plus "problem": text when nvidia-smi exists but fails).
 info     {"python", "platform", "hostname", "boot_id", "packages": {"torch": v|null,
-          "transformers": v|null}, "gpus": [...], "current_release": id|null}
+          "transformers": v|null}, "gpus": [...], "current_release": id|null,
+          "python_executable"} (+ "gpus_problem" as for gpus)
 follow   --run-id ID [--offset N] [--inode I] [--errors-seen K] [--tail-lines N]
-         [--gpu-interval S=5] [--poll S=0.1]
+         [--gpu-interval S=5 (0: none)] [--poll S=0.1]
          Streams JSON lines, flushed one by one, until the run is terminal and
          everything was sent:
            {"t": "log", "offset": start_byte, "end": end_byte, "inode": I, "data": text}
@@ -60,6 +72,11 @@ follow   --run-id ID [--offset N] [--inode I] [--errors-seen K] [--tail-lines N]
            {"t": "gpu", "ts": ..., "gpus": [...]}          (none without nvidia-smi)
            {"t": "state", "state": "RUNNING", "ts": ...}    on every state change
            {"t": "end", "state": "FAILED", "exit": exit.json|null, "offset": N}
+         An error line that is not JSON comes as {"t": "error", "index", "record":
+         null, "raw": text}. Log lines of a chatty run are batched (at most one log
+         message per 0.5 s) except right before an error record and at the end.
+         When the reader goes away (EPIPE, or its pipe reports an error even while
+         the run is quiet) follow exits 0 without a word; the run goes on.
          --tail-lines N starts at the last N lines (found by reading backwards from the
          end, so the cost does not depend on the log's size); --offset/--inode resume
          (a different inode restarts from 0); --errors-seen skips records already

@@ -1,0 +1,181 @@
+"""Argument parsing and the JSON envelope of every verb (the protocol is documented in
+the package docstring). stdout carries JSON only: help and usage text go to stderr."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+from .jsonio import AgentError, emit
+from .layout import Workspace
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, and writes help to
+    stderr: whatever happens, stdout stays JSON."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise AgentError("%s: %s" % (self.prog, message), "usage")
+
+    def print_help(self, file: Any = None) -> None:
+        super().print_help(file or sys.stderr)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive, got %s" % text)
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0, got %s" % text)
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0, got %s" % text)
+    return value
+
+
+def _env_pair(text: str) -> Tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError("expected KEY=VALUE, got %r" % text)
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="agent.py", description="dflash agent (JSON on stdout)")
+    parser.add_argument("--workspace", required=True, help="the host's dflash workspace")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    verbs.required = True
+
+    p = verbs.add_parser("launch", help="start a run detached; returns once run.json exists")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--config", required=True, help="path (relative: to the release root) or - for stdin")
+    p.add_argument("--name")
+    p.add_argument("--resource", action="append", default=[], help="gpu0, gpu1, ... or cpu")
+    p.add_argument("--force", action="store_true", help="take resources held by live runs")
+    p.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE")
+    p.add_argument("--python", default=sys.executable or "python3")
+    p.add_argument("--stall-after", type=_positive, default=300.0)
+
+    p = verbs.add_parser("status", help="RunStatus of one run or of all, newest first")
+    p.add_argument("--run-id")
+
+    p = verbs.add_parser("stop", help="SIGTERM the run's process group, then SIGKILL after --grace")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--grace", type=_non_negative, default=10.0)
+
+    p = verbs.add_parser("stacks", help="dump every thread's stack (SIGUSR1 + faulthandler)")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--timeout", type=_positive, default=5.0)
+
+    p = verbs.add_parser("report", help="everything fetch-traceback needs")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--log-lines", type=_non_negative_int, default=200)
+
+    verbs.add_parser("gpus", help="nvidia-smi devices ([] without nvidia-smi)")
+    verbs.add_parser("info", help="python, packages, GPUs and current release of this host")
+
+    p = verbs.add_parser("follow", help="stream the run as JSON lines until it ends")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--offset", type=_non_negative_int)
+    p.add_argument("--inode", type=int)
+    p.add_argument("--errors-seen", type=_non_negative_int, default=0)
+    p.add_argument("--tail-lines", type=_non_negative_int)
+    p.add_argument("--gpu-interval", type=_non_negative, default=5.0, help="0: no GPU samples")
+    p.add_argument("--poll", type=_positive, default=0.1)
+    return parser
+
+
+# Each verb imports only what it needs: the agent starts afresh for every CLI call.
+
+def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .launch import LaunchRequest, launch
+    return launch(ws, LaunchRequest(
+        run_id=args.run_id, config=args.config, name=args.name, resources=tuple(args.resource),
+        force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after))
+
+
+def _status(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .report import status
+    return status(ws, args.run_id)
+
+
+def _stop(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .control import stop
+    return stop(ws.existing_run(args.run_id), args.grace)
+
+
+def _stacks(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .control import stacks
+    return stacks(ws.existing_run(args.run_id), args.timeout)
+
+
+def _report(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .report import report
+    return report(ws.existing_run(args.run_id), args.log_lines)
+
+
+def _gpus(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .gpus import gpus
+    return gpus()
+
+
+def _info(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .gpus import info
+    return info(ws)
+
+
+VERBS: Dict[str, Callable[[Workspace, argparse.Namespace], Dict[str, Any]]] = {
+    "launch": _launch, "status": _status, "stop": _stop, "stacks": _stacks,
+    "report": _report, "gpus": _gpus, "info": _info,
+}
+
+
+def _follow(ws: Workspace, args: argparse.Namespace) -> int:
+    from .follow import ClientGone, FollowRequest, Output, follow
+    request = FollowRequest(
+        run_id=args.run_id, offset=args.offset, inode=args.inode, errors_seen=args.errors_seen,
+        tail_lines=args.tail_lines, gpu_interval=args.gpu_interval, poll=args.poll)
+    try:
+        return follow(ws, request, Output())
+    except ClientGone:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """Nobody reads any more: point stdout at /dev/null so the interpreter's final flush
+    does not complain, and leave quietly."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        ws = Workspace.at(args.workspace)
+        if args.verb == "follow":
+            return _follow(ws, args)
+        emit(VERBS[args.verb](ws, args))
+        return 0
+    except AgentError as exc:
+        emit(exc.as_json())
+        return exc.exit_code
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except BrokenPipeError:
+        return _reader_gone()
+    except BaseException as exc:  # noqa: BLE001 - the caller must get JSON whatever happens
+        traceback.print_exc()
+        emit({"error": "%s: %s" % (type(exc).__name__, exc), "kind": "internal"})
+        return 1
+

@@ -1,0 +1,98 @@
+"""The `stop` and `stacks` verbs: signals to a run's own processes, and nothing else
+(identity is checked against run.json first, because pids are reused)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Dict
+
+from . import procfs
+from .jsonio import AgentError, decode_bytes, write_json_atomic
+from .layout import RunDir
+from .state import TERMINAL, derive_state, observe, read_record
+
+POLL_S = 0.05
+KILL_WAIT_S = 30.0  # after SIGKILL: only uninterruptible sleep (D state) can delay exit
+EXIT_JSON_WAIT_S = 10.0
+
+
+def _wait(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass  # the group emptied meanwhile
+
+
+def stop(run: RunDir, grace: float) -> Dict[str, Any]:
+    record = read_record(run)
+    state = derive_state(observe(run, record))
+    if state in TERMINAL:
+        return {"run_id": run.run_id, "state": state, "killed": False}
+    write_json_atomic(run.stop_requested, {"requested_at": time.time(), "grace_s": grace})
+    pgid, leader_start = record["pgid"], record.get("start_time")
+    same_boot = record.get("boot_id") == procfs.boot_id()
+    killed = False
+    if same_boot and procfs.group_is_ours(pgid, leader_start):
+        def group_empty() -> bool:
+            return not procfs.group_members(pgid)
+
+        _signal_group(pgid, signal.SIGTERM)
+        if not _wait(group_empty, grace):
+            killed = True
+            _signal_group(pgid, signal.SIGKILL)
+            if not _wait(group_empty, KILL_WAIT_S):
+                raise AgentError("run %r: processes of group %d still exist %.0f s after SIGKILL"
+                                 % (run.run_id, pgid, KILL_WAIT_S), "internal")
+    # exit.json comes from the supervisor, if it is alive to write it.
+    supervisor = record.get("supervisor") or {}
+    _wait(lambda: os.path.exists(run.exit_json)
+          or not procfs.identity_alive(supervisor.get("pid"), supervisor.get("start_time")),
+          EXIT_JSON_WAIT_S)
+    return {"run_id": run.run_id, "state": derive_state(observe(run, record)), "killed": killed}
+
+
+def stacks(run: RunDir, timeout: float) -> Dict[str, Any]:
+    record = read_record(run)
+    pid = record["pid"]
+    if record.get("boot_id") != procfs.boot_id() or not procfs.identity_alive(pid, record.get("start_time")):
+        raise AgentError("run %r is not running (%s)" % (run.run_id, derive_state(observe(run, record))),
+                         "conflict")
+    if not procfs.catches_signal(pid, signal.SIGUSR1):
+        # Its default action would kill the trainer.
+        raise AgentError("run %r has no SIGUSR1 handler yet (faulthandler is registered during "
+                         "start-up); try again shortly" % run.run_id, "conflict")
+    before = _size(run.faulthandler)
+    os.kill(pid, signal.SIGUSR1)
+    if not _wait(lambda: _size(run.faulthandler) > before, timeout):
+        raise AgentError("run %r: no stack dump in %s within %.1f s" % (run.run_id, run.faulthandler, timeout),
+                         "internal")
+    # The handler writes the dump in many small writes: wait until the size settles.
+    size = _size(run.faulthandler)
+    while True:
+        time.sleep(0.1)
+        now = _size(run.faulthandler)
+        if now == size:
+            break
+        size = now
+    with open(run.faulthandler, "rb") as handle:
+        handle.seek(before)
+        text = decode_bytes(handle.read(size - before))
+    return {"run_id": run.run_id, "text": text}
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0

@@ -1,0 +1,99 @@
+"""The `gpus` and `info` verbs. No torch import: `info` must stay fast and must work
+where torch is broken; package versions come from importlib.metadata."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import procfs
+from .layout import Workspace
+
+QUERY_FIELDS = ("index", "name", "memory.used", "memory.total", "utilization.gpu",
+                "temperature.gpu", "power.draw")
+# The protocol's key for each queried field, and how to read its value.
+KEYS = (("index", int), ("name", str), ("memory_used_mib", float), ("memory_total_mib", float),
+        ("utilization_pct", float), ("temperature_c", float), ("power_w", float))
+NVIDIA_SMI_TIMEOUT_S = 15.0
+
+
+def _value(text: str, kind: type) -> Any:
+    text = text.strip()
+    if not text or (text.startswith("[") and text.endswith("]")):  # [N/A], [Not Supported]
+        return None
+    if kind is str:
+        return text
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return int(number) if kind is int or number.is_integer() else number
+
+
+def parse_query(output: str) -> List[Dict[str, Any]]:
+    """Rows of `nvidia-smi --query-gpu=... --format=csv,noheader,nounits`."""
+    gpus = []
+    for line in output.splitlines():
+        if not line.strip():
+            continue
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) > len(KEYS):  # a GPU name holding commas
+            extra = len(cells) - len(KEYS)
+            cells = [cells[0], ",".join(cells[1:2 + extra])] + cells[2 + extra:]
+        if len(cells) != len(KEYS):
+            continue
+        gpus.append({key: _value(cell, kind) for (key, kind), cell in zip(KEYS, cells)})
+    return gpus
+
+
+def query_gpus() -> Tuple[List[Dict[str, Any]], Optional[str]]:
+    """(gpus, problem): ([], None) without nvidia-smi; ([], message) when it fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return [], None
+    argv = [exe, "--query-gpu=" + ",".join(QUERY_FIELDS), "--format=csv,noheader,nounits"]
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=NVIDIA_SMI_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [], "nvidia-smi: %s" % exc
+    if done.returncode != 0:
+        text = (done.stdout + done.stderr).decode("utf-8", "replace").strip()
+        return [], "nvidia-smi exited %d: %s" % (done.returncode, text[-500:])
+    return parse_query(done.stdout.decode("utf-8", "replace")), None
+
+
+def gpus() -> Dict[str, Any]:
+    found, problem = query_gpus()
+    answer: Dict[str, Any] = {"gpus": found}
+    if problem:
+        answer["problem"] = problem
+    return answer
+
+
+def _package_version(name: str) -> Optional[str]:
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def info(ws: Workspace) -> Dict[str, Any]:
+    import platform  # only here: `gpus` runs every few seconds, `info` once
+    found, problem = query_gpus()
+    answer = {
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "boot_id": procfs.boot_id(),
+        "packages": {name: _package_version(name) for name in ("torch", "transformers")},
+        "gpus": found,
+        "current_release": ws.current_release_id(),
+    }
+    if problem:
+        answer["gpus_problem"] = problem
+    return answer

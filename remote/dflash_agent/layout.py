@@ -1,0 +1,118 @@
+"""Where things live under a workspace (DESIGN.md "Remote layout")."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import List, Optional, Tuple
+
+from .jsonio import AgentError
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+    root: str
+
+    @classmethod
+    def at(cls, path: str) -> "Workspace":
+        return cls(os.path.abspath(os.path.expanduser(path)))
+
+    @property
+    def runs(self) -> str:
+        return os.path.join(self.root, "runs")
+
+    @property
+    def locks(self) -> str:
+        return os.path.join(self.root, "locks")
+
+    @property
+    def current(self) -> str:
+        return os.path.join(self.root, "current")
+
+    def run(self, run_id: str) -> "RunDir":
+        check_run_id(run_id)
+        return RunDir(run_id, os.path.join(self.runs, run_id))
+
+    def existing_run(self, run_id: str) -> "RunDir":
+        """The run, which must have started (run.json written)."""
+        run = self.run(run_id)
+        if not os.path.exists(run.run_json):
+            raise AgentError("no run %r in %s" % (run_id, self.runs), "not_found")
+        return run
+
+    def all_runs(self) -> List["RunDir"]:
+        """Every run that started (has run.json); a launch that failed before run.json
+        was reported to its caller and never became a run."""
+        try:
+            names = os.listdir(self.runs)
+        except FileNotFoundError:
+            return []
+        runs = [RunDir(name, os.path.join(self.runs, name)) for name in names]
+        return [run for run in runs if os.path.exists(run.run_json)]
+
+    def current_release(self) -> Tuple[str, str]:
+        """(release id, release root) of `current`, resolved now: a run keeps the release
+        it started from even when `current` moves on."""
+        if not os.path.islink(self.current) and not os.path.isdir(self.current):
+            raise AgentError("no release deployed in %s (no 'current')" % self.root, "not_found")
+        root = os.path.realpath(self.current)
+        if not os.path.isdir(root):
+            raise AgentError("%s points to a missing release %s" % (self.current, root), "not_found")
+        return os.path.basename(root), root
+
+    def current_release_id(self) -> Optional[str]:
+        try:
+            return self.current_release()[0]
+        except AgentError:
+            return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    run_id: str
+    path: str
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def run_json(self) -> str:
+        return self.file("run.json")
+
+    @property
+    def exit_json(self) -> str:
+        return self.file("exit.json")
+
+    @property
+    def stop_requested(self) -> str:
+        return self.file("stop_requested.json")
+
+    @property
+    def config(self) -> str:
+        return self.file("config.yaml")
+
+    @property
+    def train_log(self) -> str:
+        return self.file("train.log")
+
+    @property
+    def agent_log(self) -> str:
+        return self.file("agent.log")
+
+    @property
+    def events(self) -> str:
+        return self.file("events.jsonl")
+
+    @property
+    def errors(self) -> str:
+        return self.file("errors.jsonl")
+
+    @property
+    def faulthandler(self) -> str:
+        return self.file("faulthandler.log")
+
+
+def check_run_id(run_id: str) -> None:
+    """Run ids become one path component: spaces and quotes are fine, separators not."""
+    if not run_id or run_id in (".", "..") or "/" in run_id or "\0" in run_id or len(run_id) > 200:
+        raise AgentError("invalid run id %r: one path component of at most 200 characters, "
+                         "without '/'" % run_id, "usage")

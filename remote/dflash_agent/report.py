@@ -1,0 +1,66 @@
+"""The `status` and `report` verbs: what the CLI shows and what fetch-traceback needs."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+from .jsonio import decode_bytes, parse_json_line, read_tail_text
+from .layout import RunDir, Workspace
+from .state import derive_state, observe, read_record, run_status
+
+FAULTHANDLER_MAX_BYTES = 4 * 1024 * 1024
+
+
+def status(ws: Workspace, run_id: Optional[str]) -> Dict[str, Any]:
+    if run_id is not None:
+        return {"runs": [run_status(ws.existing_run(run_id))]}
+    runs = []
+    for run in ws.all_runs():
+        try:
+            runs.append(run_status(run))
+        except FileNotFoundError:
+            continue  # removed while we looked
+    runs.sort(key=lambda r: (r["started_at"] or 0.0, r["run_id"]), reverse=True)
+    return {"runs": runs}
+
+
+def error_records(path: str) -> List[Dict[str, Any]]:
+    """Every errors.jsonl record, oldest (the root cause) first. A line that is not JSON
+    is kept as {"raw": text} rather than dropped."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in data.split(b"\n")[:-1]:
+        if not line.strip():
+            continue
+        record = parse_json_line(line)
+        records.append(record if isinstance(record, dict) else {"raw": decode_bytes(line)})
+    return records
+
+
+def _read_end(path: str, max_bytes: int) -> str:
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - max_bytes))
+            return decode_bytes(handle.read())
+    except FileNotFoundError:
+        return ""
+
+
+def report(run: RunDir, log_lines: int) -> Dict[str, Any]:
+    record = read_record(run)
+    obs = observe(run, record)
+    return {
+        "run_id": run.run_id,
+        "state": derive_state(obs),
+        "run": record,
+        "exit": obs.exit,
+        "errors": error_records(run.errors),
+        "faulthandler": _read_end(run.faulthandler, FAULTHANDLER_MAX_BYTES),
+        "log_tail": read_tail_text(run.train_log, log_lines),
+    }
+

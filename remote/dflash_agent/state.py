@@ -1,0 +1,173 @@
+"""Run states (DESIGN.md "Run states").
+
+`observe` gathers the facts from the run directory and /proc; `derive_state` is the one
+pure function that turns them into a state. Nothing here reads a whole log: the last
+events are found by reading events.jsonl backwards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Dict, Optional
+
+from . import procfs
+from .jsonio import lines_backwards, parse_json_line, read_json
+from .layout import RunDir
+
+STARTING = "STARTING"
+RUNNING = "RUNNING"
+SUCCEEDED = "SUCCEEDED"
+FAILED = "FAILED"
+STOPPED = "STOPPED"
+DEGRADED = "DEGRADED"
+STALLED = "STALLED"
+LOST = "LOST"
+TERMINAL = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
+
+# Liveness of the trainer process, as far as /proc and the supervisor can tell.
+ALIVE = "alive"
+ENDING = "ending"  # the trainer exited; its supervisor lives and is about to write exit.json
+GONE = "gone"  # exited (or pid reused, or host rebooted) and no supervisor will report it
+
+# Event types that show the pipeline moving (events.jsonl, written by the trainer).
+PROGRESS_TYPES = ("heartbeat", "step")
+
+
+@dataclasses.dataclass(frozen=True)
+class EventSummary:
+    """What the end of events.jsonl says."""
+    last_event_ts: Optional[float] = None  # any event
+    last_phase: Optional[str] = None  # the newest "phase" event, if newer than any progress
+    last_phase_ts: Optional[float] = None
+    last_heartbeat: Optional[float] = None  # ts of the newest heartbeat or step event
+    step: Optional[int] = None  # its step
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    started_at: float
+    stall_after: float
+    now: float
+    trainer: str  # ALIVE | ENDING | GONE
+    exit: Optional[Dict[str, Any]] = None
+    error_count: int = 0
+    stop_requested: bool = False
+    events: EventSummary = EventSummary()
+
+
+def derive_state(obs: Observation) -> str:
+    if obs.exit is not None:
+        if obs.stop_requested:
+            return STOPPED
+        # A worker that failed while the process still exited 0 is not a success.
+        clean = obs.exit.get("exit_code") == 0 and not obs.exit.get("signal")
+        return SUCCEEDED if clean and obs.error_count == 0 else FAILED
+    if obs.trainer == GONE:
+        return STOPPED if obs.stop_requested else LOST
+    if obs.error_count:
+        return DEGRADED
+    ev = obs.events
+    starting = ev.last_heartbeat is None and ev.last_phase in (None, "startup")
+    if starting:
+        # Start-up (compile warm-up, graph capture) emits no heartbeats; it counts as
+        # stalled once neither the launch nor any event is recent.
+        clock = max(obs.started_at, ev.last_event_ts or 0.0)
+    else:
+        clock = max(ev.last_heartbeat or 0.0, ev.last_phase_ts or 0.0)
+    if obs.now - clock > obs.stall_after:
+        return STALLED
+    return STARTING if starting else RUNNING
+
+
+def summarize_events(path: str) -> EventSummary:
+    """Read events.jsonl backwards until the newest heartbeat/step event."""
+    last_event_ts = last_phase = last_phase_ts = None
+    for line in lines_backwards(path):
+        event = parse_json_line(line)
+        if not isinstance(event, dict):
+            continue
+        ts = event.get("ts")
+        if last_event_ts is None:
+            last_event_ts = ts
+        kind = event.get("type")
+        if kind == "phase" and last_phase is None:
+            last_phase, last_phase_ts = event.get("phase"), ts
+        if kind in PROGRESS_TYPES:
+            return EventSummary(last_event_ts, last_phase, last_phase_ts, ts, event.get("step"))
+    return EventSummary(last_event_ts, last_phase, last_phase_ts)
+
+
+def count_lines(path: str) -> int:
+    """Complete, non-empty lines (errors.jsonl holds one small record per failed thread)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except FileNotFoundError:
+        return 0
+    return sum(1 for line in data.split(b"\n")[:-1] if line.strip())
+
+
+def trainer_liveness(record: Dict[str, Any]) -> str:
+    recorded_boot = record.get("boot_id")
+    current_boot = procfs.boot_id()
+    if recorded_boot and current_boot and recorded_boot != current_boot:
+        return GONE  # the host rebooted since the launch
+    if procfs.identity_alive(record.get("pid"), record.get("start_time")):
+        return ALIVE
+    supervisor = record.get("supervisor") or {}
+    if procfs.identity_alive(supervisor.get("pid"), supervisor.get("start_time")):
+        return ENDING
+    return GONE
+
+
+def observe(run: RunDir, record: Dict[str, Any], now: Optional[float] = None) -> Observation:
+    """The facts about a started run (record = its run.json)."""
+    exit_record = read_json(run.exit_json)
+    trainer = GONE
+    if exit_record is None:
+        trainer = trainer_liveness(record)
+        if trainer == GONE:
+            # The supervisor may have written exit.json and exited between our two looks.
+            exit_record = read_json(run.exit_json)
+    return Observation(
+        started_at=float(record.get("started_at") or 0.0),
+        stall_after=float(record.get("stall_after") or 300.0),
+        now=time.time() if now is None else now,
+        trainer=trainer,
+        exit=exit_record,
+        error_count=count_lines(run.errors),
+        stop_requested=os.path.exists(run.stop_requested),
+        events=summarize_events(run.events),
+    )
+
+
+def read_record(run: RunDir) -> Dict[str, Any]:
+    record = read_json(run.run_json)
+    if not isinstance(record, dict):
+        raise FileNotFoundError(run.run_json)
+    return record
+
+
+def state_of(run: RunDir) -> str:
+    record = read_record(run)
+    return derive_state(observe(run, record))
+
+
+def run_status(run: RunDir) -> Dict[str, Any]:
+    """The RunStatus object of the protocol."""
+    record = read_record(run)
+    obs = observe(run, record)
+    return {
+        "run_id": run.run_id,
+        "name": record.get("name"),
+        "state": derive_state(obs),
+        "pid": record.get("pid"),
+        "started_at": record.get("started_at"),
+        "ended_at": obs.exit.get("ended_at") if obs.exit else None,
+        "exit": obs.exit,
+        "errors": obs.error_count,
+        "last_heartbeat": obs.events.last_heartbeat,
+        "release_id": record.get("release_id"),
+        "step": obs.events.step,
+    }

@@ -1,0 +1,191 @@
+"""`stop`, `stacks`, `report`, `status`, `info`, and the JSON-only stdout contract."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+import pytest
+
+from dflash_agent import procfs
+from support_agent.harness import REPO, wait_for
+from support_agent.harness import agent  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+NEVER = {"wait_file": "never"}
+
+
+def ready(agent, run_id):
+    wait_for(lambda: (agent.run_dir(run_id) / "ready").exists(), what="%s to be ready" % run_id)
+
+
+def sleeper_pid(agent, run_id):
+    wait_for(lambda: (agent.run_dir(run_id) / "sleeper.json").exists())
+    return agent.read(run_id, "sleeper.json")["pid"]
+
+
+def test_stop_escalates_to_sigkill_and_returns_only_when_the_group_is_gone(agent):
+    # SIG_IGN is inherited: the sleeper child ignores SIGTERM too.
+    answer = agent.launch("stubborn", [{"ignore_sigterm": True}, {"spawn_sleeper": True},
+                                       {"heartbeat": 1}, {"touch": "ready"}, NEVER])
+    ready(agent, "stubborn")
+    sleeper = sleeper_pid(agent, "stubborn")
+    assert procfs.read_stat(sleeper).pgrp == answer["pgid"]
+    started = time.monotonic()
+    result = agent.ok("stop", "--run-id", "stubborn", "--grace", "0.5")
+    assert time.monotonic() - started >= 0.5
+    assert result == {"run_id": "stubborn", "state": "STOPPED", "killed": True}
+    assert procfs.group_members(answer["pgid"]) == []
+    assert not procfs.is_running(procfs.read_stat(sleeper))
+    assert agent.read("stubborn", "exit.json")["signal"] == "SIGKILL"
+    assert agent.read("stubborn", "stop_requested.json")["grace_s"] == 0.5
+
+
+def test_stop_of_a_polite_run_needs_no_sigkill(agent):
+    answer = agent.launch("polite", [{"spawn_sleeper": True}, {"touch": "ready"}, NEVER])
+    ready(agent, "polite")
+    sleeper = sleeper_pid(agent, "polite")
+    assert agent.ok("stop", "--run-id", "polite", "--grace", "30") == {
+        "run_id": "polite", "state": "STOPPED", "killed": False}
+    assert procfs.group_members(answer["pgid"]) == [] and not procfs.is_running(procfs.read_stat(sleeper))
+    assert agent.read("polite", "exit.json")["signal"] == "SIGTERM"
+    assert agent.status("polite")["state"] == "STOPPED"
+
+
+def test_stop_of_an_ended_run_changes_nothing(agent):
+    agent.launch("ended", [])
+    agent.wait_state("ended", "SUCCEEDED")
+    assert agent.ok("stop", "--run-id", "ended") == {"run_id": "ended", "state": "SUCCEEDED", "killed": False}
+    assert not (agent.run_dir("ended") / "stop_requested.json").exists()
+    assert agent.status("ended")["state"] == "SUCCEEDED"
+
+
+def test_stop_never_signals_a_reused_pid(agent):
+    # run.json names this test process with another start time: the pid was reused.
+    run_dir = agent.run_dir("reused")
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({
+        "run_id": "reused", "pid": os.getpid(), "pgid": os.getpgid(0),
+        "start_time": procfs.start_time(os.getpid()) - 1, "boot_id": procfs.boot_id(),
+        "started_at": time.time(), "stall_after": 300}))
+    assert agent.ok("stop", "--run-id", "reused")["state"] == "LOST"
+    assert procfs.is_running(procfs.read_stat(os.getpid()))  # still here to check
+
+
+def test_stacks_dumps_every_thread(agent):
+    agent.launch("hang", [{"faulthandler": True}, {"thread": "drafter-1"}, {"heartbeat": 1},
+                          {"touch": "ready"}, NEVER])
+    ready(agent, "hang")
+    first = agent.ok("stacks", "--run-id", "hang")["text"]
+    assert "drafter_waits_here" in first and first.lower().count("thread 0x") >= 2
+    second = agent.ok("stacks", "--run-id", "hang")["text"]
+    assert "drafter_waits_here" in second and second.lower().count("thread 0x") == first.lower().count("thread 0x")
+    faulthandler_log = (agent.run_dir("hang") / "faulthandler.log").read_text()
+    assert faulthandler_log == first + second  # each answer holds only its own dump
+    assert agent.status("hang")["state"] == "RUNNING"
+
+
+def test_stacks_refuses_when_sigusr1_would_kill_the_trainer(agent):
+    answer = agent.launch("nohandler", [{"touch": "ready"}, NEVER])
+    ready(agent, "nohandler")
+    result = agent.run("stacks", "--run-id", "nohandler")
+    assert (result.rc, result.json["kind"]) == (2, "conflict")
+    assert "SIGUSR1" in result.json["error"]
+    assert procfs.identity_alive(answer["pid"], None)
+    agent.ok("stop", "--run-id", "nohandler")
+    result = agent.run("stacks", "--run-id", "nohandler")
+    assert (result.rc, result.json["kind"]) == (2, "conflict") and "not running" in result.json["error"]
+
+
+def test_report_has_everything_fetch_traceback_needs(agent):
+    agent.launch("failed", [{"faulthandler": True}, {"lines": {"count": 50, "width": 5}},
+                            {"error": {"thread": "drafter-1", "message": "boom"}},
+                            {"error": {"thread": "coordinator", "message": "drafter-1 failed"}},
+                            {"kill_self": "SIGABRT"}], "--name", "rep")
+    agent.wait_state("failed", "FAILED")
+    report = agent.ok("report", "--run-id", "failed", "--log-lines", "3")
+    assert report["run_id"] == "failed" and report["state"] == "FAILED"
+    assert report["run"] == agent.read("failed", "run.json")
+    assert report["exit"]["signal"] == "SIGABRT"
+    lines = (agent.run_dir("failed") / "errors.jsonl").read_text().splitlines()
+    assert report["errors"] == [json.loads(line) for line in lines]
+    assert [e["thread"] for e in report["errors"]] == ["drafter-1", "coordinator"]  # root cause first
+    assert "Fatal Python error: Aborted" in report["faulthandler"]
+    assert report["log_tail"] == "".join("line %06d xxxxx\n" % i for i in (47, 48, 49))
+
+
+def test_status_lists_runs_newest_first(agent):
+    for run_id in ("first", "second", "third"):
+        agent.launch(run_id, [], "--name", "name of " + run_id)
+        agent.wait_state(run_id, "SUCCEEDED")
+    runs = agent.ok("status")["runs"]
+    assert [r["run_id"] for r in runs] == ["third", "second", "first"]
+    assert set(runs[0]) == {"run_id", "name", "state", "pid", "started_at", "ended_at", "exit", "errors",
+                            "last_heartbeat", "release_id", "step"}
+    assert runs[0]["name"] == "name of third"
+    result = agent.run("status", "--run-id", "missing")
+    assert (result.rc, result.json["kind"]) == (2, "not_found")
+
+
+def test_info_reads_versions_without_importing_torch(agent):
+    result = agent.run("info", env=dict(agent.env, PYTHONPROFILEIMPORTTIME="1"))
+    assert result.rc == 0
+    info = result.json
+    assert info["packages"] == {"torch": metadata.version("torch"),
+                                "transformers": metadata.version("transformers")}
+    assert info["boot_id"] == procfs.boot_id() and info["gpus"] == []
+    assert info["current_release"] == "rel-0001" and info["python"]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line]
+    assert "dflash_agent.gpus" in imported
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "transformers")]
+
+
+@pytest.mark.parametrize("verb", [None, "launch", "status", "stop", "stacks", "report", "gpus",
+                                  "info", "follow"])
+def test_help_goes_to_stderr(agent, verb):
+    argv = agent.argv(*([verb] if verb else []), "--help")
+    done = subprocess.run(argv, capture_output=True, env=agent.env, timeout=30)
+    assert done.returncode == 0 and done.stdout == b""
+    assert b"usage:" in done.stderr
+
+
+@pytest.mark.parametrize("args, text", [
+    ([], "required"),
+    (["dance"], "invalid choice"),
+    (["stop"], "--run-id"),
+    (["stop", "--run-id", "x", "--grace", "soon"], "invalid"),
+    (["follow", "--run-id", "x", "--offset", "-1"], ">= 0"),
+    (["report", "--run-id", "../etc"], "invalid run id"),
+])
+def test_usage_errors_are_json_on_stdout(agent, args, text):
+    result = agent.run(*args)
+    assert result.rc == 2 and result.json["kind"] == "usage" and text in result.json["error"], result.json
+
+
+def test_agent_is_stdlib_only_and_python38_syntax():
+    agent_dir = REPO / "remote" / "dflash_agent"
+    sources = sorted(agent_dir.glob("*.py")) + [REPO / "remote" / "agent.py"]
+    stdlib = set(sys.stdlib_module_names)
+    for path in sources:
+        tree = ast.parse(path.read_text(), filename=str(path), feature_version=(3, 8))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top in stdlib or top == "dflash_agent", "%s imports %s" % (path.name, name)
+
+
+def test_stacks_and_stop_of_unknown_runs(agent):
+    for verb in ("stacks", "stop", "report"):
+        result = agent.run(verb, "--run-id", "ghost")
+        assert (result.rc, result.json["kind"]) == (2, "not_found")

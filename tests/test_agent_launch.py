@@ -1,0 +1,276 @@
+"""`launch`: detaching, run.json before the trainer starts, the trainer's environment,
+exit.json for every way a run ends, argument errors, and resource locks."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dflash_agent import procfs
+from support_agent.harness import agent  # noqa: F401  (fixture)
+from support_agent.harness import RELEASE_ID, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT = [{"wait_file": "go"}]
+
+
+def fd_target(pid: int, fd: int) -> str:
+    return os.readlink("/proc/%d/fd/%d" % (pid, fd))
+
+
+def test_launch_detaches_and_returns_once_run_json_exists(agent):
+    run_id = "detach 'me' \"now\""
+    agent.track(run_id)
+    # Under pipes, as over SSH: communicate() returns only when every holder of the
+    # pipes' write ends is gone, so a supervisor or trainer keeping them would hang here.
+    proc = subprocess.Popen(agent.argv(*agent.launch_args(run_id, WAIT, "--name", "my run")),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=agent.env)
+    out, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err
+    answer = json.loads(out)
+    run_dir = agent.run_dir(run_id)
+    assert answer == {"run_id": run_id, "run_dir": str(run_dir), "pid": answer["pid"],
+                      "pgid": answer["pid"], "release_id": RELEASE_ID}
+    pid = answer["pid"]
+    assert procfs.identity_alive(pid, None), "the trainer must outlive the launch verb"
+
+    record = agent.read(run_id, "run.json")
+    wait_for(lambda: (run_dir / "standin.json").exists())
+    started = agent.read(run_id, "standin.json")
+    assert started["run_json_existed"] is True
+    assert started["pid"] == pid == record["pid"]
+    assert started["pgid"] == started["sid"] == pid  # its own session and group
+    assert started["stdin"] == "/dev/null"
+    assert started["stdout"] == str(run_dir / "train.log")
+    assert started["cwd"] == str(run_dir)
+    remote = agent.workspace / "releases" / RELEASE_ID / "remote"
+    assert started["env"] == {
+        "PYTHONPATH": str(remote), "PYTHONUNBUFFERED": "1", "DFLASH_RUN_ID": run_id,
+        "DFLASH_RELEASE_ID": RELEASE_ID, "DFLASH_RELEASE_DIR": str(remote.parent),
+        "DFLASH_WORKSPACE": str(agent.workspace), "STANDIN_EXTRA": None}
+    assert started["argv"] == ["--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir)]
+
+    assert record["start_time"] == procfs.read_stat(pid).start_time
+    assert record["boot_id"] == procfs.boot_id()
+    assert record["pgid"] == pid and record["name"] == "my run" and record["release_id"] == RELEASE_ID
+    assert record["config"] == (run_dir / "config.yaml").read_text() == json.dumps({"steps": WAIT})
+    assert record["argv"][1:] == ["-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
+                                  "--run-dir", str(run_dir)]
+    assert record["stall_after"] == 300.0 and record["host"] and record["started_at"] <= time.time()
+
+    supervisor = record["supervisor"]["pid"]
+    assert fd_target(supervisor, 0) == "/dev/null"
+    assert fd_target(supervisor, 1) == fd_target(supervisor, 2) == str(run_dir / "agent.log")
+    stat = procfs.read_stat(supervisor)
+    assert stat.session != os.getsid(0) and stat.session != supervisor  # detached, not a leader
+    agent.touch(run_id, "go")
+    assert agent.wait_state(run_id, "SUCCEEDED")["exit"]["exit_code"] == 0
+
+
+@pytest.mark.parametrize("steps, exit_code, signal_name", [
+    ([{"print": "bye"}], 0, None),
+    ([{"exit": 3}], 3, None),
+    ([{"kill_self": "SIGKILL"}], None, "SIGKILL"),
+    ([{"kill_self": "SIGABRT"}], None, "SIGABRT"),
+])
+def test_exit_json_records_how_the_trainer_ended(agent, steps, exit_code, signal_name):
+    agent.launch("r", steps)
+    status = agent.wait_state("r", "SUCCEEDED", "FAILED")
+    exit_record = agent.read("r", "exit.json")
+    assert exit_record["exit_code"] == exit_code
+    assert exit_record["signal"] == signal_name
+    assert exit_record["oom_killed"] is False  # SIGKILL alone is not an OOM kill
+    assert exit_record["exec_error"] is None
+    assert exit_record["ended_at"] >= agent.read("r", "run.json")["started_at"]
+    assert status["state"] == ("SUCCEEDED" if exit_code == 0 else "FAILED")
+    assert status["ended_at"] == exit_record["ended_at"]
+
+
+def test_exec_failure_is_in_exit_json_and_train_log(agent):
+    answer = agent.launch("noexec", WAIT, "--python", "/nonexistent/python3")
+    status = agent.wait_state("noexec", "FAILED")
+    exit_record = status["exit"]
+    assert exit_record["exit_code"] == 127 and exit_record["signal"] is None
+    assert "No such file" in exit_record["exec_error"]
+    log = (agent.run_dir("noexec") / "train.log").read_text()
+    assert "cannot start the trainer" in log and "/nonexistent/python3" in log
+    assert not procfs.identity_alive(answer["pid"], None)
+
+
+def test_env_pairs_reach_the_trainer_but_only_their_keys_are_recorded(agent):
+    agent.launch("env", [], "--env", "STANDIN_EXTRA=s3cr=t value", "--env", "PYTHONUNBUFFERED=1")
+    agent.wait_state("env", "SUCCEEDED")
+    assert agent.read("env", "standin.json")["env"]["STANDIN_EXTRA"] == "s3cr=t value"
+    record = agent.read("env", "run.json")
+    assert record["env_keys"] == ["STANDIN_EXTRA", "PYTHONUNBUFFERED"]
+    assert "s3cr=t" not in (agent.run_dir("env") / "run.json").read_text()
+
+
+def test_config_from_stdin_and_relative_to_the_release(agent):
+    script = json.dumps({"steps": [{"print": "from stdin"}]}).encode()
+    agent.track("stdin")
+    agent.ok("launch", "--run-id", "stdin", "--config", "-", stdin=script)
+    assert agent.wait_state("stdin", "SUCCEEDED")
+    assert (agent.run_dir("stdin") / "config.yaml").read_bytes() == script
+    release_configs = agent.workspace / "current" / "configs"
+    release_configs.mkdir()
+    (release_configs / "c.yaml").write_text(json.dumps({"steps": [{"print": "relative"}]}))
+    agent.launch("relative", [], "--config", "configs/c.yaml")  # the later --config wins
+    agent.wait_state("relative", "SUCCEEDED")
+    assert (agent.run_dir("relative") / "train.log").read_text() == "relative\n"
+
+
+def test_runs_keep_their_release_when_current_moves(agent):
+    agent.launch("old", WAIT)
+    releases = agent.workspace / "releases"
+    shutil.copytree(releases / RELEASE_ID, releases / "rel-0002", symlinks=True)
+    tmp_link = agent.workspace / "current.new"
+    os.symlink("releases/rel-0002", tmp_link)
+    os.replace(tmp_link, agent.workspace / "current")
+    agent.launch("new", [])
+    assert agent.wait_state("new", "SUCCEEDED")["release_id"] == "rel-0002"
+    assert agent.read("new", "standin.json")["env"]["DFLASH_RELEASE_ID"] == "rel-0002"
+    assert agent.status("old")["release_id"] == RELEASE_ID
+    assert agent.read("old", "standin.json")["env"]["DFLASH_RELEASE_DIR"] == str(releases / RELEASE_ID)
+    agent.touch("old", "go")
+    agent.wait_state("old", "SUCCEEDED")
+
+
+@pytest.mark.parametrize("args, kind, text", [
+    (["--run-id", "a/b"], "usage", "invalid run id"),
+    (["--run-id", ".."], "usage", "invalid run id"),
+    (["--run-id", "x", "--resource", "gpu 0"], "usage", "invalid resource"),
+    (["--run-id", "x", "--env", "NOEQUALS"], "usage", "KEY=VALUE"),
+    (["--run-id", "x", "--stall-after", "0"], "usage", "positive"),
+    (["--run-id", "x", "--config", "/nonexistent.yaml"], "not_found", "cannot read config"),
+    (["--config", "c.yaml"], "usage", "--run-id"),
+])
+def test_launch_argument_errors_are_json(agent, args, kind, text):
+    config = str(agent.config("x", []))
+    argv = ["launch", "--config", config] + args if "--config" not in args else ["launch"] + args
+    result = agent.run(*argv)
+    assert result.rc == 2
+    assert result.json["kind"] == kind and text in result.json["error"], result.json
+    assert not (agent.workspace / "runs" / "x").exists()
+
+
+def test_existing_run_id_and_missing_release_are_refused(agent):
+    agent.launch("dup", [])
+    result = agent.run(*agent.launch_args("dup", []))
+    assert (result.rc, result.json["kind"]) == (2, "conflict")
+    agent.agent_py = agent.agent_py.resolve()  # the agent itself stays where it is
+    os.unlink(agent.workspace / "current")
+    result = agent.run(*agent.launch_args("fresh", []))
+    assert (result.rc, result.json["kind"]) == (2, "not_found")
+    assert "no release deployed" in result.json["error"]
+
+
+def lock_holder(agent, resource):
+    path = agent.workspace / "locks" / (resource + ".json")
+    return json.loads(path.read_text())["run_id"] if path.exists() else None
+
+
+def test_locks_conflict_force_and_release(agent):
+    agent.launch("a", WAIT, "--resource", "gpu0")
+    assert lock_holder(agent, "gpu0") == "a"
+    result = agent.run(*agent.launch_args("b", WAIT, "--resource", "gpu1", "--resource", "gpu0"))
+    assert (result.rc, result.json["kind"], result.json["holder"]) == (2, "conflict", "a")
+    assert "'a'" in result.json["error"] and "gpu0" in result.json["error"]
+    assert lock_holder(agent, "gpu1") is None, "all locks or none"
+    assert not agent.run_dir("b").exists()
+    agent.launch("b", WAIT, "--resource", "gpu1")  # the run id was not burnt by the refusal
+    agent.launch("c", WAIT, "--resource", "gpu0", "--force")
+    assert lock_holder(agent, "gpu0") == "c"
+    agent.touch("a", "go")
+    agent.wait_state("a", "SUCCEEDED")
+    assert lock_holder(agent, "gpu0") == "c", "a's supervisor must not drop c's lock"
+    for run_id in ("b", "c"):
+        agent.touch(run_id, "go")
+        agent.wait_state(run_id, "SUCCEEDED")
+    assert lock_holder(agent, "gpu0") is None and lock_holder(agent, "gpu1") is None
+
+
+def test_stale_locks_are_taken_over(agent):
+    locks = agent.workspace / "locks"
+    locks.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    # A lock whose run never wrote run.json and whose launcher is gone.
+    (locks / "gpu0.json").write_text(json.dumps({"run_id": "ghost", "launcher_pid": dead.pid,
+                                                 "launcher_start_time": 1, "boot_id": procfs.boot_id()}))
+    # A lock of a run that ended.
+    agent.launch("done", [], "--resource", "gpu1")
+    agent.wait_state("done", "SUCCEEDED")
+    (locks / "gpu1.json").write_text(json.dumps({"run_id": "done"}))
+    (locks / "gpu2.json").write_text("")  # torn by a crash
+    agent.launch("new", WAIT, "--resource", "gpu0", "--resource", "gpu1", "--resource", "gpu2")
+    assert [lock_holder(agent, r) for r in ("gpu0", "gpu1", "gpu2")] == ["new"] * 3
+    agent.touch("new", "go")
+
+
+def test_concurrent_launches_for_one_resource_have_one_winner(agent):
+    run_ids = ["race-%d" % i for i in range(4)]
+    for run_id in run_ids:
+        agent.track(run_id)
+    procs = [subprocess.Popen(agent.argv(*agent.launch_args(run_id, WAIT, "--resource", "gpu7")),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=agent.env)
+             for run_id in run_ids]
+    results = [(p.communicate(timeout=30)[0], p.returncode) for p in procs]
+    winners = [json.loads(out)["run_id"] for out, rc in results if rc == 0]
+    assert len(winners) == 1, results
+    assert all(json.loads(out)["kind"] == "conflict" for out, rc in results if rc != 0)
+    assert lock_holder(agent, "gpu7") == winners[0]
+    agent.touch(winners[0], "go")
+
+
+def _memory_cgroup(tmp_name: str):
+    """A fresh cgroup with a 64 MiB memory limit, or None where we may not make one."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    if v2.exists() and "memory" in v2.read_text().split():
+        group, limit = Path("/sys/fs/cgroup") / tmp_name, "memory.max"
+    elif Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
+        group, limit = Path("/sys/fs/cgroup/memory") / tmp_name, "memory.limit_in_bytes"
+    else:
+        return None
+    try:
+        group.mkdir()
+        (group / limit).write_text(str(64 << 20))
+        swap = group / ("memory.swap.max" if limit == "memory.max" else "memory.memsw.limit_in_bytes")
+        if swap.exists():
+            try:
+                swap.write_text("0" if limit == "memory.max" else str(64 << 20))
+            except OSError:
+                pass
+    except OSError:
+        try:
+            group.rmdir()
+        except OSError:
+            pass
+        return None
+    return group
+
+
+def test_oom_kill_is_flagged(agent):
+    group = _memory_cgroup("dflash-agent-test-%s" % uuid.uuid4().hex[:8])
+    if group is None:
+        pytest.skip("cannot create a memory cgroup here (needs root and a writable cgroupfs)")
+    try:
+        # The launch verb joins the cgroup, so its supervisor and trainer are in it too.
+        argv = agent.argv(*agent.launch_args("oom", [{"allocate_mib": 512}]))
+        agent.track("oom")
+        done = subprocess.run(["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group)] + argv,
+                              capture_output=True, env=agent.env, timeout=30)
+        assert done.returncode == 0, done.stderr
+        status = agent.wait_state("oom", "FAILED")
+        assert status["exit"]["signal"] == "SIGKILL" and status["exit"]["oom_killed"] is True
+    finally:
+        wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), 10, "the cgroup to empty")
+        group.rmdir()

@@ -1,0 +1,179 @@
+"""Run-state derivation: the pure function on its own, reading files from their end, and
+every state reached by real runs of the agent with the stand-in trainer."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dflash_agent import jsonio, procfs
+from dflash_agent.state import (ALIVE, DEGRADED, ENDING, FAILED, GONE, LOST, RUNNING, STALLED,
+                                STARTING, STOPPED, SUCCEEDED, EventSummary, Observation,
+                                derive_state, summarize_events)
+from support_agent.harness import agent  # noqa: F401  (fixture)
+from support_agent.harness import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+NOW = 1_000_000.0
+
+
+def obs(**kw):
+    base = dict(started_at=NOW - 10, stall_after=60.0, now=NOW, trainer=ALIVE)
+    base.update(kw)
+    return Observation(**base)
+
+
+def beat(age, step=5, **kw):
+    return EventSummary(last_event_ts=NOW - age, last_heartbeat=NOW - age, step=step, **kw)
+
+
+@pytest.mark.parametrize("observation, expected", [
+    (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}), SUCCEEDED),
+    (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}, error_count=1), FAILED),
+    (obs(trainer=GONE, exit={"exit_code": 3, "signal": None}), FAILED),
+    (obs(trainer=GONE, exit={"exit_code": None, "signal": "SIGKILL"}), FAILED),
+    (obs(trainer=GONE, exit={"exit_code": None, "signal": "SIGTERM"}, stop_requested=True), STOPPED),
+    (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}, stop_requested=True), STOPPED),
+    (obs(trainer=GONE), LOST),
+    (obs(trainer=GONE, stop_requested=True), STOPPED),
+    (obs(trainer=GONE, error_count=2), LOST),
+    (obs(), STARTING),
+    (obs(events=EventSummary(last_event_ts=NOW - 1, last_phase="startup", last_phase_ts=NOW - 1)), STARTING),
+    (obs(started_at=NOW - 100), STALLED),  # start-up silent for longer than stall_after
+    (obs(started_at=NOW - 100, events=EventSummary(last_event_ts=NOW - 5)), STARTING),  # a "ready" event
+    (obs(events=EventSummary(last_event_ts=NOW - 2, last_phase="train", last_phase_ts=NOW - 2)), RUNNING),
+    (obs(events=beat(1)), RUNNING),
+    (obs(events=beat(61)), STALLED),
+    (obs(events=beat(61), error_count=1), DEGRADED),
+    (obs(events=beat(1), error_count=1), DEGRADED),
+    (obs(events=beat(1), stop_requested=True), RUNNING),  # stop in progress
+    (obs(trainer=ENDING, events=beat(1)), RUNNING),  # exit.json is being written
+    (obs(trainer=ENDING, events=beat(1), error_count=1), DEGRADED),
+])
+def test_derive_state(observation, expected):
+    assert derive_state(observation) == expected
+
+
+def naive_tail_start(data: bytes, n: int) -> int:
+    lines = data.splitlines(keepends=True)
+    if n <= 0:
+        return len(data)
+    return len(b"".join(lines[:max(0, len(lines) - n)]))
+
+
+def test_tail_start_and_lines_backwards_match_a_naive_reading(tmp_path, monkeypatch):
+    monkeypatch.setattr(jsonio, "BLOCK", 7)  # many block boundaries inside lines
+    rng = random.Random(4)
+    path = tmp_path / "f"
+    for case in range(200):
+        parts = [b"x" * rng.randint(0, 20) for _ in range(rng.randint(0, 12))]
+        data = b"\n".join(parts) + (b"\n" if rng.random() < 0.5 else b"")
+        path.write_bytes(data)
+        for n in (0, 1, 2, 5, 50):
+            assert jsonio.tail_start(str(path), n) == naive_tail_start(data, n), (case, data, n)
+        complete = data[:data.rfind(b"\n") + 1].split(b"\n")[:-1] if b"\n" in data else []
+        assert list(jsonio.lines_backwards(str(path))) == complete[::-1], (case, data)
+
+
+def test_summarize_events_reads_back_to_the_last_heartbeat(tmp_path):
+    path = tmp_path / "events.jsonl"
+    events = [{"ts": 1.0, "type": "phase", "phase": "startup"}, {"ts": 2.0, "type": "ready"},
+              {"ts": 3.0, "type": "phase", "phase": "train"}, {"ts": 4.0, "type": "step", "step": 1},
+              {"ts": 5.0, "type": "heartbeat", "step": 2}, {"ts": 6.0, "type": "phase", "phase": "eval"},
+              {"ts": 7.0, "type": "eval", "step": 2}]
+    path.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"ts": 8.0, "type": "hea')
+    assert summarize_events(str(path)) == EventSummary(
+        last_event_ts=7.0, last_phase="eval", last_phase_ts=6.0, last_heartbeat=5.0, step=2)
+    path.write_text("".join(json.dumps(e) + "\n" for e in events[:3]))
+    assert summarize_events(str(path)) == EventSummary(last_event_ts=3.0, last_phase="train", last_phase_ts=3.0)
+    assert summarize_events(str(tmp_path / "missing")) == EventSummary()
+
+
+@pytest.mark.timeout(20)
+def test_summarize_events_cost_does_not_depend_on_the_file_size(tmp_path):
+    # 256 GiB of holes before the last events: reading it from the start would take minutes.
+    path = tmp_path / "events.jsonl"
+    with open(path, "wb") as handle:
+        handle.truncate(256 << 30)
+        handle.seek(0, os.SEEK_END)
+        handle.write(b'\n{"ts": 9.0, "type": "heartbeat", "step": 77}\n')
+    assert summarize_events(str(path)).step == 77
+
+
+def fabricate_run(agent, run_id, **fields):
+    """A run directory as a launch would leave it, with whatever run.json says."""
+    run_dir = agent.run_dir(run_id)
+    run_dir.mkdir(parents=True)
+    record = {"run_id": run_id, "pid": os.getpid(), "pgid": os.getpid(),
+              "start_time": procfs.start_time(os.getpid()), "boot_id": procfs.boot_id(),
+              "started_at": time.time(), "stall_after": 300.0, "release_id": "rel-0001",
+              "supervisor": {"pid": None, "start_time": None}}
+    record.update(fields)
+    (run_dir / "run.json").write_text(json.dumps(record))
+    return run_dir
+
+
+def dead_pid():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_lost_when_pid_is_gone_or_reused_or_the_host_rebooted(agent):
+    gone = dead_pid()
+    fabricate_run(agent, "gone", pid=gone, pgid=gone, supervisor={"pid": gone, "start_time": 1})
+    # Our own pid stands in for a reused one: alive, but not the process that was started.
+    fabricate_run(agent, "reused", start_time=procfs.start_time(os.getpid()) - 1)
+    fabricate_run(agent, "rebooted", boot_id="00000000-0000-0000-0000-000000000000")
+    fabricate_run(agent, "alive")  # control: the very process, same boot
+    states = {r["run_id"]: r["state"] for r in agent.ok("status")["runs"]}
+    assert states == {"gone": LOST, "reused": LOST, "rebooted": LOST, "alive": STARTING}
+
+
+def test_starting_running_stalled_and_back(agent):
+    agent.launch("s", [{"wait_file": "go1"}, {"event": {"type": "phase", "phase": "startup"}},
+                       {"wait_file": "go2"}, {"heartbeat": 1}, {"wait_file": "go3"},
+                       {"heartbeat": 2}, {"wait_file": "go4"}], "--stall-after", "0.4")
+    assert agent.status("s")["state"] == STARTING  # no event yet
+    agent.touch("s", "go1")
+    # Start-up silent beyond stall_after counts as stalled (a hang at start-up).
+    agent.wait_state("s", STALLED)
+    agent.touch("s", "go2")
+    status = agent.wait_state("s", RUNNING)
+    assert status["step"] == 1 and status["last_heartbeat"] is not None
+    status = agent.wait_state("s", STALLED)
+    assert status["step"] == 1
+    agent.touch("s", "go3")
+    assert agent.wait_state("s", RUNNING)["step"] == 2
+    agent.touch("s", "go4")
+    assert agent.wait_state("s", SUCCEEDED)["exit"]["exit_code"] == 0
+
+
+def test_degraded_then_failed_although_the_process_exited_0(agent):
+    agent.launch("d", [{"heartbeat": 1}, {"error": {"thread": "drafter-1"}}, {"wait_file": "go"}])
+    status = agent.wait_state("d", DEGRADED)
+    assert status["errors"] == 1 and status["exit"] is None
+    agent.touch("d", "go")
+    status = agent.wait_state("d", FAILED)
+    assert status["exit"]["exit_code"] == 0 and status["errors"] == 1
+
+
+def test_trainer_outliving_its_supervisor_is_running_then_lost(agent):
+    agent.launch("orphan", [{"heartbeat": 1}, {"touch": "beat"}, {"wait_file": "go"}])
+    wait_for(lambda: (agent.run_dir("orphan") / "beat").exists())
+    supervisor = agent.read("orphan", "run.json")["supervisor"]
+    assert procfs.identity_alive(supervisor["pid"], supervisor["start_time"])
+    os.kill(supervisor["pid"], signal.SIGKILL)
+    wait_for(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
+    assert agent.status("orphan")["state"] == RUNNING
+    agent.touch("orphan", "go")  # the trainer ends; nobody is left to write exit.json
+    status = agent.wait_state("orphan", LOST)
+    assert status["exit"] is None
+    assert not (agent.run_dir("orphan") / "exit.json").exists()
