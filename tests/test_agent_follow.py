@@ -22,11 +22,12 @@ def log_bytes(messages):
     """The log bytes the messages carry, checking that they are contiguous."""
     logs = [m for m in messages if m["t"] == "log"]
     for before, after in zip(logs, logs[1:]):
-        assert after["offset"] == before["end"], "gap or overlap between %r and %r" % (before, after)
-    data = b"".join(m["data"].encode("utf-8", "surrogateescape") for m in logs)
-    for m in logs:
-        assert m["end"] - m["offset"] == len(m["data"].encode("utf-8", "surrogateescape"))
-    return data
+        assert after["offset"] == end_of(before), "gap or overlap between %r and %r" % (before, after)
+    return b"".join(m["data"].encode("utf-8", "surrogateescape") for m in logs)
+
+
+def end_of(message):
+    return message["offset"] + len(message["data"].encode("utf-8", "surrogateescape"))
 
 
 def is_log(text):
@@ -76,7 +77,8 @@ def test_resume_from_offset_has_no_gap_and_no_duplicate(agent):
         logs = [m for m in messages if m["t"] == "log"]
         assert logs[0]["offset"] == (offset or 0)
         received += logs
-        offset, inode = logs[-1]["end"], logs[-1]["inode"]
+        assert "inode" in logs[0] and all("inode" not in m for m in logs[1:])
+        offset, inode = end_of(logs[-1]), logs[0]["inode"]
         agent.touch("resume", "go%d" % burst)
     final = agent.follow("resume", "--offset", str(offset), "--inode", str(inode)).rest()
     data = log_bytes(received + final)

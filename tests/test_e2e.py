@@ -97,18 +97,27 @@ def test_watch_resumes_after_the_ssh_connection_dies_with_no_gap_and_no_duplicat
     watch = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env={**os.environ, "NO_COLOR": "1"})
     printed: list[bytes] = []
-    reader = threading.Thread(target=lambda: printed.extend(iter(watch.stdout.readline, b"")))
-    reader.start()
-    kills = 0
+    said: list[bytes] = []
+    readers = [threading.Thread(target=lambda: printed.extend(iter(watch.stdout.readline, b""))),
+               threading.Thread(target=lambda: said.extend(iter(watch.stderr.readline, b"")))]
+    for reader in readers:
+        reader.start()
+
+    def steps() -> int:
+        return sum(b" step " in line for line in printed)
+
+    kills, steps_at_kill = 0, 0
     deadline = time.monotonic() + 240
     while watch.poll() is None and time.monotonic() < deadline:
-        steps = sum(b" step " in line for line in printed)
-        if (kills == 0 and steps >= 3) or (kills == 1 and steps >= 12):
-            kills += bool(kill_ssh_sessions(ssh_node))
+        reconnected = sum(b"reconnecting" in line for line in said) == kills
+        # Kill once lines flow, and again only after the first reconnect delivered more.
+        if kills < 2 and reconnected and steps() >= steps_at_kill + 3 and kill_ssh_sessions(ssh_node):
+            kills, steps_at_kill = kills + 1, steps()
         time.sleep(0.05)
-    stderr = watch.stderr.read().decode()
     watch.wait(timeout=10)
-    reader.join(timeout=10)
+    for reader in readers:
+        reader.join(timeout=10)
+    stderr = b"".join(said).decode()
     assert kills == 2, "the run ended before both connection drops"
     assert watch.returncode == 0, stderr
     assert stderr.count("reconnecting") >= 2

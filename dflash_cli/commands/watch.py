@@ -85,7 +85,9 @@ class Watcher:
 
     def on_log(self, message: dict) -> None:
         data = message["data"].encode("utf-8", "surrogateescape")
-        start, end, inode = message["offset"], message["end"], message.get("inode")
+        start = message["offset"]
+        end = start + len(data)
+        inode = message.get("inode", self.cursor.inode)  # only a stream's first message names it
         if inode != self.cursor.inode or start > self.cursor.offset:
             # A new log file, or --tail skipped ahead: the mirror starts over there.
             self.cursor = dataclasses.replace(self.cursor, inode=inode, offset=start, mirror_start=start)

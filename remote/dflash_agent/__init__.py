@@ -64,10 +64,13 @@ follow   --run-id ID [--offset N] [--inode I] [--errors-seen K] [--tail-lines N]
          [--gpu-interval S=5 (0: none)] [--poll S=0.1]
          Streams JSON lines, flushed one by one, until the run is terminal and
          everything was sent:
-           {"t": "log", "offset": start_byte, "end": end_byte, "inode": I, "data": text}
+           {"t": "log", "offset": start_byte, "data": text}   (+ "inode": I in the first)
                whole lines only (a partial last line is held until it completes or
                the run ends); data is utf-8 decoded with surrogateescape, so
-               data.encode("utf-8", "surrogateescape") gives the exact bytes.
+               data.encode("utf-8", "surrogateescape") gives the exact bytes and
+               offset + their length is where the next message starts. Lines are
+               batched for up to 1 s (the wire stays near the log's own size); the
+               lines before an error record are sent at once, with it.
            {"t": "error", "index": k, "record": errors.jsonl record}
            {"t": "gpu", "ts": ..., "gpus": [...]}          (none without nvidia-smi)
            {"t": "state", "state": "RUNNING", "ts": ...}    on every state change

@@ -27,7 +27,7 @@ READ_CHUNK = 256 * 1024
 # carries ~70 bytes of framing, so a chatty log sent line by line would cost far more on
 # the wire than it holds. A quiet log's line still goes out at the next poll, and an
 # error record never waits (its log context is flushed with it).
-LOG_FLUSH_S = 0.5
+LOG_FLUSH_S = 1.0
 LOG_FLUSH_BYTES = 64 * 1024
 # A "line" that never ends (a progress bar redrawn with \r) is sent in pieces this big
 # rather than held in memory forever.
@@ -90,6 +90,7 @@ class LogFollower:
         self._fd: Optional[int] = None
         self.inode: Optional[int] = None
         self.sent = 0  # offset of the first byte not yet sent
+        self._first_offset: Optional[int] = None  # where this stream started sending
         self._buffer = b""  # bytes read but not sent: they start at self.sent
         self._last_flush = float("-inf")
 
@@ -108,6 +109,7 @@ class LogFollower:
             self.sent = request.offset if request.offset <= st.st_size else 0
         elif request.offset is None and request.tail_lines is not None:
             self.sent = tail_start(self._path, request.tail_lines)
+        self._first_offset = self.sent
         return True
 
     def poll(self, final: bool, urgent: bool = False) -> Iterator[Dict[str, Any]]:
@@ -135,8 +137,10 @@ class LogFollower:
             data, self._buffer = self._buffer[:cut], self._buffer[cut:]
             start, self.sent = self.sent, self.sent + cut
             self._last_flush = time.monotonic()
-            yield {"t": "log", "offset": start, "end": self.sent, "inode": self.inode,
-                   "data": decode_bytes(data)}
+            message = {"t": "log", "offset": start, "data": decode_bytes(data)}
+            if start == self._first_offset:  # the stream's first message names the file
+                message["inode"] = self.inode
+            yield message
 
 
 class ErrorsFollower:
