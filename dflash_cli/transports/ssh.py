@@ -140,7 +140,9 @@ class SshTransport(Tally, Transport):
             return self._connection.transport
 
     def _connect(self) -> fabric.Connection:
-        connect_kwargs = {}
+        # Compression: a follow stream is mostly log text, which zlib shrinks severalfold
+        # on the way from a rented box; release tars are gzipped already and cost little.
+        connect_kwargs: dict = {"compress": True}
         if self.host.identity_file:
             connect_kwargs["key_filename"] = [os.path.expanduser(self.host.identity_file)]
         conn = fabric.Connection(self.host.ssh, connect_kwargs=connect_kwargs)
