@@ -12,7 +12,7 @@ import click
 from . import console
 from .commands import deploy, fetch_traceback, hosts, launch, status, stop, watch
 from .errors import DflashError, ExitCode
-from .local_state import resolve_run
+from .local_state import latest_host, resolve_run
 from .session import Session
 
 
@@ -170,12 +170,13 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
 
 
 @main.command("runs")
-@click.option("--host", "host_names", multiple=True, help="Only this host (repeatable; default: local).")
+@click.option("--host", "host_names", multiple=True,
+              help="This host (repeatable; default: the latest run's host, else local).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run on stdout.")
 @click.pass_obj
 def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> None:
     """List the runs on hosts, newest first: `host<TAB>run<TAB>state` on stdout."""
-    sys.exit(status.list_runs(session, list(host_names) or ["local"], as_json))
+    sys.exit(status.list_runs(session, list(host_names) or [latest_host(session.logs_dir)], as_json))
 
 
 @main.command("hosts")

@@ -96,6 +96,14 @@ def set_latest(logs_dir: Path, ref: RunRef) -> None:
     write_atomic(logs_dir / "latest.json", json.dumps(dataclasses.asdict(ref)).encode())
 
 
+def latest_host(logs_dir: Path) -> str:
+    """The host of the latest run this checkout launched, else `local`."""
+    try:
+        return json.loads((logs_dir / "latest.json").read_text())["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "local"
+
+
 def resolve_run(logs_dir: Path, run_id: str | None, host: str | None) -> RunRef:
     """The run named on the command line, or the latest one this checkout launched."""
     if run_id and host:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -156,3 +157,20 @@ def test_a_run_that_dies_without_a_record_is_explained(bed, tmp_path):
     assert "no error record" in fetched.stdout and "SIGABRT" in fetched.stdout
     assert "--- faulthandler.log ---" in fetched.stdout
     assert "--- train.log, last lines of drafter-1 ---" in fetched.stdout
+
+
+def test_ctrl_c_detaches_and_the_run_keeps_going(bed, tmp_path):
+    config = small_config(tmp_path, faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
+    run_id = bed.launch(config)
+    argv = [sys.executable, "-m", "dflash_cli", "--logs-dir", str(bed.logs), "--hosts", str(bed.hosts), "watch"]
+    watch = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert watch.stdout.readline()  # attached: the log is flowing
+    watch.send_signal(signal.SIGINT)
+    _, stderr = watch.communicate(timeout=30)
+    assert watch.returncode == 130, stderr
+    assert b"keeps running" in stderr
+    status = bed.dflash("status", "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)["state"] in ("STARTING", "RUNNING")
+    runs = bed.dflash("runs")  # the latest run's host by default
+    assert runs.stdout.split("\t")[:2] == ["ct200", run_id]
+    assert bed.dflash("stop", "--grace", "2").returncode == 0

@@ -8,9 +8,9 @@ import json
 import time
 from pathlib import Path
 
-from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from .. import console, release
 from ..errors import DflashError, ExitCode, UnreachableError
@@ -141,7 +141,7 @@ def _print_table(results: dict, order: list[str], tree: release.Release) -> None
     for name in order:
         r = results[name]
         if isinstance(r, DflashError):
-            table.add_row(name, f"[red]failed: {escape(r.message)}[/red]", "", "", "", "", "")
+            table.add_row(name, Text(f"failed: {r.message}", style="red"), "", "", "", "", "")
         else:
             table.add_row(name, r.status, str(r.files_sent), str(r.files_reused), str(r.bytes_sent),
                           str(r.round_trips), f"{r.seconds:.2f}")

@@ -5,6 +5,7 @@ import concurrent.futures
 import json
 
 from rich.table import Table
+from rich.text import Text
 
 from .. import console
 from ..errors import DflashError, ExitCode, UnreachableError
@@ -78,7 +79,7 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
             gpus = ", ".join(f"{g['index']}:{g['name']}" for g in result["gpus"]) or "none"
             row += ["ok", result["python"], result["torch"] or "-", result["transformers"] or "-",
                     gpus, result["current_release"] or "-"]
-        table.add_row(*row)
+        table.add_row(*map(Text, row))  # plain text: messages may hold [brackets]
         if as_json:
             entry = {"host": host.name, "transport": host.transport, "where": _where(host),
                      "workspace": host.workspace}

@@ -5,6 +5,7 @@ import datetime
 import json
 
 from rich.table import Table
+from rich.text import Text
 
 from .. import console
 from ..agent import AgentClient
@@ -27,9 +28,10 @@ def runs_table(host_name: str, runs: list[dict]) -> Table:
     for column in ("run", "state", "step", "errors", "started", "ended", "release"):
         table.add_column(column)
     for r in runs:
-        table.add_row(r["run_id"], r["state"], "" if r.get("step") is None else str(r["step"]),
-                      str(r.get("errors", 0)), _when(r.get("started_at")), _when(r.get("ended_at")),
-                      r.get("release_id") or "")
+        cells = (r["run_id"], r["state"], "" if r.get("step") is None else str(r["step"]),
+                 str(r.get("errors", 0)), _when(r.get("started_at")), _when(r.get("ended_at")),
+                 r.get("release_id") or "")
+        table.add_row(*map(Text, cells))  # plain text: run names may hold [brackets]
     return table
 
 
