@@ -79,6 +79,8 @@ def test_startup_fault_in_drafter_1_is_shown_whole_by_watch_and_fetch_traceback(
     header, body = fetched.stdout.split("\n", 1)
     assert header.startswith(f"==> run {run_id} on ct200: thread drafter-1 failed in startup")
     assert body == traceback_text
+    to_file = bed.dflash("fetch-traceback", "-o", str(tmp_path / "tb.txt"))
+    assert to_file.stdout == "" and (tmp_path / "tb.txt").read_text() == fetched.stdout
     every = bed.dflash("fetch-traceback", "--all")
     assert every.stdout.count("==> run ") == 1 + len(later)
     coordinator = bed.dflash("fetch-traceback", "--thread", "coordinator")

@@ -1,0 +1,267 @@
+"""compile: cudagraphs — the CPU-checkable parts everywhere, real graphs where CUDA is.
+
+CPU CI proves: the module imports on CPU-only torch, the config refuses cudagraphs on a
+CPU run, the strategy per torch version and placement, the buckets that cover the data,
+and that padding a batch into a bucket leaves loss and gradients unchanged (checked
+with the real DFlash objective). The `gpu` tests capture graphs in several drafter
+threads on one GPU and compare every loss and every averaged update with eager.
+"""
+from __future__ import annotations
+
+import textwrap
+import threading
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from dflash_schema import SchemaError
+from dflash_train import cudagraphs
+from dflash_train.compile_policy import build_train_step, example_inputs
+from dflash_train.config import DataConfig, DrafterConfig, load_train_config
+from dflash_train.model import DFlashDrafter, drafter_hf_config
+from dflash_train.objective import DraftObjective, DrafterInputs
+from dflash_train.replica import average_gradients
+
+pytestmark = pytest.mark.timeout(60)
+
+VOCAB, HIDDEN, FEATURE_LAYERS, BLOCK = 96, 32, 2, 4
+
+
+def tiny_objective(device: str, seed: int = 0) -> DraftObjective:
+    """A 1-layer DFlash drafter with random weights; embedding and head as the target's."""
+    target = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+    spec = DrafterConfig(num_layers=1, block_size=BLOCK, num_anchors=8)
+    drafter = DFlashDrafter(drafter_hf_config(target, spec, (1, 3), mask_token_id=VOCAB - 1))
+    generator = torch.Generator().manual_seed(seed)
+    drafter.reset_parameters(generator)
+    embed = torch.randn(VOCAB, HIDDEN, generator=generator)
+    head = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.1
+    return DraftObjective(drafter.to(device), embed.to(device), head.to(device), use_flex=False)
+
+
+def _write_config(tmp_path, compile_mode: str, drafters: str):
+    path = tmp_path / "train.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        target: {{tiny: {{}}}}
+        data: {{synthetic: {{}}}}
+        devices: {{target: [{drafters.split(',')[0]}], drafters: [{drafters}]}}
+        compile: {compile_mode}
+        """))
+    return path
+
+
+def test_config_refuses_cudagraphs_on_a_cpu_run(tmp_path):
+    with pytest.raises(SchemaError) as info:
+        load_train_config(_write_config(tmp_path, "cudagraphs", "cpu, cpu"))
+    message = str(info.value)
+    assert str(tmp_path / "train.yaml") in message
+    assert "cudagraphs needs CUDA devices" in message and "use compile: off or default" in message
+
+
+def test_config_accepts_cudagraphs_with_cuda_drafters(tmp_path):
+    config = load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0, cuda:0"))
+    assert config.compile == "cudagraphs" and config.devices.drafters == ("cuda:0", "cuda:0")
+
+
+@pytest.mark.parametrize("version, shared, expected", [
+    ((2, 11), True, "whole_step"),
+    ((2, 11), False, "whole_step"),
+    ((2, 12), False, "whole_step"),
+    ((2, 13), True, "whole_step"),  # one GPU: the drafters would share upstream's graphed backward
+    ((2, 13), False, "upstream"),
+    ((2, 14), False, "upstream"),
+])
+def test_auto_strategy_per_torch_version_and_placement(version, shared, expected):
+    assert cudagraphs.resolve_strategy("auto", drafters_share_a_device=shared, version=version) == expected
+
+
+def test_upstream_strategy_refused_before_torch_2_13():
+    with pytest.raises(cudagraphs.CudaGraphsUnavailable, match=r"needs torch >= 2\.13.*this is torch 2\.12"):
+        cudagraphs.resolve_strategy("upstream", drafters_share_a_device=False, version=(2, 12))
+    assert cudagraphs.resolve_strategy("whole_step", drafters_share_a_device=False,
+                                       version=(2, 14)) == "whole_step"
+
+
+def test_torch_version_parses_local_suffixes():
+    assert cudagraphs.torch_version("2.11.0+cu130") == (2, 11)
+    assert cudagraphs.torch_version("2.14.1") == (2, 14)
+
+
+def _data(**kw) -> DataConfig:
+    return DataConfig(synthetic=None, train="train.jsonl", **kw)
+
+
+def test_buckets_cover_every_length_the_packer_can_make():
+    one = cudagraphs.bucket_shapes(_data(max_length=3072, token_budget=3072, pad_multiple=3072),
+                                   DrafterConfig(num_anchors=512))
+    assert one == (cudagraphs.BatchShape(rows=1, length=3072, blocks=512),)
+    three = cudagraphs.bucket_shapes(_data(max_length=3000, token_budget=16384, pad_multiple=1024),
+                                     DrafterConfig(num_anchors=512))
+    assert three == (cudagraphs.BatchShape(16, 1024, 512), cudagraphs.BatchShape(8, 2048, 512),
+                     cudagraphs.BatchShape(5, 3072, 512))
+    short = cudagraphs.bucket_shapes(_data(max_length=128, token_budget=1024, pad_multiple=64),
+                                     DrafterConfig(num_anchors=512))
+    assert [s.blocks for s in short] == [64, 128]  # no more blocks than a row has anchors
+
+
+def test_too_many_buckets_is_refused_with_the_setting_to_change():
+    with pytest.raises(cudagraphs.CudaGraphsUnavailable, match=r"makes 48 .*pad_multiple to at least 768"):
+        cudagraphs.bucket_shapes(_data(max_length=3072, token_budget=16384, pad_multiple=64), DrafterConfig())
+
+
+def test_build_refuses_cpu_with_a_clear_message():
+    objective = tiny_objective("cpu")
+    example = example_inputs(objective, 32, FEATURE_LAYERS * HIDDEN, "cpu")
+    with pytest.raises(cudagraphs.CudaGraphsUnavailable, match="needs a CUDA device; the drafter is on cpu"):
+        cudagraphs.build_cudagraph_train_step(objective, example)
+
+
+def _loss_and_grads(objective: DraftObjective, inputs: DrafterInputs):
+    objective.drafter.zero_grad(set_to_none=True)
+    loss, correct, counted = objective(inputs)
+    loss.backward()
+    return loss.detach(), correct, counted, [p.grad.clone() for p in objective.drafter.parameters()]
+
+
+def test_padding_into_a_bucket_leaves_loss_and_gradients_unchanged():
+    objective = tiny_objective("cpu")
+    real = example_inputs(objective, 24, FEATURE_LAYERS * HIDDEN, "cpu")  # 1 row, 24 tokens, 8 blocks
+    shape = cudagraphs.BatchShape(rows=3, length=40, blocks=16)
+    bucket = cudagraphs._Bucket(shape, cudagraphs._example(shape, real, BLOCK, VOCAB, seed=5))
+    assert shape.holds(real) and not cudagraphs.BatchShape(1, 16, 16).holds(real)
+    bucket.load(real)
+    assert bucket.static.input_ids.shape == (3, 40) and bucket.static.anchors.shape == (3, 16)
+    expected, got = _loss_and_grads(objective, real), _loss_and_grads(objective, bucket.static)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+    for g, e in zip(got[3], expected[3]):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+def test_bucket_load_overwrites_every_padded_slot_of_the_previous_batch():
+    objective = tiny_objective("cpu")
+    big = example_inputs(objective, 40, FEATURE_LAYERS * HIDDEN, "cpu")
+    small = example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu")
+    shape = cudagraphs.BatchShape(rows=1, length=40, blocks=8)
+    bucket = cudagraphs._Bucket(shape, cudagraphs._example(shape, big, BLOCK, VOCAB, seed=1))
+    bucket.load(big)
+    bucket.load(small)
+    blocks = small.anchors.shape[1]
+    assert torch.equal(bucket.static.input_ids[:, 16:], torch.zeros(1, 24, dtype=torch.long))
+    assert not bucket.static.anchor_valid[:, blocks:].any()
+    assert float(bucket.static.weights[:, blocks:].abs().sum()) == 0.0
+    assert torch.equal(bucket.static.features[:, :16], small.features)
+
+
+# ------------------------------------------------------------------ GPU: real graphs
+
+
+def _batches(seed: int, steps: int, objective: DraftObjective) -> list[DrafterInputs]:
+    """Varying lengths (16..40) so both buckets and the padding are exercised."""
+    torch.manual_seed(seed)
+    return [example_inputs(objective, 16 + 8 * (step % 4), FEATURE_LAYERS * HIDDEN, "cuda")
+            for step in range(steps)]
+
+
+class _Fence:
+    """What the pipeline's Fence does: the reader's stream waits on the writer's."""
+
+    def __init__(self):
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self, device, *tensors):
+        torch.cuda.current_stream().wait_event(self._event)
+
+
+def _train(replicas: int, steps: int, mode: str, threaded: bool) -> list[list[float]]:
+    """`replicas` data-parallel drafters on one GPU, gradients averaged every step as the
+    pipeline does; in threads of their own (threaded) or one after another here."""
+    objectives = [tiny_objective("cuda", seed=0) for _ in range(replicas)]
+    optimizers = [torch.optim.AdamW(o.drafter.parameters(), lr=3e-3) for o in objectives]
+    data = [_batches(100 + r, steps, objectives[r]) for r in range(replicas)]
+    buckets = [cudagraphs.BatchShape(1, 24, 8), cudagraphs.BatchShape(1, 40, 8)]
+    losses: list[list[float]] = [[] for _ in range(replicas)]
+    posted: list = [None] * replicas
+
+    def build(r: int):
+        example = example_inputs(objectives[r], 24, FEATURE_LAYERS * HIDDEN, "cuda")
+        if mode == "eager":
+            return build_train_step("off", objectives[r], example)
+        return cudagraphs.build_cudagraph_train_step(objectives[r], example, buckets, strategy="whole_step")
+
+    def post(r: int, stats) -> None:
+        posted[r] = ([p.grad for p in objectives[r].drafter.parameters()], _Fence())
+        losses[r].append(float(stats.loss))
+
+    def update(r: int, everyone: list) -> None:  # replica.Replica.apply, minus the scheduler
+        params = list(objectives[r].drafter.parameters())
+        for param, grad in zip(params, average_gradients(everyone, "cuda")):
+            param.grad = grad
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizers[r].step()
+        optimizers[r].zero_grad(set_to_none=True)
+
+    if not threaded:
+        train_steps = [build(r) for r in range(replicas)]
+        for step in range(steps):
+            for r in range(replicas):
+                post(r, train_steps[r](data[r][step]))
+            for r in range(replicas):
+                update(r, list(posted))
+        return losses
+
+    barrier = threading.Barrier(replicas)
+    ready = [threading.Event() for _ in range(replicas)]
+    errors: list[BaseException] = []
+
+    def drafter(r: int) -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):  # each drafter on a stream of its own
+                train_step = build(r)
+                ready[r].set()
+                for step in range(steps):
+                    post(r, train_step(data[r][step]))
+                    barrier.wait()  # threads.Rendezvous.exchange: everyone posted,
+                    everyone = list(posted)
+                    barrier.wait()  # everyone read every slot
+                    update(r, everyone)  # meanwhile a faster replica may replay its next step
+        except BaseException as exc:  # forwarded to the test thread
+            errors.append(exc)
+            ready[r].set()
+            barrier.abort()
+
+    threads = [threading.Thread(target=drafter, args=(r,), name=f"drafter-{r}") for r in range(replicas)]
+    for thread, is_ready in zip(threads, ready):  # the coordinator's ready barrier
+        thread.start()
+        is_ready.wait()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return losses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_graphed_drafters_in_threads_train_like_eager(replicas):
+    steps = 24
+    # Deterministic kernels (with CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment) make
+    # the graphs replayed one after another an exact reference for the threaded run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        eager = _train(replicas, steps, "eager", threaded=False)
+        alone = _train(replicas, steps, "cudagraphs", threaded=False)
+        threaded = _train(replicas, steps, "cudagraphs", threaded=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # Threads change nothing: the same graphs, bit for bit, as replayed one after another.
+    assert threaded == alone
+    # Against eager, only Inductor's fused bf16 arithmetic differs.
+    for r in range(replicas):
+        assert threaded[r] == pytest.approx(eager[r], rel=2e-2), f"drafter-{r}"
+    assert all(threaded[0] != threaded[r] for r in range(1, replicas))  # each saw its own data

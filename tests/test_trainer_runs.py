@@ -1,0 +1,307 @@
+"""End-to-end runs of `python -m dflash_train` as the agent launches it: a subprocess with
+cwd = the run dir, stdout+stderr appended to train.log, the agent's environment. Real torch
+on CPU with a tiny random target built at test time (shared through the cache)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} \[[\w-]+\] ")
+
+# Small enough to start fast; every fault test shares its cache entry.
+SMALL = """
+target: {tiny: {}}
+data:
+  synthetic: {num_train: 64, num_eval: 2}
+  max_length: 128
+  token_budget: 512
+  pad_multiple: 16
+drafter: {num_layers: 1, block_size: 4, num_anchors: 8, num_target_features: 2}
+devices: {target: [cpu], drafters: [cpu, cpu]}
+runtime: {heartbeat_s: 0.5, torch_threads: 1}
+"""
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory) -> Path:
+    path = tmp_path_factory.getbasetemp() / "dflash-workspace"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+class Launched:
+    def __init__(self, run_dir: Path, proc: subprocess.Popen):
+        self.run_dir, self.proc = run_dir, proc
+
+    def events(self, type_: str | None = None) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        return [r for r in rows if type_ is None or r["type"] == type_]
+
+    def errors(self) -> list[dict]:
+        return [json.loads(line) for line in (self.run_dir / "errors.jsonl").read_text().splitlines()]
+
+    def log(self) -> str:
+        return (self.run_dir / "train.log").read_text()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"the trainer did not exit within {timeout}s; log tail:\n{self.log()[-3000:]}")
+
+    def wait_for(self, what: str, predicate, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"never saw {what}; log tail:\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def launch(workspace, tmp_path):
+    started: list[Launched] = []
+
+    def start(config_text: str, run_dir: Path | None = None, run_id: str = "run-1") -> Launched:
+        run_dir = run_dir or tmp_path / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_text)
+        env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+               "DFLASH_RUN_ID": run_id, "DFLASH_RELEASE_ID": "rel-test", "DFLASH_RELEASE_DIR": str(REPO),
+               "DFLASH_WORKSPACE": str(workspace)}
+        with open(run_dir / "train.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
+                                     "--run-dir", str(run_dir)], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        launched = Launched(run_dir, proc)
+        started.append(launched)
+        return launched
+
+    yield start
+    for launched in started:  # only the processes this test started
+        if launched.proc.poll() is None:
+            launched.proc.kill()
+            launched.proc.wait()
+
+
+def step_losses(run: Launched) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in run.events("step")}
+
+
+@pytest.mark.timeout(240)
+def test_tiny_cpu_config_end_to_end(launch, workspace):
+    run = launch(TINY_CONFIG.read_text())
+    assert run.wait(220) == 0, run.log()[-3000:]
+    # train.log: every line carries time and thread name
+    lines = run.log().splitlines()
+    assert lines and all(LOG_LINE.match(line) for line in lines), [l for l in lines if not LOG_LINE.match(l)][:5]
+    assert {"[drafter-0]", "[drafter-1]", "[coordinator]", "[eval]"} <= {line.split()[1] for line in lines}
+    # events.jsonl: the contract's types and fields
+    events = run.events()
+    assert all({"ts", "type", "thread"} <= set(e) for e in events)
+    assert [e["phase"] for e in run.events("phase")] == ["startup", "train", "eval", "shutdown"]
+    assert sorted(e["thread"] for e in run.events("ready")) == ["drafter-0", "drafter-1"]
+    steps = run.events("step")
+    assert [e["step"] for e in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 50
+    first = steps[0]
+    assert len(first["acc"]) == 7 and first["tokens_per_s"] > 0 and first["samples_per_s"] > 0 and first["lr"] > 0
+    assert set(first["queue_depths"]) == {"target-0", "drafter-0", "drafter-1"}
+    assert {"drafter-0", "drafter-1", "target-0", "prefetch"} <= {t for e in steps for t in e["wait_s"]}
+    assert sum(e["loss"] for e in steps[-10:]) < sum(e["loss"] for e in steps[:10])
+    assert len(run.events("heartbeat")) >= 3
+    assert events[-1]["type"] == "done" and events[-1]["exit_code"] == 0 and events[-1]["threads_alive"] == []
+    assert (run.run_dir / "errors.jsonl").read_text() == ""
+    assert (run.run_dir / "faulthandler.log").exists()
+    # a checkpoint, complete, behind an atomically replaced `latest`
+    latest = run.run_dir / "checkpoints" / "latest"
+    assert latest.is_symlink() and os.readlink(latest) == f"step_{len(steps):06d}"
+    assert {p.name for p in latest.resolve().iterdir()} == {"model.safetensors", "optimizer.pt", "state.json"}
+    assert [e["step"] for e in run.events("checkpoint")][-1] == len(steps)
+    # the acceptance-length gain, both numbers reported
+    evals = run.events("eval")
+    assert [e["step"] for e in evals] == [0, 48, 96]  # at the start, every 48 steps, at the end
+    untrained, trained = evals[0], evals[-1]
+    assert untrained["baseline"] and untrained["step"] == 0 and trained["final"]
+    assert trained["baseline_acceptance_length"] == untrained["acceptance_length"]
+    assert trained["acceptance_length"] >= untrained["acceptance_length"] + 0.8, evals
+    assert f"acceptance length {trained['acceptance_length']:.3f}" in run.log()
+    # the export loads back and drafts losslessly against the target
+    check_export(run.run_dir / "export", workspace)
+
+
+def check_export(export: Path, workspace: Path) -> None:
+    code = f"""
+import json, sys, torch
+sys.path.insert(0, {str(REPO / 'remote')!r})
+from pathlib import Path
+from dflash_train.model import load_drafter
+from dflash_train.speculative import speculative_decode
+from dflash_train.target import FeatureTap, load_target
+from dflash_train.config import load_train_config
+from dflash_train.tiny import ensure_tiny_assets
+export = Path({str(export)!r})
+config = json.loads((export / 'config.json').read_text())
+drafter = load_drafter(export).eval()
+train = load_train_config({str(TINY_CONFIG)!r})  # its cache entry exists: this finds it, builds nothing
+assets = ensure_tiny_assets(train.target.tiny, train.data.synthetic, Path({str(workspace / "cache")!r}))
+target = load_target(str(assets.target_dir), 'float32', 'cpu')
+tap = FeatureTap(target, tuple(config['dflash_config']['target_layer_ids']))
+prompt = [2, 6] + [10 + i for i in range(12)] + [3, 2, 7]
+decoded = speculative_decode(drafter, tap, target.get_input_embeddings().weight,
+                             target.get_output_embeddings().weight, prompt, 24, set())
+greedy = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+print(json.dumps({{"same": decoded.tokens == greedy, "accepted": decoded.accepted}}))
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["same"] and max(result["accepted"]) > 1, result
+
+
+@pytest.mark.timeout(120)
+def test_raise_at_startup_is_reported_whole_and_fast(launch):
+    run = launch(SMALL + "faults: [{thread: drafter-1, at: startup, kind: raise, depth: 40}]\n")
+    code = run.wait(100)
+    ended = time.time()
+    assert code == 1
+    errors = run.errors()
+    assert [e["thread"] for e in errors] == ["drafter-1", "coordinator"]
+    root, coordinator = errors
+    assert ended - root["ts"] < 5.0, "the run must exit within seconds of the failure"
+    assert root["phase"] == "startup" and root["step"] is None and root["exc_type"] == "InjectedFault"
+    assert root["run_id"] == "run-1" and root["release_id"] == "rel-test" and isinstance(root["thread_ident"], int)
+    deep = [f for f in root["frames"] if f["func"] in ("_descend_even", "_descend_odd")]
+    assert len(deep) == 40  # every frame of the root cause, none collapsed
+    assert root["traceback"].count("_descend_") >= 80  # each frame: the line and its code
+    assert "InjectedRootCause: injected root cause in drafter-1 at startup" in root["traceback"]
+    assert "The above exception was the direct cause" in root["traceback"]
+    assert "drafter-1" in coordinator["message"] and coordinator["exc_type"] == "DrafterStartupError"
+    assert "InjectedRootCause" in coordinator["traceback"] and "wait_until_ready" in coordinator["traceback"]
+    assert coordinator["frames"] == root["frames"]  # the coordinator's record points at the same root cause
+    done = run.events("done")[-1]
+    assert done["exit_code"] == 1 and done["threads_alive"] == []
+    assert not run.events("step")
+
+
+@pytest.mark.timeout(120)
+def test_raise_while_training_stops_the_run_within_seconds(launch):
+    run = launch(SMALL + "faults: [{thread: target-0, at: 'step:3', kind: raise, depth: 5}]\n")
+    code = run.wait(100)
+    ended = time.time()
+    assert code == 1
+    root, coordinator = run.errors()
+    assert (root["thread"], root["phase"], root["step"]) == ("target-0", "train", 3)
+    assert ended - root["ts"] < 5.0
+    assert coordinator["thread"] == "coordinator" and coordinator["exc_type"] == "ThreadFailed"
+    assert coordinator["message"].startswith("target-0 failed: InjectedFault")
+    assert coordinator["frames"] == root["frames"]
+    assert run.events("done")[-1]["threads_alive"] == []
+    assert max(e["step"] for e in run.events("step")) <= 3
+
+
+@pytest.mark.timeout(120)
+def test_hang_stops_heartbeats_and_sigusr1_dumps_every_thread(launch):
+    run = launch(SMALL + "faults: [{thread: drafter-1, at: 'step:3', kind: hang}]\n")
+    run.wait_for("the hang", lambda: "injecting fault: hang" in run.log(), 90)
+    time.sleep(2.0)  # the rest of the pipeline fills its queues and blocks
+    beats = len(run.events("heartbeat"))
+    time.sleep(2.5)  # five heartbeat periods
+    assert len(run.events("heartbeat")) == beats, "heartbeats must stop while the pipeline is stuck"
+    assert max(e["step"] for e in run.events("step")) == 2
+    run.proc.send_signal(signal.SIGUSR1)
+    dump = run.run_dir / "faulthandler.log"
+    run.wait_for("the stack dump", lambda: "_hang" in dump.read_text(), 10)
+    time.sleep(0.5)
+    text = dump.read_text()
+    assert text.count("Thread 0x") + text.count("Current thread 0x") >= 6  # coordinator, prefetch, target, 2 drafters, eval
+    assert "wait_until_ready" not in text and "_hang" in text and "exchange" in text  # drafter-0 waits for its peer
+    started = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(30) == 143
+    assert time.monotonic() - started < 10
+    done = run.events("done")[-1]
+    assert done["exit_code"] == 143 and done["threads_alive"] == ["drafter-1"]
+    assert run.errors() == []  # a stop is not a failure
+    assert os.readlink(run.run_dir / "checkpoints" / "latest") == "step_000002"  # checkpoint on stop
+
+
+@pytest.mark.timeout(120)
+def test_abort_leaves_every_stack_in_faulthandler_log(launch):
+    run = launch(SMALL + "faults: [{thread: target-0, at: 'step:2', kind: abort}]\n")
+    assert run.wait(100) == -signal.SIGABRT
+    text = (run.run_dir / "faulthandler.log").read_text()
+    assert "Fatal Python error: Aborted" in text
+    assert "_abort" in text
+    assert text.count("Thread 0x") + text.count("Current thread 0x") >= 5
+
+
+@pytest.mark.timeout(120)
+def test_exit_fault_sets_the_exit_code(launch):
+    run = launch(SMALL + "faults: [{thread: prefetch, at: 'step:2', kind: exit, code: 7}]\n")
+    assert run.wait(100) == 7
+    assert "injecting fault: exit in prefetch at step 2" in run.log()
+
+
+@pytest.mark.timeout(180)
+def test_resume_continues_step_count_and_loss_curve(launch, tmp_path):
+    base = SMALL + "optim: {max_steps: 8}\ncheckpoint: {every: 3}\neval: {num_prompts: 0}\n"
+    run_dir = tmp_path / "resumed"
+    first = launch(base + "faults: [{thread: drafter-0, at: 'step:5', kind: exit, code: 3}]\n", run_dir)
+    assert first.wait(100) == 3  # crashed after completing step 4; the newest checkpoint is step 3
+    first_losses = step_losses(first)
+    assert sorted(first_losses) == [1, 2, 3, 4]
+    assert os.readlink(run_dir / "checkpoints" / "latest") == "step_000003"
+    first_events = len(first.events())
+
+    second = launch(base.replace("checkpoint: {every: 3}", "checkpoint: {every: 3, resume: latest}"), run_dir)
+    assert second.wait(100) == 0
+    resumed = [e for e in second.events()[first_events:] if e["type"] == "step"]  # appended to the same file
+    assert [e["step"] for e in resumed] == [4, 5, 6, 7, 8]
+    # step 4 again, from the checkpoint: same data, anchors, weights and optimizer state -> same loss
+    assert resumed[0]["loss"] == pytest.approx(first_losses[4], rel=1e-5, abs=1e-6)
+    state = json.loads((run_dir / "checkpoints" / "latest" / "state.json").read_text())
+    assert state["step"] == 8 and len(state["losses"]) == 8
+    assert state["losses"][:3] == pytest.approx([first_losses[s] for s in (1, 2, 3)], rel=1e-6)
+    assert "resuming from" in second.log() and "at step 3" in second.log()
+
+
+@pytest.mark.timeout(240)
+def test_sequential_and_compiled_pipelines_do_the_same_work(launch):
+    base = SMALL + "optim: {max_steps: 4}\neval: {num_prompts: 0}\n"
+    threaded = launch(base, run_id="threaded")
+    assert threaded.wait(100) == 0
+    sequential = launch(base + "pipeline: {mode: sequential}\n", run_id="sequential")
+    assert sequential.wait(100) == 0
+    assert step_losses(threaded) == pytest.approx(step_losses(sequential), rel=1e-5)
+    assert [e["phase"] for e in sequential.events("phase")][:2] == ["startup", "train"]
+    # torch.compile (no CUDA graphs) in two drafter threads of the same architecture
+    compiled = launch(base + "compile: default\n", run_id="compiled")
+    assert compiled.wait(200) == 0, compiled.log()[-3000:]
+    assert [e["compile"] for e in compiled.events("ready")] == ["default", "default"]
+    assert step_losses(compiled) == pytest.approx(step_losses(threaded), rel=1e-3)
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_config_is_a_recorded_failure(launch):
+    run = launch(SMALL + "optim: {lr: -1}\n")
+    assert run.wait(50) == 1
+    (error,) = run.errors()
+    assert error["exc_type"] == "SchemaError" and "optim" in error["message"] and "config.yaml" in error["message"]
+    assert run.events("done")[-1]["exit_code"] == 1

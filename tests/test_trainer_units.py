@@ -1,0 +1,342 @@
+"""Unit tests of the trainer's parts, in process, on CPU with tiny random models."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "remote"))
+
+import torch  # noqa: E402
+from dflash_schema import SchemaError  # noqa: E402
+
+from dflash_train import checkpoint as ckpt  # noqa: E402
+from dflash_train.config import (DrafterConfig, SyntheticDataSpec, TinyTargetSpec,  # noqa: E402
+                                 load_train_config)
+from dflash_train.data import tokenize_chat  # noqa: E402
+from dflash_train.model import (DFlashDrafter, default_target_layer_ids, drafter_hf_config,  # noqa: E402
+                                export_drafter, load_drafter)
+from dflash_train.objective import (block_labels, dense_block_mask, flex_block_mask,  # noqa: E402
+                                    position_weights, sample_anchors)
+from dflash_train.runlog import LineWriter, error_record  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = """
+target: {tiny: {}}
+data: {synthetic: {}, max_length: 128, token_budget: 512}
+devices: {target: [cpu], drafters: [cpu, cpu]}
+"""
+
+
+# --- config -------------------------------------------------------------------------
+
+def test_tiny_config_loads_and_names_its_resources():
+    config = load_train_config(TINY_CONFIG)
+    assert config.resources() == ("cpu",)
+    assert config.compile == "off"  # YAML reads a bare `off` as false
+    assert len(config.devices.drafters) == 2
+    assert config.stall_after == 300.0
+
+
+@pytest.mark.parametrize("name", ["tiny-gpu.yaml", "qwen3-8b.yaml"])
+def test_shipped_gpu_configs_load(name):
+    config = load_train_config(TINY_CONFIG.parent / name)
+    assert config.resources() == ("gpu0",) and config.stall_after == 300.0
+
+
+def test_config_module_does_not_import_torch():
+    code = ("import sys; sys.path.insert(0, 'remote'); import dflash_train.config as c; "
+            "c.load_train_config('configs/train/tiny-cpu.yaml'); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_cudagraphs_on_cpu_is_refused_clearly(tmp_path):
+    with pytest.raises(SchemaError) as err:
+        load_train_config(write_config(tmp_path, BASE + "compile: cudagraphs\n"))
+    assert "cudagraphs needs CUDA" in str(err.value) and str(tmp_path) in str(err.value)
+
+
+def test_unknown_fault_thread_and_bad_keys_are_refused(tmp_path):
+    with pytest.raises(SchemaError, match="unknown thread 'drafter-2'"):
+        load_train_config(write_config(tmp_path, BASE + "faults: [{thread: drafter-2, at: startup, kind: raise}]\n"))
+    with pytest.raises(SchemaError, match=r"optim\.lrr: unknown key"):
+        load_train_config(write_config(tmp_path, BASE + "optim: {lrr: 1}\n"))
+    with pytest.raises(SchemaError, match="step:N"):
+        load_train_config(write_config(tmp_path, BASE + "faults: [{thread: prefetch, at: soon, kind: hang}]\n"))
+
+
+def test_gpu_resources(tmp_path):
+    config = load_train_config(write_config(tmp_path, BASE.replace(
+        "devices: {target: [cpu], drafters: [cpu, cpu]}", "devices: {target: [cuda:0], drafters: [cuda:1, cuda]}")
+        + "compile: cudagraphs\n"))
+    assert config.resources() == ("gpu0", "gpu1")
+
+
+# --- model and objective -------------------------------------------------------------
+
+def test_default_target_layer_ids_match_the_paper():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layer_ids(6, 2) == (1, 3)
+
+
+def test_position_weights_decay():
+    weights = position_weights(block_size=16, gamma=7.0)
+    assert weights.shape == (15,)
+    assert weights[0] == 1.0 and math.isclose(float(weights[7]), math.exp(-7 / 7), rel_tol=1e-6)
+
+
+def test_anchors_are_response_tokens_with_context_and_a_label():
+    mask = torch.tensor([False] * 5 + [True] * 20 + [False] * 3 + [True] * 4)  # (32,)
+    for seed in range(5):
+        anchors = sample_anchors(mask, 8, torch.Generator().manual_seed(seed))
+        assert anchors.numel() == 8 and torch.all(anchors[1:] > anchors[:-1])
+        assert bool(mask[anchors].all()) and int(anchors.min()) >= 1 and int(anchors.max()) <= 30
+    same = [sample_anchors(mask, 8, torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
+    assert same[0] == same[1]
+    assert sample_anchors(mask, 100, torch.Generator()).numel() == int(mask[1:-1].sum())
+
+
+def test_block_labels_and_weights():
+    input_ids = torch.arange(100, 110).unsqueeze(0)  # (1, 10)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1]]).bool()
+    anchors = torch.tensor([[2, 7, 0]])
+    valid = torch.tensor([[True, True, False]])
+    weights_k = position_weights(4, 7.0)
+    labels, weights = block_labels(input_ids, loss_mask, anchors, valid, weights_k)
+    assert labels[0, 0].tolist() == [103, 104, 105]
+    assert weights[0, 0].tolist() == pytest.approx(weights_k.tolist())
+    # anchor 7: position 8 and 9 learnable, position 10 is past the end
+    assert labels[0, 1, :2].tolist() == [108, 109]
+    assert weights[0, 1].tolist() == pytest.approx([1.0, math.exp(-1 / 7), 0.0])
+    assert weights[0, 2].sum() == 0  # an unused block teaches nothing
+
+
+def test_dense_block_mask_rules():
+    anchors, valid = torch.tensor([[3, 6]]), torch.tensor([[True, False]])
+    mask = dense_block_mask(anchors, valid, context_len=8, block_size=2)[0, 0]  # (4, 8 + 4)
+    # block 0 (queries 0-1): context 0..2 (strictly before anchor 3), its own block (kv 8, 9)
+    assert mask[0].tolist() == [True] * 3 + [False] * 5 + [True, True, False, False]
+    assert torch.equal(mask[0], mask[1])  # bidirectional inside the block
+    # block 1 is unused: it sees only itself, never context (a fully masked row would be NaN)
+    assert mask[2].tolist() == [False] * 8 + [False, False, True, True]
+
+
+def small_drafter(block_size: int = 4, layers: int = 2) -> DFlashDrafter:
+    from transformers import Qwen3Config
+
+    target = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    spec = DrafterConfig(num_layers=layers, block_size=block_size, num_anchors=4)
+    drafter = DFlashDrafter(drafter_hf_config(target, spec, (1, 3), mask_token_id=7))
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    return drafter.eval()
+
+
+def run_blocks(drafter, tokens, features, anchors, valid):
+    block_size = drafter.block_size
+    embed = torch.nn.Embedding(50, 32)
+    torch.manual_seed(1)
+    torch.nn.init.normal_(embed.weight)
+    block_ids = torch.full((1, anchors.shape[1], block_size), 7)
+    block_ids[:, :, 0] = tokens.gather(1, anchors)
+    positions = (anchors.unsqueeze(-1) + torch.arange(block_size)).view(1, -1)
+    mask = dense_block_mask(anchors, valid, tokens.shape[1], block_size)
+    with torch.no_grad():
+        return drafter(embed(block_ids.view(1, -1)), features, torch.arange(tokens.shape[1]).unsqueeze(0),
+                       positions, mask)
+
+
+def test_a_block_sees_only_context_before_its_anchor_and_itself():
+    drafter = small_drafter()
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 50, (1, 20), generator=generator)
+    features = torch.randn(1, 20, 64, generator=generator)
+    anchors, valid = torch.tensor([[5, 12]]), torch.tensor([[True, True]])
+    base = run_blocks(drafter, tokens, features, anchors, valid)  # (1, 8, 32)
+    later = features.clone()
+    later[:, 5:] += 1.0  # context at/after block 0's anchor
+    out = run_blocks(drafter, tokens, later, anchors, valid)
+    assert torch.allclose(out[:, :4], base[:, :4], atol=1e-6)  # block 0 cannot see it
+    assert not torch.allclose(out[:, 4:], base[:, 4:], atol=1e-4)  # block 1 (anchor 12) can
+    other_block = tokens.clone()
+    other_block[0, 12] = (other_block[0, 12] + 1) % 50  # block 1's anchor token
+    out = run_blocks(drafter, other_block, features, anchors, valid)
+    assert torch.allclose(out[:, :4], base[:, :4], atol=1e-6)  # blocks never see each other
+    earlier = features.clone()
+    earlier[:, 4] += 1.0  # the last context position block 0 may use
+    out = run_blocks(drafter, tokens, earlier, anchors, valid)
+    assert not torch.allclose(out[:, :4], base[:, :4], atol=1e-4)
+
+
+def test_flex_mask_matches_dense_mask():
+    drafter = small_drafter()
+    generator = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 50, (1, 16), generator=generator)
+    features = torch.randn(1, 16, 64, generator=generator)
+    anchors, valid = torch.tensor([[3, 9, 0]]), torch.tensor([[True, True, False]])
+    dense = run_blocks(drafter, tokens, features, anchors, valid)
+    positions = (anchors.unsqueeze(-1) + torch.arange(4)).view(1, -1)
+    embed = torch.nn.Embedding(50, 32)
+    torch.manual_seed(1)
+    torch.nn.init.normal_(embed.weight)
+    block_ids = torch.full((1, 3, 4), 7)
+    block_ids[:, :, 0] = tokens.gather(1, anchors)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # flex_attention runs unfused outside torch.compile: fine here
+        flex = drafter(embed(block_ids.view(1, -1)), features, torch.arange(16).unsqueeze(0), positions,
+                       flex_block_mask(anchors, valid, 16, 4))
+    assert torch.allclose(dense[:, :8], flex[:, :8], atol=1e-5)  # the used blocks
+
+
+def test_export_loads_back_with_public_field_names(tmp_path):
+    drafter = small_drafter(block_size=8, layers=1)
+    export_drafter(drafter, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3]
+    assert config["dflash_config"]["mask_token_id"] == 7
+    assert config["dflash_config"]["block_size"] == 8 and config["block_size"] == 8
+    assert config["num_target_layers"] == 6 and config["num_hidden_layers"] == 1
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "export" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight"} <= names
+    loaded = load_drafter(tmp_path / "export").eval()
+    tokens = torch.randint(0, 50, (1, 12))
+    features = torch.randn(1, 12, 64)
+    anchors, valid = torch.tensor([[4]]), torch.tensor([[True]])
+    assert torch.equal(run_blocks(drafter, tokens, features, anchors, valid),
+                       run_blocks(loaded, tokens, features, anchors, valid))
+
+
+# --- data ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    from dflash_train.tiny import ensure_tiny_assets
+    root = tmp_path_factory.getbasetemp() / "dflash-workspace" / "cache"
+    return ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=16, num_eval=2), root)
+
+
+def test_chat_loss_mask_covers_exactly_the_assistant_turns(tiny_assets):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_assets.target_dir))
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"},
+                {"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]
+    ids, mask = tokenize_chat(tokenizer, messages, "test")
+    learnt = [tok for tok, m in zip(tokenizer.convert_ids_to_tokens(ids), mask) if m]
+    assert learnt == ["w3", "w4", "<|im_end|>", "w6", "<|im_end|>"]
+
+
+def test_speculative_decoding_is_lossless(tiny_assets):
+    """Whatever the drafter proposes, the output is the target's own greedy decode."""
+    from dflash_train.speculative import speculative_decode
+    from dflash_train.target import FeatureTap, load_target
+    target = load_target(str(tiny_assets.target_dir), "float32", "cpu")
+    tap = FeatureTap(target, (1, 3))
+    spec = DrafterConfig(num_layers=1, block_size=4, num_anchors=4)
+    drafter = DFlashDrafter(drafter_hf_config(target.config, spec, (1, 3), mask_token_id=4)).eval()
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    prompt = [2, 6, 20, 30, 40, 3, 2, 7]
+    decoded = speculative_decode(drafter, tap, embed, head, prompt, max_new_tokens=20, stop_ids=set())
+    with torch.no_grad():
+        greedy = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert decoded.tokens == greedy
+    assert sum(decoded.accepted) + 1 >= len(decoded.tokens) and all(a >= 1 for a in decoded.accepted)
+    features = tap.features(torch.tensor([prompt]))  # stops after layer 3, same values as a full pass
+    _, full = tap.logits_and_features(torch.tensor([prompt]))
+    assert features.shape == (1, len(prompt), 128) and torch.allclose(features, full)
+
+
+# --- logging, errors, checkpoints ----------------------------------------------------
+
+def test_line_writer_never_mixes_threads_inside_a_line(tmp_path):
+    path = tmp_path / "log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    writer = LineWriter(fd)
+
+    def chatter(name: str) -> None:
+        threading.current_thread().name = name
+        for i in range(200):
+            writer.write(f"{name} part-a {i} ")  # a line written in pieces
+            writer.write(f"part-b {i}\n{name} second {i}\n")
+
+    threads = [threading.Thread(target=chatter, args=(f"t{n}",)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    writer.write("unfinished")
+    writer.flush_all()
+    os.close(fd)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 * 400 + 1
+    import re
+    pattern = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} \[(t\d|MainThread)\] (.*)$")
+    for line in lines[:-1]:
+        match = pattern.match(line)
+        assert match, line
+        thread, text = match.groups()
+        assert re.fullmatch(rf"{thread} (part-a (\d+) part-b \d+|second \d+)", text), line
+    assert lines[-1].endswith("unfinished")
+
+
+def test_error_record_has_the_chain_and_the_root_frames():
+    def inner():
+        raise KeyError("deep")
+
+    try:
+        try:
+            inner()
+        except KeyError as exc:
+            raise RuntimeError("outer") from exc
+    except RuntimeError as exc:
+        record = error_record(exc, thread="drafter-3", thread_ident=12, phase="train", step=7)
+        text = "".join(traceback.format_exception(exc))
+    assert record["traceback"] == text and "direct cause" in text
+    assert record["exc_type"] == "RuntimeError" and record["message"] == "outer"
+    assert record["frames"][-1]["func"] == "inner" and record["frames"][-1]["code"] == 'raise KeyError("deep")'
+    assert {"ts", "run_id", "thread", "thread_ident", "phase", "step", "release_id"} <= set(record)
+
+
+def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        state = ckpt.TrainingState(step=step, epoch=0, batch_index=step, replicas=2, losses=[1.0] * step)
+        ckpt.save_checkpoint(root, state, model, optimizer, scheduler, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert os.readlink(root / "latest") == "step_000003"
+    folder = ckpt.resolve_resume("latest", tmp_path)
+    loaded = ckpt.load_checkpoint(folder)
+    assert loaded.state.step == 3 and loaded.state.losses == [1.0] * 3
+    assert torch.equal(loaded.weights["weight"], model.weight.detach())
+    assert loaded.optimizer["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
+    assert ckpt.resolve_resume("latest", tmp_path / "elsewhere") is None
