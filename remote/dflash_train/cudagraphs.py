@@ -1,0 +1,289 @@
+"""`compile: cudagraphs`: the drafter's train step under CUDA graphs, in every drafter thread.
+
+Several drafter threads of one architecture share a process (often one GPU) and must
+all run their forward+backward from CUDA graphs, on torch 2.11 through 2.14. The
+obvious route, `torch.compile(mode="reduce-overhead")`, crashes in every thread but the
+first on torch <= 2.12; shared/research/torch-threads.md records why (the CUDA-graph-tree
+registry lives in the TLS of the thread that imported it first, warm-up and capture are
+not serialized, and one graphed callable is shared by all threads that reach the same
+compiled artifact).
+
+Two strategies, one contract (`build_cudagraph_train_step`, the seam compile_policy.py
+calls for `compile: cudagraphs`):
+
+* ``whole_step`` (every torch version; the choice for <= 2.12, by measurement, see
+  bench/RESULTS-h200.md): Inductor compiles the objective (default mode: fused kernels,
+  no CUDA-graph trees, `fullgraph=True`, static shapes), then the whole forward+backward
+  -- gradient zeroing and accumulation included -- is captured with `torch.cuda.graph`
+  once per shape bucket, in the drafter's own thread, under a process-wide lock, into a
+  memory pool private to that drafter. None of the tree machinery runs, so none of its
+  thread-safety holes apply.
+* ``upstream`` (torch >= 2.13, which has pytorch PR #184357, thread-aware trees):
+  `torch.compile(mode="reduce-overhead", fullgraph=True)`, warmed up and recorded under
+  the lock. Chosen automatically only when every drafter has a GPU of its own: all
+  backwards on one GPU run on one autograd device thread, and upstream keys the graphed
+  backward by executing thread, so same-GPU drafters would share it.
+
+Rules both follow (the research note's): compiler config is set before drafter threads
+start (compile_policy.configure_compiler); compile, warm-up and capture happen in the
+drafter's start-up, before its ready signal, one drafter at a time (`CAPTURE_LOCK`);
+`cudagraph_mark_step_begin` is never called; shapes are static: every batch is padded up
+to one of a few bucket shapes, all captured at start-up, so no capture ever overlaps
+another thread's training. Padding is loss-neutral: padded rows and blocks are invalid
+anchors with zero loss weight, and padded context lies after every real anchor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from .compile_policy import StepStats, TrainStep
+from .config import DataConfig, DrafterConfig
+from .objective import DraftObjective, DrafterInputs, block_labels, position_weights
+
+Strategy = Literal["auto", "whole_step", "upstream"]
+
+# Warm-up and capture touch process-wide CUDA state (a device synchronize, the cuBLAS
+# workspace map, the allocator's capture pools): one thread at a time, process-wide.
+CAPTURE_LOCK = threading.Lock()
+UPSTREAM_THREAD_SAFE_TORCH = (2, 13)  # first release with pytorch PR #184357
+MAX_BUCKETS = 4  # graphs per drafter; each costs a compile and a capture at start-up
+WARMUP_STEPS = 3  # eager-allocator steps before capture: compile, autotune, cuBLAS handles
+
+
+class CudaGraphsUnavailable(RuntimeError):
+    """`compile: cudagraphs` was asked for where it cannot work (no CUDA, old torch)."""
+
+
+class UncapturedShape(RuntimeError):
+    """A batch arrived that fits no bucket captured at start-up."""
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of the running torch, or of `version` ("2.11.0+cu130")."""
+    major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def resolve_strategy(requested: Strategy, *, drafters_share_a_device: bool,
+                     version: tuple[int, int] | None = None) -> Literal["whole_step", "upstream"]:
+    """The strategy for this torch and this placement of drafters."""
+    version = version or torch_version()
+    upstream_ok = version >= UPSTREAM_THREAD_SAFE_TORCH
+    if requested == "upstream":
+        if not upstream_ok:
+            raise CudaGraphsUnavailable(
+                f"cudagraphs strategy 'upstream' needs torch >= 2.13 (thread-aware CUDA-graph "
+                f"trees); this is torch {version[0]}.{version[1]}: use 'whole_step' or 'auto'")
+        return "upstream"
+    if requested == "whole_step":
+        return "whole_step"
+    return "upstream" if upstream_ok and not drafters_share_a_device else "whole_step"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class BatchShape:
+    """A bucket: micro-batches of at most `rows` sequences of `length` tokens, `blocks` anchors."""
+
+    rows: int
+    length: int
+    blocks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+    def holds(self, inputs: DrafterInputs) -> bool:
+        rows, length = inputs.input_ids.shape
+        return rows <= self.rows and length <= self.length and inputs.anchors.shape[1] <= self.blocks
+
+
+def bucket_shapes(data: DataConfig, drafter: DrafterConfig) -> tuple[BatchShape, ...]:
+    """The buckets that hold every micro-batch data.py can make from this config.
+
+    The packer pads lengths to multiples of `pad_multiple` (up to `max_length`) and keeps
+    rows x length within `token_budget`, with at most `num_anchors` blocks a row: one
+    bucket per possible length covers all of them exactly.
+    """
+    multiple, top = data.pad_multiple, -(-data.max_length // data.pad_multiple) * data.pad_multiple
+    lengths = range(multiple, top + 1, multiple)
+    if len(lengths) > MAX_BUCKETS:
+        raise CudaGraphsUnavailable(
+            f"compile: cudagraphs captures one graph per padded length; data.max_length {data.max_length} "
+            f"with data.pad_multiple {multiple} makes {len(lengths)} (at most {MAX_BUCKETS}): set "
+            f"data.pad_multiple to at least {-(-top // MAX_BUCKETS)} (e.g. {data.max_length}, one graph)")
+    # data.collate rounds a row's block count up to 8, never past num_anchors.
+    return tuple(BatchShape(max(1, data.token_budget // n), n, min(drafter.num_anchors, -(-(n - 2) // 8) * 8))
+                 for n in lengths)
+
+
+def _example(shape: BatchShape, like: DrafterInputs, block_size: int, vocab: int, seed: int) -> DrafterInputs:
+    """Valid random inputs of `shape`, with `like`'s dtypes and device."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (shape.rows, shape.length), generator=generator)
+    real = min(shape.blocks, shape.length - 2)  # an anchor needs a token before and after it
+    anchors = torch.zeros((shape.rows, shape.blocks), dtype=torch.long)
+    anchors[:, :real] = torch.stack([torch.sort(torch.randperm(shape.length - 2, generator=generator)[:real]).values
+                                     for _ in range(shape.rows)]) + 1
+    valid = torch.arange(shape.blocks).expand(shape.rows, -1) < real
+    labels, weights = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, valid,
+                                   position_weights(block_size, 7.0))
+    features = torch.randn(shape.rows, shape.length, like.features.shape[-1], generator=generator)
+    device = like.input_ids.device
+    return DrafterInputs(input_ids.to(device), features.to(device, like.features.dtype), anchors.to(device),
+                         valid.to(device), labels.to(device), weights.to(device, like.weights.dtype))
+
+
+class _Bucket:
+    """Static input tensors of one bucket; a batch is copied in, padded loss-neutrally."""
+
+    def __init__(self, shape: BatchShape, static: DrafterInputs):
+        self.shape = shape
+        self.static = static
+
+    @torch.no_grad()
+    def load(self, inputs: DrafterInputs) -> None:
+        rows, length = inputs.input_ids.shape
+        blocks = inputs.anchors.shape[1]
+        exact = (rows, length, blocks) == (self.shape.rows, self.shape.length, self.shape.blocks)
+        for name in ("input_ids", "features", "anchors", "anchor_valid", "labels", "weights"):
+            source, target = getattr(inputs, name), getattr(self.static, name)
+            if not exact:
+                # Zero: token 0, zero features, anchor 0 marked invalid, label 0 of weight 0.
+                target.zero_()
+            if name in ("input_ids", "features"):
+                target[:rows, :length].copy_(source, non_blocking=True)
+            else:
+                target[:rows, :blocks].copy_(source, non_blocking=True)
+
+
+def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs,
+                               buckets: Sequence[BatchShape] | None = None, *,
+                               drafters_share_a_device: bool = True,
+                               strategy: Strategy = "auto") -> TrainStep:
+    """Compile and capture one replica's forward+backward; call in its thread before ready.
+
+    `example` gives dtypes, feature width and device; `buckets` the shapes to capture
+    (default: the example's own). The returned step pads each batch to the smallest
+    bucket that holds it, replays, and leaves the gradients in every parameter's
+    `.grad` (the same tensors every step), like the eager step does.
+    """
+    device = next(objective.drafter.parameters()).device
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise CudaGraphsUnavailable(f"compile: cudagraphs needs a CUDA device; the drafter is on {device}")
+    chosen = resolve_strategy(strategy, drafters_share_a_device=drafters_share_a_device)
+    if buckets is None:
+        buckets = [BatchShape(example.input_ids.shape[0], example.input_ids.shape[1], example.anchors.shape[1])]
+    # Largest first: smaller buckets' captures then fit in memory the largest freed.
+    shapes = sorted(set(buckets), key=lambda s: (s.tokens, s), reverse=True)
+    vocab = objective.embed_weight.shape[0]
+    statics = [_Bucket(shape, _example(shape, example, objective.drafter.block_size, vocab, seed=i))
+               for i, shape in enumerate(shapes)]
+    with CAPTURE_LOCK, torch.cuda.device(device):
+        if chosen == "upstream":
+            replay = _warm_up_upstream(objective, statics)
+        else:
+            replay = _capture_whole_step(objective, statics)
+
+    def train_step(inputs: DrafterInputs) -> StepStats:
+        # Smallest padded size that holds the batch (shapes is sorted largest first).
+        bucket = next((b for b in reversed(statics) if b.shape.holds(inputs)), None)
+        if bucket is None:
+            rows, length = inputs.input_ids.shape
+            raise UncapturedShape(
+                f"a micro-batch of {rows} x {length} tokens with {inputs.anchors.shape[1]} blocks fits no "
+                f"captured bucket ({', '.join(map(str, shapes))}); capturing during training would race "
+                "with the other drafters, so the buckets must cover the data (see bucket_shapes)")
+        bucket.load(inputs)
+        return replay(bucket)
+
+    return train_step
+
+
+def _trainable(objective: DraftObjective) -> list[torch.nn.Parameter]:
+    return [p for p in objective.drafter.parameters() if p.requires_grad]
+
+
+def _hand_out_gradients(params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+    """Give every parameter a fresh copy of its gradient, as an eager backward would.
+
+    Other replicas read these gradients to average them after the rendezvous, possibly
+    while this replica already runs its next step; the graph overwrites its own
+    gradient tensors in place, so they must never be the ones handed out.
+    """
+    for param, fresh in zip(params, torch._foreach_mul(grads, 1.0)):  # all copies in one launch
+        param.grad = fresh
+
+
+def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket]):
+    params = _trainable(objective)
+    # Gradients live outside any graph pool, allocated once: the graph zeroes them and
+    # backward accumulates into them in place, so every bucket's graph writes the same
+    # tensors and the code after the step (averaging, clipping, AdamW) can read them.
+    grads = [torch.zeros_like(p) for p in params]
+    compiled = torch.compile(objective, fullgraph=True, dynamic=False)
+
+    def body(inputs: DrafterInputs):
+        for param, grad in zip(params, grads):
+            param.grad = grad  # Python only; what the graph records is the in-place zero and add
+        torch._foreach_zero_(grads)
+        loss, correct, counted = compiled(inputs)
+        loss.backward()
+        return loss.detach(), correct, counted
+
+    # Warm up on a side stream (the allocator and autograd must see a non-default stream
+    # before capture): compiles each bucket, autotunes, creates cuBLAS handles.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for bucket in statics:
+            for _ in range(WARMUP_STEPS):
+                body(bucket.static)
+    torch.cuda.current_stream().wait_stream(side)
+
+    pool = torch.cuda.graph_pool_handle()  # this drafter's own; its buckets take turns in it
+    graphs = {}
+    for bucket in statics:
+        graph = torch.cuda.CUDAGraph()
+        # "thread_local": another thread's harmless CUDA call (pinning host memory) must
+        # not void this capture; captures themselves are serialized by CAPTURE_LOCK.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            outputs = body(bucket.static)
+        graphs[bucket.shape] = (graph, outputs)
+    torch.cuda.current_stream().synchronize()
+
+    def replay(bucket: _Bucket) -> StepStats:
+        graph, (loss, correct, counted) = graphs[bucket.shape]
+        graph.replay()
+        _hand_out_gradients(params, grads)
+        # The next replay (any bucket: they share the pool) overwrites the outputs; copy now.
+        return StepStats(loss.clone(), correct.clone(), counted.clone())
+
+    return replay
+
+
+def _warm_up_upstream(objective: DraftObjective, statics: list[_Bucket]):
+    compiled = torch.compile(objective, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+    params = _trainable(objective)
+
+    def step(inputs: DrafterInputs) -> StepStats:
+        loss, correct, counted = compiled(inputs)
+        loss.backward()
+        # Tree outputs (the gradients backward stole among them) are overwritten by the
+        # next replay: copy before handing out.
+        _hand_out_gradients(params, [p.grad for p in params])
+        return StepStats(loss.detach().clone(), correct.clone(), counted.clone())
+
+    # CUDA-graph trees warm up on a function's first call and record on the next: all of
+    # it here, under the capture lock, for every bucket.
+    for bucket in statics:
+        for _ in range(WARMUP_STEPS):
+            step(bucket.static)
+    objective.drafter.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().synchronize()
+    return lambda bucket: step(bucket.static)
