@@ -9,24 +9,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from dflash_agent import jsonio
 
 from .errors import DflashError, ExitCode
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    """Readers see the old file or the whole new one (the agent's own helper)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    jsonio.write_atomic(str(path), data)
 
 
 @dataclasses.dataclass(frozen=True)
