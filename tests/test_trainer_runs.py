@@ -218,7 +218,8 @@ def test_raise_while_training_stops_the_run_within_seconds(launch):
 
 @pytest.mark.timeout(120)
 def test_hang_stops_heartbeats_and_sigusr1_dumps_every_thread(launch):
-    run = launch(SMALL + "faults: [{thread: drafter-1, at: 'step:3', kind: hang}]\n")
+    # No evaluation thread here: its progress would (rightly) keep heartbeats going a while.
+    run = launch(SMALL + "eval: {num_prompts: 0}\nfaults: [{thread: drafter-1, at: 'step:3', kind: hang}]\n")
     run.wait_for("the hang", lambda: "injecting fault: hang" in run.log(), 90)
     time.sleep(2.0)  # the rest of the pipeline fills its queues and blocks
     beats = len(run.events("heartbeat"))
@@ -230,7 +231,7 @@ def test_hang_stops_heartbeats_and_sigusr1_dumps_every_thread(launch):
     run.wait_for("the stack dump", lambda: "_hang" in dump.read_text(), 10)
     time.sleep(0.5)
     text = dump.read_text()
-    assert text.count("Thread 0x") + text.count("Current thread 0x") >= 6  # coordinator, prefetch, target, 2 drafters, eval
+    assert text.count("Thread 0x") + text.count("Current thread 0x") >= 5  # coordinator, prefetch, target, 2 drafters
     assert "wait_until_ready" not in text and "_hang" in text and "exchange" in text  # drafter-0 waits for its peer
     started = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
@@ -280,6 +281,11 @@ def test_resume_continues_step_count_and_loss_curve(launch, tmp_path):
     assert state["step"] == 8 and len(state["losses"]) == 8
     assert state["losses"][:3] == pytest.approx([first_losses[s] for s in (1, 2, 3)], rel=1e-6)
     assert "resuming from" in second.log() and "at step 3" in second.log()
+    # the data cursor is checked: other batching would silently train on other batches
+    third = launch(base.replace("checkpoint: {every: 3}", "checkpoint: {every: 3, resume: latest}")
+                   .replace("token_budget: 512", "token_budget: 256").replace("max_steps: 8", "max_steps: 9"), run_dir)
+    assert third.wait(100) == 1
+    assert "data cursor" in third.errors()[0]["message"]
 
 
 @pytest.mark.timeout(240)

@@ -13,21 +13,17 @@ from pathlib import Path
 
 import pytest
 
+import torch
+from dflash_schema import SchemaError
+
+from dflash_train import checkpoint as ckpt
+from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_train_config
+from dflash_train.data import tokenize_chat
+from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter, load_drafter
+from dflash_train.objective import block_labels, dense_block_mask, flex_block_mask, position_weights, sample_anchors
+from dflash_train.runlog import LineWriter, error_record
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "remote"))
-
-import torch  # noqa: E402
-from dflash_schema import SchemaError  # noqa: E402
-
-from dflash_train import checkpoint as ckpt  # noqa: E402
-from dflash_train.config import (DrafterConfig, SyntheticDataSpec, TinyTargetSpec,  # noqa: E402
-                                 load_train_config)
-from dflash_train.data import tokenize_chat  # noqa: E402
-from dflash_train.model import (DFlashDrafter, default_target_layer_ids, drafter_hf_config,  # noqa: E402
-                                export_drafter, load_drafter)
-from dflash_train.objective import (block_labels, dense_block_mask, flex_block_mask,  # noqa: E402
-                                    position_weights, sample_anchors)
-from dflash_train.runlog import LineWriter, error_record  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"

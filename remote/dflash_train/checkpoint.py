@@ -1,0 +1,124 @@
+"""Checkpoints: DIR/checkpoints/step_000100/ and a `latest` symlink, both replaced atomically.
+
+A checkpoint is written into a temp folder (files fsynced), then moved into place with
+os.replace; `latest` is a new symlink renamed over the old one. A reader therefore sees
+either the previous checkpoint or the complete new one, never a half-written folder.
+
+Contents: model.safetensors (drafter weights), optimizer.pt (optimizer, scheduler and RNG
+states) and state.json (step, data cursor, loss history, replicas).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import resolve_path
+
+LATEST = "latest"
+
+
+@dataclasses.dataclass
+class TrainingState:
+    step: int  # optimizer steps completed
+    epoch: int  # data cursor: the epoch and micro-batch index of the last batch used
+    batch_index: int
+    replicas: int
+    losses: list[float]  # loss per step so far, so a resumed run carries its curve on
+
+
+def rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, optimizer, scheduler,
+                    keep: int) -> Path:
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{state.step:06d}"
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    staging.chmod(0o755)  # mkdtemp makes it private; checkpoints are for others to read
+    try:
+        weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+        save_file(weights, str(staging / "model.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": rng_states()}, staging / "optimizer.pt")
+        (staging / "state.json").write_text(json.dumps(dataclasses.asdict(state)) + "\n")
+        _fsync_tree(staging)
+        if final.exists():  # the same step again (a resumed run re-saving): move the old one aside
+            shutil.rmtree(final.rename(root / f".old-{final.name}-{os.getpid()}"))
+        os.replace(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    link = root / f".{LATEST}-{os.getpid()}"
+    link.unlink(missing_ok=True)
+    link.symlink_to(final.name)
+    os.replace(link, root / LATEST)
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    kept = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in kept[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_resume(resume: str, run_dir: Path) -> Path | None:
+    """"latest" -> this run's newest checkpoint (None if there is none yet); else a folder
+    (relative paths follow the config rule: release root, else current directory)."""
+    if resume == LATEST:
+        link = run_dir / "checkpoints" / LATEST
+        return link.resolve() if link.exists() else None
+    folder = resolve_path(resume)
+    if not (folder / "state.json").exists():
+        raise FileNotFoundError(f"checkpoint.resume: {folder} is not a checkpoint (no state.json)")
+    return folder.resolve()
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    folder: Path
+    state: TrainingState
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def load_checkpoint(folder: Path) -> LoadedCheckpoint:
+    from safetensors.torch import load_file
+
+    state = TrainingState(**json.loads((folder / "state.json").read_text()))
+    extra = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
+    return LoadedCheckpoint(folder, state, load_file(str(folder / "model.safetensors")),
+                            extra["optimizer"], extra["scheduler"], extra["rng"])

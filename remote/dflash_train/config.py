@@ -1,0 +1,297 @@
+"""The training config: YAML -> frozen dataclasses, checked before anything runs.
+
+The CLI imports this module to validate a config before deploying it, so it must not
+import torch or transformers. Every component is a small frozen dataclass loaded by
+dflash_schema; cross-field rules live in `__post_init__` (the loader turns their
+ValueError into a SchemaError naming the file).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+import dflash_schema
+
+CompileMode = Literal["off", "default", "cudagraphs"]
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyTargetSpec:
+    """A Qwen3-architecture target with random weights, built at run time (no download)."""
+
+    vocab_words: int = 200  # word tokens; special tokens come on top
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    init_std: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.vocab_words, self.hidden_size, self.intermediate_size, self.num_layers,
+               self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError("target.tiny: every size must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("target.tiny.num_heads must be a multiple of num_kv_heads")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    path: str | None = None  # a Hugging Face model folder (relative: see resolve_path)
+    tiny: TinyTargetSpec | None = None  # or: build a tiny random target instead
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("target: give exactly one of 'path' (a model folder) or 'tiny' (a spec)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    num_layers: int = 5
+    block_size: int = 16
+    num_anchors: int = 512
+    loss_gamma: float = 7.0  # position k of a block weighs exp(-(k-1)/gamma)
+    mask_token: str = "<|MASK|>"
+    # Target layers whose outputs feed the drafter; default: spread evenly from 1 to L-3.
+    target_layer_ids: tuple[int, ...] | None = None
+    num_target_features: int | None = None  # how many layers when ids are not given; default num_layers
+    intermediate_size: int | None = None  # default: the target's
+    # sdpa: a dense block mask; flex: FlexAttention's sparse BlockMask, fast only when compiled
+    # (compile: default or cudagraphs). auto: the measured default, dense sdpa so far.
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.num_layers <= 0 or self.num_anchors <= 0 or self.loss_gamma <= 0:
+            raise ValueError("drafter: num_layers, num_anchors and loss_gamma must be positive")
+        if self.block_size < 2:
+            raise ValueError("drafter.block_size must be at least 2 (an anchor plus one draft token)")
+        if self.target_layer_ids is not None and (
+                not self.target_layer_ids or min(self.target_layer_ids) < 0):
+            raise ValueError("drafter.target_layer_ids must be a non-empty list of layer indices >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticDataSpec:
+    """Tiny-target data: random prompts, responses generated greedily by the target."""
+
+    num_train: int = 512
+    num_eval: int = 8
+    prompt_words: int = 12
+    response_tokens: int = 40
+    seed: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    train: str | None = None  # jsonl with "text" or chat "messages"
+    eval: str | None = None  # jsonl of held-out prompts ("text" or "messages")
+    synthetic: SyntheticDataSpec | None = None  # only with target.tiny
+    max_length: int = 3072
+    token_budget: int = 16384  # padded tokens per micro-batch (one drafter, one step)
+    pad_multiple: int = 64  # sequence lengths are padded up to this, to bound the shapes compiled
+
+    def __post_init__(self) -> None:
+        if (self.train is None) == (self.synthetic is None):
+            raise ValueError("data: give exactly one of 'train' (a jsonl file) or 'synthetic'")
+        if self.synthetic is not None and self.eval is not None:
+            raise ValueError("data: 'eval' comes from the synthetic data when 'synthetic' is set")
+        if self.max_length <= 1 or self.pad_multiple <= 0:
+            raise ValueError("data: max_length must exceed 1 and pad_multiple be positive")
+        if self.token_budget < self.max_length:
+            raise ValueError(f"data.token_budget ({self.token_budget}) must hold one sequence "
+                             f"of max_length ({self.max_length})")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, ...] = (0.9, 0.95)
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    epochs: int = 6
+    max_steps: int | None = None  # stop earlier than `epochs` would
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2:
+            raise ValueError("optim.betas must be two numbers")
+        if self.lr <= 0 or self.epochs <= 0 or not 0 <= self.warmup_ratio < 1:
+            raise ValueError("optim: lr and epochs must be positive, warmup_ratio in [0, 1)")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ValueError("optim.max_steps must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicesConfig:
+    target: tuple[str, ...] = ("cpu",)  # one target thread per entry
+    drafters: tuple[str, ...] = ("cpu",)  # one data-parallel drafter thread per entry
+
+    def __post_init__(self) -> None:
+        for key, devices in (("target", self.target), ("drafters", self.drafters)):
+            if not devices:
+                raise ValueError(f"devices.{key} must list at least one device")
+            bad = [d for d in devices if not _DEVICE.match(d)]
+            if bad:
+                raise ValueError(f"devices.{key}: {bad[0]!r} is not 'cpu', 'cuda' or 'cuda:N'")
+        kinds = {d.split(":")[0] for d in self.target + self.drafters}
+        if len(kinds) > 1:
+            raise ValueError("devices: mixing cpu and cuda devices is not supported")
+        if len(self.target) > len(self.drafters):
+            raise ValueError("devices: more target devices than drafters (each target serves drafters)")
+
+    @property
+    def cpu_only(self) -> bool:
+        return all(d == "cpu" for d in self.target + self.drafters)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    mode: Literal["threaded", "sequential"] = "threaded"
+    queue_size: int = 4
+    poll_s: float = 0.5  # how long a blocked thread waits before re-checking the stop event
+
+    def __post_init__(self) -> None:
+        if self.queue_size <= 0 or self.poll_s <= 0:
+            raise ValueError("pipeline: queue_size and poll_s must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0  # steps between evaluations; 0: only at the start and the end
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    at_start: bool = True  # also measure the drafter before this run's first step
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.num_prompts < 0 or self.max_new_tokens <= 0:
+            raise ValueError("eval: every/num_prompts must be >= 0 and max_new_tokens > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 1000  # steps between checkpoints; 0: only at the end
+    keep: int = 3
+    resume: str | None = None  # "latest" (this run dir) or a checkpoint folder
+    on_stop: bool = True  # write one when stopped by SIGTERM
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep <= 0:
+            raise ValueError("checkpoint: every must be >= 0 and keep positive")
+
+
+_FAULT_AT = re.compile(r"^(startup|step:(\d+))$")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultSpec:
+    """A failure injected on purpose, so every failure path is testable on CPU."""
+
+    thread: str
+    at: str  # "startup" or "step:N" (for the eval thread: the evaluation of step N)
+    kind: Literal["raise", "hang", "abort", "exit"]
+    depth: int = 10  # raise: frames between the thread body and the raise
+    code: int = 3  # exit: the exit status
+
+    def __post_init__(self) -> None:
+        match = _FAULT_AT.match(self.at)
+        if not match:
+            raise ValueError(f"faults: at must be 'startup' or 'step:N', got {self.at!r}")
+        if match.group(2) is not None and int(match.group(2)) <= 0:
+            raise ValueError("faults: steps count from 1")
+        if self.depth < 1 or not 0 < self.code < 256:
+            raise ValueError("faults: depth must be >= 1 and code in 1..255")
+
+    @property
+    def step(self) -> int | None:
+        """The step the fault fires at, or None for startup."""
+        return None if self.at == "startup" else int(self.at.split(":")[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    torch_threads: int | None = None  # default: the cores divided among the compute threads
+    heartbeat_s: float = 2.0
+    ready_timeout_s: float = 3600.0  # one drafter's warm-up (compile) may take this long
+    stop_grace_s: float = 3.0  # after a failure or SIGTERM, how long threads get to finish a step
+
+    def __post_init__(self) -> None:
+        if self.torch_threads is not None and self.torch_threads <= 0:
+            raise ValueError("runtime.torch_threads must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    target: TargetConfig
+    data: DataConfig
+    drafter: DrafterConfig = DrafterConfig()
+    optim: OptimConfig = OptimConfig()
+    devices: DevicesConfig = DevicesConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    # YAML 1.1 reads a bare `off` as false, so false is accepted and means "off".
+    compile: CompileMode | bool = "off"
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    faults: tuple[FaultSpec, ...] = ()
+    runtime: RuntimeConfig = RuntimeConfig()
+    seed: int = 0
+    log_every: int = 1
+    stall_after: float = 300.0  # seconds without a heartbeat before the run counts as STALLED
+    source: str = dataclasses.field(default="", metadata={"internal": True})
+
+    def __post_init__(self) -> None:
+        if self.compile is False:
+            object.__setattr__(self, "compile", "off")
+        elif self.compile is True:
+            raise ValueError("compile: true is ambiguous; write off, default or cudagraphs")
+        if self.compile == "cudagraphs" and self.devices.cpu_only:
+            raise ValueError("compile: cudagraphs needs CUDA devices, but this config runs on CPU only "
+                             f"(devices.drafters: {', '.join(self.devices.drafters)}); "
+                             "use compile: off or default")
+        if self.data.synthetic is not None and self.target.tiny is None:
+            raise ValueError("data.synthetic needs target.tiny (responses come from the tiny target)")
+        known = self.thread_names()
+        for i, fault in enumerate(self.faults):
+            if fault.thread not in known:
+                raise ValueError(f"faults[{i}].thread: unknown thread {fault.thread!r} "
+                                 f"(threads of this config: {', '.join(known)})")
+            if fault.thread == "coordinator" and fault.step is not None:
+                raise ValueError(f"faults[{i}]: the coordinator takes faults at startup only")
+        if self.log_every <= 0 or self.stall_after <= 0:
+            raise ValueError("log_every and stall_after must be positive")
+
+    def thread_names(self) -> tuple[str, ...]:
+        return ("coordinator", "prefetch",
+                *(f"target-{i}" for i in range(len(self.devices.target))),
+                *(f"drafter-{i}" for i in range(len(self.devices.drafters))), "eval")
+
+    def resources(self) -> tuple[str, ...]:
+        """The devices the run occupies: ("cpu",) or ("gpu0", "gpu1", ...)."""
+        if self.devices.cpu_only:
+            return ("cpu",)
+        indices = {int(d.split(":")[1]) if ":" in d else 0
+                   for d in self.devices.target + self.devices.drafters}
+        return tuple(f"gpu{i}" for i in sorted(indices))
+
+
+def load_train_config(path: str | os.PathLike[str]) -> TrainConfig:
+    """Load and check a training config; raises dflash_schema.SchemaError naming file and key."""
+    config = dflash_schema.load_file(TrainConfig, path)
+    return dataclasses.replace(config, source=str(path))
+
+
+def resolve_path(path: str) -> Path:
+    """Relative paths in a config are relative to the release root when the agent runs
+    us (DFLASH_RELEASE_DIR), else to the current directory (the repo root locally).
+    Never the config file's own folder: the agent runs a copy from the run directory."""
+    candidate = Path(os.path.expanduser(path))
+    if candidate.is_absolute():
+        return candidate
+    base = os.environ.get("DFLASH_RELEASE_DIR")
+    return (Path(base) if base else Path.cwd()) / candidate

@@ -1,0 +1,216 @@
+"""The coordinator (main thread): startup, the threads' lifecycle, and the exit code.
+
+Drafters start one at a time, each awaited with `wait_until_ready()` (their compile
+warm-up is serialized anyway); then the target(s), prefetch and eval threads. The
+coordinator then watches: on the first failure it records its own error (naming the
+failed thread, chained from its exception), stops the run, gives threads
+`stop_grace_s` to finish their step, and returns 1. SIGTERM stops the run the same way
+(a checkpoint is written if cheap) and returns 143. It never waits on a thread without
+a timeout, so a hung thread cannot hang the exit.
+"""
+from __future__ import annotations
+
+import faulthandler
+import signal
+import threading
+import time
+from pathlib import Path
+
+from .compile_policy import build_train_step, configure_compiler, example_inputs
+from .config import TrainConfig
+from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, eval_body, prefetch_body, \
+    snapshot, target_body
+from .replica import Replica
+from .runlog import EventLog, say
+from .startup import Prepared, prepare
+from .threads import Rendezvous, RunState, StopRequested, StoppableQueue, Worker
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+class ThreadFailed(RuntimeError):
+    """The coordinator's own error when a worker failed; chained from the worker's exception."""
+
+
+class Coordinator:
+    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, state: RunState, fault_log):
+        self.config = config
+        self.run_dir = run_dir
+        self.events = events
+        self.state = state
+        self.fault_log = fault_log
+        self.phase = "startup"
+        self.step: int | None = None
+        self.workers: list[Worker] = []
+        self.alive: list[str] = []  # threads still running at exit
+        self.replicas: dict[int, Replica] = {}
+        self.prepared: Prepared | None = None
+        self._signal: int | None = None
+        self._heartbeat = (0.0, -1)  # (time, progress) of the last heartbeat
+
+    def on_signal(self, signum: int, frame) -> None:
+        """Only note it: the handler runs between two bytecodes of the main thread, which
+        may hold a lock that stopping the run needs. `poll` acts on it."""
+        self._signal = signum
+
+    def poll(self) -> None:
+        if self._signal is not None and not self.state.stop.is_set():
+            say(f"received {signal.Signals(self._signal).name}: stopping")
+            self.state.request_stop(signal.Signals(self._signal).name)
+        now, progress = time.monotonic(), self.state.progress
+        last_time, last_progress = self._heartbeat
+        if progress != last_progress and now - last_time >= self.config.runtime.heartbeat_s:
+            lead = self.replicas.get(0)
+            self.events.emit("heartbeat", step=lead.completed_step if lead else None)
+            self._heartbeat = (now, progress)
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.events.emit("phase", phase=phase)
+
+    def run(self) -> int:
+        try:
+            self._set_phase("startup")
+            self.prepared = prepare(self.config, self.run_dir, self.events, self.state)
+            if self.config.pipeline.mode == "sequential":
+                self._run_sequential(self.prepared)
+            else:
+                self._run_threaded(self.prepared)
+            self._set_phase("shutdown")
+            self._teardown()
+            return EXIT_OK
+        except StopRequested:
+            return self._stopped()
+        except BaseException as exc:  # noqa: BLE001 - the coordinator's own failure is recorded too
+            self.state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase=self.phase,
+                                      step=self.step)
+            self._teardown()
+            return EXIT_FAILED
+
+    def _start_replica(self, index: int) -> Replica:
+        """Runs in the drafter's thread (or the main thread when sequential)."""
+        assert self.prepared is not None
+        replica = self.prepared.make_replica(index)
+        run = self.prepared.run
+        example = example_inputs(replica.objective, self.config.data.pad_multiple,
+                                 replica.drafter.fc.in_features, replica.device)
+        replica.train_step = build_train_step(self.config.compile, replica.objective, example)
+        self.replicas[index] = replica
+        say(f"drafter {index} ready on {replica.device} (compile {self.config.compile}, "
+            f"{sum(p.numel() for p in replica.drafter.parameters()):,} parameters, from step {run.start_step})")
+        return replica
+
+    def _run_threaded(self, prepared: Prepared) -> None:
+        run, state, pipe = prepared.run, self.state, self.config.pipeline
+        drafters, targets = len(run.drafter_devices), len(run.target_devices)
+        channels = Channels(
+            target_queues=[StoppableQueue(f"target-{t}", pipe.queue_size, state, pipe.poll_s) for t in range(targets)],
+            drafter_queues=[StoppableQueue(f"drafter-{r}", pipe.queue_size, state, pipe.poll_s)
+                            for r in range(drafters)],
+            eval_queue=StoppableQueue("eval", 2, state, pipe.poll_s) if run.evaluator else None,
+            rendezvous=Rendezvous(drafters, state))
+        run.queues = [*channels.target_queues, *channels.drafter_queues]
+        configure_compiler(self.config.compile, drafters)
+        for index in range(drafters):
+            worker = self._start(f"drafter-{index}", drafter_body(run, channels, index, self._start_replica))
+            worker.wait_until_ready(self.config.runtime.ready_timeout_s, poll=self.poll)
+        for index in range(targets):
+            self._start(f"target-{index}", target_body(run, channels, index))
+        self._start("prefetch", prefetch_body(run, channels))
+        evaluator = self._start("eval", eval_body(run, channels)) if run.evaluator else None
+        self._set_phase("train")
+        run.training_started()
+        drafter_workers = self.workers[:drafters]
+        while True:
+            self.poll()
+            if state.failure is not None:
+                name, exc = state.failure
+                raise ThreadFailed(f"{name} failed: {type(exc).__name__}: {exc}") from exc
+            state.check()
+            if all(w.done.is_set() for w in drafter_workers):
+                if evaluator is None or evaluator.done.is_set():
+                    return
+                if self.phase != "eval":
+                    self._set_phase("eval")  # training is over; the final evaluation runs
+            time.sleep(0.1)
+
+    def _start(self, name: str, body) -> Worker:
+        worker = Worker(name, self.state, body)
+        self.workers.append(worker)
+        worker.start()
+        return worker
+
+    def _run_sequential(self, prepared: Prepared) -> None:
+        """The same work in the main thread, one part after another (for comparison)."""
+        run, faults = prepared.run, prepared.run.faults
+        drafters, targets = len(run.drafter_devices), len(run.target_devices)
+        for name in self.config.thread_names()[1:]:
+            faults.fire(name)
+        configure_compiler(self.config.compile, drafters)
+        replicas = [self._start_replica(index) for index in range(drafters)]
+        if run.evaluator is not None and self.config.eval.at_start:
+            run.evaluator.measure(EvalRequest(run.start_step, snapshot(replicas[0]), baseline=True))
+        self._set_phase("train")
+        run.training_started()
+        for step in range(run.start_step + 1, run.total_steps + 1):
+            self.step = step
+            self.poll()
+            self.state.check()
+            faults.fire("prefetch", step)
+            stats, batches = [], []
+            for replica in replicas:
+                batch = run.host_batch(step, replica.index)
+                faults.fire(f"target-{replica.index % targets}", step)
+                features = run.features(replica.index % targets, batch)
+                faults.fire(f"drafter-{replica.index}", step)
+                stats.append(replica.run_step(features))
+                batches.append(batch)
+            posted = [replica.gradients() for replica in replicas]
+            for replica in replicas:
+                lr, grad_norm = replica.apply(average_gradients(posted, replica.device), step)
+            self.state.progressed()
+            run.report_step(step, stats, batches, lr, grad_norm)
+            if run.checkpoint_due(step):
+                run.save_checkpoint(replicas[0])
+            if run.eval_due(step):
+                faults.fire("eval", step)
+                run.evaluator.measure(EvalRequest(step, snapshot(replicas[0])))
+        self._set_phase("shutdown")
+        run.export(replicas[0])
+        if run.evaluator is not None:
+            self._set_phase("eval")
+            faults.fire("eval", run.total_steps)
+            run.evaluator.measure(EvalRequest(run.total_steps, snapshot(replicas[0]), final=True))
+
+    def _teardown(self) -> None:
+        """Stop every thread; wait at most stop_grace_s for them to finish their step."""
+        self.state.request_stop(self.state.stop_reason or "run over")
+        deadline = time.monotonic() + self.config.runtime.stop_grace_s
+        for worker in self.workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        self.alive = [w.name for w in self.workers if w.is_alive()]
+        if self.alive:
+            say(f"threads still running after {self.config.runtime.stop_grace_s:.0f}s: {', '.join(self.alive)}; "
+                "their stacks are in faulthandler.log")
+            faulthandler.dump_traceback(file=self.fault_log, all_threads=True)
+
+    def _stopped(self) -> int:
+        """SIGTERM (or SIGINT): stop, checkpoint if the lead replica stopped cleanly, exit 128+signal."""
+        self._set_phase("shutdown")
+        self._teardown()
+        run = self.prepared.run if self.prepared else None
+        lead = self.replicas.get(0)
+        lead_thread = next((w for w in self.workers if w.name == "drafter-0"), None)
+        # Sequential runs stop between steps; a lead thread that ended stopped between steps too.
+        lead_stopped = lead is not None and (lead_thread is None or not lead_thread.is_alive())
+        if (run is not None and lead_stopped and self.config.checkpoint.on_stop
+                and lead.completed_step > max(run.last_checkpoint, run.start_step)):
+            run.save_checkpoint(lead)
+        signum = self._signal or signal.SIGTERM
+        return 128 + int(signum)
+
+
+def install_signal_handlers(coordinator: Coordinator) -> None:
+    signal.signal(signal.SIGTERM, coordinator.on_signal)
+    signal.signal(signal.SIGINT, coordinator.on_signal)
+

@@ -1,0 +1,191 @@
+"""Training data: jsonl -> token ids with a loss mask -> token-budget micro-batches.
+
+A line holds either {"text": ...} (every token is learnt) or {"messages": [...]} (the
+tokenizer's chat template; only assistant tokens are learnt). The batch plan is fixed by
+the seed: every epoch shuffles the samples with its own seed and packs them greedily into
+micro-batches of at most `token_budget` padded tokens. Step s of replica r uses plan entry
+(s-1)*replicas + r, so a resumed run reads exactly what the uninterrupted one would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import DataConfig, DrafterConfig
+from .objective import anchor_seed, block_labels, position_weights, sample_anchors
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    ids: torch.Tensor  # (L,) int32: half the memory of long for a dataset held whole
+    loss_mask: torch.Tensor  # (L,) bool: True where the drafter learns the token
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append((number, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not JSON ({exc})") from exc
+    return rows
+
+
+def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def tokenize_chat(tokenizer, messages: list[dict[str, Any]], where: str) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per token, whether an assistant wrote it.
+
+    An assistant turn spans from the end of the conversation before it (rendered with
+    the generation prompt) to the end of the conversation including it; tokens are
+    assigned to spans by their character offsets."""
+    text = _render(tokenizer, messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[:i + 1], False)
+        if not (text.startswith(before) and text.startswith(through)):
+            raise ValueError(f"{where}: the chat template does not render turn {i} as a prefix of the "
+                             "whole conversation, so its assistant tokens cannot be located")
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in encoded["offset_mapping"]]
+    return encoded["input_ids"], mask
+
+
+def load_samples(path: Path, tokenizer, max_length: int) -> list[Sample]:
+    samples = []
+    for number, row in _read_jsonl(path):
+        where = f"{path}:{number}"
+        if "messages" in row:
+            ids, mask = tokenize_chat(tokenizer, row["messages"], where)
+        elif "text" in row:
+            ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+            mask = [True] * len(ids)
+        else:
+            raise ValueError(f"{where}: expected a 'text' or a 'messages' key")
+        ids, mask = ids[:max_length], mask[:max_length]
+        if sum(mask[1:-1]) > 0:  # something to anchor on; others cannot teach anything
+            samples.append(Sample(torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.bool)))
+    if not samples:
+        raise ValueError(f"{path}: no sample has a learnable (assistant or text) token")
+    return samples
+
+
+def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
+    """Held-out prompts: "text", or "messages" (a final assistant turn is dropped)."""
+    prompts = []
+    for number, row in _read_jsonl(path)[:limit]:
+        if "messages" in row:
+            messages = row["messages"]
+            if messages and messages[-1].get("role") == "assistant":
+                messages = messages[:-1]
+            text = _render(tokenizer, messages, True)
+        elif "text" in row:
+            text = row["text"]
+        else:
+            raise ValueError(f"{path}:{number}: expected a 'text' or a 'messages' key")
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    epoch: int
+    index: int  # micro-batch index within the epoch
+    samples: tuple[int, ...]
+
+
+class BatchPlan:
+    def __init__(self, samples: list[Sample], data: DataConfig, replicas: int, epochs: int,
+                 max_steps: int | None, seed: int):
+        self.replicas = replicas
+        self.entries: list[PlanEntry] = []
+        for epoch in range(epochs):
+            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+            batches = _pack([int(i) for i in order], samples, data)
+            usable = len(batches) - len(batches) % replicas  # every step feeds every replica
+            self.entries += [PlanEntry(epoch, i, batch) for i, batch in enumerate(batches[:usable])]
+        self.total_steps = len(self.entries) // replicas
+        if max_steps is not None:
+            self.total_steps = min(self.total_steps, max_steps)
+        if self.total_steps == 0:
+            raise ValueError(f"{len(samples)} samples make fewer micro-batches than the {replicas} "
+                             "drafters need for one step; add data or lower data.token_budget")
+
+    def entry(self, step: int, replica: int) -> PlanEntry:
+        return self.entries[(step - 1) * self.replicas + replica]
+
+
+def _pack(order: list[int], samples: list[Sample], data: DataConfig) -> list[tuple[int, ...]]:
+    batches, current, widest = [], [], 0
+    for index in order:
+        width = padded_length(len(samples[index].ids), data.pad_multiple)
+        if current and (len(current) + 1) * max(widest, width) > data.token_budget:
+            batches.append(tuple(current))
+            current, widest = [], 0
+        current.append(index)
+        widest = max(widest, width)
+    if current:
+        batches.append(tuple(current))
+    return batches
+
+
+@dataclasses.dataclass
+class HostBatch:
+    """One micro-batch as the prefetch thread hands it on (CPU, pinned for CUDA)."""
+
+    step: int
+    replica: int
+    epoch: int
+    index: int
+    input_ids: torch.Tensor  # (B, S) long, right-padded
+    anchors: torch.Tensor  # (B, N) long
+    anchor_valid: torch.Tensor  # (B, N) bool
+    labels: torch.Tensor  # (B, N, bs-1) long
+    weights: torch.Tensor  # (B, N, bs-1) float
+    num_tokens: int  # real (unpadded) tokens
+    num_samples: int
+
+    def pin(self) -> "HostBatch":
+        fields = ("input_ids", "anchors", "anchor_valid", "labels", "weights")
+        return dataclasses.replace(self, **{f: getattr(self, f).pin_memory() for f in fields})
+
+
+def collate(samples: list[Sample], entry: PlanEntry, step: int, replica: int, data: DataConfig,
+            drafter: DrafterConfig, pad_id: int, seed: int) -> HostBatch:
+    chosen = [samples[i] for i in entry.samples]
+    seq_len = padded_length(max(len(s.ids) for s in chosen), data.pad_multiple)
+    input_ids = torch.full((len(chosen), seq_len), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(chosen), seq_len), dtype=torch.bool)
+    anchor_lists = []
+    for row, (index, sample) in enumerate(zip(entry.samples, chosen)):
+        input_ids[row, :len(sample.ids)] = sample.ids
+        loss_mask[row, :len(sample.ids)] = sample.loss_mask
+        generator = torch.Generator().manual_seed(anchor_seed(seed, entry.epoch, index))
+        anchor_lists.append(sample_anchors(sample.loss_mask, drafter.num_anchors, generator))
+    # Blocks per row: the most any row has, rounded up to 8 so few distinct shapes occur.
+    num_blocks = min(drafter.num_anchors, padded_length(max(a.numel() for a in anchor_lists), 8))
+    anchors = torch.zeros((len(chosen), num_blocks), dtype=torch.long)
+    anchor_valid = torch.zeros((len(chosen), num_blocks), dtype=torch.bool)
+    for row, chosen_anchors in enumerate(anchor_lists):
+        anchors[row, :chosen_anchors.numel()] = chosen_anchors
+        anchor_valid[row, :chosen_anchors.numel()] = True
+    labels, weights = block_labels(input_ids, loss_mask, anchors, anchor_valid,
+                                   position_weights(drafter.block_size, drafter.loss_gamma))
+    return HostBatch(step=step, replica=replica, epoch=entry.epoch, index=entry.index, input_ids=input_ids,
+                     anchors=anchors, anchor_valid=anchor_valid, labels=labels, weights=weights,
+                     num_tokens=sum(len(s.ids) for s in chosen), num_samples=len(chosen))

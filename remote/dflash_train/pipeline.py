@@ -1,0 +1,300 @@
+"""The threaded pipeline: prefetch -> target(s) -> drafters, plus evaluation.
+
+    prefetch --target_queues[t]--> target-t --drafter_queues[r]--> drafter-r
+                                                                      |  gradients averaged
+                                                                      v  every step (Rendezvous)
+    drafter-0: metrics, checkpoints, export, eval requests --eval_queue--> eval
+
+Step s of replica r is plan entry (s-1)*R + r and goes through target r % T, so each
+drafter receives its micro-batches in order. All queues are bounded; every blocking call
+wakes on the stop event.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import TrainingState, save_checkpoint
+from .compile_policy import StepStats
+from .config import TrainConfig
+from .data import BatchPlan, HostBatch, Sample, collate
+from .devices import Fence, handoff, thread_stream
+from .faults import FaultInjector
+from .model import DFlashDrafter, export_drafter
+from .replica import FeatureBatch, Replica, average_gradients
+from .runlog import EventLog, say
+from .speculative import evaluate
+from .target import FeatureTap
+from .threads import Rendezvous, RunState, StoppableQueue, Worker
+
+
+@dataclasses.dataclass
+class EvalRequest:
+    step: int
+    weights: dict[str, torch.Tensor]  # a snapshot of the drafter (CPU copies)
+    baseline: bool = False  # the drafter as this run found it (untrained for a fresh run)
+    final: bool = False
+
+
+class WaitMeter:
+    """Seconds each thread spent blocked (on queues or peers) since the last step report."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waits: dict[str, float] = {}
+
+    def add(self, thread: str, seconds: float) -> None:
+        with self._lock:
+            self._waits[thread] = self._waits.get(thread, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            taken, self._waits = self._waits, {}
+        return {k: round(v, 4) for k, v in sorted(taken.items())}
+
+
+class Evaluator:
+    """Acceptance length of drafter snapshots, measured against target-0."""
+
+    def __init__(self, run: "Run", hf_config: Any, tap: FeatureTap, device: str, embed: torch.Tensor,
+                 head: torch.Tensor, prompts: list[list[int]], stop_ids: set[int]):
+        self.run, self.tap, self.device = run, tap, device
+        self.embed, self.head, self.prompts, self.stop_ids = embed, head, prompts, stop_ids
+        self.drafter = DFlashDrafter(hf_config).to(device).eval()
+        self.baseline: tuple[int, float] | None = None
+
+    def _stepped(self) -> None:
+        self.run.state.progressed()
+        self.run.state.check()  # a long evaluation must not hold up a stopping run
+
+    def measure(self, request: EvalRequest) -> float:
+        self.drafter.load_state_dict(request.weights)
+        started = time.perf_counter()
+        result = evaluate(self.drafter, self.tap, self.embed, self.head, self.prompts,
+                          self.run.config.eval.max_new_tokens, self.stop_ids, on_step=self._stepped)
+        if request.baseline:
+            self.baseline = (request.step, result.acceptance_length)
+        fields: dict[str, Any] = {
+            "step": request.step, "acceptance_length": round(result.acceptance_length, 4),
+            "per_prompt": [round(x, 4) for x in result.per_prompt], "prompts": len(self.prompts),
+            "verify_steps": result.verify_steps, "new_tokens": result.new_tokens,
+            "baseline": request.baseline, "final": request.final, "seconds": round(time.perf_counter() - started, 3)}
+        if self.baseline is not None:
+            fields.update(baseline_step=self.baseline[0], baseline_acceptance_length=round(self.baseline[1], 4))
+        self.run.events.emit("eval", **fields)
+        text = f"eval at step {request.step}: acceptance length {result.acceptance_length:.3f}"
+        if request.final and self.baseline is not None:
+            text += (f" (at step {self.baseline[0]}, before this run trained: {self.baseline[1]:.3f}; "
+                     f"gain {result.acceptance_length - self.baseline[1]:+.3f})")
+        say(text)
+        return result.acceptance_length
+
+
+@dataclasses.dataclass
+class Run:
+    """What every part of a run shares."""
+
+    config: TrainConfig
+    run_dir: Path
+    events: EventLog
+    state: RunState
+    faults: FaultInjector
+    samples: list[Sample]
+    plan: BatchPlan
+    pad_id: int
+    taps: list[FeatureTap]  # one per target device
+    target_devices: list[str]
+    drafter_devices: list[str]
+    start_step: int
+    losses: list[float]  # the loss curve, carried across resumes
+    waits: WaitMeter = dataclasses.field(default_factory=WaitMeter)
+    queues: list[StoppableQueue] = dataclasses.field(default_factory=list)  # reported in step events
+    evaluator: Evaluator | None = None
+    last_checkpoint: int = -1
+    _last_report: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def training_started(self) -> None:
+        """Throughput counts from here, not from the startup."""
+        self._last_report = time.perf_counter()
+
+    @property
+    def total_steps(self) -> int:
+        return self.plan.total_steps
+
+    def host_batch(self, step: int, replica: int) -> HostBatch:
+        entry = self.plan.entry(step, replica)
+        batch = collate(self.samples, entry, step, replica, self.config.data, self.config.drafter,
+                        self.pad_id, self.config.seed)
+        return batch.pin() if self.target_devices[0].startswith("cuda") else batch
+
+    def features(self, target: int, batch: HostBatch) -> FeatureBatch:
+        device, drafter_device = self.target_devices[target], self.drafter_devices[batch.replica]
+        features = self.taps[target].features(batch.input_ids.to(device, non_blocking=True))
+        return FeatureBatch(batch, handoff(features, drafter_device), Fence(device))
+
+    def report_step(self, step: int, stats: list[StepStats], batches: list[HostBatch], lr: float,
+                    grad_norm: float) -> None:
+        now = time.perf_counter()
+        elapsed, self._last_report = max(now - self._last_report, 1e-9), now
+        loss = sum(float(s.loss) for s in stats) / len(stats)
+        correct = sum(s.correct.to("cpu") for s in stats)
+        counted = sum(s.counted.to("cpu") for s in stats)
+        acc = [round(c / n, 4) if n else None for c, n in zip(correct.tolist(), counted.tolist())]
+        tokens, samples = sum(b.num_tokens for b in batches), sum(b.num_samples for b in batches)
+        self.losses.append(loss)
+        self.events.emit("step", step=step, loss=round(loss, 6), acc=acc, tokens_per_s=round(tokens / elapsed, 2),
+                         samples_per_s=round(samples / elapsed, 3), queue_depths={q.name: q.depth() for q in self.queues},
+                         wait_s=self.waits.take(), lr=lr, grad_norm=round(grad_norm, 4), epoch=batches[0].epoch)
+        if step % self.config.log_every == 0 or step == self.total_steps:
+            say(f"step {step}/{self.total_steps} loss {loss:.4f} acc@1 {acc[0]} lr {lr:.2e} "
+                f"tokens/s {tokens / elapsed:.0f}")
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.config.checkpoint.every
+        return step == self.total_steps or (every > 0 and step % every == 0)
+
+    def eval_due(self, step: int) -> bool:
+        every = self.config.eval.every
+        return self.evaluator is not None and every > 0 and step % every == 0 and step != self.total_steps
+
+    def save_checkpoint(self, replica: Replica) -> None:
+        step = replica.completed_step  # >= 1: checkpoints follow steps
+        entry = self.plan.entry(step, self.plan.replicas - 1)  # the last micro-batch this step used
+        state = TrainingState(step=step, epoch=entry.epoch, batch_index=entry.index, replicas=self.plan.replicas,
+                              losses=list(self.losses))
+        path = save_checkpoint(self.run_dir / "checkpoints", state, replica.drafter, replica.optimizer,
+                               replica.scheduler, self.config.checkpoint.keep)
+        self.last_checkpoint = step
+        self.events.emit("checkpoint", step=step, path=str(path))
+        say(f"checkpoint at step {step}: {path}")
+
+    def export(self, replica: Replica) -> Path:
+        """DIR/export, replaced atomically (a previous export stays whole until the new one is)."""
+        final = self.run_dir / "export"
+        staging = Path(tempfile.mkdtemp(prefix=".export-", dir=self.run_dir))
+        staging.chmod(0o755)  # mkdtemp makes it private; the export is for others to read
+        try:
+            export_drafter(replica.drafter, staging)
+            if final.exists():
+                shutil.rmtree(final.rename(self.run_dir / f".export-old-{os.getpid()}"))
+            os.replace(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.events.emit("export", step=replica.completed_step, path=str(final))
+        say(f"exported the drafter to {final}")
+        return final
+
+
+def snapshot(replica: Replica) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in replica.drafter.state_dict().items()}
+
+
+@dataclasses.dataclass
+class Channels:
+    target_queues: list[StoppableQueue]
+    drafter_queues: list[StoppableQueue]
+    eval_queue: StoppableQueue | None
+    rendezvous: Rendezvous
+
+
+def prefetch_body(run: Run, channels: Channels):
+    def body(worker: Worker) -> None:
+        run.faults.fire(worker.name)
+        worker.phase = "train"
+        targets = len(channels.target_queues)
+        for step in range(run.start_step + 1, run.total_steps + 1):
+            worker.step = step
+            run.faults.fire(worker.name, step)
+            for replica in range(len(channels.drafter_queues)):
+                batch = run.host_batch(step, replica)
+                run.waits.add(worker.name, channels.target_queues[replica % targets].put(batch))
+                run.state.progressed()
+        worker.phase = "shutdown"
+        for target_queue in channels.target_queues:
+            target_queue.put(None)  # end of data
+    return body
+
+
+def target_body(run: Run, channels: Channels, index: int):
+    def body(worker: Worker) -> None:
+        with thread_stream(run.target_devices[index]):
+            run.faults.fire(worker.name)
+            worker.phase = "train"
+            while True:
+                batch, waited = channels.target_queues[index].get()
+                run.waits.add(worker.name, waited)
+                if batch is None:
+                    break
+                worker.step = batch.step
+                run.faults.fire(worker.name, batch.step)
+                run.waits.add(worker.name, channels.drafter_queues[batch.replica].put(run.features(index, batch)))
+                run.state.progressed()
+            worker.phase = "shutdown"
+    return body
+
+
+def drafter_body(run: Run, channels: Channels, index: int, start_replica):
+    """`start_replica(index)` builds the replica and its train step (weights on the
+    device, compile warm-up): the startup that `wait_until_ready` waits for."""
+
+    def body(worker: Worker) -> None:
+        with thread_stream(run.drafter_devices[index]):
+            run.faults.fire(worker.name)
+            replica = start_replica(index)
+            worker.mark_ready()
+            run.events.emit("ready", replica=replica.index, device=replica.device, compile=run.config.compile)
+            run.state.progressed()
+            worker.phase = "train"
+            lead = replica.index == 0
+            if lead and run.evaluator is not None and run.config.eval.at_start:
+                channels.eval_queue.put(EvalRequest(run.start_step, snapshot(replica), baseline=True))
+            for step in range(run.start_step + 1, run.total_steps + 1):
+                worker.step = step
+                feature_batch, waited = channels.drafter_queues[replica.index].get()
+                run.waits.add(worker.name, waited)
+                assert feature_batch.host.step == step, (feature_batch.host.step, step)
+                run.faults.fire(worker.name, step)
+                stats = replica.run_step(feature_batch)
+                started = time.perf_counter()
+                posted = channels.rendezvous.exchange(
+                    replica.index, (replica.gradients(), stats, feature_batch.host))
+                run.waits.add(worker.name, time.perf_counter() - started)
+                mean = average_gradients([p[0] for p in posted], replica.device)
+                lr, grad_norm = replica.apply(mean, step)
+                run.state.progressed()
+                if lead:
+                    run.report_step(step, [p[1] for p in posted], [p[2] for p in posted], lr, grad_norm)
+                    if run.checkpoint_due(step):
+                        run.save_checkpoint(replica)
+                    if run.eval_due(step):
+                        channels.eval_queue.put(EvalRequest(step, snapshot(replica)))
+            worker.phase = "shutdown"
+            if lead:
+                run.export(replica)
+                if run.evaluator is not None:
+                    channels.eval_queue.put(EvalRequest(run.total_steps, snapshot(replica), final=True))
+    return body
+
+
+def eval_body(run: Run, channels: Channels):
+    def body(worker: Worker) -> None:
+        assert run.evaluator is not None and channels.eval_queue is not None
+        with thread_stream(run.evaluator.device):
+            run.faults.fire(worker.name)
+            while True:
+                worker.phase = "train"
+                request, _ = channels.eval_queue.get()
+                worker.phase, worker.step = "eval", request.step
+                run.faults.fire(worker.name, request.step)
+                run.evaluator.measure(request)
+                if request.final:
+                    break
+    return body

@@ -1,0 +1,162 @@
+"""The coordinator's startup: everything a run needs before its threads start.
+
+Config -> target (built for the tiny path) -> tokenizer and mask token -> data and batch
+plan -> target model(s) and feature taps -> drafter config and initial weights (fresh,
+or from the checkpoint being resumed) -> evaluator.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume, restore_rng_states
+from .config import TrainConfig, resolve_path
+from .data import BatchPlan, load_prompts, load_samples
+from .devices import canonical
+from .faults import FaultInjector
+from .model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
+from .pipeline import Evaluator, Run
+from .replica import FrozenTargetWeights, Replica
+from .runlog import EventLog, say
+from .target import FeatureTap, load_target
+from .threads import RunState
+from .tiny import cache_root, ensure_tiny_assets
+
+
+@dataclasses.dataclass
+class Prepared:
+    run: Run
+    hf_config: Any  # the drafter's Qwen3Config (with the DFlash fields)
+    initial_weights: dict[str, torch.Tensor]
+    resumed: LoadedCheckpoint | None
+    frozen: FrozenTargetWeights
+    use_flex: bool
+
+    def make_replica(self, index: int) -> Replica:
+        replica = Replica(index, self.run.drafter_devices[index], self.run.config, self.hf_config,
+                          self.initial_weights, self.frozen, self.run.total_steps, self.use_flex)
+        if self.resumed is not None:
+            replica.load_training_state(self.resumed.optimizer, self.resumed.scheduler, self.resumed.state.step)
+        return replica
+
+
+def torch_threads(config: TrainConfig) -> int:
+    """Intra-op threads: the cores divided among the threads that compute on the CPU at once."""
+    if config.runtime.torch_threads is not None:
+        return config.runtime.torch_threads
+    cores = len(os.sched_getaffinity(0))
+    if not config.devices.cpu_only:
+        return min(cores, 8)
+    busy = 1 if config.pipeline.mode == "sequential" else (
+        len(config.devices.drafters) + len(config.devices.target) + (1 if config.eval.num_prompts else 0))
+    return max(1, cores // busy)
+
+
+def _sources(config: TrainConfig, run_dir: Path) -> tuple[str, Path, Path | None]:
+    """(target folder or hub id, train jsonl, eval jsonl or None)."""
+    if config.target.tiny is not None:
+        assert config.data.synthetic is not None
+        assets = ensure_tiny_assets(config.target.tiny, config.data.synthetic, cache_root(run_dir))
+        return str(assets.target_dir), assets.train_path, assets.eval_path
+    assert config.target.path is not None and config.data.train is not None
+    folder = resolve_path(config.target.path)
+    # A path that is not there locally may be a hub id, found in the host's HF cache.
+    target = str(folder) if folder.exists() else config.target.path
+    return target, resolve_path(config.data.train), resolve_path(config.data.eval) if config.data.eval else None
+
+
+def _mask_token_id(tokenizer, mask_token: str, vocab_size: int) -> int:
+    if mask_token not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"mask_token": mask_token})
+    mask_id = tokenizer.convert_tokens_to_ids(mask_token)
+    if not 0 <= mask_id < vocab_size:
+        raise ValueError(f"drafter.mask_token {mask_token!r} has id {mask_id}, outside the target's "
+                         f"embedding (vocab_size {vocab_size}); pick a token the embedding has a row for")
+    return mask_id
+
+
+def _check_cursor(resumed: LoadedCheckpoint, plan: BatchPlan) -> None:
+    """The saved data cursor must be where this plan puts the checkpoint's step: otherwise
+    the data or its batching changed, and resuming would silently train on other batches."""
+    state = resumed.state
+    entry = plan.entry(state.step, plan.replicas - 1)
+    if (entry.epoch, entry.index) != (state.epoch, state.batch_index):
+        raise ValueError(f"{resumed.folder}: its data cursor (epoch {state.epoch}, batch {state.batch_index}) is "
+                         f"not where this config's data puts step {state.step} (epoch {entry.epoch}, batch "
+                         f"{entry.index}); the data, token_budget or seed changed since it was written")
+
+
+def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunState) -> Prepared:
+    from transformers import AutoTokenizer
+
+    faults = FaultInjector(config.faults)
+    faults.fire("coordinator")
+    target_source, train_path, eval_path = _sources(config, run_dir)  # building tiny assets uses every core
+    torch.set_num_threads(torch_threads(config))
+    target_devices = [canonical(d) for d in config.devices.target]
+    drafter_devices = [canonical(d) for d in config.devices.drafters]
+
+    tokenizer = AutoTokenizer.from_pretrained(target_source)
+    samples = load_samples(train_path, tokenizer, config.data.max_length)
+    prompts = load_prompts(eval_path, tokenizer, config.eval.num_prompts) if eval_path else []
+    plan = BatchPlan(samples, config.data, len(drafter_devices), config.optim.epochs, config.optim.max_steps,
+                     config.seed)
+    say(f"{len(samples)} samples, {len(plan.entries)} micro-batches, {plan.total_steps} steps; "
+        f"{len(prompts)} eval prompts; torch threads {torch.get_num_threads()}")
+
+    targets = {target_devices[0]: load_target(target_source, config.target.dtype, target_devices[0])}
+    for device in target_devices[1:]:
+        targets.setdefault(device, copy.deepcopy(targets[target_devices[0]]).to(device))
+    target_config = targets[target_devices[0]].config
+    mask_id = _mask_token_id(tokenizer, config.drafter.mask_token, target_config.vocab_size)
+    layer_ids = config.drafter.target_layer_ids or default_target_layer_ids(
+        target_config.num_hidden_layers, config.drafter.num_target_features or config.drafter.num_layers)
+    taps = [FeatureTap(targets[device], tuple(layer_ids)) for device in target_devices]
+    hf_config = drafter_hf_config(target_config, config.drafter, tuple(layer_ids), mask_id)
+
+    resumed = None
+    if config.checkpoint.resume is not None:
+        folder = resolve_resume(config.checkpoint.resume, run_dir)
+        if folder is None:
+            say("checkpoint.resume: latest, but this run has no checkpoint yet: starting fresh")
+        else:
+            resumed = load_checkpoint(folder)
+            if resumed.state.replicas != len(drafter_devices):
+                raise ValueError(f"{folder} was trained with {resumed.state.replicas} drafters; this config has "
+                                 f"{len(drafter_devices)} (the data order depends on it)")
+            if resumed.state.step > plan.total_steps:
+                raise ValueError(f"{folder} is at step {resumed.state.step}, past this config's "
+                                 f"{plan.total_steps} steps")
+            _check_cursor(resumed, plan)
+            restore_rng_states(resumed.rng)
+            say(f"resuming from {folder} at step {resumed.state.step}")
+    if resumed is not None:
+        weights = resumed.weights
+    else:
+        fresh = DFlashDrafter(hf_config)
+        fresh.reset_parameters(torch.Generator().manual_seed(config.seed))
+        weights = fresh.state_dict()
+
+    start_step = resumed.state.step if resumed else 0
+    run = Run(config=config, run_dir=run_dir, events=events, state=state, faults=faults, samples=samples,
+              plan=plan, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+              taps=taps, target_devices=target_devices, drafter_devices=drafter_devices, start_step=start_step,
+              losses=list(resumed.state.losses) if resumed else [])
+    if resumed is not None:
+        run.last_checkpoint = start_step
+    frozen = FrozenTargetWeights(targets)
+    if prompts:
+        embed, head = frozen.on(target_devices[0])
+        stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+                    if i is not None and i != tokenizer.unk_token_id}
+        run.evaluator = Evaluator(run, hf_config, taps[0], target_devices[0], embed, head, prompts, stop_ids)
+    use_flex = config.drafter.attention == "flex"
+    say(f"target layers {list(layer_ids)} -> drafter ({config.drafter.num_layers} layers, block "
+        f"{config.drafter.block_size}, mask token id {mask_id}); compile {config.compile}; "
+        f"attention {'flex' if use_flex else 'sdpa'}")
+    return Prepared(run, hf_config, weights, resumed, frozen, use_flex)
