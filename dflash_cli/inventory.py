@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Literal, Mapping
 
@@ -25,7 +26,9 @@ class Host:
     workspace: str
     ssh: str | None = None  # user@host[:port] or an alias from ~/.ssh/config
     container: int | None = None  # the LXC vmid, for transport pct
-    python: str = "python3"  # interpreter on the host (inside the container for pct)
+    # Interpreter on the host (inside the container for pct). Default: python3 remotely;
+    # for `local`, the interpreter running dflash, which has the trainer's packages.
+    python: str | None = None
     identity_file: str | None = None
     known_hosts: str | None = None
     host_key: Literal["strict", "accept-new"] = "strict"  # unknown host keys: refuse or record
@@ -35,6 +38,8 @@ class Host:
     name: str = dataclasses.field(default="", metadata={"internal": True})
 
     def __post_init__(self) -> None:
+        if self.python is None:
+            object.__setattr__(self, "python", sys.executable if self.transport == "local" else "python3")
         if self.transport in ("ssh", "pct") and not self.ssh:
             raise ValueError(f"transport {self.transport} needs the key 'ssh' (user@host[:port] or an alias)")
         if self.transport == "pct" and self.container is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import textwrap
 from typing import Literal, Mapping
 
@@ -23,7 +24,9 @@ def test_builtin_local_exists_without_a_file(tmp_path, monkeypatch):
     monkeypatch.delenv("DFLASH_HOSTS", raising=False)
     inventory = load_inventory()
     assert list(inventory.hosts) == ["local"]
-    assert inventory.get("local").transport == "local"
+    local = inventory.get("local")
+    # The interpreter running dflash has the trainer's packages; python3 on PATH may not.
+    assert (local.transport, local.python) == ("local", sys.executable)
 
 
 def test_full_pct_entry_loads(tmp_path):
@@ -41,6 +44,7 @@ def test_full_pct_entry_loads(tmp_path):
     """)
     host = load_inventory(path).get("ct200")
     assert (host.name, host.container, host.env["HF_HOME"]) == ("ct200", 200, "/workspace/hf")
+    assert load_inventory(path).get("local").python == sys.executable
     assert load_inventory(path).get("local").workspace == "~/.dflash/local"
 
 
