@@ -24,8 +24,9 @@ def header(record: dict, ref: RunRef) -> str:
 
 
 def render_record(record: dict, ref: RunRef) -> str:
-    """Header line, then the traceback text exactly as the thread formatted it."""
-    text = record.get("traceback", "")
+    """Header line, then the traceback text exactly as the thread formatted it (or, for
+    a line of errors.jsonl that is not JSON, that line as it is)."""
+    text = record.get("traceback", record.get("raw", ""))
     return header(record, ref) + text + ("" if text.endswith("\n") else "\n")
 
 
@@ -58,7 +59,7 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         output: Path | None) -> ExitCode:
     host = session.host(ref.host)
     report = AgentClient(host, session.transport(host)).call("report", "--run-id", ref.run_id)
-    records = sorted(report.get("errors", []), key=lambda r: r.get("ts", 0))
+    records = report.get("errors", [])  # in file order: appended as threads failed
     logs = RunLogs(session.logs_dir, ref)
     if records:
         logs.save_errors(records)

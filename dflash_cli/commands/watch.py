@@ -109,6 +109,9 @@ class Watcher:
         index, record = message["index"], message["record"]
         if index < len(self.records):
             return
+        if record is None:  # a line of errors.jsonl that is not JSON: show it as it is
+            record = {"thread": "?", "phase": "?", "exc_type": "unreadable errors.jsonl line",
+                      "traceback": message.get("raw", "")}
         self.records.append(record)
         if not self.as_json:
             text = render_record(record, self.ref)
