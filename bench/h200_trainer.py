@@ -8,8 +8,8 @@ with from_pretrained; its tokenizer is the tiny path's word-level one (sizes of 
 tokenizer do not matter here, the target's 151936-row embedding and LM head do). The
 data are random word sequences longer than the 3072-token context. Two drafter threads
 share the GPU with the target, `compile: cudagraphs`, flex attention; each pipeline
-mode runs the trainer (`python -m dflash_train`'s main, see trainer_child) once in a
-child process and is read back from events.jsonl.
+mode runs the trainer (`python -m dflash_train`, which captures the config's shape
+buckets itself) once in a child process and is read back from events.jsonl.
 
 Prints tokens/s, samples/s, drafter MFU (FLOPs from bench/gpu_threads.step_flops at the
 8B-drafter shape, per sample) and the seconds each thread waited, over the steps after
@@ -114,31 +114,7 @@ def summarize(run_dir: Path, warmup: int) -> dict:
     }
 
 
-def trainer_child(config_path: str, run_dir: str) -> None:
-    """`python -m dflash_train`, with the buckets compile_policy does not pass yet.
-
-    compile_policy calls build_cudagraph_train_step(objective, example) with a 8-block
-    example; the run's batches have 512 blocks, so the shapes to capture must come from
-    the config (cudagraphs.bucket_shapes). Until the seam passes them, this fills them in.
-    """
-    from dflash_train import cudagraphs
-    from dflash_train.__main__ import main as trainer_main
-    from dflash_train.config import load_train_config
-
-    config = load_train_config(config_path)
-    build = cudagraphs.build_cudagraph_train_step
-
-    def with_buckets(objective, example, buckets=None, **kwargs):
-        return build(objective, example, buckets or cudagraphs.bucket_shapes(config.data, config.drafter), **kwargs)
-
-    cudagraphs.build_cudagraph_train_step = with_buckets
-    trainer_main(["--config", config_path, "--run-dir", run_dir])
-
-
 def main() -> None:
-    if sys.argv[1:2] == ["--trainer-child"]:
-        trainer_child(*sys.argv[2:4])
-        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/h200"))
     parser.add_argument("--steps", type=int, default=30)
@@ -162,8 +138,8 @@ def main() -> None:
         write_config(config, target, data, mode, args.steps)
         started = time.perf_counter()
         try:
-            subprocess.run([sys.executable, __file__, "--trainer-child", str(config), str(run_dir)],
-                           env=env, timeout=args.timeout_s, check=False)
+            trainer = [sys.executable, "-m", "dflash_train", "--config", str(config), "--run-dir", str(run_dir)]
+            subprocess.run(trainer, env=env, timeout=args.timeout_s, check=False)
             result = summarize(run_dir, args.warmup)
         except subprocess.TimeoutExpired:
             result = {"error": f"timed out after {args.timeout_s}s", **summarize(run_dir, args.warmup)}

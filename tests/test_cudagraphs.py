@@ -1,9 +1,11 @@
 """compile: cudagraphs — the CPU-checkable parts everywhere, real graphs where CUDA is.
 
 CPU CI proves: the module imports on CPU-only torch, the config refuses cudagraphs on a
-CPU run, the strategy per torch version and placement, the buckets that cover the data,
-and that padding a batch into a bucket leaves loss and gradients unchanged (checked
-with the real DFlash objective). The `gpu` tests capture graphs in several drafter
+CPU run and with more shape buckets than are captured, the strategy per torch version
+and placement, the buckets that cover the data (every batch data.py packs fits one),
+that the trainer's compile plan hands those buckets and the placement to the graph
+builder, and that padding a batch into a bucket leaves loss and gradients unchanged
+(checked with the real DFlash objective). The `gpu` tests capture graphs in several drafter
 threads on one GPU and compare every loss and every averaged update with eager.
 """
 from __future__ import annotations
@@ -17,8 +19,10 @@ from transformers import Qwen3Config
 
 from dflash_schema import SchemaError
 from dflash_train import cudagraphs
-from dflash_train.compile_policy import build_train_step, example_inputs
+from dflash_train.compile_policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
+                                         configure_compiler, example_inputs, plan_compile)
 from dflash_train.config import DataConfig, DrafterConfig, load_train_config
+from dflash_train.data import BatchPlan, Sample, collate
 from dflash_train.model import DFlashDrafter, drafter_hf_config
 from dflash_train.objective import DraftObjective, DrafterInputs
 from dflash_train.replica import average_gradients
@@ -41,11 +45,12 @@ def tiny_objective(device: str, seed: int = 0) -> DraftObjective:
     return DraftObjective(drafter.to(device), embed.to(device), head.to(device), use_flex=False)
 
 
-def _write_config(tmp_path, compile_mode: str, drafters: str):
+def _write_config(tmp_path, compile_mode: str, drafters: str, data: str = "pad_multiple: 1024"):
+    """A config file; by default its data make 3 padded lengths (1024, 2048, 3072)."""
     path = tmp_path / "train.yaml"
     path.write_text(textwrap.dedent(f"""\
         target: {{tiny: {{}}}}
-        data: {{synthetic: {{}}}}
+        data: {{synthetic: {{}}, {data}}}
         devices: {{target: [{drafters.split(',')[0]}], drafters: [{drafters}]}}
         compile: {compile_mode}
         """))
@@ -109,6 +114,106 @@ def test_buckets_cover_every_length_the_packer_can_make():
 def test_too_many_buckets_is_refused_with_the_setting_to_change():
     with pytest.raises(cudagraphs.CudaGraphsUnavailable, match=r"makes 48 .*pad_multiple to at least 768"):
         cudagraphs.bucket_shapes(_data(max_length=3072, token_budget=16384, pad_multiple=64), DrafterConfig())
+
+
+def test_config_refuses_more_buckets_than_captured_naming_file_and_keys(tmp_path):
+    with pytest.raises(SchemaError) as info:
+        load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0, cuda:0",
+                                        data="max_length: 3072, pad_multiple: 64"))
+    message = str(info.value)
+    assert str(tmp_path / "train.yaml") in message
+    assert "data.max_length 3072 with data.pad_multiple 64 makes 48 (at most 4)" in message
+    suggested = int(message.split("pad_multiple to at least ")[1].split()[0])
+    assert suggested == 768
+    # The suggested setting is enough, and one less is not.
+    config = load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0", data=f"pad_multiple: {suggested}"))
+    assert len(config.data.padded_lengths()) == 4
+    with pytest.raises(SchemaError, match="makes 5"):
+        load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0", data=f"pad_multiple: {suggested - 1}"))
+    # Only cudagraphs captures per length: the other modes take any padding.
+    assert load_train_config(_write_config(tmp_path, "default", "cuda:0", data="pad_multiple: 64")).compile == "default"
+
+
+def test_every_batch_the_packer_makes_fits_a_bucket():
+    data = DataConfig(synthetic=None, train="train.jsonl", max_length=300, token_budget=1000, pad_multiple=100)
+    drafter = DrafterConfig(block_size=4, num_anchors=40)
+    buckets = cudagraphs.bucket_shapes(data, drafter)
+    generator = torch.Generator().manual_seed(3)
+    samples = []
+    for _ in range(120):
+        length = int(torch.randint(3, data.max_length + 1, (1,), generator=generator))
+        loss_mask = torch.rand(length, generator=generator) < 0.7
+        loss_mask[1] = True  # something to anchor on, as data.load_samples requires
+        samples.append(Sample(torch.randint(0, 50, (length,), generator=generator, dtype=torch.int32), loss_mask))
+    plan = BatchPlan(samples, data, replicas=1, epochs=2, max_steps=None, seed=0)
+    shapes = set()
+    for step in range(1, plan.total_steps + 1):
+        batch = collate(samples, plan.entry(step, 0), step, 0, data, drafter, pad_id=0, seed=0)
+        inputs = DrafterInputs(batch.input_ids, torch.empty(0), batch.anchors, batch.anchor_valid,
+                               batch.labels, batch.weights)
+        assert any(bucket.holds(inputs) for bucket in buckets), (tuple(batch.input_ids.shape), batch.anchors.shape)
+        shapes.add((*batch.input_ids.shape, batch.anchors.shape[1]))
+    assert {length for _, length, _ in shapes} == {100, 200, 300}  # every bucket is needed
+    assert len(shapes) > len(buckets)  # and batches of other shapes are padded into them
+
+
+@pytest.mark.parametrize("drafters, shared", [
+    ("cuda:0, cuda", True),  # "cuda" is cuda:0
+    ("cuda:0, cuda:1", False),
+    ("cuda:1", False),
+])
+def test_cudagraphs_plan_hands_the_config_buckets_and_placement_to_the_graph_builder(tmp_path, drafters, shared):
+    config = load_train_config(_write_config(tmp_path, "cudagraphs", drafters))
+    plan = plan_compile(config)
+    assert plan.buckets == cudagraphs.bucket_shapes(config.data, config.drafter)
+    assert [b.length for b in plan.buckets] == [1024, 2048, 3072]
+    assert plan.drafters_share_a_device is shared and plan.num_drafters == len(config.devices.drafters)
+    assert plan.shapes_per_drafter == 3
+    builder = plan.builder()
+    assert builder.func is cudagraphs.build_cudagraph_train_step
+    assert builder.keywords == {"buckets": plan.buckets, "drafters_share_a_device": shared}
+
+
+def test_build_train_step_reaches_the_graph_builder_for_a_cudagraphs_plan(tmp_path):
+    plan = plan_compile(load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0, cuda:0")))
+    objective = tiny_objective("cpu")
+    example = example_inputs(objective, 32, FEATURE_LAYERS * HIDDEN, "cpu")
+    with pytest.raises(cudagraphs.CudaGraphsUnavailable, match="needs a CUDA device"):
+        build_train_step(plan, objective, example)
+    # A bare mode has no buckets: capturing the warm-up example alone would fail the first batch.
+    with pytest.raises(ValueError, match="needs the shape buckets"):
+        build_train_step("cudagraphs", objective, example)
+
+
+def test_plans_without_graphs_build_a_working_step(tmp_path):
+    path = _write_config(tmp_path, "off", "cpu, cpu")
+    plan = plan_compile(load_train_config(path))
+    assert plan == CompilePlan("off", num_drafters=2, buckets=(), drafters_share_a_device=True)
+    assert plan.shapes_per_drafter == DYNAMIC_SHAPE_VARIANTS
+    objective = tiny_objective("cpu")
+    step = build_train_step(plan, objective, example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu"))
+    inputs = example_inputs(objective, 24, FEATURE_LAYERS * HIDDEN, "cpu")
+    stats = step(inputs)
+    expected = _loss_and_grads(objective, inputs)
+    assert float(stats.loss) == pytest.approx(float(expected[0]), rel=1e-6)
+
+
+def test_recompile_limit_covers_every_drafter_and_bucket(tmp_path, monkeypatch):
+    import torch._dynamo
+    import torch._inductor.config
+
+    # configure_compiler changes process-wide settings: restore them for the other tests.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+    monkeypatch.setattr(torch._inductor.config.triton, "coalesce_tiling_analysis",
+                        torch._inductor.config.triton.coalesce_tiling_analysis)
+    drafters = ", ".join(f"cuda:{i}" for i in range(8))
+    plan = plan_compile(load_train_config(_write_config(tmp_path, "cudagraphs", drafters,
+                                                        data="pad_multiple: 768")))
+    configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter)
+    # 8 GPUs x 4 buckets: each is a cache entry of DraftObjective.forward at worst.
+    assert torch._dynamo.config.recompile_limit >= 8 * 4
+    configure_compiler("default", 1)
+    assert torch._dynamo.config.recompile_limit == 8
 
 
 def test_build_refuses_cpu_with_a_clear_message():

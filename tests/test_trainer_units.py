@@ -19,7 +19,8 @@ from dflash_schema import SchemaError
 from dflash_train import checkpoint as ckpt
 from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_train_config
 from dflash_train.data import tokenize_chat
-from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter, load_drafter
+from dflash_train.model import (DFlashDrafter, default_target_layer_ids, dense_attention, drafter_hf_config,
+                                export_drafter, load_drafter)
 from dflash_train.objective import block_labels, dense_block_mask, flex_block_mask, position_weights, sample_anchors
 from dflash_train.runlog import LineWriter, error_record
 
@@ -202,6 +203,36 @@ def test_flex_mask_matches_dense_mask():
         flex = drafter(embed(block_ids.view(1, -1)), features, torch.arange(16).unsqueeze(0), positions,
                        flex_block_mask(anchors, valid, 16, 4))
     assert torch.allclose(dense[:, :8], flex[:, :8], atol=1e-5)  # the used blocks
+
+
+def test_dense_attention_repeats_kv_heads_exactly_as_enable_gqa():
+    """The drafter's masked SDPA repeats kv heads itself (so CUDA can use a fused kernel);
+    outputs and gradients must be those of SDPA's own grouping, to fp32 rounding."""
+    generator = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, context, blocks, block_size, dim = 2, 8, 2, 24, 3, 4, 16
+    anchors = torch.tensor([[3, 9, 20], [5, 11, 0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])  # an unused block too
+    mask = dense_block_mask(anchors, valid, context, block_size)  # (2, 1, 12, 36)
+    q = torch.randn(batch, heads, blocks * block_size, dim, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, context + blocks * block_size, dim, generator=generator) for _ in range(2))
+    upstream = torch.randn(batch, heads, blocks * block_size, dim, generator=generator)  # d loss / d out
+
+    def run(attend):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*inputs)
+        out.backward(upstream)
+        return out.detach(), [t.grad for t in inputs]
+
+    ours, our_grads = run(lambda q, k, v: dense_attention(q, k, v, mask))
+    reference, reference_grads = run(
+        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(our_grads, reference_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # The comparison can tell groupings apart: tiling the kv heads instead gives other outputs.
+    tiled = torch.nn.functional.scaled_dot_product_attention(q, k.repeat(1, 4, 1, 1), v.repeat(1, 4, 1, 1),
+                                                             attn_mask=mask)
+    assert not torch.allclose(tiled, reference, atol=1e-3)
 
 
 def test_export_loads_back_with_public_field_names(tmp_path):

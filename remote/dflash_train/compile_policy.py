@@ -1,10 +1,12 @@
 """How a drafter thread gets its train step: `compile: off | default | cudagraphs`.
 
-A drafter calls `build_train_step` once, during its startup and before it signals ready.
-Building (compiling, warming up, capturing graphs) happens under one process-wide lock,
-so drafters compile one at a time: torch.compile is not thread-safe overall, and CUDA
-graph captures of two threads break each other. `cudagraphs` is provided by
-`cudagraphs.build_cudagraph_train_step(objective, example)` with the same contract.
+The coordinator decides once, from the config, what every drafter builds (`plan_compile`:
+the mode, and for cudagraphs the shape buckets to capture and whether drafters share a
+GPU), sets the process-wide compiler options from that plan (`configure_compiler`), then
+each drafter calls `build_train_step` once, during its startup and before it signals
+ready. Building (compiling, warming up, capturing graphs) happens under one process-wide
+lock, so drafters compile one at a time: torch.compile is not thread-safe overall, and
+CUDA graph captures of two threads break each other.
 
 The train step runs forward and backward only; gradient averaging across replicas and
 the optimizer step follow in the drafter thread.
@@ -12,14 +14,23 @@ the optimizer step follow in the drafter thread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from .config import TrainConfig
+from .devices import canonical
 from .objective import DraftObjective, DrafterInputs, block_labels, position_weights
 
+if TYPE_CHECKING:
+    from .cudagraphs import BatchShape
+
 _BUILD_LOCK = threading.Lock()
+# compile: default compiles with dynamic shapes: one graph per drafter, plus the
+# re-specializations Dynamo still makes (a size of 1, sizes equal at the first trace).
+DYNAMIC_SHAPE_VARIANTS = 2
 
 
 @dataclasses.dataclass
@@ -30,18 +41,68 @@ class StepStats:
 
 
 TrainStep = Callable[[DrafterInputs], StepStats]
+StepBuilder = Callable[[DraftObjective, DrafterInputs], TrainStep]
 
 
-def configure_compiler(mode: str, num_drafters: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class CompilePlan:
+    """What every drafter of one run builds; decided before any drafter thread starts."""
+
+    mode: str  # off | default | cudagraphs
+    num_drafters: int = 1
+    buckets: tuple[BatchShape, ...] = ()  # cudagraphs: every shape a batch can have, captured at start-up
+    drafters_share_a_device: bool = True  # cudagraphs: picks the capture strategy
+
+    def __post_init__(self) -> None:
+        if self.mode == "cudagraphs" and not self.buckets:
+            # Capturing only the warm-up example's shape would fail the first real batch.
+            raise ValueError("compile: cudagraphs needs the shape buckets of the run (see plan_compile)")
+
+    @property
+    def shapes_per_drafter(self) -> int:
+        """Graphs Dynamo compiles per drafter: one per bucket for the static cudagraphs
+        compile, a dynamic graph and its re-specializations otherwise."""
+        return len(self.buckets) if self.mode == "cudagraphs" else DYNAMIC_SHAPE_VARIANTS
+
+    def builder(self) -> StepBuilder:
+        """The function that builds one replica's train step for this plan."""
+        if self.mode == "cudagraphs":
+            from .cudagraphs import build_cudagraph_train_step
+
+            return functools.partial(build_cudagraph_train_step, buckets=self.buckets,
+                                     drafters_share_a_device=self.drafters_share_a_device)
+        return functools.partial(_build_eager_or_compiled, self.mode)
+
+
+def plan_compile(config: TrainConfig) -> CompilePlan:
+    """The run's compile plan. Devices compare canonically ("cuda" is "cuda:0"), so two
+    drafters written as cuda and cuda:0 count as sharing a GPU."""
+    drafters = [canonical(d) for d in config.devices.drafters]
+    buckets: tuple[BatchShape, ...] = ()
+    if config.compile == "cudagraphs":
+        from .cudagraphs import bucket_shapes
+
+        buckets = bucket_shapes(config.data, config.drafter)
+    return CompilePlan(mode=config.compile, num_drafters=len(drafters), buckets=buckets,
+                       drafters_share_a_device=len(set(drafters)) < len(drafters))
+
+
+def recompile_limit(num_drafters: int, shapes_per_drafter: int) -> int:
+    """Dynamo's cache entries per code object. Every replica compiles the same
+    DraftObjective.forward, each shape of each replica is an entry, and past the limit
+    Dynamo silently runs the code eagerly: size it to the run, with room to spare."""
+    return max(8, 2 * num_drafters * shapes_per_drafter)
+
+
+def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = DYNAMIC_SHAPE_VARIANTS) -> None:
     """Process-wide compiler settings, set once before any drafter thread starts (never
-    patched inside a worker). Every replica's module is a distinct guard target, so the
-    recompile limit grows with the number of drafters."""
+    patched inside a worker)."""
     if mode == "off":
         return
     import torch._dynamo
     import torch._inductor.config
 
-    limit = max(8, 4 * num_drafters)
+    limit = recompile_limit(num_drafters, shapes_per_drafter)
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = limit
     else:  # older releases name it cache_size_limit
@@ -69,21 +130,26 @@ def example_inputs(objective: DraftObjective, seq_len: int, num_features: int, d
     return DrafterInputs(*(t.to(device) for t in (input_ids, features, anchors, anchor_valid, labels, weights)))
 
 
-def build_train_step(mode: str, objective: DraftObjective, example: DrafterInputs) -> TrainStep:
-    """The forward+backward callable for one replica, built and warmed up under the lock."""
+def build_train_step(plan: CompilePlan | str, objective: DraftObjective, example: DrafterInputs) -> TrainStep:
+    """The forward+backward callable for one replica, built and warmed up under the lock.
+
+    A bare mode ("off", "default") stands for a plan of that mode, for callers that build
+    a step outside a run (benchmarks); cudagraphs needs a whole plan (its buckets)."""
+    if isinstance(plan, str):
+        plan = CompilePlan(plan)
     with _BUILD_LOCK:
-        if mode == "cudagraphs":
-            from .cudagraphs import build_cudagraph_train_step
+        return plan.builder()(objective, example)
 
-            return build_cudagraph_train_step(objective, example)
-        # dynamic=True: micro-batch shapes vary with the data; one graph serves them all.
-        forward = objective if mode == "off" else torch.compile(objective, dynamic=True)
 
-        def train_step(inputs: DrafterInputs) -> StepStats:
-            loss, correct, counted = forward(inputs)
-            loss.backward()
-            return StepStats(loss.detach(), correct, counted)
+def _build_eager_or_compiled(mode: str, objective: DraftObjective, example: DrafterInputs) -> TrainStep:
+    # dynamic=True: micro-batch shapes vary with the data; one graph serves them all.
+    forward = objective if mode == "off" else torch.compile(objective, dynamic=True)
 
-        train_step(example)  # compiles now, not in the first training step
-        objective.drafter.zero_grad(set_to_none=True)
-        return train_step
+    def train_step(inputs: DrafterInputs) -> StepStats:
+        loss, correct, counted = forward(inputs)
+        loss.backward()
+        return StepStats(loss.detach(), correct, counted)
+
+    train_step(example)  # compiles now, not in the first training step
+    objective.drafter.zero_grad(set_to_none=True)
+    return train_step

@@ -17,6 +17,9 @@ import dflash_schema
 
 CompileMode = Literal["off", "default", "cudagraphs"]
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+# compile: cudagraphs captures one graph per padded length, per drafter; each costs a
+# compile and a capture at start-up and a graph's worth of memory (see cudagraphs.py).
+CUDAGRAPH_MAX_BUCKETS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,22 @@ class DataConfig:
         if self.token_budget < self.max_length:
             raise ValueError(f"data.token_budget ({self.token_budget}) must hold one sequence "
                              f"of max_length ({self.max_length})")
+
+    def padded_lengths(self) -> tuple[int, ...]:
+        """Every sequence length a micro-batch can have: the multiples of pad_multiple up to
+        max_length rounded up (data.py pads each batch to its longest row, rounded up)."""
+        top = -(-self.max_length // self.pad_multiple) * self.pad_multiple
+        return tuple(range(self.pad_multiple, top + 1, self.pad_multiple))
+
+    def too_many_cudagraph_buckets(self) -> str | None:
+        """Why `compile: cudagraphs` cannot capture every length this data makes, or None."""
+        lengths = self.padded_lengths()
+        if len(lengths) <= CUDAGRAPH_MAX_BUCKETS:
+            return None
+        return (f"compile: cudagraphs captures one graph per padded length; data.max_length {self.max_length} "
+                f"with data.pad_multiple {self.pad_multiple} makes {len(lengths)} (at most "
+                f"{CUDAGRAPH_MAX_BUCKETS}): set data.pad_multiple to at least "
+                f"{-(-self.max_length // CUDAGRAPH_MAX_BUCKETS)} (e.g. {self.max_length}, one graph)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +273,8 @@ class TrainConfig:
             raise ValueError("compile: cudagraphs needs CUDA devices, but this config runs on CPU only "
                              f"(devices.drafters: {', '.join(self.devices.drafters)}); "
                              "use compile: off or default")
+        if self.compile == "cudagraphs" and (problem := self.data.too_many_cudagraph_buckets()):
+            raise ValueError(problem)
         if self.data.synthetic is not None and self.target.tiny is None:
             raise ValueError("data.synthetic needs target.tiny (responses come from the tiny target)")
         known = self.thread_names()

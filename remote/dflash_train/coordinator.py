@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from .compile_policy import build_train_step, configure_compiler, example_inputs
+from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
 from .config import TrainConfig
 from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, eval_body, prefetch_body, \
     snapshot, target_body
@@ -45,6 +45,7 @@ class Coordinator:
         self.alive: list[str] = []  # threads still running at exit
         self.replicas: dict[int, Replica] = {}
         self.prepared: Prepared | None = None
+        self.compile_plan: CompilePlan | None = None  # set before the first drafter starts
         self._signal: int | None = None
         self._heartbeat = (0.0, -1)  # (time, progress) of the last heartbeat
 
@@ -89,16 +90,25 @@ class Coordinator:
 
     def _start_replica(self, index: int) -> Replica:
         """Runs in the drafter's thread (or the main thread when sequential)."""
-        assert self.prepared is not None
+        assert self.prepared is not None and self.compile_plan is not None
         replica = self.prepared.make_replica(index)
         run = self.prepared.run
         example = example_inputs(replica.objective, self.config.data.pad_multiple,
                                  replica.drafter.fc.in_features, replica.device)
-        replica.train_step = build_train_step(self.config.compile, replica.objective, example)
+        replica.train_step = build_train_step(self.compile_plan, replica.objective, example)
         self.replicas[index] = replica
         say(f"drafter {index} ready on {replica.device} (compile {self.config.compile}, "
             f"{sum(p.numel() for p in replica.drafter.parameters()):,} parameters, from step {run.start_step})")
         return replica
+
+    def _configure_compiler(self) -> None:
+        """Decide what every drafter compiles and set the compiler up for it, in the main
+        thread, before any drafter starts (compiler settings are process-wide)."""
+        self.compile_plan = plan = plan_compile(self.config)
+        configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter)
+        if plan.buckets:
+            say(f"compile: cudagraphs captures {len(plan.buckets)} shape bucket(s) per drafter: "
+                f"{', '.join(f'{b.rows}x{b.length} ({b.blocks} blocks)' for b in plan.buckets)}")
 
     def _run_threaded(self, prepared: Prepared) -> None:
         run, state, pipe = prepared.run, self.state, self.config.pipeline
@@ -110,7 +120,7 @@ class Coordinator:
             eval_queue=StoppableQueue("eval", 2, state, pipe.poll_s) if run.evaluator else None,
             rendezvous=Rendezvous(drafters, state))
         run.queues = [*channels.target_queues, *channels.drafter_queues]
-        configure_compiler(self.config.compile, drafters)
+        self._configure_compiler()
         for index in range(drafters):
             worker = self._start(f"drafter-{index}", drafter_body(run, channels, index, self._start_replica))
             worker.wait_until_ready(self.config.runtime.ready_timeout_s, poll=self.poll)
@@ -146,7 +156,7 @@ class Coordinator:
         drafters, targets = len(run.drafter_devices), len(run.target_devices)
         for name in self.config.thread_names()[1:]:
             faults.fire(name)
-        configure_compiler(self.config.compile, drafters)
+        self._configure_compiler()
         replicas = [self._start_replica(index) for index in range(drafters)]
         if run.evaluator is not None and self.config.eval.at_start:
             run.evaluator.measure(EvalRequest(run.start_step, snapshot(replicas[0]), baseline=True))

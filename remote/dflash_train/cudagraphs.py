@@ -51,7 +51,6 @@ Strategy = Literal["auto", "whole_step", "upstream"]
 # workspace map, the allocator's capture pools): one thread at a time, process-wide.
 CAPTURE_LOCK = threading.Lock()
 UPSTREAM_THREAD_SAFE_TORCH = (2, 13)  # first release with pytorch PR #184357
-MAX_BUCKETS = 4  # graphs per drafter; each costs a compile and a capture at start-up
 WARMUP_STEPS = 3  # eager-allocator steps before capture: compile, autotune, cuBLAS handles
 
 
@@ -109,13 +108,10 @@ def bucket_shapes(data: DataConfig, drafter: DrafterConfig) -> tuple[BatchShape,
     rows x length within `token_budget`, with at most `num_anchors` blocks a row: one
     bucket per possible length covers all of them exactly.
     """
-    multiple, top = data.pad_multiple, -(-data.max_length // data.pad_multiple) * data.pad_multiple
-    lengths = range(multiple, top + 1, multiple)
-    if len(lengths) > MAX_BUCKETS:
-        raise CudaGraphsUnavailable(
-            f"compile: cudagraphs captures one graph per padded length; data.max_length {data.max_length} "
-            f"with data.pad_multiple {multiple} makes {len(lengths)} (at most {MAX_BUCKETS}): set "
-            f"data.pad_multiple to at least {-(-top // MAX_BUCKETS)} (e.g. {data.max_length}, one graph)")
+    problem = data.too_many_cudagraph_buckets()
+    if problem:  # a loaded TrainConfig never gets here; a DataConfig built in code may
+        raise CudaGraphsUnavailable(problem)
+    lengths = data.padded_lengths()
     # data.collate rounds a row's block count up to 8, never past num_anchors.
     return tuple(BatchShape(max(1, data.token_budget // n), n, min(drafter.num_anchors, -(-(n - 2) // 8) * 8))
                  for n in lengths)

@@ -94,11 +94,26 @@ class DFlashAttention(nn.Module):
         v = v.view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, *rope_q), _rotate(k, *rope_k)  # q (B, h, Q, d); k, v (B, hk, S+Q, d)
         if isinstance(mask, torch.Tensor):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out = dense_attention(q, k, v, mask)
         else:  # a FlexAttention BlockMask
             from torch.nn.attention.flex_attention import flex_attention
             out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with an explicit mask and grouped key/value heads.
+
+    q (B, h, Q, d); k, v (B, hk, S+Q, d); mask bool (B, 1, Q, S+Q) -> (B, h, Q, d).
+    The kv heads are repeated up to the query heads here, in the grouping enable_gqa=True
+    applies (query head i reads kv head i // (h // hk)). On CUDA, SDPA's flash kernel
+    takes grouped heads but no mask and its memory-efficient kernel a mask but no grouped
+    heads: given both, SDPA falls back to the math kernel, which materializes the scores
+    in fp32 (measured, bench/RESULTS-h200.md). Repeated heads cost (B, h, S+Q, d) twice."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class DFlashDecoderLayer(nn.Module):
