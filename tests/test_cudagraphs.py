@@ -198,22 +198,24 @@ def test_plans_without_graphs_build_a_working_step(tmp_path):
     assert float(stats.loss) == pytest.approx(float(expected[0]), rel=1e-6)
 
 
-def test_recompile_limit_covers_every_drafter_and_bucket(tmp_path, monkeypatch):
+def test_recompile_limit_covers_every_drafter_and_bucket(tmp_path):
     import torch._dynamo
     import torch._inductor.config
 
-    # configure_compiler changes process-wide settings: restore them for the other tests.
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
-    monkeypatch.setattr(torch._inductor.config.triton, "coalesce_tiling_analysis",
-                        torch._inductor.config.triton.coalesce_tiling_analysis)
-    drafters = ", ".join(f"cuda:{i}" for i in range(8))
-    plan = plan_compile(load_train_config(_write_config(tmp_path, "cudagraphs", drafters,
-                                                        data="pad_multiple: 768")))
-    configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter)
-    # 8 GPUs x 4 buckets: each is a cache entry of DraftObjective.forward at worst.
-    assert torch._dynamo.config.recompile_limit >= 8 * 4
-    configure_compiler("default", 1)
-    assert torch._dynamo.config.recompile_limit == 8
+    # configure_compiler changes process-wide settings: restore them for the other tests,
+    # by assignment (pytest's monkeypatch undo leaves torch's config module broken).
+    saved = (torch._dynamo.config.recompile_limit, torch._inductor.config.triton.coalesce_tiling_analysis)
+    try:
+        drafters = ", ".join(f"cuda:{i}" for i in range(8))
+        plan = plan_compile(load_train_config(_write_config(tmp_path, "cudagraphs", drafters,
+                                                            data="pad_multiple: 768")))
+        configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter)
+        # 8 GPUs x 4 buckets: each is a cache entry of DraftObjective.forward at worst.
+        assert torch._dynamo.config.recompile_limit >= 8 * 4
+        configure_compiler("default", 1)
+        assert torch._dynamo.config.recompile_limit == 8
+    finally:
+        torch._dynamo.config.recompile_limit, torch._inductor.config.triton.coalesce_tiling_analysis = saved
 
 
 def test_build_refuses_cpu_with_a_clear_message():
