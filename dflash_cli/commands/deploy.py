@@ -74,6 +74,8 @@ def _receiver(session: Session, host: Host, verb: str, release_id: str,
 
 
 class _ProgressReader(io.RawIOBase):
+    """The payload as a file, drawing a progress bar as the transport reads it."""
+
     def __init__(self, data: bytes, progress: Progress, task: int):
         self._data, self._pos, self._progress, self._task = data, 0, progress, task
 
@@ -85,6 +87,8 @@ class _ProgressReader(io.RawIOBase):
         buffer[:len(chunk)] = chunk
         self._pos += len(chunk)
         self._progress.update(self._task, completed=self._pos)
+        if not chunk:
+            self._progress.stop()  # all sent: the bar goes away
         return len(chunk)
 
 
@@ -95,9 +99,7 @@ def _with_progress(host_name: str, payload: bytes):
                         TransferSpeedColumn(), console=console.human, transient=True)
     progress.start()
     task = progress.add_task(f"deploy {host_name}", total=len(payload))
-    reader = _ProgressReader(payload, progress, task)
-    reader.close = lambda: progress.stop()  # type: ignore[method-assign]
-    return reader
+    return _ProgressReader(payload, progress, task)
 
 
 def run(session: Session, host_names: list[str], all_hosts: bool) -> ExitCode:
