@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 
 from .errors import DflashError, ExitCode, UnreachableError
 from .inventory import Host
-from .transports.base import Transport
+from .transports.base import Completed, Transport
 
 _BOOTSTRAP = (
     "import os, runpy, sys\n"
@@ -21,7 +21,6 @@ _BOOTSTRAP = (
     "if not os.path.isfile(script):\n"
     "    print('{\"error\": \"no release deployed in %s\", \"kind\": \"not_deployed\"}' % workspace)\n"
     "    sys.exit(2)\n"
-    "sys.path.insert(0, os.path.dirname(script))\n"
     "sys.argv = [script, '--workspace', workspace] + sys.argv[2:]\n"
     "runpy.run_path(script, run_name='__main__')\n"
 )
@@ -41,11 +40,8 @@ class AgentClient:
     def call(self, verb: str, *args: str, stdin: bytes | None = None,
              timeout: float | None = None) -> dict:
         done = self.transport.run(self.argv(verb, args), stdin=stdin, timeout=timeout)
-        if done.exit_code == 127:
-            raise DflashError(f"host {self.host.name}: interpreter {self.host.python!r} not found "
-                              f"({done.stderr.decode(errors='replace').strip()})", ExitCode.USAGE,
-                              hint=f"set python: in the inventory entry of {self.host.name}")
-        reply = _parse(done.stdout)
+        check_interpreter(self.host, done)
+        reply = parse_reply(done.stdout)
         if reply is None:
             stderr = done.stderr.decode(errors="replace").strip()
             raise DflashError(f"host {self.host.name}: agent {verb} gave no answer "
@@ -60,7 +56,7 @@ class AgentClient:
     def follow(self, *args: str) -> Iterator[dict]:
         """The agent's follow stream as dicts. UnreachableError if the connection drops."""
         for line in self.transport.stream(self.argv("follow", args)):
-            message = _parse(line)
+            message = parse_reply(line)
             if message is None:
                 raise UnreachableError(f"host {self.host.name}: unreadable follow line {line[:200]!r}")
             if "error" in message and "t" not in message:
@@ -69,7 +65,16 @@ class AgentClient:
             yield message
 
 
-def _parse(raw: bytes) -> dict | None:
+def check_interpreter(host: Host, done: Completed) -> None:
+    """A `host.python -c ...` that exited 127 never ran: the interpreter is missing."""
+    if done.exit_code == 127:
+        raise DflashError(f"host {host.name}: interpreter {host.python!r} not found "
+                          f"({done.stderr.decode(errors='replace').strip()})", ExitCode.USAGE,
+                          hint=f"set python: in the inventory entry of {host.name}")
+
+
+def parse_reply(raw: bytes) -> dict | None:
+    """The JSON object on the last line of `raw`, or None when there is none."""
     text = raw.decode("utf-8", errors="replace").strip()
     if not text:
         return None

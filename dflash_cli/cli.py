@@ -4,6 +4,7 @@ Command docstrings are the --help text.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -48,18 +49,7 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
     configuration error, 3 host unreachable, 4 the run was stopped, 130 interrupted
     (the run keeps going). Data goes to stdout; progress and tables to stderr.
     """
-    ctx.obj = ctx.with_resource(_closing(Session(hosts_file, Path(logs_dir), accept_new_host_key)))
-
-
-class _closing:
-    def __init__(self, session: Session):
-        self.session = session
-
-    def __enter__(self) -> Session:
-        return self.session
-
-    def __exit__(self, *exc: object) -> None:
-        self.session.close()
+    ctx.obj = ctx.with_resource(contextlib.closing(Session(hosts_file, Path(logs_dir), accept_new_host_key)))
 
 
 @main.command("deploy")

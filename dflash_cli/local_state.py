@@ -89,22 +89,25 @@ def set_latest(logs_dir: Path, ref: RunRef) -> None:
     write_atomic(logs_dir / "latest.json", json.dumps(dataclasses.asdict(ref)).encode())
 
 
+def _latest(logs_dir: Path) -> RunRef | None:
+    """The latest run this checkout launched, or None when none is recorded."""
+    try:
+        return RunRef(**json.loads((logs_dir / "latest.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def latest_host(logs_dir: Path) -> str:
     """The host of the latest run this checkout launched, else `local`."""
-    try:
-        return json.loads((logs_dir / "latest.json").read_text())["host"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "local"
+    latest = _latest(logs_dir)
+    return latest.host if latest else "local"
 
 
 def resolve_run(logs_dir: Path, run_id: str | None, host: str | None) -> RunRef:
     """The run named on the command line, or the latest one this checkout launched."""
     if run_id and host:
         return RunRef(host, run_id)
-    try:
-        latest = RunRef(**json.loads((logs_dir / "latest.json").read_text()))
-    except (OSError, ValueError, TypeError):
-        latest = None
+    latest = _latest(logs_dir)
     if run_id is None:
         if latest is None or (host and latest.host != host):
             raise DflashError("no run given and no latest run recorded in "

@@ -1,14 +1,20 @@
 """What one CLI invocation holds: the inventory, one transport per host, local state."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import threading
 from pathlib import Path
+from typing import Callable, Sequence, TypeVar
 
+from .agent import AgentClient
+from .errors import DflashError
 from .inventory import Host, Inventory, load_inventory
 from .transports import open_transport
 from .transports.base import Transport
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -34,6 +40,24 @@ class Session:
                 self._transports[host.name] = open_transport(
                     host, accept_new_host_key=self.accept_new_host_key)
             return self._transports[host.name]
+
+    def agent(self, host_name: str) -> AgentClient:
+        """The agent of `host_name`'s current release, over that host's one connection."""
+        host = self.host(host_name)
+        return AgentClient(host, self.transport(host))
+
+    def on_each_host(self, hosts: Sequence[Host], work: Callable[[Host], T]) -> dict[str, T | DflashError]:
+        """`work(host)` for all hosts at once; a host's DflashError is its result, so one
+        failing host does not hide the others'."""
+        results: dict[str, T | DflashError] = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
+            futures = {pool.submit(work, host): host.name for host in hosts}
+            for future in concurrent.futures.as_completed(futures):
+                try:
+                    results[futures[future]] = future.result()
+                except DflashError as exc:
+                    results[futures[future]] = exc
+        return results
 
     def close(self) -> None:
         for transport in self._transports.values():

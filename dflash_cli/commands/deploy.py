@@ -1,10 +1,8 @@
 """dflash deploy: a content-addressed release of remote/ and configs/ on each host."""
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import io
-import json
 import time
 from pathlib import Path
 
@@ -13,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console, release
+from ..agent import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session
@@ -58,15 +57,11 @@ def _receiver(session: Session, host: Host, verb: str, release_id: str,
     argv = [host.python, "-c", RECEIVER_SOURCE, verb, host.workspace, release_id]
     stdin = None if payload is None else _with_progress(host.name, payload)
     done = session.transport(host).run(argv, stdin=stdin)
-    text = done.stdout.decode(errors="replace").strip()
-    try:
-        reply = json.loads(text.splitlines()[-1])
-    except (ValueError, IndexError):
+    check_interpreter(host, done)
+    reply = parse_reply(done.stdout)
+    if reply is None:
         reply = {"status": "error", "error": f"exit {done.exit_code}: "
                  f"{done.stderr.decode(errors='replace').strip()[-1000:]}"}
-    if done.exit_code == 127:
-        raise DflashError(f"host {host.name}: interpreter {host.python!r} not found", ExitCode.USAGE,
-                          hint=f"set python: in the inventory entry of {host.name}")
     if reply.get("status") == "error":
         raise DflashError(f"host {host.name}: deploy {verb} failed: {reply['error']}; "
                           "the previous release stays current", ExitCode.UNREACHABLE)
@@ -110,14 +105,7 @@ def run(session: Session, host_names: list[str], all_hosts: bool) -> ExitCode:
         raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
     tree = release.scan()
-    results: dict[str, DeployResult | DflashError] = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
-        futures = {pool.submit(deploy_host, session, host, tree): host.name for host in hosts}
-        for future in concurrent.futures.as_completed(futures):
-            try:
-                results[futures[future]] = future.result()
-            except DflashError as exc:
-                results[futures[future]] = exc
+    results = session.on_each_host(hosts, lambda host: deploy_host(session, host, tree))
     _print_table(results, host_names, tree)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     for name in host_names:

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 from .. import console
-from ..agent import AgentClient
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef
 from ..session import Session
@@ -57,8 +56,7 @@ def render_no_record(report: dict, ref: RunRef) -> str:
 
 def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         output: Path | None) -> ExitCode:
-    host = session.host(ref.host)
-    report = AgentClient(host, session.transport(host)).call("report", "--run-id", ref.run_id)
+    report = session.agent(ref.host).call("report", "--run-id", ref.run_id)
     records = report.get("errors", [])  # in file order: appended as threads failed
     logs = RunLogs(session.logs_dir, ref)
     if records:

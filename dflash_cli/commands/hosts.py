@@ -1,7 +1,6 @@
 """dflash hosts: the inventory, and with --check what each host really has."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
 
 from rich.table import Table
@@ -56,15 +55,7 @@ def _where(host: Host) -> str:
 
 def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
     hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts)]
-    results: dict[str, dict | DflashError] = {}
-    if do_check:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
-            futures = {pool.submit(check, session, h): h.name for h in hosts}
-            for future in concurrent.futures.as_completed(futures):
-                try:
-                    results[futures[future]] = future.result()
-                except DflashError as exc:
-                    results[futures[future]] = exc
+    results = session.on_each_host(hosts, lambda host: check(session, host)) if do_check else {}
     table = Table(title=f"hosts ({session.inventory.source})", title_justify="left")
     for column in ["host", "transport", "where", "workspace"] + (
             ["status", "python", "torch", "transformers", "GPUs", "release"] if do_check else []):

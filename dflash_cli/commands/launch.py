@@ -9,7 +9,6 @@ from pathlib import Path
 import dflash_schema
 
 from .. import console, release
-from ..agent import AgentClient
 from ..errors import DflashError, ExitCode
 from ..local_state import RunRef, set_latest
 from ..session import Session
@@ -55,8 +54,7 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
         args += ["--env", f"{key}={value}"]
     if force:
         args.append("--force")
-    agent = AgentClient(host, session.transport(host))
-    reply = agent.call("launch", *args, stdin=config_path.read_bytes())
+    reply = session.agent(host.name).call("launch", *args, stdin=config_path.read_bytes())
     ref = RunRef(host.name, reply["run_id"])
     set_latest(session.logs_dir, ref)
     console.say(f"{host.name}: started run {ref.run_id} (pid {reply.get('pid')}, "

@@ -8,7 +8,6 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console
-from ..agent import AgentClient
 from ..errors import ExitCode
 from ..local_state import RunRef
 from ..session import Session
@@ -37,21 +36,19 @@ def runs_table(host_name: str, runs: list[dict]) -> Table:
 
 def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     """Print one run's state; the exit code says it too (0 fine, 1 failed, 4 stopped)."""
-    host = session.host(ref.host)
-    reply = AgentClient(host, session.transport(host)).call("status", "--run-id", ref.run_id)
+    reply = session.agent(ref.host).call("status", "--run-id", ref.run_id)
     status = reply["runs"][0]
     if as_json:
         console.data(json.dumps(status) + "\n")
     else:
         console.data(f"{status['state']}\n")
-        console.human.print(runs_table(host.name, [status]))
+        console.human.print(runs_table(ref.host, [status]))
     return EXIT_FOR_STATE.get(status["state"], ExitCode.OK)
 
 
 def list_runs(session: Session, host_names: list[str], as_json: bool) -> ExitCode:
     for name in host_names:
-        host = session.host(name)
-        runs = AgentClient(host, session.transport(host)).call("status")["runs"]
+        runs = session.agent(name).call("status")["runs"]
         if as_json:
             for r in runs:
                 console.data(json.dumps({"host": name, **r}) + "\n")

@@ -12,9 +12,8 @@ import sys
 import time
 
 from .. import console
-from ..agent import AgentClient
-from ..errors import DflashError, ExitCode, UnreachableError
-from ..local_state import Cursor, RunLogs, RunRef
+from ..errors import ExitCode, UnreachableError
+from ..local_state import RunLogs, RunRef
 from ..session import Session
 from .fetch_traceback import render_no_record, render_record
 
@@ -39,8 +38,7 @@ def gpu_line(gpus: list[dict]) -> str:
 class Watcher:
     def __init__(self, session: Session, ref: RunRef, interval: float, as_json: bool):
         self.ref = ref
-        self.host = session.host(ref.host)
-        self.agent = AgentClient(self.host, session.transport(self.host))
+        self.agent = session.agent(ref.host)
         self.logs = RunLogs(session.logs_dir, ref)
         self.interval = interval
         self.as_json = as_json
@@ -65,7 +63,7 @@ class Watcher:
             self.handle(message)
             if self.end is not None:
                 return
-        raise UnreachableError(f"host {self.host.name}: follow stream ended before the run did")
+        raise UnreachableError(f"host {self.ref.host}: follow stream ended before the run did")
 
     def handle(self, message: dict) -> None:
         kind = message.get("t")

@@ -1,14 +1,13 @@
 """Resource locks: <workspace>/locks/<resource>.json holds the run id using it.
 
 Two launches for the same GPUs must not both win, so every look-then-take happens
-under an exclusive flock on locks/.guard; the lock files themselves are created with
-O_CREAT|O_EXCL. A lock whose run is terminal or LOST is stale and is replaced.
+under an exclusive flock on locks/.guard; the lock files themselves are written
+atomically. A lock whose run is terminal or LOST is stale and is replaced.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import re
 import time
@@ -46,7 +45,7 @@ def _read_holder(path: str) -> Optional[Dict[str, Any]]:
     try:
         holder = read_json(path)
     except ValueError:
-        return {}  # torn by a crash between create and write: held by nobody
+        return {}  # not JSON (torn, or written by hand): held by nobody
     return holder if holder is None or isinstance(holder, dict) else {}
 
 
@@ -81,18 +80,7 @@ def acquire(ws: Workspace, resources: Sequence[str], run_id: str, force: bool) -
                     % (resource, holder.get("run_id"), state),
                     "conflict", holder=holder.get("run_id"), resource=resource)
         for resource in resources:
-            path = _path(ws, resource)
-            data = json.dumps(dict(record, resource=resource)).encode("utf-8")
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                write_json_atomic(path, dict(record, resource=resource))  # take over
-                continue
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_json_atomic(_path(ws, resource), dict(record, resource=resource))
 
 
 def release(ws: Workspace, resources: Sequence[str], run_id: str) -> None:

@@ -149,11 +149,6 @@ def read_record(run: RunDir) -> Dict[str, Any]:
     return record
 
 
-def state_of(run: RunDir) -> str:
-    record = read_record(run)
-    return derive_state(observe(run, record))
-
-
 def run_status(run: RunDir) -> Dict[str, Any]:
     """The RunStatus object of the protocol."""
     record = read_record(run)

@@ -110,7 +110,7 @@ def _convert(tp: Any, value: Any, source: str, where: str) -> Any:
     if origin in (tuple, list):
         if not isinstance(value, list):
             raise SchemaError(source, where, f"expected {_describe(tp)}, got {_type_name(value)}")
-        (item_tp, *rest) = typing.get_args(tp)
+        item_tp = typing.get_args(tp)[0]
         items = [_convert(item_tp, v, source, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin in (dict, collections.abc.Mapping):
