@@ -16,7 +16,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -59,26 +59,35 @@ def _fsync_tree(folder: Path) -> None:
         os.close(fd)
 
 
+def replace_dir(final: Path, fill: Callable[[Path], None]) -> None:
+    """Fill a staging folder beside `final` with `fill(staging)`, then move it into place
+    with os.replace; a previous `final` stays whole until the new one is."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; these folders are for others to read
+    try:
+        fill(staging)
+        if final.exists():  # written again (a resumed run re-saving a step, a re-export): move the old one aside
+            shutil.rmtree(final.rename(final.parent / f".old-{final.name}-{os.getpid()}"))
+        os.replace(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, optimizer, scheduler,
                     keep: int) -> Path:
     from safetensors.torch import save_file
 
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{state.step:06d}"
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    staging.chmod(0o755)  # mkdtemp makes it private; checkpoints are for others to read
-    try:
+    def fill(staging: Path) -> None:
         weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
         save_file(weights, str(staging / "model.safetensors"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": rng_states()}, staging / "optimizer.pt")
         (staging / "state.json").write_text(json.dumps(dataclasses.asdict(state)) + "\n")
         _fsync_tree(staging)
-        if final.exists():  # the same step again (a resumed run re-saving): move the old one aside
-            shutil.rmtree(final.rename(root / f".old-{final.name}-{os.getpid()}"))
-        os.replace(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{state.step:06d}"
+    replace_dir(final, fill)
     link = root / f".{LATEST}-{os.getpid()}"
     link.unlink(missing_ok=True)
     link.symlink_to(final.name)

@@ -112,22 +112,32 @@ def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = D
     torch._inductor.config.triton.coalesce_tiling_analysis = False
 
 
+def random_inputs(rows: int, length: int, blocks: int, *, block_size: int, vocab: int, num_features: int,
+                  features_dtype: torch.dtype, device: str | torch.device, seed: int) -> DrafterInputs:
+    """A valid micro-batch of random tokens and features: input_ids (rows, length), blocks
+    anchors a row, of which the first min(blocks, length - 2) are real (an anchor needs a
+    token before and after it) and the rest invalid padding."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (rows, length), generator=generator)
+    real = min(blocks, length - 2)
+    anchors = torch.zeros((rows, blocks), dtype=torch.long)
+    anchors[:, :real] = torch.stack([torch.sort(torch.randperm(length - 2, generator=generator)[:real]).values
+                                     for _ in range(rows)]) + 1
+    anchor_valid = torch.arange(blocks).expand(rows, -1) < real
+    labels, weights = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, anchor_valid,
+                                   position_weights(block_size, 7.0))
+    features = torch.randn(rows, length, num_features, generator=generator).to(features_dtype)
+    return DrafterInputs(*(t.to(device) for t in (input_ids, features, anchors, anchor_valid, labels, weights)))
+
+
 def example_inputs(objective: DraftObjective, seq_len: int, num_features: int, device: str) -> DrafterInputs:
-    """A small, valid micro-batch to warm a step up with (random tokens and features).
+    """A small, valid micro-batch to warm a step up with: 2 rows, at least 16 tokens, 8 blocks.
 
     No dimension is 1: torch.compile specializes sizes 0 and 1, so a warm-up with one
     sequence would be recompiled by the first real batch, in every thread at once."""
-    generator = torch.Generator().manual_seed(0)
-    block_size, batch, seq_len = objective.drafter.block_size, 2, max(seq_len, 16)
-    vocab = objective.embed_weight.shape[0]
-    input_ids = torch.randint(0, vocab, (batch, seq_len), generator=generator)
-    anchors = torch.stack([torch.sort(torch.randperm(seq_len - 2, generator=generator)[:8] + 1).values
-                           for _ in range(batch)])  # (2, 8)
-    anchor_valid = torch.ones_like(anchors, dtype=torch.bool)
-    labels, weights = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors,
-                                   anchor_valid, position_weights(block_size, 7.0))
-    features = torch.randn(batch, seq_len, num_features, generator=generator).to(objective.embed_weight.dtype)
-    return DrafterInputs(*(t.to(device) for t in (input_ids, features, anchors, anchor_valid, labels, weights)))
+    return random_inputs(2, max(seq_len, 16), 8, block_size=objective.drafter.block_size,
+                         vocab=objective.embed_weight.shape[0], num_features=num_features,
+                         features_dtype=objective.embed_weight.dtype, device=device, seed=0)
 
 
 def build_train_step(plan: CompilePlan | str, objective: DraftObjective, example: DrafterInputs) -> TrainStep:

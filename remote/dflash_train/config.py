@@ -22,6 +22,11 @@ _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 CUDAGRAPH_MAX_BUCKETS = 4
 
 
+def padded_length(length: int, multiple: int) -> int:
+    """`length` rounded up to a multiple of `multiple`."""
+    return -(-length // multiple) * multiple
+
+
 @dataclasses.dataclass(frozen=True)
 class TinyTargetSpec:
     """A Qwen3-architecture target with random weights, built at run time (no download)."""
@@ -79,6 +84,10 @@ class DrafterConfig:
                 not self.target_layer_ids or min(self.target_layer_ids) < 0):
             raise ValueError("drafter.target_layer_ids must be a non-empty list of layer indices >= 0")
 
+    @property
+    def uses_flex(self) -> bool:
+        return self.attention == "flex"  # auto is dense sdpa, the measured default
+
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticDataSpec:
@@ -114,7 +123,7 @@ class DataConfig:
     def padded_lengths(self) -> tuple[int, ...]:
         """Every sequence length a micro-batch can have: the multiples of pad_multiple up to
         max_length rounded up (data.py pads each batch to its longest row, rounded up)."""
-        top = -(-self.max_length // self.pad_multiple) * self.pad_multiple
+        top = padded_length(self.max_length, self.pad_multiple)
         return tuple(range(self.pad_multiple, top + 1, self.pad_multiple))
 
     def too_many_cudagraph_buckets(self) -> str | None:

@@ -41,9 +41,10 @@ from typing import Literal
 
 import torch
 
-from .compile_policy import StepStats, TrainStep
+from .compile_policy import StepStats, TrainStep, random_inputs
 from .config import DataConfig, DrafterConfig
-from .objective import DraftObjective, DrafterInputs, block_labels, position_weights
+from .data import blocks_per_row
+from .objective import DraftObjective, DrafterInputs
 
 Strategy = Literal["auto", "whole_step", "upstream"]
 
@@ -112,26 +113,16 @@ def bucket_shapes(data: DataConfig, drafter: DrafterConfig) -> tuple[BatchShape,
     if problem:  # a loaded TrainConfig never gets here; a DataConfig built in code may
         raise CudaGraphsUnavailable(problem)
     lengths = data.padded_lengths()
-    # data.collate rounds a row's block count up to 8, never past num_anchors.
-    return tuple(BatchShape(max(1, data.token_budget // n), n, min(drafter.num_anchors, -(-(n - 2) // 8) * 8))
+    # A row of n tokens has at most n - 2 anchors (a token before and after each).
+    return tuple(BatchShape(max(1, data.token_budget // n), n, blocks_per_row(n - 2, drafter.num_anchors))
                  for n in lengths)
 
 
 def _example(shape: BatchShape, like: DrafterInputs, block_size: int, vocab: int, seed: int) -> DrafterInputs:
-    """Valid random inputs of `shape`, with `like`'s dtypes and device."""
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (shape.rows, shape.length), generator=generator)
-    real = min(shape.blocks, shape.length - 2)  # an anchor needs a token before and after it
-    anchors = torch.zeros((shape.rows, shape.blocks), dtype=torch.long)
-    anchors[:, :real] = torch.stack([torch.sort(torch.randperm(shape.length - 2, generator=generator)[:real]).values
-                                     for _ in range(shape.rows)]) + 1
-    valid = torch.arange(shape.blocks).expand(shape.rows, -1) < real
-    labels, weights = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, valid,
-                                   position_weights(block_size, 7.0))
-    features = torch.randn(shape.rows, shape.length, like.features.shape[-1], generator=generator)
-    device = like.input_ids.device
-    return DrafterInputs(input_ids.to(device), features.to(device, like.features.dtype), anchors.to(device),
-                         valid.to(device), labels.to(device), weights.to(device, like.weights.dtype))
+    """Valid random inputs of `shape`, with `like`'s feature width, dtypes and device."""
+    return random_inputs(shape.rows, shape.length, shape.blocks, block_size=block_size, vocab=vocab,
+                         num_features=like.features.shape[-1], features_dtype=like.features.dtype,
+                         device=like.input_ids.device, seed=seed)
 
 
 class _Bucket:

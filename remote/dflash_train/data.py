@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .config import DataConfig, DrafterConfig
+from .config import DataConfig, DrafterConfig, padded_length
 from .objective import anchor_seed, block_labels, position_weights, sample_anchors
 
 
@@ -98,8 +98,10 @@ def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
     return prompts
 
 
-def padded_length(length: int, multiple: int) -> int:
-    return -(-length // multiple) * multiple
+def blocks_per_row(most_anchors: int, num_anchors: int) -> int:
+    """Blocks every row of a micro-batch gets: the most anchors a row has, rounded up to 8
+    so few distinct shapes occur, never past drafter.num_anchors."""
+    return min(num_anchors, padded_length(most_anchors, 8))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,10 @@ class BatchPlan:
     def entry(self, step: int, replica: int) -> PlanEntry:
         return self.entries[(step - 1) * self.replicas + replica]
 
+    def last_entry(self, step: int) -> PlanEntry:
+        """The last micro-batch `step` uses: the data cursor a checkpoint of that step records."""
+        return self.entry(step, self.replicas - 1)
+
 
 def _pack(order: list[int], samples: list[Sample], data: DataConfig) -> list[tuple[int, ...]]:
     batches, current, widest = [], [], 0
@@ -151,7 +157,6 @@ class HostBatch:
     step: int
     replica: int
     epoch: int
-    index: int
     input_ids: torch.Tensor  # (B, S) long, right-padded
     anchors: torch.Tensor  # (B, N) long
     anchor_valid: torch.Tensor  # (B, N) bool
@@ -177,8 +182,7 @@ def collate(samples: list[Sample], entry: PlanEntry, step: int, replica: int, da
         loss_mask[row, :len(sample.ids)] = sample.loss_mask
         generator = torch.Generator().manual_seed(anchor_seed(seed, entry.epoch, index))
         anchor_lists.append(sample_anchors(sample.loss_mask, drafter.num_anchors, generator))
-    # Blocks per row: the most any row has, rounded up to 8 so few distinct shapes occur.
-    num_blocks = min(drafter.num_anchors, padded_length(max(a.numel() for a in anchor_lists), 8))
+    num_blocks = blocks_per_row(max(a.numel() for a in anchor_lists), drafter.num_anchors)
     anchors = torch.zeros((len(chosen), num_blocks), dtype=torch.long)
     anchor_valid = torch.zeros((len(chosen), num_blocks), dtype=torch.bool)
     for row, chosen_anchors in enumerate(anchor_lists):
@@ -186,6 +190,6 @@ def collate(samples: list[Sample], entry: PlanEntry, step: int, replica: int, da
         anchor_valid[row, :chosen_anchors.numel()] = True
     labels, weights = block_labels(input_ids, loss_mask, anchors, anchor_valid,
                                    position_weights(drafter.block_size, drafter.loss_gamma))
-    return HostBatch(step=step, replica=replica, epoch=entry.epoch, index=entry.index, input_ids=input_ids,
+    return HostBatch(step=step, replica=replica, epoch=entry.epoch, input_ids=input_ids,
                      anchors=anchors, anchor_valid=anchor_valid, labels=labels, weights=weights,
                      num_tokens=sum(len(s.ids) for s in chosen), num_samples=len(chosen))

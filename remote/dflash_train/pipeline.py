@@ -12,9 +12,6 @@ wakes on the stop event.
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,11 +19,11 @@ from typing import Any
 
 import torch
 
-from .checkpoint import TrainingState, save_checkpoint
+from .checkpoint import TrainingState, replace_dir, save_checkpoint
 from .compile_policy import StepStats
 from .config import TrainConfig
 from .data import BatchPlan, HostBatch, Sample, collate
-from .devices import Fence, handoff, thread_stream
+from .devices import Fence, handoff, is_cuda, thread_stream
 from .faults import FaultInjector
 from .model import DFlashDrafter, export_drafter
 from .replica import FeatureBatch, Replica, average_gradients
@@ -133,7 +130,7 @@ class Run:
         entry = self.plan.entry(step, replica)
         batch = collate(self.samples, entry, step, replica, self.config.data, self.config.drafter,
                         self.pad_id, self.config.seed)
-        return batch.pin() if self.target_devices[0].startswith("cuda") else batch
+        return batch.pin() if is_cuda(self.target_devices[0]) else batch
 
     def features(self, target: int, batch: HostBatch) -> FeatureBatch:
         device, drafter_device = self.target_devices[target], self.drafter_devices[batch.replica]
@@ -167,7 +164,7 @@ class Run:
 
     def save_checkpoint(self, replica: Replica) -> None:
         step = replica.completed_step  # >= 1: checkpoints follow steps
-        entry = self.plan.entry(step, self.plan.replicas - 1)  # the last micro-batch this step used
+        entry = self.plan.last_entry(step)
         state = TrainingState(step=step, epoch=entry.epoch, batch_index=entry.index, replicas=self.plan.replicas,
                               losses=list(self.losses))
         path = save_checkpoint(self.run_dir / "checkpoints", state, replica.drafter, replica.optimizer,
@@ -179,15 +176,7 @@ class Run:
     def export(self, replica: Replica) -> Path:
         """DIR/export, replaced atomically (a previous export stays whole until the new one is)."""
         final = self.run_dir / "export"
-        staging = Path(tempfile.mkdtemp(prefix=".export-", dir=self.run_dir))
-        staging.chmod(0o755)  # mkdtemp makes it private; the export is for others to read
-        try:
-            export_drafter(replica.drafter, staging)
-            if final.exists():
-                shutil.rmtree(final.rename(self.run_dir / f".export-old-{os.getpid()}"))
-            os.replace(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        replace_dir(final, lambda staging: export_drafter(replica.drafter, staging))
         self.events.emit("export", step=replica.completed_step, path=str(final))
         say(f"exported the drafter to {final}")
         return final

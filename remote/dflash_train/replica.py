@@ -55,15 +55,14 @@ class FrozenTargetWeights:
 
 class Replica:
     def __init__(self, index: int, device: str, config: TrainConfig, hf_config: Any,
-                 weights: dict[str, torch.Tensor], frozen: FrozenTargetWeights, total_steps: int,
-                 use_flex: bool):
+                 weights: dict[str, torch.Tensor], frozen: FrozenTargetWeights, total_steps: int):
         self.index = index
         self.device = device
         self.drafter = DFlashDrafter(hf_config)
         self.drafter.load_state_dict(weights)
         self.drafter.to(device).train()
         embed, head = frozen.on(device)
-        self.objective = DraftObjective(self.drafter, embed, head, use_flex)
+        self.objective = DraftObjective(self.drafter, embed, head, config.drafter.uses_flex)
         optim = config.optim
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)

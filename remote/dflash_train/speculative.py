@@ -63,6 +63,9 @@ def speculative_decode(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: to
                        stop_ids: set[int], on_step: Callable[[], None] = lambda: None) -> Decoded:
     """`on_step` runs after every verify forward (progress reports; it may raise to stop)."""
     device = embed_weight.device
+    # The head in the drafter's dtype once per prompt, not once per drafted block: a bf16
+    # (V, H) head cast to an fp32 drafter's dtype is a copy the size of the head.
+    lm_head_weight = lm_head_weight.to(drafter.norm.weight.dtype)
     logits, features = tap.logits_and_features(torch.tensor([prompt], device=device))
     tokens = [int(logits[0, -1].argmax())]
     accepted: list[int] = []

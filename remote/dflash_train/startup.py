@@ -35,11 +35,10 @@ class Prepared:
     initial_weights: dict[str, torch.Tensor]
     resumed: LoadedCheckpoint | None
     frozen: FrozenTargetWeights
-    use_flex: bool
 
     def make_replica(self, index: int) -> Replica:
         replica = Replica(index, self.run.drafter_devices[index], self.run.config, self.hf_config,
-                          self.initial_weights, self.frozen, self.run.total_steps, self.use_flex)
+                          self.initial_weights, self.frozen, self.run.total_steps)
         if self.resumed is not None:
             replica.load_training_state(self.resumed.optimizer, self.resumed.scheduler, self.resumed.state.step)
         return replica
@@ -84,7 +83,7 @@ def _check_cursor(resumed: LoadedCheckpoint, plan: BatchPlan) -> None:
     """The saved data cursor must be where this plan puts the checkpoint's step: otherwise
     the data or its batching changed, and resuming would silently train on other batches."""
     state = resumed.state
-    entry = plan.entry(state.step, plan.replicas - 1)
+    entry = plan.last_entry(state.step)
     if (entry.epoch, entry.index) != (state.epoch, state.batch_index):
         raise ValueError(f"{resumed.folder}: its data cursor (epoch {state.epoch}, batch {state.batch_index}) is "
                          f"not where this config's data puts step {state.step} (epoch {entry.epoch}, batch "
@@ -155,8 +154,7 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
         stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
                     if i is not None and i != tokenizer.unk_token_id}
         run.evaluator = Evaluator(run, hf_config, taps[0], target_devices[0], embed, head, prompts, stop_ids)
-    use_flex = config.drafter.attention == "flex"
     say(f"target layers {list(layer_ids)} -> drafter ({config.drafter.num_layers} layers, block "
         f"{config.drafter.block_size}, mask token id {mask_id}); compile {config.compile}; "
-        f"attention {'flex' if use_flex else 'sdpa'}")
-    return Prepared(run, hf_config, weights, resumed, frozen, use_flex)
+        f"attention {'flex' if config.drafter.uses_flex else 'sdpa'}")
+    return Prepared(run, hf_config, weights, resumed, frozen)

@@ -15,6 +15,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .devices import is_cuda
+
 
 class _EnoughLayers(Exception):
     """Raised by the last feature layer's hook to end a features-only forward early."""
@@ -25,7 +27,7 @@ def load_target(source: str, dtype: str, device: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        dtype = "bfloat16" if is_cuda(device) else "float32"
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
     model.requires_grad_(False)
     return model.eval().to(device)
