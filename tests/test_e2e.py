@@ -93,7 +93,7 @@ def test_startup_fault_in_drafter_1_is_shown_whole_by_watch_and_fetch_traceback(
 
 def test_watch_resumes_after_the_ssh_connection_dies_with_no_gap_and_no_duplicate(bed, ssh_node, tmp_path):
     config = small_config(tmp_path, optim={"max_steps": 40}, data={"synthetic": {
-        "num_train": 96, "num_eval": 2, "prompt_words": 12, "response_tokens": 24}})
+        "num_train": 256, "num_eval": 2, "prompt_words": 12, "response_tokens": 24}})  # ~40 steps
     run_id = bed.launch(config)
     argv = [sys.executable, "-m", "dflash_cli", "--logs-dir", str(bed.logs), "--hosts", str(bed.hosts),
             "watch", run_id, "--host", "ct200", "--retry-for", "60"]
