@@ -126,6 +126,10 @@ def test_tiny_cpu_config_end_to_end(launch, workspace):
     assert events[-1]["type"] == "done" and events[-1]["exit_code"] == 0 and events[-1]["threads_alive"] == []
     assert (run.run_dir / "errors.jsonl").read_text() == ""
     assert (run.run_dir / "faulthandler.log").exists()
+    # data-parallel replicas end bit-identical, checked by the trainer itself
+    [replicas] = run.events("replicas")
+    assert replicas["step"] == len(steps) and len(replicas["sha256"]) == 2
+    assert len(set(replicas["sha256"])) == 1 and replicas["sha256"][0] in run.log()
     # a checkpoint, complete, behind an atomically replaced `latest`
     latest = run.run_dir / "checkpoints" / "latest"
     assert latest.is_symlink() and os.readlink(latest) == f"step_{len(steps):06d}"

@@ -367,3 +367,21 @@ def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
     assert torch.equal(loaded.weights["weight"], model.weight.detach())
     assert loaded.optimizer["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
     assert ckpt.resolve_resume("latest", tmp_path / "elsewhere") is None
+
+
+def test_replica_check_catches_a_one_ulp_difference_and_names_the_replica():
+    from types import SimpleNamespace
+
+    from dflash_train.replica import ReplicasDiverged, verify_replicas_identical, weights_checksum
+
+    replicas = [SimpleNamespace(index=i, device="cpu", completed_step=12, drafter=small_drafter()) for i in range(3)]
+    checksums = verify_replicas_identical(replicas)
+    assert len(set(checksums)) == 1 and len(checksums[0]) == 64
+    weight = replicas[2].drafter.fc.weight.data
+    weight.view(-1)[5] = torch.nextafter(weight.view(-1)[5], torch.tensor(math.inf))
+    with pytest.raises(ReplicasDiverged, match=r"replicas \[2\] differ from replica 0 after step 12"):
+        verify_replicas_identical(replicas)
+    # the same bytes under another name or shape are another checksum
+    bare = torch.nn.Linear(2, 2, bias=False)
+    renamed = torch.nn.Sequential(bare)
+    assert weights_checksum(bare) != weights_checksum(renamed)

@@ -20,7 +20,7 @@ from .compile_policy import CompilePlan, build_train_step, configure_compiler, e
 from .config import TrainConfig
 from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, eval_body, prefetch_body, \
     snapshot, target_body
-from .replica import Replica
+from .replica import Replica, verify_replicas_identical
 from .runlog import EventLog, say
 from .startup import Prepared, prepare
 from .threads import Rendezvous, RunState, StopRequested, StoppableQueue, Worker
@@ -77,6 +77,7 @@ class Coordinator:
                 self._run_sequential(self.prepared)
             else:
                 self._run_threaded(self.prepared)
+            self._verify_replicas()
             self._set_phase("shutdown")
             self._teardown()
             return EXIT_OK
@@ -100,6 +101,14 @@ class Coordinator:
         say(f"drafter {index} ready on {replica.device} (compile {self.config.compile}, "
             f"{sum(p.numel() for p in replica.drafter.parameters()):,} parameters, from step {run.start_step})")
         return replica
+
+    def _verify_replicas(self) -> None:
+        """After the last step: all replicas must hold the same weights (checksums in events)."""
+        replicas = [self.replicas[i] for i in sorted(self.replicas)]
+        checksums = verify_replicas_identical(replicas)
+        step = replicas[0].completed_step
+        self.events.emit("replicas", step=step, devices=[r.device for r in replicas], sha256=checksums)
+        say(f"{len(replicas)} drafter replica(s) identical after step {step}: weights sha256 {checksums[0]}")
 
     def _configure_compiler(self) -> None:
         """Decide what every drafter compiles and set the compiler up for it, in the main

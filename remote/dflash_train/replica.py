@@ -5,7 +5,9 @@ Every replica starts from the same weights and applies the same averaged gradien
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
 import threading
 from typing import Any
 
@@ -73,7 +75,10 @@ class Replica:
         self.completed_step = 0
 
     def load_training_state(self, optimizer: dict[str, Any], scheduler: dict[str, Any], step: int) -> None:
-        self.optimizer.load_state_dict(optimizer)
+        # A copy per replica: Optimizer.load_state_dict keeps tensors that already have the
+        # parameter's device and dtype, so replicas on one device would share (and each
+        # update) the same AdamW moments, and drift apart from the first resumed step.
+        self.optimizer.load_state_dict(copy.deepcopy(optimizer))
         self.scheduler.load_state_dict(scheduler)
         self.completed_step = step
 
@@ -115,3 +120,34 @@ def average_gradients(posted: list[tuple[list[torch.Tensor], Fence]], device: st
         # read of them must have finished on this stream before we report back.
         torch.cuda.current_stream(device).synchronize()
     return means
+
+
+class ReplicasDiverged(RuntimeError):
+    """Data-parallel replicas that should be bit-identical are not."""
+
+
+def weights_checksum(module: torch.nn.Module) -> str:
+    """sha256 over every tensor of the state dict: names, dtypes, shapes and raw bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        flat = tensor.detach().reshape(-1).to("cpu").contiguous()
+        digest.update(flat.view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def verify_replicas_identical(replicas: list[Replica]) -> list[str]:
+    """Every replica's checksum, or ReplicasDiverged naming the ones that differ from replica 0.
+
+    Replicas start from one set of weights and apply the same averaged gradients in the
+    same order, so after any step they must agree to the bit; if not, the gradient
+    exchange is broken and the export (replica 0) is not what the others trained."""
+    for device in {replica.device for replica in replicas if is_cuda(replica.device)}:
+        torch.cuda.synchronize(device)  # each replica's last update ran on its own thread's stream
+    checksums = [weights_checksum(replica.drafter) for replica in replicas]
+    differing = [r.index for r, c in zip(replicas, checksums) if c != checksums[0]]
+    if differing:
+        raise ReplicasDiverged(
+            f"drafter replicas {differing} differ from replica 0 after step {replicas[0].completed_step} "
+            f"(sha256 of the weights: {', '.join(f'{r.index}={c[:16]}' for r, c in zip(replicas, checksums))})")
+    return checksums
