@@ -20,11 +20,12 @@ from transformers import Qwen3Config
 from dflash_schema import SchemaError
 from dflash_train import cudagraphs
 from dflash_train.compile_policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
-                                         configure_compiler, example_inputs, plan_compile)
+                                         configure_compiler, example_inputs, plan_compile, random_inputs)
 from dflash_train.config import DataConfig, DrafterConfig, load_train_config
 from dflash_train.data import BatchPlan, Sample, collate
 from dflash_train.model import DFlashDrafter, drafter_hf_config
 from dflash_train.objective import DraftObjective, DrafterInputs
+from dflash_train.devices import Fence, thread_stream
 from dflash_train.replica import average_gradients
 
 pytestmark = pytest.mark.timeout(60)
@@ -265,47 +266,40 @@ def test_bucket_load_overwrites_every_padded_slot_of_the_previous_batch():
 # ------------------------------------------------------------------ GPU: real graphs
 
 
-def _batches(seed: int, steps: int, objective: DraftObjective) -> list[DrafterInputs]:
-    """Varying lengths (16..40) so both buckets and the padding are exercised."""
-    torch.manual_seed(seed)
-    return [example_inputs(objective, 16 + 8 * (step % 4), FEATURE_LAYERS * HIDDEN, "cuda")
+def _batches(seed: int, steps: int, objective: DraftObjective, device: str) -> list[DrafterInputs]:
+    """Fresh data every step, other data for every seed; varying lengths (16..40) so both
+    buckets and the padding are exercised."""
+    return [random_inputs(2, 16 + 8 * (step % 4), 8, block_size=BLOCK, vocab=VOCAB,
+                          num_features=FEATURE_LAYERS * HIDDEN, features_dtype=objective.embed_weight.dtype,
+                          device=device, seed=seed * 1000 + step)
             for step in range(steps)]
 
 
-class _Fence:
-    """What the pipeline's Fence does: the reader's stream waits on the writer's."""
-
-    def __init__(self):
-        self._event = torch.cuda.Event()
-        self._event.record()
-
-    def wait(self, device, *tensors):
-        torch.cuda.current_stream().wait_event(self._event)
-
-
-def _train(replicas: int, steps: int, mode: str, threaded: bool) -> list[list[float]]:
-    """`replicas` data-parallel drafters on one GPU, gradients averaged every step as the
-    pipeline does; in threads of their own (threaded) or one after another here."""
-    objectives = [tiny_objective("cuda", seed=0) for _ in range(replicas)]
+def _train(devices: list[str], steps: int, mode: str, threaded: bool) -> list[list[float]]:
+    """One data-parallel drafter per entry of `devices`, gradients averaged every step as
+    the pipeline does (its Fence, thread_stream and average_gradients); in threads of
+    their own (threaded) or one after another here."""
+    replicas = len(devices)
+    objectives = [tiny_objective(device, seed=0) for device in devices]
     optimizers = [torch.optim.AdamW(o.drafter.parameters(), lr=3e-3) for o in objectives]
-    data = [_batches(100 + r, steps, objectives[r]) for r in range(replicas)]
+    data = [_batches(100 + r, steps, objectives[r], devices[r]) for r in range(replicas)]
     buckets = [cudagraphs.BatchShape(2, 24, 8), cudagraphs.BatchShape(2, 40, 8)]
     losses: list[list[float]] = [[] for _ in range(replicas)]
     posted: list = [None] * replicas
 
     def build(r: int):
-        example = example_inputs(objectives[r], 24, FEATURE_LAYERS * HIDDEN, "cuda")
+        example = example_inputs(objectives[r], 24, FEATURE_LAYERS * HIDDEN, devices[r])
         if mode == "eager":
             return build_train_step("off", objectives[r], example)
         return cudagraphs.build_cudagraph_train_step(objectives[r], example, buckets, strategy="whole_step")
 
     def post(r: int, stats) -> None:
-        posted[r] = ([p.grad for p in objectives[r].drafter.parameters()], _Fence())
+        posted[r] = ([p.grad for p in objectives[r].drafter.parameters()], Fence(devices[r]))
         losses[r].append(float(stats.loss))
 
     def update(r: int, everyone: list) -> None:  # replica.Replica.apply, minus the scheduler
         params = list(objectives[r].drafter.parameters())
-        for param, grad in zip(params, average_gradients(everyone, "cuda")):
+        for param, grad in zip(params, average_gradients(everyone, devices[r])):
             param.grad = grad
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizers[r].step()
@@ -326,7 +320,7 @@ def _train(replicas: int, steps: int, mode: str, threaded: bool) -> list[list[fl
 
     def drafter(r: int) -> None:
         try:
-            with torch.cuda.stream(torch.cuda.Stream()):  # each drafter on a stream of its own
+            with thread_stream(devices[r]):  # each drafter on a stream of its own, on its GPU
                 train_step = build(r)
                 ready[r].set()
                 for step in range(steps):
@@ -351,19 +345,31 @@ def _train(replicas: int, steps: int, mode: str, threaded: bool) -> list[list[fl
     return losses
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_graphed_drafters_in_threads_train_like_eager(replicas):
-    steps = 24
-    eager = _train(replicas, steps, "eager", threaded=False)
-    alone = _train(replicas, steps, "cudagraphs", threaded=False)
-    threaded = _train(replicas, steps, "cudagraphs", threaded=True)
-    for r in range(replicas):
+def _check_against_eager(devices: list[str], steps: int = 24) -> None:
+    eager = _train(devices, steps, "eager", threaded=False)
+    alone = _train(devices, steps, "cudagraphs", threaded=False)
+    threaded = _train(devices, steps, "cudagraphs", threaded=True)
+    for r in range(len(devices)):
         # The same graphs replayed one after another: only reduction order may differ
         # (cuDNN's attention backward is not deterministic), never a buffer's contents.
         assert threaded[r] == pytest.approx(alone[r], rel=2e-3), f"drafter-{r}"
         # Against eager, Inductor's fused bf16 arithmetic differs too.
         assert threaded[r] == pytest.approx(eager[r], rel=2e-2), f"drafter-{r}"
-    assert all(threaded[0] != threaded[r] for r in range(1, replicas))  # each saw its own data
+    assert all(threaded[0] != threaded[r] for r in range(1, len(devices)))  # each saw its own data
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_graphed_drafters_in_threads_train_like_eager(replicas):
+    _check_against_eager(["cuda:0"] * replicas)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.timeout(600)
+def test_graphed_drafters_on_two_gpus_capture_and_average_across_devices():
+    """One drafter per GPU: each captures on its own device (torch.cuda.graph's default
+    capture stream lives on the first capture's device) and gradients cross devices."""
+    _check_against_eager(["cuda:0", "cuda:1"])

@@ -385,3 +385,13 @@ def test_replica_check_catches_a_one_ulp_difference_and_names_the_replica():
     bare = torch.nn.Linear(2, 2, bias=False)
     renamed = torch.nn.Sequential(bare)
     assert weights_checksum(bare) != weights_checksum(renamed)
+
+
+@pytest.mark.parametrize("compile_mode, attention, flex", [
+    ("cudagraphs", "auto", True), ("default", "auto", False), ("off", "auto", False),
+    ("cudagraphs", "sdpa", False), ("off", "flex", True)])
+def test_attention_auto_is_flex_only_under_cudagraphs(tmp_path, compile_mode, attention, flex):
+    gpu = BASE.replace("cpu", "cuda:0")
+    config = load_train_config(write_config(tmp_path, gpu + f"compile: {compile_mode}\n"
+                                            f"drafter: {{attention: {attention}}}\n"))
+    assert config.uses_flex is flex

@@ -71,8 +71,8 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...] | None = None
     num_target_features: int | None = None  # how many layers when ids are not given; default num_layers
     intermediate_size: int | None = None  # default: the target's
-    # sdpa: a dense block mask; flex: FlexAttention's sparse BlockMask, fast only when compiled
-    # (compile: default or cudagraphs). auto: the measured default, dense sdpa so far.
+    # sdpa: a dense block mask; flex: FlexAttention's sparse BlockMask, fast only when compiled.
+    # auto: flex under compile: cudagraphs, sdpa otherwise (TrainConfig.uses_flex says why).
     attention: Literal["auto", "sdpa", "flex"] = "auto"
 
     def __post_init__(self) -> None:
@@ -83,10 +83,6 @@ class DrafterConfig:
         if self.target_layer_ids is not None and (
                 not self.target_layer_ids or min(self.target_layer_ids) < 0):
             raise ValueError("drafter.target_layer_ids must be a non-empty list of layer indices >= 0")
-
-    @property
-    def uses_flex(self) -> bool:
-        return self.attention == "flex"  # auto is dense sdpa, the measured default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +291,18 @@ class TrainConfig:
                 raise ValueError(f"faults[{i}]: the coordinator takes faults at startup only")
         if self.log_every <= 0 or self.stall_after <= 0:
             raise ValueError("log_every and stall_after must be positive")
+
+    @property
+    def uses_flex(self) -> bool:
+        """Whether the drafter attends with FlexAttention (else dense-mask SDPA).
+
+        `auto` picks by measurement (H200, torch 2.11, bench/RESULTS-h200.md): under
+        cudagraphs at the Qwen3-8B drafter shape flex takes 157 ms a step against 227 ms
+        for sdpa; eager flex is unfused (slow, dense scores), and compile: default with
+        flex failed in Inductor at that shape, so everything else keeps sdpa."""
+        if self.drafter.attention == "auto":
+            return self.compile == "cudagraphs"
+        return self.drafter.attention == "flex"
 
     def thread_names(self) -> tuple[str, ...]:
         return ("coordinator", "prefetch",

@@ -233,12 +233,16 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket]):
     torch.cuda.current_stream().wait_stream(side)
 
     pool = torch.cuda.graph_pool_handle()  # this drafter's own; its buckets take turns in it
+    # A capture stream on this drafter's device. torch.cuda.graph's default one is made
+    # once per process, on the device of the first capture: a drafter on another GPU
+    # would capture on it and fail at its first allocation (seen on 2 H200s).
+    capture_stream = torch.cuda.Stream()
     graphs = {}
     for bucket in statics:
         graph = torch.cuda.CUDAGraph()
         # "thread_local": another thread's harmless CUDA call (pinning host memory) must
         # not void this capture; captures themselves are serialized by CAPTURE_LOCK.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
             outputs = body(bucket.static)
         graphs[bucket.shape] = (graph, outputs)
     torch.cuda.current_stream().synchronize()

@@ -64,7 +64,7 @@ class Replica:
         self.drafter.load_state_dict(weights)
         self.drafter.to(device).train()
         embed, head = frozen.on(device)
-        self.objective = DraftObjective(self.drafter, embed, head, config.drafter.uses_flex)
+        self.objective = DraftObjective(self.drafter, embed, head, config.uses_flex)
         optim = config.optim
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)

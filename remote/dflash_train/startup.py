@@ -156,5 +156,5 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
         run.evaluator = Evaluator(run, hf_config, taps[0], target_devices[0], embed, head, prompts, stop_ids)
     say(f"target layers {list(layer_ids)} -> drafter ({config.drafter.num_layers} layers, block "
         f"{config.drafter.block_size}, mask token id {mask_id}); compile {config.compile}; "
-        f"attention {'flex' if config.drafter.uses_flex else 'sdpa'}")
+        f"attention {'flex' if config.uses_flex else 'sdpa'}")
     return Prepared(run, hf_config, weights, resumed, frozen)
