@@ -196,10 +196,17 @@ class Updater:
 
 def naive_child(steps: int = 3) -> None:
     """Two drafter threads, one after the other, each with its own reduce-overhead
-    compiled objective; prints one JSON line per thread."""
+    compiled objective; prints one JSON line per thread.
+
+    The second drafter's batches are half as long (another shape bucket). With the same
+    shape it would hit the first thread's compiled artifact, whose graphed callable (and
+    CUDA-graph tree) compile_fx caches in a closure: no tree lookup, so no assertion
+    (seen on torch 2.11), and instead two threads sharing one tree. A new shape makes
+    Inductor set up a tree for the second thread, which is where the TLS lookup fails."""
     shape = Shape("naive", 256, 1, 768, 4, 2, 64, 4096, 8, 16, 256, 2)
     frozen = Frozen(shape, "cuda")
-    batch = make_batches(shape, 1, 0, "cuda")[0]
+    batches = [make_batches(dataclasses.replace(shape, seq_len=shape.seq_len // (1 + i)), 1, 0, "cuda")[0]
+               for i in range(2)]
     configure_compiler("cudagraphs", 2)
 
     def drafter(index: int) -> None:
@@ -210,7 +217,7 @@ def naive_child(steps: int = 3) -> None:
             compiled = torch.compile(objective, mode="reduce-overhead", fullgraph=True, dynamic=False)
             for _ in range(steps):
                 objective.drafter.zero_grad(set_to_none=True)  # as an optimizer loop would
-                loss, _, _ = compiled(batch)
+                loss, _, _ = compiled(batches[index])
                 loss.backward()
             torch.cuda.synchronize()
             result.update(ok=True, loss=float(loss))
