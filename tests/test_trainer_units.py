@@ -53,10 +53,15 @@ def test_tiny_config_loads_and_names_its_resources():
     assert config.stall_after == 300.0
 
 
-@pytest.mark.parametrize("name", ["tiny-gpu.yaml", "qwen3-8b.yaml"])
-def test_shipped_gpu_configs_load(name):
+@pytest.mark.parametrize("name, gpus", [("tiny-gpu.yaml", 1), ("qwen3-8b.yaml", 1), ("qwen3-8b-4gpu.yaml", 4)])
+def test_shipped_gpu_configs_load(name, gpus):
     config = load_train_config(TINY_CONFIG.parent / name)
-    assert config.resources() == ("gpu0",) and config.stall_after == 300.0
+    assert config.resources() == tuple(f"gpu{i}" for i in range(gpus)) and config.stall_after == 300.0
+    if config.compile == "cudagraphs":
+        from dflash_train.compile_policy import plan_compile
+
+        plan = plan_compile(config)
+        assert len(plan.buckets) <= 4 and not plan.drafters_share_a_device and config.uses_flex
 
 
 def test_config_module_does_not_import_torch():
