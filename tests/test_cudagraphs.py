@@ -6,7 +6,8 @@ and placement, the buckets that cover the data (every batch data.py packs fits o
 that the trainer's compile plan hands those buckets and the placement to the graph
 builder, and that padding a batch into a bucket leaves loss and gradients unchanged
 (checked with the real DFlash objective). The `gpu` tests capture graphs in several drafter
-threads on one GPU and compare every loss and every averaged update with eager.
+threads on one GPU, and in one drafter per GPU on two, and compare every loss with eager
+and with the same graphs replayed in one thread.
 """
 from __future__ import annotations
 
