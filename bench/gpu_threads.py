@@ -37,6 +37,7 @@ from transformers import Qwen3Config
 from dflash_train import cudagraphs
 from dflash_train.compile_policy import build_train_step, configure_compiler
 from dflash_train.config import DrafterConfig
+from dflash_train.devices import Fence, thread_stream
 from dflash_train.model import DFlashDrafter, drafter_hf_config
 from dflash_train.objective import DraftObjective, DrafterInputs, block_labels, position_weights
 from dflash_train.replica import average_gradients
@@ -277,16 +278,8 @@ def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode
     posted: list = [None] * replicas
     errors: list[str] = []
 
-    class Fence:  # pipeline Fence: the reader's stream waits for the writer's
-        def __init__(self):
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-        def wait(self, device, *tensors):
-            torch.cuda.current_stream().wait_event(self.event)
-
     def post(r: int, stats) -> None:
-        posted[r] = ([p.grad for p in objectives[r].drafter.parameters()], Fence())
+        posted[r] = ([p.grad for p in objectives[r].drafter.parameters()], Fence("cuda"))
         losses[r].append(stats.loss)
 
     started = time.perf_counter()
@@ -306,7 +299,7 @@ def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode
 
         def drafter(r: int) -> None:
             try:
-                with torch.cuda.stream(torch.cuda.Stream()):
+                with thread_stream("cuda"):  # each drafter on a stream of its own, as in the pipeline
                     began = time.perf_counter()
                     train_step = build_step(mode, objectives[r], data[r][0])
                     build_times[r] = time.perf_counter() - began
