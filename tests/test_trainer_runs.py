@@ -217,7 +217,10 @@ def test_raise_while_training_stops_the_run_within_seconds(launch):
     assert coordinator["message"].startswith("target-0 failed: InjectedFault")
     assert coordinator["frames"] == root["frames"]
     assert run.events("done")[-1]["threads_alive"] == []
-    assert max(e["step"] for e in run.events("step")) <= 3
+    # The target failed before producing step 3's features, so no drafter step 3 can have
+    # completed. The target may run ahead of the drafters by a queue's length, so on a slow
+    # machine not even step 1 may have completed: none at all is a valid outcome.
+    assert all(e["step"] < 3 for e in run.events("step"))
 
 
 @pytest.mark.timeout(120)
