@@ -225,6 +225,14 @@ def test_gpu_samples_and_the_gpus_verb(agent, tmp_path):
 
     agent.env["PATH"] = str(bin_dir) + os.pathsep + agent.env["PATH"]
     assert agent.ok("gpus") == {"gpus": expected}
-    agent.launch("gpu", [{"sleep": 0.6}])
-    samples = [m for m in agent.follow("gpu", "--gpu-interval", "0.1").rest() if m["t"] == "gpu"]
+    # The run waits for the follower's second sample: a run that ends before `follow` attaches
+    # would leave it nothing to sample, however fast the machine.
+    agent.launch("gpu", [{"wait_file": "go"}])
+    stream = agent.follow("gpu", "--gpu-interval", "0.1")
+    def is_gpu(message):
+        return message["t"] == "gpu"
+
+    seen = stream.until(is_gpu) + stream.until(is_gpu)
+    agent.touch("gpu", "go")
+    samples = [m for m in seen + stream.rest() if m["t"] == "gpu"]
     assert len(samples) >= 2 and all(m["gpus"] == expected for m in samples)

@@ -138,9 +138,11 @@ def test_lost_when_pid_is_gone_or_reused_or_the_host_rebooted(agent):
 
 
 def test_starting_running_stalled_and_back(agent):
+    # stall_after 2 s: each state outlasts a few `status` polls (a Python start each) on a
+    # loaded machine, so none is missed.
     agent.launch("s", [{"wait_file": "go1"}, {"event": {"type": "phase", "phase": "startup"}},
                        {"wait_file": "go2"}, {"heartbeat": 1}, {"wait_file": "go3"},
-                       {"heartbeat": 2}, {"wait_file": "go4"}], "--stall-after", "0.4")
+                       {"heartbeat": 2}, {"wait_file": "go4"}], "--stall-after", "2")
     assert agent.status("s")["state"] == STARTING  # no event yet
     agent.touch("s", "go1")
     # Start-up silent beyond stall_after counts as stalled (a hang at start-up).

@@ -228,17 +228,25 @@ def test_hang_stops_heartbeats_and_sigusr1_dumps_every_thread(launch):
     # No evaluation thread here: its progress would (rightly) keep heartbeats going a while.
     run = launch(SMALL + "eval: {num_prompts: 0}\nfaults: [{thread: drafter-1, at: 'step:3', kind: hang}]\n")
     run.wait_for("the hang", lambda: "injecting fault: hang" in run.log(), 90)
-    time.sleep(2.0)  # the rest of the pipeline fills its queues and blocks
-    beats = len(run.events("heartbeat"))
-    time.sleep(2.5)  # five heartbeat periods
-    assert len(run.events("heartbeat")) == beats, "heartbeats must stop while the pipeline is stuck"
+    # The rest of the pipeline fills its queues, then blocks: from then on no heartbeat may
+    # come for five heartbeat periods (2.5 s), checked within 30 s of the hang.
+    quiet_since, beats, deadline = time.monotonic(), len(run.events("heartbeat")), time.monotonic() + 30
+    while time.monotonic() - quiet_since < 2.5:
+        assert time.monotonic() < deadline, "heartbeats must stop while the pipeline is stuck"
+        time.sleep(0.1)
+        if len(run.events("heartbeat")) != beats:
+            quiet_since, beats = time.monotonic(), len(run.events("heartbeat"))
     assert max(e["step"] for e in run.events("step")) == 2
     run.proc.send_signal(signal.SIGUSR1)
     dump = run.run_dir / "faulthandler.log"
-    run.wait_for("the stack dump", lambda: "_hang" in dump.read_text(), 10)
-    time.sleep(0.5)
+
+    def threads_dumped() -> int:
+        text = dump.read_text()
+        return text.count("Thread 0x") + text.count("Current thread 0x")
+
+    # coordinator, prefetch, target, 2 drafters
+    run.wait_for("every thread's stack", lambda: "_hang" in dump.read_text() and threads_dumped() >= 5, 10)
     text = dump.read_text()
-    assert text.count("Thread 0x") + text.count("Current thread 0x") >= 5  # coordinator, prefetch, target, 2 drafters
     assert "wait_until_ready" not in text and "_hang" in text and "exchange" in text  # drafter-0 waits for its peer
     started = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
