@@ -9,15 +9,17 @@ probe    If releases/<id> exists (and its MANIFEST hashes to <id>), point `curre
          {"status": "missing", "current": id or null, "current_files": {path: sha256}} so
          the CLI sends only what the current release lacks.
 install  Read a tar (gzipped or not) on stdin (MANIFEST + the changed files) into a private
-         folder, take unchanged files from the current release (hard links: releases are
-         immutable), verify every file's size and sha256 against MANIFEST and that nothing
-         else is there, rename the folder to releases/<id>, then switch `current` with one
-         atomic rename. Anything that fails before the switch leaves `current` untouched.
+         folder, take unchanged files from the current release (hard links where the mode
+         is unchanged, copies where it changed: releases are immutable), verify every
+         file's size and sha256 against MANIFEST and that nothing else is there, rename the
+         folder to releases/<id>, then switch `current` with one atomic rename. Anything
+         that fails before the switch leaves `current` untouched.
 """
 import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import tarfile
 import time
@@ -78,6 +80,23 @@ def _make_writable(folder):
             os.chmod(os.path.join(dirpath, d), 0o755)
 
 
+def _release_mode(mode):
+    return 0o555 if mode & 0o111 else 0o444
+
+
+def _reuse(source, dest, mode):
+    """Take an unchanged file from the current release: a hard link when its mode stays
+    the same, else a copy, because a link shares the inode and setting the new mode on
+    it would change the older release too."""
+    if stat.S_IMODE(os.stat(source).st_mode) == mode:
+        try:
+            os.link(source, dest)
+            return
+        except OSError:  # e.g. a filesystem without hard links
+            pass
+    shutil.copyfile(source, dest)
+
+
 def probe(workspace, release_id):
     target = os.path.join(workspace, "releases", release_id)
     current = _current_id(workspace)
@@ -121,20 +140,17 @@ def install(workspace, release_id):
         files = _manifest(manifest_text)
         current = os.path.join(workspace, "current")
         reused = 0
-        for path in files:
+        for path, (_, _, mode) in files.items():
             dest = os.path.join(incoming, path)
             if not os.path.exists(dest):
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
-                try:
-                    os.link(os.path.join(current, path), dest)
-                except OSError:
-                    shutil.copyfile(os.path.join(current, path), dest)
+                _reuse(os.path.join(current, path), dest, _release_mode(mode))
                 reused += 1
         for path, (sha, size, mode) in files.items():
             dest = os.path.join(incoming, path)
             if os.path.getsize(dest) != size or _sha256(dest) != sha:
                 raise ValueError("verification failed for %s" % path)
-            os.chmod(dest, 0o555 if mode & 0o111 else 0o444)
+            os.chmod(dest, _release_mode(mode))
         present = set()
         for dirpath, _, filenames in os.walk(incoming):
             for name in filenames:

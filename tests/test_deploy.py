@@ -69,6 +69,23 @@ def test_fresh_then_unchanged_then_one_changed_file_over_pct(session, fake_pve, 
     assert os.readlink(current) == f"releases/{tree.release_id}"
 
 
+def test_a_mode_only_change_leaves_the_older_release_as_it_was(session, fake_pve, tmp_path):
+    host = session.host("ct200")
+    tree = release.scan()
+    deploy.deploy_host(session, host, tree)
+    changed_root = copy_tree(tmp_path)
+    (changed_root / "configs" / "hosts.yaml").chmod(0o755)  # same bytes, now executable
+    changed = release.scan(changed_root)
+    result = deploy.deploy_host(session, host, changed)
+    assert (result.status, result.files_sent) == ("installed", 0)  # nothing new to send
+
+    def mode(release_id: str) -> int:
+        return node_path(fake_pve, tmp_path, "releases", release_id, "configs", "hosts.yaml").stat().st_mode & 0o777
+
+    assert mode(changed.release_id) == 0o555
+    assert mode(tree.release_id) == 0o444  # a shared inode would have turned this one executable too
+
+
 def test_interrupted_or_corrupt_deploy_leaves_current_release(session, fake_pve, tmp_path):
     host = session.host("ct200")
     tree = release.scan()
