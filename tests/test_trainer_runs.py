@@ -303,7 +303,7 @@ def test_resume_continues_step_count_and_loss_curve(launch, tmp_path):
     assert "data cursor" in third.errors()[0]["message"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_sequential_and_compiled_pipelines_do_the_same_work(launch):
     base = SMALL + "optim: {max_steps: 4}\neval: {num_prompts: 0}\n"
     threaded = launch(base, run_id="threaded")
@@ -312,6 +312,11 @@ def test_sequential_and_compiled_pipelines_do_the_same_work(launch):
     assert sequential.wait(100) == 0
     assert step_losses(threaded) == pytest.approx(step_losses(sequential), rel=1e-5)
     assert [e["phase"] for e in sequential.events("phase")][:2] == ["startup", "train"]
+    # two target threads (one per drafter) on one device share its model and tap
+    two_targets = launch(base.replace("target: [cpu]", "target: [cpu, cpu]"), run_id="two-targets")
+    assert two_targets.wait(100) == 0
+    assert "target-1" in two_targets.events("step")[0]["queue_depths"]
+    assert step_losses(two_targets) == pytest.approx(step_losses(threaded), rel=1e-5)
     # torch.compile (no CUDA graphs) in two drafter threads of the same architecture
     compiled = launch(base + "compile: default\n", run_id="compiled")
     assert compiled.wait(200) == 0, compiled.log()[-3000:]

@@ -6,7 +6,6 @@ or from the checkpoint being resumed) -> evaluator.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from pathlib import Path
@@ -108,14 +107,17 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
     say(f"{len(samples)} samples, {len(plan.entries)} micro-batches, {plan.total_steps} steps; "
         f"{len(prompts)} eval prompts; torch threads {torch.get_num_threads()}")
 
-    targets = {target_devices[0]: load_target(target_source, config.target.dtype, target_devices[0])}
-    for device in target_devices[1:]:
-        targets.setdefault(device, copy.deepcopy(targets[target_devices[0]]).to(device))
+    # One target per distinct device, shared by that device's target threads (a tap's capture
+    # is thread-local). Each is loaded where it lives: a copy of another would first double
+    # the memory on that one's GPU.
+    targets = {device: load_target(target_source, config.target.dtype, device)
+               for device in dict.fromkeys(target_devices)}
     target_config = targets[target_devices[0]].config
     mask_id = _mask_token_id(tokenizer, config.drafter.mask_token, target_config.vocab_size)
     layer_ids = config.drafter.target_layer_ids or default_target_layer_ids(
         target_config.num_hidden_layers, config.drafter.num_target_features or config.drafter.num_layers)
-    taps = [FeatureTap(targets[device], tuple(layer_ids)) for device in target_devices]
+    taps_by_device = {device: FeatureTap(model, tuple(layer_ids)) for device, model in targets.items()}
+    taps = [taps_by_device[device] for device in target_devices]
     hf_config = drafter_hf_config(target_config, config.drafter, tuple(layer_ids), mask_id)
 
     resumed = None
