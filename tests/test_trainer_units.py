@@ -372,6 +372,13 @@ def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
     assert torch.equal(loaded.weights["weight"], model.weight.detach())
     assert loaded.optimizer["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
     assert ckpt.resolve_resume("latest", tmp_path / "elsewhere") is None
+    # A run resumed from an older checkpoint writes below the newest: what it wrote is kept,
+    # and written again, a step's folder is replaced whole.
+    for losses in ([2.0], [3.0]):
+        state = ckpt.TrainingState(step=1, epoch=0, batch_index=1, replicas=2, losses=losses)
+        ckpt.save_checkpoint(root, state, model, optimizer, scheduler, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
+    assert ckpt.load_checkpoint(ckpt.resolve_resume("latest", tmp_path)).state.losses == [3.0]
 
 
 def test_replica_check_catches_a_one_ulp_difference_and_names_the_replica():

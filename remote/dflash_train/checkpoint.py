@@ -4,15 +4,17 @@ A checkpoint is written into a temp folder (files fsynced), then moved into plac
 os.replace; `latest` is a new symlink renamed over the old one. A reader therefore sees
 either the previous checkpoint or the complete new one, never a half-written folder.
 
-Contents: model.safetensors (drafter weights), optimizer.pt (optimizer, scheduler and RNG
-states) and state.json (step, data cursor, loss history, replicas).
+Contents: model.safetensors (drafter weights), optimizer.pt (optimizer and scheduler
+states) and state.json (step, data cursor, loss history, replicas). No global RNG state:
+every random draw in training takes a generator seeded from the config, the epoch and the
+step, so a resumed run repeats them without it (and a checkpoint written where 8 GPUs were
+visible still loads where fewer are).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,43 +36,35 @@ class TrainingState:
     losses: list[float]  # loss per step so far, so a resumed run carries its curve on
 
 
-def rng_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_rng_states(states: dict[str, Any]) -> None:
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
 def _fsync_tree(folder: Path) -> None:
-    for path in folder.iterdir():
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def replace_dir(final: Path, fill: Callable[[Path], None]) -> None:
-    """Fill a staging folder beside `final` with `fill(staging)`, then move it into place
-    with os.replace; a previous `final` stays whole until the new one is."""
+    """Fill a staging folder beside `final` with `fill(staging)`, fsync it, then move it
+    into place. A previous `final` stays whole until the new one is; it is missing only
+    between two renames (a folder cannot be renamed over a non-empty one), never while
+    one is being deleted."""
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; these folders are for others to read
+    old = final.parent / f".old-{final.name}-{os.getpid()}"
     try:
         fill(staging)
-        if final.exists():  # written again (a resumed run re-saving a step, a re-export): move the old one aside
-            shutil.rmtree(final.rename(final.parent / f".old-{final.name}-{os.getpid()}"))
+        _fsync_tree(staging)
+        if final.exists():  # written again (a resumed run re-saving a step, a re-export)
+            final.rename(old)
         os.replace(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)  # only once the new one is in place
 
 
 def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, optimizer, scheduler,
@@ -80,10 +74,9 @@ def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, op
     def fill(staging: Path) -> None:
         weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
         save_file(weights, str(staging / "model.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": rng_states()}, staging / "optimizer.pt")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                   staging / "optimizer.pt")
         (staging / "state.json").write_text(json.dumps(dataclasses.asdict(state)) + "\n")
-        _fsync_tree(staging)
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:06d}"
@@ -92,13 +85,15 @@ def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, op
     link.unlink(missing_ok=True)
     link.symlink_to(final.name)
     os.replace(link, root / LATEST)
-    _prune(root, keep)
+    _prune(root, keep, final)
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    kept = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in kept[:-keep]:
+def _prune(root: Path, keep: int, written: Path) -> None:
+    """Keep `written` (what `latest` points at) and the newest `keep - 1` others. A run
+    resumed from an older checkpoint writes steps below ones already there."""
+    others = sorted(p for p in root.glob("step_*") if p.is_dir() and p != written)
+    for old in others[:max(len(others) - (keep - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -121,7 +116,6 @@ class LoadedCheckpoint:
     weights: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
-    rng: dict[str, Any]
 
 
 def load_checkpoint(folder: Path) -> LoadedCheckpoint:
@@ -130,4 +124,4 @@ def load_checkpoint(folder: Path) -> LoadedCheckpoint:
     state = TrainingState(**json.loads((folder / "state.json").read_text()))
     extra = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
     return LoadedCheckpoint(folder, state, load_file(str(folder / "model.safetensors")),
-                            extra["optimizer"], extra["scheduler"], extra["rng"])
+                            extra["optimizer"], extra["scheduler"])

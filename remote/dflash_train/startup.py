@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume, restore_rng_states
+from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume
 from .config import TrainConfig, resolve_path
 from .data import BatchPlan, load_prompts, load_samples
 from .devices import canonical
@@ -134,7 +134,6 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
                 raise ValueError(f"{folder} is at step {resumed.state.step}, past this config's "
                                  f"{plan.total_steps} steps")
             _check_cursor(resumed, plan)
-            restore_rng_states(resumed.rng)
             say(f"resuming from {folder} at step {resumed.state.step}")
     if resumed is not None:
         weights = resumed.weights
