@@ -267,7 +267,6 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     stall_after: float = 300.0  # seconds without a heartbeat before the run counts as STALLED
-    source: str = dataclasses.field(default="", metadata={"internal": True})
 
     def __post_init__(self) -> None:
         if self.compile is False:
@@ -320,8 +319,7 @@ class TrainConfig:
 
 def load_train_config(path: str | os.PathLike[str]) -> TrainConfig:
     """Load and check a training config; raises dflash_schema.SchemaError naming file and key."""
-    config = dflash_schema.load_file(TrainConfig, path)
-    return dataclasses.replace(config, source=str(path))
+    return dflash_schema.load_file(TrainConfig, path)
 
 
 def resolve_path(path: str) -> Path:

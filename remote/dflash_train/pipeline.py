@@ -72,7 +72,7 @@ class Evaluator:
         self.run.state.progressed()
         self.run.state.check()  # a long evaluation must not hold up a stopping run
 
-    def measure(self, request: EvalRequest) -> float:
+    def measure(self, request: EvalRequest) -> None:
         self.drafter.load_state_dict(request.weights)
         started = time.perf_counter()
         result = evaluate(self.drafter, self.tap, self.embed, self.head, self.prompts,
@@ -92,7 +92,6 @@ class Evaluator:
             text += (f" (at step {self.baseline[0]}, before this run trained: {self.baseline[1]:.3f}; "
                      f"gain {result.acceptance_length - self.baseline[1]:+.3f})")
         say(text)
-        return result.acceptance_length
 
 
 @dataclasses.dataclass
@@ -173,13 +172,12 @@ class Run:
         self.events.emit("checkpoint", step=step, path=str(path))
         say(f"checkpoint at step {step}: {path}")
 
-    def export(self, replica: Replica) -> Path:
+    def export(self, replica: Replica) -> None:
         """DIR/export, replaced atomically (a previous export stays whole until the new one is)."""
         final = self.run_dir / "export"
         replace_dir(final, lambda staging: export_drafter(replica.drafter, staging))
         self.events.emit("export", step=replica.completed_step, path=str(final))
         say(f"exported the drafter to {final}")
-        return final
 
 
 def snapshot(replica: Replica) -> dict[str, torch.Tensor]:

@@ -24,14 +24,14 @@ from typing import Any
 _WRITE_LOCK = threading.Lock()  # one lock for stdout and stderr: both usually land in train.log
 
 
-def utc_stamp(ts: float | None = None) -> str:
-    moment = datetime.datetime.fromtimestamp(time.time() if ts is None else ts, datetime.timezone.utc)
+def utc_stamp() -> str:
+    moment = datetime.datetime.now(datetime.timezone.utc)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}"
 
 
-def prefix_lines(text: str, thread_name: str, ts: float | None = None) -> str:
+def prefix_lines(text: str, thread_name: str) -> str:
     """Prefix every line of `text` (which ends with a newline) with time and thread name."""
-    stamp = utc_stamp(ts)
+    stamp = utc_stamp()
     return "".join(f"{stamp} [{thread_name}] {line}\n" for line in text[:-1].split("\n"))
 
 
@@ -117,7 +117,6 @@ class JsonLines:
     """Append-only JSON-lines file; every record is one whole line, flushed."""
 
     def __init__(self, path: Path, fsync: bool):
-        self.path = path
         self._fsync = fsync
         self._lock = threading.Lock()
         self._file = open(path, "a", encoding="utf-8")
