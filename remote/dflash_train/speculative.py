@@ -61,11 +61,10 @@ def draft_block(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weig
 def speculative_decode(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor,
                        lm_head_weight: torch.Tensor, prompt: list[int], max_new_tokens: int,
                        stop_ids: set[int], on_step: Callable[[], None] = lambda: None) -> Decoded:
-    """`on_step` runs after every verify forward (progress reports; it may raise to stop)."""
+    """`on_step` runs after every verify forward (progress reports; it may raise to stop).
+    `lm_head_weight` should have the drafter's dtype (`evaluate` casts it once); another
+    dtype is cast for every drafted block."""
     device = embed_weight.device
-    # The head in the drafter's dtype once per prompt, not once per drafted block: a bf16
-    # (V, H) head cast to an fp32 drafter's dtype is a copy the size of the head.
-    lm_head_weight = lm_head_weight.to(drafter.norm.weight.dtype)
     logits, features = tap.logits_and_features(torch.tensor([prompt], device=device))
     tokens = [int(logits[0, -1].argmax())]
     accepted: list[int] = []
@@ -93,6 +92,9 @@ def speculative_decode(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: to
 def evaluate(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
              prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
              on_step: Callable[[], None] = lambda: None) -> EvalResult:
+    # The head in the drafter's dtype once per evaluation, not per prompt or drafted block: a
+    # bf16 (V, H) head cast to an fp32 drafter's dtype is a copy the size of the head.
+    lm_head_weight = lm_head_weight.to(drafter.norm.weight.dtype)
     per_prompt, steps, new_tokens = [], 0, 0
     for prompt in prompts:
         decoded = speculative_decode(drafter, tap, embed_weight, lm_head_weight, prompt, max_new_tokens, stop_ids,
