@@ -1,6 +1,8 @@
 """The CLI's edges: --help, exit codes, stdout carrying data only, clear errors."""
 from __future__ import annotations
 
+from importlib import metadata
+
 import pytest
 
 from support import container_workspace
@@ -50,6 +52,10 @@ def test_hosts_check_reports_each_failure_and_exits_3(make_inventory, tmp_path):
     import json
     entries = {e["host"]: e for e in map(json.loads, done.stdout.splitlines())}
     assert entries["ct200"]["python"] and entries["node"]["hostname"]
+    # the agent's own host facts, sent before anything is deployed
+    assert entries["node"]["packages"] == {"torch": metadata.version("torch"),
+                                           "transformers": metadata.version("transformers")}
+    assert entries["node"]["gpus"] == [] and entries["node"]["current_release"] is None
     assert "not running" in entries["ct201"]["error"]
     assert "999" in entries["ct999"]["error"] and "does not exist" in entries["ct999"]["error"]
     assert "down" in entries and "error" in entries["down"]

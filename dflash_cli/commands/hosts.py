@@ -2,49 +2,31 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from dflash_agent import gpus
 from rich.table import Table
 from rich.text import Text
 
 from .. import console
+from ..agent import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session
 
-# Sent with `python -c`: works before anything is deployed. No torch import (slow):
-# package versions come from their metadata.
-_PROBE = r"""
-import json, os, platform, shutil, subprocess, sys
-from importlib import metadata
-def version(name):
-    try:
-        return metadata.version(name)
-    except Exception:
-        return None
-gpus = []
-if shutil.which("nvidia-smi"):
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
-    for line in out.stdout.splitlines():
-        index, name, memory = [part.strip() for part in line.split(",")]
-        gpus.append({"index": int(index), "name": name, "memory_total_mib": float(memory)})
-workspace = os.path.expanduser(sys.argv[1])
-try:
-    current = os.path.basename(os.readlink(os.path.join(workspace, "current")))
-except OSError:
-    current = None
-print(json.dumps({"python": platform.python_version(), "hostname": platform.node(),
-                  "torch": version("torch"), "transformers": version("transformers"),
-                  "gpus": gpus, "current_release": current}))
-"""
+# The agent's own host facts (stdlib only, no package imports), sent with `python -c`:
+# it works before anything is deployed.
+_PROBE = Path(gpus.__file__).read_text()
 
 
 def check(session: Session, host: Host) -> dict:
     done = session.transport(host).run([host.python, "-c", _PROBE, host.workspace], timeout=60)
-    if done.exit_code != 0:
+    check_interpreter(host, done)
+    facts = parse_reply(done.stdout)
+    if done.exit_code != 0 or facts is None:
         raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}): "
                           f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
-    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+    return facts
 
 
 def _where(host: Host) -> str:
@@ -67,9 +49,10 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
             row += [f"unreachable: {result.message}" if isinstance(result, UnreachableError)
                     else f"error: {result.message}", "", "", "", "", ""]
         elif result is not None:
-            gpus = ", ".join(f"{g['index']}:{g['name']}" for g in result["gpus"]) or "none"
-            row += ["ok", result["python"], result["torch"] or "-", result["transformers"] or "-",
-                    gpus, result["current_release"] or "-"]
+            found = ", ".join(f"{g['index']}:{g['name']}" for g in result["gpus"]) or "none"
+            packages = result["packages"]
+            row += ["ok", result["python"], packages["torch"] or "-", packages["transformers"] or "-",
+                    result.get("gpus_problem", found), result["current_release"] or "-"]
         table.add_row(*map(Text, row))  # plain text: messages may hold [brackets]
         if as_json:
             entry = {"host": host.name, "transport": host.transport, "where": _where(host),

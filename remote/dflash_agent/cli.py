@@ -131,8 +131,9 @@ def _gpus(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _info(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
-    from .gpus import info
-    return info(ws)
+    from .gpus import host_facts
+    from .procfs import boot_id
+    return dict(host_facts(ws.root), boot_id=boot_id())
 
 
 VERBS: Dict[str, Callable[[Workspace, argparse.Namespace], Dict[str, Any]]] = {

@@ -1,15 +1,18 @@
-"""The `gpus` and `info` verbs. No torch import: `info` must stay fast and must work
-where torch is broken; package versions come from importlib.metadata."""
-from __future__ import annotations
+"""What a host has: GPUs (the `gpus` verb) and Python, package versions, GPUs and the
+current release (`host_facts`, the `info` verb).
 
+Standard library only and no imports from this package: `dflash hosts --check` sends this
+file's source with `python -c SOURCE WORKSPACE` to hosts where nothing is deployed yet,
+and prints what it answers. No torch import: it must stay fast and must work where torch
+is broken; package versions come from importlib.metadata.
+"""
+import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Tuple
-
-from . import procfs
-from .layout import Workspace
 
 QUERY_FIELDS = ("index", "name", "memory.used", "memory.total", "utilization.gpu",
                 "temperature.gpu", "power.draw")
@@ -81,19 +84,27 @@ def _package_version(name: str) -> Optional[str]:
         return None
 
 
-def info(ws: Workspace) -> Dict[str, Any]:
-    import platform  # only here: `gpus` runs every few seconds, `info` once
+def _current_release(workspace: str) -> Optional[str]:
+    root = os.path.realpath(os.path.join(workspace, "current"))
+    return os.path.basename(root) if os.path.isdir(root) else None
+
+
+def host_facts(workspace: str) -> Dict[str, Any]:
+    import platform  # only here: `gpus` runs every few seconds, this once
     found, problem = query_gpus()
     answer = {
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
-        "boot_id": procfs.boot_id(),
         "packages": {name: _package_version(name) for name in ("torch", "transformers")},
         "gpus": found,
-        "current_release": ws.current_release_id(),
+        "current_release": _current_release(workspace),
     }
     if problem:
         answer["gpus_problem"] = problem
     return answer
+
+
+if __name__ == "__main__":  # as `dflash hosts --check` runs it
+    print(json.dumps(host_facts(os.path.abspath(os.path.expanduser(sys.argv[1])))))

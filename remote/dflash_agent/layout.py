@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from .jsonio import AgentError
 
@@ -58,12 +58,6 @@ class Workspace:
         if not os.path.isdir(root):
             raise AgentError("%s points to a missing release %s" % (self.current, root), "not_found")
         return os.path.basename(root), root
-
-    def current_release_id(self) -> Optional[str]:
-        try:
-            return self.current_release()[0]
-        except AgentError:
-            return None
 
 
 @dataclasses.dataclass(frozen=True)
