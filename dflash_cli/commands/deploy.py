@@ -1,10 +1,12 @@
 """dflash deploy: a content-addressed release of remote/ and configs/ on each host."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import time
 from pathlib import Path
+from typing import Iterator
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
@@ -32,8 +34,10 @@ class DeployResult:
     seconds: float
 
 
-def deploy_host(session: Session, host: Host, tree: release.Release) -> DeployResult:
-    """Make `tree` the current release of `host`; one round trip when it already is."""
+def deploy_host(session: Session, host: Host, tree: release.Release,
+                bars: Progress | None = None) -> DeployResult:
+    """Make `tree` the current release of `host`; one round trip when it already is.
+    `bars`: where to draw the upload's progress (see `upload_bars`), if anywhere."""
     started = time.monotonic()
     transport = session.transport(host)
     trips_before = transport.round_trips
@@ -44,7 +48,7 @@ def deploy_host(session: Session, host: Host, tree: release.Release) -> DeployRe
         have = reply.get("current_files", {})
         changed = {f.path for f in tree.files if have.get(f.path) != f.sha256}
         payload = tree.tar_of(changed)
-        reply = _receiver(session, host, "install", release_id, payload)
+        reply = _receiver(session, host, "install", release_id, payload, bars)
         files_sent, bytes_sent = len(changed), len(payload)
         files_reused = reply.get("files_reused", 0)
     return DeployResult(host.name, release_id, reply["status"], files_sent, files_reused,
@@ -53,9 +57,9 @@ def deploy_host(session: Session, host: Host, tree: release.Release) -> DeployRe
 
 
 def _receiver(session: Session, host: Host, verb: str, release_id: str,
-              payload: bytes | None = None) -> dict:
+              payload: bytes | None = None, bars: Progress | None = None) -> dict:
     argv = [host.python, "-c", RECEIVER_SOURCE, verb, host.workspace, release_id]
-    stdin = None if payload is None else _with_progress(host.name, payload)
+    stdin = None if payload is None else _with_progress(host.name, payload, bars)
     done = session.transport(host).run(argv, stdin=stdin)
     check_interpreter(host, done)
     reply = parse_reply(done.stdout)
@@ -83,18 +87,26 @@ class _ProgressReader(io.RawIOBase):
         self._pos += len(chunk)
         self._progress.update(self._task, completed=self._pos)
         if not chunk:
-            self._progress.stop()  # all sent: the bar goes away
+            self._progress.update(self._task, visible=False)  # all sent: the bar goes away
         return len(chunk)
 
 
-def _with_progress(host_name: str, payload: bytes):
-    if len(payload) <= PROGRESS_ABOVE_BYTES or not console.human.is_terminal:
+@contextlib.contextmanager
+def upload_bars() -> Iterator[Progress | None]:
+    """One live display for every host's upload bar (rich allows one at a time, and hosts
+    deploy in parallel), gone when the block ends however it ends; None off a terminal."""
+    if not console.human.is_terminal:
+        yield None
+        return
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), console=console.human, transient=True) as bars:
+        yield bars
+
+
+def _with_progress(host_name: str, payload: bytes, bars: Progress | None):
+    if bars is None or len(payload) <= PROGRESS_ABOVE_BYTES:
         return payload
-    progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                        TransferSpeedColumn(), console=console.human, transient=True)
-    progress.start()
-    task = progress.add_task(f"deploy {host_name}", total=len(payload))
-    return _ProgressReader(payload, progress, task)
+    return _ProgressReader(payload, bars, bars.add_task(f"deploy {host_name}", total=len(payload)))
 
 
 def run(session: Session, host_names: list[str], all_hosts: bool) -> ExitCode:
@@ -105,7 +117,8 @@ def run(session: Session, host_names: list[str], all_hosts: bool) -> ExitCode:
         raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
     tree = release.scan()
-    results = session.on_each_host(hosts, lambda host: deploy_host(session, host, tree))
+    with upload_bars() as bars:
+        results = session.on_each_host(hosts, lambda host: deploy_host(session, host, tree, bars))
     _print_table(results, host_names, tree)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     for name in host_names:

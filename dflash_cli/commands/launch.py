@@ -41,7 +41,8 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
     if _BAD_NAME.search(name) or name.startswith(".") or not name.strip():
         raise DflashError(f"--name {name!r}: a run name may not start with '.', be blank, "
                           "or hold '/' or control characters", ExitCode.USAGE)
-    result = deploy.deploy_host(session, host, release.scan())
+    with deploy.upload_bars() as bars:
+        result = deploy.deploy_host(session, host, release.scan(), bars)
     if result.status != "unchanged":
         console.say(f"{host.name}: release {result.release_id} {result.status} "
                     f"({result.files_sent} files sent)")
