@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
-from .jsonio import decode_bytes, parse_json_line, read_tail_text
+from .jsonio import decode_bytes, read_tail_text
 from .layout import RunDir, Workspace
-from .state import derive_state, observe, read_record, run_status
+from .state import derive_state, error_records, observe, read_record, run_status
 
 FAULTHANDLER_MAX_BYTES = 4 * 1024 * 1024
 
@@ -22,23 +22,6 @@ def status(ws: Workspace, run_id: Optional[str]) -> Dict[str, Any]:
             continue  # removed while we looked
     runs.sort(key=lambda r: (r["started_at"] or 0.0, r["run_id"]), reverse=True)
     return {"runs": runs}
-
-
-def error_records(path: str) -> List[Dict[str, Any]]:
-    """Every errors.jsonl record, oldest (the root cause) first. A line that is not JSON
-    is kept as {"raw": text} rather than dropped."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in data.split(b"\n")[:-1]:
-        if not line.strip():
-            continue
-        record = parse_json_line(line)
-        records.append(record if isinstance(record, dict) else {"raw": decode_bytes(line)})
-    return records
 
 
 def _read_end(path: str, max_bytes: int) -> str:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from . import procfs
-from .jsonio import lines_backwards, parse_json_line, read_json
+from .jsonio import decode_bytes, lines_backwards, parse_json_line, read_json
 from .layout import RunDir
 
 STARTING = "STARTING"
@@ -98,14 +98,21 @@ def summarize_events(path: str) -> EventSummary:
     return EventSummary(last_event_ts, last_phase, last_phase_ts)
 
 
-def count_lines(path: str) -> int:
-    """Complete, non-empty lines (errors.jsonl holds one small record per failed thread)."""
+def error_records(path: str) -> List[Dict[str, Any]]:
+    """Every errors.jsonl record, oldest (the root cause) first. A line that is not JSON
+    is kept as {"raw": text} rather than dropped."""
     try:
         with open(path, "rb") as handle:
             data = handle.read()
     except FileNotFoundError:
-        return 0
-    return sum(1 for line in data.split(b"\n")[:-1] if line.strip())
+        return []
+    records = []
+    for line in data.split(b"\n")[:-1]:
+        if not line.strip():
+            continue
+        record = parse_json_line(line)
+        records.append(record if isinstance(record, dict) else {"raw": decode_bytes(line)})
+    return records
 
 
 def trainer_liveness(record: Dict[str, Any]) -> str:
@@ -136,7 +143,7 @@ def observe(run: RunDir, record: Dict[str, Any], now: Optional[float] = None) ->
         now=time.time() if now is None else now,
         trainer=trainer,
         exit=exit_record,
-        error_count=count_lines(run.errors),
+        error_count=len(error_records(run.errors)),
         stop_requested=os.path.exists(run.stop_requested),
         events=summarize_events(run.events),
     )
