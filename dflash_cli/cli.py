@@ -85,17 +85,18 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
     ref = launch.run(session, host_name, config_path, name, force)
     console.data(ref.run_id + "\n")
     if follow:
-        sys.exit(watch.run(session, ref, tail=None, interval=5.0, as_json=False, retry_for=60.0))
+        sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
+                           retry_for=watch.RETRY_FOR_S))
 
 
 @main.command("watch")
 @click.argument("run_id", metavar="[RUN]", required=False)
 @click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
 @click.option("--tail", type=click.IntRange(min=0), help="First show the last N lines of the log.")
-@click.option("--interval", default=5.0, show_default=True, type=click.FloatRange(min=0.5),
+@click.option("--interval", default=watch.GPU_INTERVAL_S, show_default=True, type=click.FloatRange(min=0.5),
               help="Seconds between GPU lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print every message as a JSON line on stdout.")
-@click.option("--retry-for", default=60.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--retry-for", default=watch.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
               help="Seconds to keep reconnecting to an unreachable host before exit 3.")
 @click.pass_obj
 def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail: int | None,

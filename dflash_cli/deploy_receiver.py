@@ -69,15 +69,7 @@ def _clean_stale_incoming(releases):
     for name in os.listdir(releases):
         path = os.path.join(releases, name)
         if name.startswith(".incoming-") and time.time() - os.path.getmtime(path) > 3600:
-            _make_writable(path)
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _make_writable(folder):
-    for dirpath, dirnames, _ in os.walk(folder):
-        os.chmod(dirpath, 0o755)
-        for d in dirnames:
-            os.chmod(os.path.join(dirpath, d), 0o755)
 
 
 def _release_mode(mode):
@@ -165,7 +157,6 @@ def install(workspace, release_id):
             # A concurrent deploy of the same tree won; its copy is verified the same way.
             if not _release_ok(target, release_id):
                 raise
-            _make_writable(incoming)
             shutil.rmtree(incoming)
         previous = _current_id(workspace)
         _switch(workspace, release_id)
@@ -173,7 +164,6 @@ def install(workspace, release_id):
                 "files_received": received - 1, "files_reused": reused}
     except BaseException:
         if os.path.isdir(incoming):
-            _make_writable(incoming)
             shutil.rmtree(incoming, ignore_errors=True)
         raise
 

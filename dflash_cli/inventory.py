@@ -93,8 +93,7 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
             raise DflashError(f"{file}: inventory file not found", ExitCode.USAGE)
         return Inventory("(built-in)", hosts)
     try:
-        data = dflash_schema.read_yaml(file)
-        parsed = dflash_schema.load(InventoryFile, data, str(file))
+        parsed = dflash_schema.load_file(InventoryFile, file)
     except dflash_schema.SchemaError as exc:
         raise DflashError(str(exc), ExitCode.USAGE) from exc
     for name, host in parsed.hosts.items():

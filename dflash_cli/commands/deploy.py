@@ -14,7 +14,7 @@ from rich.text import Text
 
 from .. import console, release
 from ..agent import check_interpreter, parse_reply
-from ..errors import DflashError, ExitCode, UnreachableError
+from ..errors import DflashError, ExitCode
 from ..inventory import Host
 from ..session import Session
 
@@ -129,11 +129,7 @@ def run(session: Session, host_names: list[str], all_hosts: bool) -> ExitCode:
         outcome = results[name]
         if isinstance(outcome, DeployResult):
             console.data(f"{name}\t{outcome.release_id}\t{outcome.status}\n")
-    if not failures:
-        return ExitCode.OK
-    if all(isinstance(f, UnreachableError) for f in failures):
-        return ExitCode.UNREACHABLE
-    return max(f.exit_code for f in failures)
+    return max((f.exit_code for f in failures), default=ExitCode.OK)
 
 
 def _print_table(results: dict, order: list[str], tree: release.Release) -> None:

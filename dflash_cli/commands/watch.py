@@ -20,6 +20,8 @@ from .fetch_traceback import render_no_record, render_record
 EXIT_FOR_STATE = {"SUCCEEDED": ExitCode.OK, "FAILED": ExitCode.RUN_FAILED,
                   "LOST": ExitCode.RUN_FAILED, "STOPPED": ExitCode.STOPPED}
 CURSOR_SAVE_EVERY_S = 0.5
+GPU_INTERVAL_S = 5.0  # defaults of `watch` and of `launch --follow`
+RETRY_FOR_S = 60.0
 
 
 def gpu_line(gpus: list[dict]) -> str:

@@ -10,7 +10,7 @@ from typing import Any, Dict
 from . import procfs
 from .jsonio import AgentError, decode_bytes, write_json_atomic
 from .layout import RunDir
-from .state import TERMINAL, derive_state, observe, read_record
+from .state import ALIVE, TERMINAL, derive_state, observe, read_record, trainer_liveness
 
 POLL_S = 0.05
 KILL_WAIT_S = 30.0  # after SIGKILL: only uninterruptible sleep (D state) can delay exit
@@ -65,7 +65,7 @@ def stop(run: RunDir, grace: float) -> Dict[str, Any]:
 def stacks(run: RunDir, timeout: float) -> Dict[str, Any]:
     record = read_record(run)
     pid = record["pid"]
-    if record.get("boot_id") != procfs.boot_id() or not procfs.identity_alive(pid, record.get("start_time")):
+    if trainer_liveness(record) != ALIVE:
         raise AgentError("run %r is not running (%s)" % (run.run_id, derive_state(observe(run, record))),
                          "conflict")
     if not procfs.catches_signal(pid, signal.SIGUSR1):

@@ -128,7 +128,7 @@ def trainer_liveness(record: Dict[str, Any]) -> str:
     return GONE
 
 
-def observe(run: RunDir, record: Dict[str, Any], now: Optional[float] = None) -> Observation:
+def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
     """The facts about a started run (record = its run.json)."""
     exit_record = read_json(run.exit_json)
     trainer = GONE
@@ -140,7 +140,7 @@ def observe(run: RunDir, record: Dict[str, Any], now: Optional[float] = None) ->
     return Observation(
         started_at=float(record.get("started_at") or 0.0),
         stall_after=float(record.get("stall_after") or 300.0),
-        now=time.time() if now is None else now,
+        now=time.time(),
         trainer=trainer,
         exit=exit_record,
         error_count=len(error_records(run.errors)),
