@@ -67,12 +67,7 @@ def test_stop_of_an_ended_run_changes_nothing(agent):
 
 def test_stop_never_signals_a_reused_pid(agent):
     # run.json names this test process with another start time: the pid was reused.
-    run_dir = agent.run_dir("reused")
-    run_dir.mkdir(parents=True)
-    (run_dir / "run.json").write_text(json.dumps({
-        "run_id": "reused", "pid": os.getpid(), "pgid": os.getpgid(0),
-        "start_time": procfs.start_time(os.getpid()) - 1, "boot_id": procfs.boot_id(),
-        "started_at": time.time(), "stall_after": 300}))
+    agent.fabricate_run("reused", pgid=os.getpgid(0), start_time=procfs.start_time(os.getpid()) - 1)
     assert agent.ok("stop", "--run-id", "reused")["state"] == "LOST"
     assert procfs.is_running(procfs.read_stat(os.getpid()))  # still here to check
 

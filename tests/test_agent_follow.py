@@ -11,9 +11,8 @@ import time
 
 import pytest
 
-from dflash_agent import procfs
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import wait_for
+from support_agent.harness import dead_pid, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,13 +108,8 @@ def test_offset_with_another_inode_restarts_from_zero_and_tail_lines(agent):
 def test_tail_lines_on_a_huge_log_reads_only_its_end(agent):
     # A finished-looking run whose train.log holds 256 GiB of holes before its last
     # lines: reading it from the start would take minutes.
-    run_dir = agent.run_dir("huge")
-    run_dir.mkdir(parents=True)
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    (run_dir / "run.json").write_text(json.dumps({
-        "run_id": "huge", "pid": dead.pid, "pgid": dead.pid, "start_time": 1,
-        "boot_id": procfs.boot_id(), "started_at": time.time(), "stall_after": 300}))
+    dead = dead_pid()
+    run_dir = agent.fabricate_run("huge", pid=dead, pgid=dead, start_time=1)
     (run_dir / "exit.json").write_text(json.dumps({"exit_code": 0, "signal": None,
                                                    "oom_killed": False, "ended_at": time.time()}))
     tail = b"".join(b"tail line %d\n" % i for i in range(10))
@@ -157,12 +151,7 @@ def test_error_records_arrive_while_the_run_lives(agent):
 
 def test_waits_for_train_log_while_starting_and_ends_when_terminal(agent):
     # run.json names this very test process as the trainer: alive, starting, no log yet.
-    run_dir = agent.run_dir("slow start")
-    run_dir.mkdir(parents=True)
-    (run_dir / "run.json").write_text(json.dumps({
-        "run_id": "slow start", "pid": os.getpid(), "pgid": os.getpid(),
-        "start_time": procfs.start_time(os.getpid()), "boot_id": procfs.boot_id(),
-        "started_at": time.time(), "stall_after": 300}))
+    run_dir = agent.fabricate_run("slow start")
     stream = agent.follow("slow start")
     assert stream.next() == {"t": "state", "state": "STARTING", "ts": pytest.approx(time.time(), abs=5)}
     (run_dir / "train.log").write_bytes(b"hello\n")

@@ -14,7 +14,7 @@ import pytest
 
 from dflash_agent import procfs
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import RELEASE_ID, wait_for
+from support_agent.harness import RELEASE_ID, dead_pid, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -154,7 +154,7 @@ def test_runs_keep_their_release_when_current_moves(agent):
     (["--config", "c.yaml"], "usage", "--run-id"),
 ])
 def test_launch_argument_errors_are_json(agent, args, kind, text):
-    config = str(agent.config("x", []))
+    config = str(agent.config([]))
     argv = ["launch", "--config", config] + args if "--config" not in args else ["launch"] + args
     result = agent.run(*argv)
     assert result.rc == 2
@@ -201,10 +201,8 @@ def test_locks_conflict_force_and_release(agent):
 def test_stale_locks_are_taken_over(agent):
     locks = agent.workspace / "locks"
     locks.mkdir()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
     # A lock whose run never wrote run.json and whose launcher is gone.
-    (locks / "gpu0.json").write_text(json.dumps({"run_id": "ghost", "launcher_pid": dead.pid,
+    (locks / "gpu0.json").write_text(json.dumps({"run_id": "ghost", "launcher_pid": dead_pid(),
                                                  "launcher_start_time": 1, "boot_id": procfs.boot_id()}))
     # A lock of a run that ended.
     agent.launch("done", [], "--resource", "gpu1")

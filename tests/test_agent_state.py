@@ -6,9 +6,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -17,7 +14,7 @@ from dflash_agent.state import (ALIVE, DEGRADED, ENDING, FAILED, GONE, LOST, RUN
                                 STARTING, STOPPED, SUCCEEDED, EventSummary, Observation,
                                 derive_state, summarize_events)
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import wait_for
+from support_agent.harness import dead_pid, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,32 +104,13 @@ def test_summarize_events_cost_does_not_depend_on_the_file_size(tmp_path):
     assert summarize_events(str(path)).step == 77
 
 
-def fabricate_run(agent, run_id, **fields):
-    """A run directory as a launch would leave it, with whatever run.json says."""
-    run_dir = agent.run_dir(run_id)
-    run_dir.mkdir(parents=True)
-    record = {"run_id": run_id, "pid": os.getpid(), "pgid": os.getpid(),
-              "start_time": procfs.start_time(os.getpid()), "boot_id": procfs.boot_id(),
-              "started_at": time.time(), "stall_after": 300.0, "release_id": "rel-0001",
-              "supervisor": {"pid": None, "start_time": None}}
-    record.update(fields)
-    (run_dir / "run.json").write_text(json.dumps(record))
-    return run_dir
-
-
-def dead_pid():
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
-
-
 def test_lost_when_pid_is_gone_or_reused_or_the_host_rebooted(agent):
     gone = dead_pid()
-    fabricate_run(agent, "gone", pid=gone, pgid=gone, supervisor={"pid": gone, "start_time": 1})
+    agent.fabricate_run("gone", pid=gone, pgid=gone, supervisor={"pid": gone, "start_time": 1})
     # Our own pid stands in for a reused one: alive, but not the process that was started.
-    fabricate_run(agent, "reused", start_time=procfs.start_time(os.getpid()) - 1)
-    fabricate_run(agent, "rebooted", boot_id="00000000-0000-0000-0000-000000000000")
-    fabricate_run(agent, "alive")  # control: the very process, same boot
+    agent.fabricate_run("reused", start_time=procfs.start_time(os.getpid()) - 1)
+    agent.fabricate_run("rebooted", boot_id="00000000-0000-0000-0000-000000000000")
+    agent.fabricate_run("alive")  # control: the very process, same boot
     states = {r["run_id"]: r["state"] for r in agent.ok("status")["runs"]}
     assert states == {"gone": LOST, "reused": LOST, "rebooted": LOST, "alive": STARTING}
 

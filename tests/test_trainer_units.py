@@ -72,12 +72,6 @@ def test_config_module_does_not_import_torch():
     assert out.stdout.strip() == "[]"
 
 
-def test_cudagraphs_on_cpu_is_refused_clearly(tmp_path):
-    with pytest.raises(SchemaError) as err:
-        load_train_config(write_config(tmp_path, BASE + "compile: cudagraphs\n"))
-    assert "cudagraphs needs CUDA" in str(err.value) and str(tmp_path) in str(err.value)
-
-
 def test_unknown_fault_thread_and_bad_keys_are_refused(tmp_path):
     with pytest.raises(SchemaError, match="unknown thread 'drafter-2'"):
         load_train_config(write_config(tmp_path, BASE + "faults: [{thread: drafter-2, at: startup, kind: raise}]\n"))

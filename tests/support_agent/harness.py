@@ -130,10 +130,16 @@ class FollowStream:
                 stream.close()
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 class Agent:
-    def __init__(self, workspace: Path, scratch: Path):
+    def __init__(self, workspace: Path):
         self.workspace = workspace
-        self.scratch = scratch
         self.agent_py = workspace / "current" / "remote" / "agent.py"
         self.env = dict(os.environ)
         self.env["PATH"] = os.pathsep.join(p for p in self.env.get("PATH", "").split(os.pathsep)
@@ -157,14 +163,14 @@ class Agent:
         assert result.rc == 0, "agent %s failed (%d): %s\n%s" % (args, result.rc, result.json, result.stderr)
         return result.json
 
-    def config(self, run_id: str, steps: Sequence[Dict[str, Any]]) -> Path:
+    def config(self, steps: Sequence[Dict[str, Any]]) -> Path:
         self._configs += 1
         path = self.workspace / "configs" / ("script-%d.json" % self._configs)
         path.write_text(json.dumps({"steps": list(steps)}))
         return path
 
     def launch_args(self, run_id: str, steps: Sequence[Dict[str, Any]], *extra: str) -> List[str]:
-        return ["launch", "--run-id", run_id, "--config", str(self.config(run_id, steps)), *extra]
+        return ["launch", "--run-id", run_id, "--config", str(self.config(steps)), *extra]
 
     def launch(self, run_id: str, steps: Sequence[Dict[str, Any]], *extra: str) -> Dict[str, Any]:
         self._run_ids.append(run_id)
@@ -176,6 +182,19 @@ class Agent:
 
     def run_dir(self, run_id: str) -> Path:
         return self.workspace / "runs" / run_id
+
+    def fabricate_run(self, run_id: str, **fields: Any) -> Path:
+        """A run directory as a launch would leave it, with whatever run.json says
+        (by default: this very process, started now, on this boot)."""
+        run_dir = self.run_dir(run_id)
+        run_dir.mkdir(parents=True)
+        record = {"run_id": run_id, "pid": os.getpid(), "pgid": os.getpid(),
+                  "start_time": procfs.start_time(os.getpid()), "boot_id": procfs.boot_id(),
+                  "started_at": time.time(), "stall_after": 300.0, "release_id": "rel-0001",
+                  "supervisor": {"pid": None, "start_time": None}}
+        record.update(fields)
+        (run_dir / "run.json").write_text(json.dumps(record))
+        return run_dir
 
     def read(self, run_id: str, name: str) -> Any:
         return json.loads((self.run_dir(run_id) / name).read_text())
@@ -239,7 +258,7 @@ def kill_run(run_dir: Path) -> None:
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Agent]:
-    harness = Agent(make_workspace(tmp_path), tmp_path)
+    harness = Agent(make_workspace(tmp_path))
     try:
         yield harness
     finally:
