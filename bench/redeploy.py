@@ -18,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from testbed import ROOT, test_bed
+from testbed import test_bed
+
+from support import copy_release_dirs
 
 from dflash_cli import release
 from dflash_cli.commands import deploy
@@ -35,9 +37,7 @@ os.execvp("ssh", ["ssh", "-p", "{port}", "-i", {key!r}, "-o", "UserKnownHostsFil
 
 
 def changed_copy(work: Path) -> Path:
-    root = work / "checkout"
-    for top in release.RELEASE_DIRS:
-        shutil.copytree(ROOT / top, root / top, ignore=shutil.ignore_patterns("__pycache__"))
+    root = copy_release_dirs(work / "checkout")
     (root / "configs" / "hosts.yaml").write_text((root / "configs" / "hosts.yaml").read_text() + "# changed\n")
     return root
 
@@ -78,9 +78,7 @@ def main() -> None:
                                   key=str(bed.node.identity_file), known=str(bed.node.known_hosts),
                                   address=bed.node.address))
         rsh.chmod(0o755)
-        staged = bed.work / "staged"
-        for top in release.RELEASE_DIRS:
-            shutil.copytree(ROOT / top, staged / top, ignore=shutil.ignore_patterns("__pycache__"))
+        staged = copy_release_dirs(bed.work / "staged")
         dest = str(bed.workspace) + "/rsync-copy"
         bed.dflash("deploy", "ct200")  # makes the workspace inside the container
         rsync(rsh, staged, dest)

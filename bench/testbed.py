@@ -3,7 +3,6 @@ node, set up in a temporary folder and torn down afterwards. Needs root and sshd
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -13,7 +12,9 @@ from typing import Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support import container_workspace, make_fake_pve, start_sshd, stop_sshd, write_inventory  # noqa: E402
+from dflash_run import dflash, popen_dflash  # noqa: E402
+from support import (container_workspace, make_fake_pve, start_sshd, stop_sshd,  # noqa: E402
+                     workspace_on_node, write_inventory)
 from support.pve import FakePve  # noqa: E402
 from support.sshd import SshNode  # noqa: E402
 from support.train_configs import small_config  # noqa: E402,F401  (re-exported for the benchmarks)
@@ -25,17 +26,13 @@ class Bed:
         self.hosts = write_inventory(work, node, pve)
         self.logs = work / "logs"
         self.workspace = container_workspace(pve, work)  # as container 200 sees it
-        self.workspace_on_node = pve.on_node(200, self.workspace)
+        self.workspace_on_node = workspace_on_node(pve, work)
 
     def dflash(self, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", "dflash_cli", "--hosts", str(self.hosts), "--logs-dir", str(self.logs), *args]
-        return subprocess.run(argv, capture_output=True, text=True, check=False,
-                              env={**os.environ, "NO_COLOR": "1"}, **kwargs)
+        return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
 
     def popen_dflash(self, *args: str) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "dflash_cli", "--hosts", str(self.hosts), "--logs-dir", str(self.logs), *args]
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**os.environ, "NO_COLOR": "1"})
+        return popen_dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts)
 
 
 @contextlib.contextmanager

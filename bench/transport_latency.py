@@ -12,16 +12,12 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from testbed import test_bed
 
-from dflash_cli.inventory import load_inventory  # noqa: E402
-from dflash_cli.transports import open_transport  # noqa: E402
-from support import make_fake_pve, start_sshd, stop_sshd, write_inventory  # noqa: E402
+from dflash_cli.inventory import load_inventory
+from dflash_cli.transports import open_transport
 
 # prints the send time of each line, one every 20 ms
 TICKER = "import sys, time\nfor _ in range(int(sys.argv[1])):\n    print(time.time(), flush=True); time.sleep(0.02)"
@@ -55,20 +51,13 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=50)
     parser.add_argument("--megabytes", type=int, default=32)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
-        work = Path(tmp)
-        (work / "sshd").mkdir()
-        node, sshd = start_sshd(work / "sshd")
-        try:
-            pve = make_fake_pve(work / "pve node")
-            hosts = load_inventory(write_inventory(work, node, pve))
-            results = {}
-            for name in ("local", "node", "ct200"):
-                with open_transport(hosts.get(name)) as transport:
-                    results[f"{name} ({hosts.get(name).transport})"] = measure(
-                        transport, args.commands, args.lines, args.megabytes)
-        finally:
-            stop_sshd(sshd)
+    with test_bed() as bed:
+        hosts = load_inventory(bed.hosts)
+        results = {}
+        for name in ("local", "node", "ct200"):
+            with open_transport(hosts.get(name)) as transport:
+                results[f"{name} ({hosts.get(name).transport})"] = measure(
+                    transport, args.commands, args.lines, args.megabytes)
     columns = list(results)
     print(f"{'':32}" + "".join(f"{c:>16}" for c in columns))
     for metric in next(iter(results.values())):

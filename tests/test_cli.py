@@ -5,7 +5,7 @@ from importlib import metadata
 
 import pytest
 
-from support import container_workspace
+from support import workspace_on_node
 
 from dflash_run import REPO, dflash
 
@@ -81,7 +81,7 @@ def test_launch_with_a_bad_training_config_sends_nothing(make_inventory, fake_pv
     assert done.returncode == 2
     assert done.stdout == ""
     assert f"{config}: optim.lr: expected a number, got a string 'fast'" in done.stderr
-    assert not fake_pve.on_node(200, container_workspace(fake_pve, tmp_path)).exists()  # nothing deployed
+    assert not workspace_on_node(fake_pve, tmp_path).exists()  # nothing deployed
 
 
 @pytest.mark.parametrize("host, message", [("ct201", "not running"), ("ct999", "does not exist"),

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import tarfile
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from dflash_cli.commands import deploy
 from dflash_cli.errors import DflashError
 from dflash_cli.session import Session
 from dflash_run import REPO, dflash
-from support import container_workspace
+from support import copy_release_dirs, workspace_on_node
 
 
 @pytest.fixture
@@ -24,16 +23,9 @@ def session(make_inventory, tmp_path):
     s.close()
 
 
-def copy_tree(tmp_path: Path) -> Path:
-    root = tmp_path / "checkout"
-    for top in release.RELEASE_DIRS:
-        shutil.copytree(REPO / top, root / top, ignore=shutil.ignore_patterns("__pycache__"))
-    return root
-
-
 def node_path(fake_pve, tmp_path, *parts) -> Path:
     """A path inside container 200's workspace, as seen from the node (for checking)."""
-    return fake_pve.on_node(200, container_workspace(fake_pve, tmp_path)).joinpath(*parts)
+    return workspace_on_node(fake_pve, tmp_path).joinpath(*parts)
 
 
 def test_fresh_then_unchanged_then_one_changed_file_over_pct(session, fake_pve, tmp_path):
@@ -49,7 +41,7 @@ def test_fresh_then_unchanged_then_one_changed_file_over_pct(session, fake_pve, 
     again = deploy.deploy_host(session, host, tree)
     assert (again.status, again.round_trips, again.bytes_sent) == ("unchanged", 1, 0)
 
-    changed_root = copy_tree(tmp_path)
+    changed_root = copy_release_dirs(tmp_path / "checkout")
     config = changed_root / "configs" / "hosts.yaml"
     config.write_text(config.read_text() + "# one more line\n")
     changed = release.scan(changed_root)
@@ -73,7 +65,7 @@ def test_a_mode_only_change_leaves_the_older_release_as_it_was(session, fake_pve
     host = session.host("ct200")
     tree = release.scan()
     deploy.deploy_host(session, host, tree)
-    changed_root = copy_tree(tmp_path)
+    changed_root = copy_release_dirs(tmp_path / "checkout")
     (changed_root / "configs" / "hosts.yaml").chmod(0o755)  # same bytes, now executable
     changed = release.scan(changed_root)
     result = deploy.deploy_host(session, host, changed)
@@ -90,7 +82,7 @@ def test_interrupted_or_corrupt_deploy_leaves_current_release(session, fake_pve,
     host = session.host("ct200")
     tree = release.scan()
     deploy.deploy_host(session, host, tree)
-    changed_root = copy_tree(tmp_path)
+    changed_root = copy_release_dirs(tmp_path / "checkout")
     (changed_root / "configs" / "extra.yaml").write_text("a: 1\n")
     changed = release.scan(changed_root)
     payload = changed.tar_of({"configs/extra.yaml"})

@@ -3,18 +3,16 @@ fetch-traceback, status, stop — as a user runs them, through sshd and the fake
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from dflash_run import dflash
-from support import container_workspace, kill_ssh_sessions
+from dflash_run import dflash, popen_dflash
+from support import kill_ssh_sessions, workspace_on_node
 from support.train_configs import small_config as write_small_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,11 +28,13 @@ class Bed:
     def __init__(self, make_inventory, fake_pve, tmp_path: Path):
         self.hosts = make_inventory(tmp_path)
         self.logs = tmp_path / "logs"
-        self.tmp_path = tmp_path
-        self.workspace_on_node = fake_pve.on_node(200, container_workspace(fake_pve, tmp_path))
+        self.workspace_on_node = workspace_on_node(fake_pve, tmp_path)
 
     def dflash(self, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
         return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
+
+    def popen_dflash(self, *args: str) -> subprocess.Popen[bytes]:
+        return popen_dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts)
 
     def launch(self, config: Path, *extra: str) -> str:
         done = self.dflash("launch", "ct200", "--config", str(config), *extra)
@@ -95,10 +95,7 @@ def test_watch_resumes_after_the_ssh_connection_dies_with_no_gap_and_no_duplicat
     config = small_config(tmp_path, optim={"max_steps": 40}, data={"synthetic": {
         "num_train": 256, "num_eval": 2, "prompt_words": 12, "response_tokens": 24}})  # ~40 steps
     run_id = bed.launch(config)
-    argv = [sys.executable, "-m", "dflash_cli", "--logs-dir", str(bed.logs), "--hosts", str(bed.hosts),
-            "watch", run_id, "--host", "ct200", "--retry-for", "60"]
-    watch = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env={**os.environ, "NO_COLOR": "1"})
+    watch = bed.popen_dflash("watch", run_id, "--host", "ct200", "--retry-for", "60")
     printed: list[bytes] = []
     said: list[bytes] = []
     readers = [threading.Thread(target=lambda: printed.extend(iter(watch.stdout.readline, b""))),
@@ -164,8 +161,7 @@ def test_a_run_that_dies_without_a_record_is_explained(bed, tmp_path):
 def test_ctrl_c_detaches_and_the_run_keeps_going(bed, tmp_path):
     config = small_config(tmp_path, faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
     run_id = bed.launch(config)
-    argv = [sys.executable, "-m", "dflash_cli", "--logs-dir", str(bed.logs), "--hosts", str(bed.hosts), "watch"]
-    watch = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    watch = bed.popen_dflash("watch")
     assert watch.stdout.readline()  # attached: the log is flowing
     watch.send_signal(signal.SIGINT)
     _, stderr = watch.communicate(timeout=30)

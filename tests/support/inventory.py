@@ -20,6 +20,11 @@ def container_workspace(pve: FakePve, tmp_path: Path) -> Path:
     return pve.mount_point / f"ws {tmp_path.name}"
 
 
+def workspace_on_node(pve: FakePve, tmp_path: Path) -> Path:
+    """Container 200's copy of that workspace, as the node sees it (for checking)."""
+    return pve.on_node(200, container_workspace(pve, tmp_path))
+
+
 def default_hosts(tmp_path: Path, node: SshNode, pve: FakePve) -> dict[str, dict[str, Any]]:
     remote = {"ssh": node.target, "identity_file": str(node.identity_file),
               "known_hosts": str(node.known_hosts), "python": sys.executable,
