@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_threads import H200_BF16_DENSE_PEAK, QWEN3_8B, Shape, step_flops  # noqa: E402
+from gpu_threads import H200_BF16_DENSE_PEAK, QWEN3_8B, Shape, step_flops, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB_WORDS = 30000
@@ -302,9 +302,7 @@ def main() -> None:
             print(f"[{spec.name}] {json.dumps(result)}", flush=True)
     finally:
         sampler.stop()
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "gpu_trainer.json").write_text(json.dumps(report, indent=1))
+    write_report(report, "gpu_trainer.json")
     print_tables(report, shape)
 
 

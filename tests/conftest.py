@@ -19,6 +19,14 @@ from support.sshd import SshdMissing  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trainer's workspace for the whole session: its tiny-target cache is built once."""
+    path = tmp_path_factory.getbasetemp() / "dflash-workspace"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
 def ssh_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshNode]:
     """A real sshd on 127.0.0.1 (root logs in with `identity_file`; its key is in
     `known_hosts`), stopped at the end of the session."""

@@ -32,13 +32,6 @@ runtime: {heartbeat_s: 0.5, torch_threads: 1}
 """
 
 
-@pytest.fixture(scope="session")
-def workspace(tmp_path_factory) -> Path:
-    path = tmp_path_factory.getbasetemp() / "dflash-workspace"
-    path.mkdir(exist_ok=True)
-    return path
-
-
 class Launched:
     def __init__(self, run_dir: Path, proc: subprocess.Popen):
         self.run_dir, self.proc = run_dir, proc

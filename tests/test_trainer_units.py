@@ -148,7 +148,8 @@ def small_drafter(block_size: int = 4, layers: int = 2) -> DFlashDrafter:
     return drafter.eval()
 
 
-def run_blocks(drafter, tokens, features, anchors, valid):
+def run_blocks(drafter, tokens, features, anchors, valid, mask=None):
+    """The drafter's output for blocks at `anchors`; `mask`: the dense block mask unless given."""
     block_size = drafter.block_size
     embed = torch.nn.Embedding(50, 32)
     torch.manual_seed(1)
@@ -156,7 +157,8 @@ def run_blocks(drafter, tokens, features, anchors, valid):
     block_ids = torch.full((1, anchors.shape[1], block_size), 7)
     block_ids[:, :, 0] = tokens.gather(1, anchors)
     positions = (anchors.unsqueeze(-1) + torch.arange(block_size)).view(1, -1)
-    mask = dense_block_mask(anchors, valid, tokens.shape[1], block_size)
+    if mask is None:
+        mask = dense_block_mask(anchors, valid, tokens.shape[1], block_size)
     with torch.no_grad():
         return drafter(embed(block_ids.view(1, -1)), features, torch.arange(tokens.shape[1]).unsqueeze(0),
                        positions, mask)
@@ -191,16 +193,9 @@ def test_flex_mask_matches_dense_mask():
     features = torch.randn(1, 16, 64, generator=generator)
     anchors, valid = torch.tensor([[3, 9, 0]]), torch.tensor([[True, True, False]])
     dense = run_blocks(drafter, tokens, features, anchors, valid)
-    positions = (anchors.unsqueeze(-1) + torch.arange(4)).view(1, -1)
-    embed = torch.nn.Embedding(50, 32)
-    torch.manual_seed(1)
-    torch.nn.init.normal_(embed.weight)
-    block_ids = torch.full((1, 3, 4), 7)
-    block_ids[:, :, 0] = tokens.gather(1, anchors)
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex_attention runs unfused outside torch.compile: fine here
-        flex = drafter(embed(block_ids.view(1, -1)), features, torch.arange(16).unsqueeze(0), positions,
-                       flex_block_mask(anchors, valid, 16, 4))
+        flex = run_blocks(drafter, tokens, features, anchors, valid, flex_block_mask(anchors, valid, 16, 4))
     assert torch.allclose(dense[:, :8], flex[:, :8], atol=1e-5)  # the used blocks
 
 
@@ -259,10 +254,10 @@ def test_export_loads_back_with_public_field_names(tmp_path):
 # --- data ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
+def tiny_assets(workspace):
     from dflash_train.tiny import ensure_tiny_assets
-    root = tmp_path_factory.getbasetemp() / "dflash-workspace" / "cache"
-    return ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=16, num_eval=2), root)
+    # test_trainer_runs.SMALL's spec: one cache entry serves both files
+    return ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=64, num_eval=2), workspace / "cache")
 
 
 def test_chat_loss_mask_covers_exactly_the_assistant_turns(tiny_assets):

@@ -32,7 +32,6 @@ class SshNode:
     host_key_line: str  # "ssh-ed25519 AAAA…" as sshd presents it
     pid: int  # the listening sshd, started by the fixture
     log_path: Path  # sshd's own log (-e: everything it says on stderr)
-    config_path: Path
 
     @property
     def target(self) -> str:
@@ -126,7 +125,7 @@ def start_sshd(workdir: Path) -> tuple[SshNode, subprocess.Popen[bytes]]:
                 known_hosts = workdir / "known_hosts"
                 known_hosts.write_text(f"[{ADDRESS}]:{port} {key_type} {key_b64}\n")
                 node = SshNode(ADDRESS, port, alt_port, "root", client_key, known_hosts, f"{key_type} {key_b64}",
-                               proc.pid, log_path, config)
+                               proc.pid, log_path)
                 return node, proc
             time.sleep(0.02)
         stop_sshd(proc)
