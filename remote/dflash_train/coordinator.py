@@ -18,8 +18,7 @@ from pathlib import Path
 
 from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
 from .config import TrainConfig
-from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, eval_body, prefetch_body, \
-    snapshot, target_body
+from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, eval_body, prefetch_body, target_body
 from .replica import Replica, verify_replicas_identical
 from .runlog import EventLog, say
 from .startup import Prepared, prepare
@@ -167,8 +166,15 @@ class Coordinator:
             faults.fire(name)
         self._configure_compiler()
         replicas = [self._start_replica(index) for index in range(drafters)]
-        if run.evaluator is not None and self.config.eval.at_start:
-            run.evaluator.measure(EvalRequest(run.start_step, snapshot(replicas[0]), baseline=True))
+
+        def evaluate(request: EvalRequest) -> None:
+            if request.final:
+                self._set_phase("eval")
+            if not request.baseline:
+                faults.fire("eval", request.step)
+            run.evaluator.measure(request)
+
+        run.before_training(replicas[0], evaluate)
         self._set_phase("train")
         run.training_started()
         for step in range(run.start_step + 1, run.total_steps + 1):
@@ -188,18 +194,9 @@ class Coordinator:
             for replica in replicas:
                 lr, grad_norm = replica.apply(average_gradients(posted, replica.device), step)
             self.state.progressed()
-            run.report_step(step, stats, batches, lr, grad_norm)
-            if run.checkpoint_due(step):
-                run.save_checkpoint(replicas[0])
-            if run.eval_due(step):
-                faults.fire("eval", step)
-                run.evaluator.measure(EvalRequest(step, snapshot(replicas[0])))
+            run.after_step(step, replicas[0], stats, batches, lr, grad_norm, evaluate)
         self._set_phase("shutdown")
-        run.export(replicas[0])
-        if run.evaluator is not None:
-            self._set_phase("eval")
-            faults.fire("eval", run.total_steps)
-            run.evaluator.measure(EvalRequest(run.total_steps, snapshot(replicas[0]), final=True))
+        run.after_training(replicas[0], evaluate)
 
     def _teardown(self) -> None:
         """Stop every thread; wait at most stop_grace_s for them to finish their step."""

@@ -15,7 +15,7 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -153,6 +153,29 @@ class Run:
             say(f"step {step}/{self.total_steps} loss {loss:.4f} acc@1 {acc[0]} lr {lr:.2e} "
                 f"tokens/s {tokens / elapsed:.0f}")
 
+    # The lead replica's part of a run, the same in both pipelines; `evaluate` runs an
+    # evaluation request or hands it to the evaluation thread.
+
+    def before_training(self, lead: Replica, evaluate: Callable[[EvalRequest], None]) -> None:
+        """The untrained drafter's acceptance length, the baseline of the final one."""
+        if self.evaluator is not None and self.config.eval.at_start:
+            evaluate(EvalRequest(self.start_step, snapshot(lead), baseline=True))
+
+    def after_step(self, step: int, lead: Replica, stats: list[StepStats], batches: list[HostBatch], lr: float,
+                   grad_norm: float, evaluate: Callable[[EvalRequest], None]) -> None:
+        """Report the step, then checkpoint and evaluate when due."""
+        self.report_step(step, stats, batches, lr, grad_norm)
+        if self.checkpoint_due(step):
+            self.save_checkpoint(lead)
+        if self.eval_due(step):
+            evaluate(EvalRequest(step, snapshot(lead)))
+
+    def after_training(self, lead: Replica, evaluate: Callable[[EvalRequest], None]) -> None:
+        """Export the trained drafter, then its final evaluation."""
+        self.export(lead)
+        if self.evaluator is not None:
+            evaluate(EvalRequest(self.total_steps, snapshot(lead), final=True))
+
     def checkpoint_due(self, step: int) -> bool:
         every = self.config.checkpoint.every
         return step == self.total_steps or (every > 0 and step % every == 0)
@@ -241,8 +264,12 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
             run.state.progressed()
             worker.phase = "train"
             lead = replica.index == 0
-            if lead and run.evaluator is not None and run.config.eval.at_start:
-                channels.eval_queue.put(EvalRequest(run.start_step, snapshot(replica), baseline=True))
+
+            def evaluate(request: EvalRequest) -> None:  # on the evaluation thread (which exists if needed)
+                channels.eval_queue.put(request)
+
+            if lead:
+                run.before_training(replica, evaluate)
             for step in range(run.start_step + 1, run.total_steps + 1):
                 worker.step = step
                 feature_batch, waited = channels.drafter_queues[replica.index].get()
@@ -258,16 +285,11 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
                 lr, grad_norm = replica.apply(mean, step)
                 run.state.progressed()
                 if lead:
-                    run.report_step(step, [p[1] for p in posted], [p[2] for p in posted], lr, grad_norm)
-                    if run.checkpoint_due(step):
-                        run.save_checkpoint(replica)
-                    if run.eval_due(step):
-                        channels.eval_queue.put(EvalRequest(step, snapshot(replica)))
+                    run.after_step(step, replica, [p[1] for p in posted], [p[2] for p in posted], lr, grad_norm,
+                                   evaluate)
             worker.phase = "shutdown"
             if lead:
-                run.export(replica)
-                if run.evaluator is not None:
-                    channels.eval_queue.put(EvalRequest(run.total_steps, snapshot(replica), final=True))
+                run.after_training(replica, evaluate)
     return body
 
 
