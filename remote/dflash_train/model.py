@@ -169,12 +169,18 @@ class DFlashDrafter(nn.Module):
         return self.norm(hidden)  # (B, Q, H)
 
 
+def cpu_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of the weights, contiguous (as safetensors wants). A copy even when
+    training runs on the CPU, where `.to("cpu")` alone would alias weights still training."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in module.state_dict().items()}
+
+
 def export_drafter(drafter: DFlashDrafter, out_dir: Path) -> None:
     """Write a Hugging Face-style folder: config.json + model.safetensors."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    state = cpu_weights(drafter)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = drafter.config.to_dict()
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")

@@ -25,7 +25,7 @@ from .config import TrainConfig
 from .data import BatchPlan, HostBatch, Sample, collate
 from .devices import Fence, handoff, is_cuda, thread_stream
 from .faults import FaultInjector
-from .model import DFlashDrafter, export_drafter
+from .model import DFlashDrafter, cpu_weights, export_drafter
 from .replica import FeatureBatch, Replica, average_gradients
 from .runlog import EventLog, say
 from .speculative import evaluate
@@ -159,7 +159,7 @@ class Run:
     def before_training(self, lead: Replica, evaluate: Callable[[EvalRequest], None]) -> None:
         """The untrained drafter's acceptance length, the baseline of the final one."""
         if self.evaluator is not None and self.config.eval.at_start:
-            evaluate(EvalRequest(self.start_step, snapshot(lead), baseline=True))
+            evaluate(EvalRequest(self.start_step, cpu_weights(lead.drafter), baseline=True))
 
     def after_step(self, step: int, lead: Replica, stats: list[StepStats], batches: list[HostBatch], lr: float,
                    grad_norm: float, evaluate: Callable[[EvalRequest], None]) -> None:
@@ -168,13 +168,13 @@ class Run:
         if self.checkpoint_due(step):
             self.save_checkpoint(lead)
         if self.eval_due(step):
-            evaluate(EvalRequest(step, snapshot(lead)))
+            evaluate(EvalRequest(step, cpu_weights(lead.drafter)))
 
     def after_training(self, lead: Replica, evaluate: Callable[[EvalRequest], None]) -> None:
         """Export the trained drafter, then its final evaluation."""
         self.export(lead)
         if self.evaluator is not None:
-            evaluate(EvalRequest(self.total_steps, snapshot(lead), final=True))
+            evaluate(EvalRequest(self.total_steps, cpu_weights(lead.drafter), final=True))
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.config.checkpoint.every
@@ -201,10 +201,6 @@ class Run:
         replace_dir(final, lambda staging: export_drafter(replica.drafter, staging))
         self.events.emit("export", step=replica.completed_step, path=str(final))
         say(f"exported the drafter to {final}")
-
-
-def snapshot(replica: Replica) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in replica.drafter.state_dict().items()}
 
 
 @dataclasses.dataclass
