@@ -16,8 +16,11 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
 from .config import TrainConfig
+from .devices import is_cuda
 from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, eval_body, prefetch_body, target_body
 from .replica import Replica, verify_replicas_identical
 from .runlog import EventLog, say
@@ -221,6 +224,8 @@ class Coordinator:
         lead_stopped = lead is not None and (lead_thread is None or not lead_thread.is_alive())
         if (run is not None and lead_stopped and self.config.checkpoint.on_stop
                 and lead.completed_step > max(run.last_checkpoint, run.start_step)):
+            if is_cuda(lead.device):  # its last update ran on the lead thread's stream, not this one's
+                torch.cuda.synchronize(lead.device)
             run.save_checkpoint(lead)
         signum = self._signal or signal.SIGTERM
         return 128 + int(signum)

@@ -58,8 +58,9 @@ def handoff(tensor: torch.Tensor, device: str) -> torch.Tensor:
     """An ordinary (non-inference) copy of `tensor` on `device`, for another thread.
 
     Tensors made under inference_mode cannot be saved for backward, so the consumer
-    always gets a copy made outside it. A copy to another device is synchronous, so
-    the producer's fence covers it too."""
+    always gets a copy made outside it. torch runs a copy to another device on the
+    source device's current stream (the producer's), so the producer's fence, recorded
+    after it, covers it too."""
     with torch.inference_mode(False):
         if tensor.device == torch.device(device):
             return tensor.clone()
