@@ -93,8 +93,9 @@ class _ProgressReader(io.RawIOBase):
 
 @contextlib.contextmanager
 def upload_bars() -> Iterator[Progress | None]:
-    """One live display for every host's upload bar (rich allows one at a time, and hosts
-    deploy in parallel), gone when the block ends however it ends; None off a terminal."""
+    """One live display for every host's upload bar (hosts deploy in parallel, and rich
+    before version 15 allows one live display per console), gone when the block ends
+    however it ends; None off a terminal."""
     if not console.human.is_terminal:
         yield None
         return
