@@ -94,7 +94,7 @@ class _ProgressReader(io.RawIOBase):
 @contextlib.contextmanager
 def upload_bars() -> Iterator[Progress | None]:
     """One live display for every host's upload bar (hosts deploy in parallel, and rich
-    before version 15 allows one live display per console), gone when the block ends
+    before 14.1 allows one live display per console), gone when the block ends
     however it ends; None off a terminal."""
     if not console.human.is_terminal:
         yield None
