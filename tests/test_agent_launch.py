@@ -152,6 +152,9 @@ def test_runs_keep_their_release_when_current_moves(agent):
     (["--run-id", "x", "--stall-after", "0"], "usage", "positive"),
     (["--run-id", "x", "--config", "/nonexistent.yaml"], "not_found", "cannot read config"),
     (["--config", "c.yaml"], "usage", "--run-id"),
+    (["--run-id", "x", "--source-json", "[1]"], "usage", "expected a JSON object"),
+    # the source describes another release than the one `current` names (a deploy in between)
+    (["--run-id", "x", "--source-json", '{"release_id": "rel-0002"}'], "conflict", "current release is rel-0001"),
 ])
 def test_launch_argument_errors_are_json(agent, args, kind, text):
     config = str(agent.config([]))
@@ -160,6 +163,15 @@ def test_launch_argument_errors_are_json(agent, args, kind, text):
     assert result.rc == 2
     assert result.json["kind"] == kind and text in result.json["error"], result.json
     assert not (agent.workspace / "runs" / "x").exists()
+
+
+def test_source_is_recorded_in_run_json_and_status(agent):
+    source = {"kind": "checkout", "path": "/home/me/dflash", "release_id": RELEASE_ID, "dirty": True}
+    agent.launch("src", [], "--source-json", json.dumps(source))
+    assert agent.read("src", "run.json")["source"] == source
+    assert agent.status("src")["source"] == source
+    agent.launch("nosrc", [])
+    assert agent.status("nosrc")["source"] is None
 
 
 def test_existing_run_id_and_missing_release_are_refused(agent):

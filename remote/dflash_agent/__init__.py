@@ -14,7 +14,7 @@ free-form; --help goes to stderr too.
 Verbs
 -----
 launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
-         [--env KEY=VALUE]... [--python EXE] [--stall-after S=300]
+         [--env KEY=VALUE]... [--python EXE] [--stall-after S=300] [--source-json JSON]
          Creates runs/ID/, copies the config to runs/ID/config.yaml (a relative PATH
          is read from the release root; "-" reads the config from stdin), takes the locks
          for its resources (GPU indices as "gpu0", "gpu1", or "cpu" for a CPU-only run;
@@ -34,12 +34,15 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          is then 127 and train.log holds the reason). run.json also records name,
          release_dir, workspace, config_source, cwd, env_keys (the --env keys; values
          are not recorded), resources, start_time (/proc stat field 22) and
-         supervisor {pid, start_time}. `launch` returns after run.json exists:
+         supervisor {pid, start_time} and source: the --source-json object (where the
+         release came from, DESIGN.md; null without it), whose "release_id" must name
+         the current release, else kind "conflict". `launch` returns after run.json exists:
          {"run_id", "run_dir", "pid", "pgid", "release_id"}.
 status   [--run-id ID]    {"runs": [RunStatus...]} (all runs if no id; newest first)
          RunStatus = {"run_id", "name", "state", "pid", "started_at", "ended_at",
                       "exit": exit.json or null, "errors": n_records,
-                      "last_heartbeat": ts or null, "release_id", "step": last step or null}
+                      "last_heartbeat": ts or null, "release_id", "source": run.json's
+                      source or null, "step": last step or null}
 stop     --run-id ID [--grace S=10]
          Writes stop_requested.json, SIGTERM to the trainer's process group, waits
          `grace`, SIGKILL, and returns only when no process of the group is left and

@@ -3,6 +3,7 @@ the package docstring). stdout carries JSON only: help and usage text go to stde
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -44,6 +45,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _json_object(text: str) -> Dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError("not JSON: %s" % exc)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, got %s" % type(value).__name__)
+    return value
+
+
 def _env_pair(text: str) -> Tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -66,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE")
     p.add_argument("--python", default=sys.executable or "python3")
     p.add_argument("--stall-after", type=_positive, default=300.0)
+    p.add_argument("--source-json", type=_json_object, help="where the release came from (run.json's source)")
 
     p = verbs.add_parser("status", help="RunStatus of one run or of all, newest first")
     p.add_argument("--run-id")
@@ -102,7 +114,8 @@ def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     from .launch import LaunchRequest, launch
     return launch(ws, LaunchRequest(
         run_id=args.run_id, config=args.config, name=args.name, resources=tuple(args.resource),
-        force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after))
+        force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after,
+        source=args.source_json))
 
 
 def _status(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:

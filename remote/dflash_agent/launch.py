@@ -35,6 +35,7 @@ class LaunchRequest:
     env: Tuple[Tuple[str, str], ...] = ()
     python: str = sys.executable
     stall_after: float = 300.0
+    source: Optional[Dict[str, Any]] = None  # where the release came from; names its release_id
 
 
 def _read_config(request: LaunchRequest, release_root: str) -> bytes:
@@ -70,6 +71,9 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
     if request.stall_after <= 0:
         raise AgentError("--stall-after must be positive", "usage")
     release_id, release_root = ws.current_release()
+    if request.source is not None and request.source.get("release_id") != release_id:
+        raise AgentError("the current release is %s, not %s whose source was given (another deploy "
+                         "ran in between?)" % (release_id, request.source.get("release_id")), "conflict")
     config = _read_config(request, release_root)
     run = ws.run(request.run_id)
     os.makedirs(ws.runs, exist_ok=True)
@@ -89,7 +93,7 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
             release_root=release_root, config_source=request.config, python=request.python,
             env=_trainer_env(ws, run, release_id, release_root, request.env),
             env_keys=tuple(key for key, _ in request.env), resources=request.resources,
-            stall_after=request.stall_after)
+            stall_after=request.stall_after, source=request.source)
         report = _start_supervisor(plan)
     except BaseException:
         if not os.path.exists(run.run_json):  # nothing started: the locks are ours to drop

@@ -171,5 +171,6 @@ def run_status(run: RunDir) -> Dict[str, Any]:
         "errors": obs.error_count,
         "last_heartbeat": obs.events.last_heartbeat,
         "release_id": record.get("release_id"),
+        "source": record.get("source"),
         "step": obs.events.step,
     }

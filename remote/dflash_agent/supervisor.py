@@ -33,6 +33,7 @@ class TrainerPlan:
     env_keys: Tuple[str, ...]  # the --env keys (values may be secrets: not recorded)
     resources: Tuple[str, ...]
     stall_after: float
+    source: Optional[Dict[str, Any]] = None  # where the release came from, as the CLI saw it
 
     @property
     def argv(self) -> Tuple[str, ...]:
@@ -130,6 +131,7 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
             "host": socket.gethostname(), "started_at": time.time(),
             "stall_after": plan.stall_after, "resources": list(plan.resources),
             "supervisor": {"pid": os.getpid(), "start_time": procfs.start_time(os.getpid())},
+            "source": plan.source,
         }
         write_json_atomic(run.run_json, record)
     except BaseException as exc:
