@@ -55,16 +55,24 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
 @main.command("deploy")
 @click.argument("host_names", nargs=-1, metavar="HOST...")
 @click.option("--all", "all_hosts", is_flag=True, help="Deploy to every host of the inventory.")
+@click.option("--source", "source_dir", type=click.Path(path_type=Path),
+              help="Deploy this project tree (default: the one holding the current directory, "
+                   "else the copy bundled with dflash).")
 @click.pass_obj
-def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool) -> None:
+def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, source_dir: Path | None) -> None:
     """Send remote/ and configs/ to HOSTs as a content-addressed release.
 
     Only files the host's current release lacks travel, in one tar stream; the host
     verifies every file's sha256 before switching `current`, so an interrupted deploy
     leaves the previous release in place. An unchanged tree costs one round trip.
     Prints `host<TAB>release<TAB>result` per host on stdout.
+
+    The tree sent is --source DIR, else the project tree holding the current
+    directory (the nearest folder with remote/agent.py and remote/dflash_agent/),
+    else the copy bundled with dflash; a `source:` line on stderr says which, with
+    its git commit and uncommitted changes.
     """
-    sys.exit(deploy.run(session, list(host_names), all_hosts))
+    sys.exit(deploy.run(session, list(host_names), all_hosts, source_dir))
 
 
 @main.command("launch")
@@ -74,15 +82,19 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool) -
 @click.option("--name", help="Run name (default: the config's file name); the run id starts with it.")
 @click.option("--follow", is_flag=True, help="Watch the run after starting it (as `dflash watch`).")
 @click.option("--force", is_flag=True, help="Start even if another run holds the same GPUs.")
+@click.option("--source", "source_dir", type=click.Path(path_type=Path),
+              help="Deploy this project tree (default: the one holding the current directory, "
+                   "else the copy bundled with dflash).")
 @click.pass_obj
 def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | None,
-               follow: bool, force: bool) -> None:
+               follow: bool, force: bool, source_dir: Path | None) -> None:
     """Start a training run on HOST, detached; print its run id on stdout.
 
-    Deploys first if the host's current release differs from this checkout. Refuses
-    a second run on the same GPUs of a host unless --force.
+    Deploys first if the host's current release differs from the source tree (chosen
+    as for `deploy`; run.json records it, with its git commit and uncommitted
+    changes, for `status`). Refuses a second run on the same GPUs of a host unless --force.
     """
-    ref = launch.run(session, host_name, config_path, name, force)
+    ref = launch.run(session, host_name, config_path, name, force, source_dir)
     console.data(ref.run_id + "\n")
     if follow:
         sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,

@@ -20,13 +20,50 @@ _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo", ".swp")
 
 
+#: What makes a folder a project tree dflash can deploy: the agent's launcher and its
+#: package. configs/ goes along when it is there; a patched tree may hold nothing else.
+PROJECT_MARKERS = ("remote/agent.py", "remote/dflash_agent/__init__.py")
+#: Where an installed wheel keeps its copy of remote/ and configs/ (setup.py puts it there).
+BUNDLED_DIR = Path(__file__).resolve().parent / "_release"
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceTree:
+    """The tree a deploy sends: `checkout` is the project tree the user stands in (or
+    named with --source), `bundled` the copy that ships with this dflash."""
+    root: Path
+    kind: str  # checkout | bundled
+
+
+def is_project_tree(folder: Path) -> bool:
+    return all((folder / marker).is_file() for marker in PROJECT_MARKERS)
+
+
 def project_root() -> Path:
-    """The checkout holding dflash_cli/, remote/ and configs/ (pip install -e keeps it)."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "remote" / "agent.py").is_file():
-        raise DflashError(f"cannot find remote/agent.py under {root}: dflash must run from a checkout",
-                          ExitCode.USAGE)
-    return root
+    """The tree that ships with this dflash: the wheel's copy, or else the checkout
+    dflash_cli/ lives in (an editable install, or a run from the checkout)."""
+    for root in (BUNDLED_DIR, Path(__file__).resolve().parent.parent):
+        if is_project_tree(root):
+            return root
+    raise DflashError(f"this dflash ships no remote/agent.py (looked in {BUNDLED_DIR}): "
+                      "reinstall it, or deploy a project tree with --source DIR", ExitCode.USAGE)
+
+
+def find_source(explicit: Path | None = None, cwd: Path | None = None) -> SourceTree:
+    """What to deploy: `explicit` (--source) if given, else the nearest folder holding
+    `cwd` (default: the current directory) that is a project tree, else the bundled copy."""
+    if explicit is not None:
+        if not explicit.is_dir():
+            raise DflashError(f"--source {explicit}: no such directory", ExitCode.USAGE)
+        if not is_project_tree(explicit):
+            raise DflashError(f"--source {explicit}: not a dflash project tree (it needs "
+                              f"{' and '.join(PROJECT_MARKERS)})", ExitCode.USAGE)
+        return SourceTree(explicit.resolve(), "checkout")
+    here = (cwd or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if is_project_tree(folder):
+            return SourceTree(folder, "checkout")
+    return SourceTree(project_root(), "bundled")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 from rich.text import Text
 
-from .. import console, release
+from .. import console, provenance, release
 from ..agent import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
@@ -110,14 +110,24 @@ def _with_progress(host_name: str, payload: bytes, bars: Progress | None):
     return _ProgressReader(payload, bars, bars.add_task(f"deploy {host_name}", total=len(payload)))
 
 
-def run(session: Session, host_names: list[str], all_hosts: bool) -> ExitCode:
+def source_tree(source_dir: Path | None) -> tuple[release.Release, dict]:
+    """The release to deploy (from --source DIR, the project tree holding the current
+    directory, or the copy bundled with dflash) and where it came from, said on stderr."""
+    source = release.find_source(source_dir)
+    tree = release.scan(source.root)
+    record = provenance.describe(source, tree)
+    console.say(f"source: {provenance.summary(record)}")
+    return tree, record
+
+
+def run(session: Session, host_names: list[str], all_hosts: bool, source_dir: Path | None) -> ExitCode:
     """Deploy to each host in parallel; a table of results on stderr."""
     if all_hosts:
         host_names = sorted(session.inventory.hosts)
     if not host_names:
         raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
-    tree = release.scan()
+    tree, _ = source_tree(source_dir)
     with upload_bars() as bars:
         results = session.on_each_host(hosts, lambda host: deploy_host(session, host, tree, bars))
     _print_table(results, host_names, tree)

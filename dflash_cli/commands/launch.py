@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import datetime
+import json
 import re
 import secrets
 from pathlib import Path
 
 import dflash_schema
 
-from .. import console, release
+from .. import console
 from ..errors import DflashError, ExitCode
 from ..local_state import RunRef, set_latest
 from ..session import Session
@@ -33,7 +34,7 @@ def new_run_id(name: str) -> str:
 
 
 def run(session: Session, host_name: str, config_path: Path, name: str | None,
-        force: bool) -> RunRef:
+        force: bool, source_dir: Path | None) -> RunRef:
     """Start a run; returns its reference (the CLI prints the run id on stdout)."""
     host = session.host(host_name)
     config = load_config(config_path)
@@ -41,14 +42,15 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
     if _BAD_NAME.search(name) or name.startswith(".") or not name.strip():
         raise DflashError(f"--name {name!r}: a run name may not start with '.', be blank, "
                           "or hold '/' or control characters", ExitCode.USAGE)
+    tree, source = deploy.source_tree(source_dir)
     with deploy.upload_bars() as bars:
-        result = deploy.deploy_host(session, host, release.scan(), bars)
+        result = deploy.deploy_host(session, host, tree, bars)
     if result.status != "unchanged":
         console.say(f"{host.name}: release {result.release_id} {result.status} "
                     f"({result.files_sent} files sent)")
     run_id = new_run_id(name)
     args = ["--run-id", run_id, "--config", "-", "--name", name,
-            "--stall-after", str(config.stall_after)]
+            "--stall-after", str(config.stall_after), f"--source-json={json.dumps(source)}"]
     for resource in config.resources():
         args += ["--resource", resource]
     for key, value in host.env.items():

@@ -7,7 +7,7 @@ import json
 from rich.table import Table
 from rich.text import Text
 
-from .. import console
+from .. import console, provenance
 from ..errors import ExitCode
 from ..local_state import RunRef
 from ..session import Session
@@ -43,6 +43,8 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     else:
         console.data(f"{status['state']}\n")
         console.human.print(runs_table(ref.host, [status]))
+        if status.get("source"):
+            console.say(f"source: {provenance.summary(status['source'])}")
     return EXIT_FOR_STATE.get(status["state"], ExitCode.OK)
 
 

@@ -1,0 +1,118 @@
+"""Where deployed code came from: its source tree, git commit and uncommitted changes.
+
+Users deploy patched training code, so a run records the patch, not only the commit:
+`deploy` and `launch` print one `source:` line, and `launch` stores the same facts in
+run.json as `source` (DESIGN.md), which `status` shows. The release id already names
+the code exactly; this says where it came from.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from . import release
+
+GIT_TIMEOUT_S = 30.0
+_NAMES_SHOWN = 3
+
+
+def describe(source: release.SourceTree, tree: release.Release) -> dict[str, Any]:
+    """run.json's `source` for the release `tree` scanned from `source`."""
+    try:
+        version = metadata.version("dflash")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {"kind": source.kind, "path": str(source.root), "release_id": tree.release_id,
+            "dflash_version": version, **_git_state(source.root, tree)}
+
+
+def summary(source: dict[str, Any]) -> str:
+    """One line: `/path (git abc1234, modified: 2 files [...], diff sha256 …)`."""
+    details = []
+    if source.get("kind") == "bundled":
+        head = f"bundled with dflash {source.get('dflash_version') or '(version unknown)'}"
+        details.append(source.get("path"))
+    else:
+        head = source.get("path")
+    if source.get("git_commit"):
+        details.append(f"git {source['git_commit'][:7]}")
+        modified = source.get("modified") or []
+        if source.get("dirty"):
+            names = ", ".join(modified[:_NAMES_SHOWN]) + (", …" if len(modified) > _NAMES_SHOWN else "")
+            details.append(f"modified: {len(modified)} file{'s' if len(modified) != 1 else ''} [{names}], "
+                           f"diff sha256 {source.get('diff_sha256', '')[:12]}")
+        else:
+            details.append("clean")
+    else:
+        details.append(source.get("git_problem") or "no git facts")
+    return f"{head} ({', '.join(details)})"
+
+
+def _git_state(root: Path, tree: release.Release) -> dict[str, Any]:
+    """git_commit, dirty, diff_sha256 and modified (paths under remote/ and configs/
+    that differ from HEAD); all None/empty with `git_problem` saying why when the
+    tree is not a git checkout.
+
+    diff_sha256 hashes `git diff HEAD --binary -- remote configs`, then, sorted, NUL
+    path NUL sha256 of each deployed file git does not track (untracked or ignored):
+    those travel too, so they are part of the patch."""
+    unknown: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None, "modified": []}
+    if shutil.which("git") is None:
+        return {**unknown, "git_problem": "git not found"}
+    try:
+        # The launcher must be tracked: a tree copied into an ignored folder of another
+        # repository (a venv inside a checkout) is not that repository's code.
+        tracked = _git(root, "ls-files", "--error-unmatch", "--", release.PROJECT_MARKERS[0])
+        if tracked.returncode != 0:
+            return {**unknown, "git_problem": _problem(tracked, "not a git checkout")}
+        head = _git(root, "rev-parse", "--verify", "--quiet", "HEAD")
+        if head.returncode != 0:
+            return {**unknown, "git_problem": "git checkout without a commit"}
+        prefix = _git(root, "rev-parse", "--show-prefix").stdout.decode().strip()
+        status = _git(root, "status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignored=matching",
+                      "--no-renames", "--", *release.RELEASE_DIRS)
+        diff = _git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", "--no-textconv",
+                    "--no-renames", "--", *release.RELEASE_DIRS)
+    except subprocess.TimeoutExpired:
+        return {**unknown, "git_problem": f"git did not answer within {GIT_TIMEOUT_S:.0f} s"}
+    for done in (status, diff):
+        if done.returncode != 0:
+            return {**unknown, "git_problem": _problem(done, "git failed")}
+    deployed = {f.path: f.sha256 for f in tree.files}
+    changed, untracked = set(), set()
+    for entry in status.stdout.decode("utf-8", "surrogateescape").split("\0"):
+        if not entry:
+            continue
+        code, path = entry[:2], entry[3:]
+        path = path[len(prefix):] if path.startswith(prefix) else path  # repository-relative
+        if code in ("??", "!!"):  # counts only if it is deployed (ignored caches are not)
+            untracked.update(p for p in deployed if p == path or (path.endswith("/") and p.startswith(path)))
+        else:
+            changed.add(path)
+    modified = sorted(changed | untracked)
+    commit = head.stdout.decode().strip()
+    if not modified:
+        return {"git_commit": commit, "dirty": False, "diff_sha256": None, "modified": [], "git_problem": None}
+    digest = hashlib.sha256(diff.stdout)
+    for path in sorted(untracked):
+        digest.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0" + deployed[path].encode())
+    return {"git_commit": commit, "dirty": True, "diff_sha256": digest.hexdigest(), "modified": modified,
+            "git_problem": None}
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    # GIT_OPTIONAL_LOCKS=0: `status` must not take the index lock of a tree the user works in.
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=GIT_TIMEOUT_S,
+                          env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"}, stdin=subprocess.DEVNULL)
+
+
+def _problem(done: subprocess.CompletedProcess[bytes], default: str) -> str:
+    lines = done.stderr.decode(errors="replace").strip().splitlines()
+    if not lines or "not a git repository" in lines[0] or "did not match any file" in lines[0]:
+        return default
+    return f"git: {lines[0]}"  # e.g. "fatal: detected dubious ownership in repository at …"
