@@ -55,7 +55,7 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
 @main.command("deploy")
 @click.argument("host_names", nargs=-1, metavar="HOST...")
 @click.option("--all", "all_hosts", is_flag=True, help="Deploy to every host of the inventory.")
-@click.option("--source", "source_dir", type=click.Path(path_type=Path),
+@click.option("--source", "source_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Deploy this project tree (default: the one holding the current directory, "
                    "else the copy bundled with dflash).")
 @click.pass_obj
@@ -82,7 +82,7 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, s
 @click.option("--name", help="Run name (default: the config's file name); the run id starts with it.")
 @click.option("--follow", is_flag=True, help="Watch the run after starting it (as `dflash watch`).")
 @click.option("--force", is_flag=True, help="Start even if another run holds the same GPUs.")
-@click.option("--source", "source_dir", type=click.Path(path_type=Path),
+@click.option("--source", "source_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Deploy this project tree (default: the one holding the current directory, "
                    "else the copy bundled with dflash).")
 @click.pass_obj

@@ -60,7 +60,8 @@ def expected_diff_sha256(project: Path) -> str:
     """The documented recipe (DESIGN.md): `git diff HEAD --binary -- remote configs`,
     then NUL path NUL sha256 of each deployed file git does not track."""
     digest = hashlib.sha256(git(project, "diff", "HEAD", "--binary", "--", "remote", "configs"))
-    digest.update(b"\0" + UNTRACKED.encode() + b"\0" + hashlib.sha256((project / UNTRACKED).read_bytes()).hexdigest().encode())
+    untracked_sha = hashlib.sha256((project / UNTRACKED).read_bytes()).hexdigest()
+    digest.update(b"\0" + UNTRACKED.encode() + b"\0" + untracked_sha.encode())
     return digest.hexdigest()
 
 
@@ -151,6 +152,15 @@ def test_a_tree_inside_a_larger_repository_counts_ignored_files_that_are_deploye
     assert (facts["git_commit"], facts["dirty"], facts["git_problem"]) == (None, None, "not a git checkout")
 
 
+def test_without_git_the_source_says_so(tmp_path, monkeypatch):
+    project, _ = patched_project(tmp_path / "proj")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # a PATH with no git on it
+    source = release.find_source(cwd=project)
+    facts = provenance.describe(source, release.scan(source.root))
+    assert (facts["git_commit"], facts["dirty"], facts["git_problem"]) == (None, None, "git not found")
+    assert provenance.summary(facts) == f"{project} (git not found)"
+
+
 def test_source_option_names_the_tree_and_a_bad_one_is_refused(hosts, tmp_path):
     plain = copy_release_dirs(tmp_path / "plain copy")  # no git here
     (plain / "configs" / "mine.yaml").write_text("a: 1\n")
@@ -183,15 +193,20 @@ def installed_wheel(tmp_path) -> Path:
     shutil.copytree(REPO / "dflash_cli", src / "dflash_cli", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in dflash_env().items() if k != "PYTHONPATH"}
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                    "-w", str(tmp_path / "dist"), str(src)], check=True, env=env, capture_output=True)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+
+    def run(*argv: str) -> str:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, f"{argv} failed:\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    run(*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+        "-w", str(tmp_path / "dist"), str(src))
+    run(sys.executable, "-m", "venv", "--without-pip", str(venv))
     (wheel,) = (tmp_path / "dist").glob("dflash-*.whl")
-    subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, env=env, capture_output=True)
-    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    run(*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", "-q", str(wheel))
+    site = run(str(venv / "bin" / "python"), "-c",
+               "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
     Path(site, "outer-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return venv / "bin" / "dflash"
 
