@@ -17,7 +17,7 @@ import yaml
 
 from dflash_cli import provenance, release
 from dflash_run import REPO, dflash, dflash_env
-from support import copy_release_dirs
+from support import copy_release_dirs, workspace_on_node
 from support.inventory import OFFLINE_ENV
 from support.train_configs import small_config
 
@@ -98,10 +98,13 @@ def test_deploy_sends_the_project_tree_holding_the_current_directory(hosts, tmp_
     assert source_line(again) == f"source: {project} (git {git(project, 'rev-parse', 'HEAD').decode()[:7]}, clean)"
 
 
-def test_launch_records_the_source_in_run_json_and_status_shows_it(hosts, tmp_path):
-    project, commit = patched_project(tmp_path / "proj")
+def test_launch_records_the_source_in_run_json_and_status_shows_it(make_inventory, fake_pve, tmp_path):
+    """Over the pct hop, from a project whose path holds a space and a quote: the
+    source travels to the agent as one argument, intact."""
+    hosts = make_inventory(tmp_path)
+    project, commit = patched_project(tmp_path / "it's my project")
     config = small_config(tmp_path / "cfg.yaml")
-    launched = dflash("launch", "local", "--config", str(config), "--follow", hosts=hosts, cwd=project)
+    launched = dflash("launch", "ct200", "--config", str(config), "--follow", hosts=hosts, cwd=project)
     assert launched.returncode == 1, launched.stderr  # the patched trainer ran, and stopped
     assert "patched trainer: stopping before training" in launched.stdout
     run_id = launched.stdout.splitlines()[0]
@@ -110,17 +113,17 @@ def test_launch_records_the_source_in_run_json_and_status_shows_it(hosts, tmp_pa
               "git_commit": commit, "dirty": True, "diff_sha256": expected_diff_sha256(project),
               "modified": MODIFIED, "git_problem": None}
     launch_line = source_line(launched)
-    run_json = json.loads((tmp_path / "ws" / "runs" / run_id / "run.json").read_text())
+    run_json = json.loads(workspace_on_node(fake_pve, tmp_path).joinpath("runs", run_id, "run.json").read_text())
     assert {k: run_json["source"][k] for k in source} == source
     assert run_json["release_id"] == release_id
 
-    as_json = dflash("status", run_id, "--json", hosts=hosts, cwd=tmp_path)
+    as_json = dflash("status", run_id, "--host", "ct200", "--json", hosts=hosts, cwd=tmp_path)
     status = json.loads(as_json.stdout)
     assert status["source"] == run_json["source"]
-    shown = dflash("status", run_id, hosts=hosts, cwd=tmp_path)
+    shown = dflash("status", run_id, "--host", "ct200", hosts=hosts, cwd=tmp_path)
     assert shown.stdout == "FAILED\n"
     assert source_line(shown) == launch_line
-    assert f"git {commit[:7]}, modified: 2 files" in launch_line
+    assert launch_line.startswith(f"source: {project} (git {commit[:7]}, modified: 2 files")
 
 
 def test_a_tree_inside_a_larger_repository_counts_ignored_files_that_are_deployed(tmp_path):
