@@ -18,6 +18,9 @@ from typing import Any
 from . import release
 
 GIT_TIMEOUT_S = 30.0
+#: run.json lists at most this many modified paths: the record travels to the host as one
+#: argument (Linux caps one at 128 KiB), and diff_sha256 covers every change anyway.
+MODIFIED_LISTED = 200
 _NAMES_SHOWN = 3
 
 
@@ -41,10 +44,10 @@ def summary(source: dict[str, Any]) -> str:
         head = source.get("path")
     if source.get("git_commit"):
         details.append(f"git {source['git_commit'][:7]}")
-        modified = source.get("modified") or []
+        modified, count = source.get("modified") or [], source.get("modified_count") or 0
         if source.get("dirty"):
-            names = ", ".join(modified[:_NAMES_SHOWN]) + (", …" if len(modified) > _NAMES_SHOWN else "")
-            details.append(f"modified: {len(modified)} file{'s' if len(modified) != 1 else ''} [{names}], "
+            names = ", ".join(modified[:_NAMES_SHOWN]) + (", …" if count > _NAMES_SHOWN else "")
+            details.append(f"modified: {count} file{'s' if count != 1 else ''} [{names}], "
                            f"diff sha256 {source.get('diff_sha256', '')[:12]}")
         else:
             details.append("clean")
@@ -54,14 +57,15 @@ def summary(source: dict[str, Any]) -> str:
 
 
 def _git_state(root: Path, tree: release.Release) -> dict[str, Any]:
-    """git_commit, dirty, diff_sha256 and modified (paths under remote/ and configs/
-    that differ from HEAD); all None/empty with `git_problem` saying why when the
-    tree is not a git checkout.
+    """git_commit, dirty, diff_sha256, modified (the first MODIFIED_LISTED paths under
+    remote/ and configs/ that differ from HEAD) and modified_count; None/empty with
+    `git_problem` saying why when the tree is not a git checkout.
 
     diff_sha256 hashes `git diff HEAD --binary -- remote configs`, then, sorted, NUL
     path NUL sha256 of each deployed file git does not track (untracked or ignored):
     those travel too, so they are part of the patch."""
-    unknown: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None, "modified": []}
+    unknown: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None, "modified": [],
+                               "modified_count": 0}
     if shutil.which("git") is None:
         return {**unknown, "git_problem": "git not found"}
     try:
@@ -97,12 +101,12 @@ def _git_state(root: Path, tree: release.Release) -> dict[str, Any]:
     modified = sorted(changed | untracked)
     commit = head.stdout.decode().strip()
     if not modified:
-        return {"git_commit": commit, "dirty": False, "diff_sha256": None, "modified": [], "git_problem": None}
+        return {**unknown, "git_commit": commit, "dirty": False, "git_problem": None}
     digest = hashlib.sha256(diff.stdout)
     for path in sorted(untracked):
         digest.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0" + deployed[path].encode())
-    return {"git_commit": commit, "dirty": True, "diff_sha256": digest.hexdigest(), "modified": modified,
-            "git_problem": None}
+    return {"git_commit": commit, "dirty": True, "diff_sha256": digest.hexdigest(),
+            "modified": modified[:MODIFIED_LISTED], "modified_count": len(modified), "git_problem": None}
 
 
 def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:

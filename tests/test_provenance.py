@@ -111,7 +111,7 @@ def test_launch_records_the_source_in_run_json_and_status_shows_it(make_inventor
     release_id = release.scan(project).release_id
     source = {"kind": "checkout", "path": str(project), "release_id": release_id,
               "git_commit": commit, "dirty": True, "diff_sha256": expected_diff_sha256(project),
-              "modified": MODIFIED, "git_problem": None}
+              "modified": MODIFIED, "modified_count": 2, "git_problem": None}
     launch_line = source_line(launched)
     run_json = json.loads(workspace_on_node(fake_pve, tmp_path).joinpath("runs", run_id, "run.json").read_text())
     assert {k: run_json["source"][k] for k in source} == source
@@ -234,3 +234,20 @@ def test_a_wheel_install_deploys_its_bundled_copy_or_the_project_tree(installed_
     inside = installed("deploy", "local", cwd=project / "configs")
     assert deployed(inside) == release.scan(project).release_id
     assert source_line(inside).startswith(f"source: {project} (git {commit[:7]}, modified: 2 files")
+
+
+def test_a_large_patch_is_counted_whole_and_listed_in_part(tmp_path):
+    """run.json's source travels as one argument: its path list is capped, the count
+    and the diff hash are not."""
+    project, _ = patched_project(tmp_path / "proj")
+    many = project / "configs" / "many"
+    many.mkdir()
+    for i in range(provenance.MODIFIED_LISTED + 50):
+        (many / f"{i:04d}.yaml").write_text(f"i: {i}\n")
+    source = release.find_source(cwd=project)
+    facts = provenance.describe(source, release.scan(source.root))
+    assert facts["modified_count"] == provenance.MODIFIED_LISTED + 52
+    assert facts["modified"] == sorted(facts["modified"]) and len(facts["modified"]) == provenance.MODIFIED_LISTED
+    assert f"modified: {provenance.MODIFIED_LISTED + 52} files [configs/many/0000.yaml, " in provenance.summary(facts)
+    (many / "0249.yaml").write_text("i: changed\n")  # beyond the listed paths, still in the hash
+    assert provenance.describe(source, release.scan(source.root))["diff_sha256"] != facts["diff_sha256"]
