@@ -73,7 +73,7 @@ follow   --run-id ID [--offset N] [--inode I] [--segment K=0] [--fingerprint LEN
                Lines are batched for up to 1 s (the wire stays near the log's own
                size); the lines before an error record are sent at once, with it.
            {"t": "rotated", "reason": "truncated"|"replaced", "segment": K+1, "inode": I,
-            "offset": 0, "previous_end": N, "complete": bool}
+            "offset": 0 (or the --tail-lines start), "previous_end": N, "complete": bool}
                train.log was cut in place (copytruncate: a size below what was read,
                or other bytes than those read just before it) or another file took
                its name ("replaced"; followed once it has content: until then the
@@ -95,8 +95,9 @@ follow   --run-id ID [--offset N] [--inode I] [--segment K=0] [--fingerprint LEN
          When the reader goes away (EPIPE, or its pipe reports an error even while
          the run is quiet) follow exits 0 without a word; the run goes on.
          --tail-lines N starts at the last N lines (found by reading backwards from the
-         end, so the cost does not depend on the log's size); --errors-seen skips
-         records already received.
+         end, so the cost does not depend on the log's size): of the file a resume
+         found, or of the new one after "rotated"; --errors-seen skips records
+         already received.
          Resuming: --offset N --inode I --segment K --fingerprint F, where F is
          jsonio.fingerprint of the (at most 64) bytes received just before N. The
          stream goes on at N in segment K when the file with inode I (train.log, or

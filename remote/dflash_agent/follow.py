@@ -17,7 +17,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .gpus import query_gpus
 from .jsonio import FINGERPRINT_BYTES, decode_bytes, encode_line, fingerprint, parse_json_line, tail_start
@@ -118,6 +118,7 @@ class LogFollower:
     def __init__(self, path: str, request: FollowRequest):
         self._path = path
         self._request = request
+        self._tail_lines = request.tail_lines
         self._fd: Optional[int] = None
         self.inode: Optional[int] = None
         self.segment = request.segment
@@ -137,6 +138,11 @@ class LogFollower:
         self.sent = offset
         self._recent = os.pread(fd, min(offset, FINGERPRINT_BYTES), max(0, offset - FINGERPRINT_BYTES))
 
+    def _start_at(self, fd: int, path: str, offset: int) -> None:
+        """Starts at `offset`, or where --tail-lines puts the start of this stream."""
+        tail, self._tail_lines = self._tail_lines, None  # once per stream
+        self._start(fd, offset if tail is None else tail_start(path, tail))
+
     def _open(self) -> Iterator[Dict[str, Any]]:
         """Opens the log on the first poll that finds it. A resume whose content is gone
         first sends what a copy still holds of it, then "rotated"."""
@@ -144,32 +150,32 @@ class LogFollower:
         if request.offset is None:
             fd = _open_if_exists(self._path)
             if fd is not None:
-                tail = request.tail_lines
-                self._start(fd, 0 if tail is None else tail_start(self._path, tail))
+                self._start_at(fd, self._path, 0)
             return
-        fd = self._find_inode(request.inode)
-        if fd is not None and _holds_before(fd, request.offset, request.fingerprint):
-            self._start(fd, request.offset)
+        found = self._find_inode(request.inode)
+        if found is not None and _holds_before(found[0], request.offset, request.fingerprint):
+            self._start_at(*found, request.offset)
             return
-        if fd is not None:
-            os.close(fd)
+        if found is not None:
+            os.close(found[0])
         new = _open_if_exists(self._path)
         if new is None:
             return  # neither the old content nor a new file: look again at the next poll
         self.inode, self.sent = request.inode, request.offset
         complete = yield from self._drain_copy(request.fingerprint)
         replaced = request.inode is not None and os.fstat(new).st_ino != request.inode
-        reason = "replaced" if replaced else "truncated"
-        yield from self._rotate(new, reason, complete)
+        yield from self._rotate(new, "replaced" if replaced else "truncated", complete)
 
-    def _find_inode(self, inode: Optional[int]) -> Optional[int]:
-        """train.log if it is that file (or any file, for None), else a file next to it
-        named train.log.* that is (renamed by a rotation)."""
+    def _find_inode(self, inode: Optional[int]) -> Optional[Tuple[int, str]]:
+        """(fd, path) of train.log if it is that file (or any file, for None), else of a
+        file next to it named train.log.* that is (renamed by a rotation)."""
         fd = _open_if_exists(self._path)
-        if inode is None or (fd is not None and os.fstat(fd).st_ino == inode):
-            return fd
+        if fd is not None and (inode is None or os.fstat(fd).st_ino == inode):
+            return fd, self._path
         if fd is not None:
             os.close(fd)
+        if inode is None:
+            return None
         for path in self._siblings():
             try:
                 if os.stat(path).st_ino != inode:
@@ -178,7 +184,7 @@ class LogFollower:
             except FileNotFoundError:
                 continue
             if os.fstat(fd).st_ino == inode:
-                return fd
+                return fd, path
             os.close(fd)
         return None
 
@@ -207,17 +213,17 @@ class LogFollower:
 
     def _rotate(self, fd: int, reason: str, complete: bool) -> Iterator[Dict[str, Any]]:
         """Ends the old segment (its last bytes, even a partial line) and starts the next
-        at byte 0 of `fd`."""
+        at byte 0 of `fd` (or at its --tail-lines start)."""
         yield from self._flush(final=True)
         previous_end = self.sent
         if self._fd is not None and self._fd != fd:
             os.close(self._fd)
-        self._start(fd, 0)
-        self.segment += 1
         self._buffer = b""
+        self._start_at(fd, self._path, 0)
+        self.segment += 1
         self._announce = True
         yield {"t": "rotated", "reason": reason, "segment": self.segment, "inode": self.inode,
-               "offset": 0, "previous_end": previous_end, "complete": complete}
+               "offset": self.sent, "previous_end": previous_end, "complete": complete}
 
     def _follow_rotation(self) -> Iterator[Dict[str, Any]]:
         assert self._fd is not None
