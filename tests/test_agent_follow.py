@@ -102,6 +102,11 @@ def test_offset_with_another_inode_restarts_from_zero_and_tail_lines(agent):
     assert log_bytes(resumed) == data[middle:]
     restarted = agent.follow("done", "--offset", str(middle), "--inode", str(inode + 1)).rest()
     assert log_bytes(restarted) == data
+    # the file it named is gone, and what it got after `middle` with it
+    assert [(m["reason"], m["previous_end"], m["complete"]) for m in restarted if m["t"] == "rotated"] == [
+        ("replaced", middle, False)]
+    retailed = agent.follow("done", "--offset", str(middle), "--inode", str(inode), "--tail-lines", "2").rest()
+    assert log_bytes(retailed) == data[data.index(b"line 000998"):]  # --tail-lines wins over a valid resume
     tail = agent.follow("done", "--tail-lines", "5").rest()
     assert log_bytes(tail) == data[data.index(b"line 000995"):]
     assert agent.follow("done", "--tail-lines", "0").rest()[-1]["offset"] == len(data)

@@ -164,8 +164,10 @@ def test_watch_across_a_replaced_log_and_a_dropped_connection(agent, hosts, ssh_
     assert (mirror / "train.log.seg1").read_bytes() == burst(300, 13)
 
 
-NASTY = b"plain\n\x1b[2J\x1b]0;title\x07cleared\rback\x00nul\ttab \xe2\x80\xae rtl \xff\xfe caf\xc3\xa9\n"
-SHOWN = b"plain\n\\x1b[2J\\x1b]0;title\\x07cleared\\rback\\x00nul\ttab \\u202e rtl \\xff\\xfe caf\xc3\xa9\n"
+NASTY = (b"plain\n\x1b[2J\x1b]0;title\x07cleared\rback\x00nul\ttab \xe2\x80\xae rtl \xff\xfe caf\xc3\xa9"
+         b" \xc2\x9b1m csi \xe2\x80\xa8 line separator\n")
+SHOWN = (b"plain\n\\x1b[2J\\x1b]0;title\\x07cleared\\rback\\x00nul\ttab \\u202e rtl \\xff\\xfe caf\xc3\xa9"
+         b" \\x9b1m csi \xe2\x80\xa8 line separator\n")
 
 
 def test_control_characters_are_escaped_for_people_and_exact_elsewhere(agent, hosts, tmp_path):  # noqa: F811
