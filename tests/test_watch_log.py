@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -190,3 +191,30 @@ def test_control_characters_are_escaped_for_people_and_exact_elsewhere(agent, ho
     fetched = dflash_bytes(hosts, "--logs-dir", str(logs), "fetch-traceback", "ctl", "--host", "local")
     assert fetched.returncode == 0, fetched.stderr
     assert b"RuntimeError: bad \\x1b[31mred\\x1b[0m \\r\n" in fetched.stdout and b"\x1b" not in fetched.stdout
+
+
+def test_watch_started_again_after_a_truncation_resumes_in_the_new_content(agent, hosts, tmp_path):  # noqa: F811
+    agent.launch("again", [{"lines": {"count": 100, "width": 10}}, {"touch": "a"}, {"wait_file": "go1"},
+                           {"lines": {"count": 20, "width": 11}}, {"touch": "b"}, {"wait_file": "go2"},
+                           {"lines": {"count": 300, "width": 12}}, {"touch": "c"}, {"wait_file": "go3"}])
+    run_dir = agent.run_dir("again")
+    logs = tmp_path / "logs"
+    first = Watch(hosts, logs, "again", "--host", "local")
+    first.wait_out(last_line(100, 10))
+    first.proc.send_signal(signal.SIGINT)  # detached: cursor.json says where it stopped
+    assert first.finish() == 130, first.stderr.decode()
+    agent.touch("again", "go1")  # lines the watch never saw, then the cut
+    wait_for(lambda: (run_dir / "b").exists())
+    copytruncate(run_dir)
+    agent.touch("again", "go2")
+    wait_for(lambda: (run_dir / "c").exists())  # grown past the offset the watch stopped at
+    agent.touch("again", "go3")
+    second = Watch(hosts, logs, "again", "--host", "local")
+    assert second.finish() == 0, second.stderr.decode()
+    assert b"resuming again at byte" in second.stderr and b"was truncated" in second.stderr
+    assert second.stdout == burst(20, 11) + burst(300, 12)
+    mirror = logs / "local" / "again"
+    assert (mirror / "train.log").read_bytes() == burst(100, 10) + burst(20, 11)
+    assert (mirror / "train.log.seg1").read_bytes() == burst(300, 12)
+    cursor = json.loads((mirror / "cursor.json").read_text())
+    assert (cursor["segment"], cursor["offset"]) == (1, len(burst(300, 12)))
