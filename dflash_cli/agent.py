@@ -74,12 +74,14 @@ def check_interpreter(host: Host, done: Completed) -> None:
 
 
 def parse_reply(raw: bytes) -> dict | None:
-    """The JSON object on the last line of `raw`, or None when there is none."""
+    """The JSON object on the last line of `raw`, or None when there is none. Lines end
+    at "\n" only: str.splitlines would also split at U+2028 or U+0085, which the agent
+    leaves raw inside JSON strings (a log line may hold them)."""
     text = raw.decode("utf-8", errors="replace").strip()
     if not text:
         return None
     try:
-        value = json.loads(text.splitlines()[-1])
+        value = json.loads(text.rsplit("\n", 1)[-1])
     except ValueError:
         return None
     return value if isinstance(value, dict) else None

@@ -12,9 +12,39 @@ human = Console(stderr=True, highlight=False)
 
 
 def data(text: str) -> None:
-    """Write data (run ids, log lines, tracebacks, JSON) to stdout, unchanged."""
+    """Write data (run ids, JSON lines) to stdout, unchanged. Text from the host goes
+    through `remote_text`."""
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def _escapes() -> dict[int, str]:
+    """What a terminal would act on instead of showing: C0 controls but tab and newline,
+    DEL, C1 controls, the bidirectional overrides, and undecodable bytes (held as lone
+    surrogates, as the agent's decode_bytes makes them)."""
+    table = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7f, 0xa0)]}
+    table.update({ord("\r"): "\\r"})
+    del table[ord("\t")], table[ord("\n")]
+    table.update({code: f"\\u{code:04x}" for code in [*range(0x202a, 0x202f), *range(0x2066, 0x206a)]})
+    table.update({0xdc00 + byte: f"\\x{byte:02x}" for byte in range(0x80, 0x100)})
+    return table
+
+
+_ESCAPES = _escapes()
+
+
+def printable(text: str) -> str:
+    """Text from the host (log lines, tracebacks) with every control character shown as
+    an escape (\\x1b, \\r, \\x00, ...) so that it cannot move the cursor or hide text;
+    tab and newline stay. The local mirror and --json keep the exact bytes."""
+    return text.translate(_ESCAPES)
+
+
+def remote_text(text: str) -> None:
+    """Write text from the host to stdout for people to read: escaped (`printable`)."""
+    sys.stdout.flush()
+    sys.stdout.buffer.write(printable(text).encode("utf-8"))
+    sys.stdout.buffer.flush()
 
 
 def say(message: str) -> None:

@@ -1,12 +1,15 @@
 """logs/: what the CLI fetched, per host and run (DESIGN.md "Local state").
 
-logs/<host>/<run-id>/ holds train.log (as streamed), traceback.txt, errors.jsonl and
-cursor.json; logs/latest.json names the run `watch`, `fetch-traceback`, `status` and
-`stop` use by default. Everything read by another command is written atomically.
+logs/<host>/<run-id>/ holds train.log (as streamed; train.log.seg1, .seg2, ... for the
+content after each truncation or replacement on the host), traceback.txt, errors.jsonl,
+cursor.json and watch.lock; logs/latest.json names the run `watch`, `fetch-traceback`,
+`status` and `stop` use by default. Everything read by another command is written
+atomically.
 """
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -24,12 +27,17 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Cursor:
-    """Where a follow stream stopped: the remote log's inode and byte offset, and how
-    many error records were received. The local mirror holds the remote bytes
-    [mirror_start, offset); a mirror found longer than that (the CLI died between
-    writing it and saving the cursor) is cut back, so a resume duplicates nothing."""
+    """Where a follow stream stopped: the segment of the remote log (0, then one more
+    per truncation or replacement seen), its inode, the byte offset in it, the
+    fingerprint of the bytes just before that offset (a resume on a log that was cut and
+    grew back past the offset must not go on mid-line), and how many error records were
+    received. The segment's mirror holds the remote bytes [mirror_start, offset); a
+    mirror found longer than that (the CLI died between writing it and saving the
+    cursor) is cut back, so a resume duplicates nothing."""
+    segment: int = 0
     inode: int | None = None
     offset: int = 0
+    fingerprint: str | None = None
     errors_seen: int = 0
     mirror_start: int = 0
 
@@ -45,9 +53,24 @@ class RunLogs:
         self.ref = ref
         self.dir = logs_dir / ref.host / ref.run_id
 
-    @property
-    def train_log(self) -> Path:
-        return self.dir / "train.log"
+    def segment_log(self, segment: int) -> Path:
+        """The mirror of one segment of the remote train.log: a truncation or replacement
+        there starts a new file here, so old and new content are never spliced."""
+        return self.dir / ("train.log" if segment == 0 else f"train.log.seg{segment}")
+
+    def claim(self):
+        """This run's local state for one `watch` at a time: an open file holding an
+        exclusive lock (released when the process ends, however it ends), or None when
+        another watch holds it. A second watch must not resume at the first one's cursor
+        (the lines before it were shown on another terminal) nor append to its mirror."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        handle = open(self.dir / "watch.lock", "ab")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return None
+        return handle
 
     def load_cursor(self) -> Cursor:
         try:
@@ -59,9 +82,10 @@ class RunLogs:
         write_atomic(self.dir / "cursor.json", json.dumps(dataclasses.asdict(cursor)).encode())
 
     def open_mirror(self, cursor: Cursor):
-        """The local train.log, cut back to what the cursor accounts for, open for append."""
+        """The cursor's segment mirror, cut back to what the cursor accounts for, open for
+        append."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        fh = open(self.train_log, "ab")
+        fh = open(self.segment_log(cursor.segment), "ab")
         expected = cursor.offset - cursor.mirror_start
         if fh.tell() != expected:
             fh.truncate(min(fh.tell(), expected))

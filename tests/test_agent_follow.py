@@ -4,6 +4,7 @@ dropped reader, and GPU samples."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import stat
 import subprocess
@@ -13,6 +14,8 @@ import pytest
 
 from support_agent.harness import agent  # noqa: F401  (fixture)
 from support_agent.harness import dead_pid, wait_for
+
+from dflash_agent import jsonio
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,6 +102,11 @@ def test_offset_with_another_inode_restarts_from_zero_and_tail_lines(agent):
     assert log_bytes(resumed) == data[middle:]
     restarted = agent.follow("done", "--offset", str(middle), "--inode", str(inode + 1)).rest()
     assert log_bytes(restarted) == data
+    # the file it named is gone, and what it got after `middle` with it
+    assert [(m["reason"], m["previous_end"], m["complete"]) for m in restarted if m["t"] == "rotated"] == [
+        ("replaced", middle, False)]
+    retailed = agent.follow("done", "--offset", str(middle), "--inode", str(inode), "--tail-lines", "2").rest()
+    assert log_bytes(retailed) == data[data.index(b"line 000998"):]  # --tail-lines wins over a valid resume
     tail = agent.follow("done", "--tail-lines", "5").rest()
     assert log_bytes(tail) == data[data.index(b"line 000995"):]
     assert agent.follow("done", "--tail-lines", "0").rest()[-1]["offset"] == len(data)
@@ -144,7 +152,7 @@ def test_error_records_arrive_while_the_run_lives(agent):
     rest = stream.rest()
     assert [m["index"] for m in rest if m["t"] == "error"] == [1]
     assert rest[-1] == {"t": "end", "state": "FAILED", "exit": agent.read("err", "exit.json"),
-                        "offset": len("before the failure\n")}
+                        "offset": len("before the failure\n"), "segment": 0}
     again = agent.follow("err", "--errors-seen", "1").rest()
     assert [(m["index"], m["record"]["thread"]) for m in again if m["t"] == "error"] == [(1, "coordinator")]
 
@@ -225,3 +233,131 @@ def test_gpu_samples_and_the_gpus_verb(agent, tmp_path):
     agent.touch("gpu", "go")
     samples = [m for m in seen + stream.rest() if m["t"] == "gpu"]
     assert len(samples) >= 2 and all(m["gpus"] == expected for m in samples)
+
+
+def by_segment(messages, offset=0, segment=0):
+    """{segment: the log bytes the messages carry in it}, checking that each segment's
+    messages are contiguous from `offset` and that each "rotated" follows the end of
+    what was sent of the segment before."""
+    out = {segment: b""}
+    for m in messages:
+        if m["t"] == "rotated":
+            assert m["previous_end"] == offset, "rotated at %d, but %d was sent" % (m["previous_end"], offset)
+            assert m["segment"] == segment + 1 and m["offset"] == 0
+            segment, offset = m["segment"], 0
+            out[segment] = b""
+        elif m["t"] == "log":
+            assert m["offset"] == offset, "gap or overlap at %r (expected offset %d)" % (m, offset)
+            if "segment" in m:
+                assert m["segment"] == segment
+            out[segment] += m["data"].encode("utf-8", "surrogateescape")
+            offset = end_of(m)
+    return out
+
+
+def burst(count, width):
+    return b"".join(b"line %06d %s\n" % (i, b"x" * width) for i in range(count))
+
+
+def resume_args(log, messages):
+    """--offset/--inode/--fingerprint for a stream that received `messages` of train.log,
+    as the CLI keeps them."""
+    data = log_bytes(messages)
+    logs = [m for m in messages if m["t"] == "log"]
+    return ["--offset", str(end_of(logs[-1])), "--inode", str(logs[0]["inode"]),
+            "--fingerprint", jsonio.fingerprint(data[-jsonio.FINGERPRINT_BYTES:])]
+
+
+def test_copytruncate_under_follow_sends_every_line_once_and_says_so(agent):
+    agent.launch("rot", [{"lines": {"count": 100, "width": 10}}, {"touch": "a"}, {"wait_file": "go1"},
+                         {"lines": {"count": 30, "width": 11}}, {"touch": "b"}, {"wait_file": "go2"}])
+    run_dir = agent.run_dir("rot")
+    stream = agent.follow("rot")
+    seen = stream.until(is_log("line 000099 " + "x" * 10))
+    # logrotate's copytruncate: copy, then cut the file the trainer keeps appending to.
+    shutil.copyfile(run_dir / "train.log", run_dir / "train.log.1")
+    os.truncate(run_dir / "train.log", 0)
+    agent.touch("rot", "go1")
+    seen += stream.until(lambda m: m["t"] == "rotated")
+    seen += stream.until(is_log("line 000029 " + "x" * 11))
+    agent.touch("rot", "go2")
+    messages = seen + stream.rest()
+    rotated = [m for m in messages if m["t"] == "rotated"]
+    assert [(m["reason"], m["segment"], m["complete"]) for m in rotated] == [("truncated", 1, True)]
+    assert rotated[0]["inode"] == os.stat(run_dir / "train.log").st_ino
+    assert by_segment(messages) == {0: burst(100, 10), 1: burst(30, 11)}
+    assert messages[-1]["t"] == "end" and messages[-1]["segment"] == 1
+    assert messages[-1]["offset"] == len(burst(30, 11))
+
+
+def test_resume_after_truncation_neither_replays_nor_splices(agent):
+    # The log is cut and grows past the client's offset while it is away: same inode,
+    # offset within the file, yet other bytes. The copy holds what it had not received.
+    agent.launch("away", [{"lines": {"count": 100, "width": 10}}, {"touch": "a"}, {"wait_file": "go1"},
+                          {"lines": {"count": 20, "width": 10}}, {"touch": "b"}, {"wait_file": "go2"},
+                          {"lines": {"count": 300, "width": 12}}, {"touch": "c"}, {"wait_file": "go3"}])
+    run_dir = agent.run_dir("away")
+    stream = agent.follow("away")
+    first = stream.until(is_log("line 000099 " + "x" * 10))
+    stream.close()  # the connection drops
+    resume = resume_args(run_dir / "train.log", first)
+    agent.touch("away", "go1")
+    wait_for(lambda: (run_dir / "b").exists())
+    shutil.copyfile(run_dir / "train.log", run_dir / "train.log.1")
+    os.truncate(run_dir / "train.log", 0)
+    agent.touch("away", "go2")
+    wait_for(lambda: (run_dir / "c").exists())
+    assert os.path.getsize(run_dir / "train.log") > int(resume[1])  # past the old offset again
+    resumed = agent.follow("away", *resume)
+    messages = resumed.until(is_log("line 000299 " + "x" * 12))
+    agent.touch("away", "go3")
+    messages += resumed.rest()
+    (rotated,) = [m for m in messages if m["t"] == "rotated"]
+    assert (rotated["reason"], rotated["segment"], rotated["complete"]) == ("truncated", 1, True)
+    # the 20 lines written before the cut come from the copy, then the new content from 0
+    assert by_segment(messages, offset=int(resume[1])) == {0: burst(20, 10), 1: burst(300, 12)}
+    # Without the copy the same resume cannot deliver them, and says so.
+    (run_dir / "train.log.1").unlink()
+    again = agent.follow("away", *resume).rest()
+    (rotated,) = [m for m in again if m["t"] == "rotated"]
+    assert (rotated["reason"], rotated["complete"], rotated["previous_end"]) == ("truncated", False, int(resume[1]))
+    assert by_segment(again, offset=int(resume[1])) == {0: b"", 1: burst(300, 12)}
+
+
+def test_replaced_log_is_followed_to_its_end_then_the_new_file(agent):
+    # logrotate's create mode: the file is renamed and a new, empty one takes its name.
+    # The trainer keeps writing to the file it opened, so that one is followed until the
+    # new one gets content.
+    agent.launch("mv", [{"lines": {"count": 100, "width": 10}}, {"touch": "a"}, {"wait_file": "go1"},
+                        {"lines": {"count": 30, "width": 11}}, {"write": "partial"}, {"touch": "b"},
+                        {"wait_file": "go2"}])
+    run_dir = agent.run_dir("mv")
+    stream = agent.follow("mv")
+    seen = stream.until(is_log("line 000099 " + "x" * 10))
+    old_inode = seen[0]["inode"] if seen[0]["t"] == "log" else [m for m in seen if "inode" in m][0]["inode"]
+    os.rename(run_dir / "train.log", run_dir / "train.log.1")
+    (run_dir / "train.log").write_bytes(b"")
+    agent.touch("mv", "go1")
+    seen += stream.until(is_log("line 000029 " + "x" * 11))  # from the renamed file
+    resume = resume_args(run_dir / "train.log.1", seen)
+    stream.close()
+    wait_for(lambda: (run_dir / "b").exists())
+    with open(run_dir / "train.log", "ab") as new:
+        new.write(b"new file line\n")
+    # A reconnect finds the old file by its inode, sends its rest, then moves over.
+    messages = agent.follow("mv", *resume).until(is_log("new file line"))
+    (rotated,) = [m for m in messages if m["t"] == "rotated"]
+    assert (rotated["reason"], rotated["segment"], rotated["complete"]) == ("replaced", 1, True)
+    assert rotated["inode"] == os.stat(run_dir / "train.log").st_ino != old_inode
+    assert by_segment(messages, offset=int(resume[1])) == {0: b"partial", 1: b"new file line\n"}
+    agent.touch("mv", "go2")
+    assert (run_dir / "train.log.1").read_bytes() == burst(100, 10) + burst(30, 11) + b"partial"
+    # A live follower of the replaced file does the same, and the whole old file once.
+    whole = agent.follow("mv", "--offset", "0", "--inode", str(old_inode)).rest()
+    assert by_segment(whole) == {0: (run_dir / "train.log.1").read_bytes(), 1: b"new file line\n"}
+
+
+def test_a_malformed_fingerprint_is_a_usage_error(agent):
+    agent.launch("fp", [{"print": "x"}])
+    result = agent.run("follow", "--run-id", "fp", "--offset", "2", "--fingerprint", "2:nothex")
+    assert (result.rc, result.json["kind"]) == (2, "usage") and "LEN:SHA256HEX" in result.json["error"]

@@ -79,5 +79,5 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         output.write_text(text, encoding="utf-8", errors="surrogateescape")
         console.say(f"written to {output}")
     else:
-        console.data(text)
+        console.remote_text(text)
     return code

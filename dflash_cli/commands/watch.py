@@ -1,19 +1,23 @@
 """dflash watch: follow a run live through one streaming channel to the agent.
 
-The host does the following (the agent's `follow`); this side prints what arrives,
-mirrors the log under logs/<host>/<run>/, and keeps a cursor so that a dropped
-connection resumes with no gap and no duplicated line.
+The host does the following (the agent's `follow`); this side prints what arrives
+(control characters escaped, unless --json), mirrors the log under logs/<host>/<run>/
+(one file per segment: the host's log may be truncated or replaced under it), and keeps
+a cursor so that a dropped connection resumes with no gap and no duplicated line. One
+watch of a run at a time keeps that local state; another started meanwhile shows the
+whole log (or --tail) and saves nothing.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
+
+from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
 
 from .. import console
 from ..errors import ExitCode, UnreachableError
-from ..local_state import RunLogs, RunRef
+from ..local_state import Cursor, RunLogs, RunRef
 from ..session import Session
 from .fetch_traceback import render_no_record, render_record
 
@@ -44,23 +48,28 @@ class Watcher:
         self.logs = RunLogs(session.logs_dir, ref)
         self.interval = interval
         self.as_json = as_json
-        self.cursor = self.logs.load_cursor()
-        self.records = self.logs.load_errors()[: self.cursor.errors_seen]
+        self.claim = self.logs.claim()  # None: another watch keeps this run's local state
+        self.cursor = self.logs.load_cursor() if self.claim else Cursor()
+        self.records = self.logs.load_errors()[: self.cursor.errors_seen] if self.claim else []
         self.mirror = None
+        self.recent = b""  # the last bytes received before cursor.offset (its fingerprint)
+        self.line_open = False  # the log text printed last did not end its line
         self.last_saved = 0.0
         self.end: dict | None = None
         self.messages = 0  # handled so far; tells a reconnect that made progress
 
     # -- one connection's worth of messages ---------------------------------------
     def follow_once(self, tail_lines: int | None) -> None:
-        args = ["--run-id", self.ref.run_id, "--errors-seen", str(self.cursor.errors_seen),
-                "--gpu-interval", str(self.interval)]
+        cursor = self.cursor
+        args = ["--run-id", self.ref.run_id, "--errors-seen", str(cursor.errors_seen),
+                "--gpu-interval", str(self.interval), "--offset", str(cursor.offset),
+                "--segment", str(cursor.segment)]
+        if cursor.inode is not None:
+            args += ["--inode", str(cursor.inode)]
+        if cursor.fingerprint is not None:
+            args += ["--fingerprint", cursor.fingerprint]
         if tail_lines is not None:
             args += ["--tail-lines", str(tail_lines)]
-        else:
-            args += ["--offset", str(self.cursor.offset)]
-            if self.cursor.inode is not None:
-                args += ["--inode", str(self.cursor.inode)]
         for message in self.agent.follow(*args):
             self.handle(message)
             if self.end is not None:
@@ -74,6 +83,8 @@ class Watcher:
             console.data(json.dumps(message) + "\n")
         if kind == "log":
             self.on_log(message)
+        elif kind == "rotated":
+            self.on_rotated(message)
         elif kind == "error":
             self.on_error(message)
         elif kind == "gpu" and not self.as_json and message.get("gpus"):
@@ -89,21 +100,46 @@ class Watcher:
         end = start + len(data)
         inode = message.get("inode", self.cursor.inode)  # only a stream's first message names it
         if inode != self.cursor.inode or start > self.cursor.offset:
-            # A new log file, or --tail skipped ahead: the mirror starts over there.
-            self.cursor = dataclasses.replace(self.cursor, inode=inode, offset=start, mirror_start=start)
+            # A new log file, or --tail skipped ahead: this segment's mirror starts over there.
+            self.cursor = dataclasses.replace(self.cursor, inode=inode, offset=start, mirror_start=start,
+                                              fingerprint=None)
+            self.recent = b""
             self._close_mirror()
-            self.logs.train_log.unlink(missing_ok=True)
+            if self.claim:
+                self.logs.segment_log(self.cursor.segment).unlink(missing_ok=True)
         if not self.as_json:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
+            console.remote_text(message["data"])
+            self.line_open = not data.endswith(b"\n")
         fresh = data[max(0, self.cursor.offset - start):]  # --tail may resend mirrored bytes
         if fresh:
-            if self.mirror is None:
-                self.mirror = self.logs.open_mirror(self.cursor)
-            self.mirror.write(fresh)
-            self.mirror.flush()
-        self.cursor = dataclasses.replace(self.cursor, offset=max(end, self.cursor.offset))
+            if self.claim:
+                if self.mirror is None:
+                    self.mirror = self.logs.open_mirror(self.cursor)
+                self.mirror.write(fresh)
+                self.mirror.flush()
+            self.recent = (self.recent + fresh[-FINGERPRINT_BYTES:])[-FINGERPRINT_BYTES:]
+            self.cursor = dataclasses.replace(self.cursor, offset=end, fingerprint=fingerprint(self.recent))
         self.save_cursor(force=False)
+
+    def on_rotated(self, message: dict) -> None:
+        """The host's log was cut or replaced: what the stream sends next is new content,
+        and goes to a new mirror file."""
+        self._close_mirror()
+        start = message["offset"]
+        self.cursor = dataclasses.replace(self.cursor, segment=message["segment"], inode=message["inode"],
+                                          offset=start, mirror_start=start, fingerprint=None)
+        self.recent = b""
+        if not self.as_json:
+            if self.line_open:  # end the old content's last line: the new one must not continue it
+                console.remote_text("\n")
+                self.line_open = False
+            missing = ("" if message.get("complete") else
+                       f"; lines written to the old file after byte {message.get('previous_end')} "
+                       "could not be read")
+            saved = f", saved as {self.logs.segment_log(self.cursor.segment)}" if self.claim else ""
+            console.say(f"[{self.ref.run_id}] train.log was {message.get('reason')} on {self.ref.host}"
+                        f"{missing}: the new content follows from its start{saved}")
+        self.save_cursor(force=True)
 
     def on_error(self, message: dict) -> None:
         index, record = message["index"], message["record"]
@@ -116,16 +152,19 @@ class Watcher:
         if not self.as_json:
             text = render_record(record, self.ref)
             console.human.rule(f"thread {record.get('thread')} failed", style="red")
-            console.data(text)
-        self.logs.save_errors(self.records)
-        if index == 0:
-            path = self.logs.save_traceback(record.get("traceback", ""))
-            console.say(f"traceback saved to {path}")
+            console.remote_text(text)
+        if self.claim:
+            self.logs.save_errors(self.records)
+            if index == 0:
+                path = self.logs.save_traceback(record.get("traceback", ""))
+                console.say(f"traceback saved to {path}")
         self.cursor = dataclasses.replace(self.cursor, errors_seen=len(self.records))
         self.save_cursor(force=True)
 
     def save_cursor(self, force: bool) -> None:
         now = time.monotonic()
+        if not self.claim:
+            return  # another watch keeps the local state; this one's cursor lives in memory
         if force or now - self.last_saved >= CURSOR_SAVE_EVERY_S:
             if self.mirror is not None:
                 self.mirror.flush()
@@ -140,6 +179,8 @@ class Watcher:
     def close(self) -> None:
         self.save_cursor(force=True)
         self._close_mirror()
+        if self.claim:
+            self.claim.close()
 
     # -- the outcome -----------------------------------------------------------------
     def finish(self) -> ExitCode:
@@ -147,7 +188,7 @@ class Watcher:
         code = EXIT_FOR_STATE.get(state, ExitCode.UNREACHABLE)
         if code == ExitCode.RUN_FAILED and not self.records and not self.as_json:
             report = self.agent.call("report", "--run-id", self.ref.run_id)
-            console.data(render_no_record(report, self.ref))
+            console.remote_text(render_no_record(report, self.ref))
         console.say(f"run {self.ref.run_id} on {self.ref.host} ended: {state}")
         return code
 
@@ -155,7 +196,10 @@ class Watcher:
 def run(session: Session, ref: RunRef, tail: int | None, interval: float, as_json: bool,
         retry_for: float) -> ExitCode:
     watcher = Watcher(session, ref, interval, as_json)
-    if tail is None and watcher.cursor.offset:
+    if not watcher.claim:
+        console.say(f"another watch of {ref.run_id} keeps {watcher.logs.dir}: this one shows "
+                    "the log from its start (or --tail) and saves nothing")
+    elif tail is None and watcher.cursor.offset:
         console.say(f"resuming {ref.run_id} at byte {watcher.cursor.offset} "
                     "(--tail N shows earlier lines)")
     tail_lines = tail

@@ -63,30 +63,53 @@ gpus     {"gpus": [{"index", "name", "memory_used_mib", "memory_total_mib",
 info     {"python", "platform", "hostname", "boot_id", "packages": {"torch": v|null,
           "transformers": v|null}, "gpus": [...], "current_release": id|null,
           "python_executable"} (+ "gpus_problem" as for gpus)
-follow   --run-id ID [--offset N] [--inode I] [--errors-seen K] [--tail-lines N]
-         [--gpu-interval S=5 (0: none)] [--poll S=0.1]
+follow   --run-id ID [--offset N] [--inode I] [--segment K=0] [--fingerprint LEN:SHA256]
+         [--errors-seen K] [--tail-lines N] [--gpu-interval S=5 (0: none)] [--poll S=0.1]
          Streams JSON lines, flushed one by one, until the run is terminal and
          everything was sent:
-           {"t": "log", "offset": start_byte, "data": text}   (+ "inode": I in the first)
-               whole lines only (a partial last line is held until it completes or
-               the run ends); data is utf-8 decoded with surrogateescape, so
-               data.encode("utf-8", "surrogateescape") gives the exact bytes and
-               offset + their length is where the next message starts. Lines are
-               batched for up to 1 s (the wire stays near the log's own size); the
-               lines before an error record are sent at once, with it.
+           {"t": "log", "offset": start_byte, "data": text}
+               (+ "inode": I, "segment": K in the first of a stream and of a segment)
+               whole lines only (a partial last line is held until it completes, the
+               run ends or the segment ends); data is utf-8 decoded with
+               surrogateescape, so data.encode("utf-8", "surrogateescape") gives the
+               exact bytes and offset + their length is where the next message starts.
+               Lines are batched for up to 1 s (the wire stays near the log's own
+               size); the lines before an error record are sent at once, with it.
+           {"t": "rotated", "reason": "truncated"|"replaced", "segment": K+1, "inode": I,
+            "offset": 0 (or the --tail-lines start), "previous_end": N, "complete": bool}
+               train.log was cut in place (copytruncate: a size below what was read,
+               or other bytes than those read just before it) or another file took
+               its name ("replaced"; followed once it has content: until then the
+               old file, which the trainer still writes, is). Everything of the old
+               content that could be read was sent before this message, ending at
+               previous_end (a last line without newline too); then the new content
+               follows from offset 0 as segment K+1. complete: the old content was
+               read to its end, from the old file itself or from a copy next to it
+               (train.log.*) holding the bytes before the read position; false when
+               none was found, so lines written to it after its last read may be
+               missing. Lines logrotate's copytruncate loses itself (written between
+               its copy and its cut) are lost here too.
            {"t": "error", "index": k, "record": errors.jsonl record}
            {"t": "gpu", "ts": ..., "gpus": [...]}          (none without nvidia-smi)
            {"t": "state", "state": "RUNNING", "ts": ...}    on every state change
-           {"t": "end", "state": "FAILED", "exit": exit.json|null, "offset": N}
+           {"t": "end", "state": "FAILED", "exit": exit.json|null, "offset": N, "segment": K}
          An error line that is not JSON comes as {"t": "error", "index", "record":
-         null, "raw": text}. Log lines of a chatty run are batched (at most one log
-         message per 0.5 s) except right before an error record and at the end.
+         null, "raw": text}.
          When the reader goes away (EPIPE, or its pipe reports an error even while
          the run is quiet) follow exits 0 without a word; the run goes on.
          --tail-lines N starts at the last N lines (found by reading backwards from the
-         end, so the cost does not depend on the log's size); --offset/--inode resume
-         (a different inode restarts from 0); --errors-seen skips records already
-         received.
+         end, so the cost does not depend on the log's size): of the file a resume
+         found, or of the new one after "rotated"; --errors-seen skips records
+         already received.
+         Resuming: --offset N --inode I --segment K --fingerprint F, where F is
+         jsonio.fingerprint of the (at most 64) bytes received just before N. The
+         stream goes on at N in segment K when the file with inode I (train.log, or
+         renamed to train.log.*) is at least N long and holds those bytes there. If
+         not, the content the client stopped in is gone: the rest of it is sent from
+         a copy that holds those bytes, if any, then "rotated" to segment K+1 and the
+         current train.log from 0. So a reconnect neither replays nor splices: (inode,
+         offset) alone cannot tell a log cut and grown back past N from the old one.
+         Segment numbers are the client's: a fresh stream starts at --segment.
 
 Run states (DESIGN.md): STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED, DEGRADED,
 STALLED, LOST, derived from run.json + exit.json + errors.jsonl + stop_requested.json

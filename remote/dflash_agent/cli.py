@@ -9,7 +9,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from .jsonio import AgentError, emit
+from .jsonio import FINGERPRINT_BYTES, AgentError, emit
 from .layout import Workspace
 
 
@@ -53,6 +53,15 @@ def _json_object(text: str) -> Dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object, got %s" % type(value).__name__)
     return value
+
+
+def _fingerprint(text: str) -> str:
+    """LEN:HEX as jsonio.fingerprint writes it: a sha256 of at most FINGERPRINT_BYTES bytes."""
+    length, _, digest = text.partition(":")
+    if not (length.isdigit() and int(length) <= FINGERPRINT_BYTES and len(digest) == 64
+            and all(c in "0123456789abcdef" for c in digest)):
+        raise argparse.ArgumentTypeError("expected LEN:SHA256HEX (LEN <= %d), got %r" % (FINGERPRINT_BYTES, text))
+    return text
 
 
 def _env_pair(text: str) -> Tuple[str, str]:
@@ -101,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", required=True)
     p.add_argument("--offset", type=_non_negative_int)
     p.add_argument("--inode", type=int)
+    p.add_argument("--segment", type=_non_negative_int, default=0)
+    p.add_argument("--fingerprint", type=_fingerprint, help="LEN:SHA256 of the LEN bytes before --offset")
     p.add_argument("--errors-seen", type=_non_negative_int, default=0)
     p.add_argument("--tail-lines", type=_non_negative_int)
     p.add_argument("--gpu-interval", type=_non_negative, default=5.0, help="0: no GPU samples")
@@ -158,7 +169,8 @@ VERBS: Dict[str, Callable[[Workspace, argparse.Namespace], Dict[str, Any]]] = {
 def _follow(ws: Workspace, args: argparse.Namespace) -> int:
     from .follow import ClientGone, FollowRequest, Output, follow
     request = FollowRequest(
-        run_id=args.run_id, offset=args.offset, inode=args.inode, errors_seen=args.errors_seen,
+        run_id=args.run_id, offset=args.offset, inode=args.inode, segment=args.segment,
+        fingerprint=args.fingerprint, errors_seen=args.errors_seen,
         tail_lines=args.tail_lines, gpu_interval=args.gpu_interval, poll=args.poll)
     try:
         return follow(ws, request, Output())

@@ -2,8 +2,10 @@
 GPU samples, state changes) until the run is terminal and everything was sent.
 
 The host does the following so the client never re-tails: it polls with fstat, sends
-whole log lines by byte offset (resumable: offset + inode), forwards each errors.jsonl
-record as soon as its line is complete, and ends with an "end" line.
+whole log lines by byte offset (resumable: offset, inode, segment and the fingerprint of
+the bytes before the offset), follows the log across truncation and replacement (a
+"rotated" line between segments), forwards each errors.jsonl record as soon as its line
+is complete, and ends with an "end" line.
 """
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .gpus import query_gpus
-from .jsonio import decode_bytes, encode_line, parse_json_line, tail_start
+from .jsonio import FINGERPRINT_BYTES, decode_bytes, encode_line, fingerprint, parse_json_line, tail_start
 from .layout import Workspace
 from .state import TERMINAL, derive_state, observe, read_record
 
@@ -39,6 +41,8 @@ class FollowRequest:
     run_id: str
     offset: Optional[int] = None
     inode: Optional[int] = None
+    segment: int = 0
+    fingerprint: Optional[str] = None
     errors_seen: int = 0
     tail_lines: Optional[int] = None
     gpu_interval: float = 5.0
@@ -81,51 +85,187 @@ class Output:
             self._closed = True
 
 
+def _open_if_exists(path: str) -> Optional[int]:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+
+
+def _holds_before(fd: int, offset: int, mark: Optional[str]) -> bool:
+    """Whether the file is at least `offset` bytes long and holds the bytes `mark` (a
+    `fingerprint`) names right before `offset`. Without a mark only the length counts."""
+    if os.fstat(fd).st_size < offset:
+        return False
+    if mark is None:
+        return True
+    length = int(mark.split(":", 1)[0])
+    return length <= offset and fingerprint(os.pread(fd, length, offset - length)) == mark
+
+
 class LogFollower:
-    """Sends train.log from a byte offset, whole lines only."""
+    """Sends train.log from a byte offset, whole lines only, across rotations.
+
+    The file may be truncated in place (logrotate's copytruncate; noticed as a size below
+    the read position, or other bytes than those read just before it) or replaced (the
+    path names another file that has content: logrotate's create mode, or deleted and
+    written anew). Either way the old content's unsent bytes go out first (read from the
+    old file, or from a copy of it next to it, e.g. train.log.1), then a "rotated"
+    message, then the new content from byte 0 as the next segment. A replacement that is
+    still empty is not followed yet: the trainer keeps writing to the file it opened.
+    """
 
     def __init__(self, path: str, request: FollowRequest):
         self._path = path
         self._request = request
+        self._tail_lines = request.tail_lines
         self._fd: Optional[int] = None
         self.inode: Optional[int] = None
-        self.sent = 0  # offset of the first byte not yet sent
-        self._first_offset: Optional[int] = None  # where this stream started sending
+        self.segment = request.segment
+        self.sent = 0  # offset of the first byte not yet sent, in this segment
         self._buffer = b""  # bytes read but not sent: they start at self.sent
+        self._recent = b""  # the last bytes before the read position, to notice a rewrite
+        self._announce = True  # the next log message names the file and segment
         self._last_flush = float("-inf")
 
-    def _open(self) -> bool:
-        if self._fd is not None:
-            return True
-        try:
-            self._fd = os.open(self._path, os.O_RDONLY)
-        except FileNotFoundError:
-            return False  # not created yet: the run is starting
-        st = os.fstat(self._fd)
-        self.inode = st.st_ino
+    @property
+    def _read_pos(self) -> int:
+        return self.sent + len(self._buffer)
+
+    def _start(self, fd: int, offset: int) -> None:
+        self._fd = fd
+        self.inode = os.fstat(fd).st_ino
+        self.sent = offset
+        self._recent = os.pread(fd, min(offset, FINGERPRINT_BYTES), max(0, offset - FINGERPRINT_BYTES))
+
+    def _start_at(self, fd: int, path: str, offset: int) -> None:
+        """Starts at `offset`, or where --tail-lines puts the start of this stream."""
+        tail, self._tail_lines = self._tail_lines, None  # once per stream
+        self._start(fd, offset if tail is None else tail_start(path, tail))
+
+    def _open(self) -> Iterator[Dict[str, Any]]:
+        """Opens the log on the first poll that finds it. A resume whose content is gone
+        first sends what a copy still holds of it, then "rotated"."""
         request = self._request
-        if request.offset is not None and (request.inode is None or request.inode == st.st_ino):
-            # Resuming: same file. An offset past the end means it is not the same content.
-            self.sent = request.offset if request.offset <= st.st_size else 0
-        elif request.offset is None and request.tail_lines is not None:
-            self.sent = tail_start(self._path, request.tail_lines)
-        self._first_offset = self.sent
-        return True
+        if request.offset is None:
+            fd = _open_if_exists(self._path)
+            if fd is not None:
+                self._start_at(fd, self._path, 0)
+            return
+        found = self._find_inode(request.inode)
+        if found is not None and _holds_before(found[0], request.offset, request.fingerprint):
+            self._start_at(*found, request.offset)
+            return
+        if found is not None:
+            os.close(found[0])
+        new = _open_if_exists(self._path)
+        if new is None:
+            return  # neither the old content nor a new file: look again at the next poll
+        self.inode, self.sent = request.inode, request.offset
+        complete = yield from self._drain_copy(request.fingerprint)
+        replaced = request.inode is not None and os.fstat(new).st_ino != request.inode
+        yield from self._rotate(new, "replaced" if replaced else "truncated", complete)
+
+    def _find_inode(self, inode: Optional[int]) -> Optional[Tuple[int, str]]:
+        """(fd, path) of train.log if it is that file (or any file, for None), else of a
+        file next to it named train.log.* that is (renamed by a rotation)."""
+        fd = _open_if_exists(self._path)
+        if fd is not None and (inode is None or os.fstat(fd).st_ino == inode):
+            return fd, self._path
+        if fd is not None:
+            os.close(fd)
+        if inode is None:
+            return None
+        for path in self._siblings():
+            try:
+                if os.stat(path).st_ino != inode:
+                    continue
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            if os.fstat(fd).st_ino == inode:
+                return fd, path
+            os.close(fd)
+        return None
+
+    def _siblings(self) -> List[str]:
+        folder, name = os.path.split(self._path)
+        return [os.path.join(folder, entry) for entry in sorted(os.listdir(folder))
+                if entry.startswith(name + ".")]
+
+    def _drain_copy(self, mark: Optional[str]) -> Iterator[Dict[str, Any]]:
+        """Sends what a copy of the old content (a file next to train.log holding the bytes
+        `mark` names right before the read position) has past that position. Returns
+        whether one was found; without a mark nothing can be matched."""
+        if mark is None:
+            return self._read_pos == 0  # nothing was read: nothing of it can be missing
+        for path in self._siblings():
+            fd = _open_if_exists(path)
+            if fd is None:
+                continue
+            try:
+                if os.fstat(fd).st_ino != self.inode and _holds_before(fd, self._read_pos, mark):
+                    yield from self._read(fd, until_end=True)
+                    return True
+            finally:
+                os.close(fd)
+        return False
+
+    def _rotate(self, fd: int, reason: str, complete: bool) -> Iterator[Dict[str, Any]]:
+        """Ends the old segment (its last bytes, even a partial line) and starts the next
+        at byte 0 of `fd` (or at its --tail-lines start)."""
+        yield from self._flush(final=True)
+        previous_end = self.sent
+        if self._fd is not None and self._fd != fd:
+            os.close(self._fd)
+        self._buffer = b""
+        self._start_at(fd, self._path, 0)
+        self.segment += 1
+        self._announce = True
+        yield {"t": "rotated", "reason": reason, "segment": self.segment, "inode": self.inode,
+               "offset": self.sent, "previous_end": previous_end, "complete": complete}
+
+    def _follow_rotation(self) -> Iterator[Dict[str, Any]]:
+        assert self._fd is not None
+        size = os.fstat(self._fd).st_size
+        rewritten = size > self._read_pos and self._recent and os.pread(
+            self._fd, len(self._recent), self._read_pos - len(self._recent)) != self._recent
+        if size < self._read_pos or rewritten:
+            complete = yield from self._drain_copy(fingerprint(self._recent) if self._recent else None)
+            yield from self._rotate(self._fd, "truncated", complete)
+            return
+        try:
+            current = os.stat(self._path)
+        except FileNotFoundError:
+            return  # deleted: what the old file still gets is read from the open descriptor
+        if current.st_ino != self.inode and current.st_size > 0:
+            new = _open_if_exists(self._path)
+            if new is not None:
+                yield from self._read(self._fd, until_end=True)
+                yield from self._rotate(new, "replaced", complete=True)
+
+    def _read(self, fd: int, until_end: bool = False) -> Iterator[Dict[str, Any]]:
+        """Reads what `fd` holds past the read position into the buffer (up to the size
+        seen now, or `until_end`: up to its end), sending full batches on the way."""
+        size = None if until_end else os.fstat(fd).st_size
+        while size is None or self._read_pos < size:
+            chunk = os.pread(fd, READ_CHUNK, self._read_pos)
+            if not chunk:
+                break  # the end, or shrank since fstat: nothing more to read
+            self._buffer += chunk
+            self._recent = (self._recent + chunk[-FINGERPRINT_BYTES:])[-FINGERPRINT_BYTES:]
+            if len(self._buffer) >= LOG_FLUSH_BYTES:
+                yield from self._flush(final=False)
 
     def poll(self, final: bool, urgent: bool = False) -> Iterator[Dict[str, Any]]:
         """Messages for what is new. `final` (the run ended): also a last partial line.
         `urgent`: send complete lines now rather than batching them."""
-        if not self._open():
-            return
-        assert self._fd is not None
-        size = os.fstat(self._fd).st_size
-        while self.sent + len(self._buffer) < size:
-            chunk = os.pread(self._fd, READ_CHUNK, self.sent + len(self._buffer))
-            if not chunk:
-                break  # shrank since fstat: nothing more to read
-            self._buffer += chunk
-            if len(self._buffer) >= LOG_FLUSH_BYTES:
-                yield from self._flush(final=False)
+        if self._fd is None:
+            yield from self._open()
+            if self._fd is None:
+                return
+        yield from self._follow_rotation()
+        yield from self._read(self._fd)
         if final or urgent or time.monotonic() - self._last_flush >= LOG_FLUSH_S:
             yield from self._flush(final)
 
@@ -138,8 +278,9 @@ class LogFollower:
             start, self.sent = self.sent, self.sent + cut
             self._last_flush = time.monotonic()
             message = {"t": "log", "offset": start, "data": decode_bytes(data)}
-            if start == self._first_offset:  # the stream's first message names the file
-                message["inode"] = self.inode
+            if self._announce:  # a stream's and a segment's first message names the file
+                message.update(inode=self.inode, segment=self.segment)
+                self._announce = False
             yield message
 
 
@@ -243,7 +384,8 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
                 out.send({"t": "state", "state": state, "ts": time.time()})
                 last_state = state
             if terminal:
-                out.send({"t": "end", "state": state, "exit": obs.exit, "offset": logs.sent})
+                out.send({"t": "end", "state": state, "exit": obs.exit, "offset": logs.sent,
+                          "segment": logs.segment})
                 return 0
             time.sleep(request.poll)
     finally:

@@ -5,6 +5,7 @@ line, valid UTF-8 even when the data holds undecodable log bytes (see `decode_by
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -12,6 +13,9 @@ import sys
 from typing import Any, Dict, Iterator, Optional
 
 BLOCK = 64 * 1024
+# How many bytes before a log offset its fingerprint covers: enough that a log rewritten
+# from byte 0 (truncated, then grown past the offset again) shows different bytes there.
+FINGERPRINT_BYTES = 64
 _TMP_COUNTER = itertools.count()
 
 
@@ -127,6 +131,12 @@ def lines_backwards(path: str) -> Iterator[bytes]:
                 yield line
         if saw_newline:
             yield rest  # the file's first line
+
+
+def fingerprint(data: bytes) -> str:
+    """"LEN:SHA256HEX" of `data`, the last bytes before an offset in a log. A follower
+    that resumes at the offset checks that the file still holds these bytes there."""
+    return "%d:%s" % (len(data), hashlib.sha256(data).hexdigest())
 
 
 def tail_start(path: str, n_lines: int) -> int:
