@@ -134,14 +134,33 @@ def test_a_full_disk_is_named_with_its_host_and_path(make_inventory, tmp_path):
     hosts = make_inventory(tmp_path)
     config = small_config(tmp_path / "c.yaml")
     with tmpfs(tmp_path / "node ws", size_mib=16) as workspace:
+        filler = fill(workspace)  # before the release is there: the deploy of the launch fails
+        done = dflash("launch", "node", "--config", str(config), hosts=hosts)
+        assert done.returncode == 2, done.stderr
+        assert (f"dflash: error: host node: no space left on device in {workspace}: deploy install failed; "
+                "the previous release stays current") in done.stderr
+        filler.unlink()
         assert dflash("deploy", "node", hosts=hosts).returncode == 0
-        fill(workspace)
+        fill(workspace)  # the release is there: the agent's preflight refuses the run
         done = dflash("launch", "node", "--config", str(config), hosts=hosts)
         assert done.returncode == 2, done.stderr
         assert (f"dflash: error: host node: only 0.0 MiB free on the filesystem of {workspace}; "
                 f"a run needs at least {preflight.MIN_FREE_MIB} MiB") in " ".join(done.stderr.split())
         assert "Errno" not in done.stderr
         nothing_started(workspace)
+
+
+def test_fetch_traceback_that_cannot_write_its_file_says_so(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    assert dflash("deploy", "node", hosts=hosts).returncode == 0
+    fabricate_run(tmp_path / "node ws", "died-1", 1)
+    with tmpfs(tmp_path / "out", size_mib=1) as out:
+        fill(out)
+        done = dflash("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "died-1", "--host", "node",
+                      "-o", str(out / "tb.txt"), hosts=hosts)
+    assert done.returncode == 2, done.stderr
+    assert f"dflash: error: -o {out}/tb.txt: cannot write it (No space left on device)" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 # --- what the CLI shows ------------------------------------------------------------------
