@@ -5,6 +5,7 @@ import datetime
 import re
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dflash_schema
 from dflash_agent.gpus import TRAINER_PACKAGES
@@ -15,6 +16,9 @@ from ..errors import DflashError, ExitCode
 from ..local_state import RunRef, set_latest
 from ..session import Session
 from . import deploy
+
+if TYPE_CHECKING:
+    from dflash_train.config import TrainConfig
 
 _BAD_NAME = re.compile(r"[/\x00-\x1f\x7f]")
 
@@ -41,12 +45,12 @@ MAX_NAME = MAX_RUN_ID - len(new_run_id(""))
 def check_name(name: str) -> None:
     """A run name becomes the start of a run id: one path component on the host, and an
     argument of later commands (`dflash watch RUN`), so it may not look like an option."""
-    if (not name.strip() or name[0] in ".-" or _BAD_NAME.search(name) or len(name) > MAX_NAME):
+    if not name.strip() or name[0] in ".-" or _BAD_NAME.search(name) or len(name) > MAX_NAME:
         raise DflashError(f"--name {name!r}: a run name has 1 to {MAX_NAME} characters, does not start "
                           "with '.' or '-', and holds no '/' or control characters", ExitCode.USAGE)
 
 
-def host_paths(config) -> list[tuple[str, str, str]]:
+def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
     """(kind, key, path) of every path in the config, for the agent to check on the host
     (the agent's --require-path: a file, a model folder or hub id, a checkpoint)."""
     paths = []

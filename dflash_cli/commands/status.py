@@ -21,8 +21,8 @@ def runs_table(title: str, runs: list[dict]) -> Table:
         table.add_column(column)
     for r in runs:
         cells = (r["run_id"], r["state"], "" if r.get("step") is None else str(r["step"]),
-                 str(r.get("errors", 0)), console.utc_time(r.get("started_at")), console.utc_time(r.get("ended_at")),
-                 r.get("release_id") or "")
+                 str(r.get("errors", 0)), console.utc_time(r.get("started_at")),
+                 console.utc_time(r.get("ended_at")), r.get("release_id") or "")
         table.add_row(*map(Text, cells))  # plain text: run names may hold [brackets]
     return table
 

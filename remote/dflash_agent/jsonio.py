@@ -87,8 +87,8 @@ def write_atomic(path: str, data: bytes) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        if isinstance(exc, OSError) and exc.filename is None:
-            exc.filename = path  # a failed write() names no file; the caller's message should
+        if isinstance(exc, OSError):
+            exc.filename = path  # the file meant, not the temp file (a failed write() names none)
         raise
 
 
