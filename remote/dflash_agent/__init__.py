@@ -28,8 +28,9 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          KIND file (an existing file), checkpoint (a folder holding state.json) or
          model (a folder holding config.json, or, when no such path exists, a Hugging
          Face hub id such as org/name). Problems -> kind "host" naming each key or
-         package and host path. Then creates runs/ID/, copies the config to runs/ID/config.yaml (a relative PATH
-         is read from the release root; "-" reads the config from stdin), takes the locks
+         package and host path. Then creates runs/ID/, copies the config to
+         runs/ID/config.yaml (a relative PATH is read from the release root; "-"
+         reads the config from stdin), takes the locks
          for its resources (GPU indices as "gpu0", "gpu1", or "cpu" for a CPU-only run;
          a lock held by a non-terminal run -> kind "conflict" naming that run, unless
          --force), then starts a supervisor in a new session (setsid; stdin /dev/null;

@@ -33,7 +33,6 @@ _FIND_MODULES = ("import importlib.util, json, sys\n"
 PathRequirement = Tuple[str, str, str]  # (kind, config key, path as the config gives it)
 
 
-
 def check(workspace: str, release_root: str, python: str, env: Sequence[Tuple[str, str]],
           modules: Sequence[str], paths: Sequence[PathRequirement]) -> None:
     """Raise AgentError(kind="host") listing every problem found; return when none."""
@@ -88,7 +87,8 @@ def _module_problem(python: str, env: Sequence[Tuple[str, str]], modules: Sequen
         return "the trainer's interpreter %s failed (exit %d): %s" % (python, done.returncode, detail)
     if not missing:
         return None
-    return "the trainer's interpreter %s cannot import %s, which the trainer needs" % (python, ", ".join(missing))
+    return ("the trainer's interpreter %s cannot import %s, which the trainer needs"
+            % (python, ", ".join(missing)))
 
 
 def _free_space_problem(workspace: str) -> Optional[str]:
