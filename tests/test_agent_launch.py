@@ -152,6 +152,7 @@ def test_runs_keep_their_release_when_current_moves(agent):
     (["--run-id", "x", "--env", "NOEQUALS"], "usage", "KEY=VALUE"),
     (["--run-id", "x", "--stall-after", "0"], "usage", "positive"),
     (["--run-id", "x", "--config", "/nonexistent.yaml"], "not_found", "cannot read config"),
+    (["--run-id", "x", "--require-path=disk:data.train=/d"], "usage", "expected KIND:KEY=PATH"),
     (["--config", "c.yaml"], "usage", "--run-id"),
 ])
 def test_launch_argument_errors_are_json(agent, args, kind, text):
