@@ -7,6 +7,7 @@ remote/agent.py of the release `current` points to.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Iterator, Sequence
 
@@ -25,8 +26,9 @@ _BOOTSTRAP = (
     "runpy.run_path(script, run_name='__main__')\n"
 )
 
-_EXIT_FOR_KIND = {"usage": ExitCode.USAGE, "conflict": ExitCode.USAGE,
-                  "not_found": ExitCode.USAGE, "not_deployed": ExitCode.USAGE}
+# "host": the host was reached but cannot take the run (a package, a path, disk space).
+_EXIT_FOR_KIND = {"usage": ExitCode.USAGE, "conflict": ExitCode.USAGE, "not_found": ExitCode.USAGE,
+                  "not_deployed": ExitCode.USAGE, "host": ExitCode.USAGE}
 
 
 class AgentClient:
@@ -37,9 +39,21 @@ class AgentClient:
     def argv(self, verb: str, args: Sequence[str]) -> list[str]:
         return [self.host.python, "-c", _BOOTSTRAP, self.host.workspace, verb, *args]
 
+    @contextlib.contextmanager
+    def _naming(self, verb: str) -> Iterator[None]:
+        """A transport names a failed command by its argv[0], here the host's interpreter;
+        the agent verb says what was going on."""
+        try:
+            yield
+        except DflashError as exc:
+            exc.message = exc.message.replace(f"`{self.host.python}`", f"agent {verb}")
+            exc.args = (exc.message,)
+            raise
+
     def call(self, verb: str, *args: str, stdin: bytes | None = None,
              timeout: float | None = None) -> dict:
-        done = self.transport.run(self.argv(verb, args), stdin=stdin, timeout=timeout)
+        with self._naming(verb):
+            done = self.transport.run(self.argv(verb, args), stdin=stdin, timeout=timeout)
         check_interpreter(self.host, done)
         reply = parse_reply(done.stdout)
         if reply is None:
@@ -55,14 +69,15 @@ class AgentClient:
 
     def follow(self, *args: str) -> Iterator[dict]:
         """The agent's follow stream as dicts. UnreachableError if the connection drops."""
-        for line in self.transport.stream(self.argv("follow", args)):
-            message = parse_reply(line)
-            if message is None:
-                raise UnreachableError(f"host {self.host.name}: unreadable follow line {line[:200]!r}")
-            if "error" in message and "t" not in message:
-                raise DflashError(f"host {self.host.name}: {message['error']}",
-                                  _EXIT_FOR_KIND.get(message.get("kind", ""), ExitCode.UNREACHABLE))
-            yield message
+        with self._naming("follow"):
+            for line in self.transport.stream(self.argv("follow", args)):
+                message = parse_reply(line)
+                if message is None:
+                    raise UnreachableError(f"host {self.host.name}: unreadable follow line {line[:200]!r}")
+                if "error" in message and "t" not in message:
+                    raise DflashError(f"host {self.host.name}: {message['error']}",
+                                      _EXIT_FOR_KIND.get(message.get("kind", ""), ExitCode.UNREACHABLE))
+                yield message
 
 
 def check_interpreter(host: Host, done: Completed) -> None:

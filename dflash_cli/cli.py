@@ -124,12 +124,20 @@ def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail:
     sys.exit(watch.run(session, ref, tail, interval, as_json, retry_for))
 
 
+def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """-o FILE: its folder must exist, checked before the host is asked anything."""
+    if value is not None and not value.parent.is_dir():
+        raise click.BadParameter(f"{value}: the folder {value.parent} does not exist", ctx, param)
+    return value
+
+
 @main.command("fetch-traceback")
 @click.argument("run_id", metavar="[RUN]", required=False)
 @click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
 @click.option("--thread", help="The record of this thread (e.g. drafter-1).")
 @click.option("--all", "all_records", is_flag=True, help="Every error record, earliest first.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write to FILE.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), callback=_output_file,
+              help="Write to FILE.")
 @click.pass_obj
 def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | None,
                         thread: str | None, all_records: bool, output: Path | None) -> None:
@@ -188,5 +196,9 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
 @click.pass_obj
 def hosts_cmd(session: Session, do_check: bool, as_json: bool) -> None:
-    """List the hosts of the inventory (the built-in `local` included)."""
+    """List the hosts of the inventory (the built-in `local` included).
+
+    With --check, exit 3 when a host is unreachable, 2 when one cannot run the trainer
+    (its python lacks torch or transformers, or the check failed there).
+    """
     sys.exit(hosts.run(session, do_check, as_json))

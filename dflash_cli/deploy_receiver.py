@@ -175,7 +175,8 @@ def main(argv):
     try:
         result = {"probe": probe, "install": install}[verb](workspace, release_id)
     except Exception as exc:  # reported to the CLI as data, with the exact cause
-        print(json.dumps({"status": "error", "error": "%s: %s" % (type(exc).__name__, exc)}))
+        print(json.dumps({"status": "error", "error": "%s: %s" % (type(exc).__name__, exc),
+                          "errno": getattr(exc, "errno", None)}))
         return 1
     print(json.dumps(result))
     return 0

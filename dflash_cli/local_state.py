@@ -129,6 +129,9 @@ def latest_host(logs_dir: Path) -> str:
 
 def resolve_run(logs_dir: Path, run_id: str | None, host: str | None) -> RunRef:
     """The run named on the command line, or the latest one this checkout launched."""
+    if run_id is not None and (not run_id or run_id.startswith("-")):
+        # `dflash launch` makes no such id; the agent would read one as an option.
+        raise DflashError(f"{run_id!r} is not a run id (run ids start with the run's name)", ExitCode.USAGE)
     if run_id and host:
         return RunRef(host, run_id)
     latest = _latest(logs_dir)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -47,6 +49,15 @@ def fake_pve(tmp_path_factory: pytest.TempPathFactory) -> FakePve:
         return make_fake_pve(tmp_path_factory.mktemp("pve") / "pve node")
     except NeedsRoot as exc:
         pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An interpreter with the standard library only (a fresh venv): what a host whose
+    python lacks torch and transformers has."""
+    venv = tmp_path_factory.mktemp("bare venv") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return str(venv / "bin" / "python")
 
 
 @pytest.fixture

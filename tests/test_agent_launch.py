@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_agent import procfs
+from dflash_agent import preflight, procfs
+from support.disk import fill, tmpfs
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import RELEASE_ID, dead_pid, wait_for
+from support_agent.harness import RELEASE_ID, Agent, dead_pid, make_workspace, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,6 +152,7 @@ def test_runs_keep_their_release_when_current_moves(agent):
     (["--run-id", "x", "--env", "NOEQUALS"], "usage", "KEY=VALUE"),
     (["--run-id", "x", "--stall-after", "0"], "usage", "positive"),
     (["--run-id", "x", "--config", "/nonexistent.yaml"], "not_found", "cannot read config"),
+    (["--run-id", "x", "--require-path=disk:data.train=/d"], "usage", "expected KIND:KEY=PATH"),
     (["--config", "c.yaml"], "usage", "--run-id"),
     (["--run-id", "x", "--source-json", "[1]"], "usage", "expected a JSON object"),
     # the source describes another release than the one `current` names (a deploy in between)
@@ -284,3 +286,104 @@ def test_oom_kill_is_flagged(agent):
     finally:
         wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), 10, "the cgroup to empty")
         group.rmdir()
+
+
+# --- preflight: what only the host can check, before anything of the run exists ------
+
+def nothing_of(agent, run_id):
+    """No run directory and no lock are left by a launch that was refused."""
+    assert not agent.run_dir(run_id).exists()
+    assert lock_holder(agent, "cpu") is None
+
+
+def test_preflight_names_every_missing_path_and_creates_nothing(agent):
+    release = agent.workspace / "releases" / RELEASE_ID
+    (release / "no-config-model").mkdir()
+    args = agent.launch_args("paths", WAIT, "--resource=cpu",
+                             "--require-path=model:target.path=/nonexistent/model",
+                             "--require-path=model:drafter.init=no-config-model",
+                             "--require-path=file:data.train=data/train.jsonl",
+                             "--require-path=file:data.eval=/",
+                             "--require-path=checkpoint:checkpoint.resume=~/no-such-checkpoint")
+    result = agent.run(*args)
+    assert (result.rc, result.json["kind"]) == (2, "host"), result.json
+    assert result.json["error"].split("; ") == [
+        "target.path: /nonexistent/model does not exist (and '/nonexistent/model' is not a Hugging Face hub id)",
+        f"drafter.init: {release}/no-config-model is not a Hugging Face model folder (no config.json)",
+        f"data.train: {release}/data/train.jsonl does not exist",
+        "data.eval: / is not a file",
+        f"checkpoint.resume: {Path.home()}/no-such-checkpoint is not a checkpoint (no state.json)",
+    ]
+    nothing_of(agent, "paths")
+
+
+def test_preflight_accepts_what_the_trainer_can_load(agent):
+    release = agent.workspace / "releases" / RELEASE_ID
+    (release / "model").mkdir()
+    (release / "model" / "config.json").write_text("{}")
+    (release / "data").mkdir()
+    (release / "data" / "train.jsonl").write_text("")
+    checkpoint = agent.workspace / "step_000010"
+    checkpoint.mkdir()
+    (checkpoint / "state.json").write_text("{}")
+    agent.launch("fine", [], "--require-path=model:target.path=model",
+                 "--require-path=model:target.path=Qwen/Qwen3-8B",  # a hub id: found by the trainer
+                 "--require-path=file:data.train=data/train.jsonl",
+                 f"--require-path=checkpoint:checkpoint.resume={checkpoint}",
+                 "--require-module=json")
+    agent.wait_state("fine", "SUCCEEDED")
+
+
+def test_preflight_names_the_interpreter_and_the_packages_it_lacks(agent, bare_python):
+    result = agent.run(*agent.launch_args("bare", WAIT, "--resource=cpu", f"--python={bare_python}",
+                                          "--require-module=json", "--require-module=torch",
+                                          "--require-module=transformers"))
+    assert (result.rc, result.json["kind"]) == (2, "host"), result.json
+    assert result.json["error"] == (f"the trainer's interpreter {bare_python} cannot import torch, transformers, "
+                                    "which the trainer needs")
+    nothing_of(agent, "bare")
+    result = agent.run(*agent.launch_args("gone", WAIT, "--python=/nonexistent/python3", "--require-module=torch"))
+    assert result.json["error"] == "the trainer's interpreter /nonexistent/python3 cannot run: No such file or directory"
+    nothing_of(agent, "gone")
+
+
+def test_values_in_the_options_own_word_are_never_options(agent):
+    agent.launch("dash", [], "--name=--force", "--env=A=-x", "--stall-after=9")
+    agent.wait_state("dash", "SUCCEEDED")
+    record = agent.read("dash", "run.json")
+    assert (record["name"], record["env_keys"], record["stall_after"]) == ("--force", ["A"], 9.0)
+
+
+def test_a_full_workspace_is_refused_before_anything_is_created(tmp_path):
+    with tmpfs(tmp_path / "disk", size_mib=32) as disk:
+        agent = Agent(make_workspace(disk))
+        try:
+            args = agent.launch_args("full", WAIT, "--resource=cpu")  # its config, written while there is room
+            fill(disk)
+            result = agent.run(*args)
+            assert (result.rc, result.json["kind"]) == (2, "host"), result.json
+            assert result.json["error"] == (f"only 0.0 MiB free on the filesystem of {agent.workspace}; "
+                                            f"a run needs at least {preflight.MIN_FREE_MIB} MiB")
+            assert not (agent.workspace / "runs").exists() and not (agent.workspace / "locks").exists()
+        finally:
+            agent.cleanup()
+
+
+@pytest.mark.parametrize("config_mib, file", [(90, "config.yaml"), (50, "run.json")])
+def test_a_disk_that_fills_up_during_the_launch_names_the_file(tmp_path, config_mib, file):
+    # 80 MiB free passes the preflight; the config (read from stdin) is written to
+    # runs/ID/config.yaml and again inside run.json, whichever no longer fits.
+    with tmpfs(tmp_path / "disk", size_mib=128) as disk:
+        agent = Agent(make_workspace(disk))
+        agent.track("big")
+        try:
+            fill(disk, leave_mib=80)
+            result = agent.run("launch", "--run-id=big", "--config=-", "--resource=cpu",
+                               stdin=b"#" * (config_mib << 20))
+            assert (result.rc, result.json["kind"]) == (2, "host"), result.json
+            path = str(agent.run_dir("big") / file)
+            assert result.json == {"error": f"no space left on device: cannot write {path}", "kind": "host",
+                                   "path": path}
+            nothing_of(agent, "big")
+        finally:
+            agent.cleanup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -121,6 +122,9 @@ def test_watch_resumes_after_the_ssh_connection_dies_with_no_gap_and_no_duplicat
     assert kills == 2, "the run ended before both connection drops"
     assert watch.returncode == 0, stderr
     assert stderr.count("reconnecting") >= 2
+    # The warning names what was cut off (the agent's follow), not the host's interpreter.
+    warnings = [line for line in stderr.splitlines() if "reconnecting" in line]
+    assert "agent follow" in stderr and not any(sys.executable in line for line in warnings), warnings
     remote_log = (bed.run_dir(run_id) / "train.log").read_bytes()
     assert b"".join(printed) == remote_log  # every line once, in order
     assert (bed.logs / "ct200" / run_id / "train.log").read_bytes() == remote_log

@@ -102,3 +102,34 @@ def test_loader_types_are_strict():
         with pytest.raises(dflash_schema.SchemaError) as info:
             dflash_schema.load(Part, bad, "x.yaml")
         assert info.value.where == where
+
+
+def test_a_host_given_twice_is_refused_naming_file_line_and_name(tmp_path):
+    path = write(tmp_path, """
+        hosts:
+          ct200: {transport: pct, ssh: root@n, container: 200, workspace: /w}
+          box: {transport: ssh, ssh: root@n, workspace: /w}
+          ct200: {transport: pct, ssh: root@n, container: 201, workspace: /w}
+    """)
+    with pytest.raises(DflashError) as info:
+        load_inventory(path)
+    assert info.value.exit_code == ExitCode.USAGE
+    assert info.value.message == f"{path}: line 5: key 'ct200' given twice (first at line 3)"
+
+
+@pytest.mark.parametrize("text, line, key", [
+    ("hosts:\n  box:\n    transport: ssh\n    ssh: root@n\n    workspace: /w\n    ssh: root@m\n", 6, "ssh"),
+    ("hosts:\n  box: {transport: ssh, ssh: root@n, workspace: /w, env: {A: '1', A: '2'}}\n", 2, "A"),
+    ("a:\n  - {x: 1}\n  - {y: 1,\n     y: 2}\n", 4, "y"),
+])
+def test_keys_given_twice_are_refused_at_any_depth(tmp_path, text, line, key):
+    path = tmp_path / "f.yaml"
+    path.write_text(text)
+    with pytest.raises(dflash_schema.SchemaError, match=rf"^{path}: line {line}: key '{key}' given twice"):
+        dflash_schema.read_yaml(path)
+
+
+def test_a_merged_key_may_be_overridden(tmp_path):
+    path = tmp_path / "f.yaml"
+    path.write_text("base: &base {a: 1, b: 2}\nhere:\n  <<: *base\n  a: 3\n")
+    assert dflash_schema.read_yaml(path)["here"] == {"a": 3, "b": 2}

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
 import torch
 from dflash_schema import SchemaError
@@ -79,6 +80,35 @@ def test_unknown_fault_thread_and_bad_keys_are_refused(tmp_path):
         load_train_config(write_config(tmp_path, BASE + "optim: {lrr: 1}\n"))
     with pytest.raises(SchemaError, match="step:N"):
         load_train_config(write_config(tmp_path, BASE + "faults: [{thread: prefetch, at: soon, kind: hang}]\n"))
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"optim": {"lr": -1}}, "optim: lr and epochs must be positive"),
+    ({"drafter": {"block_size": 1}}, "drafter: block_size must be at least 2"),
+    ({"target": {"tiny": {"num_heads": 3}}}, "target.tiny: num_heads must be a multiple of num_kv_heads"),
+    ({"faults": [{"thread": "prefetch", "at": "step:0", "kind": "hang"}]}, "faults[0]: at: steps count from 1"),
+    ({"devices": {"target": ["cpu"], "drafters": ["gpu"]}}, "devices: drafters: 'gpu' is not 'cpu'"),
+])
+def test_a_section_problem_names_its_key_path_once(tmp_path, section, message):
+    config = {**yaml.safe_load(BASE), **section}
+    path = write_config(tmp_path, yaml.safe_dump(config))
+    with pytest.raises(SchemaError) as info:
+        load_train_config(path)
+    assert str(info.value).startswith(f"{path}: {message}")
+
+
+def test_a_tiny_target_with_a_train_file_is_refused_naming_both_keys(tmp_path):
+    path = write_config(tmp_path, "target: {tiny: {}}\ndata: {train: chats.jsonl}\n")
+    with pytest.raises(SchemaError) as info:
+        load_train_config(path)
+    assert str(info.value).startswith(f"{path}: target.tiny makes its own data: use data.synthetic with it, "
+                                      "not data.train")
+
+
+def test_a_training_config_key_given_twice_is_refused(tmp_path):
+    path = write_config(tmp_path, BASE + "optim:\n  lr: 1.0e-3\n  epochs: 2\n  lr: 1.0e-2\n")
+    with pytest.raises(SchemaError, match=r"line 8: key 'lr' given twice \(first at line 6\)"):
+        load_train_config(path)
 
 
 def test_gpu_resources(tmp_path):

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from dflash_agent.jsonio import NO_SPACE
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
@@ -66,6 +67,10 @@ def _receiver(session: Session, host: Host, verb: str, release_id: str,
     if reply is None:
         reply = {"status": "error", "error": f"exit {done.exit_code}: "
                  f"{done.stderr.decode(errors='replace').strip()[-1000:]}"}
+    if reply.get("status") == "error" and reply.get("errno") in NO_SPACE:
+        # The host was reached; it cannot take the release until space is freed.
+        raise DflashError(f"host {host.name}: no space left on device in {host.workspace}: deploy {verb} "
+                          "failed; the previous release stays current", ExitCode.USAGE)
     if reply.get("status") == "error":
         raise DflashError(f"host {host.name}: deploy {verb} failed: {reply['error']}; "
                           "the previous release stays current", ExitCode.UNREACHABLE)

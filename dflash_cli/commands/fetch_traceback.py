@@ -1,7 +1,6 @@
 """dflash fetch-traceback: the complete traceback of the thread that failed first."""
 from __future__ import annotations
 
-import datetime
 import json
 import re
 from pathlib import Path
@@ -15,10 +14,9 @@ _THREAD_TAG = re.compile(r"^\S+ \[([^\]]+)\] ")
 
 
 def header(record: dict, ref: RunRef) -> str:
-    when = datetime.datetime.fromtimestamp(record.get("ts", 0), datetime.timezone.utc)
     step = f" at step {record['step']}" if record.get("step") is not None else ""
     return (f"==> run {ref.run_id} on {ref.host}: thread {record.get('thread')} failed in "
-            f"{record.get('phase')}{step} at {when.isoformat(timespec='milliseconds')} "
+            f"{record.get('phase')}{step} at {console.utc_time(record.get('ts', 0), 'milliseconds')} "
             f"({record.get('exc_type')}) <==\n")
 
 
@@ -38,7 +36,7 @@ def render_no_record(report: dict, ref: RunRef) -> str:
                  else f"exit code {exit_info.get('exit_code')}")
         if exit_info.get("oom_killed"):
             cause += " (the kernel's OOM killer)"
-        out.append(f"process ended: {cause} at {exit_info.get('ended_at')}\n")
+        out.append(f"process ended: {cause} at {console.utc_time(exit_info.get('ended_at'))}\n")
         out.append("exit.json: " + json.dumps(exit_info, sort_keys=True) + "\n")
     else:
         out.append("exit.json: absent (the supervisor did not record an exit)\n")
@@ -76,7 +74,10 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         console.say(f"run {ref.run_id} on {ref.host}: no error recorded (state {report.get('state')})")
         return ExitCode.OK
     if output:
-        output.write_text(text, encoding="utf-8", errors="surrogateescape")
+        try:
+            output.write_text(text, encoding="utf-8", errors="surrogateescape")
+        except OSError as exc:
+            raise DflashError(f"-o {output}: cannot write it ({exc.strerror or exc})", ExitCode.USAGE) from exc
         console.say(f"written to {output}")
     else:
         console.remote_text(text)

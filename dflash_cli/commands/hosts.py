@@ -19,6 +19,11 @@ from ..session import Session
 _PROBE = Path(gpus.__file__).read_text()
 
 
+def missing_packages(facts: dict) -> list[str]:
+    """The trainer's packages the host's interpreter lacks."""
+    return [name for name in gpus.TRAINER_PACKAGES if not facts["packages"].get(name)]
+
+
 def check(session: Session, host: Host) -> dict:
     done = session.transport(host).run([host.python, "-c", _PROBE, host.workspace], timeout=60)
     check_interpreter(host, done)
@@ -51,7 +56,9 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
         elif result is not None:
             found = ", ".join(f"{g['index']}:{g['name']}" for g in result["gpus"]) or "none"
             packages = result["packages"]
-            row += ["ok", result["python"], packages["torch"] or "-", packages["transformers"] or "-",
+            missing = missing_packages(result)
+            row += [f"not ok: {result['python_executable']} lacks {', '.join(missing)}" if missing else "ok",
+                    result["python"], packages["torch"] or "-", packages["transformers"] or "-",
                     result.get("gpus_problem", found), result["current_release"] or "-"]
         table.add_row(*map(Text, row))  # plain text: messages may hold [brackets]
         if as_json:
@@ -60,12 +67,14 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
             if isinstance(result, DflashError):
                 entry["error"] = result.message
             elif result is not None:
-                entry.update(result)
+                entry.update(result, missing_packages=missing_packages(result))
             console.data(json.dumps(entry) + "\n")
         elif not do_check:
             console.data(f"{host.name}\n")
-    console.human.print(table)
+    if not as_json:  # --json is the whole answer; a table on stderr would be noise
+        console.human.print(table)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
-    if not failures:
-        return ExitCode.OK
-    return ExitCode.UNREACHABLE if any(isinstance(f, UnreachableError) for f in failures) else ExitCode.USAGE
+    if any(isinstance(f, UnreachableError) for f in failures):
+        return ExitCode.UNREACHABLE
+    unfit = [r for r in results.values() if isinstance(r, dict) and missing_packages(r)]
+    return ExitCode.USAGE if failures or unfit else ExitCode.OK

@@ -6,8 +6,11 @@ import json
 import re
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dflash_schema
+from dflash_agent.gpus import TRAINER_PACKAGES
+from dflash_agent.layout import MAX_RUN_ID
 
 from .. import console
 from ..errors import DflashError, ExitCode
@@ -15,7 +18,10 @@ from ..local_state import RunRef, set_latest
 from ..session import Session
 from . import deploy
 
-_BAD_NAME = re.compile(r"[/\x00-\x1f]")
+if TYPE_CHECKING:
+    from dflash_train.config import TrainConfig
+
+_BAD_NAME = re.compile(r"[/\x00-\x1f\x7f]")
 
 
 def load_config(path: Path):
@@ -33,15 +39,39 @@ def new_run_id(name: str) -> str:
     return f"{name}-{stamp}-{secrets.token_hex(2)}"
 
 
+# The run id is the name plus a stamp; the agent refuses ids longer than MAX_RUN_ID.
+MAX_NAME = MAX_RUN_ID - len(new_run_id(""))
+
+
+def check_name(name: str) -> None:
+    """A run name becomes the start of a run id: one path component on the host, and an
+    argument of later commands (`dflash watch RUN`), so it may not look like an option."""
+    if not name.strip() or name[0] in ".-" or _BAD_NAME.search(name) or len(name) > MAX_NAME:
+        raise DflashError(f"--name {name!r}: a run name has 1 to {MAX_NAME} characters, does not start "
+                          "with '.' or '-', and holds no '/' or control characters", ExitCode.USAGE)
+
+
+def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
+    """(kind, key, path) of every path in the config, for the agent to check on the host
+    (the agent's --require-path: a file, a model folder or hub id, a checkpoint)."""
+    paths = []
+    if config.target.path is not None:
+        paths.append(("model", "target.path", config.target.path))
+    for key in ("train", "eval"):
+        if getattr(config.data, key) is not None:
+            paths.append(("file", f"data.{key}", getattr(config.data, key)))
+    if config.checkpoint.resume not in (None, "latest"):
+        paths.append(("checkpoint", "checkpoint.resume", config.checkpoint.resume))
+    return paths
+
+
 def run(session: Session, host_name: str, config_path: Path, name: str | None,
         force: bool, source_dir: Path | None) -> RunRef:
     """Start a run; returns its reference (the CLI prints the run id on stdout)."""
+    name = config_path.stem if name is None else name
+    check_name(name)
     host = session.host(host_name)
     config = load_config(config_path)
-    name = name or config_path.stem
-    if _BAD_NAME.search(name) or name.startswith(".") or not name.strip():
-        raise DflashError(f"--name {name!r}: a run name may not start with '.', be blank, "
-                          "or hold '/' or control characters", ExitCode.USAGE)
     tree, source = deploy.source_tree(source_dir)
     with deploy.upload_bars() as bars:
         result = deploy.deploy_host(session, host, tree, bars)
@@ -49,12 +79,13 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
         console.say(f"{host.name}: release {result.release_id} {result.status} "
                     f"({result.files_sent} files sent)")
     run_id = new_run_id(name)
-    args = ["--run-id", run_id, "--config", "-", "--name", name,
-            "--stall-after", str(config.stall_after), f"--source-json={json.dumps(source)}"]
-    for resource in config.resources():
-        args += ["--resource", resource]
-    for key, value in host.env.items():
-        args += ["--env", f"{key}={value}"]
+    # Every value in the option's own word (--key=value): none can read as an option.
+    args = [f"--run-id={run_id}", "--config=-", f"--name={name}", f"--stall-after={config.stall_after}",
+            f"--source-json={json.dumps(source)}"]
+    args += [f"--resource={resource}" for resource in config.resources()]
+    args += [f"--env={key}={value}" for key, value in host.env.items()]
+    args += [f"--require-module={package}" for package in TRAINER_PACKAGES]
+    args += [f"--require-path={kind}:{key}={path}" for kind, key, path in host_paths(config)]
     if force:
         args.append("--force")
     reply = session.agent(host.name).call("launch", *args, stdin=config_path.read_bytes())

@@ -1,7 +1,6 @@
 """dflash status / dflash runs: run states as the agent derives them on the host."""
 from __future__ import annotations
 
-import datetime
 import json
 
 from rich.table import Table
@@ -16,20 +15,14 @@ EXIT_FOR_STATE = {"FAILED": ExitCode.RUN_FAILED, "LOST": ExitCode.RUN_FAILED,
                   "STOPPED": ExitCode.STOPPED, "DEGRADED": ExitCode.RUN_FAILED}
 
 
-def _when(ts) -> str:
-    if not ts:
-        return ""
-    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def runs_table(host_name: str, runs: list[dict]) -> Table:
-    table = Table(title=f"runs on {host_name}", title_justify="left")
+def runs_table(title: str, runs: list[dict]) -> Table:
+    table = Table(title=title, title_justify="left")
     for column in ("run", "state", "step", "errors", "started", "ended", "release"):
         table.add_column(column)
     for r in runs:
         cells = (r["run_id"], r["state"], "" if r.get("step") is None else str(r["step"]),
-                 str(r.get("errors", 0)), _when(r.get("started_at")), _when(r.get("ended_at")),
-                 r.get("release_id") or "")
+                 str(r.get("errors", 0)), console.utc_time(r.get("started_at")),
+                 console.utc_time(r.get("ended_at")), r.get("release_id") or "")
         table.add_row(*map(Text, cells))  # plain text: run names may hold [brackets]
     return table
 
@@ -42,7 +35,7 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
         console.data(json.dumps(status) + "\n")
     else:
         console.data(f"{status['state']}\n")
-        console.human.print(runs_table(ref.host, [status]))
+        console.human.print(runs_table(f"run {ref.run_id} on {ref.host}", [status]))
         if status.get("source"):
             console.say(f"source: {provenance.summary(status['source'])}")
     return EXIT_FOR_STATE.get(status["state"], ExitCode.OK)
@@ -57,5 +50,5 @@ def list_runs(session: Session, host_names: list[str], as_json: bool) -> ExitCod
         else:
             for r in runs:
                 console.data(f"{name}\t{r['run_id']}\t{r['state']}\n")
-            console.human.print(runs_table(name, runs))
+            console.human.print(runs_table(f"runs on {name}", runs))
     return ExitCode.OK

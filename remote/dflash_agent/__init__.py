@@ -6,17 +6,31 @@ The CLI runs it as one argv (quoted once by the transport):
     <python> <workspace>/current/remote/agent.py --workspace <workspace> VERB [options]
 
 Every verb but `follow` prints exactly one JSON object on stdout and exits 0; on a
-problem it prints {"error": "<message>", "kind": "<usage|not_found|conflict|internal>"}
-and exits 2 (usage/conflict/not_found) or 1 (internal); an error may carry more keys
-(a lock conflict adds "holder": the run id holding it, and "resource"). stderr is
-free-form; --help goes to stderr too.
+problem it prints {"error": "<message>", "kind": "<usage|not_found|conflict|host|internal>"}
+and exits 2 (usage/conflict/not_found/host) or 1 (internal); an error may carry more keys
+(a lock conflict adds "holder": the run id holding it, and "resource"). Kind "host": the
+host was reached but cannot take the request (the trainer's interpreter lacks a
+package, a path of the config is missing, no space left: a write that failed for want
+of space, in any verb, adds "path", the file it could not write). stderr is free-form;
+--help goes to stderr too. Every option takes its value in the same word too
+(--name=VALUE): the CLI passes user values that way, so none can read as an option.
 
 Verbs
 -----
 launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          [--env KEY=VALUE]... [--python EXE] [--stall-after S=300] [--source-json JSON]
-         Creates runs/ID/, copies the config to runs/ID/config.yaml (a relative PATH
-         is read from the release root; "-" reads the config from stdin), takes the locks
+         [--require-module NAME]... [--require-path KIND:KEY=PATH]...
+         First checks what only the host can (preflight.py), all at once, before
+         anything of the run exists: at least 64 MiB free in the workspace; each
+         --require-module found by the trainer's interpreter (--python, run with the
+         trainer's environment); each --require-path, PATH as the trainer resolves it
+         (~ expanded, relative to the release root), KEY the config key it came from:
+         KIND file (an existing file), checkpoint (a folder holding state.json) or
+         model (a folder holding config.json, or, when no such path exists, a Hugging
+         Face hub id such as org/name). Problems -> kind "host" naming each key or
+         package and host path. Then creates runs/ID/, copies the config to
+         runs/ID/config.yaml (a relative PATH is read from the release root; "-"
+         reads the config from stdin), takes the locks
          for its resources (GPU indices as "gpu0", "gpu1", or "cpu" for a CPU-only run;
          a lock held by a non-terminal run -> kind "conflict" naming that run, unless
          --force), then starts a supervisor in a new session (setsid; stdin /dev/null;
@@ -37,7 +51,8 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          supervisor {pid, start_time} and source: the --source-json object (where the
          release came from, DESIGN.md; null without it), whose "release_id" must name
          the current release, else kind "conflict". `launch` returns after run.json exists:
-         {"run_id", "run_dir", "pid", "pgid", "release_id"}.
+         {"run_id", "run_dir", "pid", "pgid", "release_id"}. A launch that fails before
+         run.json exists leaves no run directory and no lock.
 status   [--run-id ID]    {"runs": [RunStatus...]} (all runs if no id; newest first)
          RunStatus = {"run_id", "name", "state", "pid", "started_at", "ended_at",
                       "exit": exit.json or null, "errors": n_records,

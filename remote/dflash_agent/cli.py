@@ -9,7 +9,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from .jsonio import FINGERPRINT_BYTES, AgentError, emit
+from .jsonio import FINGERPRINT_BYTES, NO_SPACE, AgentError, emit, no_space
 from .layout import Workspace
 
 
@@ -71,6 +71,16 @@ def _env_pair(text: str) -> Tuple[str, str]:
     return key, value
 
 
+def _path_requirement(text: str) -> Tuple[str, str, str]:
+    from .preflight import PATH_KINDS
+    kind, colon, rest = text.partition(":")
+    key, equals, path = rest.partition("=")
+    if not colon or not equals or kind not in PATH_KINDS or not key or not path:
+        raise argparse.ArgumentTypeError("expected KIND:KEY=PATH with KIND one of %s, got %r"
+                                         % (", ".join(PATH_KINDS), text))
+    return kind, key, path
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="agent.py", description="dflash agent (JSON on stdout)")
     parser.add_argument("--workspace", required=True, help="the host's dflash workspace")
@@ -87,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default=sys.executable or "python3")
     p.add_argument("--stall-after", type=_positive, default=300.0)
     p.add_argument("--source-json", type=_json_object, help="where the release came from (run.json's source)")
+    p.add_argument("--require-module", action="append", default=[], metavar="NAME",
+                   help="a module the trainer's interpreter must find (checked before anything starts)")
+    p.add_argument("--require-path", action="append", default=[], type=_path_requirement,
+                   metavar="KIND:KEY=PATH", help="a path of the config that must exist on this host")
 
     p = verbs.add_parser("status", help="RunStatus of one run or of all, newest first")
     p.add_argument("--run-id")
@@ -126,7 +140,7 @@ def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     return launch(ws, LaunchRequest(
         run_id=args.run_id, config=args.config, name=args.name, resources=tuple(args.resource),
         force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after,
-        source=args.source_json))
+        source=args.source_json, modules=tuple(args.require_module), paths=tuple(args.require_path)))
 
 
 def _status(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
@@ -200,8 +214,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     except BrokenPipeError:
         return _reader_gone()
+    except OSError as exc:
+        if exc.errno not in NO_SPACE:
+            return _internal_error(exc)
+        error = no_space(exc.filename)
+        emit(error.as_json())
+        return error.exit_code
     except BaseException as exc:  # noqa: BLE001 - the caller must get JSON whatever happens
-        traceback.print_exc()
-        emit({"error": "%s: %s" % (type(exc).__name__, exc), "kind": "internal"})
-        return 1
+        return _internal_error(exc)
+
+
+def _internal_error(exc: BaseException) -> int:
+    traceback.print_exc()
+    emit({"error": "%s: %s" % (type(exc).__name__, exc), "kind": "internal"})
+    return 1
 

@@ -20,6 +20,9 @@ QUERY_FIELDS = ("index", "name", "memory.used", "memory.total", "utilization.gpu
 KEYS = (("index", int), ("name", str), ("memory_used_mib", float), ("memory_total_mib", float),
         ("utilization_pct", float), ("temperature_c", float), ("power_w", float))
 NVIDIA_SMI_TIMEOUT_S = 15.0
+# The packages dflash_train needs beyond the standard library (PyYAML and safetensors
+# come with transformers); their distribution and module names are the same.
+TRAINER_PACKAGES = ("torch", "transformers")
 
 
 def _value(text: str, kind: type) -> Any:
@@ -97,7 +100,7 @@ def host_facts(workspace: str) -> Dict[str, Any]:
         "python_executable": sys.executable,
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
-        "packages": {name: _package_version(name) for name in ("torch", "transformers")},
+        "packages": {name: _package_version(name) for name in TRAINER_PACKAGES},
         "gpus": found,
         "current_release": _current_release(workspace),
     }

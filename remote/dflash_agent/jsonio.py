@@ -5,6 +5,7 @@ line, valid UTF-8 even when the data holds undecodable log bytes (see `decode_by
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -22,7 +23,7 @@ _TMP_COUNTER = itertools.count()
 class AgentError(Exception):
     """A problem reported to the caller as {"error", "kind", ...extra} with exit 2 or 1."""
 
-    EXIT_CODES = {"usage": 2, "not_found": 2, "conflict": 2, "internal": 1}
+    EXIT_CODES = {"usage": 2, "not_found": 2, "conflict": 2, "host": 2, "internal": 1}
 
     def __init__(self, message: str, kind: str = "internal", **extra: Any):
         super().__init__(message)
@@ -38,6 +39,16 @@ class AgentError(Exception):
         out = {"error": self.message, "kind": self.kind}
         out.update(self.extra)
         return out
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, no inodes left, or a quota reached
+
+
+def no_space(path: Optional[str]) -> AgentError:
+    """A write that failed for want of space: the host was reached but cannot take it
+    (kind "host", exit 2), naming the path."""
+    return AgentError("no space left on device: cannot write %s" % (path or "in the workspace"),
+                      "host", path=path)
 
 
 def decode_bytes(data: bytes) -> str:
@@ -75,11 +86,13 @@ def write_atomic(path: str, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            exc.filename = path  # the file meant, not the temp file (a failed write() names none)
         raise
 
 

@@ -12,14 +12,16 @@ import dataclasses
 import json
 import os
 import select
+import shutil
 import sys
 import time
 import traceback
 from typing import Any, Dict, Optional, Tuple
 
-from . import locks
-from .jsonio import AgentError, read_tail_text, write_atomic
+from . import locks, preflight
+from .jsonio import NO_SPACE, AgentError, no_space, read_tail_text, write_atomic
 from .layout import RunDir, Workspace
+from .preflight import PathRequirement
 from .supervisor import TrainerPlan, supervise
 
 REPORT_TIMEOUT_S = 60.0
@@ -36,6 +38,8 @@ class LaunchRequest:
     python: str = sys.executable
     stall_after: float = 300.0
     source: Optional[Dict[str, Any]] = None  # where the release came from; names its release_id
+    modules: Tuple[str, ...] = ()  # the trainer's interpreter must find these
+    paths: Tuple[PathRequirement, ...] = ()  # the config's host paths that must exist
 
 
 def _read_config(request: LaunchRequest, release_root: str) -> bytes:
@@ -76,6 +80,8 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
                          "ran in between?)" % (release_id, request.source.get("release_id")), "conflict")
     config = _read_config(request, release_root)
     run = ws.run(request.run_id)
+    env = _trainer_env(ws, run, release_id, release_root, request.env)
+    preflight.check(ws.root, release_root, request.python, env, request.modules, request.paths)
     os.makedirs(ws.runs, exist_ok=True)
     try:
         os.mkdir(run.path)  # claims the run id
@@ -91,13 +97,14 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
         plan = TrainerPlan(
             workspace=ws, run=run, name=request.name, release_id=release_id,
             release_root=release_root, config_source=request.config, python=request.python,
-            env=_trainer_env(ws, run, release_id, release_root, request.env),
+            env=env,
             env_keys=tuple(key for key, _ in request.env), resources=request.resources,
             stall_after=request.stall_after, source=request.source)
         report = _start_supervisor(plan)
     except BaseException:
         if not os.path.exists(run.run_json):  # nothing started: the locks are ours to drop
             locks.release(ws, request.resources, run.run_id)
+            shutil.rmtree(run.path, ignore_errors=True)  # and the run id: it never became a run
         raise
     return {"run_id": run.run_id, "run_dir": run.path, "pid": report["pid"],
             "pgid": report["pgid"], "release_id": release_id}
@@ -146,6 +153,8 @@ def _start_supervisor(plan: TrainerPlan) -> Dict[str, Any]:
         message = _read_report(report_r)
     finally:
         os.close(report_r)
+    if message.get("errno") in NO_SPACE:
+        raise no_space(message.get("filename"))
     if not message.get("ok"):
         detail = message.get("error") or "the supervisor exited without reporting"
         raise AgentError("launch of run %r failed: %s\n%s" % (

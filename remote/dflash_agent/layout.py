@@ -105,8 +105,11 @@ class RunDir:
         return self.file("faulthandler.log")
 
 
+MAX_RUN_ID = 200  # characters; the CLI bounds run names by it, before deploying
+
+
 def check_run_id(run_id: str) -> None:
     """Run ids become one path component: spaces and quotes are fine, separators not."""
-    if not run_id or run_id in (".", "..") or "/" in run_id or "\0" in run_id or len(run_id) > 200:
-        raise AgentError("invalid run id %r: one path component of at most 200 characters, "
-                         "without '/'" % run_id, "usage")
+    if not run_id or run_id in (".", "..") or "/" in run_id or "\0" in run_id or len(run_id) > MAX_RUN_ID:
+        raise AgentError("invalid run id %r: one path component of at most %d characters, "
+                         "without '/'" % (run_id, MAX_RUN_ID), "usage")

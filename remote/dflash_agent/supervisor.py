@@ -137,7 +137,8 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
     except BaseException as exc:
         os.close(pipes["go_w"])  # the child reads EOF and exits without exec
         os.waitpid(pid, 0)
-        _send(report_fd, {"ok": False, "error": "%s: %s" % (type(exc).__name__, exc)})
+        _send(report_fd, {"ok": False, "error": "%s: %s" % (type(exc).__name__, exc),
+                          "errno": getattr(exc, "errno", None), "filename": getattr(exc, "filename", None)})
         os.close(report_fd)
         raise
     os.write(pipes["go_w"], b"g")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -28,8 +29,43 @@ class SchemaError(ValueError):
         super().__init__(f"{location}: {problem}")
 
 
+class DuplicateKey(Exception):
+    """A mapping gives one key twice; lines count from 1."""
+
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(f"line {line}: key {key!r} given twice (first at line {first_line})")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+@functools.lru_cache(maxsize=None)
+def _strict_loader() -> type:
+    """PyYAML's SafeLoader, refusing a key given twice in one mapping at any depth
+    (SafeLoader keeps the last one, so a second `ct200:` would replace the first
+    without a word). Built on first use: yaml is imported only when a file is read."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                first_lines: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # `<<: *base` keys may be overridden: that is what merging is for
+                    key = self.construct_object(key_node, deep=True)
+                    line = key_node.start_mark.line + 1
+                    try:
+                        if key in first_lines:
+                            raise DuplicateKey(key, line, first_lines[key])
+                        first_lines[key] = line
+                    except TypeError:
+                        continue  # an unhashable key: SafeLoader's own error names it
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
 def read_yaml(path: str | Path) -> Any:
-    """Parse a YAML file, turning I/O and syntax errors into SchemaError."""
+    """Parse a YAML file, turning I/O and syntax errors and keys given twice into SchemaError."""
     import yaml  # imported here so modules that only define schemas stay import-light
 
     path = Path(path)
@@ -38,7 +74,9 @@ def read_yaml(path: str | Path) -> Any:
     except OSError as exc:
         raise SchemaError(str(path), "", f"cannot read file ({exc.strerror or exc})") from exc
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
+    except DuplicateKey as exc:
+        raise SchemaError(str(path), "", str(exc)) from exc
     except yaml.YAMLError as exc:
         raise SchemaError(str(path), "", f"invalid YAML: {exc}") from exc
 

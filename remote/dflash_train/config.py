@@ -3,7 +3,8 @@
 The CLI imports this module to validate a config before deploying it, so it must not
 import torch or transformers. Every component is a small frozen dataclass loaded by
 dflash_schema; cross-field rules live in `__post_init__` (the loader turns their
-ValueError into a SchemaError naming the file).
+ValueError into a SchemaError naming the file and the section's key path, so a
+section's message names its keys relative to the section: "optim: lr must be ...").
 """
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ class TinyTargetSpec:
     def __post_init__(self) -> None:
         if min(self.vocab_words, self.hidden_size, self.intermediate_size, self.num_layers,
                self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
-            raise ValueError("target.tiny: every size must be positive")
+            raise ValueError("every size must be positive")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError("target.tiny.num_heads must be a multiple of num_kv_heads")
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.tiny is None):
-            raise ValueError("target: give exactly one of 'path' (a model folder) or 'tiny' (a spec)")
+            raise ValueError("give exactly one of 'path' (a model folder) or 'tiny' (a spec)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +78,12 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0 or self.num_anchors <= 0 or self.loss_gamma <= 0:
-            raise ValueError("drafter: num_layers, num_anchors and loss_gamma must be positive")
+            raise ValueError("num_layers, num_anchors and loss_gamma must be positive")
         if self.block_size < 2:
-            raise ValueError("drafter.block_size must be at least 2 (an anchor plus one draft token)")
+            raise ValueError("block_size must be at least 2 (an anchor plus one draft token)")
         if self.target_layer_ids is not None and (
                 not self.target_layer_ids or min(self.target_layer_ids) < 0):
-            raise ValueError("drafter.target_layer_ids must be a non-empty list of layer indices >= 0")
+            raise ValueError("target_layer_ids must be a non-empty list of layer indices >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +108,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if (self.train is None) == (self.synthetic is None):
-            raise ValueError("data: give exactly one of 'train' (a jsonl file) or 'synthetic'")
+            raise ValueError("give exactly one of 'train' (a jsonl file) or 'synthetic'")
         if self.synthetic is not None and self.eval is not None:
-            raise ValueError("data: 'eval' comes from the synthetic data when 'synthetic' is set")
+            raise ValueError("'eval' comes from the synthetic data when 'synthetic' is set")
         if self.max_length <= 1 or self.pad_multiple <= 0:
-            raise ValueError("data: max_length must exceed 1 and pad_multiple be positive")
+            raise ValueError("max_length must exceed 1 and pad_multiple be positive")
         if self.token_budget < self.max_length:
-            raise ValueError(f"data.token_budget ({self.token_budget}) must hold one sequence "
+            raise ValueError(f"token_budget ({self.token_budget}) must hold one sequence "
                              f"of max_length ({self.max_length})")
 
     def padded_lengths(self) -> tuple[int, ...]:
@@ -145,11 +146,11 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2:
-            raise ValueError("optim.betas must be two numbers")
+            raise ValueError("betas must be two numbers")
         if self.lr <= 0 or self.epochs <= 0 or not 0 <= self.warmup_ratio < 1:
-            raise ValueError("optim: lr and epochs must be positive, warmup_ratio in [0, 1)")
+            raise ValueError("lr and epochs must be positive, warmup_ratio in [0, 1)")
         if self.max_steps is not None and self.max_steps <= 0:
-            raise ValueError("optim.max_steps must be positive")
+            raise ValueError("max_steps must be positive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,15 +161,15 @@ class DevicesConfig:
     def __post_init__(self) -> None:
         for key, devices in (("target", self.target), ("drafters", self.drafters)):
             if not devices:
-                raise ValueError(f"devices.{key} must list at least one device")
+                raise ValueError(f"{key} must list at least one device")
             bad = [d for d in devices if not _DEVICE.match(d)]
             if bad:
-                raise ValueError(f"devices.{key}: {bad[0]!r} is not 'cpu', 'cuda' or 'cuda:N'")
+                raise ValueError(f"{key}: {bad[0]!r} is not 'cpu', 'cuda' or 'cuda:N'")
         kinds = {d.split(":")[0] for d in self.target + self.drafters}
         if len(kinds) > 1:
-            raise ValueError("devices: mixing cpu and cuda devices is not supported")
+            raise ValueError("mixing cpu and cuda devices is not supported")
         if len(self.target) > len(self.drafters):
-            raise ValueError("devices: more target devices than drafters (each target serves drafters)")
+            raise ValueError("more target devices than drafters (each target serves drafters)")
 
     @property
     def cpu_only(self) -> bool:
@@ -183,7 +184,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         if self.queue_size <= 0 or self.poll_s <= 0:
-            raise ValueError("pipeline: queue_size and poll_s must be positive")
+            raise ValueError("queue_size and poll_s must be positive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +196,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.num_prompts < 0 or self.max_new_tokens <= 0:
-            raise ValueError("eval: every/num_prompts must be >= 0 and max_new_tokens > 0")
+            raise ValueError("every/num_prompts must be >= 0 and max_new_tokens > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +208,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep <= 0:
-            raise ValueError("checkpoint: every must be >= 0 and keep positive")
+            raise ValueError("every must be >= 0 and keep positive")
 
 
 _FAULT_AT = re.compile(r"^(startup|step:(\d+))$")
@@ -226,11 +227,11 @@ class FaultSpec:
     def __post_init__(self) -> None:
         match = _FAULT_AT.match(self.at)
         if not match:
-            raise ValueError(f"faults: at must be 'startup' or 'step:N', got {self.at!r}")
+            raise ValueError(f"at must be 'startup' or 'step:N', got {self.at!r}")
         if match.group(2) is not None and int(match.group(2)) <= 0:
-            raise ValueError("faults: steps count from 1")
+            raise ValueError("at: steps count from 1")
         if self.depth < 1 or not 0 < self.code < 256:
-            raise ValueError("faults: depth must be >= 1 and code in 1..255")
+            raise ValueError("depth must be >= 1 and code in 1..255")
 
     @property
     def step(self) -> int | None:
@@ -247,7 +248,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.torch_threads is not None and self.torch_threads <= 0:
-            raise ValueError("runtime.torch_threads must be positive")
+            raise ValueError("torch_threads must be positive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +282,9 @@ class TrainConfig:
             raise ValueError(problem)
         if self.data.synthetic is not None and self.target.tiny is None:
             raise ValueError("data.synthetic needs target.tiny (responses come from the tiny target)")
+        if self.target.tiny is not None and self.data.train is not None:
+            raise ValueError("target.tiny makes its own data: use data.synthetic with it, not data.train "
+                             "(or train a real model: target.path)")
         known = self.thread_names()
         for i, fault in enumerate(self.faults):
             if fault.thread not in known:

@@ -1,0 +1,100 @@
+"""What only the host can check before a run starts, in the `launch` verb itself (so it
+costs no extra round trip): the trainer's interpreter finds the packages it needs,
+the config's paths exist here, and the workspace has room.
+
+The CLI validates everything it can locally; the config's paths are host paths and
+the interpreter is the host's, so these checks happen here, before anything of the run
+is created. Every problem names the config key or package and the host path; all of
+them are reported at once, as one AgentError of kind "host".
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from typing import Optional, Sequence, Tuple
+
+from .jsonio import AgentError
+
+# Below this a run cannot even be sure to write its logs and a tiny model's checkpoint;
+# a run that needs more fails on its own when it writes (and says where).
+MIN_FREE_MIB = 64
+PATH_KINDS = ("file", "model", "checkpoint")
+MODULE_CHECK_TIMEOUT_S = 60.0
+# A Hugging Face hub id ("Qwen/Qwen3-8B"): dflash_train loads target.path as one when no
+# such folder exists on the host, from the host's HF cache or the hub.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+# Run by the trainer's interpreter: which of argv's top-level modules it cannot find.
+# find_spec locates a package without importing it, so this stays fast.
+_FIND_MODULES = ("import importlib.util, json, sys\n"
+                 "print(json.dumps([n for n in sys.argv[1:] if importlib.util.find_spec(n) is None]))\n")
+
+PathRequirement = Tuple[str, str, str]  # (kind, config key, path as the config gives it)
+
+
+def check(workspace: str, release_root: str, python: str, env: Sequence[Tuple[str, str]],
+          modules: Sequence[str], paths: Sequence[PathRequirement]) -> None:
+    """Raise AgentError(kind="host") listing every problem found; return when none."""
+    problems = [_free_space_problem(workspace)]
+    problems += [_path_problem(kind, key, path, release_root) for kind, key, path in paths]
+    if modules:
+        problems.append(_module_problem(python, env, modules))
+    found = [problem for problem in problems if problem]
+    if found:
+        raise AgentError("; ".join(found), "host")
+
+
+def resolve(path: str, release_root: str) -> str:
+    """A config path as the trainer resolves it (dflash_train.config.resolve_path):
+    `~` expanded, relative paths from the release root."""
+    return os.path.normpath(os.path.join(release_root, os.path.expanduser(path)))
+
+
+def _path_problem(kind: str, key: str, path: str, release_root: str) -> Optional[str]:
+    where = resolve(path, release_root)
+    if kind == "file":
+        if os.path.isfile(where):
+            return None
+        return "%s: %s %s" % (key, where, "is not a file" if os.path.exists(where) else "does not exist")
+    if kind == "checkpoint":
+        if os.path.isfile(os.path.join(where, "state.json")):
+            return None
+        return "%s: %s is not a checkpoint (no state.json)" % (key, where)
+    # kind "model": a Hugging Face model folder, or a hub id when no such path exists
+    if os.path.exists(where):
+        if os.path.isfile(os.path.join(where, "config.json")):
+            return None
+        return "%s: %s is not a Hugging Face model folder (no config.json)" % (key, where)
+    if _HUB_ID.match(path) and ".." not in path:
+        return None
+    return "%s: %s does not exist (and %r is not a Hugging Face hub id)" % (key, where, path)
+
+
+def _module_problem(python: str, env: Sequence[Tuple[str, str]], modules: Sequence[str]) -> Optional[str]:
+    """Run the trainer's interpreter with the trainer's environment and ask it."""
+    try:
+        done = subprocess.run([python, "-c", _FIND_MODULES] + list(modules), env=dict(env), cwd="/",
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=MODULE_CHECK_TIMEOUT_S)
+    except OSError as exc:
+        return "the trainer's interpreter %s cannot run: %s" % (python, exc.strerror or exc)
+    except subprocess.TimeoutExpired:
+        return "the trainer's interpreter %s did not answer within %.0f s" % (python, MODULE_CHECK_TIMEOUT_S)
+    try:
+        missing = json.loads(done.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        detail = done.stderr.decode("utf-8", "replace").strip()[-500:]
+        return "the trainer's interpreter %s failed (exit %d): %s" % (python, done.returncode, detail)
+    if not missing:
+        return None
+    return ("the trainer's interpreter %s cannot import %s, which the trainer needs"
+            % (python, ", ".join(missing)))
+
+
+def _free_space_problem(workspace: str) -> Optional[str]:
+    stat = os.statvfs(workspace)
+    free_mib = stat.f_bavail * stat.f_frsize / (1 << 20)
+    if free_mib >= MIN_FREE_MIB:
+        return None
+    return ("only %.1f MiB free on the filesystem of %s; a run needs at least %d MiB"
+            % (free_mib, workspace, MIN_FREE_MIB))

@@ -1,0 +1,205 @@
+"""Bad input is caught where it can first be seen: here before anything is sent, or by
+the host in the launch itself (the agent's preflight) before anything starts; each
+with a message naming what and where, and exit 2. Over sshd and the fake pct."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_agent import preflight, procfs
+from dflash_run import dflash
+from support import container_workspace, workspace_on_node
+from support.disk import fill, tmpfs
+from support.train_configs import small_config
+
+pytestmark = pytest.mark.timeout(300)
+ISO_UTC = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00"
+
+
+def nothing_started(workspace: Path) -> None:
+    """No run directory and no lock file on the host."""
+    runs = workspace / "runs"
+    assert not runs.exists() or not list(runs.iterdir())
+    locks = workspace / "locks"
+    assert not locks.exists() or not list(locks.glob("*.json"))
+
+
+# --- caught here, before anything is sent ----------------------------------------------
+
+@pytest.mark.parametrize("name", ["-x", "--force", "n" * 250, ".hidden", "a/b", "tab\there", ""])
+def test_a_bad_run_name_is_refused_before_anything_is_sent(make_inventory, fake_pve, tmp_path, name):
+    done = dflash("launch", "ct200", "--config", str(small_config(tmp_path / "c.yaml")), "--name", name,
+                  hosts=make_inventory(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert f"--name {name!r}: a run name has 1 to 179 characters" in done.stderr
+    assert not workspace_on_node(fake_pve, tmp_path).exists()  # nothing deployed
+
+
+def test_the_longest_name_makes_the_longest_run_id(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    done = dflash("launch", "node", "--config", str(small_config(tmp_path / "c.yaml")), "--name", "n" * 179,
+                  hosts=hosts)
+    assert done.returncode == 0, done.stderr
+    (run_id,) = done.stdout.split()
+    assert len(run_id) == 200
+    assert dflash("stop", run_id, "--host", "node", hosts=hosts).returncode == 0
+
+
+def test_a_tiny_target_with_a_train_file_is_refused_before_anything_is_sent(make_inventory, fake_pve, tmp_path):
+    config = small_config(tmp_path / "c.yaml")
+    text = yaml.safe_load(config.read_text())
+    text["data"] = {"train": "data/chats.jsonl", "max_length": 128, "token_budget": 1024}
+    config.write_text(yaml.safe_dump(text))
+    done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert (f"{config}: target.tiny makes its own data: use data.synthetic with it, not data.train"
+            in done.stderr)
+    assert "AssertionError" not in done.stderr
+    assert not workspace_on_node(fake_pve, tmp_path).exists()
+
+
+def test_a_host_named_twice_in_the_inventory_is_refused(tmp_path):
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("hosts:\n"
+                     "  gpu1: {transport: ssh, ssh: root@10.0.0.1, workspace: /w}\n"
+                     "  gpu2: {transport: ssh, ssh: root@10.0.0.2, workspace: /w}\n"
+                     "  gpu1: {transport: ssh, ssh: root@10.0.0.3, workspace: /w}\n")
+    done = dflash("hosts", hosts=hosts)
+    assert done.returncode == 2
+    assert done.stderr == f"dflash: error: {hosts}: line 4: key 'gpu1' given twice (first at line 2)\n"
+
+
+def test_fetch_traceback_into_a_missing_folder_is_refused_without_asking_the_host(make_inventory, tmp_path):
+    # `down` cannot be reached: a refusal that asked it would say so, with exit 3.
+    done = dflash("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "some-run", "--host", "down",
+                  "-o", "/nonexistent/dir/tb.txt", hosts=make_inventory(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert "/nonexistent/dir/tb.txt: the folder /nonexistent/dir does not exist" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_a_run_id_that_reads_as_an_option_is_refused(make_inventory, tmp_path):
+    done = dflash("status", "--host", "node", "--", "--force", hosts=make_inventory(tmp_path))
+    assert done.returncode == 2
+    assert "'--force' is not a run id" in done.stderr
+
+
+# --- caught by the host, in the launch, before anything starts --------------------------
+
+def test_paths_missing_on_the_host_are_named_before_anything_starts(make_inventory, fake_pve, tmp_path):
+    config = tmp_path / "real.yaml"
+    config.write_text(yaml.safe_dump({"target": {"path": "/nonexistent/model"},
+                                      "data": {"train": "/nonexistent/chats.jsonl", "eval": "data/eval.jsonl"}}))
+    done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    release_id = (workspace_on_node(fake_pve, tmp_path) / "current").resolve().name
+    release = container_workspace(fake_pve, tmp_path) / "releases" / release_id  # as the container sees it
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
+    assert error == (
+        "dflash: error: host ct200: target.path: /nonexistent/model does not exist "
+        "(and '/nonexistent/model' is not a Hugging Face hub id); "
+        "data.train: /nonexistent/chats.jsonl does not exist; "
+        f"data.eval: {release}/data/eval.jsonl does not exist")
+    nothing_started(workspace_on_node(fake_pve, tmp_path))
+
+
+def test_a_python_without_torch_is_not_ok_and_launches_nothing(make_inventory, bare_python, tmp_path):
+    hosts = make_inventory(tmp_path, ct201=None, ct999=None, down=None, node={"python": bare_python})
+    check = dflash("hosts", "--check", hosts=hosts)
+    assert check.returncode == 2, check.stderr
+    (row,) = [line for line in check.stderr.splitlines() if line.startswith("│ node")]
+    assert "not ok: " in row
+    as_json = dflash("hosts", "--check", "--json", hosts=hosts)
+    assert as_json.returncode == 2
+    entries = {e["host"]: e for e in map(json.loads, as_json.stdout.splitlines())}
+    assert entries["node"]["missing_packages"] == ["torch", "transformers"]
+    assert entries["node"]["python_executable"] == bare_python
+    assert entries["ct200"]["missing_packages"] == []
+
+    done = dflash("launch", "node", "--config", str(small_config(tmp_path / "c.yaml")), hosts=hosts)
+    assert done.returncode == 2, done.stderr
+    assert (f"host node: the trainer's interpreter {bare_python} cannot import torch, transformers, "
+            "which the trainer needs") in " ".join(done.stderr.split())
+    nothing_started(tmp_path / "node ws")
+
+
+def test_a_full_disk_is_named_with_its_host_and_path(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    config = small_config(tmp_path / "c.yaml")
+    with tmpfs(tmp_path / "node ws", size_mib=16) as workspace:
+        filler = fill(workspace)  # before the release is there: the deploy of the launch fails
+        done = dflash("launch", "node", "--config", str(config), hosts=hosts)
+        assert done.returncode == 2, done.stderr
+        assert (f"dflash: error: host node: no space left on device in {workspace}: deploy install failed; "
+                "the previous release stays current") in done.stderr
+        filler.unlink()
+        assert dflash("deploy", "node", hosts=hosts).returncode == 0
+        fill(workspace)  # the release is there: the agent's preflight refuses the run
+        done = dflash("launch", "node", "--config", str(config), hosts=hosts)
+        assert done.returncode == 2, done.stderr
+        assert (f"dflash: error: host node: only 0.0 MiB free on the filesystem of {workspace}; "
+                f"a run needs at least {preflight.MIN_FREE_MIB} MiB") in " ".join(done.stderr.split())
+        assert "Errno" not in done.stderr
+        nothing_started(workspace)
+
+
+def test_fetch_traceback_that_cannot_write_its_file_says_so(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    assert dflash("deploy", "node", hosts=hosts).returncode == 0
+    fabricate_run(tmp_path / "node ws", "died-1", 1)
+    with tmpfs(tmp_path / "out", size_mib=1) as out:
+        fill(out)
+        done = dflash("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "died-1", "--host", "node",
+                      "-o", str(out / "tb.txt"), hosts=hosts)
+    assert done.returncode == 2, done.stderr
+    assert f"dflash: error: -o {out}/tb.txt: cannot write it (No space left on device)" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# --- what the CLI shows ------------------------------------------------------------------
+
+def fabricate_run(workspace: Path, run_id: str, exit_code: int) -> float:
+    """A finished run as the agent leaves one (run.json, exit.json); returns its end time."""
+    run_dir = workspace / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    ended = time.time()
+    (run_dir / "run.json").write_text(json.dumps({
+        "run_id": run_id, "pid": 2 ** 22 + 1, "pgid": 2 ** 22 + 1, "start_time": 1,
+        "boot_id": procfs.boot_id(), "started_at": ended - 60, "stall_after": 300.0,
+        "release_id": "r", "supervisor": {"pid": None, "start_time": None}}))
+    (run_dir / "exit.json").write_text(json.dumps({"exit_code": exit_code, "signal": None, "oom_killed": False,
+                                                   "ended_at": ended, "exec_error": None}))
+    return ended
+
+
+def test_status_is_titled_for_its_run_and_every_time_is_iso(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    assert dflash("deploy", "node", hosts=hosts).returncode == 0
+    fabricate_run(tmp_path / "node ws", "done-1", 0)
+    fabricate_run(tmp_path / "node ws", "died-1", 1)
+    status = dflash("status", "done-1", "--host", "node", hosts=hosts)
+    assert (status.returncode, status.stdout) == (0, "SUCCEEDED\n")
+    assert status.stderr.splitlines()[0].rstrip() == "run done-1 on node"
+    assert len(re.findall(ISO_UTC, status.stderr)) == 2  # started, ended
+    runs = dflash("runs", "--host", "node", hosts=hosts)
+    assert runs.stderr.splitlines()[0].rstrip() == "runs on node"
+    assert len(re.findall(ISO_UTC, runs.stderr)) == 4
+    fetched = dflash("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "died-1", "--host", "node",
+                     hosts=hosts)
+    assert fetched.returncode == 1
+    assert re.search(rf"^process ended: exit code 1 at {ISO_UTC}$", fetched.stdout, re.MULTILINE), fetched.stdout
+
+
+def test_hosts_json_is_the_whole_answer(make_inventory, tmp_path):
+    done = dflash("hosts", "--json", hosts=make_inventory(tmp_path))
+    assert done.returncode == 0
+    assert [json.loads(line)["host"] for line in done.stdout.splitlines()] == [
+        "ct200", "ct201", "ct999", "down", "local", "node"]
+    assert done.stderr == ""
