@@ -8,7 +8,7 @@ The CLI runs it as one argv (quoted once by the transport):
 Every verb but `follow` prints exactly one JSON object on stdout and exits 0; on a
 problem it prints {"error": "<message>", "kind": "<usage|not_found|conflict|internal>"}
 and exits 2 (usage/conflict/not_found) or 1 (internal); an error may carry more keys
-(a lock conflict adds "holder": the run id holding it, and "resource"). stderr is
+(a lock conflict adds "resource" and "holders": the ids of the runs using it). stderr is
 free-form; --help goes to stderr too.
 
 Verbs
@@ -18,8 +18,10 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          Creates runs/ID/, copies the config to runs/ID/config.yaml (a relative PATH
          is read from the release root; "-" reads the config from stdin), takes the locks
          for its resources (GPU indices as "gpu0", "gpu1", or "cpu" for a CPU-only run;
-         a lock held by a non-terminal run -> kind "conflict" naming that run, unless
-         --force), then starts a supervisor in a new session (setsid; stdin /dev/null;
+         a lock lists every run using the resource: while any of them has not ended ->
+         kind "conflict" naming them all, unless --force, which adds this run next to
+         them; runs that ended are dropped from the list), then starts a supervisor in
+         a new session (setsid; stdin /dev/null;
          its own stderr to runs/ID/agent.log). The supervisor forks the trainer in
          another new session, writes run.json (run id, release id, config, argv, pid,
          pgid, process start time, boot id, host, started_at, stall_after) *before*
