@@ -42,6 +42,8 @@ status   [--run-id ID]    {"runs": [RunStatus...]} (all runs if no id; newest fi
          RunStatus = {"run_id", "name", "state", "pid", "started_at", "ended_at",
                       "exit": exit.json or null, "errors": n_records,
                       "last_heartbeat": ts or null, "release_id", "step": last step or null}
+         ended_at comes from exit.json, or from the trainer's `done` event when no
+         supervisor was left to write exit.json.
 stop     --run-id ID [--grace S=10]
          Writes stop_requested.json, SIGTERM to the trainer's process group, waits
          `grace`, SIGKILL, and returns only when no process of the group is left and
@@ -89,5 +91,7 @@ follow   --run-id ID [--offset N] [--inode I] [--errors-seen K] [--tail-lines N]
 
 Run states (DESIGN.md): STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED, DEGRADED,
 STALLED, LOST, derived from run.json + exit.json + errors.jsonl + stop_requested.json
-+ events.jsonl heartbeats + /proc, never from the end of a stream.
++ events.jsonl (heartbeats, and the trainer's `done` when no exit.json was written)
++ /proc, never from the end of a stream. LOST only when no process is left and nobody
+recorded how the run ended.
 """
