@@ -49,15 +49,17 @@ stop     --run-id ID [--grace S=10]
          `grace`, SIGKILL, and returns only when no process of the group is left and
          exit.json exists: {"run_id", "state", "killed": bool}.
 stacks   --run-id ID [--timeout S=5]
-         SIGUSR1 to the trainer (faulthandler dumps all threads into
-         faulthandler.log); returns {"run_id", "text": the new dump}. Refused (kind
-         "conflict") when the trainer is not running or has no SIGUSR1 handler yet,
-         whose default action would kill it.
+         Appends a dump header line to faulthandler.log, then SIGUSR1 to the trainer
+         (faulthandler dumps all threads there); returns {"run_id", "text": the new
+         dump, its threads named from threads.json: "Thread 0x… [drafter-1] (most
+         recent call first):"}. Refused (kind "conflict") when the trainer is not
+         running or has no SIGUSR1 handler yet, whose default action would kill it.
 report   --run-id ID [--log-lines N=200]
          Everything fetch-traceback needs: {"run_id", "state", "run": run.json,
-         "exit": exit.json|null, "errors": [records...], "faulthandler": text,
-         "log_tail": last N lines of train.log}. A record line that is not JSON is
-         given as {"raw": text}.
+         "exit": exit.json|null, "errors": [records...], "faulthandler": text (its
+         last 4 MiB), "last_stacks": its newest dump, "log_tail": last N lines of
+         train.log}; both stack texts have their threads named. A record line that
+         is not JSON is given as {"raw": text}.
 gpus     {"gpus": [{"index", "name", "memory_used_mib", "memory_total_mib",
           "utilization_pct", "temperature_c", "power_w"}]} ([] without nvidia-smi;
           plus "problem": text when nvidia-smi exists but fails).

@@ -104,6 +104,10 @@ class RunDir:
     def faulthandler(self) -> str:
         return self.file("faulthandler.log")
 
+    @property
+    def threads_json(self) -> str:
+        return self.file("threads.json")
+
 
 def check_run_id(run_id: str) -> None:
     """Run ids become one path component: spaces and quotes are fine, separators not."""
