@@ -8,12 +8,9 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console
-from ..errors import ExitCode
+from ..errors import ExitCode, exit_code_for_state
 from ..local_state import RunRef
 from ..session import Session
-
-EXIT_FOR_STATE = {"FAILED": ExitCode.RUN_FAILED, "LOST": ExitCode.RUN_FAILED,
-                  "STOPPED": ExitCode.STOPPED, "DEGRADED": ExitCode.RUN_FAILED}
 
 
 def _when(ts) -> str:
@@ -35,7 +32,8 @@ def runs_table(host_name: str, runs: list[dict]) -> Table:
 
 
 def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
-    """Print one run's state; the exit code says it too (0 fine, 1 failed, 4 stopped)."""
+    """Print one run's state; the exit code says it too (0 fine, 1 failed, lost, degraded
+    or stalled, 4 stopped)."""
     reply = session.agent(ref.host).call("status", "--run-id", ref.run_id)
     status = reply["runs"][0]
     if as_json:
@@ -43,7 +41,7 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     else:
         console.data(f"{status['state']}\n")
         console.human.print(runs_table(ref.host, [status]))
-    return EXIT_FOR_STATE.get(status["state"], ExitCode.OK)
+    return exit_code_for_state(status["state"])
 
 
 def list_runs(session: Session, host_names: list[str], as_json: bool) -> ExitCode:
