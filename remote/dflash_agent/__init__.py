@@ -47,7 +47,8 @@ status   [--run-id ID]    {"runs": [RunStatus...]} (all runs if no id; newest fi
 stop     --run-id ID [--grace S=10]
          Writes stop_requested.json, SIGTERM to the trainer's process group, waits
          `grace`, SIGKILL, and returns only when no process of the group is left and
-         exit.json exists: {"run_id", "state", "killed": bool}.
+         exit.json exists (or no supervisor is left to write it: the run is then
+         STOPPED all the same): {"run_id", "state", "killed": bool}.
 stacks   --run-id ID [--timeout S=5]
          Appends a dump header line to faulthandler.log, then SIGUSR1 to the trainer
          (faulthandler dumps all threads there); returns {"run_id", "text": the new
