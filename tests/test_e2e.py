@@ -158,6 +158,13 @@ def test_stop_ends_every_process_of_the_run_and_watch_says_stopped(bed, tmp_path
     assert cpu_lock_holders(bed) == [run_id, forced_id]
     # Nobody will release the first run's lock: its supervisor dies before the run ends.
     kill_supervisor(bed, run_id)
+    # A RUNNING run (stall_after is 300 s) shows its stacks on request, supervisor or not.
+    train_log = bed.run_dir(run_id) / "train.log"
+    wait_for(lambda: b"injecting fault: hang in drafter-0" in train_log.read_bytes(), 180, "the hang")
+    stacks = bed.dflash("fetch-traceback", run_id, "--host", "ct200", "--stacks")
+    assert stacks.returncode == 0, stacks.stderr
+    assert "dumped now (state RUNNING)" in stacks.stdout
+    assert "in _hang" in thread_block(stacks.stdout, "drafter-0")
     for rid in (forced_id, run_id):
         stopped = bed.dflash("stop", rid, "--host", "ct200", "--grace", "3")
         assert stopped.returncode == 0, stopped.stderr
@@ -223,6 +230,8 @@ def test_a_hung_run_is_stalled_and_its_stacks_show_the_hanging_thread_by_name(be
     assert "in _hang" in thread_block(fetched.stdout, "drafter-0")
     fault_log = (bed.run_dir(run_id) / "faulthandler.log").read_text()
     assert fault_log.count("=== stacks of every thread: requested") == 2  # a new dump each time
+    mixed = bed.dflash("fetch-traceback", run_id, "--host", "ct200", "--stacks", "--thread", "drafter-0")
+    assert mixed.returncode == 2 and "--stacks" in mixed.stderr
 
     stopped = bed.dflash("stop", run_id, "--host", "ct200", "--grace", "60")
     assert stopped.stdout.strip() == "STOPPED", stopped.stderr

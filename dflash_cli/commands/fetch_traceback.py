@@ -1,4 +1,5 @@
-"""dflash fetch-traceback: the complete traceback of the thread that failed first."""
+"""dflash fetch-traceback: the complete traceback of the thread that failed first, or,
+for a run that recorded no error (hung, stopped, killed), the stacks of every thread."""
 from __future__ import annotations
 
 import datetime
