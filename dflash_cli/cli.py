@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import console
-from .commands import deploy, fetch_traceback, hosts, launch, status, stop, watch
+from .commands import deploy, fetch_traceback, hosts, launch, stacks, status, stop, watch
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
@@ -45,9 +45,10 @@ class _Group(click.Group):
 def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_host_key: bool) -> None:
     """Train DFlash drafters on remote GPU hosts and see why they failed, at once.
 
-    Exit codes: 0 success, 1 the run failed (traceback printed), 2 usage or
-    configuration error, 3 host unreachable, 4 the run was stopped, 130 interrupted
-    (the run keeps going). Data goes to stdout; progress and tables to stderr.
+    Exit codes: 0 success, 1 the run failed (traceback printed; for `status`: also
+    degraded or stalled), 2 usage or configuration error, 3 host unreachable, 4 the run
+    was stopped, 130 interrupted (the run keeps going). Data goes to stdout; progress and
+    tables to stderr.
     """
     ctx.obj = ctx.with_resource(contextlib.closing(Session(hosts_file, Path(logs_dir), accept_new_host_key)))
 
@@ -81,7 +82,7 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, s
               help="Training config (YAML), validated here before anything is sent.")
 @click.option("--name", help="Run name (default: the config's file name); the run id starts with it.")
 @click.option("--follow", is_flag=True, help="Watch the run after starting it (as `dflash watch`).")
-@click.option("--force", is_flag=True, help="Start even if another run holds the same GPUs.")
+@click.option("--force", is_flag=True, help="Start next to the runs holding the same GPUs (they keep them too).")
 @click.option("--source", "source_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Deploy this project tree (default: the one holding the current directory, "
                    "else the copy bundled with dflash).")
@@ -117,8 +118,10 @@ def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail:
 
     When a thread records an error its full traceback is printed at once and saved
     under logs/<host>/<run>/. A dropped connection resumes where it stopped, with no
-    gap and no duplicate. Ctrl-C detaches; the run keeps going. Exits 0 when the run
-    succeeded, 1 failed, 4 stopped, 3 host unreachable.
+    gap and no duplicate. Ctrl-C detaches; the run keeps going. A STALLED run is
+    followed on (a stall may end: a slow compile, a long checkpoint; `dflash stacks`
+    shows where it hangs). Exits when the run ends: 0 succeeded, 1 failed or lost,
+    4 stopped; 3 host unreachable.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
     sys.exit(watch.run(session, ref, tail, interval, as_json, retry_for))
@@ -138,17 +141,37 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None)
 @click.option("--all", "all_records", is_flag=True, help="Every error record, earliest first.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), callback=_output_file,
               help="Write to FILE.")
+@click.option("--stacks", "show_stacks", is_flag=True,
+              help="Every thread's stack instead: a fresh dump of a live run, else the last dump.")
 @click.pass_obj
 def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | None,
-                        thread: str | None, all_records: bool, output: Path | None) -> None:
+                        thread: str | None, all_records: bool, output: Path | None,
+                        show_stacks: bool) -> None:
     """Print the complete traceback of the run's root cause (its earliest error record).
 
     The text is exactly what the failing thread formatted, chained causes included,
     under a one-line header. A run that died with no record (killed, OOM, segfault,
-    abort) gets its exit.json, faulthandler.log and last log lines by thread instead.
+    abort) gets its exit.json, the last faulthandler dump and last log lines by thread
+    instead. A hang records no error: for a STALLED run the host dumps every thread's
+    stack now, and a STOPPED run shows its last dump, threads named (drafter-1, ...).
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(fetch_traceback.run(session, ref, thread, all_records, output))
+    sys.exit(fetch_traceback.run(session, ref, thread, all_records, output, show_stacks))
+
+
+@main.command("stacks")
+@click.argument("run_id", metavar="[RUN]", required=False)
+@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@click.pass_obj
+def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> None:
+    """Print every thread's stack of RUN (default: the latest run), by thread name.
+
+    A live run dumps its stacks now (faulthandler, so even a thread hung while holding
+    the GIL shows); a run that ended shows the last dump it left. Short for
+    `dflash fetch-traceback --stacks`.
+    """
+    ref = resolve_run(session.logs_dir, run_id, host_name)
+    sys.exit(stacks.run(session, ref))
 
 
 @main.command("status")
@@ -159,7 +182,9 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
 def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_json: bool) -> None:
     """Print RUN's state (default: the latest run) on stdout, details on stderr.
 
-    Exit code 0 while it is fine, 1 failed or degraded, 4 stopped.
+    Exit code 0 while it is fine (STARTING, RUNNING) or succeeded; 1 FAILED, LOST,
+    DEGRADED (a thread failed) or STALLED (no heartbeat for stall_after seconds:
+    `dflash stacks` shows where it hangs); 4 STOPPED.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
     sys.exit(status.run_status(session, ref, as_json))

@@ -17,6 +17,22 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130  # the user pressed Ctrl-C; the run keeps going
 
 
+# DESIGN.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
+# well (no progress for stall_after seconds), and `dflash stacks` shows where it hangs.
+_EXIT_FOR_STATE = {
+    "STARTING": ExitCode.OK, "RUNNING": ExitCode.OK, "SUCCEEDED": ExitCode.OK,
+    "FAILED": ExitCode.RUN_FAILED, "LOST": ExitCode.RUN_FAILED,
+    "DEGRADED": ExitCode.RUN_FAILED, "STALLED": ExitCode.RUN_FAILED,
+    "STOPPED": ExitCode.STOPPED,
+}
+
+
+def exit_code_for_state(state: str) -> ExitCode:
+    """The exit code of `status` and `watch` for a run state; a state this CLI does not
+    know is a state it cannot vouch for (3)."""
+    return _EXIT_FOR_STATE.get(state, ExitCode.UNREACHABLE)
+
+
 class DflashError(Exception):
     """A failure the user can act on. `hint` is an optional second line."""
 

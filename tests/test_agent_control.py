@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -72,16 +73,29 @@ def test_stop_never_signals_a_reused_pid(agent):
     assert procfs.is_running(procfs.read_stat(os.getpid()))  # still here to check
 
 
-def test_stacks_dumps_every_thread(agent):
+def dump_headers(text):
+    return [line for line in text.splitlines() if line.startswith("=== stacks of every thread: ")]
+
+
+def test_stacks_dumps_every_thread_by_name(agent):
     agent.launch("hang", [{"faulthandler": True}, {"thread": "drafter-1"}, {"heartbeat": 1},
                           {"touch": "ready"}, NEVER])
     ready(agent, "hang")
     first = agent.ok("stacks", "--run-id", "hang")["text"]
     assert "drafter_waits_here" in first and first.lower().count("thread 0x") >= 2
+    # faulthandler names threads by ident only; threads.json turns that into the name.
+    (drafter,) = [block for block in first.split("\n\n") if "drafter_waits_here" in block]
+    assert re.match(r"Thread 0x[0-9a-f]+ \[drafter-1\] \(most recent call first\):", drafter), drafter
+    assert re.search(r"^(Current thread|Thread) 0x[0-9a-f]+ \[MainThread\]", first, re.MULTILINE), first
     second = agent.ok("stacks", "--run-id", "hang")["text"]
     assert "drafter_waits_here" in second and second.lower().count("thread 0x") == first.lower().count("thread 0x")
     faulthandler_log = (agent.run_dir("hang") / "faulthandler.log").read_text()
-    assert faulthandler_log == first + second  # each answer holds only its own dump
+    # Each dump follows its header line, and each answer holds only its own dump.
+    assert len(dump_headers(faulthandler_log)) == 2
+    unnamed = re.sub(r" \[[^\]]+\]", "", first + second)
+    assert re.sub(r"^=== .*\n", "", faulthandler_log, flags=re.MULTILINE) == unnamed
+    report = agent.ok("report", "--run-id", "hang")
+    assert report["last_stacks"] == dump_headers(faulthandler_log)[1] + "\n" + second
     assert agent.status("hang")["state"] == "RUNNING"
 
 
@@ -111,6 +125,7 @@ def test_report_has_everything_fetch_traceback_needs(agent):
     assert report["errors"] == [json.loads(line) for line in lines]
     assert [e["thread"] for e in report["errors"]] == ["drafter-1", "coordinator"]  # root cause first
     assert "Fatal Python error: Aborted" in report["faulthandler"]
+    assert report["last_stacks"].startswith("Fatal Python error: Aborted")  # the crash's own dump
     assert report["log_tail"] == "".join("line %06d xxxxx\n" % i for i in (47, 48, 49))
 
 

@@ -187,44 +187,60 @@ def test_existing_run_id_and_missing_release_are_refused(agent):
     assert "no release deployed" in result.json["error"]
 
 
-def lock_holder(agent, resource):
+def lock_holders(agent, resource):
+    """The run ids a lock file lists, in the order they took it."""
     path = agent.workspace / "locks" / (resource + ".json")
-    return json.loads(path.read_text())["run_id"] if path.exists() else None
+    return [h["run_id"] for h in json.loads(path.read_text())["holders"]] if path.exists() else []
 
 
 def test_locks_conflict_force_and_release(agent):
     agent.launch("a", WAIT, "--resource", "gpu0")
-    assert lock_holder(agent, "gpu0") == "a"
+    assert lock_holders(agent, "gpu0") == ["a"]
     result = agent.run(*agent.launch_args("b", WAIT, "--resource", "gpu1", "--resource", "gpu0"))
-    assert (result.rc, result.json["kind"], result.json["holder"]) == (2, "conflict", "a")
+    assert (result.rc, result.json["kind"], result.json["holders"]) == (2, "conflict", ["a"])
     assert "'a'" in result.json["error"] and "gpu0" in result.json["error"]
-    assert lock_holder(agent, "gpu1") is None, "all locks or none"
+    assert lock_holders(agent, "gpu1") == [], "all locks or none"
     assert not agent.run_dir("b").exists()
     agent.launch("b", WAIT, "--resource", "gpu1")  # the run id was not burnt by the refusal
+    # --force adds a holder; it does not take a's place.
     agent.launch("c", WAIT, "--resource", "gpu0", "--force")
-    assert lock_holder(agent, "gpu0") == "c"
+    assert lock_holders(agent, "gpu0") == ["a", "c"]
+    result = agent.run(*agent.launch_args("d", WAIT, "--resource", "gpu0"))
+    assert (result.rc, result.json["kind"], result.json["holders"]) == (2, "conflict", ["a", "c"])
+    assert "'a' (STARTING)" in result.json["error"] and "'c' (STARTING)" in result.json["error"]
     agent.touch("a", "go")
     agent.wait_state("a", "SUCCEEDED")
-    assert lock_holder(agent, "gpu0") == "c", "a's supervisor must not drop c's lock"
+    wait_for(lambda: lock_holders(agent, "gpu0") == ["c"], what="a's supervisor to drop only its own holder")
+    result = agent.run(*agent.launch_args("d", WAIT, "--resource", "gpu0"))
+    assert (result.rc, result.json["holders"]) == (2, ["c"])
     for run_id in ("b", "c"):
         agent.touch(run_id, "go")
         agent.wait_state(run_id, "SUCCEEDED")
-    assert lock_holder(agent, "gpu0") is None and lock_holder(agent, "gpu1") is None
+    wait_for(lambda: lock_holders(agent, "gpu0") == [] and lock_holders(agent, "gpu1") == [],
+             what="the supervisors to drop their locks")
+    assert not (agent.workspace / "locks" / "gpu0.json").exists()
 
 
-def test_stale_locks_are_taken_over(agent):
+def test_dead_holders_are_reaped_and_old_lock_files_are_read(agent):
     locks = agent.workspace / "locks"
     locks.mkdir()
-    # A lock whose run never wrote run.json and whose launcher is gone.
-    (locks / "gpu0.json").write_text(json.dumps({"run_id": "ghost", "launcher_pid": dead_pid(),
-                                                 "launcher_start_time": 1, "boot_id": procfs.boot_id()}))
-    # A lock of a run that ended.
+    # A holder whose run never wrote run.json and whose launcher is gone.
+    ghost = {"run_id": "ghost", "launcher_pid": dead_pid(), "launcher_start_time": 1, "boot_id": procfs.boot_id()}
+    # A holder whose run.json names a pid now used by another process (this test's own
+    # pid, started at another time): its run is gone although the pid lives.
+    agent.fabricate_run("reused", start_time=procfs.start_time(os.getpid()) - 1)
+    # A holder of a run that ended, whose supervisor was killed before it released it.
     agent.launch("done", [], "--resource", "gpu1")
     agent.wait_state("done", "SUCCEEDED")
-    (locks / "gpu1.json").write_text(json.dumps({"run_id": "done"}))
+    (locks / "gpu0.json").write_text(json.dumps({"resource": "gpu0", "holders": [ghost, {"run_id": "reused"}]}))
+    (locks / "gpu1.json").write_text(json.dumps({"run_id": "done"}))  # the one-holder form of older releases
     (locks / "gpu2.json").write_text("")  # torn by a crash
     agent.launch("new", WAIT, "--resource", "gpu0", "--resource", "gpu1", "--resource", "gpu2")
-    assert [lock_holder(agent, r) for r in ("gpu0", "gpu1", "gpu2")] == ["new"] * 3
+    assert [lock_holders(agent, r) for r in ("gpu0", "gpu1", "gpu2")] == [["new"]] * 3
+    # A live holder in the old form still counts.
+    (locks / "gpu3.json").write_text(json.dumps({"run_id": "new"}))
+    result = agent.run(*agent.launch_args("late", WAIT, "--resource", "gpu3"))
+    assert (result.rc, result.json["holders"]) == (2, ["new"])
     agent.touch("new", "go")
 
 
@@ -239,8 +255,26 @@ def test_concurrent_launches_for_one_resource_have_one_winner(agent):
     winners = [json.loads(out)["run_id"] for out, rc in results if rc == 0]
     assert len(winners) == 1, results
     assert all(json.loads(out)["kind"] == "conflict" for out, rc in results if rc != 0)
-    assert lock_holder(agent, "gpu7") == winners[0]
+    assert lock_holders(agent, "gpu7") == winners
     agent.touch(winners[0], "go")
+
+
+def test_concurrent_forced_launches_all_stay_holders(agent):
+    agent.launch("first", WAIT, "--resource", "gpu5")
+    run_ids = ["forced-%d" % i for i in range(4)]
+    for run_id in run_ids:
+        agent.track(run_id)
+    procs = [subprocess.Popen(agent.argv(*agent.launch_args(run_id, WAIT, "--resource", "gpu5", "--force")),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=agent.env)
+             for run_id in run_ids]
+    assert all(p.wait(timeout=30) == 0 for p in procs), [p.stderr.read() for p in procs]
+    for p in procs:
+        p.stdout.close()
+        p.stderr.close()
+    holders = lock_holders(agent, "gpu5")
+    assert holders[0] == "first" and sorted(holders[1:]) == run_ids
+    for run_id in ["first"] + run_ids:
+        agent.touch(run_id, "go")
 
 
 def _memory_cgroup(tmp_name: str):
@@ -293,7 +327,7 @@ def test_oom_kill_is_flagged(agent):
 def nothing_of(agent, run_id):
     """No run directory and no lock are left by a launch that was refused."""
     assert not agent.run_dir(run_id).exists()
-    assert lock_holder(agent, "cpu") is None
+    assert lock_holders(agent, "cpu") == []
 
 
 def test_preflight_names_every_missing_path_and_creates_nothing(agent):

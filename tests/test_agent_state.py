@@ -40,7 +40,17 @@ def beat(age, step=5, **kw):
     (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}, stop_requested=True), STOPPED),
     (obs(trainer=GONE), LOST),
     (obs(trainer=GONE, stop_requested=True), STOPPED),
-    (obs(trainer=GONE, error_count=2), LOST),
+    # No exit.json and no process left (the supervisor was killed): what the run itself
+    # recorded decides; LOST only when nothing was recorded.
+    (obs(trainer=GONE, error_count=2), FAILED),
+    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 0})), SUCCEEDED),
+    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 1})), FAILED),
+    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 0}), error_count=1), FAILED),
+    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 143}), stop_requested=True), STOPPED),
+    # exit.json, when there, wins over the trainer's own record.
+    (obs(trainer=GONE, exit={"exit_code": None, "signal": "SIGKILL"},
+         events=beat(5, done={"type": "done", "exit_code": 0})), FAILED),
+    (obs(events=beat(1, done={"type": "done", "exit_code": 0})), RUNNING),  # about to exit
     (obs(), STARTING),
     (obs(events=EventSummary(last_event_ts=NOW - 1, last_phase="startup", last_phase_ts=NOW - 1)), STARTING),
     (obs(started_at=NOW - 100), STALLED),  # start-up silent for longer than stall_after
@@ -90,6 +100,10 @@ def test_summarize_events_reads_back_to_the_last_heartbeat(tmp_path):
         last_event_ts=7.0, last_phase="eval", last_phase_ts=6.0, last_heartbeat=5.0, step=2)
     path.write_text("".join(json.dumps(e) + "\n" for e in events[:3]))
     assert summarize_events(str(path)) == EventSummary(last_event_ts=3.0, last_phase="train", last_phase_ts=3.0)
+    done = {"ts": 8.0, "type": "done", "exit_code": 0}
+    path.write_text("".join(json.dumps(e) + "\n" for e in events + [done]))
+    assert summarize_events(str(path)) == EventSummary(
+        last_event_ts=8.0, last_phase="eval", last_phase_ts=6.0, last_heartbeat=5.0, step=2, done=done)
     assert summarize_events(str(tmp_path / "missing")) == EventSummary()
 
 
@@ -145,6 +159,51 @@ def test_degraded_then_failed_although_the_process_exited_0(agent):
     assert status["exit"]["exit_code"] == 0 and status["errors"] == 1
 
 
+def kill_supervisor(agent, run_id):
+    supervisor = agent.read(run_id, "run.json")["supervisor"]
+    assert procfs.identity_alive(supervisor["pid"], supervisor["start_time"])
+    os.kill(supervisor["pid"], signal.SIGKILL)
+    wait_for(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
+
+
+DONE_0 = {"event": {"type": "done", "exit_code": 0}}  # as the real trainer's last act
+
+
+def test_a_run_whose_supervisor_died_ends_as_the_trainer_recorded(agent):
+    agent.launch("ok", [{"heartbeat": 1}, {"touch": "beat"}, {"wait_file": "go"}, DONE_0])
+    agent.launch("failed", [{"heartbeat": 1}, {"touch": "beat"}, {"wait_file": "go"},
+                            {"error": {"thread": "drafter-0"}},
+                            {"event": {"type": "done", "exit_code": 1}}, {"exit": 1}])
+    agent.launch("crashed", [{"heartbeat": 1}, {"touch": "beat"}, {"wait_file": "go"},
+                             {"error": {"thread": "drafter-0"}}, {"kill_self": "SIGKILL"}])
+    for run_id in ("ok", "failed", "crashed"):
+        wait_for(lambda: (agent.run_dir(run_id) / "beat").exists())
+        kill_supervisor(agent, run_id)
+        assert agent.status(run_id)["state"] == RUNNING  # the trainer goes on
+    follow = agent.follow("ok", "--gpu-interval", "0")
+    for run_id in ("ok", "failed", "crashed"):
+        agent.touch(run_id, "go")
+    status = agent.wait_state("ok", SUCCEEDED, FAILED, LOST)
+    assert (status["state"], status["exit"]) == (SUCCEEDED, None)
+    assert status["ended_at"] is not None  # from the trainer's own record
+    assert agent.wait_state("failed", SUCCEEDED, FAILED, LOST)["state"] == FAILED
+    # Killed without a word of its own, but a thread had recorded its failure.
+    assert agent.wait_state("crashed", SUCCEEDED, FAILED, LOST)["state"] == FAILED
+    # follow ends although no supervisor is left to write exit.json.
+    end = follow.rest()[-1]
+    assert (end["t"], end["state"], end["exit"]) == ("end", SUCCEEDED, None)
+    assert not any((agent.run_dir(r) / "exit.json").exists() for r in ("ok", "failed", "crashed"))
+
+
+def test_stop_works_when_the_supervisor_is_gone(agent):
+    answer = agent.launch("orphan", [{"heartbeat": 1}, {"touch": "beat"}, {"wait_file": "never"}])
+    wait_for(lambda: (agent.run_dir("orphan") / "beat").exists())
+    kill_supervisor(agent, "orphan")
+    assert agent.ok("stop", "--run-id", "orphan", "--grace", "5") == {
+        "run_id": "orphan", "state": STOPPED, "killed": False}
+    assert procfs.group_members(answer["pgid"]) == []
+
+
 def test_trainer_outliving_its_supervisor_is_running_then_lost(agent):
     agent.launch("orphan", [{"heartbeat": 1}, {"touch": "beat"}, {"wait_file": "go"}])
     wait_for(lambda: (agent.run_dir("orphan") / "beat").exists())
@@ -153,7 +212,7 @@ def test_trainer_outliving_its_supervisor_is_running_then_lost(agent):
     os.kill(supervisor["pid"], signal.SIGKILL)
     wait_for(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
     assert agent.status("orphan")["state"] == RUNNING
-    agent.touch("orphan", "go")  # the trainer ends; nobody is left to write exit.json
+    agent.touch("orphan", "go")  # the trainer ends without a record; nobody writes exit.json
     status = agent.wait_state("orphan", LOST)
     assert status["exit"] is None
     assert not (agent.run_dir("orphan") / "exit.json").exists()

@@ -3,6 +3,8 @@ fetch-traceback, status, stop — as a user runs them, through sshd and the fake
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from dflash_agent import procfs
 from dflash_run import dflash, popen_dflash
 from support import kill_ssh_sessions, workspace_on_node
 from support.train_configs import small_config as write_small_config
+from support_agent.harness import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -130,6 +134,19 @@ def test_watch_resumes_after_the_ssh_connection_dies_with_no_gap_and_no_duplicat
     assert (bed.logs / "ct200" / run_id / "train.log").read_bytes() == remote_log
 
 
+def cpu_lock_holders(bed: Bed) -> list[str]:
+    lock = json.loads((bed.workspace_on_node / "locks" / "cpu.json").read_text())
+    return [holder["run_id"] for holder in lock["holders"]]
+
+
+def kill_supervisor(bed: Bed, run_id: str) -> None:
+    """SIGKILL the run's supervisor (checked by its start time, pids are reused)."""
+    supervisor = json.loads((bed.run_dir(run_id) / "run.json").read_text())["supervisor"]
+    assert procfs.identity_alive(supervisor["pid"], supervisor["start_time"])
+    os.kill(supervisor["pid"], signal.SIGKILL)
+    wait_for(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
+
+
 def test_stop_ends_every_process_of_the_run_and_watch_says_stopped(bed, tmp_path):
     config = small_config(tmp_path, faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
     run_id = bed.launch(config)
@@ -137,16 +154,97 @@ def test_stop_ends_every_process_of_the_run_and_watch_says_stopped(bed, tmp_path
     assert refused.returncode == 2
     assert run_id in refused.stderr  # names the run that holds the CPU
     forced_id = bed.launch(config, "--force")
+    # --force put a second run next to the first; a third without --force is refused
+    # while either lives, and the refusal names both.
+    refused = bed.dflash("launch", "ct200", "--config", str(config))
+    assert refused.returncode == 2, refused.stderr
+    assert run_id in refused.stderr and forced_id in refused.stderr
+    assert cpu_lock_holders(bed) == [run_id, forced_id]
+    # Nobody will release the first run's lock: its supervisor dies before the run ends.
+    kill_supervisor(bed, run_id)
+    # A RUNNING run (stall_after is 300 s) shows its stacks on request, supervisor or not.
+    train_log = bed.run_dir(run_id) / "train.log"
+    wait_for(lambda: b"injecting fault: hang in drafter-0" in train_log.read_bytes(), 180, "the hang")
+    stacks = bed.dflash("fetch-traceback", run_id, "--host", "ct200", "--stacks")
+    assert stacks.returncode == 0, stacks.stderr
+    assert "dumped now (state RUNNING)" in stacks.stdout
+    assert "in _hang" in thread_block(stacks.stdout, "drafter-0")
     for rid in (forced_id, run_id):
         stopped = bed.dflash("stop", rid, "--host", "ct200", "--grace", "3")
         assert stopped.returncode == 0, stopped.stderr
         assert stopped.stdout.strip() == "STOPPED"
         pid = json.loads((bed.run_dir(rid) / "run.json").read_text())["pid"]
-        assert not Path(f"/proc/{pid}").exists()
+        # Exited. An orphan (its supervisor killed) is reaped by whatever adopted it, if
+        # that reaps at all: a zombie may be left, which is no running process.
+        assert not procfs.is_running(procfs.read_stat(pid))
     watch = bed.dflash("watch", run_id, "--host", "ct200")
     assert watch.returncode == 4
     runs = bed.dflash("runs", "--host", "ct200")
     assert sorted(runs.stdout.splitlines()) == sorted(f"ct200\t{r}\tSTOPPED" for r in (run_id, forced_id))
+    assert cpu_lock_holders(bed) == [run_id]  # the dead holder is still listed...
+    third_id = bed.launch(small_config(tmp_path, "third"))  # ...and reaped: no --force needed
+    assert cpu_lock_holders(bed) == [third_id]
+    assert bed.dflash("watch", third_id, "--host", "ct200").returncode == 0
+
+
+def test_a_run_that_outlives_its_supervisor_and_succeeds_is_succeeded(bed, tmp_path):
+    run_id = bed.launch(small_config(tmp_path))
+    kill_supervisor(bed, run_id)
+    watch = bed.dflash("watch", run_id, "--host", "ct200")  # ends without exit.json
+    assert watch.returncode == 0, watch.stderr
+    assert "ended: SUCCEEDED" in watch.stderr
+    assert not (bed.run_dir(run_id) / "exit.json").exists()
+    assert (bed.run_dir(run_id) / "export" / "model.safetensors").exists()
+    status = bed.dflash("status", run_id, "--host", "ct200", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["state"] == "SUCCEEDED"
+
+
+def thread_block(stacks: str, name: str) -> str:
+    """The stack of thread `name` in a faulthandler dump (blocks end at a blank line)."""
+    blocks = [b for b in stacks.split("\n\n") if re.search(rf"^(Current thread|Thread) 0x[0-9a-f]+ \[{name}\] ",
+                                                            b, re.MULTILINE)]
+    assert len(blocks) == 1, stacks
+    return blocks[0]
+
+
+def test_a_hung_run_is_stalled_and_its_stacks_show_the_hanging_thread_by_name(bed, tmp_path):
+    config = small_config(tmp_path, stall_after=3,
+                          faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
+    run_id = bed.launch(config)
+    train_log = bed.run_dir(run_id) / "train.log"
+    wait_for(lambda: b"injecting fault: hang in drafter-0 at step 2" in train_log.read_bytes(), 180,
+             "the hang fault to fire")
+
+    def stalled():
+        done = bed.dflash("status", run_id, "--host", "ct200", "--json")
+        return done if json.loads(done.stdout)["state"] == "STALLED" else None
+
+    status = wait_for(stalled, 120, "the run to be STALLED")
+    assert status.returncode == 1  # not fine
+
+    stacks = bed.dflash("stacks", run_id, "--host", "ct200")
+    assert stacks.returncode == 0, stacks.stderr
+    assert "stacks of every thread, dumped now (state STALLED)" in stacks.stdout
+    assert "in _hang" in thread_block(stacks.stdout, "drafter-0")
+    thread_block(stacks.stdout, "coordinator")
+    fetched = bed.dflash("fetch-traceback", run_id, "--host", "ct200")  # no error record: stacks, fresh
+    assert fetched.returncode == 0, fetched.stderr
+    assert "dumped now (state STALLED)" in fetched.stdout
+    assert "in _hang" in thread_block(fetched.stdout, "drafter-0")
+    fault_log = (bed.run_dir(run_id) / "faulthandler.log").read_text()
+    assert fault_log.count("=== stacks of every thread: requested") == 2  # a new dump each time
+    mixed = bed.dflash("fetch-traceback", run_id, "--host", "ct200", "--stacks", "--thread", "drafter-0")
+    assert mixed.returncode == 2 and "--stacks" in mixed.stderr
+
+    stopped = bed.dflash("stop", run_id, "--host", "ct200", "--grace", "60")
+    assert stopped.stdout.strip() == "STOPPED", stopped.stderr
+    after = bed.dflash("fetch-traceback", run_id, "--host", "ct200")
+    assert after.returncode == 0, after.stderr
+    # The trainer's own dump of the threads that outlived the stop: the hung one.
+    assert "the last dump in faulthandler.log (state STOPPED)" in after.stdout
+    assert "threads still running after the stop: drafter-0" in after.stdout
+    assert "in _hang" in thread_block(after.stdout, "drafter-0")
 
 
 def test_a_run_that_dies_without_a_record_is_explained(bed, tmp_path):
@@ -158,7 +256,9 @@ def test_a_run_that_dies_without_a_record_is_explained(bed, tmp_path):
     fetched = bed.dflash("fetch-traceback", run_id, "--host", "ct200")
     assert fetched.returncode == 1
     assert "no error record" in fetched.stdout and "SIGABRT" in fetched.stdout
-    assert "--- faulthandler.log ---" in fetched.stdout
+    faulthandler_part = fetched.stdout.split("--- faulthandler.log, the last dump ---\n")[1]
+    assert faulthandler_part.startswith("Fatal Python error: Aborted")
+    assert "[drafter-1]" in faulthandler_part.split("\n--- ")[0]  # threads named
     assert "--- train.log, last lines of drafter-1 ---" in fetched.stdout
 
 

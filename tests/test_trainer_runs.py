@@ -241,12 +241,20 @@ def test_hang_stops_heartbeats_and_sigusr1_dumps_every_thread(launch):
     run.wait_for("every thread's stack", lambda: "_hang" in dump.read_text() and threads_dumped() >= 5, 10)
     text = dump.read_text()
     assert "wait_until_ready" not in text and "_hang" in text and "exchange" in text  # drafter-0 waits for its peer
+    # faulthandler names threads by ident only: threads.json holds every dumped one's name.
+    names = {int(ident): name for ident, name in json.loads((run.run_dir / "threads.json").read_text()).items()}
+    assert sorted(names.values()) == ["coordinator", "drafter-0", "drafter-1", "prefetch", "target-0"]
+    assert {int(ident, 16) for ident in re.findall(r"[Tt]hread 0x([0-9a-f]+)", text)} == set(names)
     started = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(30) == 143
     assert time.monotonic() - started < 10
     done = run.events("done")[-1]
     assert done["exit_code"] == 143 and done["threads_alive"] == ["drafter-1"]
+    # The dump of the thread that outlived the stop starts with its own header line.
+    after = dump.read_text()[len(text):]
+    assert after.startswith("=== stacks of every thread: threads still running after the stop: drafter-1 at ")
+    assert "_hang" in after
     assert run.errors() == []  # a stop is not a failure
     assert os.readlink(run.run_dir / "checkpoints" / "latest") == "step_000002"  # checkpoint on stop
 

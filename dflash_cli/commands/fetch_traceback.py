@@ -1,4 +1,5 @@
-"""dflash fetch-traceback: the complete traceback of the thread that failed first."""
+"""dflash fetch-traceback: the complete traceback of the thread that failed first, or,
+for a run that recorded no error (hung, stopped, killed), the stacks of every thread."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,8 @@ from ..local_state import RunLogs, RunRef
 from ..session import Session
 
 _THREAD_TAG = re.compile(r"^\S+ \[([^\]]+)\] ")
+# States in which the trainer process lives and can be asked for a stack dump.
+LIVE_STATES = ("STARTING", "RUNNING", "DEGRADED", "STALLED")
 
 
 def header(record: dict, ref: RunRef) -> str:
@@ -40,9 +43,9 @@ def render_no_record(report: dict, ref: RunRef) -> str:
         out.append("exit.json: " + json.dumps(exit_info, sort_keys=True) + "\n")
     else:
         out.append("exit.json: absent (the supervisor did not record an exit)\n")
-    fault = (report.get("faulthandler") or "").strip()
+    fault = (report.get("last_stacks") or "").strip()
     if fault:
-        out.append("--- faulthandler.log ---\n" + fault + "\n")
+        out.append("--- faulthandler.log, the last dump ---\n" + fault + "\n")
     by_thread: dict[str, list[str]] = {}
     for line in (report.get("log_tail") or "").splitlines():
         match = _THREAD_TAG.match(line)
@@ -52,10 +55,31 @@ def render_no_record(report: dict, ref: RunRef) -> str:
     return "".join(out)
 
 
+def render_stacks(session: Session, ref: RunRef, report: dict) -> str | None:
+    """Every thread's stack, named, under a one-line header: a fresh dump of a live run
+    (the agent's `stacks`: SIGUSR1 to the trainer, whose faulthandler writes even while
+    a hung thread holds the GIL), else the last dump in faulthandler.log; None when the
+    run ended without leaving one. `report` is the agent's report of the run."""
+    state = report.get("state")
+    if state in LIVE_STATES:
+        reply = session.agent(ref.host).call("stacks", "--run-id", ref.run_id)
+        where, text = "dumped now", reply["text"]
+    else:
+        where, text = "the last dump in faulthandler.log", report.get("last_stacks") or ""
+        if not text.strip():
+            return None
+    return (f"==> run {ref.run_id} on {ref.host}: stacks of every thread, {where} (state {state}) <==\n"
+            + text + ("" if text.endswith("\n") else "\n"))
+
+
 def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
-        output: Path | None) -> ExitCode:
+        output: Path | None, stacks: bool) -> ExitCode:
+    if stacks and (thread or all_records):
+        raise DflashError("--stacks shows every thread's stack; it does not combine with "
+                          "--thread or --all", ExitCode.USAGE)
     report = session.agent(ref.host).call("report", "--run-id", ref.run_id)
     records = report.get("errors", [])  # in file order: appended as threads failed
+    state = report.get("state")
     logs = RunLogs(session.logs_dir, ref)
     if records:
         logs.save_errors(records)
@@ -65,13 +89,20 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         if not records:
             raise DflashError(f"run {ref.run_id}: no error record from thread {thread!r}",
                               ExitCode.USAGE)
-    if records:
+    code = ExitCode.OK
+    if stacks or (not records and state in ("STALLED", "STOPPED")):
+        # A hang records no error: where every thread is (now, or at the last dump) is the
+        # diagnosis.
+        text = render_stacks(session, ref, report)
+    elif records:
         text = "".join(render_record(r, ref) for r in (records if all_records else records[:1]))
-        code = ExitCode.OK
-    elif report.get("state") in ("FAILED", "LOST"):
+    elif state in ("FAILED", "LOST"):
         text, code = render_no_record(report, ref), ExitCode.RUN_FAILED
     else:
-        console.say(f"run {ref.run_id} on {ref.host}: no error recorded (state {report.get('state')})")
+        text = None
+    if text is None:
+        console.say(f"run {ref.run_id} on {ref.host}: no error recorded"
+                    f"{' and no stack dump' if stacks or state == 'STOPPED' else ''} (state {state})")
         return ExitCode.OK
     if output:
         try:

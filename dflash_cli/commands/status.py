@@ -7,12 +7,9 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console, provenance
-from ..errors import ExitCode
+from ..errors import ExitCode, exit_code_for_state
 from ..local_state import RunRef
 from ..session import Session
-
-EXIT_FOR_STATE = {"FAILED": ExitCode.RUN_FAILED, "LOST": ExitCode.RUN_FAILED,
-                  "STOPPED": ExitCode.STOPPED, "DEGRADED": ExitCode.RUN_FAILED}
 
 
 def runs_table(title: str, runs: list[dict]) -> Table:
@@ -28,7 +25,8 @@ def runs_table(title: str, runs: list[dict]) -> Table:
 
 
 def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
-    """Print one run's state; the exit code says it too (0 fine, 1 failed, 4 stopped)."""
+    """Print one run's state; the exit code says it too (0 fine, 1 failed, lost, degraded
+    or stalled, 4 stopped)."""
     reply = session.agent(ref.host).call("status", "--run-id", ref.run_id)
     status = reply["runs"][0]
     if as_json:
@@ -38,7 +36,7 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
         console.human.print(runs_table(f"run {ref.run_id} on {ref.host}", [status]))
         if status.get("source"):
             console.say(f"source: {provenance.summary(status['source'])}")
-    return EXIT_FOR_STATE.get(status["state"], ExitCode.OK)
+    return exit_code_for_state(status["state"])
 
 
 def list_runs(session: Session, host_names: list[str], as_json: bool) -> ExitCode:

@@ -16,13 +16,11 @@ import time
 from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
 
 from .. import console
-from ..errors import ExitCode, UnreachableError
+from ..errors import ExitCode, UnreachableError, exit_code_for_state
 from ..local_state import Cursor, RunLogs, RunRef
 from ..session import Session
 from .fetch_traceback import render_no_record, render_record
 
-EXIT_FOR_STATE = {"SUCCEEDED": ExitCode.OK, "FAILED": ExitCode.RUN_FAILED,
-                  "LOST": ExitCode.RUN_FAILED, "STOPPED": ExitCode.STOPPED}
 CURSOR_SAVE_EVERY_S = 0.5
 GPU_INTERVAL_S = 5.0  # defaults of `watch` and of `launch --follow`
 RETRY_FOR_S = 60.0
@@ -185,7 +183,7 @@ class Watcher:
     # -- the outcome -----------------------------------------------------------------
     def finish(self) -> ExitCode:
         state = self.end.get("state", "LOST")
-        code = EXIT_FOR_STATE.get(state, ExitCode.UNREACHABLE)
+        code = exit_code_for_state(state)
         if code == ExitCode.RUN_FAILED and not self.records and not self.as_json:
             report = self.agent.call("report", "--run-id", self.ref.run_id)
             console.remote_text(render_no_record(report, self.ref))

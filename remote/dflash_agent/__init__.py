@@ -8,7 +8,7 @@ The CLI runs it as one argv (quoted once by the transport):
 Every verb but `follow` prints exactly one JSON object on stdout and exits 0; on a
 problem it prints {"error": "<message>", "kind": "<usage|not_found|conflict|host|internal>"}
 and exits 2 (usage/conflict/not_found/host) or 1 (internal); an error may carry more keys
-(a lock conflict adds "holder": the run id holding it, and "resource"). Kind "host": the
+(a lock conflict adds "resource" and "holders": the ids of the runs using it). Kind "host": the
 host was reached but cannot take the request (the trainer's interpreter lacks a
 package, a path of the config is missing, no space left: a write that failed for want
 of space, in any verb, adds "path", the file it could not write). stderr is free-form;
@@ -32,8 +32,10 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          runs/ID/config.yaml (a relative PATH is read from the release root; "-"
          reads the config from stdin), takes the locks
          for its resources (GPU indices as "gpu0", "gpu1", or "cpu" for a CPU-only run;
-         a lock held by a non-terminal run -> kind "conflict" naming that run, unless
-         --force), then starts a supervisor in a new session (setsid; stdin /dev/null;
+         a lock lists every run using the resource: while any of them has not ended ->
+         kind "conflict" naming them all, unless --force, which adds this run next to
+         them; runs that ended are dropped from the list), then starts a supervisor in
+         a new session (setsid; stdin /dev/null;
          its own stderr to runs/ID/agent.log). The supervisor forks the trainer in
          another new session, writes run.json (run id, release id, config, argv, pid,
          pgid, process start time, boot id, host, started_at, stall_after) *before*
@@ -58,20 +60,25 @@ status   [--run-id ID]    {"runs": [RunStatus...]} (all runs if no id; newest fi
                       "exit": exit.json or null, "errors": n_records,
                       "last_heartbeat": ts or null, "release_id", "source": run.json's
                       source or null, "step": last step or null}
+         ended_at comes from exit.json, or from the trainer's `done` event when no
+         supervisor was left to write exit.json.
 stop     --run-id ID [--grace S=10]
          Writes stop_requested.json, SIGTERM to the trainer's process group, waits
          `grace`, SIGKILL, and returns only when no process of the group is left and
-         exit.json exists: {"run_id", "state", "killed": bool}.
+         exit.json exists (or no supervisor is left to write it: the run is then
+         STOPPED all the same): {"run_id", "state", "killed": bool}.
 stacks   --run-id ID [--timeout S=5]
-         SIGUSR1 to the trainer (faulthandler dumps all threads into
-         faulthandler.log); returns {"run_id", "text": the new dump}. Refused (kind
-         "conflict") when the trainer is not running or has no SIGUSR1 handler yet,
-         whose default action would kill it.
+         Appends a dump header line to faulthandler.log, then SIGUSR1 to the trainer
+         (faulthandler dumps all threads there); returns {"run_id", "text": the new
+         dump, its threads named from threads.json: "Thread 0x… [drafter-1] (most
+         recent call first):"}. Refused (kind "conflict") when the trainer is not
+         running or has no SIGUSR1 handler yet, whose default action would kill it.
 report   --run-id ID [--log-lines N=200]
          Everything fetch-traceback needs: {"run_id", "state", "run": run.json,
-         "exit": exit.json|null, "errors": [records...], "faulthandler": text,
-         "log_tail": last N lines of train.log}. A record line that is not JSON is
-         given as {"raw": text}.
+         "exit": exit.json|null, "errors": [records...], "faulthandler": text (its
+         last 4 MiB), "last_stacks": its newest dump, "log_tail": last N lines of
+         train.log}; both stack texts have their threads named. A record line that
+         is not JSON is given as {"raw": text}.
 gpus     {"gpus": [{"index", "name", "memory_used_mib", "memory_total_mib",
           "utilization_pct", "temperature_c", "power_w"}]} ([] without nvidia-smi;
           plus "problem": text when nvidia-smi exists but fails).
@@ -128,5 +135,7 @@ follow   --run-id ID [--offset N] [--inode I] [--segment K=0] [--fingerprint LEN
 
 Run states (DESIGN.md): STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED, DEGRADED,
 STALLED, LOST, derived from run.json + exit.json + errors.jsonl + stop_requested.json
-+ events.jsonl heartbeats + /proc, never from the end of a stream.
++ events.jsonl (heartbeats, and the trainer's `done` when no exit.json was written)
++ /proc, never from the end of a stream. LOST only when no process is left and nobody
+recorded how the run ended.
 """

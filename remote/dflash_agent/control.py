@@ -7,7 +7,7 @@ import signal
 import time
 from typing import Any, Dict
 
-from . import procfs
+from . import procfs, stackdump
 from .jsonio import AgentError, decode_bytes, write_json_atomic
 from .layout import RunDir
 from .state import ALIVE, TERMINAL, derive_state, observe, read_record, trainer_liveness
@@ -72,6 +72,13 @@ def stacks(run: RunDir, timeout: float) -> Dict[str, Any]:
         # Its default action would kill the trainer.
         raise AgentError("run %r has no SIGUSR1 handler yet (faulthandler is registered during "
                          "start-up); try again shortly" % run.run_id, "conflict")
+    # Both this and the trainer's faulthandler append (O_APPEND): the header lands
+    # right before the dump it announces.
+    fd = os.open(run.faulthandler, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, stackdump.header("requested (SIGUSR1)").encode("utf-8"))
+    finally:
+        os.close(fd)
     before = _size(run.faulthandler)
     os.kill(pid, signal.SIGUSR1)
     if not _wait(lambda: _size(run.faulthandler) > before, timeout):
@@ -88,7 +95,7 @@ def stacks(run: RunDir, timeout: float) -> Dict[str, Any]:
     with open(run.faulthandler, "rb") as handle:
         handle.seek(before)
         text = decode_bytes(handle.read(size - before))
-    return {"run_id": run.run_id, "text": text}
+    return {"run_id": run.run_id, "text": stackdump.name_threads(text, stackdump.thread_names(run))}
 
 
 def _size(path: str) -> int:

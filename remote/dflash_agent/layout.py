@@ -104,6 +104,10 @@ class RunDir:
     def faulthandler(self) -> str:
         return self.file("faulthandler.log")
 
+    @property
+    def threads_json(self) -> str:
+        return self.file("threads.json")
+
 
 MAX_RUN_ID = 200  # characters; the CLI bounds run names by it, before deploying
 

@@ -1,8 +1,16 @@
-"""Resource locks: <workspace>/locks/<resource>.json holds the run id using it.
+"""Resource locks: <workspace>/locks/<resource>.json lists the runs using a resource.
 
-Two launches for the same GPUs must not both win, so every look-then-take happens
-under an exclusive flock on locks/.guard; the lock files themselves are written
-atomically. A lock whose run is terminal or LOST is stale and is replaced.
+A lock file is {"resource": R, "holders": [holder, ...]}; a holder is {"run_id",
+"taken_at", "launcher_pid", "launcher_start_time", "boot_id"}. A launch is refused while
+any holder lives; `--force` adds one more holder next to the live ones instead of
+replacing them, so a later launch without `--force` still sees every run on the
+resource. Holders whose run ended (terminal or LOST: its processes are gone, by pid and
+start time) are reaped whenever the file is rewritten. A file in the older one-holder
+form (the holder object itself) is read as a list of one.
+
+Two launches for the same GPUs must not both win, and two `--force` launches must not
+drop each other's holder, so every read-modify-write happens under an exclusive flock on
+locks/.guard; the lock files themselves are written atomically.
 """
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ import fcntl
 import os
 import re
 import time
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from . import procfs
 from .jsonio import AgentError, read_json, write_json_atomic
@@ -41,12 +49,27 @@ def _path(ws: Workspace, resource: str) -> str:
     return os.path.join(ws.locks, resource + ".json")
 
 
-def _read_holder(path: str) -> Optional[Dict[str, Any]]:
+def read_holders(path: str) -> List[Dict[str, Any]]:
+    """The holders a lock file lists; [] when there is no file or it is not a lock
+    (torn, or written by hand: held by nobody)."""
     try:
-        holder = read_json(path)
+        lock = read_json(path)
     except ValueError:
-        return {}  # not JSON (torn, or written by hand): held by nobody
-    return holder if holder is None or isinstance(holder, dict) else {}
+        return []
+    if not isinstance(lock, dict):
+        return []
+    if "holders" not in lock:  # the one-holder form of older releases
+        return [lock] if lock.get("run_id") else []
+    holders = lock["holders"]
+    return [h for h in holders if isinstance(h, dict)] if isinstance(holders, list) else []
+
+
+def _write_holders(ws: Workspace, resource: str, holders: List[Dict[str, Any]]) -> None:
+    path = _path(ws, resource)
+    if holders:
+        write_json_atomic(path, {"resource": resource, "holders": holders})
+    elif os.path.exists(path):
+        os.unlink(path)
 
 
 def holder_state(ws: Workspace, holder: Dict[str, Any]) -> str:
@@ -64,30 +87,42 @@ def holder_state(ws: Workspace, holder: Dict[str, Any]) -> str:
     return derive_state(observe(run, record))
 
 
+def _live_holders(ws: Workspace, resource: str) -> List[Tuple[Dict[str, Any], str]]:
+    """(holder, state) of every holder whose run has not ended."""
+    live = []
+    for holder in read_holders(_path(ws, resource)):
+        state = holder_state(ws, holder)
+        if state not in TERMINAL:
+            live.append((holder, state))
+    return live
+
+
 def acquire(ws: Workspace, resources: Sequence[str], run_id: str, force: bool) -> None:
-    """Take every lock or none. Raises AgentError(kind="conflict") naming the holder."""
+    """Take every lock or none. Without `force`, raises AgentError(kind="conflict")
+    naming every live holder of the first resource in use."""
     record = {"run_id": run_id, "taken_at": time.time(), "launcher_pid": os.getpid(),
               "launcher_start_time": procfs.start_time(os.getpid()), "boot_id": procfs.boot_id()}
     with _guard(ws):
+        live = {resource: _live_holders(ws, resource) for resource in resources}
         for resource in resources:
-            holder = _read_holder(_path(ws, resource))
-            if not holder or force:
-                continue
-            state = holder_state(ws, holder)
-            if state not in TERMINAL:
+            if live[resource] and not force:
+                names = ", ".join("%r (%s)" % (h.get("run_id"), state) for h, state in live[resource])
                 raise AgentError(
-                    "%s is in use by run %r (%s); stop it first or pass --force"
-                    % (resource, holder.get("run_id"), state),
-                    "conflict", holder=holder.get("run_id"), resource=resource)
+                    "%s is in use by run%s %s; stop %s first or pass --force"
+                    % (resource, "s" if len(live[resource]) > 1 else "", names,
+                       "them" if len(live[resource]) > 1 else "it"),
+                    "conflict", resource=resource,
+                    holders=[h.get("run_id") for h, _ in live[resource]])
         for resource in resources:
-            write_json_atomic(_path(ws, resource), dict(record, resource=resource))
+            holders = [h for h, _ in live[resource] if h.get("run_id") != run_id]
+            _write_holders(ws, resource, holders + [record])
 
 
 def release(ws: Workspace, resources: Sequence[str], run_id: str) -> None:
-    """Drop the locks that still name this run (a --force launch may have taken one)."""
+    """Drop this run from its locks; the other holders (a --force launch's) stay."""
     with _guard(ws):
         for resource in resources:
-            path = _path(ws, resource)
-            holder = _read_holder(path)
-            if holder is not None and holder.get("run_id") == run_id:
-                os.unlink(path)
+            holders = read_holders(_path(ws, resource))
+            remaining = [h for h in holders if h.get("run_id") != run_id]
+            if len(remaining) != len(holders):
+                _write_holders(ws, resource, remaining)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional
 
+from . import stackdump
 from .jsonio import decode_bytes, read_tail_text
 from .layout import RunDir, Workspace
 from .state import derive_state, error_records, observe, read_record, run_status
@@ -37,13 +38,16 @@ def _read_end(path: str, max_bytes: int) -> str:
 def report(run: RunDir, log_lines: int) -> Dict[str, Any]:
     record = read_record(run)
     obs = observe(run, record)
+    faulthandler = stackdump.name_threads(_read_end(run.faulthandler, FAULTHANDLER_MAX_BYTES),
+                                          stackdump.thread_names(run))
     return {
         "run_id": run.run_id,
         "state": derive_state(obs),
         "run": record,
         "exit": obs.exit,
         "errors": error_records(run.errors),
-        "faulthandler": _read_end(run.faulthandler, FAULTHANDLER_MAX_BYTES),
+        "faulthandler": faulthandler,
+        "last_stacks": stackdump.last_dump(faulthandler),
         "log_tail": read_tail_text(run.train_log, log_lines),
     }
 

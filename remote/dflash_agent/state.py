@@ -42,6 +42,10 @@ class EventSummary:
     last_phase_ts: Optional[float] = None
     last_heartbeat: Optional[float] = None  # ts of the newest heartbeat or step event
     step: Optional[int] = None  # its step
+    # The trainer's own record of its outcome, the last thing it writes before exiting:
+    # {"type": "done", "exit_code": n, "ts": ...}. It tells how a run ended whose
+    # supervisor died before it could write exit.json.
+    done: Optional[Dict[str, Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +68,15 @@ def derive_state(obs: Observation) -> str:
         clean = obs.exit.get("exit_code") == 0 and not obs.exit.get("signal")
         return SUCCEEDED if clean and obs.error_count == 0 else FAILED
     if obs.trainer == GONE:
-        return STOPPED if obs.stop_requested else LOST
+        # No process is left and the supervisor wrote no exit.json (it was killed, or the
+        # host rebooted): what the run itself recorded decides. LOST only when nobody
+        # recorded anything.
+        if obs.stop_requested:
+            return STOPPED
+        done = obs.events.done
+        if done is not None:
+            return SUCCEEDED if done.get("exit_code") == 0 and obs.error_count == 0 else FAILED
+        return FAILED if obs.error_count else LOST
     if obs.error_count:
         return DEGRADED
     ev = obs.events
@@ -82,7 +94,7 @@ def derive_state(obs: Observation) -> str:
 
 def summarize_events(path: str) -> EventSummary:
     """Read events.jsonl backwards until the newest heartbeat/step event."""
-    last_event_ts = last_phase = last_phase_ts = None
+    last_event_ts = last_phase = last_phase_ts = done = None
     for line in lines_backwards(path):
         event = parse_json_line(line)
         if not isinstance(event, dict):
@@ -93,9 +105,11 @@ def summarize_events(path: str) -> EventSummary:
         kind = event.get("type")
         if kind == "phase" and last_phase is None:
             last_phase, last_phase_ts = event.get("phase"), ts
+        if kind == "done" and done is None:
+            done = event
         if kind in PROGRESS_TYPES:
-            return EventSummary(last_event_ts, last_phase, last_phase_ts, ts, event.get("step"))
-    return EventSummary(last_event_ts, last_phase, last_phase_ts)
+            return EventSummary(last_event_ts, last_phase, last_phase_ts, ts, event.get("step"), done)
+    return EventSummary(last_event_ts, last_phase, last_phase_ts, done=done)
 
 
 def error_records(path: str) -> List[Dict[str, Any]]:
@@ -166,7 +180,7 @@ def run_status(run: RunDir) -> Dict[str, Any]:
         "state": derive_state(obs),
         "pid": record.get("pid"),
         "started_at": record.get("started_at"),
-        "ended_at": obs.exit.get("ended_at") if obs.exit else None,
+        "ended_at": _ended_at(obs),
         "exit": obs.exit,
         "errors": obs.error_count,
         "last_heartbeat": obs.events.last_heartbeat,
@@ -174,3 +188,9 @@ def run_status(run: RunDir) -> Dict[str, Any]:
         "source": record.get("source"),
         "step": obs.events.step,
     }
+
+
+def _ended_at(obs: Observation) -> Optional[float]:
+    if obs.exit is not None:
+        return obs.exit.get("ended_at")
+    return obs.events.done.get("ts") if obs.events.done is not None and obs.trainer == GONE else None

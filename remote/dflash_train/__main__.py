@@ -13,7 +13,7 @@ import signal
 import threading
 from pathlib import Path
 
-from .runlog import ErrorLog, EventLog, install_line_writers, say
+from .runlog import ErrorLog, EventLog, ThreadNames, install_line_writers, say
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     events = EventLog(run_dir / "events.jsonl")
     errors = ErrorLog(run_dir / "errors.jsonl")
+    thread_names = ThreadNames(run_dir / "threads.json")
+    thread_names.add(threading.main_thread())
     fault_log = open(run_dir / "faulthandler.log", "a", encoding="utf-8")  # kept open for the process's life
     faulthandler.enable(file=fault_log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=fault_log, all_threads=True, chain=False)
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     from .config import load_train_config
     from .threads import RunState, install_excepthook
 
-    state = RunState(errors)
+    state = RunState(errors, thread_names)
     install_excepthook(state)
     try:
         config = load_train_config(args.config)

@@ -23,7 +23,7 @@ from .config import TrainConfig
 from .devices import is_cuda
 from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, eval_body, prefetch_body, target_body
 from .replica import Replica, verify_replicas_identical
-from .runlog import EventLog, say
+from .runlog import EventLog, dump_header, say
 from .startup import Prepared, prepare
 from .threads import Rendezvous, RunState, StopRequested, StoppableQueue, Worker
 
@@ -211,6 +211,8 @@ class Coordinator:
         if self.alive:
             say(f"threads still running after {self.config.runtime.stop_grace_s:.0f}s: {', '.join(self.alive)}; "
                 "their stacks are in faulthandler.log")
+            self.fault_log.write(dump_header(f"threads still running after the stop: {', '.join(self.alive)}"))
+            self.fault_log.flush()  # faulthandler writes to the descriptor, past this buffer
             faulthandler.dump_traceback(file=self.fault_log, all_threads=True)
 
     def _stopped(self) -> int:

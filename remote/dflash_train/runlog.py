@@ -1,4 +1,5 @@
-"""What the trainer writes for others to read: train.log lines, events.jsonl, errors.jsonl.
+"""What the trainer writes for others to read: train.log lines, events.jsonl, errors.jsonl,
+threads.json and the headers of its own stack dumps in faulthandler.log.
 
 train.log: every line is `2026-11-29T16:00:00.123 [thread-name] text` (UTC, ms). sys.stdout
 and sys.stderr are replaced by line-assembling writers: each thread's partial output is
@@ -169,6 +170,30 @@ def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
         "frames": frames,
         "release_id": os.environ.get("DFLASH_RELEASE_ID"),
     }
+
+
+class ThreadNames:
+    """threads.json: {ident: name} of every thread the trainer started, rewritten whole
+    (temp file + os.replace) as each one starts. faulthandler names threads only by
+    ident, since it writes without the GIL (which is what lets it dump a run whose hung
+    thread holds the GIL); the agent labels its dumps with these names."""
+
+    def __init__(self, path: Path):
+        self._path = path
+        self._lock = threading.Lock()
+        self._names: dict[str, str] = {}
+
+    def add(self, thread: threading.Thread) -> None:
+        with self._lock:
+            self._names[str(thread.ident)] = thread.name
+            tmp = self._path.with_name(f".{self._path.name}.tmp")  # one writer at a time: the lock
+            tmp.write_text(json.dumps(self._names, ensure_ascii=False), encoding="utf-8")
+            os.replace(tmp, self._path)
+
+
+def dump_header(reason: str) -> str:
+    """The line that starts a stack dump in faulthandler.log (DESIGN.md "Remote layout")."""
+    return f"=== stacks of every thread: {reason} at {utc_stamp()}Z ===\n"
 
 
 class ErrorLog(JsonLines):

@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Any, Callable, Generic, TypeVar
 
-from .runlog import ErrorLog, error_record, say
+from .runlog import ErrorLog, ThreadNames, error_record, say
 
 T = TypeVar("T")
 
@@ -30,8 +30,9 @@ class DrafterStartupError(RuntimeError):
 class RunState:
     """Shared by all threads: stop event, the first failure, and a progress counter."""
 
-    def __init__(self, errors: ErrorLog):
+    def __init__(self, errors: ErrorLog, thread_names: ThreadNames):
         self.errors = errors
+        self.thread_names = thread_names
         self.stop = threading.Event()
         self.stop_reason: str | None = None
         self.failure: tuple[str, BaseException] | None = None
@@ -103,6 +104,7 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         try:
+            self.state.thread_names.add(self)
             self.body(self)
         except StopRequested:
             pass

@@ -124,6 +124,8 @@ def run_step(action, arg):
         event = threading.Event()
         KEEP.append(event)
         threading.Thread(target=drafter_waits_here, args=(event,), name=arg, daemon=True).start()
+        # As the real trainer does: {ident: name}, so the agent can name faulthandler's threads.
+        write_json("threads.json", {str(t.ident): t.name for t in threading.enumerate()})
     elif action == "spawn_sleeper":
         child = subprocess.Popen(["sleep", "600"])
         KEEP.append(child)
