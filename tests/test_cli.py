@@ -84,6 +84,20 @@ def test_launch_with_a_bad_training_config_sends_nothing(make_inventory, fake_pv
     assert not workspace_on_node(fake_pve, tmp_path).exists()  # nothing deployed
 
 
+@pytest.mark.parametrize("spelling", [".inf", "-.inf", ".nan"])
+def test_launch_refuses_a_non_finite_float_before_deploying(spelling, tmp_path):
+    config = tmp_path / "inf.yaml"
+    good = (REPO / "configs" / "train" / "tiny-cpu.yaml").read_text()
+    assert "  lr: 3.0e-3\n" in good
+    config.write_text(good.replace("  lr: 3.0e-3\n", f"  lr: {spelling}\n"))
+    home = tmp_path / "home"  # the built-in `local` host's workspace lives under ~
+    done = dflash("launch", "local", "--config", str(config), cwd=tmp_path, env={"HOME": str(home)})
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert f"{config}: optim.lr: expected a finite number, got {spelling}" in done.stderr
+    assert not home.exists()  # nothing deployed
+
+
 @pytest.mark.parametrize("host, message", [("ct201", "not running"), ("ct999", "does not exist"),
                                            ("down", "down")])
 def test_launch_on_unreachable_targets_exits_3(make_inventory, tmp_path, host, message):

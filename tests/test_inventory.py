@@ -133,3 +133,48 @@ def test_a_merged_key_may_be_overridden(tmp_path):
     path = tmp_path / "f.yaml"
     path.write_text("base: &base {a: 1, b: 2}\nhere:\n  <<: *base\n  a: 3\n")
     assert dflash_schema.read_yaml(path)["here"] == {"a": 3, "b": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    scale: float = 1.0
+    limits: tuple[float, ...] = ()
+    cap: float | None = None
+    weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+    rate: float = 1.0
+    inner: _Inner = _Inner()
+
+
+@pytest.mark.parametrize("spelling, shown", [(".inf", ".inf"), ("-.inf", "-.inf"), (".nan", ".nan"),
+                                              (".Inf", ".inf"), ("-.INF", "-.inf"), (".NaN", ".nan"),
+                                              ("1.0e+400", ".inf")])
+@pytest.mark.parametrize("template, where", [("rate: {}", "rate"), ("inner: {{scale: {}}}", "inner.scale"),
+                                             ("inner: {{limits: [0.5, {}]}}", "inner.limits[1]"),
+                                             ("inner: {{cap: {}}}", "inner.cap"),
+                                             ("inner: {{weights: {{a: 1, b: {}}}}}", "inner.weights.b")])
+def test_loader_refuses_non_finite_floats_at_any_depth(tmp_path, spelling, shown, template, where):
+    path = tmp_path / "x.yaml"
+    path.write_text(template.format(spelling) + "\n")
+    with pytest.raises(dflash_schema.SchemaError) as info:
+        dflash_schema.load_file(_Outer, path)
+    assert info.value.where == where
+    assert str(info.value) == f"{path}: {where}: expected a finite number, got {shown}"
+
+
+def test_loader_refuses_an_int_beyond_the_float_range(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text(f"rate: {10**400}\n")
+    with pytest.raises(dflash_schema.SchemaError, match=r"x\.yaml: rate: expected a finite number, got 1000"):
+        dflash_schema.load_file(_Outer, path)
+
+
+def test_loader_keeps_finite_floats(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("rate: 1.0e+30\ninner: {scale: -2, limits: [0.0, -1.5e-300], cap: 3.5, weights: {a: 1.0e+3}}\n")
+    loaded = dflash_schema.load_file(_Outer, path)
+    assert loaded == _Outer(rate=1e30, inner=_Inner(scale=-2.0, limits=(0.0, -1.5e-300), cap=3.5,
+                                                    weights={"a": 1000.0}))

@@ -4,6 +4,7 @@ on CPU with a tiny random target built at test time (shared through the cache)."
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -332,3 +333,62 @@ def test_a_bad_config_is_a_recorded_failure(launch):
     (error,) = run.errors()
     assert error["exc_type"] == "SchemaError" and "optim" in error["message"] and "config.yaml" in error["message"]
     assert run.events("done")[-1]["exit_code"] == 1
+
+
+def non_finite_tensors(checkpoint: Path) -> list[str]:
+    """Names of the tensors in a checkpoint folder (weights and optimizer state) holding NaN or inf."""
+    import torch
+    from safetensors.torch import load_file
+
+    found = [f"model.safetensors:{name}" for name, t in load_file(str(checkpoint / "model.safetensors")).items()
+             if not t.isfinite().all()]
+    extra = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=False)
+    for index, moments in extra["optimizer"]["state"].items():
+        found += [f"optimizer.pt:{index}.{key}" for key, t in moments.items()
+                  if t.is_floating_point() and not t.isfinite().all()]
+    return found
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["threaded", "sequential"])
+def test_nonfinite_fault_fails_the_run_at_that_step_and_writes_nothing_non_finite(launch, mode):
+    run = launch(SMALL + f"pipeline: {{mode: {mode}}}\noptim: {{max_steps: 6}}\ncheckpoint: {{every: 2}}\n"
+                 "eval: {num_prompts: 0}\nfaults: [{thread: drafter-1, at: 'step:3', kind: nonfinite}]\n",
+                 run_id=mode)
+    assert run.wait(180) == 1, run.log()[-3000:]
+    assert "injecting fault: nonfinite in drafter-1 at step 3" in run.log()
+    errors = run.errors()
+    root = errors[0]
+    # threaded: drafter-1 records it, drafter-0 (which saw the same values) stops without a record;
+    # sequential: one thread does every part, the coordinator
+    expected = ["drafter-1", "coordinator"] if mode == "threaded" else ["coordinator"]
+    assert [e["thread"] for e in errors] == expected
+    assert (root["phase"], root["step"], root["exc_type"]) == ("train", 3, "NonFiniteStep")
+    detail = root["detail"]
+    assert (detail["quantity"], detail["value"], detail["replica"]) == ("loss", "nan", 1)
+    assert isinstance(detail["losses"][0], float) and detail["losses"][1] == "nan"
+    assert detail["grad_norm"] == "nan" and 0 < len(detail["nonfinite_grads"]) <= detail["nonfinite_grad_count"]
+    assert root["message"].startswith("step 3: the loss of drafter-1 is nan")
+    assert f"non-finite gradients first in {', '.join(detail['nonfinite_grads'])}" in root["message"]
+    assert errors[-1]["detail"] == detail  # the coordinator's record points at the same root cause
+    # every replica stopped at step 3 without applying it: steps 1 and 2 reported, nothing after
+    assert [e["step"] for e in run.events("step")] == [1, 2]
+    done = run.events("done")[-1]
+    assert done["exit_code"] == 1 and done["threads_alive"] == []
+    assert not (run.run_dir / "export").exists()
+    assert os.readlink(run.run_dir / "checkpoints" / "latest") == "step_000002"
+    assert non_finite_tensors(run.run_dir / "checkpoints" / "step_000002") == []
+
+
+@pytest.mark.timeout(200)
+def test_a_huge_learning_rate_fails_the_run_instead_of_exporting_nan(launch):
+    # Finite, so the loader takes it; the first update throws the weights far enough for a NaN loss.
+    run = launch(SMALL + "optim: {lr: 1.0e+30, max_steps: 16}\ncheckpoint: {every: 1}\neval: {num_prompts: 0}\n")
+    assert run.wait(180) == 1, run.log()[-3000:]
+    root = run.errors()[0]
+    assert root["exc_type"] == "NonFiniteStep" and root["detail"]["value"] in ("nan", "inf", "-inf")
+    assert all(isinstance(e["loss"], float) and math.isfinite(e["loss"]) for e in run.events("step"))
+    assert run.events("done")[-1]["exit_code"] == 1
+    assert not (run.run_dir / "export").exists()
+    checkpoints = sorted((run.run_dir / "checkpoints").glob("step_*"))
+    assert checkpoints and all(non_finite_tensors(c) == [] for c in checkpoints)

@@ -111,6 +111,17 @@ def test_a_training_config_key_given_twice_is_refused(tmp_path):
         load_train_config(path)
 
 
+@pytest.mark.parametrize("thread, at", [("target-0", "step:2"), ("prefetch", "step:2"), ("drafter-1", "startup")])
+def test_nonfinite_fault_is_only_for_a_drafter_step(tmp_path, thread, at):
+    fault = f"faults: [{{thread: {thread}, at: '{at}', kind: nonfinite}}]\n"
+    with pytest.raises(SchemaError, match=rf"faults\[0\]: nonfinite poisons a drafter's step: thread drafter-N and "
+                                          rf"at step:N, got {thread} at {at}"):
+        load_train_config(write_config(tmp_path, BASE + fault))
+    fault = "faults: [{thread: drafter-1, at: 'step:2', kind: nonfinite}]\n"
+    config = load_train_config(write_config(tmp_path, BASE + fault))
+    assert config.faults[0].kind == "nonfinite" and config.faults[0].step == 2
+
+
 def test_gpu_resources(tmp_path):
     config = load_train_config(write_config(tmp_path, BASE.replace(
         "devices: {target: [cpu], drafters: [cpu, cpu]}", "devices: {target: [cuda:0], drafters: [cuda:1, cuda]}")
@@ -426,3 +437,111 @@ def test_attention_auto_is_flex_only_under_cudagraphs(tmp_path, compile_mode, at
     config = load_train_config(write_config(tmp_path, gpu + f"compile: {compile_mode}\n"
                                             f"drafter: {{attention: {attention}}}\n"))
     assert config.uses_flex is flex
+
+
+# --- non-finite steps and weights ------------------------------------------------------
+
+def small_replica(tmp_path: Path, index: int = 0):
+    """A real Replica on CPU: small_drafter's shape, a tiny random Qwen3 as the frozen target."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_train.replica import FrozenTargetWeights, Replica
+
+    config = load_train_config(write_config(tmp_path, BASE + "drafter: {num_layers: 2, block_size: 4}\n"))
+    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    drafter = small_drafter()
+    return Replica(index, "cpu", config, drafter.config, drafter.state_dict(), FrozenTargetWeights({"cpu": target}),
+                   total_steps=10)
+
+
+def gradients_of(replica, fill: dict[str, float]) -> list[torch.Tensor]:
+    """A gradient per parameter: 0.01 everywhere, `fill[name]` in the first element of those named."""
+    grads = []
+    for name, param in replica.drafter.named_parameters():
+        grad = torch.full_like(param, 0.01)
+        if name in fill:
+            grad.view(-1)[0] = fill[name]
+        grads.append(grad)
+    return grads
+
+
+def test_a_non_finite_gradient_is_never_applied_and_its_parameters_are_named_in_module_order(tmp_path):
+    from dflash_train.replica import NonFiniteStep, weights_checksum
+
+    replica = small_replica(tmp_path)
+    names = [name for name, _ in replica.drafter.named_parameters()]
+    bad = [names[-1], names[3], names[9]]  # given out of order: reported in module order
+    before = weights_checksum(replica.drafter)
+    grads = gradients_of(replica, {bad[0]: math.inf, bad[1]: math.nan, bad[2]: -math.inf})
+    with pytest.raises(NonFiniteStep) as info:
+        replica.apply(grads, 5, [torch.tensor(2.5)])
+    exc = info.value
+    assert exc.reporter == 0
+    assert exc.detail == {"quantity": "grad_norm", "value": "nan", "replica": 0, "grad_norm": "nan",
+                          "losses": [2.5], "nonfinite_grads": [names[3], names[9], names[-1]],
+                          "nonfinite_grad_count": 3, "parameters": len(names)}
+    assert str(exc).startswith(f"step 5: the gradient norm is nan (losses 2.5); non-finite gradients first in "
+                               f"{names[3]}, {names[9]}, {names[-1]} (3 of {len(names)} parameters)")
+    assert weights_checksum(replica.drafter) == before  # no update, not even a clipped one
+    assert replica.optimizer.state_dict()["state"] == {} and replica.completed_step == 0
+    # the same replica then takes a finite step as usual
+    applied = replica.apply(gradients_of(replica, {}), 6, [torch.tensor(2.0), torch.tensor(3.0)])
+    assert applied.losses == [2.0, 3.0] and applied.grad_norm == pytest.approx(0.01 * math.sqrt(
+        sum(p.numel() for p in replica.drafter.parameters())), rel=1e-5)
+    assert weights_checksum(replica.drafter) != before and replica.completed_step == 6
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_a_non_finite_loss_names_its_replica_for_every_replica_alike(tmp_path, index):
+    from dflash_train.replica import NonFiniteStep
+
+    replica = small_replica(tmp_path, index)
+    losses = [torch.tensor(1.0), torch.tensor(math.inf), torch.tensor(math.nan)]
+    with pytest.raises(NonFiniteStep) as info:
+        replica.apply(gradients_of(replica, {}), 3, losses)
+    # replicas 0, 1 and 2 all see drafter-1's loss first: drafter-1 records it, the others just stop
+    assert info.value.reporter == 1
+    assert info.value.detail["quantity"] == "loss" and info.value.detail["value"] == "inf"
+    assert info.value.detail["losses"] == [1.0, "inf", "nan"] and info.value.detail["nonfinite_grads"] == []
+    assert "the loss of drafter-1 is inf" in str(info.value) and "the gradients are finite" in str(info.value)
+
+
+def test_error_record_carries_the_detail_of_its_root_cause():
+    from dflash_train.replica import NonFiniteStep
+
+    try:
+        try:
+            raise NonFiniteStep("step 2: …", 0, {"quantity": "loss", "value": "nan"})
+        except NonFiniteStep as exc:
+            raise RuntimeError("drafter-0 failed") from exc
+    except RuntimeError as outer:
+        record = error_record(outer, thread="coordinator", thread_ident=1, phase="train", step=None)
+    assert record["detail"] == {"quantity": "loss", "value": "nan"}
+    assert json.loads(json.dumps(record, allow_nan=False))["detail"]["value"] == "nan"  # strict JSON
+    assert "detail" not in error_record(ValueError("x"), thread="t", thread_ident=1, phase="train", step=1)
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+def test_checkpoint_and_export_refuse_non_finite_weights(tmp_path, poison):
+    from dflash_train.model import NonFiniteWeights
+
+    drafter = small_drafter()
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    root = tmp_path / "checkpoints"
+    state = ckpt.TrainingState(step=1, epoch=0, batch_index=0, replicas=1, losses=[1.0])
+    ckpt.save_checkpoint(root, state, drafter, optimizer, scheduler, keep=3)
+    export_drafter(drafter, tmp_path / "export")
+    with torch.no_grad():
+        drafter.layers[1].mlp.down_proj.weight.view(-1)[7] = poison
+    state = ckpt.TrainingState(step=2, epoch=0, batch_index=1, replicas=1, losses=[1.0, 1.0])
+    with pytest.raises(NonFiniteWeights, match=r"1 of \d+ weight tensors hold NaN or infinite values "
+                                                r"\(first: layers\.1\.mlp\.down_proj\.weight\); not written"):
+        ckpt.save_checkpoint(root, state, drafter, optimizer, scheduler, keep=3)
+    with pytest.raises(NonFiniteWeights):
+        ckpt.replace_dir(tmp_path / "export", lambda staging: export_drafter(drafter, staging))
+    # what was there stays whole and finite; no staging folder is left behind
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "export"]
+    assert all(t.isfinite().all() for t in load_drafter(tmp_path / "export").state_dict().values())

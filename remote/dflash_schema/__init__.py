@@ -5,13 +5,16 @@ in every release, so it depends on the standard library plus PyYAML only.
 
 Rules: unknown keys, missing required keys and wrong types are errors; each error
 names the file, the path of keys that led to it ("hosts.ct200.container") and what
-was expected. Nothing is coerced except int -> float.
+was expected. Nothing is coerced except int -> float. A float is finite: YAML's `.inf`,
+`-.inf` and `.nan` (and numbers too large for a float) are refused for every float field,
+since no setting of this project means anything when infinite or NaN.
 """
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
 import functools
+import math
 import types
 import typing
 from pathlib import Path
@@ -161,13 +164,24 @@ def _convert(tp: Any, value: Any, source: str, where: str) -> Any:
         return types.MappingProxyType(out)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _finite_float(value, source, where)
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
     raise SchemaError(source, where, f"expected {_describe(tp)}, got {_type_name(value)} {value!r}")
+
+
+def _finite_float(value: int | float, source: str, where: str) -> float:
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        raise SchemaError(source, where, f"expected a finite number, got {value!r} (too large)") from None
+    if not math.isfinite(number):
+        yaml_spelling = ".nan" if math.isnan(number) else (".inf" if number > 0 else "-.inf")
+        raise SchemaError(source, where, f"expected a finite number, got {yaml_spelling}")
+    return number
 
 
 def _convert_dataclass(cls: Any, value: Any, source: str, where: str) -> Any:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from .config import resolve_path
-from .model import cpu_weights
+from .model import finite_cpu_weights
 
 LATEST = "latest"
 
@@ -73,7 +73,7 @@ def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, op
     from safetensors.torch import save_file
 
     def fill(staging: Path) -> None:
-        save_file(cpu_weights(model), str(staging / "model.safetensors"))
+        save_file(finite_cpu_weights(model), str(staging / "model.safetensors"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
                    staging / "optimizer.pt")
         (staging / "state.json").write_text(json.dumps(dataclasses.asdict(state)) + "\n")

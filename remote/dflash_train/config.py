@@ -220,7 +220,7 @@ class FaultSpec:
 
     thread: str
     at: str  # "startup" or "step:N" (for the eval thread: the evaluation of step N)
-    kind: Literal["raise", "hang", "abort", "exit"]
+    kind: Literal["raise", "hang", "abort", "exit", "nonfinite"]  # nonfinite: a drafter's step:N only
     depth: int = 10  # raise: frames between the thread body and the raise
     code: int = 3  # exit: the exit status
 
@@ -292,6 +292,9 @@ class TrainConfig:
                                  f"(threads of this config: {', '.join(known)})")
             if fault.thread == "coordinator" and fault.step is not None:
                 raise ValueError(f"faults[{i}]: the coordinator takes faults at startup only")
+            if fault.kind == "nonfinite" and (not fault.thread.startswith("drafter-") or fault.step is None):
+                raise ValueError(f"faults[{i}]: nonfinite poisons a drafter's step: "
+                                 f"thread drafter-N and at step:N, got {fault.thread} at {fault.at}")
         if self.log_every <= 0 or self.stall_after <= 0:
             raise ValueError("log_every and stall_after must be positive")
 

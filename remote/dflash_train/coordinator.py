@@ -21,6 +21,7 @@ import torch
 from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
 from .config import TrainConfig
 from .devices import is_cuda
+from .model import NonFiniteWeights
 from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, eval_body, prefetch_body, target_body
 from .replica import Replica, verify_replicas_identical
 from .runlog import EventLog, dump_header, say
@@ -191,13 +192,14 @@ class Coordinator:
                 faults.fire(f"target-{replica.index % targets}", step)
                 features = run.features(replica.index % targets, batch)
                 faults.fire(f"drafter-{replica.index}", step)
-                stats.append(replica.run_step(features))
+                stats.append(replica.run_step(features, poison=faults.poisons(f"drafter-{replica.index}", step)))
                 batches.append(batch)
             posted = [replica.gradients() for replica in replicas]
-            for replica in replicas:
-                lr, grad_norm = replica.apply(average_gradients(posted, replica.device), step)
+            losses = [s.loss for s in stats]
+            for replica in replicas:  # a non-finite step fails in the first, before any replica applied it
+                applied = replica.apply(average_gradients(posted, replica.device), step, losses)
             self.state.progressed()
-            run.after_step(step, replicas[0], stats, batches, lr, grad_norm, evaluate)
+            run.after_step(step, replicas[0], stats, batches, applied, evaluate)
         self._set_phase("shutdown")
         run.after_training(replicas[0], evaluate)
 
@@ -228,7 +230,10 @@ class Coordinator:
                 and lead.completed_step > max(run.last_checkpoint, run.start_step)):
             if is_cuda(lead.device):  # its last update ran on the lead thread's stream, not this one's
                 torch.cuda.synchronize(lead.device)
-            run.save_checkpoint(lead)
+            try:
+                run.save_checkpoint(lead)
+            except NonFiniteWeights as exc:  # the newest finite checkpoint stays `latest`
+                say(f"no checkpoint on stop: {exc}")
         signum = self._signal or signal.SIGTERM
         return 128 + int(signum)
 

@@ -2,8 +2,11 @@
 
 Each thread calls `FaultInjector.fire(name, step=...)` at startup (step None) and at
 every step; a matching fault then raises a chained exception `depth` frames deep,
-hangs, aborts the process or exits it with a code. Matching is by the logical thread
-name, so the sequential pipeline (one thread doing every part) takes the same faults.
+hangs, aborts the process or exits it with a code. A drafter also asks
+`poisons(name, step)` before its forward: `nonfinite` makes that step's loss and
+gradients NaN (Replica.run_step), the failure a diverging run meets. Matching is by the
+logical thread name, so the sequential pipeline (one thread doing every part) takes the
+same faults.
 """
 from __future__ import annotations
 
@@ -27,11 +30,25 @@ class FaultInjector:
         self._faults = faults
 
     def fire(self, thread: str, step: int | None = None) -> None:
-        for fault in self._faults:
-            if fault.thread == thread and fault.step == step:
-                where = "startup" if step is None else f"step {step}"
-                say(f"injecting fault: {fault.kind} in {thread} at {where}")
-                _FIRE[fault.kind](fault, f"{thread} at {where}")
+        for fault in self._matching(thread, step, poison=False):
+            _FIRE[fault.kind](fault, self._announce(fault, thread, step))
+
+    def poisons(self, thread: str, step: int) -> bool:
+        """Whether `thread` is to make step `step` non-finite (a `nonfinite` fault)."""
+        faults = self._matching(thread, step, poison=True)
+        for fault in faults:
+            self._announce(fault, thread, step)
+        return bool(faults)
+
+    def _matching(self, thread: str, step: int | None, poison: bool) -> list[FaultSpec]:
+        return [f for f in self._faults
+                if f.thread == thread and f.step == step and (f.kind == "nonfinite") == poison]
+
+    @staticmethod
+    def _announce(fault: FaultSpec, thread: str, step: int | None) -> str:
+        where = f"{thread} at {'startup' if step is None else f'step {step}'}"
+        say(f"injecting fault: {fault.kind} in {where}")
+        return where
 
 
 def _raise(fault: FaultSpec, where: str) -> None:

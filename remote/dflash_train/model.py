@@ -175,12 +175,28 @@ def cpu_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in module.state_dict().items()}
 
 
+class NonFiniteWeights(ValueError):
+    """Weights that hold NaN or infinite values, refused by a checkpoint or an export."""
+
+
+def finite_cpu_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`cpu_weights`, refusing NaN and infinities: the last guard before weights are written
+    where they would be resumed from or deployed (a non-finite step is never applied, but
+    finite gradients can still overflow a weight)."""
+    weights = cpu_weights(module)
+    bad = [name for name, tensor in weights.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+    if bad:
+        raise NonFiniteWeights(f"{len(bad)} of {len(weights)} weight tensors hold NaN or infinite values "
+                               f"(first: {', '.join(bad[:8])}); not written")
+    return weights
+
+
 def export_drafter(drafter: DFlashDrafter, out_dir: Path) -> None:
     """Write a Hugging Face-style folder: config.json + model.safetensors."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = cpu_weights(drafter)
+    state = finite_cpu_weights(drafter)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = drafter.config.to_dict()
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")

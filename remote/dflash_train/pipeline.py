@@ -26,11 +26,11 @@ from .data import BatchPlan, HostBatch, Sample, collate
 from .devices import Fence, handoff, is_cuda, thread_stream
 from .faults import FaultInjector
 from .model import DFlashDrafter, cpu_weights, export_drafter
-from .replica import FeatureBatch, Replica, average_gradients
+from .replica import AppliedStep, FeatureBatch, NonFiniteStep, Replica, average_gradients
 from .runlog import EventLog, say
 from .speculative import evaluate
 from .target import FeatureTap
-from .threads import Rendezvous, RunState, StoppableQueue, Worker
+from .threads import Rendezvous, RunState, StoppableQueue, StopRequested, Worker
 
 
 @dataclasses.dataclass
@@ -136,11 +136,11 @@ class Run:
         features = self.taps[target].features(batch.input_ids.to(device, non_blocking=True))
         return FeatureBatch(batch, handoff(features, drafter_device), Fence(device))
 
-    def report_step(self, step: int, stats: list[StepStats], batches: list[HostBatch], lr: float,
-                    grad_norm: float) -> None:
+    def report_step(self, step: int, stats: list[StepStats], batches: list[HostBatch], applied: AppliedStep) -> None:
         now = time.perf_counter()
         elapsed, self._last_report = max(now - self._last_report, 1e-9), now
-        loss = sum(float(s.loss) for s in stats) / len(stats)
+        lr, grad_norm = applied.lr, applied.grad_norm
+        loss = sum(applied.losses) / len(applied.losses)
         correct = sum(s.correct.to("cpu") for s in stats)
         counted = sum(s.counted.to("cpu") for s in stats)
         acc = [round(c / n, 4) if n else None for c, n in zip(correct.tolist(), counted.tolist())]
@@ -161,10 +161,10 @@ class Run:
         if self.evaluator is not None and self.config.eval.at_start:
             evaluate(EvalRequest(self.start_step, cpu_weights(lead.drafter), baseline=True))
 
-    def after_step(self, step: int, lead: Replica, stats: list[StepStats], batches: list[HostBatch], lr: float,
-                   grad_norm: float, evaluate: Callable[[EvalRequest], None]) -> None:
+    def after_step(self, step: int, lead: Replica, stats: list[StepStats], batches: list[HostBatch],
+                   applied: AppliedStep, evaluate: Callable[[EvalRequest], None]) -> None:
         """Report the step, then checkpoint and evaluate when due."""
-        self.report_step(step, stats, batches, lr, grad_norm)
+        self.report_step(step, stats, batches, applied)
         if self.checkpoint_due(step):
             self.save_checkpoint(lead)
         if self.eval_due(step):
@@ -272,17 +272,22 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
                 run.waits.add(worker.name, waited)
                 assert feature_batch.host.step == step, (feature_batch.host.step, step)
                 run.faults.fire(worker.name, step)
-                stats = replica.run_step(feature_batch)
+                stats = replica.run_step(feature_batch, poison=run.faults.poisons(worker.name, step))
                 started = time.perf_counter()
                 posted = channels.rendezvous.exchange(
                     replica.index, (replica.gradients(), stats, feature_batch.host))
                 run.waits.add(worker.name, time.perf_counter() - started)
                 mean = average_gradients([p[0] for p in posted], replica.device)
-                lr, grad_norm = replica.apply(mean, step)
+                try:
+                    applied = replica.apply(mean, step, [p[1].loss for p in posted])
+                except NonFiniteStep as exc:
+                    if exc.reporter != replica.index:
+                        # Every replica found it at this step; the one named records it, the rest stop.
+                        raise StopRequested(f"drafter-{exc.reporter} found a non-finite step") from None
+                    raise
                 run.state.progressed()
                 if lead:
-                    run.after_step(step, replica, [p[1] for p in posted], [p[2] for p in posted], lr, grad_norm,
-                                   evaluate)
+                    run.after_step(step, replica, [p[1] for p in posted], [p[2] for p in posted], applied, evaluate)
             worker.phase = "shutdown"
             if lead:
                 run.after_training(replica, evaluate)

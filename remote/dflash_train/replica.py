@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import math
 import threading
 from typing import Any
 
@@ -55,6 +56,36 @@ class FrozenTargetWeights:
             return self._copies[device]
 
 
+@dataclasses.dataclass(frozen=True)
+class AppliedStep:
+    """What one optimizer step read back to the host."""
+
+    lr: float  # the learning rate it used
+    grad_norm: float  # of the averaged gradients, before clipping
+    losses: list[float]  # every replica's loss, in replica order
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite; its update was not applied.
+
+    Every replica reads the same values (all losses, the norm of the shared averaged
+    gradients), so all of them find it at the same step. `reporter` is the replica that
+    records it: the first whose loss is non-finite, else the lead. `detail` goes into the
+    errors.jsonl record (non-finite numbers as the strings "nan", "inf", "-inf")."""
+
+    def __init__(self, message: str, reporter: int, detail: dict[str, Any]):
+        super().__init__(message)
+        self.reporter = reporter
+        self.detail = detail
+
+
+NONFINITE_NAMES_SHOWN = 8
+
+
+def _json_number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
 class Replica:
     def __init__(self, index: int, device: str, config: TrainConfig, hf_config: Any,
                  weights: dict[str, torch.Tensor], frozen: FrozenTargetWeights, total_steps: int):
@@ -82,24 +113,66 @@ class Replica:
         self.scheduler.load_state_dict(scheduler)
         self.completed_step = step
 
-    def run_step(self, batch: FeatureBatch) -> StepStats:
+    def run_step(self, batch: FeatureBatch, poison: bool = False) -> StepStats:
+        """Forward and backward. `poison` (the `nonfinite` fault) feeds NaN target features,
+        so the loss and the gradients come out NaN as from a forward that diverged."""
         assert self.train_step is not None, "the train step is built during startup"
-        return self.train_step(batch.to_inputs(self.device))
+        inputs = batch.to_inputs(self.device)
+        if poison:
+            inputs.features = torch.full_like(inputs.features, math.nan)
+        return self.train_step(inputs)
 
     def gradients(self) -> tuple[list[torch.Tensor], Fence]:
         return [p.grad for p in self.drafter.parameters()], Fence(self.device)
 
-    def apply(self, mean_grads: list[torch.Tensor], step: int) -> tuple[float, float]:
-        """Set the averaged gradients, clip, step. Returns (lr used, grad norm before clipping)."""
-        for param, grad in zip(self.drafter.parameters(), mean_grads):
+    def apply(self, mean_grads: list[torch.Tensor], step: int, losses: list[torch.Tensor]) -> AppliedStep:
+        """Set the averaged gradients, check them and every replica's loss, clip, step.
+
+        The norm and `losses` (every replica's loss tensor, readable on this device once
+        average_gradients waited for their fences) come to the host in one read: the one
+        host sync a step has always taken here. NonFiniteStep if any is NaN or infinite,
+        before the optimizer step, so the weights never take a non-finite update."""
+        params = list(self.drafter.parameters())
+        for param, grad in zip(params, mean_grads):
             param.grad = grad
-        norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
+        norm = torch.nn.utils.get_total_norm(mean_grads)
+        grad_norm, *loss_values = torch.stack(
+            [norm, *(loss.to(norm.device, norm.dtype) for loss in losses)]).tolist()
+        if not all(math.isfinite(value) for value in (grad_norm, *loss_values)):
+            raise self._non_finite(step, grad_norm, loss_values, mean_grads)
+        torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.completed_step = step
-        return lr, float(norm)
+        return AppliedStep(lr, grad_norm, loss_values)
+
+    def _non_finite(self, step: int, grad_norm: float, losses: list[float],
+                    grads: list[torch.Tensor]) -> NonFiniteStep:
+        """The failure path only: which parameters' averaged gradients are non-finite."""
+        names = [name for name, _ in self.drafter.named_parameters()]
+        finite = torch.stack([torch.isfinite(grad).all() for grad in grads]).tolist()
+        bad = [name for name, ok in zip(names, finite) if not ok]
+        bad_loss = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+        if bad_loss is not None:
+            reporter, quantity, value = bad_loss, "loss", losses[bad_loss]
+            what = f"the loss of drafter-{bad_loss} is {value} (gradient norm {grad_norm:.6g})"
+        else:
+            reporter, quantity, value = 0, "grad_norm", grad_norm
+            what = f"the gradient norm is {value} (losses {', '.join(f'{x:.6g}' for x in losses)})"
+        if bad:
+            shown = ", ".join(bad[:NONFINITE_NAMES_SHOWN]) + (", …" if len(bad) > NONFINITE_NAMES_SHOWN else "")
+            where = f"non-finite gradients first in {shown} ({len(bad)} of {len(names)} parameters)"
+        elif math.isfinite(grad_norm):
+            where = "the gradients are finite"
+        else:
+            where = "every gradient is finite (their norm overflowed)"
+        detail = {"quantity": quantity, "value": _json_number(value), "replica": reporter,
+                  "grad_norm": _json_number(grad_norm), "losses": [_json_number(x) for x in losses],
+                  "nonfinite_grads": bad[:NONFINITE_NAMES_SHOWN], "nonfinite_grad_count": len(bad),
+                  "parameters": len(names)}
+        return NonFiniteStep(f"step {step}: {what}; {where}; the update was not applied", reporter, detail)
 
 
 def average_gradients(posted: list[tuple[list[torch.Tensor], Fence]], device: str) -> list[torch.Tensor]:

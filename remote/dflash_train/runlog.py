@@ -153,11 +153,13 @@ def root_cause(exc: BaseException) -> BaseException:
 
 def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
                  phase: str, step: int | None) -> dict[str, Any]:
-    """DESIGN.md's errors.jsonl record for `exc`."""
+    """DESIGN.md's errors.jsonl record for `exc`; `detail` when the root cause carries one
+    (a dict of facts beyond the message, e.g. the values of a non-finite step)."""
     cause = root_cause(exc)
     frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": f.line or ""}
               for f in traceback.extract_tb(cause.__traceback__)]
-    return {
+    detail = getattr(cause, "detail", None)
+    record = {
         "ts": time.time(),
         "run_id": os.environ.get("DFLASH_RUN_ID"),
         "thread": thread,
@@ -170,6 +172,9 @@ def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
         "frames": frames,
         "release_id": os.environ.get("DFLASH_RELEASE_ID"),
     }
+    if isinstance(detail, dict):
+        record["detail"] = detail
+    return record
 
 
 class ThreadNames:
