@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from . import console
+from . import console, retry
 from .commands import deploy, fetch_traceback, hosts, launch, status, stop, watch
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
@@ -86,7 +86,7 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
     console.data(ref.run_id + "\n")
     if follow:
         sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
-                           retry_for=watch.RETRY_FOR_S))
+                           retry_for=retry.RETRY_FOR_S))
 
 
 @main.command("watch")
@@ -96,7 +96,7 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
 @click.option("--interval", default=watch.GPU_INTERVAL_S, show_default=True, type=click.FloatRange(min=0.5),
               help="Seconds between GPU lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print every message as a JSON line on stdout.")
-@click.option("--retry-for", default=watch.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
+@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
               help="Seconds to keep reconnecting to an unreachable host before exit 3.")
 @click.pass_obj
 def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail: int | None,
