@@ -55,16 +55,19 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
 @main.command("deploy")
 @click.argument("host_names", nargs=-1, metavar="HOST...")
 @click.option("--all", "all_hosts", is_flag=True, help="Deploy to every host of the inventory.")
+@click.option("--verify", is_flag=True,
+              help="Re-hash the host's release files instead of comparing size, mtime and ctime.")
 @click.pass_obj
-def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool) -> None:
+def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, verify: bool) -> None:
     """Send remote/ and configs/ to HOSTs as a content-addressed release.
 
-    Only files the host's current release lacks travel, in one tar stream; the host
+    Only files the host lacks an intact copy of travel, in one tar stream; the host
     verifies every file's sha256 before switching `current`, so an interrupted deploy
-    leaves the previous release in place. An unchanged tree costs one round trip.
-    Prints `host<TAB>release<TAB>result` per host on stdout.
+    (Ctrl-C included) leaves the previous release in place. A release that was modified
+    on the host is replaced by a fresh copy (result `repaired`). An unchanged tree costs
+    one round trip. Prints `host<TAB>release<TAB>result` per host on stdout.
     """
-    sys.exit(deploy.run(session, list(host_names), all_hosts))
+    sys.exit(deploy.run(session, list(host_names), all_hosts, verify))
 
 
 @main.command("launch")
@@ -172,7 +175,8 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
 
 @main.command("hosts")
 @click.option("--check", "do_check", is_flag=True,
-              help="Connect to each host: reachable, container running, python/torch/transformers, GPUs.")
+              help="Connect to each host: reachable, container running, python/torch/transformers, GPUs, "
+                   "and whether the current release was modified on the host (exit 2).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
 @click.pass_obj
 def hosts_cmd(session: Session, do_check: bool, as_json: bool) -> None:

@@ -13,6 +13,7 @@ from ..agent import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session
+from . import deploy
 
 # The agent's own host facts (stdlib only, no package imports), sent with `python -c`:
 # it works before anything is deployed.
@@ -26,6 +27,8 @@ def check(session: Session, host: Host) -> dict:
     if done.exit_code != 0 or facts is None:
         raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}): "
                           f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
+    # A release edited on the host runs what nobody deployed: say so (deploy repairs it).
+    facts["release_modified"] = deploy.check_host(session, host) if facts.get("current_release") else []
     return facts
 
 
@@ -51,7 +54,10 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
         elif result is not None:
             found = ", ".join(f"{g['index']}:{g['name']}" for g in result["gpus"]) or "none"
             packages = result["packages"]
-            row += ["ok", result["python"], packages["torch"] or "-", packages["transformers"] or "-",
+            modified = result["release_modified"]
+            status = (f"release modified ({len(modified)} files differ: "
+                      f"{'; '.join(modified)}; dflash deploy {host.name} repairs it)" if modified else "ok")
+            row += [status, result["python"], packages["torch"] or "-", packages["transformers"] or "-",
                     result.get("gpus_problem", found), result["current_release"] or "-"]
         table.add_row(*map(Text, row))  # plain text: messages may hold [brackets]
         if as_json:
@@ -67,5 +73,6 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
     console.human.print(table)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     if not failures:
-        return ExitCode.OK
+        modified = any(r["release_modified"] for r in results.values())
+        return ExitCode.USAGE if modified else ExitCode.OK
     return ExitCode.UNREACHABLE if any(isinstance(f, UnreachableError) for f in failures) else ExitCode.USAGE
