@@ -15,7 +15,8 @@ probe    ARG: "cheap" or "verify". If releases/<id> exists, its MANIFEST hashes 
          or null, "current_files": {path: sha256} (only files of the current release
          that pass the check), "modified": [problems of releases/<id>, if it exists]} so
          the CLI sends only what the host lacks an intact copy of.
-install  ARG: the byte length of the payload. Read a tar (gzipped or not) on stdin
+install  ARG: the byte length of the payload. Installs take turns (.deploy.lock in the
+         workspace) and first remove what killed ones left. Read a tar (gzipped or not) on stdin
          (MANIFEST + the changed files) into a private folder; a stream shorter than
          ARG (the CLI was interrupted, the connection dropped) is discarded. Copy the
          other files from the current release (copies, never hard links: releases share
@@ -99,11 +100,25 @@ def _remove_tree(path):
     shutil.rmtree(path, onerror=writable_again)
 
 
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True
+
+
 def _clean_stale_incoming(releases):
-    # Left by deploys that were killed over an hour ago; never touches releases.
+    """Remove what killed deploys left: .incoming-<id>-<pid> of a process that is gone,
+    or older than an hour (the pid may have been reused). Never touches releases."""
     for name in os.listdir(releases):
         path = os.path.join(releases, name)
-        if name.startswith(".incoming-") and time.time() - os.path.getmtime(path) > 3600:
+        if not name.startswith(".incoming-"):
+            continue
+        pid = name.rsplit("-", 1)[-1]
+        if (pid.isdigit() and not _pid_alive(int(pid))) or time.time() - os.path.getmtime(path) > 3600:
             _remove_tree(path)
 
 

@@ -236,3 +236,19 @@ def test_probe_is_made_again_after_a_dropped_connection(make_inventory, ssh_node
     assert proc.returncode == 0, err
     assert "connection lost" in err and "reconnecting" in err
     assert out == f"node\t{release.scan().release_id}\tinstalled\n"
+
+
+def test_a_partial_release_left_by_a_killed_deploy_is_removed_by_the_next(session, tmp_path):
+    host = session.host("local")
+    deploy.deploy_host(session, host, release.scan())
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    releases = tmp_path / "local ws" / "releases"
+    left = releases / f".incoming-0123456789abcdef-{gone.pid}"  # its receiver was SIGKILLed
+    (left / "configs").mkdir(parents=True)
+    (left / "configs" / "half.yaml").write_text("a: ")
+    os.chmod(left / "configs", 0o555)
+    changed_root = copy_release_dirs(tmp_path / "checkout")
+    (changed_root / "configs" / "extra.yaml").write_text("a: 1\n")
+    assert deploy.deploy_host(session, host, release.scan(changed_root)).status == "installed"
+    assert not left.exists()
