@@ -8,6 +8,7 @@ import os
 import py_compile
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,34 @@ def test_no_bytecode_is_written_into_a_release_by_deploy_launch_and_a_run(make_i
     cached = [p for p in files_under(releases) if "__pycache__" in p.parts or p.suffix == ".pyc"]
     assert cached == []
     assert dflash("hosts", "--check", hosts=make_inventory(tmp_path, ct201=None, ct999=None, down=None)).returncode == 0
+
+
+def state(status) -> str:
+    assert status.returncode == 0, status.stderr
+    return json.loads(status.stdout)["state"]
+
+
+def test_repairing_the_release_of_a_running_run_leaves_the_run_alone(make_inventory, fake_pve, tmp_path):
+    hosts = make_inventory(tmp_path)
+    logs = ("--logs-dir", str(tmp_path / "logs"))
+    config = small_config(tmp_path / "hang.yaml", faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
+    launched = dflash(*logs, "launch", "ct200", "--config", str(config), hosts=hosts)
+    assert launched.returncode == 0, launched.stderr
+    run_id = launched.stdout.strip()
+    run_dir = workspace_on_node(fake_pve, tmp_path) / "runs" / run_id
+    deadline = time.monotonic() + 240
+    while state(dflash(*logs, "status", "--json", hosts=hosts)) != "RUNNING":  # past its imports
+        assert time.monotonic() < deadline, "the run never got to RUNNING"
+        time.sleep(0.5)
+    folder = releases_on_node(fake_pve, tmp_path) / release.scan().release_id
+    with open(folder / "configs" / "hosts.yaml", "a") as fh:
+        fh.write("# edited on the host\n")
+
+    repaired = dflash("deploy", "ct200", hosts=hosts)
+    assert repaired.returncode == 0 and repaired.stdout.endswith("\trepaired\n"), repaired.stderr
+    assert state(dflash(*logs, "status", "--json", hosts=hosts)) == "RUNNING"
+    # The path the run resolved at launch holds the release as deployed.
+    assert json.loads((run_dir / "run.json").read_text())["release_dir"].endswith(folder.name)
+    assert (folder / "configs" / "hosts.yaml").read_bytes() == (release.project_root() / "configs" / "hosts.yaml").read_bytes()
+    stopped = dflash(*logs, "stop", "--grace", "2", hosts=hosts)
+    assert (stopped.returncode, stopped.stdout.strip()) == (0, "STOPPED"), stopped.stderr
