@@ -15,8 +15,15 @@ from .errors import DflashError, ExitCode, UnreachableError
 from .inventory import Host
 from .transports.base import Completed, Transport
 
+# Bytecode is never written: not into the release (installed releases are never
+# written to; a .pyc cut short by a full disk made every later import fail), and not
+# elsewhere either, since a cache anywhere can be cut short the same way. Compiling the
+# agent's modules costs tens of ms per call. The environment variable reaches the
+# supervisor and the trainer; setting it here also covers releases older than this rule.
 _BOOTSTRAP = (
     "import os, runpy, sys\n"
+    "sys.dont_write_bytecode = True\n"
+    "os.environ['PYTHONDONTWRITEBYTECODE'] = '1'\n"
     "workspace = os.path.expanduser(sys.argv[1])\n"
     "script = os.path.join(workspace, 'current', 'remote', 'agent.py')\n"
     "if not os.path.isfile(script):\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from . import console
+from . import console, retry
 from .commands import deploy, fetch_traceback, hosts, launch, stacks, status, stop, watch
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
@@ -56,24 +56,28 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
 @main.command("deploy")
 @click.argument("host_names", nargs=-1, metavar="HOST...")
 @click.option("--all", "all_hosts", is_flag=True, help="Deploy to every host of the inventory.")
+@click.option("--verify", is_flag=True,
+              help="Re-hash the host's release files instead of comparing size, mtime and ctime.")
 @click.option("--source", "source_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Deploy this project tree (default: the one holding the current directory, "
                    "else the copy bundled with dflash).")
 @click.pass_obj
-def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, source_dir: Path | None) -> None:
+def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, verify: bool,
+               source_dir: Path | None) -> None:
     """Send remote/ and configs/ to HOSTs as a content-addressed release.
 
-    Only files the host's current release lacks travel, in one tar stream; the host
+    Only files the host lacks an intact copy of travel, in one tar stream; the host
     verifies every file's sha256 before switching `current`, so an interrupted deploy
-    leaves the previous release in place. An unchanged tree costs one round trip.
-    Prints `host<TAB>release<TAB>result` per host on stdout.
+    (Ctrl-C included) leaves the previous release in place. A release that was modified
+    on the host is replaced by a fresh copy (result `repaired`). An unchanged tree costs
+    one round trip. Prints `host<TAB>release<TAB>result` per host on stdout.
 
     The tree sent is --source DIR, else the project tree holding the current
     directory (the nearest folder with remote/agent.py and remote/dflash_agent/),
     else the copy bundled with dflash; a `source:` line on stderr says which, with
     its git commit and uncommitted changes.
     """
-    sys.exit(deploy.run(session, list(host_names), all_hosts, source_dir))
+    sys.exit(deploy.run(session, list(host_names), all_hosts, verify, source_dir))
 
 
 @main.command("launch")
@@ -99,7 +103,7 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
     console.data(ref.run_id + "\n")
     if follow:
         sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
-                           retry_for=watch.RETRY_FOR_S))
+                           retry_for=retry.RETRY_FOR_S))
 
 
 @main.command("watch")
@@ -109,7 +113,7 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
 @click.option("--interval", default=watch.GPU_INTERVAL_S, show_default=True, type=click.FloatRange(min=0.5),
               help="Seconds between GPU lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print every message as a JSON line on stdout.")
-@click.option("--retry-for", default=watch.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
+@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
               help="Seconds to keep reconnecting to an unreachable host before exit 3.")
 @click.pass_obj
 def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail: int | None,
@@ -217,7 +221,8 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
 
 @main.command("hosts")
 @click.option("--check", "do_check", is_flag=True,
-              help="Connect to each host: reachable, container running, python/torch/transformers, GPUs.")
+              help="Connect to each host: reachable, container running, python/torch/transformers, GPUs, "
+                   "and whether the current release was modified on the host (exit 2).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
 @click.pass_obj
 def hosts_cmd(session: Session, do_check: bool, as_json: bool) -> None:

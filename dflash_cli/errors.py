@@ -48,3 +48,8 @@ class UnreachableError(DflashError):
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message, ExitCode.UNREACHABLE, hint)
+
+
+class ConnectionLost(UnreachableError):
+    """The connection dropped while a command ran: the host was reachable a moment ago,
+    so an idempotent command is worth running again (the transport reconnects)."""

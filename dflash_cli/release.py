@@ -12,6 +12,7 @@ import io
 import os
 import tarfile
 from pathlib import Path
+from typing import Callable
 
 from .errors import DflashError, ExitCode
 
@@ -91,8 +92,9 @@ class Release:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
-    def tar_of(self, paths: set[str]) -> bytes:
-        """A gzipped tar holding MANIFEST and the files named in `paths`."""
+    def tar_of(self, paths: set[str], check: Callable[[], None] = lambda: None) -> bytes:
+        """A gzipped tar holding MANIFEST and the files named in `paths`. `check` is
+        called between blocks and may raise to stop: compressing a big file takes a while."""
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT, compresslevel=6) as tar:
             manifest = self.manifest_text.encode()
@@ -107,8 +109,22 @@ class Release:
                                           ExitCode.USAGE)
                     info = tarfile.TarInfo(entry.path)
                     info.size, info.mode = entry.size, entry.mode
-                    tar.addfile(info, io.BytesIO(data))
+                    tar.addfile(info, _Checked(io.BytesIO(data), check))
         return buf.getvalue()
+
+
+class _Checked(io.RawIOBase):
+    """A readable file that calls `check` before each read."""
+
+    def __init__(self, source: io.BytesIO, check: Callable[[], None]):
+        self._source, self._check = source, check
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        self._check()
+        return self._source.readinto(buffer)
 
 
 def scan(root: Path | None = None) -> Release:

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import io
 import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -12,8 +18,8 @@ from dflash_cli import release
 from dflash_cli.commands import deploy
 from dflash_cli.errors import DflashError
 from dflash_cli.session import Session
-from dflash_run import REPO, dflash
-from support import copy_release_dirs, workspace_on_node
+from dflash_run import REPO, dflash, dflash_argv, dflash_env
+from support import container_workspace, copy_release_dirs, kill_ssh_sessions, workspace_on_node
 
 
 @pytest.fixture
@@ -88,11 +94,18 @@ def test_interrupted_or_corrupt_deploy_leaves_current_release(session, fake_pve,
     payload = changed.tar_of({"configs/extra.yaml"})
 
     with pytest.raises(DflashError, match="previous release stays current"):
-        deploy._receiver(session, host, "install", changed.release_id, payload[: len(payload) // 2])
+        deploy._receiver(session, host, "install", changed.release_id, str(len(payload)),
+                         stdin=payload[: len(payload) // 2])
+    # A stream that ends between two files is a well-formed, shorter tar: the byte
+    # count the CLI announced tells the host that it was cut short.
+    whole = _tar(MANIFEST=changed.manifest_text.encode(), **{"configs/extra.yaml": b"a: 1\n"})
+    with pytest.raises(DflashError, match="upload cut short"):
+        deploy._receiver(session, host, "install", changed.release_id, str(len(whole) + 512),
+                         stdin=whole)
     # Same MANIFEST, other bytes for the file it lists: the host's verification refuses it.
+    corrupt = _tar(MANIFEST=changed.manifest_text.encode(), **{"configs/extra.yaml": b"a: 2\n"})
     with pytest.raises(DflashError, match="verification failed for configs/extra.yaml"):
-        deploy._receiver(session, host, "install", changed.release_id,
-                         _tar(MANIFEST=changed.manifest_text.encode(), **{"configs/extra.yaml": b"a: 2\n"}))
+        deploy._receiver(session, host, "install", changed.release_id, str(len(corrupt)), stdin=corrupt)
     # The CLI itself refuses to send a file that changed since it was hashed.
     (changed_root / "configs" / "extra.yaml").write_text("a: 3\n")
     with pytest.raises(DflashError, match="configs/extra.yaml changed while deploying"):
@@ -135,3 +148,107 @@ def test_deploy_of_unknown_host_does_nothing(make_inventory, tmp_path):
     assert done.returncode == 2
     assert "unknown host 'nosuch'" in done.stderr
     assert done.stdout == ""
+
+
+def _receivers_in(workspace: Path) -> list[int]:
+    """Pids of deploy receivers (`python -c SOURCE install WORKSPACE …`) working on `workspace`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"install" in argv and str(workspace).encode() in argv and b"-c" in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _wait_for(condition, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
+@pytest.mark.parametrize("when", ["2 s in", "once both uploads run"])
+def test_ctrl_c_during_a_big_deploy_stops_it_and_keeps_the_current_release(make_inventory, fake_pve, tmp_path,
+                                                                           when):
+    hosts = make_inventory(tmp_path)
+    tree_id = release.scan().release_id
+    assert dflash("deploy", "ct200", "node", hosts=hosts).returncode == 0
+    # A checkout of its own (the CLI deploys the tree it runs from) with a big new file.
+    checkout = copy_release_dirs(tmp_path / "checkout")
+    shutil.copytree(REPO / "dflash_cli", checkout / "dflash_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(checkout / "configs" / "big.bin", "wb") as fh:
+        for _ in range(96):  # uploading it to both hosts takes over 30 s here
+            fh.write(os.urandom(1 << 20))
+    workspaces = {"ct200": node_path(fake_pve, tmp_path), "node": tmp_path / "node ws"}
+
+    def uploading(host: str) -> bool:
+        return any(p.name == "big.bin" and p.stat().st_size > 0
+                   for p in (workspaces[host] / "releases").glob(".incoming-*/configs/big.bin"))
+
+    proc = subprocess.Popen(dflash_argv("deploy", "ct200", "node", hosts=hosts), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=checkout,
+                            env=dflash_env({"PYTHONPATH": f"{checkout}{os.pathsep}{checkout / 'remote'}"}))
+    try:
+        if when == "2 s in":  # the tar is still being compressed then
+            time.sleep(2)
+        else:
+            _wait_for(lambda: uploading("ct200") and uploading("node"), "both uploads to start")
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        stopped_after = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    for host, workspace in workspaces.items():
+        assert os.readlink(workspace / "current") == f"releases/{tree_id}", host
+    assert "interrupted" in err and "is live" not in err, err
+    assert out == ""
+    # Generous for a loaded machine, yet short of what finishing both uploads takes.
+    assert stopped_after < 15, f"Ctrl-C took {stopped_after:.1f} s to take effect"
+    for host, workspace in workspaces.items():
+        _wait_for(lambda: not _receivers_in(container_workspace(fake_pve, tmp_path) if host == "ct200"
+                                            else workspace), f"{host}'s receiver to exit")
+        assert sorted(os.listdir(workspace / "releases")) == [tree_id], host
+
+
+def test_probe_is_made_again_after_a_dropped_connection(make_inventory, ssh_node, tmp_path):
+    # The first interpreter started on the node marks that it runs, then hangs: the
+    # connection drops under the probe, as a flaky link does it.
+    marker = tmp_path / "first call"
+    python = tmp_path / "python-once-hanging"
+    python.write_text(f"#!/bin/sh\nif mkdir {shlex.quote(str(marker))} 2>/dev/null; then sleep 5; exit 9; fi\n"
+                      f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
+    hosts = make_inventory(tmp_path, node={"python": str(python)})
+    proc = subprocess.Popen(dflash_argv("deploy", "node", hosts=hosts), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dflash_env())
+    try:
+        _wait_for(marker.exists, "the probe to start")
+        assert kill_ssh_sessions(ssh_node) >= 1
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "connection lost" in err and "reconnecting" in err
+    assert out == f"node\t{release.scan().release_id}\tinstalled\n"
+
+
+def test_a_partial_release_left_by_a_killed_deploy_is_removed_by_the_next(session, tmp_path):
+    host = session.host("local")
+    deploy.deploy_host(session, host, release.scan())
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    releases = tmp_path / "local ws" / "releases"
+    left = releases / f".incoming-0123456789abcdef-{gone.pid}"  # its receiver was SIGKILLed
+    (left / "configs").mkdir(parents=True)
+    (left / "configs" / "half.yaml").write_text("a: ")
+    os.chmod(left / "configs", 0o555)
+    changed_root = copy_release_dirs(tmp_path / "checkout")
+    (changed_root / "configs" / "extra.yaml").write_text("a: 1\n")
+    assert deploy.deploy_host(session, host, release.scan(changed_root)).status == "installed"
+    assert not left.exists()

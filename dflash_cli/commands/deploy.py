@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -17,6 +19,7 @@ from .. import console, provenance, release
 from ..agent import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
+from ..retry import retry_dropped
 from ..session import Session
 
 RECEIVER_SOURCE = (Path(__file__).resolve().parent.parent / "deploy_receiver.py").read_text()
@@ -27,40 +30,70 @@ PROGRESS_ABOVE_BYTES = 1 << 20
 class DeployResult:
     host: str
     release_id: str
-    status: str  # unchanged | switched | installed
+    status: str  # unchanged | switched | installed | repaired
     files_sent: int
     files_reused: int
     bytes_sent: int
     round_trips: int
     seconds: float
+    modified: tuple[str, ...] = ()  # what was wrong with the host's copy, when repaired
 
 
-def deploy_host(session: Session, host: Host, tree: release.Release,
-                bars: Progress | None = None) -> DeployResult:
-    """Make `tree` the current release of `host`; one round trip when it already is.
-    `bars`: where to draw the upload's progress (see `upload_bars`), if anywhere."""
+class DeployInterrupted(DflashError):
+    """Ctrl-C stopped the upload: the host discards what it got, `current` stays."""
+
+    def __init__(self, host: str):
+        super().__init__(f"host {host}: upload interrupted; the host discards it and keeps "
+                         "its current release", ExitCode.INTERRUPTED)
+
+
+def deploy_host(session: Session, host: Host, tree: release.Release, bars: Progress | None = None,
+                verify: bool = False, cancel: threading.Event | None = None) -> DeployResult:
+    """Make `tree` the current release of `host`; one round trip when it already is intact.
+    `bars`: where to draw the upload's progress (see `upload_bars`), if anywhere;
+    `verify`: re-hash the host's files instead of comparing size, mtime and ctime;
+    `cancel`: set by Ctrl-C (see `cancel_on_ctrl_c`), stops the upload."""
     started = time.monotonic()
     transport = session.transport(host)
     trips_before = transport.round_trips
     release_id = tree.release_id
-    reply = _receiver(session, host, "probe", release_id)
+    check = "verify" if verify else "cheap"
+    reply = retry_dropped(lambda: _receiver(session, host, "probe", release_id, check))
     files_sent = bytes_sent = files_reused = 0
+    modified = tuple(reply.get("modified", ()))
     if reply["status"] == "missing":
+        if modified:
+            console.warn(f"{host.name}: release {release_id} was modified on the host "
+                         f"({_summary(modified)}); installing a fresh copy")
         have = reply.get("current_files", {})
         changed = {f.path for f in tree.files if have.get(f.path) != f.sha256}
-        payload = tree.tar_of(changed)
-        reply = _receiver(session, host, "install", release_id, payload, bars)
+        def stop_if_cancelled() -> None:
+            if cancel is not None and cancel.is_set():
+                raise DeployInterrupted(host.name)
+
+        payload = tree.tar_of(changed, stop_if_cancelled)
+        stop_if_cancelled()
+        upload = _Upload(host.name, payload, bars, cancel)
+        reply = _receiver(session, host, "install", release_id, str(len(payload)), stdin=upload)
         files_sent, bytes_sent = len(changed), len(payload)
         files_reused = reply.get("files_reused", 0)
     return DeployResult(host.name, release_id, reply["status"], files_sent, files_reused,
                         bytes_sent, transport.round_trips - trips_before,
-                        time.monotonic() - started)
+                        time.monotonic() - started, modified)
 
 
-def _receiver(session: Session, host: Host, verb: str, release_id: str,
-              payload: bytes | None = None, bars: Progress | None = None) -> dict:
-    argv = [host.python, "-c", RECEIVER_SOURCE, verb, host.workspace, release_id]
-    stdin = None if payload is None else _with_progress(host.name, payload, bars)
+def check_host(session: Session, host: Host) -> list[str]:
+    """What differs in the host's current release from its MANIFEST (cheap check)."""
+    return retry_dropped(lambda: _receiver(session, host, "check", "cheap"))["modified"]
+
+
+def _summary(problems: tuple[str, ...] | list[str], shown: int = 3) -> str:
+    more = f", and {len(problems) - shown} more" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more
+
+
+def _receiver(session: Session, host: Host, verb: str, *args: str, stdin=None) -> dict:
+    argv = [host.python, "-c", RECEIVER_SOURCE, verb, host.workspace, *args]
     done = session.transport(host).run(argv, stdin=stdin)
     check_interpreter(host, done)
     reply = parse_reply(done.stdout)
@@ -77,23 +110,52 @@ def _receiver(session: Session, host: Host, verb: str, release_id: str,
     return reply
 
 
-class _ProgressReader(io.RawIOBase):
-    """The payload as a file, drawing a progress bar as the transport reads it."""
+class _Upload(io.RawIOBase):
+    """The payload as a file for the transport to read: draws a progress bar when it is
+    big enough and there is a display, and stops with DeployInterrupted once `cancel`
+    is set, which makes the transport end the command before the stream is complete."""
 
-    def __init__(self, data: bytes, progress: Progress, task: int):
-        self._data, self._pos, self._progress, self._task = data, 0, progress, task
+    def __init__(self, host_name: str, data: bytes, bars: Progress | None,
+                 cancel: threading.Event | None):
+        self._host, self._data, self._pos, self._cancel = host_name, data, 0, cancel
+        self._bars, self._task = None, None
+        if bars is not None and len(data) > PROGRESS_ABOVE_BYTES:
+            self._bars, self._task = bars, bars.add_task(f"deploy {host_name}", total=len(data))
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
+        if self._cancel is not None and self._cancel.is_set() and self._pos < len(self._data):
+            raise DeployInterrupted(self._host)
         chunk = self._data[self._pos:self._pos + len(buffer)]
         buffer[:len(chunk)] = chunk
         self._pos += len(chunk)
-        self._progress.update(self._task, completed=self._pos)
-        if not chunk:
-            self._progress.update(self._task, visible=False)  # all sent: the bar goes away
+        if self._bars is not None:
+            self._bars.update(self._task, completed=self._pos)
+            if not chunk:
+                self._bars.update(self._task, visible=False)  # all sent: the bar goes away
         return len(chunk)
+
+
+@contextlib.contextmanager
+def cancel_on_ctrl_c() -> Iterator[threading.Event]:
+    """An event the first Ctrl-C sets instead of raising KeyboardInterrupt, so that the
+    uploads running in worker threads stop at their next chunk and each host's outcome
+    is still known; a second Ctrl-C raises as usual."""
+    cancel = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):
+        cancel.set()
+        signal.signal(signal.SIGINT, previous)
+        console.say("interrupting: stopping the uploads (Ctrl-C again to quit at once)")
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield cancel
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -109,12 +171,6 @@ def upload_bars() -> Iterator[Progress | None]:
         yield bars
 
 
-def _with_progress(host_name: str, payload: bytes, bars: Progress | None):
-    if bars is None or len(payload) <= PROGRESS_ABOVE_BYTES:
-        return payload
-    return _ProgressReader(payload, bars, bars.add_task(f"deploy {host_name}", total=len(payload)))
-
-
 def source_tree(source_dir: Path | None) -> tuple[release.Release, dict]:
     """The release to deploy (from --source DIR, the project tree holding the current
     directory, or the copy bundled with dflash) and where it came from, said on stderr."""
@@ -125,7 +181,8 @@ def source_tree(source_dir: Path | None) -> tuple[release.Release, dict]:
     return tree, record
 
 
-def run(session: Session, host_names: list[str], all_hosts: bool, source_dir: Path | None) -> ExitCode:
+def run(session: Session, host_names: list[str], all_hosts: bool, verify: bool,
+        source_dir: Path | None) -> ExitCode:
     """Deploy to each host in parallel; a table of results on stderr."""
     if all_hosts:
         host_names = sorted(session.inventory.hosts)
@@ -133,18 +190,24 @@ def run(session: Session, host_names: list[str], all_hosts: bool, source_dir: Pa
         raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
     tree, _ = source_tree(source_dir)
-    with upload_bars() as bars:
-        results = session.on_each_host(hosts, lambda host: deploy_host(session, host, tree, bars))
+    with upload_bars() as bars, cancel_on_ctrl_c() as cancel:
+        results = session.on_each_host(
+            hosts, lambda host: deploy_host(session, host, tree, bars, verify, cancel))
     _print_table(results, host_names, tree)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     for name in host_names:
         outcome = results[name]
         if isinstance(outcome, DflashError) and outcome.hint:
             console.say(f"{name}: hint: {outcome.hint}")
+        if cancel.is_set() and isinstance(outcome, DeployResult):
+            console.say(f"{name}: release {outcome.release_id} is live ({outcome.status} "
+                        "before the interrupt took effect)")
     for name in host_names:
         outcome = results[name]
         if isinstance(outcome, DeployResult):
             console.data(f"{name}\t{outcome.release_id}\t{outcome.status}\n")
+    if cancel.is_set():
+        return ExitCode.INTERRUPTED
     return max((f.exit_code for f in failures), default=ExitCode.OK)
 
 

@@ -13,6 +13,7 @@ from ..agent import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session
+from . import deploy
 
 # The agent's own host facts (stdlib only, no package imports), sent with `python -c`:
 # it works before anything is deployed.
@@ -31,6 +32,8 @@ def check(session: Session, host: Host) -> dict:
     if done.exit_code != 0 or facts is None:
         raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}): "
                           f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
+    # A release edited on the host runs what nobody deployed: say so (deploy repairs it).
+    facts["release_modified"] = deploy.check_host(session, host) if facts.get("current_release") else []
     return facts
 
 
@@ -57,8 +60,15 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
             found = ", ".join(f"{g['index']}:{g['name']}" for g in result["gpus"]) or "none"
             packages = result["packages"]
             missing = missing_packages(result)
-            row += [f"not ok: {result['python_executable']} lacks {', '.join(missing)}" if missing else "ok",
-                    result["python"], packages["torch"] or "-", packages["transformers"] or "-",
+            modified = result["release_modified"]
+            if missing:
+                status = f"not ok: {result['python_executable']} lacks {', '.join(missing)}"
+            elif modified:
+                status = (f"release modified ({len(modified)} files differ: "
+                          f"{'; '.join(modified)}; dflash deploy {host.name} repairs it)")
+            else:
+                status = "ok"
+            row += [status, result["python"], packages["torch"] or "-", packages["transformers"] or "-",
                     result.get("gpus_problem", found), result["current_release"] or "-"]
         table.add_row(*map(Text, row))  # plain text: messages may hold [brackets]
         if as_json:
@@ -76,5 +86,6 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     if any(isinstance(f, UnreachableError) for f in failures):
         return ExitCode.UNREACHABLE
-    unfit = [r for r in results.values() if isinstance(r, dict) and missing_packages(r)]
+    unfit = [r for r in results.values()
+             if isinstance(r, dict) and (missing_packages(r) or r["release_modified"])]
     return ExitCode.USAGE if failures or unfit else ExitCode.OK

@@ -18,12 +18,12 @@ from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
 from .. import console
 from ..errors import ExitCode, UnreachableError, exit_code_for_state
 from ..local_state import Cursor, RunLogs, RunRef
+from ..retry import Reconnects
 from ..session import Session
 from .fetch_traceback import render_no_record, render_record
 
 CURSOR_SAVE_EVERY_S = 0.5
 GPU_INTERVAL_S = 5.0  # defaults of `watch` and of `launch --follow`
-RETRY_FOR_S = 60.0
 
 
 def gpu_line(gpus: list[dict]) -> str:
@@ -201,7 +201,7 @@ def run(session: Session, ref: RunRef, tail: int | None, interval: float, as_jso
         console.say(f"resuming {ref.run_id} at byte {watcher.cursor.offset} "
                     "(--tail N shows earlier lines)")
     tail_lines = tail
-    delay, down_since = 0.5, None
+    reconnects = Reconnects(retry_for)
     try:
         while True:
             seen = watcher.messages
@@ -212,14 +212,8 @@ def run(session: Session, ref: RunRef, tail: int | None, interval: float, as_jso
                 watcher.save_cursor(force=True)
                 tail_lines = None  # from now on resume exactly at the cursor
                 if watcher.messages > seen:  # the last connection worked for a while
-                    delay, down_since = 0.5, None
-                down_since = down_since or time.monotonic()
-                if time.monotonic() - down_since > retry_for:
-                    raise UnreachableError(f"{exc.message}; gave up after {retry_for:.0f} s of retries "
-                                           f"(the run may still be going: dflash watch resumes it)")
-                console.warn(f"{exc.message}; reconnecting in {delay:.1f} s")
-                time.sleep(delay)
-                delay = min(delay * 2, 8.0)
+                    reconnects.progressed()
+                reconnects.wait(exc, "the run may still be going: dflash watch resumes it")
     except KeyboardInterrupt:
         console.say(f"\ndetached from {ref.run_id}; it keeps running (dflash watch resumes)")
         return ExitCode.INTERRUPTED

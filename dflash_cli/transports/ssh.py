@@ -28,7 +28,7 @@ import fabric
 import paramiko
 from paramiko.ssh_exception import NoValidConnectionsError
 
-from ..errors import DflashError, ExitCode, UnreachableError
+from ..errors import ConnectionLost, DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from .base import Completed, Transport
 from .common import (CHUNK, CommandFailed, Deadline, LineSplitter, Tally, Worker, feed_stdin, normalize_argv,
@@ -210,9 +210,9 @@ class SshTransport(Tally, Transport):
             return UnreachableError(f"{where}: SSH handshake failed ({exc})")
         return UnreachableError(f"{where}: {getattr(exc, 'strerror', None) or exc}")
 
-    def _lost(self, argv: Sequence[str], exc: BaseException | None = None) -> UnreachableError:
+    def _lost(self, argv: Sequence[str], exc: BaseException | None = None) -> ConnectionLost:
         detail = f" ({exc})" if exc else ""
-        return UnreachableError(f"{self._where()}: connection lost while running `{argv[0]}`{detail}")
+        return ConnectionLost(f"{self._where()}: connection lost while running `{argv[0]}`{detail}")
 
     def _alive(self, transport: paramiko.Transport) -> bool:
         """Whether the server still answers (a request it must reply to, even if only 'no')."""

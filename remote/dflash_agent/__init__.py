@@ -41,7 +41,7 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          pgid, process start time, boot id, host, started_at, stall_after) *before*
          letting the child exec `python -m dflash_train --config runs/ID/config.yaml
          --run-dir runs/ID` with cwd runs/ID, PYTHONPATH=<release>/remote,
-         PYTHONUNBUFFERED=1, DFLASH_RUN_ID, DFLASH_RELEASE_ID, DFLASH_RELEASE_DIR (the
+         PYTHONUNBUFFERED=1, PYTHONDONTWRITEBYTECODE=1, DFLASH_RUN_ID, DFLASH_RELEASE_ID, DFLASH_RELEASE_DIR (the
          release root), DFLASH_WORKSPACE, the --env pairs, stdout+stderr appended to
          runs/ID/train.log. The release is the one `current` points to at launch,
          resolved (runs keep their release even when `current` moves on). When the

@@ -60,6 +60,7 @@ def _trainer_env(ws: Workspace, run: RunDir, release_id: str, release_root: str,
     env["PYTHONPATH"] = remote + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update({
         "PYTHONUNBUFFERED": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",  # nothing is written into a release
         "DFLASH_RUN_ID": run.run_id,
         "DFLASH_RELEASE_ID": release_id,
         "DFLASH_RELEASE_DIR": release_root,
