@@ -216,6 +216,34 @@ def test_ctrl_c_during_a_big_deploy_stops_it_and_keeps_the_current_release(make_
         assert sorted(os.listdir(workspace / "releases")) == [tree_id], host
 
 
+def test_ctrl_c_during_launchs_deploy_starts_no_run_and_keeps_the_current_release(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    tree_id = release.scan().release_id
+    assert dflash("deploy", "node", hosts=hosts).returncode == 0
+    checkout = copy_release_dirs(tmp_path / "checkout")  # launch deploys the tree it runs in
+    with open(checkout / "configs" / "big.bin", "wb") as fh:
+        for _ in range(96):
+            fh.write(os.urandom(1 << 20))
+    workspace = tmp_path / "node ws"
+    proc = subprocess.Popen(dflash_argv("launch", "node", "--config", "configs/train/tiny-cpu.yaml", hosts=hosts),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=checkout,
+                            env=dflash_env())
+    try:
+        _wait_for(lambda: any(p.stat().st_size > 0 for p in (workspace / "releases").glob(".incoming-*/configs/big.bin")),
+                  "the upload to start")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "is live" not in err, err
+    assert out == "", "no run id: no run was started"
+    assert os.readlink(workspace / "current") == f"releases/{tree_id}"
+    assert not (workspace / "runs").exists() or not os.listdir(workspace / "runs")
+    _wait_for(lambda: not _receivers_in(workspace), "the receiver to exit")
+    assert sorted(os.listdir(workspace / "releases")) == [tree_id]
+
+
 def test_probe_is_made_again_after_a_dropped_connection(make_inventory, ssh_node, tmp_path):
     # The first interpreter started on the node marks that it runs, then hangs: the
     # connection drops under the probe, as a flaky link does it.

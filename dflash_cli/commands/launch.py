@@ -73,8 +73,11 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
     host = session.host(host_name)
     config = load_config(config_path)
     tree, source = deploy.source_tree(source_dir)
-    with deploy.upload_bars() as bars:
-        result = deploy.deploy_host(session, host, tree, bars)
+    with deploy.upload_bars() as bars, deploy.cancel_on_ctrl_c() as cancel:
+        result = deploy.deploy_host(session, host, tree, bars, cancel=cancel)
+    if cancel.is_set():  # Ctrl-C came after the host had switched: say so, start nothing
+        raise DflashError(f"{host.name}: interrupted; release {result.release_id} is live ({result.status} "
+                          "before the interrupt took effect); no run was started", ExitCode.INTERRUPTED)
     if result.status != "unchanged":
         console.say(f"{host.name}: release {result.release_id} {result.status} "
                     f"({result.files_sent} files sent)")
