@@ -11,6 +11,8 @@ import abc
 import dataclasses
 from typing import BinaryIO, Iterator, Sequence
 
+from .common import CommandFailed, LineSplitter
+
 
 @dataclasses.dataclass(frozen=True)
 class Completed:
@@ -34,10 +36,27 @@ class Transport(abc.ABC):
         host or container cannot be reached (for pct: exit 255 with Proxmox's message)."""
 
     @abc.abstractmethod
+    def chunks(self, argv: Sequence[str]) -> Iterator[bytes]:
+        """Run argv and yield its stdout in chunks as they come (raw bytes, for a file's
+        content). Ends when the command exits; raises UnreachableError if the connection
+        drops before the command exited, and CommandFailed if it exits non-zero (after
+        every chunk it wrote)."""
+
     def stream(self, argv: Sequence[str]) -> Iterator[bytes]:
         """Run argv and yield its stdout line by line (bytes, newline kept) as it comes.
         Ends when the command exits; raises UnreachableError if the connection drops
-        before the command exited, and DflashError if it exits non-zero."""
+        before the command exited (a partial last line is then no data), and
+        CommandFailed if it exits non-zero."""
+        splitter = LineSplitter()
+        try:
+            for data in self.chunks(argv):
+                yield from splitter.feed(data)
+        except CommandFailed:
+            if rest := splitter.rest():
+                yield rest
+            raise
+        if rest := splitter.rest():
+            yield rest
 
     @abc.abstractmethod
     def close(self) -> None:

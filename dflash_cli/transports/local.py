@@ -15,7 +15,7 @@ from typing import BinaryIO, Iterator, Sequence
 from ..errors import UnreachableError
 from ..inventory import Host
 from .base import Completed, Transport
-from .common import CHUNK, CommandFailed, Deadline, LineSplitter, Tally, Worker, feed_stdin, normalize_argv
+from .common import CHUNK, CommandFailed, Deadline, Tally, Worker, feed_stdin, normalize_argv
 
 #: exit codes a shell reports for a program it cannot start
 _NOT_FOUND, _NOT_EXECUTABLE = 127, 126
@@ -91,7 +91,7 @@ class LocalTransport(Tally, Transport):
             except BrokenPipeError:
                 pass  # it exited without reading all of its input; its exit code tells
 
-    def stream(self, argv: Sequence[str]) -> Iterator[bytes]:
+    def chunks(self, argv: Sequence[str]) -> Iterator[bytes]:
         args = normalize_argv(argv)
         proc = self._start(args, subprocess.DEVNULL)
         if isinstance(proc, Completed):
@@ -99,14 +99,11 @@ class LocalTransport(Tally, Transport):
         assert proc.stdout and proc.stderr
         errors = Worker(f"{self.describe}-stderr", proc.stderr.read)
         errors.start()
-        splitter = LineSplitter()
         try:
-            # os.read returns whatever is available: a line is yielded as soon as it arrives
+            # os.read returns whatever is available: it is yielded as soon as it arrives
             while data := os.read(proc.stdout.fileno(), CHUNK):
                 self.tally(received=len(data))
-                yield from splitter.feed(data)
-            if rest := splitter.rest():
-                yield rest
+                yield data
             code = _exit_code(proc.wait())
             err = errors.result()
             self.tally(received=len(err))

@@ -31,7 +31,7 @@ from paramiko.ssh_exception import NoValidConnectionsError
 from ..errors import ConnectionLost, DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from .base import Completed, Transport
-from .common import (CHUNK, CommandFailed, Deadline, LineSplitter, Tally, Worker, feed_stdin, normalize_argv,
+from .common import (CHUNK, CommandFailed, Deadline, Tally, Worker, feed_stdin, normalize_argv,
                      read_to_end)
 
 #: seconds between keepalive packets; with TCP_USER_TIMEOUT a silent peer is dropped
@@ -302,24 +302,20 @@ class SshTransport(Tally, Transport):
         self._check_reachable(args, code, err)
         return Completed(tuple(args), code, out, err)
 
-    def stream(self, argv: Sequence[str]) -> Iterator[bytes]:
+    def chunks(self, argv: Sequence[str]) -> Iterator[bytes]:
         args = normalize_argv(argv)
         chan = self._exec(args)
         try:
             self._close_stdin(chan)
             errors = Worker(f"{self._name()}-stderr", lambda: read_to_end(chan.recv_stderr))
             errors.start()
-            splitter = LineSplitter()
             while data := chan.recv(CHUNK):
                 self.tally(received=len(data))
-                yield from splitter.feed(data)
+                yield data
             err = errors.result()
             self.tally(received=len(err))
-            # the status first: after a lost connection the partial last line is not data
             code = self._exit_status(chan, args)
             self._check_reachable(args, code, err)
-            if rest := splitter.rest():
-                yield rest
             if code != 0:
                 raise CommandFailed(self._where(), args, code, err)
         finally:

@@ -3,6 +3,9 @@
 A checkpoint is written into a temp folder (files fsynced), then moved into place with
 os.replace; `latest` is a new symlink renamed over the old one. A reader therefore sees
 either the previous checkpoint or the complete new one, never a half-written folder.
+Every such folder (checkpoints and the export) ends with SHA256SUMS, written after its
+other files: `sha256sum -c` lines (`<hex>  <path>`, sorted), so that `dflash pull`
+verifies a download without the host hashing gigabytes on every call.
 
 Contents: model.safetensors (drafter weights), optimizer.pt (optimizer and scheduler
 states) and state.json (step, data cursor, loss history, replicas). No global RNG state:
@@ -13,6 +16,7 @@ visible still loads where fewer are).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -26,6 +30,7 @@ from .config import resolve_path
 from .model import finite_cpu_weights
 
 LATEST = "latest"
+SHA256SUMS = "SHA256SUMS"
 
 
 @dataclasses.dataclass
@@ -49,6 +54,21 @@ def _fsync_tree(folder: Path) -> None:
             os.close(fd)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_sha256sums(folder: Path) -> None:
+    """SHA256SUMS of every other file under `folder`, in `sha256sum -c` format."""
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    lines = [f"{_sha256(folder / name)}  {name}\n" for name in files if name != SHA256SUMS]
+    (folder / SHA256SUMS).write_text("".join(lines))
+
+
 def replace_dir(final: Path, fill: Callable[[Path], None]) -> None:
     """Fill a staging folder beside `final` with `fill(staging)`, fsync it, then move it
     into place. A previous `final` stays whole until the new one is; it is missing only
@@ -59,6 +79,7 @@ def replace_dir(final: Path, fill: Callable[[Path], None]) -> None:
     old = final.parent / f".old-{final.name}-{os.getpid()}"
     try:
         fill(staging)
+        write_sha256sums(staging)
         _fsync_tree(staging)
         if final.exists():  # written again (a resumed run re-saving a step, a re-export)
             final.rename(old)
