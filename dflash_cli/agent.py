@@ -1,9 +1,9 @@
 """Calling the agent of a host's current release, through its transport.
 
 The agent answers every verb with one JSON object (remote/dflash_agent/__init__.py);
-`follow` streams JSON lines. A tiny bootstrap passed with `python -c` expands `~` in
-the workspace on the host itself (no shell expands it: argv is quoted once) and runs
-remote/agent.py of the release `current` points to.
+`follow` streams JSON lines, `send-file` a file's raw bytes. A tiny bootstrap passed
+with `python -c` expands `~` in the workspace on the host itself (no shell expands it:
+argv is quoted once) and runs remote/agent.py of the release `current` points to.
 """
 from __future__ import annotations
 
@@ -85,6 +85,13 @@ class AgentClient:
                     raise DflashError(f"host {self.host.name}: {message['error']}",
                                       _EXIT_FOR_KIND.get(message.get("kind", ""), ExitCode.UNREACHABLE))
                 yield message
+
+
+    def chunks(self, verb: str, *args: str) -> Iterator[bytes]:
+        """A verb's raw stdout as it comes (send-file). UnreachableError if the connection
+        drops; CommandFailed (its stderr holds the agent's error object) if it fails."""
+        with self._naming(verb):
+            yield from self.transport.chunks(self.argv(verb, args))
 
 
 def check_interpreter(host: Host, done: Completed) -> None:

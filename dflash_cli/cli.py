@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import console, retry
-from .commands import deploy, fetch_traceback, hosts, launch, stacks, status, stop, watch
+from .commands import deploy, fetch_traceback, hosts, launch, pull, stacks, status, stop, watch
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
@@ -207,6 +207,28 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
     sys.exit(stop.run(session, ref, grace))
+
+
+@main.command("pull")
+@click.argument("run_id", metavar="[RUN]", required=False)
+@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@click.option("--checkpoint", is_flag=True, help="Also the run's newest checkpoint, to checkpoint/<step>/.")
+@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds to keep reconnecting after a dropped connection before exit 3.")
+@click.pass_obj
+def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkpoint: bool,
+             retry_for: float) -> None:
+    """Bring RUN's export (default: the latest run) to logs/<host>/<run>/export/.
+
+    Every file is checked against the sha256 the trainer recorded (SHA256SUMS) before
+    it takes its name; files whose local copy matches are not sent again, and a pull cut
+    short (dropped connection, Ctrl-C) goes on from the bytes it had. A run still
+    training can be pulled: a folder it replaces meanwhile is listed again. Prints the
+    local folders on stdout; exit 2 when the run has no export (or no checkpoint) yet,
+    3 when the host stays unreachable.
+    """
+    ref = resolve_run(session.logs_dir, run_id, host_name)
+    sys.exit(pull.run(session, ref, checkpoint, retry_for))
 
 
 @main.command("runs")

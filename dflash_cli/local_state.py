@@ -2,7 +2,7 @@
 
 logs/<host>/<run-id>/ holds train.log (as streamed; train.log.seg1, .seg2, ... for the
 content after each truncation or replacement on the host), traceback.txt, errors.jsonl,
-cursor.json and watch.lock; logs/latest.json names the run `watch`, `fetch-traceback`,
+cursor.json and watch.lock, and what `pull` brought: export/ and checkpoint/<step folder>/; logs/latest.json names the run `watch`, `fetch-traceback`,
 `status` and `stop` use by default. Everything read by another command is written
 atomically.
 """
@@ -52,6 +52,15 @@ class RunLogs:
     def __init__(self, logs_dir: Path, ref: RunRef):
         self.ref = ref
         self.dir = logs_dir / ref.host / ref.run_id
+
+    @property
+    def export(self) -> Path:
+        """Where `pull` puts the run's export."""
+        return self.dir / "export"
+
+    def checkpoint(self, step_folder: str) -> Path:
+        """Where `pull --checkpoint` puts the checkpoint of that step (e.g. step_000100)."""
+        return self.dir / "checkpoint" / step_folder
 
     def segment_log(self, segment: int) -> Path:
         """The mirror of one segment of the remote train.log: a truncation or replacement

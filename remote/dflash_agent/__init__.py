@@ -5,7 +5,7 @@ The CLI runs it as one argv (quoted once by the transport):
 
     <python> <workspace>/current/remote/agent.py --workspace <workspace> VERB [options]
 
-Every verb but `follow` prints exactly one JSON object on stdout and exits 0; on a
+Every verb but `follow` and `send-file` prints exactly one JSON object on stdout and exits 0; on a
 problem it prints {"error": "<message>", "kind": "<usage|not_found|conflict|host|internal>"}
 and exits 2 (usage/conflict/not_found/host) or 1 (internal); an error may carry more keys
 (a lock conflict adds "resource" and "holders": the ids of the runs using it). Kind "host": the
@@ -132,6 +132,25 @@ follow   --run-id ID [--offset N] [--inode I] [--segment K=0] [--fingerprint LEN
          current train.log from 0. So a reconnect neither replays nor splices: (inode,
          offset) alone cannot tell a log cut and grown back past N from the old one.
          Segment numbers are the client's: a fresh stream starts at --segment.
+artifacts --run-id ID [--checkpoint]
+         What `dflash pull` fetches: {"run_id", "state", "folders": [{"folder": "export"
+         or "checkpoints/step_000100", "files": [{"path", "size", "sha256", "identity"}],
+         "hashed_on_host": [path...]}]}: export/ and, with --checkpoint, the step folder
+         checkpoints/latest names now. Regular files, sorted by path, SHA256SUMS
+         included, read through one open descriptor of the folder, so the listing is of
+         one version even while the trainer replaces the folder. sha256 comes from the
+         folder's SHA256SUMS (the trainer writes it after the folder's other files), else
+         it is computed now (those paths are in hashed_on_host). identity is
+         "dev:inode:size:mtime_ns". A run without export/ (or, with --checkpoint,
+         without a checkpoint) -> kind "not_found", naming the run's state.
+send-file --run-id ID --folder F --path P --identity I [--offset N=0]
+         The raw bytes of F/P from byte N to its end on stdout, nothing else. Refused
+         before any byte is sent, with the error object as the one line on stderr and
+         stdout empty: kind "conflict" when the file is gone or its identity is no longer
+         I (the folder was replaced since the listing: list again); "usage" for F other
+         than export or checkpoints/<one name>, a P leading out of F, or N past the end.
+         The bytes are read through the descriptor opened for the check, so a folder
+         replaced while they flow does not mix two versions.
 
 Run states (DESIGN.md): STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED, DEGRADED,
 STALLED, LOST, derived from run.json + exit.json + errors.jsonl + stop_requested.json

@@ -130,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tail-lines", type=_non_negative_int)
     p.add_argument("--gpu-interval", type=_non_negative, default=5.0, help="0: no GPU samples")
     p.add_argument("--poll", type=_positive, default=0.1)
+
+    p = verbs.add_parser("artifacts", help="the files of the run's export (and newest checkpoint), "
+                                           "with size and sha256")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--checkpoint", action="store_true", help="also the checkpoint `latest` names")
+
+    p = verbs.add_parser("send-file", help="one listed file's raw bytes from an offset, on stdout")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--folder", required=True, help="export, or checkpoints/<step folder>")
+    p.add_argument("--path", required=True, help="the file's path inside the folder")
+    p.add_argument("--offset", type=_non_negative_int, default=0)
+    p.add_argument("--identity", required=True, help="as `artifacts` listed it")
     return parser
 
 
@@ -163,6 +175,11 @@ def _report(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     return report(ws.existing_run(args.run_id), args.log_lines)
 
 
+def _artifacts(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .artifacts import artifacts
+    return artifacts(ws.existing_run(args.run_id), args.checkpoint)
+
+
 def _gpus(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     from .gpus import gpus
     return gpus()
@@ -176,7 +193,7 @@ def _info(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
 
 VERBS: Dict[str, Callable[[Workspace, argparse.Namespace], Dict[str, Any]]] = {
     "launch": _launch, "status": _status, "stop": _stop, "stacks": _stacks,
-    "report": _report, "gpus": _gpus, "info": _info,
+    "report": _report, "gpus": _gpus, "info": _info, "artifacts": _artifacts,
 }
 
 
@@ -192,6 +209,18 @@ def _follow(ws: Workspace, args: argparse.Namespace) -> int:
         return _reader_gone()
 
 
+def _send_file(ws: Workspace, args: argparse.Namespace) -> int:
+    """stdout carries the file's bytes: a refusal goes to stderr, as the one JSON line
+    there, and nothing is written to stdout before it."""
+    from .artifacts import send_file
+    try:
+        send_file(ws.existing_run(args.run_id), args.folder, args.path, args.offset, args.identity)
+    except AgentError as exc:
+        sys.stderr.write(json.dumps(exc.as_json()) + "\n")
+        return exc.exit_code
+    return 0
+
+
 def _reader_gone() -> int:
     """Nobody reads any more: point stdout at /dev/null so the interpreter's final flush
     does not complain, and leave quietly."""
@@ -205,6 +234,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ws = Workspace.at(args.workspace)
         if args.verb == "follow":
             return _follow(ws, args)
+        if args.verb == "send-file":
+            return _send_file(ws, args)
         emit(VERBS[args.verb](ws, args))
         return 0
     except AgentError as exc:

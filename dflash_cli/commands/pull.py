@@ -1,0 +1,269 @@
+"""dflash pull: the run's export (and, with --checkpoint, its newest checkpoint) brought to
+logs/<host>/<run>/export/ (and checkpoint/<step folder>/), every file verified by sha256.
+
+The agent lists the files with size and sha256 (`artifacts`; the SHA256SUMS the trainer
+writes spares the host hashing gigabytes) and sends one file's bytes from an offset
+(`send-file`). A file is received into `<name>.<sha256 prefix>.part` beside its place,
+fsynced, checked against its sha256 and only then renamed into place; a local copy that
+matches is not sent again. A part left by a dropped connection, Ctrl-C or a killed pull
+goes on from its length: the prefix names the version it belongs to, so bytes of two
+versions are never joined. The run may still be training: a folder the trainer replaced
+since the listing is refused by the host before a byte is sent, and listed again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path, PurePosixPath
+
+from rich.progress import Progress
+
+from .. import console
+from ..agent import AgentClient, parse_reply
+from ..errors import DflashError, ExitCode, UnreachableError
+from ..local_state import RunLogs, RunRef
+from ..retry import RETRY_FOR_S, Reconnects, retry_dropped
+from ..session import Session
+from ..transports import CommandFailed
+from .deploy import PROGRESS_ABOVE_BYTES, upload_bars
+
+PART_SUFFIX = ".part"
+#: listings made in one pull before giving up on a run that keeps replacing its export
+LISTINGS = 5
+_HASH_CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteFile:
+    folder: str  # export, or checkpoints/step_000100
+    path: str  # inside the folder, "/"-separated
+    size: int
+    sha256: str
+    identity: str  # what send-file checks: the file listed is the file sent
+
+
+@dataclasses.dataclass(frozen=True)
+class PullResult:
+    folders: tuple[Path, ...]  # the local folders, export first
+    pulled: int  # files received (whole or the rest of a part)
+    bytes_received: int  # file bytes that came over the connection
+    skipped: int  # files whose local copy already matched
+    removed: int  # local files no longer in the host's folder
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def local_folder(logs: RunLogs, folder: str) -> Path:
+    """export -> logs/<host>/<run>/export; checkpoints/step_X -> .../checkpoint/step_X."""
+    return logs.export if folder == "export" else logs.checkpoint(PurePosixPath(folder).name)
+
+
+def part_path(local: Path, sha256: str) -> Path:
+    return local.with_name(f"{local.name}.{sha256[:16]}{PART_SUFFIX}")
+
+
+def _remote_files(host: str, reply: dict) -> list[tuple[str, list[RemoteFile]]]:
+    """The listing, each path checked to stay inside its folder: a host names files, it
+    does not choose where they are written here."""
+    folders = []
+    for entry in reply["folders"]:
+        files = []
+        for item in entry["files"]:
+            path = PurePosixPath(item["path"])
+            if path.is_absolute() or ".." in path.parts or not path.parts:
+                raise DflashError(f"host {host}: refusing the listed path {item['path']!r} "
+                                  f"of {entry['folder']}", ExitCode.UNREACHABLE)
+            files.append(RemoteFile(entry["folder"], path.as_posix(), item["size"], item["sha256"],
+                                    item["identity"]))
+        folders.append((entry["folder"], files))
+    return folders
+
+
+class Puller:
+    """One pull of one run: the connection, the progress bar and what came so far."""
+
+    def __init__(self, agent: AgentClient, logs: RunLogs, bars: Progress | None, retry_for: float):
+        self.agent = agent
+        self.ref = logs.ref
+        self.logs = logs
+        self.bars = bars
+        self.task = None
+        self.retry_for = retry_for
+        self.reconnects = Reconnects(retry_for)
+        self.bytes_received = 0
+        self.received: dict[Path, str] = {}  # local path -> sha256 this pull put there
+
+    def list(self, checkpoint: bool) -> list[tuple[str, list[RemoteFile]]]:
+        args = ["--run-id", self.ref.run_id] + (["--checkpoint"] if checkpoint else [])
+        reply = retry_dropped(lambda: self.agent.call("artifacts", *args), self.retry_for)
+        if reply.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED", "LOST"):
+            console.say(f"run {self.ref.run_id} is {reply.get('state')}: pulling what it wrote so far")
+        return _remote_files(self.ref.host, reply)
+
+    def is_current(self, local: Path, remote: RemoteFile) -> bool:
+        """The local copy is the listed file (a size check first spares hashing most
+        changed files)."""
+        if self.received.get(local) == remote.sha256:
+            return True
+        try:
+            return local.stat().st_size == remote.size and sha256_file(local) == remote.sha256
+        except FileNotFoundError:
+            return False
+
+    def sync(self, checkpoint: bool) -> PullResult:
+        for _ in range(LISTINGS):
+            listing = self.list(checkpoint)
+            wanted = [(local_folder(self.logs, folder) / f.path, f) for folder, files in listing for f in files]
+            missing = [(local, f) for local, f in wanted if not self.is_current(local, f)]
+            self._show_progress(missing)
+            if all(self.fetch(local, f) for local, f in missing):
+                folders = tuple(local_folder(self.logs, folder) for folder, _ in listing)
+                removed = sum(_remove_others(folder, {local for local, _ in wanted}) for folder in folders)
+                skipped = sum(1 for local, f in wanted if self.received.get(local) != f.sha256)
+                return PullResult(folders, len(wanted) - skipped, self.bytes_received, skipped, removed)
+            console.say(f"run {self.ref.run_id}: a folder was replaced on {self.ref.host} while it was "
+                        "pulled; listing it again")
+        raise DflashError(f"run {self.ref.run_id}: its files kept changing on {self.ref.host} during "
+                          f"{LISTINGS} listings; try again when the run has written them",
+                          ExitCode.UNREACHABLE)
+
+    def _show_progress(self, missing: list[tuple[Path, RemoteFile]]) -> None:
+        rest = sum(f.size - _part_length(part_path(local, f.sha256), f.size) for local, f in missing)
+        if self.bars is None or rest <= PROGRESS_ABOVE_BYTES:
+            return
+        if self.task is None:
+            self.task = self.bars.add_task(f"pull {self.ref.run_id}", total=rest)
+        else:  # listed again: what is left now
+            self.bars.reset(self.task, total=rest)
+
+    def fetch(self, local: Path, remote: RemoteFile) -> bool:
+        """Receive `remote` into its part, verify it and move it into place. False when
+        the host's folder was replaced since it was listed."""
+        part = part_path(local, remote.sha256)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(2):
+            if not self.receive(remote, part):
+                return False
+            digest = sha256_file(part)
+            if digest == remote.sha256:
+                os.replace(part, local)
+                _fsync_dir(local.parent)
+                self.received[local] = remote.sha256
+                return True
+            part.unlink()
+            if attempt == 0:  # a part spoiled here (disk, a hand edit): once more from byte 0
+                console.warn(f"{remote.folder}/{remote.path}: sha256 {digest[:16]}... is not the "
+                             f"listed {remote.sha256[:16]}...; receiving it again from its start")
+        raise DflashError(f"host {self.ref.host}: {remote.folder}/{remote.path} does not match the "
+                          f"sha256 listed for it ({remote.sha256}), twice: the host's copy differs "
+                          "from its SHA256SUMS", ExitCode.USAGE)
+
+    def receive(self, remote: RemoteFile, part: Path) -> bool:
+        """Append to `part` until it holds `remote.size` bytes, resuming at its length
+        after a dropped connection. False when the host refused (the folder was
+        replaced since the listing)."""
+        while True:
+            have = _part_length(part, remote.size)
+            if have == remote.size:
+                return True
+            before = self.bytes_received
+            try:
+                self._send_file(remote, part, have)
+            except CommandFailed as exc:
+                reply = parse_reply(exc.stderr)
+                if reply is None:
+                    raise
+                if reply.get("kind") == "conflict":
+                    return False
+                raise DflashError(f"host {self.ref.host}: {reply.get('error')}", ExitCode.USAGE) from exc
+            except UnreachableError as exc:
+                # The listing reached the host: anything unreachable now is a drop.
+                if self.bytes_received > before:
+                    self.reconnects.progressed()
+                self.reconnects.wait(exc, f"{part} keeps what came; dflash pull resumes it")
+                continue
+            if _part_length(part, remote.size) != remote.size:
+                return False  # the file ended early: it changed under its identity; list again
+
+    def _send_file(self, remote: RemoteFile, part: Path, have: int) -> None:
+        with open(part, "ab") as out:
+            try:
+                for chunk in self.agent.chunks("send-file", "--run-id", self.ref.run_id,
+                                               "--folder", remote.folder, "--path", remote.path,
+                                               "--offset", str(have), "--identity", remote.identity):
+                    out.write(chunk)
+                    self.bytes_received += len(chunk)
+                    if self.task is not None:
+                        self.bars.advance(self.task, len(chunk))
+            except CommandFailed:
+                # The agent sends nothing before refusing; what a failing command printed
+                # anyway (a missing release's message) is not the file's.
+                out.truncate(have)
+                raise
+            finally:
+                out.flush()
+                os.fsync(out.fileno())
+
+
+def _part_length(part: Path, size: int) -> int:
+    """How much of the file its part holds; a part longer than the file is no part of it."""
+    try:
+        have = part.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if have > size:
+        part.unlink()
+        return 0
+    return have
+
+
+def _remove_others(folder: Path, keep: set[Path]) -> int:
+    """Delete files of `folder` the host's folder no longer has (an older export's, parts
+    of another version), so the folder is the host's; empty subfolders go too."""
+    removed = 0
+    if not folder.is_dir():  # the host's folder is empty
+        return 0
+    for path in sorted(folder.rglob("*"), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            if not any(path.iterdir()):
+                path.rmdir()
+        elif path not in keep:
+            path.unlink()
+            removed += 1
+    return removed
+
+
+def pull(session: Session, ref: RunRef, checkpoint: bool, bars: Progress | None = None,
+         retry_for: float = RETRY_FOR_S) -> PullResult:
+    return Puller(session.agent(ref.host), RunLogs(session.logs_dir, ref), bars, retry_for).sync(checkpoint)
+
+
+def run(session: Session, ref: RunRef, checkpoint: bool, retry_for: float) -> ExitCode:
+    """Prints each local folder on stdout, a summary on stderr."""
+    try:
+        with upload_bars() as bars:
+            result = pull(session, ref, checkpoint, bars, retry_for)
+    except KeyboardInterrupt:
+        console.say(f"interrupted: what came is kept; dflash pull {ref.run_id} resumes it")
+        return ExitCode.INTERRUPTED
+    removed = f", {result.removed} removed (no longer on the host)" if result.removed else ""
+    console.say(f"pulled {result.pulled} files, {result.bytes_received} bytes, {result.skipped} skipped"
+                f"{removed}: {', '.join(str(folder) for folder in result.folders)}")
+    for folder in result.folders:
+        console.data(f"{folder}\n")
+    return ExitCode.OK

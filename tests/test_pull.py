@@ -1,0 +1,250 @@
+"""`dflash pull` over the `pct` transport (SSH to the node, then pct exec), with a run of
+the real trainer: the export and the newest checkpoint arrive verified by sha256, a
+second pull sends nothing, a part left by an earlier pull is completed from its length,
+a dropped connection resumes mid-file, a spoiled local copy is fetched again, a folder
+replaced on the host during a pull is listed again, and a run without export is refused."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_cli.commands import pull
+from dflash_cli.local_state import RunLogs, RunRef
+from dflash_cli.session import Session
+from dflash_run import dflash
+from support import kill_ssh_sessions, workspace_on_node, write_inventory
+from support.train_configs import small_config
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "ct200"
+#: a file added to the host's export after training, big enough that a transfer takes a
+#: while and not named in SHA256SUMS, so the host hashes it itself
+EXTRA = "extra.bin"
+EXTRA_BYTES = 32 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    hosts: Path
+    run_id: str  # succeeded: export/ and checkpoints/
+    failed_id: str  # failed at startup: neither
+    run_dir: Path  # the run's folder on the host, as the node sees it
+
+    def dflash(self, logs: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return dflash("--logs-dir", str(logs), *args, hosts=self.hosts)
+
+    def host_files(self, folder: str) -> dict[str, str]:
+        """{path: sha256} of every file of the host's `folder` (export, or the checkpoint
+        `latest` names)."""
+        root = (self.run_dir / folder).resolve()
+        return {p.relative_to(root).as_posix(): sha256(p) for p in root.rglob("*") if p.is_file()}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def local_files(folder: Path) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): sha256(p) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, ssh_node, fake_pve) -> Trained:
+    tmp = tmp_path_factory.mktemp("pull")
+    hosts = write_inventory(tmp, ssh_node, fake_pve)
+    logs = tmp / "launch logs"
+    config = small_config(tmp / "small.yaml", checkpoint={"every": 5, "keep": 2})
+    failing = small_config(tmp / "failing.yaml", faults=[{"thread": "drafter-0", "at": "startup", "kind": "raise"}])
+    ids = []
+    for path, extra in ((config, ()), (failing, ("--force",))):
+        done = dflash("--logs-dir", str(logs), "launch", HOST, "--config", str(path), *extra, hosts=hosts)
+        assert done.returncode == 0, done.stderr
+        ids.append(done.stdout.strip())
+    for run_id, outcome in zip(ids, (0, 1)):
+        watched = dflash("--logs-dir", str(logs), "watch", run_id, "--host", HOST, hosts=hosts)
+        assert watched.returncode == outcome, watched.stderr[-3000:]
+    run_dir = workspace_on_node(fake_pve, tmp) / "runs" / ids[0]
+    (run_dir / "export" / EXTRA).write_bytes(os.urandom(EXTRA_BYTES))
+    return Trained(hosts, ids[0], ids[1], run_dir)
+
+
+def test_the_trainer_lists_every_file_of_its_export_and_checkpoints_in_sha256sums(trained):
+    for folder in ("export", "checkpoints/latest"):
+        root = (trained.run_dir / folder).resolve()
+        listed = dict(reversed(line.split("  ", 1)) for line in (root / "SHA256SUMS").read_text().splitlines())
+        on_disk = {name: digest for name, digest in trained.host_files(folder).items()
+                   if name not in ("SHA256SUMS", EXTRA)}
+        assert listed == on_disk and "model.safetensors" in listed, folder
+
+
+def test_pull_brings_the_export_verified_and_a_second_pull_sends_nothing(trained, tmp_path):
+    logs = tmp_path / "logs"
+    first = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
+    assert first.returncode == 0, first.stderr
+    export = logs / HOST / trained.run_id / "export"
+    assert first.stdout == f"{export}\n"
+    host = trained.host_files("export")
+    assert local_files(export) == host  # every file, byte for byte, and no part left over
+    total = sum((trained.run_dir / "export" / name).stat().st_size for name in host)
+    assert f"pulled {len(host)} files, {total} bytes, 0 skipped" in first.stderr
+
+    again = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
+    assert again.returncode == 0, again.stderr
+    assert f"pulled 0 files, 0 bytes, {len(host)} skipped" in again.stderr
+    assert local_files(export) == host
+
+
+def test_pull_checkpoint_brings_the_newest_checkpoint_too(trained, tmp_path):
+    logs = tmp_path / "logs"
+    done = trained.dflash(logs, "pull", trained.run_id, "--host", HOST, "--checkpoint")
+    assert done.returncode == 0, done.stderr
+    step = (trained.run_dir / "checkpoints" / "latest").resolve().name
+    checkpoint = logs / HOST / trained.run_id / "checkpoint" / step
+    assert done.stdout.splitlines() == [str(logs / HOST / trained.run_id / "export"), str(checkpoint)]
+    assert local_files(checkpoint) == trained.host_files("checkpoints/latest")
+    assert {"model.safetensors", "optimizer.pt", "state.json", "SHA256SUMS"} <= set(local_files(checkpoint))
+    assert step == f"step_{json.loads((checkpoint / 'state.json').read_text())['step']:06d}"
+
+
+def in_process_pull(trained: Trained, logs: Path, **kwargs) -> tuple[pull.PullResult, dict[str, int]]:
+    """pull.pull in this process, and what its connection carried: round trips and bytes."""
+    session = Session(str(trained.hosts), logs)
+    try:
+        result = pull.pull(session, RunRef(HOST, trained.run_id), checkpoint=False, **kwargs)
+        transport = session.transport(session.host(HOST))
+        return result, {"round_trips": transport.round_trips, "bytes_received": transport.bytes_received}
+    finally:
+        session.close()
+
+
+def test_a_part_left_by_an_earlier_pull_is_completed_from_its_length(trained, tmp_path):
+    logs = tmp_path / "logs"
+    full, _ = in_process_pull(trained, logs)
+    export = logs / HOST / trained.run_id / "export"
+    data = (export / EXTRA).read_bytes()
+    # As if the pull before had been cut off after 10 MiB of the file.
+    (export / EXTRA).unlink()
+    kept = 10 << 20
+    part = pull.part_path(export / EXTRA, hashlib.sha256(data).hexdigest())
+    part.write_bytes(data[:kept])
+
+    resumed, carried = in_process_pull(trained, logs)
+    assert (resumed.pulled, resumed.skipped) == (1, full.pulled - 1)
+    assert resumed.bytes_received == EXTRA_BYTES - kept  # only the rest was sent
+    # ...which the connection confirms: it carried the rest and a small listing, no more
+    assert EXTRA_BYTES - kept <= carried["bytes_received"] < EXTRA_BYTES - kept + (64 << 10)
+    assert (export / EXTRA).read_bytes() == data and not part.exists()
+
+
+def test_a_dropped_connection_mid_file_resumes_at_the_bytes_already_received(trained, ssh_node, tmp_path):
+    logs = tmp_path / "logs"
+    export = logs / HOST / trained.run_id / "export"
+    part = pull.part_path(export / EXTRA, trained.host_files("export")[EXTRA])
+    dropped, finished = threading.Event(), threading.Event()
+
+    def drop_mid_file() -> None:
+        while not (dropped.is_set() or finished.is_set()):
+            try:
+                have = part.stat().st_size
+            except FileNotFoundError:
+                have = 0
+            if 0 < have < EXTRA_BYTES // 2 and kill_ssh_sessions(ssh_node):
+                dropped.set()
+            time.sleep(0.001)
+
+    killer = threading.Thread(target=drop_mid_file)
+    killer.start()
+    try:
+        result, carried = in_process_pull(trained, logs)
+    finally:
+        finished.set()
+        killer.join()
+    assert dropped.is_set(), "the connection was never dropped mid-file"
+    host = trained.host_files("export")
+    assert local_files(export) == host
+    sizes = sum((trained.run_dir / "export" / name).stat().st_size for name in host)
+    assert result.bytes_received == sizes  # no byte was sent twice
+    # one listing and one send-file per file, plus at least the one that resumed
+    assert carried["round_trips"] >= 1 + len(host) + 1
+
+
+def test_a_spoiled_local_copy_is_fetched_again(trained, tmp_path):
+    logs = tmp_path / "logs"
+    first = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
+    assert first.returncode == 0, first.stderr
+    export = logs / HOST / trained.run_id / "export"
+    weights = export / "model.safetensors"
+    spoiled = bytearray(weights.read_bytes())
+    spoiled[len(spoiled) // 2] ^= 0xFF  # same size, one byte off
+    weights.write_bytes(bytes(spoiled))
+    (export / "left over from an older export.json").write_text("{}")
+
+    again = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
+    assert again.returncode == 0, again.stderr
+    host = trained.host_files("export")
+    assert f"pulled 1 files, {weights.stat().st_size} bytes, {len(host) - 1} skipped" in again.stderr
+    assert "1 removed" in again.stderr
+    assert local_files(export) == host
+
+
+def test_a_file_replaced_on_the_host_after_the_listing_is_listed_again(trained, tmp_path):
+    """The host refuses a file whose identity changed since the listing before sending a
+    byte (a resumed offset would join two versions); the pull lists again and gets the
+    new one."""
+    logs = tmp_path / "logs"
+    session = Session(str(trained.hosts), logs)
+    try:
+        puller = pull.Puller(session.agent(HOST), RunLogs(logs, RunRef(HOST, trained.run_id)), None, 30)
+        [(folder, files)] = puller.list(checkpoint=False)
+        (stale,) = [f for f in files if f.path == EXTRA]
+        host_extra = trained.run_dir / "export" / EXTRA
+        replacement = host_extra.with_name(".new")
+        replacement.write_bytes(os.urandom(EXTRA_BYTES))
+        os.replace(replacement, host_extra)  # as the trainer replaces its folders: a new inode
+        local = pull.local_folder(puller.logs, folder) / EXTRA
+        assert puller.fetch(local, stale) is False
+        assert puller.bytes_received == 0 and not local.exists()
+        result = puller.sync(checkpoint=False)
+    finally:
+        session.close()
+    assert local_files(logs / HOST / trained.run_id / "export") == trained.host_files("export")
+    assert result.pulled == len(trained.host_files("export"))
+
+
+def test_the_agent_refuses_a_stale_identity_or_a_path_out_of_the_folder_on_stderr(trained):
+    workspace = trained.run_dir.parent.parent
+    base = [sys.executable, str(REPO / "remote" / "agent.py"), "--workspace", str(workspace)]
+    listing = json.loads(subprocess.run([*base, "artifacts", "--run-id", trained.run_id],
+                                        capture_output=True, check=True).stdout)
+    (export,) = listing["folders"]
+    assert export["hashed_on_host"] == [EXTRA]  # the only file SHA256SUMS does not name
+    config = next(f for f in export["files"] if f["path"] == "config.json")
+    sent = subprocess.run([*base, "send-file", "--run-id", trained.run_id, "--folder", "export",
+                           "--path", "config.json", "--offset", "5", f"--identity={config['identity']}"],
+                          capture_output=True)
+    assert sent.returncode == 0 and sent.stdout == (trained.run_dir / "export" / "config.json").read_bytes()[5:]
+    for path, identity, kind in (("config.json", "0:0:0:0", "conflict"), ("../run.json", config["identity"], "usage")):
+        refused = subprocess.run([*base, "send-file", "--run-id", trained.run_id, "--folder", "export",
+                                  "--path", path, f"--identity={identity}"], capture_output=True)
+        assert (refused.returncode, refused.stdout) == (2, b"")
+        assert json.loads(refused.stderr)["kind"] == kind
+
+
+def test_a_run_without_export_is_refused_with_exit_2_naming_its_state(trained, tmp_path):
+    logs = tmp_path / "logs"
+    for extra in ((), ("--checkpoint",)):
+        done = trained.dflash(logs, "pull", trained.failed_id, "--host", HOST, *extra)
+        assert done.returncode == 2, done.stderr
+        assert f"run {trained.failed_id!r} has no export yet (state FAILED)" in done.stderr
+        assert done.stdout == "" and not (logs / HOST / trained.failed_id / "export").exists()
