@@ -31,7 +31,7 @@ HOST = "ct200"
 #: a file added to the host's export after training, big enough that a transfer takes a
 #: while and not named in SHA256SUMS, so the host hashes it itself
 EXTRA = "extra.bin"
-EXTRA_BYTES = 32 << 20
+EXTRA_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +133,9 @@ def test_a_part_left_by_an_earlier_pull_is_completed_from_its_length(trained, tm
     full, _ = in_process_pull(trained, logs)
     export = logs / HOST / trained.run_id / "export"
     data = (export / EXTRA).read_bytes()
-    # As if the pull before had been cut off after 10 MiB of the file.
+    # As if the pull before had been cut off after 5 MiB of the file.
     (export / EXTRA).unlink()
-    kept = 10 << 20
+    kept = 5 << 20
     part = pull.part_path(export / EXTRA, hashlib.sha256(data).hexdigest())
     part.write_bytes(data[:kept])
 
@@ -248,3 +248,19 @@ def test_a_run_without_export_is_refused_with_exit_2_naming_its_state(trained, t
         assert done.returncode == 2, done.stderr
         assert f"run {trained.failed_id!r} has no export yet (state FAILED)" in done.stderr
         assert done.stdout == "" and not (logs / HOST / trained.failed_id / "export").exists()
+
+
+def test_a_host_whose_release_predates_pull_gets_a_hint_to_deploy(tmp_path):
+    """The agent of a release older than `pull` knows no `artifacts` verb."""
+    release = tmp_path / "ws" / "releases" / "old"
+    release.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "9a6ba10", "remote/agent.py", "remote/dflash_agent"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(release)], input=archive, check=True)
+    (tmp_path / "ws" / "current").symlink_to("releases/old")
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(json.dumps({"hosts": {"local": {"transport": "local", "workspace": str(tmp_path / "ws"),
+                                                     "python": sys.executable}}}))
+    done = dflash("--logs-dir", str(tmp_path / "logs"), "pull", "some-run", "--host", "local", hosts=hosts)
+    assert done.returncode == 2, done.stderr
+    assert "hint: the host's current release predates pull: dflash deploy local" in done.stderr

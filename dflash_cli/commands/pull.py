@@ -110,7 +110,12 @@ class Puller:
 
     def list(self, checkpoint: bool) -> list[tuple[str, list[RemoteFile]]]:
         args = ["--run-id", self.ref.run_id] + (["--checkpoint"] if checkpoint else [])
-        reply = retry_dropped(lambda: self.agent.call("artifacts", *args), self.retry_for)
+        try:
+            reply = retry_dropped(lambda: self.agent.call("artifacts", *args), self.retry_for)
+        except DflashError as exc:
+            if "invalid choice: 'artifacts'" in exc.message:  # the agent's argparse, before pull existed
+                exc.hint = f"the host's current release predates pull: dflash deploy {self.ref.host}"
+            raise
         if reply.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED", "LOST"):
             console.say(f"run {self.ref.run_id} is {reply.get('state')}: pulling what it wrote so far")
         return _remote_files(self.ref.host, reply)
