@@ -323,3 +323,20 @@ def write_prompt(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "one-prompt.jsonl"
     path.write_text(json.dumps({"text": text}) + "\n")
     return path
+
+
+def test_launch_names_a_prompts_file_missing_on_the_host_before_anything_starts(make_inventory, fake_pve, tmp_path):
+    from dflash_run import dflash
+    from support import container_workspace, workspace_on_node
+    from test_bad_input import nothing_started
+
+    config = tmp_path / "regen.yaml"
+    config.write_text("job: regenerate\ntarget: {tiny: {}}\n"
+                      "regenerate: {prompts: data/prompts.jsonl, output: /tmp/answers.jsonl}\n")
+    done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
+    assert done.returncode == 2, done.stderr
+    release_id = (workspace_on_node(fake_pve, tmp_path) / "current").resolve().name
+    release = container_workspace(fake_pve, tmp_path) / "releases" / release_id  # as the container sees it
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
+    assert error == f"dflash: error: host ct200: regenerate.prompts: {release}/data/prompts.jsonl does not exist"
+    nothing_started(workspace_on_node(fake_pve, tmp_path))
