@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import dflash_schema
 from dflash_cli.commands.launch import host_paths
@@ -28,8 +29,8 @@ def write_config(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def regen_config(prompts: Path, output: Path, batch_size: int, extra: str = "") -> str:
-    return (f"job: regenerate\ntarget: {{tiny: {{}}}}\n"
+def regen_config(prompts: Path, output: Path, batch_size: int, extra: str = "", device: str = "cpu") -> str:
+    return (f"job: regenerate\ntarget: {{tiny: {{}}, dtype: float32}}\ndevices: {{target: [{device}]}}\n"
             f"regenerate: {{prompts: {json.dumps(str(prompts))}, output: {json.dumps(str(output))}, "
             f"max_new_tokens: 40, batch_size: {batch_size}}}\n"
             f"runtime: {{heartbeat_s: 0.5, torch_threads: 1}}\n{extra}")
@@ -136,10 +137,9 @@ def output_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def greedy_reference(workspace: Path, prompts: list[list[dict]]) -> list[list[int]]:
+def greedy_reference(workspace: Path, prompts: list[list[dict]], device: str) -> list[list[int]]:
     """The tiny target's greedy tokens for each prompt from `generate` called here: prompts of
     one token length share a call (no padding), so the reference owes nothing to left padding."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_train.config import TinyTargetSpec
@@ -148,13 +148,13 @@ def greedy_reference(workspace: Path, prompts: list[list[dict]]) -> list[list[in
 
     target = ensure_tiny_assets(TinyTargetSpec(), TINY_DATA, workspace / "cache").target_dir
     tokenizer = AutoTokenizer.from_pretrained(str(target))
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval().to(device)
     encoded = [tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                          add_special_tokens=False)["input_ids"] for messages in prompts]
     answers: list[list[int]] = [[] for _ in prompts]
     for length in {len(ids) for ids in encoded}:
         rows = [i for i, ids in enumerate(encoded) if len(ids) == length]
-        ids = torch.tensor([encoded[i] for i in rows])
+        ids = torch.tensor([encoded[i] for i in rows], device=device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
                              do_sample=False, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
@@ -164,7 +164,9 @@ def greedy_reference(workspace: Path, prompts: list[list[dict]]) -> list[list[in
 
 
 @pytest.mark.timeout(600)
-def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspace, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspace, tmp_path, device):
     synthetic = [json.loads(line) for line in TINY_PROMPTS.read_text().splitlines()]
     # Shorter prompts among the synthetic ones are left-padded in their batch; a "text" line
     # is a user turn; a final assistant turn is answered anew.
@@ -174,7 +176,7 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     output = tmp_path / "data" / "answers.jsonl"
-    run = launch(regen_config(prompts, output, batch_size=7))
+    run = launch(regen_config(prompts, output, batch_size=7, device=device))
     assert run.wait(400) == 0, run.log()[-3000:]
 
     from transformers import AutoTokenizer
@@ -186,7 +188,7 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
     assets = ensure_tiny_assets(TinyTargetSpec(), TINY_DATA, workspace / "cache")
     tokenizer = AutoTokenizer.from_pretrained(str(assets.target_dir))
     turns = [[{"role": "user", "content": r["text"]}] if "text" in r else r["messages"][:1] for r in rows]
-    reference = greedy_reference(workspace, turns)
+    reference = greedy_reference(workspace, turns, device)
     answers = output_rows(output)
     assert [a["index"] for a in answers] == list(range(len(rows)))
     for answer, messages, tokens in zip(answers, turns, reference):
@@ -284,7 +286,6 @@ def test_sampling_is_seeded_per_batch_and_the_template_gets_enable_thinking(work
     enable_thinking reaches the chat template."""
     import threading
 
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_train.config import RegenerateConfig, SamplingConfig, TinyTargetSpec
