@@ -58,8 +58,10 @@ def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
     if config.target.path is not None:
         paths.append(("model", "target.path", config.target.path))
     for key in ("train", "eval"):
-        if getattr(config.data, key) is not None:
+        if config.data is not None and getattr(config.data, key) is not None:
             paths.append(("file", f"data.{key}", getattr(config.data, key)))
+    if config.regenerate is not None:
+        paths.append(("file", "regenerate.prompts", config.regenerate.prompts))
     if config.checkpoint.resume not in (None, "latest"):
         paths.append(("checkpoint", "checkpoint.resume", config.checkpoint.resume))
     return paths

@@ -1,4 +1,4 @@
-"""python -m dflash_train --config FILE --run-dir DIR
+"""python -m dflash_train --config FILE --run-dir DIR: the job the config names (`job:`).
 
 Logging, errors.jsonl, events.jsonl and faulthandler are set up before torch or
 transformers is imported, so their output is prefixed too and a crash while importing
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib
 import os
 import signal
 import threading
@@ -15,10 +16,15 @@ from pathlib import Path
 
 from .runlog import ErrorLog, EventLog, ThreadNames, install_line_writers, say
 
+# config.job -> (module, class) of the job's coordinator: built with (config, run_dir, events,
+# state, fault_log), `run()` returns the exit code, `on_signal` and `alive` as Coordinator's.
+JOBS = {"train": (".coordinator", "Coordinator"), "regenerate": (".regenerate", "Regeneration")}
+
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dflash_train", description="Train a DFlash drafter.")
-    parser.add_argument("--config", required=True, help="training config (YAML)")
+    parser = argparse.ArgumentParser(prog="python -m dflash_train",
+                                     description="Run the job of a config: train a DFlash drafter, or regenerate data.")
+    parser.add_argument("--config", required=True, help="the job's config (YAML)")
     parser.add_argument("--run-dir", required=True, help="the run directory (DESIGN.md layout)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir).resolve()
@@ -46,13 +52,15 @@ def main(argv: list[str] | None = None) -> None:
         config = load_train_config(args.config)
         from transformers.utils import logging as hf_logging
 
-        from .coordinator import Coordinator, install_signal_handlers
+        from .coordinator import install_signal_handlers
+        module, name = JOBS[config.job]
+        job_class = getattr(importlib.import_module(module, __package__), name)
     except BaseException as exc:  # noqa: BLE001 - a bad config or a broken install is this run's failure too
         state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase="startup", step=None)
         finish(events, writers, fault_log, 1, [])
 
     hf_logging.disable_progress_bar()
-    coordinator = Coordinator(config, run_dir, events, state, fault_log)
+    coordinator = job_class(config, run_dir, events, state, fault_log)
     install_signal_handlers(coordinator)
     finish(events, writers, fault_log, coordinator.run(), coordinator.alive)
 

@@ -17,6 +17,8 @@ from typing import Literal
 import dflash_schema
 
 CompileMode = Literal["off", "default", "cudagraphs"]
+# What a launch does; each job is dispatched by __main__.JOBS and reads the sections JOB_SECTIONS names.
+Job = Literal["train", "regenerate"]
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # compile: cudagraphs captures one graph per padded length, per drafter; each costs a
 # compile and a capture at start-up and a graph's worth of memory (see cudagraphs.py).
@@ -156,9 +158,11 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class DevicesConfig:
     target: tuple[str, ...] = ("cpu",)  # one target thread per entry
-    drafters: tuple[str, ...] = ("cpu",)  # one data-parallel drafter thread per entry
+    drafters: tuple[str, ...] | None = None  # one data-parallel drafter thread per entry; default: target's
 
     def __post_init__(self) -> None:
+        if self.drafters is None:
+            object.__setattr__(self, "drafters", self.target)
         for key, devices in (("target", self.target), ("drafters", self.drafters)):
             if not devices:
                 raise ValueError(f"{key} must list at least one device")
@@ -252,9 +256,57 @@ class RuntimeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Sampled answers (the `regenerate.sampling` section; without it answers are greedy).
+    Every value is passed to generate, so none comes from the model's generation_config."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0  # 1.0: no nucleus cut
+    top_k: int = 0  # 0: no top-k cut
+    seed: int = 0  # batch j samples with seed + j, so a resumed job draws what an unbroken one would
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("temperature must be positive, top_p in (0, 1] and top_k >= 0 "
+                             "(for greedy answers leave the sampling section out)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegenerateConfig:
+    """job: regenerate: answer every prompt with the target; the output is a data.train file."""
+
+    prompts: str  # jsonl of "text" (one user turn) or chat "messages" (a final assistant turn is re-answered)
+    output: str  # jsonl, appended batch by batch; an existing one is resumed (absolute or ~/...)
+    max_new_tokens: int = 2048
+    batch_size: int = 32
+    enable_thinking: bool | None = None  # passed to the chat template (Qwen3); null: the template's default
+    sampling: SamplingConfig | None = None  # null: greedy
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0 or self.batch_size <= 0:
+            raise ValueError("max_new_tokens and batch_size must be positive")
+        # Relative paths are read from the release, which is read-only, and every launch
+        # has a new run directory: only a fixed path lets a relaunch resume the output.
+        if not self.output.startswith(("/", "~")):
+            raise ValueError(f"output must be an absolute path (or ~/...), got {self.output!r}: "
+                             "a relaunch resumes the file found there")
+
+
+# The optional sections each job reads. A job refuses a section it does not read that is
+# set to anything but its default: a training setting in a regeneration config is a mistake.
+JOB_SECTIONS: dict[str, frozenset[str]] = {
+    "train": frozenset({"data", "drafter", "optim", "pipeline", "compile", "eval", "checkpoint"}),
+    "regenerate": frozenset({"regenerate"}),
+}
+_JOB_SPECIFIC = frozenset().union(*JOB_SECTIONS.values())
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     target: TargetConfig
-    data: DataConfig
+    data: DataConfig | None = None  # required by job: train
+    job: Job = "train"
+    regenerate: RegenerateConfig | None = None  # required by job: regenerate
     drafter: DrafterConfig = DrafterConfig()
     optim: OptimConfig = OptimConfig()
     devices: DevicesConfig = DevicesConfig()
@@ -274,17 +326,14 @@ class TrainConfig:
             object.__setattr__(self, "compile", "off")
         elif self.compile is True:
             raise ValueError("compile: true is ambiguous; write off, default or cudagraphs")
-        if self.compile == "cudagraphs" and self.devices.cpu_only:
-            raise ValueError("compile: cudagraphs needs CUDA devices, but this config runs on CPU only "
-                             f"(devices.drafters: {', '.join(self.devices.drafters)}); "
-                             "use compile: off or default")
-        if self.compile == "cudagraphs" and (problem := self.data.too_many_cudagraph_buckets()):
-            raise ValueError(problem)
-        if self.data.synthetic is not None and self.target.tiny is None:
-            raise ValueError("data.synthetic needs target.tiny (responses come from the tiny target)")
-        if self.target.tiny is not None and self.data.train is not None:
-            raise ValueError("target.tiny makes its own data: use data.synthetic with it, not data.train "
-                             "(or train a real model: target.path)")
+        self._check_job_sections()
+        if self.job == "train":
+            self._check_training()
+        if self.job == "regenerate":
+            devices = [{"cuda": "cuda:0"}.get(d, d) for d in self.devices.target]  # devices.canonical, torch-free
+            if len(set(devices)) < len(devices):
+                raise ValueError("devices.target: job: regenerate runs one model per device; a device listed "
+                                 "twice would only split it (raise regenerate.batch_size instead)")
         known = self.thread_names()
         for i, fault in enumerate(self.faults):
             if fault.thread not in known:
@@ -297,6 +346,34 @@ class TrainConfig:
                                  f"thread drafter-N and at step:N, got {fault.thread} at {fault.at}")
         if self.log_every <= 0 or self.stall_after <= 0:
             raise ValueError("log_every and stall_after must be positive")
+
+    def _check_job_sections(self) -> None:
+        reads = JOB_SECTIONS[self.job]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        stray = [name for name in sorted(_JOB_SPECIFIC - reads) if getattr(self, name) != defaults[name]]
+        if self.job != "train" and self.devices.drafters != self.devices.target:
+            stray.append("devices.drafters")
+        if stray:
+            raise ValueError(f"job: {self.job} does not read {', '.join(stray)}: remove "
+                             f"{'it' if len(stray) == 1 else 'them'} (or set the job that does)")
+        if "data" in reads and self.data is None:
+            raise ValueError(f"data: missing required key for job: {self.job}")
+        if "regenerate" in reads and self.regenerate is None:
+            raise ValueError(f"regenerate: missing required key for job: {self.job}")
+
+    def _check_training(self) -> None:
+        assert self.data is not None
+        if self.compile == "cudagraphs" and self.devices.cpu_only:
+            raise ValueError("compile: cudagraphs needs CUDA devices, but this config runs on CPU only "
+                             f"(devices.drafters: {', '.join(self.devices.drafters)}); "
+                             "use compile: off or default")
+        if self.compile == "cudagraphs" and (problem := self.data.too_many_cudagraph_buckets()):
+            raise ValueError(problem)
+        if self.data.synthetic is not None and self.target.tiny is None:
+            raise ValueError("data.synthetic needs target.tiny (responses come from the tiny target)")
+        if self.target.tiny is not None and self.data.train is not None:
+            raise ValueError("target.tiny makes its own data: use data.synthetic with it, not data.train "
+                             "(or train a real model: target.path)")
 
     @property
     def uses_flex(self) -> bool:
@@ -311,8 +388,10 @@ class TrainConfig:
         return self.drafter.attention == "flex"
 
     def thread_names(self) -> tuple[str, ...]:
-        return ("coordinator", "prefetch",
-                *(f"target-{i}" for i in range(len(self.devices.target))),
+        targets = tuple(f"target-{i}" for i in range(len(self.devices.target)))
+        if self.job == "regenerate":
+            return ("coordinator", *targets)  # target-i answers batches on devices.target[i]
+        return ("coordinator", "prefetch", *targets,
                 *(f"drafter-{i}" for i in range(len(self.devices.drafters))), "eval")
 
     def resources(self) -> tuple[str, ...]:

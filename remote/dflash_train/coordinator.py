@@ -210,12 +210,7 @@ class Coordinator:
         for worker in self.workers:
             worker.join(max(0.0, deadline - time.monotonic()))
         self.alive = [w.name for w in self.workers if w.is_alive()]
-        if self.alive:
-            say(f"threads still running after {self.config.runtime.stop_grace_s:.0f}s: {', '.join(self.alive)}; "
-                "their stacks are in faulthandler.log")
-            self.fault_log.write(dump_header(f"threads still running after the stop: {', '.join(self.alive)}"))
-            self.fault_log.flush()  # faulthandler writes to the descriptor, past this buffer
-            faulthandler.dump_traceback(file=self.fault_log, all_threads=True)
+        report_threads_still_running(self.alive, self.config.runtime.stop_grace_s, self.fault_log)
 
     def _stopped(self) -> int:
         """SIGTERM (or SIGINT): stop, checkpoint if the lead replica stopped cleanly, exit 128+signal."""
@@ -238,7 +233,19 @@ class Coordinator:
         return 128 + int(signum)
 
 
-def install_signal_handlers(coordinator: Coordinator) -> None:
+def report_threads_still_running(alive: list[str], grace_s: float, fault_log) -> None:
+    """Say which threads outlived the stop and dump every thread's stack to faulthandler.log."""
+    if not alive:
+        return
+    say(f"threads still running after {grace_s:.0f}s: {', '.join(alive)}; their stacks are in faulthandler.log")
+    fault_log.write(dump_header(f"threads still running after the stop: {', '.join(alive)}"))
+    fault_log.flush()  # faulthandler writes to the descriptor, past this buffer
+    faulthandler.dump_traceback(file=fault_log, all_threads=True)
+
+
+def install_signal_handlers(coordinator) -> None:
+    """`coordinator`: the job's coordinator (Coordinator, regenerate.Regeneration), whose
+    on_signal notes the signal for its main loop."""
     signal.signal(signal.SIGTERM, coordinator.on_signal)
     signal.signal(signal.SIGINT, coordinator.on_signal)
 

@@ -1,0 +1,343 @@
+"""job: regenerate: the config it takes, the answers it writes, and resuming them after a stop.
+
+The runs are real `python -m dflash_train` subprocesses on the tiny CPU target (launched as
+in test_trainer_runs.py); their answers are compared with `generate` called here on the
+same target, built the way the trainer builds it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import dflash_schema
+from dflash_cli.commands.launch import host_paths
+from dflash_train.config import load_train_config
+from test_trainer_runs import Launched, launch  # noqa: F401 - `launch` is a fixture
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_PROMPTS = REPO / "configs" / "data" / "tiny-prompts.jsonl"
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def regen_config(prompts: Path, output: Path, batch_size: int, extra: str = "", device: str = "cpu") -> str:
+    return (f"job: regenerate\ntarget: {{tiny: {{}}, dtype: float32}}\ndevices: {{target: [{device}]}}\n"
+            f"regenerate: {{prompts: {json.dumps(str(prompts))}, output: {json.dumps(str(output))}, "
+            f"max_new_tokens: 40, batch_size: {batch_size}}}\n"
+            f"runtime: {{heartbeat_s: 0.5, torch_threads: 1}}\n{extra}")
+
+
+# ---- the config -----------------------------------------------------------------------------
+
+def test_regenerate_config_loads_and_names_its_threads_and_host_paths(tmp_path):
+    config = load_train_config(write_config(tmp_path, """
+        job: regenerate
+        target: {path: Qwen/Qwen3-8B}
+        regenerate:
+          prompts: /data/prompts.jsonl
+          output: ~/out/answers.jsonl
+          enable_thinking: false
+          sampling: {temperature: 0.6, top_p: 0.95, top_k: 20, seed: 3}
+        devices: {target: [cuda:0, cuda:1]}
+        """))
+    assert config.job == "regenerate" and config.data is None
+    assert config.regenerate.sampling.top_k == 20 and config.regenerate.enable_thinking is False
+    assert config.thread_names() == ("coordinator", "target-0", "target-1")
+    assert config.resources() == ("gpu0", "gpu1")  # the drafters default to the target devices
+    assert host_paths(config) == [("model", "target.path", "Qwen/Qwen3-8B"),
+                                  ("file", "regenerate.prompts", "/data/prompts.jsonl")]
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("job: regenerate\ntarget: {tiny: {}}\n", "regenerate: missing required key for job: regenerate"),
+    ("target: {tiny: {}}\n", "data: missing required key for job: train"),
+    ("job: serve\ntarget: {tiny: {}}\n", "job: expected one of 'train' | 'regenerate', got 'serve'"),
+    ("target: {tiny: {}}\ndata: {synthetic: {}}\nregenerate: {prompts: p, output: /o}\n",
+     "job: train does not read regenerate"),
+    ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: /o}\noptim: {lr: 0.1}\n"
+     "drafter: {num_layers: 2}\n", "job: regenerate does not read drafter, optim: remove them"),
+    ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: /o}\n"
+     "devices: {target: [cpu], drafters: [cpu, cpu]}\n", "job: regenerate does not read devices.drafters"),
+    ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: out.jsonl}\n",
+     "regenerate: output must be an absolute path (or ~/...), got 'out.jsonl'"),
+    ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: /o, sampling: {temperature: 0}}\n",
+     "regenerate.sampling: temperature must be positive"),
+    ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: /o}\n"
+     "devices: {target: [cuda, 'cuda:0']}\n", "devices.target: job: regenerate runs one model per device"),
+    ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: /o}\n"
+     "faults: [{thread: drafter-0, at: startup, kind: raise}]\n",
+     "unknown thread 'drafter-0' (threads of this config: coordinator, target-0)"),
+])
+def test_config_refuses_what_the_job_does_not_read_or_lacks(tmp_path, text, problem):
+    path = write_config(tmp_path, text)
+    with pytest.raises(dflash_schema.SchemaError) as caught:
+        load_train_config(path)
+    assert problem in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_example_config_answers_the_committed_synthetic_prompts(workspace):
+    """configs/data/tiny-prompts.jsonl holds the user turns of the synthetic data the tiny path
+    builds for the regeneration job's target, so regen-tiny-cpu.yaml works as shipped."""
+    from dflash_train.regenerate import TINY_DATA
+    from dflash_train.tiny import ensure_tiny_assets
+
+    config = load_train_config(REPO / "configs" / "train" / "regen-tiny-cpu.yaml")
+    assert (REPO / config.regenerate.prompts) == TINY_PROMPTS and config.job == "regenerate"
+    assets = ensure_tiny_assets(config.target.tiny, TINY_DATA, workspace / "cache")
+    synthetic = [json.loads(line)["messages"][:1] for line in assets.train_path.read_text().splitlines()]
+    assert [json.loads(line)["messages"] for line in TINY_PROMPTS.read_text().splitlines()] == synthetic
+
+
+# ---- reading prompts and resuming output (no model) ---------------------------------------
+
+def test_prompts_file_forms_and_bad_lines(tmp_path):
+    from dflash_train.regenerate import RegenerateError, read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"text": "w1 w2"}\n\n{"messages": [{"role": "user", "content": "w3"}, '
+                    '{"role": "assistant", "content": "old"}]}\n')
+    first, second = read_prompts(path)
+    assert (first.index, first.line, first.messages) == (0, 1, ({"role": "user", "content": "w1 w2"},))
+    assert (second.index, second.line, second.messages) == (1, 3, ({"role": "user", "content": "w3"},))
+    path.write_text('{"text": "w1"}\n{"prompt": "w2"}\n')
+    with pytest.raises(RegenerateError, match=rf"{path}:2: expected a 'text' string or a 'messages' list"):
+        read_prompts(path)
+
+
+def test_resume_drops_a_partial_last_line_and_refuses_a_foreign_output(tmp_path):
+    from dflash_train.regenerate import Answer, RegenerateError, answered_indices, plan_batches, read_prompts
+
+    prompts_path = tmp_path / "prompts.jsonl"
+    prompts_path.write_text("".join(json.dumps({"text": f"w{i}"}) + "\n" for i in range(5)))
+    prompts = read_prompts(prompts_path)
+    output = tmp_path / "out.jsonl"
+    whole = Answer(prompts[0], "w9", False, 2).line() + Answer(prompts[2], "w8", True, 40).line()
+    output.write_text(whole + Answer(prompts[1], "w7", False, 2).line()[:25])  # killed mid-write
+    assert answered_indices(output, prompts) == {0, 2}
+    assert output.read_text() == whole
+    assert [(b.number, [p.index for p in b.prompts]) for b in plan_batches(prompts, 2, {0, 2})] == [
+        (0, [1]), (1, [3]), (2, [4])]
+    output.write_text(Answer(prompts[3], "w1", False, 2).line().replace('"w3"', '"w4"'))
+    with pytest.raises(RegenerateError, match=r"out.jsonl:1: answers prompt 3, but its turns differ from line 4"):
+        answered_indices(output, prompts)
+
+
+# ---- real runs on the tiny target ---------------------------------------------------------
+
+def output_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def greedy_reference(workspace: Path, prompts: list[list[dict]], device: str) -> list[list[int]]:
+    """The tiny target's greedy tokens for each prompt from `generate` called here: prompts of
+    one token length share a call (no padding), so the reference owes nothing to left padding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_train.config import TinyTargetSpec
+    from dflash_train.regenerate import TINY_DATA
+    from dflash_train.tiny import ensure_tiny_assets
+
+    target = ensure_tiny_assets(TinyTargetSpec(), TINY_DATA, workspace / "cache").target_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval().to(device)
+    encoded = [tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"] for messages in prompts]
+    answers: list[list[int]] = [[] for _ in prompts]
+    for length in {len(ids) for ids in encoded}:
+        rows = [i for i, ids in enumerate(encoded) if len(ids) == length]
+        ids = torch.tensor([encoded[i] for i in rows], device=device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                             do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+        for row, tokens in zip(rows, out[:, length:].tolist()):
+            answers[row] = tokens
+    return answers
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspace, tmp_path, device):
+    synthetic = [json.loads(line) for line in TINY_PROMPTS.read_text().splitlines()]
+    # Shorter prompts among the synthetic ones are left-padded in their batch; a "text" line
+    # is a user turn; a final assistant turn is answered anew.
+    extra = [{"text": "w5 w6"}, {"messages": [{"role": "user", "content": "w7"},
+                                              {"role": "assistant", "content": "w8 w9"}]}]
+    rows = synthetic[:30] + extra + synthetic[30:]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    output = tmp_path / "data" / "answers.jsonl"
+    run = launch(regen_config(prompts, output, batch_size=7, device=device))
+    assert run.wait(400) == 0, run.log()[-3000:]
+
+    from transformers import AutoTokenizer
+
+    from dflash_train.config import TinyTargetSpec
+    from dflash_train.regenerate import TINY_DATA
+    from dflash_train.tiny import ensure_tiny_assets
+
+    assets = ensure_tiny_assets(TinyTargetSpec(), TINY_DATA, workspace / "cache")
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.target_dir))
+    turns = [[{"role": "user", "content": r["text"]}] if "text" in r else r["messages"][:1] for r in rows]
+    reference = greedy_reference(workspace, turns, device)
+    answers = output_rows(output)
+    assert [a["index"] for a in answers] == list(range(len(rows)))
+    for answer, messages, tokens in zip(answers, turns, reference):
+        assert answer["messages"][:-1] == messages
+        assert answer["messages"][-1]["role"] == "assistant"
+        ended = tokenizer.eos_token_id in tokens
+        expected = tokens[:tokens.index(tokenizer.eos_token_id)] if ended else tokens
+        got = tokenizer(answer["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        assert got == expected, answer["index"]
+        assert answer["truncated"] is (not ended)
+    assert {a["truncated"] for a in answers} == {True, False}  # both kinds of ending occur
+    # The synthetic data's responses are the same greedy answers, made by the tiny build itself.
+    built = [json.loads(line)["messages"][1]["content"] for line in assets.train_path.read_text().splitlines()]
+    assert [a["messages"][-1]["content"] for a in answers[:30] + answers[32:]] == built
+    # progress: events for every batch, log lines watch shows
+    progress = run.events("progress")
+    assert [p["answered"] for p in progress] == [min(7 * k, len(rows)) for k in range(1, len(progress) + 1)]
+    last = progress[-1]
+    assert last["total"] == len(rows) and last["eta_s"] == 0 and last["tokens_per_s"] > 0
+    assert last["truncated"] == sum(a["truncated"] for a in answers)
+    assert f"answered {len(rows)}/{len(rows)} prompts" in run.log()
+    assert [e["phase"] for e in run.events("phase")] == ["startup", "regenerate", "shutdown"]
+    assert (run.run_dir / "errors.jsonl").read_text() == ""
+    # the output is a training file: the trainer's own reader takes every line
+    from dflash_train.data import load_samples
+
+    assert len(load_samples(output, tokenizer, 128)) == len(rows)
+
+
+@pytest.mark.timeout(600)
+def test_stopped_and_failed_jobs_resume_to_the_one_shot_output(launch, tmp_path):
+    rows = [json.loads(line) for line in TINY_PROMPTS.read_text().splitlines()][:24]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one_shot, resumed = tmp_path / "one-shot.jsonl", tmp_path / "resumed.jsonl"
+
+    # 1. SIGTERM once answers are being written: the batch being answered is finished and written.
+    first = launch(regen_config(prompts, resumed, batch_size=2), run_id="stopped")
+    first.wait_for("a written answer", lambda: resumed.exists() and resumed.read_text().count("\n") >= 2, 200)
+    os.kill(first.proc.pid, signal.SIGTERM)
+    assert first.wait(120) == 128 + signal.SIGTERM, first.log()[-3000:]
+    stopped_at = output_rows(resumed)
+    assert 2 <= len(stopped_at) < len(rows) and len(stopped_at) % 2 == 0  # whole batches
+    assert [a["index"] for a in stopped_at] == list(range(len(stopped_at)))
+    assert "received SIGTERM: stopping after the batches being answered" in first.log()
+    assert first.events("done")[-1]["exit_code"] == 143 and first.errors() == []
+
+    # 2. A kill in the middle of a write leaves part of a line: the next launch drops it.
+    partial = json.dumps({"index": len(stopped_at), "messages": [{"role": "user"}]})[:30]
+    with open(resumed, "a") as f:
+        f.write(partial)
+
+    # 3. A worker fails at its 2nd batch: recorded, exit 1, the output keeps whole answers only.
+    failing = launch(regen_config(prompts, resumed, batch_size=2,
+                                  extra="faults: [{thread: target-0, at: 'step:2', kind: raise}]\n"), run_id="failing")
+    assert failing.wait(200) == 1, failing.log()[-3000:]
+    root = failing.errors()[0]
+    assert root["thread"] == "target-0" and root["phase"] == "regenerate" and root["step"] == 2
+    assert root["exc_type"] == "InjectedFault"
+    assert "dropping a partial last line (30 bytes)" in failing.log()
+    after_failure = output_rows(resumed)
+    assert [a["index"] for a in after_failure] == list(range(len(stopped_at) + 2))  # its 1st batch only
+
+    # 4. The last launch answers the rest; the result equals an uninterrupted job's, byte for byte.
+    last = launch(regen_config(prompts, resumed, batch_size=2), run_id="last")
+    assert last.wait(200) == 0, last.log()[-3000:]
+    assert f"{len(after_failure)} already answered" in last.log()
+    whole = launch(regen_config(prompts, one_shot, batch_size=2), run_id="one-shot")
+    assert whole.wait(200) == 0, whole.log()[-3000:]
+    assert [a["index"] for a in output_rows(resumed)] == list(range(len(rows)))
+    assert resumed.read_bytes() == one_shot.read_bytes()
+
+    # 5. Nothing left: a launch answers nothing and succeeds.
+    again = launch(regen_config(prompts, resumed, batch_size=2), run_id="again")
+    assert again.wait(200) == 0, again.log()[-3000:]
+    assert resumed.read_bytes() == one_shot.read_bytes()
+    assert f"{len(rows)} already answered" in again.log()
+
+
+@pytest.mark.timeout(200)
+def test_a_bad_prompts_file_fails_the_job_naming_the_line(launch, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "w1"}\n{"prompt": "w2"}\n')
+    run = launch(regen_config(prompts, tmp_path / "out.jsonl", batch_size=2))
+    assert run.wait(150) == 1
+    [record] = run.errors()
+    assert record["thread"] == "coordinator" and record["exc_type"] == "RegenerateError"
+    assert f"{prompts}:2: expected a 'text' string or a 'messages' list" in record["message"]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_sampling_is_seeded_per_batch_and_the_template_gets_enable_thinking(workspace, tmp_path):
+    """In-process, on the tiny target: a batch's sample depends on the seed and the batch
+    number only (what makes a resumed sampled job draw what an unbroken one would);
+    enable_thinking reaches the chat template."""
+    import threading
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_train.config import RegenerateConfig, SamplingConfig, TinyTargetSpec
+    from dflash_train.regenerate import TINY_DATA, Answerer, Batch, read_prompts
+    from dflash_train.runlog import ErrorLog, ThreadNames
+    from dflash_train.threads import RunState
+    from dflash_train.tiny import ensure_tiny_assets
+
+    target = ensure_tiny_assets(TinyTargetSpec(), TINY_DATA, workspace / "cache").target_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(target), padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    state = RunState(ErrorLog(tmp_path / "errors.jsonl"), ThreadNames(tmp_path / "threads.json"))
+    prompts = read_prompts(TINY_PROMPTS)[:4]
+
+    def answers(sampling: SamplingConfig | None, number: int) -> list[str]:
+        settings = RegenerateConfig(prompts="p", output="/o", max_new_tokens=12, sampling=sampling)
+        answerer = Answerer(model, tokenizer, threading.Lock(), settings, "cpu", state)
+        torch.manual_seed(12345)  # whatever the generator held before: the batch's seed decides
+        return [a.text for a in answerer.answer(Batch(number, tuple(prompts)))]
+
+    hot = SamplingConfig(temperature=2.0, seed=7)
+    assert answers(hot, 3) == answers(hot, 3)
+    assert answers(hot, 3) != answers(hot, 4) and answers(hot, 3) != answers(SamplingConfig(2.0, seed=8), 3)
+    assert answers(hot, 3) != answers(None, 3)
+    assert state.progress > 0  # every decoding step counted: heartbeats go on during a batch
+
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                               "{% if enable_thinking is defined and not enable_thinking %}w0 w0 {% endif %}")
+    for thinking, rendered in ((None, "w1 "), (True, "w1 "), (False, "w1 w0 w0 ")):
+        settings = RegenerateConfig(prompts="p", output="/o", enable_thinking=thinking)
+        answerer = Answerer(model, tokenizer, threading.Lock(), settings, "cpu", state)
+        assert answerer.render(read_prompts(write_prompt(tmp_path, "w1"))[0]) == rendered
+
+
+def write_prompt(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "one-prompt.jsonl"
+    path.write_text(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def test_launch_names_a_prompts_file_missing_on_the_host_before_anything_starts(make_inventory, fake_pve, tmp_path):
+    from dflash_run import dflash
+    from support import container_workspace, workspace_on_node
+    from test_bad_input import nothing_started
+
+    config = tmp_path / "regen.yaml"
+    config.write_text("job: regenerate\ntarget: {tiny: {}}\n"
+                      "regenerate: {prompts: data/prompts.jsonl, output: /tmp/answers.jsonl}\n")
+    done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
+    assert done.returncode == 2, done.stderr
+    release_id = (workspace_on_node(fake_pve, tmp_path) / "current").resolve().name
+    release = container_workspace(fake_pve, tmp_path) / "releases" / release_id  # as the container sees it
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
+    assert error == f"dflash: error: host ct200: regenerate.prompts: {release}/data/prompts.jsonl does not exist"
+    nothing_started(workspace_on_node(fake_pve, tmp_path))
