@@ -144,9 +144,9 @@ def test_every_batch_the_packer_makes_fits_a_bucket():
     samples = []
     for _ in range(120):
         length = int(torch.randint(3, data.max_length + 1, (1,), generator=generator))
-        loss_mask = torch.rand(length, generator=generator) < 0.7
-        loss_mask[1] = True  # something to anchor on, as data.load_samples requires
-        samples.append(Sample(torch.randint(0, 50, (length,), generator=generator, dtype=torch.int32), loss_mask))
+        turn_ids = torch.zeros(length, dtype=torch.int32)  # a prompt, then one answer of 2 tokens or more
+        turn_ids[:int(torch.randint(0, length - 1, (1,), generator=generator))] = -1
+        samples.append(Sample(torch.randint(0, 50, (length,), generator=generator, dtype=torch.int32), turn_ids))
     plan = BatchPlan(samples, data, replicas=1, epochs=2, max_steps=None, seed=0)
     shapes = set()
     for step in range(1, plan.total_steps + 1):
