@@ -9,10 +9,10 @@ into another answer. A block sees the target features strictly before its anchor
 its own block (bidirectionally), never other blocks.
 
 Turns are given per token as `turn_ids`: the index of the assistant turn the token
-belongs to (and is learnt in), NO_TURN (-1) for every other token (prompt, user turns, template
-text after a truncated answer, padding). Each turn is one contiguous run of tokens, so
-"every token from the anchor to anchor + k is in the anchor's turn" is the same as
-"anchor + k has the anchor's turn id".
+belongs to (and is learnt in), NO_TURN (-1) for every other token (prompt, user turns,
+template text after a truncated answer, padding). Each turn is one contiguous run of
+tokens with an id of its own, so "every token from the anchor to anchor + k is in the
+anchor's turn" is the same as "anchor + k has the anchor's turn id".
 """
 from __future__ import annotations
 
