@@ -141,7 +141,7 @@ def make_batches(shape: Shape, count: int, seed: int, device: str) -> list[Draft
         ids = order[(start + torch.arange(shape.seq_len)) % words][None]  # (1, S)
         anchors = torch.sort(torch.randperm(shape.seq_len - 2, generator=generator)[:shape.anchors] + 1).values[None]
         valid = torch.ones_like(anchors, dtype=torch.bool)
-        labels, weights = block_labels(ids, torch.ones_like(ids, dtype=torch.bool), anchors, valid,
+        labels, weights = block_labels(ids, torch.zeros_like(ids), anchors, valid,  # one turn throughout
                                        position_weights(shape.block, 7.0))
         feature_gen = torch.Generator(device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
         features = torch.randn(1, shape.seq_len, shape.feature_layers * shape.hidden, generator=feature_gen,

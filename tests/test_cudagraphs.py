@@ -7,7 +7,9 @@ that the trainer's compile plan hands those buckets and the placement to the gra
 builder, and that padding a batch into a bucket leaves loss and gradients unchanged
 (checked with the real DFlash objective). The `gpu` tests capture graphs in several drafter
 threads on one GPU, and in one drafter per GPU on two, and compare every loss with eager
-and with the same graphs replayed in one thread.
+and with the same graphs replayed in one thread; and, for both attention backends (sdpa's
+dense mask and FlexAttention's BlockMask, the production path) and both capture
+strategies, that a replayed step builds its block mask from each batch's own anchors.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from dflash_train.compile_policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, bu
 from dflash_train.config import DataConfig, DrafterConfig, load_train_config
 from dflash_train.data import BatchPlan, Sample, collate
 from dflash_train.model import DFlashDrafter, drafter_hf_config
-from dflash_train.objective import DraftObjective, DrafterInputs
+from dflash_train import objective as objective_module
+from dflash_train.objective import DraftObjective, DrafterInputs, block_labels, position_weights
 from dflash_train.devices import Fence, thread_stream
 from dflash_train.replica import average_gradients
 
@@ -34,7 +37,7 @@ pytestmark = pytest.mark.timeout(60)
 VOCAB, HIDDEN, FEATURE_LAYERS, BLOCK = 96, 32, 2, 4
 
 
-def tiny_objective(device: str, seed: int = 0) -> DraftObjective:
+def tiny_objective(device: str, seed: int = 0, use_flex: bool = False) -> DraftObjective:
     """A 1-layer DFlash drafter with random weights; embedding and head as the target's."""
     target = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
@@ -44,7 +47,7 @@ def tiny_objective(device: str, seed: int = 0) -> DraftObjective:
     drafter.reset_parameters(generator)
     embed = torch.randn(VOCAB, HIDDEN, generator=generator)
     head = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.1
-    return DraftObjective(drafter.to(device), embed.to(device), head.to(device), use_flex=False)
+    return DraftObjective(drafter.to(device), embed.to(device), head.to(device), use_flex=use_flex)
 
 
 def _write_config(tmp_path, compile_mode: str, drafters: str, data: str = "pad_multiple: 1024"):
@@ -144,9 +147,9 @@ def test_every_batch_the_packer_makes_fits_a_bucket():
     samples = []
     for _ in range(120):
         length = int(torch.randint(3, data.max_length + 1, (1,), generator=generator))
-        loss_mask = torch.rand(length, generator=generator) < 0.7
-        loss_mask[1] = True  # something to anchor on, as data.load_samples requires
-        samples.append(Sample(torch.randint(0, 50, (length,), generator=generator, dtype=torch.int32), loss_mask))
+        turn_ids = torch.zeros(length, dtype=torch.int32)  # a prompt, then one answer of 2 tokens or more
+        turn_ids[:int(torch.randint(0, length - 1, (1,), generator=generator))] = -1
+        samples.append(Sample(torch.randint(0, 50, (length,), generator=generator, dtype=torch.int32), turn_ids))
     plan = BatchPlan(samples, data, replicas=1, epochs=2, max_steps=None, seed=0)
     shapes = set()
     for step in range(1, plan.total_steps + 1):
@@ -367,3 +370,77 @@ def test_graphed_drafters_on_two_gpus_capture_and_average_across_devices():
     """One drafter per GPU: each captures on its own device (torch.cuda.graph's default
     capture stream lives on the first capture's device) and gradients cross devices."""
     _check_against_eager(["cuda:0", "cuda:1"])
+
+
+def _same_tokens_other_anchors(base: DrafterInputs, seed: int, real_blocks: int) -> DrafterInputs:
+    """`base`'s tokens and features with other anchors, `real_blocks` of them valid a row,
+    and the labels and weights that go with them (one assistant turn throughout)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, length = base.input_ids.shape
+    blocks = base.anchors.shape[1]
+    anchors = torch.zeros((rows, blocks), dtype=torch.long)
+    anchors[:, :real_blocks] = torch.stack([
+        torch.sort(torch.randperm(length - 2, generator=generator)[:real_blocks]).values for _ in range(rows)]) + 1
+    valid = torch.arange(blocks).expand(rows, -1) < real_blocks
+    ids = base.input_ids.cpu()
+    labels, weights = block_labels(ids, torch.zeros_like(ids), anchors, valid, position_weights(BLOCK, 7.0))
+    device = base.input_ids.device
+    return DrafterInputs(base.input_ids, base.features, anchors.to(device), valid.to(device), labels.to(device),
+                         weights.to(device))
+
+
+def _eager_loss_and_grads(objective: DraftObjective, inputs: DrafterInputs, mask_of: DrafterInputs | None = None):
+    """Eager loss, counted positions and every gradient flattened into one vector; with the
+    block mask of `mask_of`'s anchors instead of `inputs`' own when given (what a step
+    that kept an earlier batch's mask would compute)."""
+    patch = pytest.MonkeyPatch()
+    if mask_of is not None:
+        for name in ("dense_block_mask", "flex_block_mask"):
+            make = getattr(objective_module, name)
+            patch.setattr(objective_module, name, lambda anchors, valid, context_len, block_size, make=make:
+                          make(mask_of.anchors, mask_of.anchor_valid, context_len, block_size))
+    try:
+        loss, _, counted, grads = _loss_and_grads(objective, inputs)
+    finally:
+        patch.undo()
+    return loss, counted, torch.cat([g.flatten().float() for g in grads])
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["whole_step", "upstream"])
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_replayed_steps_mask_each_batch_by_its_own_anchors(attention, strategy):
+    """One bucket, replayed on batches of the same tokens and features whose anchors (and
+    number of valid anchors) differ: every replay's gradients and loss are eager's for that
+    batch. A mask frozen at capture, or left from the previous batch, would be caught: the
+    previous batch's mask moves the gradients far more than the tolerance (checked below
+    for every batch, so the test cannot pass vacuously), which allows for Inductor's bf16
+    kernels against eager's (measured on CPU at these shapes: the previous batch's mask
+    moves the gradients by 0.22-0.43 relative, all-bf16 arithmetic by 0.006)."""
+    if strategy == "upstream" and cudagraphs.torch_version() < cudagraphs.UPSTREAM_THREAD_SAFE_TORCH:
+        pytest.skip("the upstream strategy needs torch >= 2.13")
+    device = "cuda:0"
+    objective = tiny_objective(device, use_flex=attention == "flex")
+    base = random_inputs(2, 40, 8, block_size=BLOCK, vocab=VOCAB, num_features=FEATURE_LAYERS * HIDDEN,
+                         features_dtype=objective.embed_weight.dtype, device=device, seed=7)
+    batches = [_same_tokens_other_anchors(base, seed, real) for seed, real in ((1, 8), (2, 8), (3, 5), (4, 8))]
+    step = cudagraphs.build_cudagraph_train_step(objective, base, [cudagraphs.BatchShape(2, 40, 8)],
+                                                 strategy=strategy)
+    tolerance = 0.05
+    for previous, batch in zip([base] + batches, batches):
+        assert not torch.equal(previous.anchors, batch.anchors)
+        objective.drafter.zero_grad(set_to_none=True)  # as the optimizer leaves them between steps
+        stats = step(batch)
+        graphed = torch.cat([p.grad.flatten().float() for p in objective.drafter.parameters()])
+        loss, counted, eager = _eager_loss_and_grads(objective, batch)
+        _, _, stale = _eager_loss_and_grads(objective, batch, mask_of=previous)
+        assert _relative(stale, eager) > 2 * tolerance, "these batches cannot tell a stale block mask apart"
+        assert _relative(graphed, eager) < tolerance, (_relative(graphed, eager), _relative(stale, eager))
+        assert float(stats.loss) == pytest.approx(float(loss), rel=2e-2)
+        assert torch.equal(stats.counted.cpu(), counted.cpu())

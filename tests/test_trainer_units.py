@@ -143,28 +143,29 @@ def test_position_weights_decay():
 
 
 def test_anchors_are_response_tokens_with_context_and_a_label():
-    mask = torch.tensor([False] * 5 + [True] * 20 + [False] * 3 + [True] * 4)  # (32,)
+    turns = torch.tensor([-1] * 5 + [0] * 20 + [-1] * 3 + [1] * 4)  # (32,)
     for seed in range(5):
-        anchors = sample_anchors(mask, 8, torch.Generator().manual_seed(seed))
+        anchors = sample_anchors(turns, 8, torch.Generator().manual_seed(seed))
         assert anchors.numel() == 8 and torch.all(anchors[1:] > anchors[:-1])
-        assert bool(mask[anchors].all()) and int(anchors.min()) >= 1 and int(anchors.max()) <= 30
-    same = [sample_anchors(mask, 8, torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
+        assert bool((turns[anchors] >= 0).all()) and int(anchors.min()) >= 1 and int(anchors.max()) <= 30
+    same = [sample_anchors(turns, 8, torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
     assert same[0] == same[1]
-    assert sample_anchors(mask, 100, torch.Generator()).numel() == int(mask[1:-1].sum())
+    # every token of a turn but its last: positions 5..23 and 28..30
+    assert sample_anchors(turns, 100, torch.Generator()).tolist() == list(range(5, 24)) + [28, 29, 30]
 
 
 def test_block_labels_and_weights():
     input_ids = torch.arange(100, 110).unsqueeze(0)  # (1, 10)
-    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1]]).bool()
-    anchors = torch.tensor([[2, 7, 0]])
+    turn_ids = torch.tensor([[-1, -1, 0, 0, 0, 0, 0, -1, 1, 1]])
+    anchors = torch.tensor([[2, 8, 0]])
     valid = torch.tensor([[True, True, False]])
     weights_k = position_weights(4, 7.0)
-    labels, weights = block_labels(input_ids, loss_mask, anchors, valid, weights_k)
+    labels, weights = block_labels(input_ids, turn_ids, anchors, valid, weights_k)
     assert labels[0, 0].tolist() == [103, 104, 105]
     assert weights[0, 0].tolist() == pytest.approx(weights_k.tolist())
-    # anchor 7: position 8 and 9 learnable, position 10 is past the end
-    assert labels[0, 1, :2].tolist() == [108, 109]
-    assert weights[0, 1].tolist() == pytest.approx([1.0, math.exp(-1 / 7), 0.0])
+    # anchor 8: position 9 learnable, position 10 and 11 are past the end
+    assert labels[0, 1, :1].tolist() == [109]
+    assert weights[0, 1].tolist() == pytest.approx([1.0, 0.0, 0.0])
     assert weights[0, 2].sum() == 0  # an unused block teaches nothing
 
 
@@ -306,9 +307,9 @@ def test_chat_loss_mask_covers_exactly_the_assistant_turns(tiny_assets):
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_assets.target_dir))
     messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"},
                 {"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]
-    ids, mask = tokenize_chat(tokenizer, messages, "test")
-    learnt = [tok for tok, m in zip(tokenizer.convert_ids_to_tokens(ids), mask) if m]
-    assert learnt == ["w3", "w4", "<|im_end|>", "w6", "<|im_end|>"]
+    ids, turn_ids = tokenize_chat(tokenizer, messages, "test")
+    learnt = [(tok, turn) for tok, turn in zip(tokenizer.convert_ids_to_tokens(ids), turn_ids) if turn >= 0]
+    assert learnt == [("w3", 0), ("w4", 0), ("<|im_end|>", 0), ("w6", 1), ("<|im_end|>", 1)]
 
 
 def test_speculative_decoding_is_lossless(tiny_assets):

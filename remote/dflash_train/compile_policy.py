@@ -124,7 +124,7 @@ def random_inputs(rows: int, length: int, blocks: int, *, block_size: int, vocab
     anchors[:, :real] = torch.stack([torch.sort(torch.randperm(length - 2, generator=generator)[:real]).values
                                      for _ in range(rows)]) + 1
     anchor_valid = torch.arange(blocks).expand(rows, -1) < real
-    labels, weights = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, anchor_valid,
+    labels, weights = block_labels(input_ids, torch.zeros_like(input_ids), anchors, anchor_valid,  # one turn
                                    position_weights(block_size, 7.0))
     features = torch.randn(rows, length, num_features, generator=generator).to(features_dtype)
     return DrafterInputs(*(t.to(device) for t in (input_ids, features, anchors, anchor_valid, labels, weights)))

@@ -3,8 +3,16 @@
 Per sequence, anchors are sampled among response tokens. Each anchor starts a block
 `[anchor token, MASK x (block_size-1)]` at positions `anchor + k`; block position k
 predicts the token at `anchor + k` (the anchor itself carries no loss) with weight
-exp(-(k-1)/gamma). A block sees the target features strictly before its anchor and its
-own block (bidirectionally), never other blocks.
+exp(-(k-1)/gamma), but only while `anchor + k` is in the anchor's own assistant turn:
+inference drafts a block after a token of one answer, never across the next user turn
+into another answer. A block sees the target features strictly before its anchor and
+its own block (bidirectionally), never other blocks.
+
+Turns are given per token as `turn_ids`: the index of the assistant turn the token
+belongs to (and is learnt in), NO_TURN (-1) for every other token (prompt, user turns,
+template text after a truncated answer, padding). Each turn is one contiguous run of
+tokens with an id of its own, so "every token from the anchor to anchor + k is in the
+anchor's turn" is the same as "anchor + k has the anchor's turn id".
 """
 from __future__ import annotations
 
@@ -16,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import DFlashDrafter
+
+NO_TURN = -1  # the turn id of a token no assistant turn learns
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -30,31 +40,42 @@ def anchor_seed(seed: int, epoch: int, sample_index: int) -> int:
     return ((seed * 1_000_003 + epoch) * 1_000_033 + sample_index) % (2**63 - 1)
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """Sorted anchor positions (n,) for one unpadded sequence; loss_mask (L,) bool.
+def anchor_candidates(turn_ids: torch.Tensor) -> torch.Tensor:
+    """Positions (n,) that may anchor a block in one unpadded sequence; turn_ids (L,).
 
-    An anchor is a response token with at least one position before it (the context)
-    and one after it (something to predict)."""
-    candidates = torch.nonzero(loss_mask[1:-1]).flatten() + 1
+    An anchor is a token of an assistant turn with at least one position before it (the
+    context) and the next token in the same turn (something to predict): the last token
+    of a turn, truncated or not, would anchor a block with nothing to learn."""
+    same_turn_next = (turn_ids[1:-1] != NO_TURN) & (turn_ids[1:-1] == turn_ids[2:])
+    return torch.nonzero(same_turn_next).flatten() + 1
+
+
+def sample_anchors(turn_ids: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Sorted anchor positions (n,), at most `num_anchors` of the candidates, drawn at random."""
+    candidates = anchor_candidates(turn_ids)
     if candidates.numel() > num_anchors:
         pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
         candidates = candidates[pick]
     return torch.sort(candidates).values
 
 
-def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+def block_labels(input_ids: torch.Tensor, turn_ids: torch.Tensor, anchors: torch.Tensor,
                  anchor_valid: torch.Tensor, weights_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels and loss weights of every block position k >= 1.
 
-    input_ids, loss_mask (B, S); anchors, anchor_valid (B, N); weights_k (bs-1,)
-    -> labels (B, N, bs-1) long, weights (B, N, bs-1) float (0 where nothing to learn)."""
+    input_ids, turn_ids (B, S); anchors, anchor_valid (B, N); weights_k (bs-1,)
+    -> labels (B, N, bs-1) long, weights (B, N, bs-1) float: 0 where nothing to learn,
+    i.e. past the sequence, for an unused block, and wherever `anchor + k` is not in
+    the anchor's assistant turn (see the module docstring)."""
     seq_len = input_ids.shape[1]
     offsets = torch.arange(1, weights_k.numel() + 1)
     positions = anchors.unsqueeze(-1) + offsets  # (B, N, bs-1)
     inside = positions < seq_len
     flat = positions.clamp(max=seq_len - 1).flatten(1)  # (B, N*(bs-1))
     labels = input_ids.gather(1, flat).view_as(positions)
-    learnable = loss_mask.gather(1, flat).view_as(positions) & inside & anchor_valid.unsqueeze(-1)
+    anchor_turn = turn_ids.gather(1, anchors).unsqueeze(-1)  # (B, N, 1)
+    same_turn = (turn_ids.gather(1, flat).view_as(positions) == anchor_turn) & (anchor_turn != NO_TURN)
+    learnable = same_turn & inside & anchor_valid.unsqueeze(-1)
     return labels, learnable.float() * weights_k
 
 

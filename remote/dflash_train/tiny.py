@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }} {{ message['content'] }}<|im_end|> "
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
-_LAYOUT_VERSION = 1  # bump when what is built for a spec changes
+_LAYOUT_VERSION = 2  # bump when what is built for a spec changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,17 +112,20 @@ def _build(spec: TinyTargetSpec, data: SyntheticDataSpec, out: Path) -> None:
     prompts = [" ".join(f"w{i}" for i in row.tolist()) for row in word_ids]
     responses = _greedy_responses(model, tokenizer, prompts, data.response_tokens)
     with open(out / "train.jsonl", "w", encoding="utf-8") as f:
-        for prompt, response in zip(prompts[:data.num_train], responses[:data.num_train]):
-            f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
-                                             {"role": "assistant", "content": response}]}) + "\n")
+        for prompt, (response, truncated) in zip(prompts[:data.num_train], responses[:data.num_train]):
+            row = {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]}
+            if truncated:  # cut at response_tokens: the target never closed this answer
+                row["truncated"] = True
+            f.write(json.dumps(row) + "\n")
     with open(out / "eval.jsonl", "w", encoding="utf-8") as f:
         for prompt in prompts[data.num_train:]:
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt}]}) + "\n")
 
 
 @torch.inference_mode()
-def _greedy_responses(model, tokenizer, prompts: list[str], max_tokens: int) -> list[str]:
-    """The target's greedy continuation of every prompt, up to <|im_end|> (excluded)."""
+def _greedy_responses(model, tokenizer, prompts: list[str], max_tokens: int) -> list[tuple[str, bool]]:
+    """The target's greedy continuation of every prompt, up to <|im_end|> (excluded), and
+    whether it was cut at `max_tokens` before the target ended it."""
     rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                               add_generation_prompt=True) for p in prompts]
     ids = torch.tensor([tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered])  # (N, P)
@@ -131,7 +134,8 @@ def _greedy_responses(model, tokenizer, prompts: list[str], max_tokens: int) -> 
                          do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
     responses = []
     for row in ids[:, prompt_len:].tolist():
-        if tokenizer.eos_token_id in row:
+        truncated = tokenizer.eos_token_id not in row
+        if not truncated:
             row = row[:row.index(tokenizer.eos_token_id)]
-        responses.append(" ".join(tokenizer.convert_ids_to_tokens(row)))
+        responses.append((" ".join(tokenizer.convert_ids_to_tokens(row)), truncated))
     return responses
