@@ -111,9 +111,9 @@ def drafter_inputs(drafter: DFlashDrafter, context: int = 300) -> dict[str, torc
     hidden = drafter.config.hidden_size
     q_len = drafter.block_size
     return {"noise_embedding": torch.randn(1, q_len, hidden, generator=generator),
-            "target_hidden": torch.randn(1, context, 3 * hidden, generator=generator),
+            "target_hidden": torch.randn(1, context, len(drafter.target_layer_ids) * hidden, generator=generator),
             "position_ids": torch.arange(context + q_len).unsqueeze(0),
-            "lm_head": torch.randn(60, hidden, generator=generator)}
+            "lm_head": torch.randn(drafter.config.vocab_size, hidden, generator=generator)}
 
 
 def trainer_logits(drafter: DFlashDrafter, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -214,3 +214,51 @@ def test_the_last_target_layer_is_refused_naming_target_layer_ids(tmp_path):
     with pytest.raises(ValueError, match=r"drafter\.target_layer_ids \[0, 2\]"):
         FeatureTap(target, (0, 2))
     FeatureTap(target, (0, 1))
+
+
+# A short real run (test_trainer_runs.SMALL's data and drafter), on `device`.
+SHORT_RUN = """
+target: {{tiny: {{}}}}
+data:
+  synthetic: {{num_train: 64, num_eval: 2}}
+  max_length: 128
+  token_budget: 512
+  pad_multiple: 16
+drafter: {{num_layers: 1, block_size: 4, num_anchors: 8, num_target_features: 2}}
+devices: {{target: [{device}], drafters: [{device}]}}
+optim: {{max_steps: 4}}
+eval: {{num_prompts: 0}}
+runtime: {{torch_threads: 1}}
+{export}
+"""
+
+
+@pytest.mark.parametrize("device, export", [
+    pytest.param("cuda:0", "", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs CUDA")]),
+    ("cpu", "export: {dtype: bfloat16}"),  # on CPU the default is fp32: bf16 must be asked for
+])
+def test_a_run_exports_bf16_that_loads_as_the_drafter_it_trained(device, export, workspace, tmp_path):
+    from dflash_train.model import load_drafter
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(SHORT_RUN.format(device=device, export=export))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "HF_HUB_OFFLINE": "1", "DFLASH_RUN_ID": "run",
+           "DFLASH_RELEASE_ID": "rel-test", "DFLASH_RELEASE_DIR": str(REPO), "DFLASH_WORKSPACE": str(workspace)}
+    out = subprocess.run([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
+                          "--run-dir", str(run_dir)], cwd=run_dir, env=env, capture_output=True, text=True,
+                         timeout=400)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    exported = run_dir / "export"
+    assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"
+    from safetensors import safe_open
+    with safe_open(str(exported / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.bfloat16}
+    trained = load_drafter(exported).eval()  # the exported weights, in fp32
+    inputs = drafter_inputs(trained, context=40)
+    torch.save(inputs, tmp_path / "inputs.pt")
+    info, outputs = load_in_fresh_process(exported, tmp_path / "inputs.pt", tmp_path, None)
+    assert info["class"] == "DFlashDraftModel" and info["dtype"] == "torch.bfloat16"
+    expected = trainer_logits(trained, inputs)
+    assert (outputs["logits"] - expected).abs().max() < 0.05 * expected.abs().max()
