@@ -20,8 +20,8 @@ from dflash_schema import SchemaError
 from dflash_train import checkpoint as ckpt
 from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_train_config
 from dflash_train.data import tokenize_chat
-from dflash_train.model import (DFlashDrafter, default_target_layer_ids, dense_attention, drafter_hf_config,
-                                export_drafter, load_drafter)
+from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter, load_drafter
+from dflash_train.modeling_dflash import dense_attention
 from dflash_train.objective import block_labels, dense_block_mask, flex_block_mask, position_weights, sample_anchors
 from dflash_train.runlog import LineWriter, error_record
 

@@ -88,6 +88,19 @@ class DrafterConfig:
             raise ValueError("target_layer_ids must be a non-empty list of layer indices >= 0")
 
 
+def last_layer_refusal(layer_ids: tuple[int, ...], num_target_layers: int) -> str | None:
+    """Why `layer_ids` cannot feed a drafter of a target with `num_target_layers`, or None.
+
+    The last layer is refused: for it Hugging Face's `hidden_states[L]` (what the public
+    DFlash inference code reads) is taken after the target's final norm, while a server
+    capturing layer outputs takes it before, so no single feature serves every reader."""
+    if max(layer_ids) >= num_target_layers - 1:
+        return (f"drafter.target_layer_ids {list(layer_ids)}: the target has {num_target_layers} layers, "
+                f"so ids must be at most {num_target_layers - 2} (the last layer, {num_target_layers - 1}, "
+                "is read after the final norm by some servers and before it by others)")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class SyntheticDataSpec:
     """Tiny-target data: random prompts, responses generated greedily by the target."""
@@ -219,6 +232,13 @@ _FAULT_AT = re.compile(r"^(startup|step:(\d+))$")
 
 
 @dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    # auto: bfloat16 where the drafters train on CUDA (their forward runs under bf16
+    # autocast, so bf16 is what was trained and what servers load), float32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
 class FaultSpec:
     """A failure injected on purpose, so every failure path is testable on CPU."""
 
@@ -295,7 +315,7 @@ class RegenerateConfig:
 # The optional sections each job reads. A job refuses a section it does not read that is
 # set to anything but its default: a training setting in a regeneration config is a mistake.
 JOB_SECTIONS: dict[str, frozenset[str]] = {
-    "train": frozenset({"data", "drafter", "optim", "pipeline", "compile", "eval", "checkpoint"}),
+    "train": frozenset({"data", "drafter", "optim", "pipeline", "compile", "eval", "checkpoint", "export"}),
     "regenerate": frozenset({"regenerate"}),
 }
 _JOB_SPECIFIC = frozenset().union(*JOB_SECTIONS.values())
@@ -315,6 +335,7 @@ class TrainConfig:
     compile: CompileMode | bool = "off"
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    export: ExportConfig = ExportConfig()
     faults: tuple[FaultSpec, ...] = ()
     runtime: RuntimeConfig = RuntimeConfig()
     seed: int = 0
@@ -374,6 +395,9 @@ class TrainConfig:
         if self.target.tiny is not None and self.data.train is not None:
             raise ValueError("target.tiny makes its own data: use data.synthetic with it, not data.train "
                              "(or train a real model: target.path)")
+        if self.target.tiny is not None and self.drafter.target_layer_ids is not None and (
+                problem := last_layer_refusal(self.drafter.target_layer_ids, self.target.tiny.num_layers)):
+            raise ValueError(problem)
 
     @property
     def uses_flex(self) -> bool:
@@ -386,6 +410,13 @@ class TrainConfig:
         if self.drafter.attention == "auto":
             return self.compile == "cudagraphs"
         return self.drafter.attention == "flex"
+
+    @property
+    def export_dtype(self) -> str:
+        """The dtype the drafter is exported in: `export.dtype`, with auto resolved."""
+        if self.export.dtype == "auto":
+            return "float32" if self.devices.cpu_only else "bfloat16"
+        return self.export.dtype
 
     def thread_names(self) -> tuple[str, ...]:
         targets = tuple(f"target-{i}" for i in range(len(self.devices.target)))

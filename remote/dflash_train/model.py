@@ -1,25 +1,24 @@
-"""The DFlash drafter: a small Qwen3-style decoder conditioned on target features.
+"""The DFlash drafter as the trainer holds it, its Hugging Face config, and the export.
 
-It has no embedding and no LM head of its own (it borrows the target's, frozen).
-Hidden states of a few target layers are concatenated, projected by a bias-free
-linear (`fc`) and RMS-normalised (`hidden_norm`). In every layer the queries come from
-the block tokens only, while keys and values are the same k_proj/v_proj applied to
-[context features ; block tokens]. Module names match the public DFlash inference code
-(z-lab/dflash `DFlashDraftModel`), so an exported state dict loads there unchanged.
+It has no embedding and no LM head of its own (it borrows the target's, frozen). Its
+layers and computation live in modeling_dflash.py, the file every export ships so that
+`AutoModel.from_pretrained(export, trust_remote_code=True)` runs the same code.
 """
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from . import modeling_dflash
 from .config import DrafterConfig
+from .modeling_dflash import DFlashModules
 
 
 def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
@@ -62,86 +61,14 @@ def drafter_hf_config(target_config: Any, spec: DrafterConfig, layer_ids: tuple[
     )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Qwen3's RoPE for one tensor. transformers' apply_rotary_pos_emb rotates q and k at
-    the same positions; here queries (block) and keys (context + block) differ in length."""
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+class DFlashDrafter(DFlashModules, nn.Module):
+    """The drafter as the trainer holds it: a plain module (the exported Hugging Face class,
+    modeling_dflash.DFlashDraftModel, shares its modules and computation)."""
 
-
-class DFlashAttention(nn.Module):
-    def __init__(self, config: Qwen3Config):
-        super().__init__()
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def forward(self, block: torch.Tensor, context: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_k: tuple[torch.Tensor, torch.Tensor], mask: Any) -> torch.Tensor:
-        # block (B, Q, H); context (B, S, H); rope_q (B, Q, d) x2; rope_k (B, S+Q, d) x2
-        batch, q_len, _ = block.shape
-        kv_len = context.shape[1] + q_len
-        q = self.q_norm(self.q_proj(block).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = torch.cat([self.k_proj(context), self.k_proj(block)], dim=1)
-        k = self.k_norm(k.view(batch, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = torch.cat([self.v_proj(context), self.v_proj(block)], dim=1)
-        v = v.view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rotate(q, *rope_q), _rotate(k, *rope_k)  # q (B, h, Q, d); k, v (B, hk, S+Q, d)
-        if isinstance(mask, torch.Tensor):
-            out = dense_attention(q, k, v, mask)
-        else:  # a FlexAttention BlockMask
-            from torch.nn.attention.flex_attention import flex_attention
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
-
-
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA with an explicit mask and grouped key/value heads.
-
-    q (B, h, Q, d); k, v (B, hk, S+Q, d); mask bool (B, 1, Q, S+Q) -> (B, h, Q, d).
-    The kv heads are repeated up to the query heads here, in the grouping enable_gqa=True
-    applies (query head i reads kv head i // (h // hk)). On CUDA, SDPA's flash kernel
-    takes grouped heads but no mask and its memory-efficient kernel a mask but no grouped
-    heads: given both, SDPA falls back to the math kernel, which materializes the scores
-    in fp32 (measured, bench/RESULTS-h200.md). Repeated heads cost (B, h, S+Q, d) twice."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config):
-        super().__init__()
-        self.self_attn = DFlashAttention(config)
-        self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope_q, rope_k, mask) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope_q, rope_k, mask)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class DFlashDrafter(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
-        dflash = config.dflash_config
-        self.target_layer_ids = tuple(dflash["target_layer_ids"])
-        self.mask_token_id = int(dflash["mask_token_id"])
-        self.block_size = int(dflash["block_size"])
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.build_modules(config)
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         """Normal(0, initializer_range) linears and unit norms, like a Qwen3 checkpoint."""
@@ -156,17 +83,7 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block_embeds: torch.Tensor, features: torch.Tensor, context_positions: torch.Tensor,
                 block_positions: torch.Tensor, mask: Any) -> torch.Tensor:
-        # block_embeds (B, Q, H): target embeddings of [anchor, MASK...] per block
-        # features (B, S, n*H): concatenated target layer outputs; positions (B, S) and (B, Q)
-        # mask: bool (B, 1, Q, S+Q), True = may attend, or a FlexAttention BlockMask
-        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # (B, S, H)
-        hidden = block_embeds.to(context.dtype)
-        cos, sin = self.rotary_emb(hidden, torch.cat([context_positions, block_positions], dim=1))
-        q_len = block_positions.shape[1]
-        rope_q, rope_k = (cos[:, -q_len:], sin[:, -q_len:]), (cos, sin)
-        for layer in self.layers:
-            hidden = layer(hidden, context, rope_q, rope_k, mask)
-        return self.norm(hidden)  # (B, Q, H)
+        return self.draft(block_embeds, features, context_positions, block_positions, mask)
 
 
 def cpu_weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -191,15 +108,37 @@ def finite_cpu_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: Path) -> None:
-    """Write a Hugging Face-style folder: config.json + model.safetensors."""
+# Shipped in every export, beside config.json: the model class its `auto_map` names.
+MODELING_FILE = Path(modeling_dflash.__file__)
+
+
+def reader_config(config: Qwen3Config, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json as every reader loads it the same way. transformers 5 keeps RoPE in
+    `rope_parameters`; 4.x ignores that and reads `rope_theta` and `rope_scaling` (without
+    them it silently uses theta 10000, the wrong RoPE for e.g. Qwen3's 1e6), so both forms
+    are written. `auto_map` points AutoModel at the modeling file shipped beside it."""
+    fields = config.to_dict()
+    rope = dict(fields.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        fields["rope_theta"] = rope["rope_theta"]
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    fields["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    fields["dtype"] = str(dtype).removeprefix("torch.")
+    fields["auto_map"] = {"AutoModel": f"{MODELING_FILE.stem}.{modeling_dflash.DFlashDraftModel.__name__}"}
+    return fields
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: Path, dtype: torch.dtype = torch.float32) -> None:
+    """Write a Hugging Face-style folder: config.json, model.safetensors (weights in
+    `dtype`) and modeling_dflash.py (the model class `auto_map` names)."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = finite_cpu_weights(drafter)
+    state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+             for name, tensor in finite_cpu_weights(drafter).items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = drafter.config.to_dict()
-    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    shutil.copyfile(MODELING_FILE, out_dir / MODELING_FILE.name)
+    config = reader_config(drafter.config, dtype)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

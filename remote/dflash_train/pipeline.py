@@ -196,9 +196,11 @@ class Run:
         say(f"checkpoint at step {step}: {path}")
 
     def export(self, replica: Replica) -> None:
-        """DIR/export, replaced atomically (a previous export stays whole until the new one is)."""
+        """DIR/export in `export_dtype`, replaced atomically (a previous export stays whole
+        until the new one is)."""
         final = self.run_dir / "export"
-        replace_dir(final, lambda staging: export_drafter(replica.drafter, staging))
+        dtype = getattr(torch, self.config.export_dtype)
+        replace_dir(final, lambda staging: export_drafter(replica.drafter, staging, dtype))
         self.events.emit("export", step=replica.completed_step, path=str(final))
         say(f"exported the drafter to {final}")
 

@@ -1,7 +1,8 @@
 """The frozen target model and the taps that read its hidden states.
 
-Forward hooks on the decoder layers capture the outputs of the feature layers (what HF
-returns as `hidden_states[id + 1]`). For training, the hook on the last needed layer
+Forward hooks on the decoder layers capture the outputs of the feature layers: what HF
+returns as `hidden_states[id + 1]` and servers capture, for every layer but the last one
+(refused, see config.last_layer_refusal). For training, the hook on the last needed layer
 stops the forward there: the later layers and the LM head are never computed. Capture
 is per thread (thread-local), so the evaluation thread can run full forwards on the same
 model while the target thread extracts features.
@@ -15,6 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .config import last_layer_refusal
 from .devices import is_cuda
 
 
@@ -36,9 +38,8 @@ def load_target(source: str, dtype: str, device: str) -> nn.Module:
 class FeatureTap:
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...]):
         layers = model.get_decoder().layers
-        if max(layer_ids) >= len(layers):
-            raise ValueError(f"target layer ids {list(layer_ids)} out of range: the target has "
-                             f"{len(layers)} layers")
+        if problem := last_layer_refusal(layer_ids, len(layers)):
+            raise ValueError(problem)
         self.model = model
         self.layer_ids = layer_ids
         self._local = threading.local()
