@@ -58,8 +58,12 @@ def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
     if config.target.path is not None:
         paths.append(("model", "target.path", config.target.path))
     for key in ("train", "eval"):
-        if getattr(config.data, key) is not None:
+        if config.data is not None and getattr(config.data, key) is not None:
             paths.append(("file", f"data.{key}", getattr(config.data, key)))
+    if config.evaluate is not None:
+        paths.append(("model", "evaluate.drafter", config.evaluate.drafter))
+        if config.evaluate.prompts is not None:
+            paths.append(("file", "evaluate.prompts", config.evaluate.prompts))
     if config.checkpoint.resume not in (None, "latest"):
         paths.append(("checkpoint", "checkpoint.resume", config.checkpoint.resume))
     return paths

@@ -17,7 +17,7 @@ from .runlog import ErrorLog, EventLog, ThreadNames, install_line_writers, say
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dflash_train", description="Train a DFlash drafter.")
+    parser = argparse.ArgumentParser(prog="python -m dflash_train", description="Train a DFlash drafter, or evaluate one (job: evaluate).")
     parser.add_argument("--config", required=True, help="training config (YAML)")
     parser.add_argument("--run-dir", required=True, help="the run directory (DESIGN.md layout)")
     args = parser.parse_args(argv)
@@ -47,11 +47,16 @@ def main(argv: list[str] | None = None) -> None:
         from transformers.utils import logging as hf_logging
 
         from .coordinator import Coordinator, install_signal_handlers
+        from .evaluation import EvaluationJob
     except BaseException as exc:  # noqa: BLE001 - a bad config or a broken install is this run's failure too
         state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase="startup", step=None)
         finish(events, writers, fault_log, 1, [])
 
     hf_logging.disable_progress_bar()
+    if config.job == "evaluate":  # one drafter measured in this thread: no worker threads
+        job = EvaluationJob(config, run_dir, events, state)
+        install_signal_handlers(job)
+        finish(events, writers, fault_log, job.run(), [])
     coordinator = Coordinator(config, run_dir, events, state, fault_log)
     install_signal_handlers(coordinator)
     finish(events, writers, fault_log, coordinator.run(), coordinator.alive)

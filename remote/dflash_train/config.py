@@ -200,6 +200,20 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvaluateConfig:
+    """`job: evaluate`: one drafter measured against the target on a prompts file."""
+
+    drafter: str  # a folder in the export format (config.json + model.safetensors), ours or another's
+    prompts: str | None = None  # jsonl of "text" or chat "messages"; default: data.eval, or the synthetic prompts
+    max_new_tokens: int = 2048
+    num_prompts: int | None = None  # the first N prompts; default: all
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0 or (self.num_prompts is not None and self.num_prompts <= 0):
+            raise ValueError("max_new_tokens and num_prompts must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 1000  # steps between checkpoints; 0: only at the end
     keep: int = 3
@@ -254,7 +268,10 @@ class RuntimeConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     target: TargetConfig
-    data: DataConfig
+    data: DataConfig | None = None  # required by job: train
+    # train: train a drafter (the sections below); evaluate: measure the drafter of `evaluate`.
+    job: Literal["train", "evaluate"] = "train"
+    evaluate: EvaluateConfig | None = None
     drafter: DrafterConfig = DrafterConfig()
     optim: OptimConfig = OptimConfig()
     devices: DevicesConfig = DevicesConfig()
@@ -270,6 +287,15 @@ class TrainConfig:
     stall_after: float = 300.0  # seconds without a heartbeat before the run counts as STALLED
 
     def __post_init__(self) -> None:
+        if self.job == "train" and self.data is None:
+            raise ValueError("job: train needs a 'data' section")
+        if (self.job == "evaluate") != (self.evaluate is not None):
+            raise ValueError("job: evaluate needs an 'evaluate' section, and only it takes one")
+        if self.job == "evaluate" and self.target.tiny is not None and (self.data is None or self.data.synthetic is None):
+            raise ValueError("job: evaluate with target.tiny needs data.synthetic (the tiny target is built with it)")
+        if (self.job == "evaluate" and self.evaluate.prompts is None and self.target.tiny is None
+                and (self.data is None or self.data.eval is None)):
+            raise ValueError("job: evaluate needs evaluate.prompts (a jsonl of prompts) or data.eval")
         if self.compile is False:
             object.__setattr__(self, "compile", "off")
         elif self.compile is True:
@@ -278,11 +304,11 @@ class TrainConfig:
             raise ValueError("compile: cudagraphs needs CUDA devices, but this config runs on CPU only "
                              f"(devices.drafters: {', '.join(self.devices.drafters)}); "
                              "use compile: off or default")
-        if self.compile == "cudagraphs" and (problem := self.data.too_many_cudagraph_buckets()):
+        if self.compile == "cudagraphs" and self.data is not None and (problem := self.data.too_many_cudagraph_buckets()):
             raise ValueError(problem)
-        if self.data.synthetic is not None and self.target.tiny is None:
+        if self.data is not None and self.data.synthetic is not None and self.target.tiny is None:
             raise ValueError("data.synthetic needs target.tiny (responses come from the tiny target)")
-        if self.target.tiny is not None and self.data.train is not None:
+        if self.target.tiny is not None and self.data is not None and self.data.train is not None:
             raise ValueError("target.tiny makes its own data: use data.synthetic with it, not data.train "
                              "(or train a real model: target.path)")
         known = self.thread_names()

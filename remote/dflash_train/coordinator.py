@@ -238,7 +238,8 @@ class Coordinator:
         return 128 + int(signum)
 
 
-def install_signal_handlers(coordinator: Coordinator) -> None:
-    signal.signal(signal.SIGTERM, coordinator.on_signal)
-    signal.signal(signal.SIGINT, coordinator.on_signal)
+def install_signal_handlers(job) -> None:
+    """`job`: the Coordinator, or an EvaluationJob; anything with `on_signal`."""
+    signal.signal(signal.SIGTERM, job.on_signal)
+    signal.signal(signal.SIGINT, job.on_signal)
 
