@@ -55,7 +55,7 @@ pipeline: {mode: sequential}
 eval: {num_prompts: 0}
 checkpoint: {every: 0}
 """
-    done = _trainer(config, run_dir, workspace, timeout=400)
+    done = _trainer(config, run_dir, workspace, timeout=1200)
     assert done.returncode == 0, (run_dir / "train.log").read_text()[-3000:] if (run_dir / "train.log").exists() \
         else done.stderr[-3000:]
     spec = load_train_config(TINY_CONFIG)
@@ -82,16 +82,16 @@ def _greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)  # the module's drafter is trained in its setup
 def test_kv_cached_verification_is_lossless_and_accepts_as_the_uncached_one(trained):
     """The cached path's output is the target's greedy decode token for token, on several
     prompts, and its acceptance per verify step is the uncached path's, step for step."""
-    prompts = trained["prompts"][:4] + [[2, 6] + [10 + i for i in range(12)] + [3, 2, 7]]
+    prompts = trained["prompts"][:3] + [[2, 6] + [10 + i for i in range(12)] + [3, 2, 7]]
     accepted_any = []
     for prompt in prompts:
-        cached = _decode(trained, prompt, 48)
-        uncached = _decode(trained, prompt, 48, kv_cache=False)
-        assert cached.tokens == _greedy(trained["target"], prompt, 48)
+        cached = _decode(trained, prompt, 40)
+        uncached = _decode(trained, prompt, 40, kv_cache=False)
+        assert cached.tokens == _greedy(trained["target"], prompt, 40)
         assert uncached.tokens == cached.tokens
         assert cached.accepted == uncached.accepted
         accepted_any += cached.accepted
@@ -120,21 +120,21 @@ def test_decoding_ends_at_an_end_token_inside_an_accepted_block(trained):
 
 def test_acceptance_is_reported_pooled_and_as_the_mean_of_per_prompt_means(trained):
     from dflash_train.speculative import evaluate
-    prompts = trained["prompts"][:4]
-    result = evaluate(trained["drafter"], trained["tap"], trained["embed"], trained["head"], prompts, 40, set())
-    runs = [_decode(trained, p, 40).accepted for p in prompts]
+    prompts = trained["prompts"][:3]
+    result = evaluate(trained["drafter"], trained["tap"], trained["embed"], trained["head"], prompts, 32, set())
+    runs = [_decode(trained, p, 32).accepted for p in prompts]
     assert result.per_prompt == [sum(a) / len(a) for a in runs]
     assert result.mean_per_prompt == pytest.approx(sum(result.per_prompt) / len(prompts))
     assert result.acceptance_length == pytest.approx(sum(map(sum, runs)) / sum(map(len, runs)))
-    assert result.verify_steps == sum(map(len, runs)) and result.prompts == 4
+    assert result.verify_steps == sum(map(len, runs)) and result.prompts == 3
 
 
-def _evaluate_config(drafter: Path, extra: str = "") -> str:
-    return _tiny_sections() + f"job: evaluate\nevaluate: {{drafter: {json.dumps(str(drafter))}, max_new_tokens: 40}}\n" \
-        + extra
+def _evaluate_config(drafter: Path) -> str:
+    return _tiny_sections() + (f"job: evaluate\nevaluate: {{drafter: {json.dumps(str(drafter))}, "
+                                "max_new_tokens: 32, num_prompts: 4}\n")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, workspace, tmp_path):
     """`job: evaluate` on our export and on a copy written the way the reference
     checkpoints are (bf16 weights, block_size only at the top level, dflash_config with
@@ -155,7 +155,7 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
 
     for drafter_dir in (trained["export"], foreign):
         run_dir = tmp_path / f"eval-{drafter_dir.name}"
-        done = _trainer(_evaluate_config(drafter_dir), run_dir, workspace, timeout=500)
+        done = _trainer(_evaluate_config(drafter_dir), run_dir, workspace, timeout=400)
         log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else done.stdout
         assert done.returncode == 0, log[-3000:] + done.stderr[-2000:]
         written = json.loads((run_dir / "eval.json").read_text())
@@ -164,9 +164,9 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
         assert {k: event[k] for k in written} == written
         assert events[-1]["type"] == "done" and events[-1]["exit_code"] == 0
         drafter = load_drafter(drafter_dir).eval()
-        expected = evaluate(drafter, trained["tap"], trained["embed"], trained["head"], trained["prompts"], 40,
+        expected = evaluate(drafter, trained["tap"], trained["embed"], trained["head"], trained["prompts"][:4], 32,
                             trained["stop_ids"])
-        assert written["prompts"] == len(trained["prompts"]) == 8
+        assert written["prompts"] == 4
         assert written["acceptance_length"] == round(expected.acceptance_length, 4) > 1.0
         assert written["mean_per_prompt"] == round(expected.mean_per_prompt, 4)
         assert written["verify_steps"] == expected.verify_steps and written["drafter"] == str(drafter_dir)
@@ -203,4 +203,9 @@ def test_the_config_says_what_an_evaluate_job_lacks(tmp_path):
         with pytest.raises(dflash_schema.SchemaError, match=message):
             load_train_config(path)
     path.write_text("job: evaluate\ntarget: {path: t}\nevaluate: {drafter: d, prompts: p}\n")
-    assert load_train_config(path).evaluate.max_new_tokens == 2048
+    config = load_train_config(path)
+    assert config.evaluate.max_new_tokens == 2048 and config.evaluate.num_prompts is None
+    from dflash_cli.commands.launch import host_paths
+    # launch has the host check the job's paths before it starts anything
+    assert host_paths(config) == [("model", "target.path", "t"), ("model", "evaluate.drafter", "d"),
+                                  ("file", "evaluate.prompts", "p")]
