@@ -209,3 +209,49 @@ def test_the_config_says_what_an_evaluate_job_lacks(tmp_path):
     # launch has the host check the job's paths before it starts anything
     assert host_paths(config) == [("model", "target.path", "t"), ("model", "evaluate.drafter", "d"),
                                   ("file", "evaluate.prompts", "p")]
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path):
+    """A stopped evaluation exits 128+SIGTERM at its next verify step, with no eval.json."""
+    import signal
+    import time
+
+    from transformers import AutoConfig
+
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model import DFlashDrafter, drafter_hf_config, export_drafter
+    from dflash_train.tiny import ensure_tiny_assets
+
+    spec = load_train_config(TINY_CONFIG)
+    assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, workspace / "cache")
+    target_config = AutoConfig.from_pretrained(str(assets.target_dir))
+    drafter = DFlashDrafter(drafter_hf_config(target_config, DrafterConfig(num_layers=1, block_size=4), (1, 3), 4))
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    export_drafter(drafter, tmp_path / "drafter")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(_tiny_sections() + "job: evaluate\nevaluate: {drafter: %s, "
+                                         "max_new_tokens: 100000}\nruntime: {heartbeat_s: 0.2}\n"
+                                         % json.dumps(str(tmp_path / "drafter")))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "HF_HUB_OFFLINE": "1", "DFLASH_RELEASE_DIR": str(REPO),
+           "DFLASH_WORKSPACE": str(workspace)}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
+                             "--run-dir", str(run_dir)], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 200
+        events = run_dir / "events.jsonl"
+        while not (events.exists() and '"type": "heartbeat"' in events.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never started decoding"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rows = [json.loads(line) for line in events.read_text().splitlines()]
+    assert rows[-1]["type"] == "done" and rows[-1]["exit_code"] == 128 + signal.SIGTERM
+    assert not [r for r in rows if r["type"] == "eval"] and not (run_dir / "eval.json").exists()
+    assert (run_dir / "errors.jsonl").read_text() == ""
