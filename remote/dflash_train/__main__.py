@@ -1,5 +1,7 @@
 """python -m dflash_train --config FILE --run-dir DIR
 
+The config's `job` picks the work: train (the threaded trainer) or evaluate (evaluation.py).
+
 Logging, errors.jsonl, events.jsonl and faulthandler are set up before torch or
 transformers is imported, so their output is prefixed too and a crash while importing
 them still leaves stacks in faulthandler.log.
@@ -17,7 +19,8 @@ from .runlog import ErrorLog, EventLog, ThreadNames, install_line_writers, say
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dflash_train", description="Train a DFlash drafter, or evaluate one (job: evaluate).")
+    parser = argparse.ArgumentParser(prog="python -m dflash_train",
+                                     description="Train a DFlash drafter, or evaluate one (job: evaluate).")
     parser.add_argument("--config", required=True, help="training config (YAML)")
     parser.add_argument("--run-dir", required=True, help="the run directory (DESIGN.md layout)")
     args = parser.parse_args(argv)
