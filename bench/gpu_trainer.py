@@ -76,8 +76,8 @@ class RunSpec:
         return f"{self.mode}-t{join(self.targets)}-d{join(self.drafters)}"
 
 
-def build_target(folder: Path, architecture: dict, device: str) -> None:
-    """Random weights of `architecture`, bf16, saved with its tokenizer (atomically)."""
+def make_target(architecture: dict, device: str, dtype: str = "bfloat16"):
+    """(model, tokenizer): random weights of `architecture` on `device`, in memory."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -88,10 +88,16 @@ def build_target(folder: Path, architecture: dict, device: str) -> None:
     config = Qwen3Config(**architecture, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                          tie_word_embeddings=False, initializer_range=0.02, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    started = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+        model = Qwen3ForCausalLM._from_config(config, dtype=getattr(torch, dtype))
+    return model, tokenizer
+
+
+def build_target(folder: Path, architecture: dict, device: str) -> None:
+    """Random weights of `architecture`, bf16, saved with its tokenizer (atomically)."""
+    started = time.perf_counter()
+    model, tokenizer = make_target(architecture, device)
     staging = folder.with_name(folder.name + ".partial")
     model.save_pretrained(str(staging), max_shard_size="4GB")
     tokenizer.save_pretrained(str(staging))

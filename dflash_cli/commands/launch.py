@@ -62,6 +62,10 @@ def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
             paths.append(("file", f"data.{key}", getattr(config.data, key)))
     if config.regenerate is not None:
         paths.append(("file", "regenerate.prompts", config.regenerate.prompts))
+    if config.evaluate is not None:
+        paths.append(("model", "evaluate.drafter", config.evaluate.drafter))
+        if config.evaluate.prompts is not None:
+            paths.append(("file", "evaluate.prompts", config.evaluate.prompts))
     if config.checkpoint.resume not in (None, "latest"):
         paths.append(("checkpoint", "checkpoint.resume", config.checkpoint.resume))
     return paths

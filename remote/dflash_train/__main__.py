@@ -18,12 +18,13 @@ from .runlog import ErrorLog, EventLog, ThreadNames, install_line_writers, say
 
 # config.job -> (module, class) of the job's coordinator: built with (config, run_dir, events,
 # state, fault_log), `run()` returns the exit code, `on_signal` and `alive` as Coordinator's.
-JOBS = {"train": (".coordinator", "Coordinator"), "regenerate": (".regenerate", "Regeneration")}
+JOBS = {"train": (".coordinator", "Coordinator"), "regenerate": (".regenerate", "Regeneration"),
+        "evaluate": (".evaluation", "EvaluationJob")}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dflash_train",
-                                     description="Run the job of a config: train a DFlash drafter, or regenerate data.")
+                                     description="Run the job of a config: train a DFlash drafter, regenerate data, or evaluate a drafter.")
     parser.add_argument("--config", required=True, help="the job's config (YAML)")
     parser.add_argument("--run-dir", required=True, help="the run directory (DESIGN.md layout)")
     args = parser.parse_args(argv)

@@ -18,7 +18,7 @@ import dflash_schema
 
 CompileMode = Literal["off", "default", "cudagraphs"]
 # What a launch does; each job is dispatched by __main__.JOBS and reads the sections JOB_SECTIONS names.
-Job = Literal["train", "regenerate"]
+Job = Literal["train", "regenerate", "evaluate"]
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # compile: cudagraphs captures one graph per padded length, per drafter; each costs a
 # compile and a capture at start-up and a graph's worth of memory (see cudagraphs.py).
@@ -217,6 +217,20 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvaluateConfig:
+    """`job: evaluate`: one drafter measured against the target on a prompts file."""
+
+    drafter: str  # a folder in the export format (config.json + model.safetensors), ours or another's
+    prompts: str | None = None  # jsonl of "text" or chat "messages"; default: data.eval, or the synthetic prompts
+    max_new_tokens: int = 2048
+    num_prompts: int | None = None  # the first N prompts; default: all
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0 or (self.num_prompts is not None and self.num_prompts <= 0):
+            raise ValueError("max_new_tokens and num_prompts must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 1000  # steps between checkpoints; 0: only at the end
     keep: int = 3
@@ -317,7 +331,11 @@ class RegenerateConfig:
 JOB_SECTIONS: dict[str, frozenset[str]] = {
     "train": frozenset({"data", "drafter", "optim", "pipeline", "compile", "eval", "checkpoint", "export"}),
     "regenerate": frozenset({"regenerate"}),
+    "evaluate": frozenset({"evaluate", "data"}),  # data: the tiny target's synthetic spec, or data.eval prompts
 }
+# The sections a job cannot run without.
+JOB_REQUIRES: dict[str, tuple[str, ...]] = {"train": ("data",), "regenerate": ("regenerate",),
+                                           "evaluate": ("evaluate",)}
 _JOB_SPECIFIC = frozenset().union(*JOB_SECTIONS.values())
 
 
@@ -327,6 +345,7 @@ class TrainConfig:
     data: DataConfig | None = None  # required by job: train
     job: Job = "train"
     regenerate: RegenerateConfig | None = None  # required by job: regenerate
+    evaluate: EvaluateConfig | None = None  # required by job: evaluate
     drafter: DrafterConfig = DrafterConfig()
     optim: OptimConfig = OptimConfig()
     devices: DevicesConfig = DevicesConfig()
@@ -355,6 +374,8 @@ class TrainConfig:
             if len(set(devices)) < len(devices):
                 raise ValueError("devices.target: job: regenerate runs one model per device; a device listed "
                                  "twice would only split it (raise regenerate.batch_size instead)")
+        if self.job == "evaluate":
+            self._check_evaluation()
         known = self.thread_names()
         for i, fault in enumerate(self.faults):
             if fault.thread not in known:
@@ -377,10 +398,16 @@ class TrainConfig:
         if stray:
             raise ValueError(f"job: {self.job} does not read {', '.join(stray)}: remove "
                              f"{'it' if len(stray) == 1 else 'them'} (or set the job that does)")
-        if "data" in reads and self.data is None:
-            raise ValueError(f"data: missing required key for job: {self.job}")
-        if "regenerate" in reads and self.regenerate is None:
-            raise ValueError(f"regenerate: missing required key for job: {self.job}")
+        for name in JOB_REQUIRES[self.job]:
+            if getattr(self, name) is None:
+                raise ValueError(f"{name}: missing required key for job: {self.job}")
+
+    def _check_evaluation(self) -> None:
+        assert self.evaluate is not None
+        if self.target.tiny is not None and (self.data is None or self.data.synthetic is None):
+            raise ValueError("job: evaluate with target.tiny needs data.synthetic (the tiny target is built with it)")
+        if self.evaluate.prompts is None and self.target.tiny is None and (self.data is None or self.data.eval is None):
+            raise ValueError("job: evaluate needs evaluate.prompts (a jsonl of prompts) or data.eval")
 
     def _check_training(self) -> None:
         assert self.data is not None

@@ -243,9 +243,9 @@ def report_threads_still_running(alive: list[str], grace_s: float, fault_log) ->
     faulthandler.dump_traceback(file=fault_log, all_threads=True)
 
 
-def install_signal_handlers(coordinator) -> None:
-    """`coordinator`: the job's coordinator (Coordinator, regenerate.Regeneration), whose
-    on_signal notes the signal for its main loop."""
-    signal.signal(signal.SIGTERM, coordinator.on_signal)
-    signal.signal(signal.SIGINT, coordinator.on_signal)
+def install_signal_handlers(job) -> None:
+    """`job`: the job's coordinator (Coordinator, regenerate.Regeneration,
+    evaluation.EvaluationJob), whose on_signal notes the signal for its main loop."""
+    signal.signal(signal.SIGTERM, job.on_signal)
+    signal.signal(signal.SIGINT, job.on_signal)
 

@@ -142,11 +142,28 @@ def export_drafter(drafter: DFlashDrafter, out_dir: Path, dtype: torch.dtype = t
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def complete_dflash_config(config: Qwen3Config, source: str) -> None:
+    """Fill the DFlash fields a drafter folder written by other tools may leave out, the way
+    the public inference code reads them: block_size from the top level, target_layer_ids
+    spread over the target's layers (`num_target_layers`) as ours are by default."""
+    dflash = dict(getattr(config, "dflash_config", None) or {})
+    if dflash.get("block_size") is None:
+        dflash["block_size"] = getattr(config, "block_size", None)
+    if dflash.get("target_layer_ids") is None and getattr(config, "num_target_layers", None):
+        dflash["target_layer_ids"] = list(default_target_layer_ids(config.num_target_layers, config.num_hidden_layers))
+    missing = [key for key in ("block_size", "mask_token_id", "target_layer_ids") if dflash.get(key) is None]
+    if missing:
+        raise ValueError(f"{source}: config.json is not a DFlash drafter's: dflash_config lacks "
+                         f"{', '.join(missing)}")
+    config.dflash_config = dflash
+
+
 def load_drafter(folder: Path, device: str | torch.device = "cpu") -> DFlashDrafter:
-    """Load an exported drafter back (strict: every weight must match)."""
+    """Load an exported drafter back, ours or another tool's (strict: every weight must match)."""
     from safetensors.torch import load_file
 
     config = Qwen3Config.from_pretrained(str(folder))
+    complete_dflash_config(config, str(folder / "config.json"))
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
     return drafter.to(device)

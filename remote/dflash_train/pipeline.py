@@ -80,14 +80,12 @@ class Evaluator:
         if request.baseline:
             self.baseline = (request.step, result.acceptance_length)
         fields: dict[str, Any] = {
-            "step": request.step, "acceptance_length": round(result.acceptance_length, 4),
-            "per_prompt": [round(x, 4) for x in result.per_prompt], "prompts": len(self.prompts),
-            "verify_steps": result.verify_steps, "new_tokens": result.new_tokens,
-            "baseline": request.baseline, "final": request.final, "seconds": round(time.perf_counter() - started, 3)}
+            "step": request.step, **result.fields(time.perf_counter() - started),
+            "baseline": request.baseline, "final": request.final}
         if self.baseline is not None:
             fields.update(baseline_step=self.baseline[0], baseline_acceptance_length=round(self.baseline[1], 4))
         self.run.events.emit("eval", **fields)
-        text = f"eval at step {request.step}: acceptance length {result.acceptance_length:.3f}"
+        text = f"eval at step {request.step}: {result.summary()}"
         if request.final and self.baseline is not None:
             text += (f" (at step {self.baseline[0]}, before this run trained: {self.baseline[1]:.3f}; "
                      f"gain {result.acceptance_length - self.baseline[1]:+.3f})")

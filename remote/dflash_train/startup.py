@@ -55,17 +55,26 @@ def torch_threads(config: TrainConfig) -> int:
     return max(1, cores // busy)
 
 
-def _sources(config: TrainConfig, run_dir: Path) -> tuple[str, Path, Path | None]:
-    """(target folder or hub id, train jsonl, eval jsonl or None)."""
+def sources(config: TrainConfig, run_dir: Path) -> tuple[str, Path | None, Path | None]:
+    """(target folder or hub id, train jsonl, eval jsonl); the jsonl files None when not
+    given (an evaluate job may have no data section)."""
     if config.target.tiny is not None:
         assert config.data.synthetic is not None
         assets = ensure_tiny_assets(config.target.tiny, config.data.synthetic, cache_root(run_dir))
         return str(assets.target_dir), assets.train_path, assets.eval_path
-    assert config.target.path is not None and config.data.train is not None
+    assert config.target.path is not None
     folder = resolve_path(config.target.path)
     # A path that is not there locally may be a hub id, found in the host's HF cache.
     target = str(folder) if folder.exists() else config.target.path
-    return target, resolve_path(config.data.train), resolve_path(config.data.eval) if config.data.eval else None
+    data = config.data
+    return (target, resolve_path(data.train) if data is not None and data.train else None,
+            resolve_path(data.eval) if data is not None and data.eval else None)
+
+
+def stop_ids(tokenizer) -> set[int]:
+    """The tokens that end an answer: the tokenizer's end of sequence and Qwen's end of turn."""
+    return {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+            if i is not None and i != tokenizer.unk_token_id}
 
 
 def _mask_token_id(tokenizer, mask_token: str, vocab_size: int) -> int:
@@ -94,7 +103,7 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
 
     faults = FaultInjector(config.faults)
     faults.fire("coordinator")
-    target_source, train_path, eval_path = _sources(config, run_dir)  # building tiny assets uses every core
+    target_source, train_path, eval_path = sources(config, run_dir)  # building tiny assets uses every core
     torch.set_num_threads(torch_threads(config))
     target_devices = [canonical(d) for d in config.devices.target]
     drafter_devices = [canonical(d) for d in config.devices.drafters]
@@ -152,9 +161,8 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
     frozen = FrozenTargetWeights(targets)
     if prompts:
         embed, head = frozen.on(target_devices[0])
-        stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-                    if i is not None and i != tokenizer.unk_token_id}
-        run.evaluator = Evaluator(run, hf_config, taps[0], target_devices[0], embed, head, prompts, stop_ids)
+        run.evaluator = Evaluator(run, hf_config, taps[0], target_devices[0], embed, head, prompts,
+                                  stop_ids(tokenizer))
     say(f"target layers {list(layer_ids)} -> drafter ({config.drafter.num_layers} layers, block "
         f"{config.drafter.block_size}, mask token id {mask_id}); compile {config.compile}; "
         f"attention {'flex' if config.uses_flex else 'sdpa'}")

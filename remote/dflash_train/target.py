@@ -9,9 +9,10 @@ model while the target thread extracts features.
 """
 from __future__ import annotations
 
+import inspect
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -42,6 +43,9 @@ class FeatureTap:
             raise ValueError(problem)
         self.model = model
         self.layer_ids = layer_ids
+        # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name
+        # warns, and goes in 5.40); 4.x knows only the old one and would ignore the new.
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._local = threading.local()
         for layer_id in sorted(set(layer_ids)):
             layers[layer_id].register_forward_hook(self._hook(layer_id))
@@ -81,8 +85,10 @@ class FeatureTap:
             return self._concat(captured)
 
     @torch.inference_mode()
-    def logits_and_features(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A full forward: logits (B, S, V) and features (B, S, n*H)."""
+    def logits_and_features(self, input_ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A full forward: logits (B, S, V) and features (B, S, n*H). With `cache` (a
+        transformers DynamicCache holding the positions before `input_ids`), only the new
+        positions are computed, attending to the cached ones, and the cache grows by S."""
         with self._capture(stop_early=False) as captured:
-            logits = self.model(input_ids=input_ids, use_cache=False).logits
+            logits = self.model(input_ids=input_ids, use_cache=cache is not None, **{self._cache_kwarg: cache}).logits
             return logits, self._concat(captured)

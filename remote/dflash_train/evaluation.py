@@ -1,0 +1,129 @@
+"""`job: evaluate`: one drafter folder measured against the target on a prompts file.
+
+The drafter is any folder in the export format (config.json + model.safetensors), ours
+or another tool's, so drafters can be compared on the user's own prompts with the
+trainer's speculative decoding (speculative.py: KV-cached, lossless, both acceptance
+figures). Runs in the main thread on devices.target[0]; the result goes to
+DIR/eval.json (written atomically) and to an "eval" event. Exit 0 when measured, 1 on a
+failure (an errors.jsonl record), 128+signal when stopped by SIGTERM or SIGINT.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .config import TrainConfig, resolve_path
+from .data import load_prompts
+from .devices import canonical, is_cuda
+from .model import load_drafter
+from .runlog import EventLog, say
+from .speculative import evaluate
+from .startup import sources, stop_ids
+from .target import FeatureTap, load_target
+from .threads import RunState, StopRequested
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+class EvaluationJob:
+    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, state: RunState, fault_log):
+        """As every job's coordinator is built (__main__.JOBS); one drafter is measured in
+        this thread, so no worker thread can outlive a stop (`alive` stays empty)."""
+        assert config.evaluate is not None
+        self.alive: list[str] = []
+        self.config, self.spec, self.run_dir, self.events, self.state = config, config.evaluate, run_dir, events, state
+        self.phase = "startup"
+        self._signal: int | None = None
+        self._last_heartbeat = time.monotonic()
+        self.verify_steps = 0
+
+    def on_signal(self, signum: int, frame) -> None:
+        """Only note it (as the coordinator does); the next verify step acts on it."""
+        self._signal = signum
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.events.emit("phase", phase=phase)
+
+    def _stepped(self) -> None:
+        """After every verify forward: act on a signal, and send a heartbeat when due."""
+        self.verify_steps += 1
+        self.state.progressed()
+        if self._signal is not None and not self.state.stop.is_set():
+            say(f"received {signal.Signals(self._signal).name}: stopping")
+            self.state.request_stop(signal.Signals(self._signal).name)
+        self.state.check()
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.config.runtime.heartbeat_s:
+            self.events.emit("heartbeat", step=None, verify_steps=self.verify_steps)
+            self._last_heartbeat = now
+
+    def run(self) -> int:
+        try:
+            self._set_phase("startup")
+            self._measure()
+            self._set_phase("shutdown")
+            return EXIT_OK
+        except StopRequested:
+            self._set_phase("shutdown")
+            return 128 + int(self._signal or signal.SIGTERM)
+        except BaseException as exc:  # noqa: BLE001 - recorded like any run's failure
+            self.state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(),
+                                      phase=self.phase, step=None)
+            return EXIT_FAILED
+
+    def _measure(self) -> None:
+        from transformers import AutoTokenizer
+
+        target_source, _, data_eval = sources(self.config, self.run_dir)
+        prompts_path = resolve_path(self.spec.prompts) if self.spec.prompts is not None else data_eval
+        assert prompts_path is not None  # the config check asks for one
+        drafter_dir = resolve_path(self.spec.drafter)
+        if not (drafter_dir / "config.json").is_file() or not (drafter_dir / "model.safetensors").is_file():
+            raise ValueError(f"evaluate.drafter: {drafter_dir} is not a drafter folder (config.json and "
+                             "model.safetensors)")
+        device = canonical(self.config.devices.target[0])
+        cores = len(os.sched_getaffinity(0))  # one computing thread: all of them on the CPU
+        torch.set_num_threads(self.config.runtime.torch_threads or (min(cores, 8) if is_cuda(device) else cores))
+        tokenizer = AutoTokenizer.from_pretrained(target_source)
+        prompts = load_prompts(prompts_path, tokenizer, self.spec.num_prompts or sys.maxsize)
+        if not prompts:
+            raise ValueError(f"evaluate.prompts: {prompts_path} holds no prompt")
+        target = load_target(target_source, self.config.target.dtype, device)
+        drafter = load_drafter(drafter_dir, device).eval()
+        _check_pairing(drafter.config, target.config, drafter_dir)
+        tap = FeatureTap(target, drafter.target_layer_ids)
+        embed = target.get_input_embeddings().weight.detach()
+        head = target.get_output_embeddings().weight.detach()
+        say(f"evaluating {drafter_dir} (block {drafter.block_size}, target layers {list(drafter.target_layer_ids)}) "
+            f"on {len(prompts)} prompts of {prompts_path}, max_new_tokens {self.spec.max_new_tokens}, on {device}")
+        self._set_phase("eval")
+        started = time.perf_counter()
+        result = evaluate(drafter, tap, embed, head, prompts, self.spec.max_new_tokens, stop_ids(tokenizer),
+                          on_step=self._stepped)
+        fields = {**result.fields(time.perf_counter() - started), "drafter": str(drafter_dir),
+                  "prompts_file": str(prompts_path), "max_new_tokens": self.spec.max_new_tokens}
+        tmp = self.run_dir / ".eval.json.tmp"
+        tmp.write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, self.run_dir / "eval.json")
+        self.events.emit("eval", step=None, final=True, baseline=False, **fields)
+        say(f"eval of {drafter_dir}: {result.summary()}; {result.new_tokens} tokens in {result.verify_steps} "
+            f"verify steps, {fields['seconds']:.1f}s; written to {self.run_dir / 'eval.json'}")
+
+
+def _check_pairing(drafter_config, target_config, drafter_dir: Path) -> None:
+    """A drafter made for another target fails here with what differs, not deep in a matmul."""
+    if drafter_config.hidden_size != target_config.hidden_size:
+        raise ValueError(f"evaluate.drafter: {drafter_dir} has hidden_size {drafter_config.hidden_size}, the target "
+                         f"{target_config.hidden_size}: it was made for another target")
+    mask_id = drafter_config.dflash_config["mask_token_id"]
+    if not 0 <= mask_id < target_config.vocab_size:
+        raise ValueError(f"evaluate.drafter: {drafter_dir} has mask_token_id {mask_id}, outside the target's "
+                         f"vocabulary ({target_config.vocab_size}): it was made for another target")

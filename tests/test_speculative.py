@@ -1,0 +1,257 @@
+"""Speculative decoding with the target's KV cache, the two acceptance figures, and the
+standalone evaluation job (`job: evaluate`), on the tiny CPU target with a drafter the
+real trainer trains once for this module."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.config import load_train_config
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
+
+
+def _trainer(config_text: str, run_dir: Path, workspace: Path, timeout: float) -> subprocess.CompletedProcess:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_text)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "HF_HUB_OFFLINE": "1", "DFLASH_RUN_ID": run_dir.name,
+           "DFLASH_RELEASE_DIR": str(REPO), "DFLASH_WORKSPACE": str(workspace)}
+    return subprocess.run([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
+                           "--run-dir", str(run_dir)], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _tiny_sections() -> str:
+    """tiny-cpu.yaml's target and synthetic data (so its cached assets are shared)."""
+    text = TINY_CONFIG.read_text()
+    return text[text.index("target:"):text.index("drafter:")]
+
+
+@pytest.fixture(scope="module")
+def trained(workspace, tmp_path_factory):
+    """A drafter trained by the real trainer on the tiny CPU path (one drafter, sequential,
+    no evaluation): its export, and the tiny target and prompts it was trained for."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.data import load_prompts
+    from dflash_train.model import load_drafter
+    from dflash_train.startup import stop_ids
+    from dflash_train.target import FeatureTap, load_target
+    from dflash_train.tiny import ensure_tiny_assets
+
+    run_dir = tmp_path_factory.mktemp("train") / "run"
+    config = _tiny_sections() + """
+drafter: {num_layers: 1, block_size: 8, num_anchors: 32, num_target_features: 2}
+optim: {lr: 3.0e-3, epochs: 6, max_steps: 60}
+devices: {target: [cpu], drafters: [cpu]}
+pipeline: {mode: sequential}
+eval: {num_prompts: 0}
+checkpoint: {every: 0}
+"""
+    done = _trainer(config, run_dir, workspace, timeout=1200)
+    assert done.returncode == 0, (run_dir / "train.log").read_text()[-3000:] if (run_dir / "train.log").exists() \
+        else done.stderr[-3000:]
+    spec = load_train_config(TINY_CONFIG)
+    assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, workspace / "cache")  # cached: built above
+    target = load_target(str(assets.target_dir), "float32", "cpu")
+    drafter = load_drafter(run_dir / "export").eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.target_dir))
+    return {"export": run_dir / "export", "target": target, "drafter": drafter,
+            "tap": FeatureTap(target, drafter.target_layer_ids), "assets": assets,
+            "prompts": load_prompts(assets.eval_path, tokenizer, 8), "stop_ids": stop_ids(tokenizer),
+            "embed": target.get_input_embeddings().weight, "head": target.get_output_embeddings().weight}
+
+
+def _decode(t, prompt, max_new_tokens, stop_ids=frozenset(), kv_cache=True):
+    from dflash_train.speculative import speculative_decode
+    return speculative_decode(t["drafter"], t["tap"], t["embed"], t["head"], prompt, max_new_tokens, set(stop_ids),
+                              kv_cache=kv_cache)
+
+
+def _greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.timeout(1800)  # the module's drafter is trained in its setup
+def test_kv_cached_verification_is_lossless_and_accepts_as_the_uncached_one(trained):
+    """The cached path's output is the target's greedy decode token for token, on several
+    prompts, and its acceptance per verify step is the uncached path's, step for step."""
+    prompts = trained["prompts"][:3] + [[2, 6] + [10 + i for i in range(12)] + [3, 2, 7]]
+    accepted_any = []
+    for prompt in prompts:
+        cached = _decode(trained, prompt, 40)
+        uncached = _decode(trained, prompt, 40, kv_cache=False)
+        assert cached.tokens == _greedy(trained["target"], prompt, 40)
+        assert uncached.tokens == cached.tokens
+        assert cached.accepted == uncached.accepted
+        accepted_any += cached.accepted
+    assert max(accepted_any) > 1, "the trained drafter must get drafts accepted, or nothing was compared"
+
+
+@pytest.mark.timeout(600)
+def test_decoding_ends_at_an_end_token_inside_an_accepted_block(trained):
+    """An end token accepted in the middle of a block ends the answer there, as in the
+    reference benchmark: no further verify step is run or counted."""
+    for prompt in trained["prompts"]:
+        free = _decode(trained, prompt, 48)
+        position = 1  # the first token comes from the prefill
+        for step, gained in enumerate(free.accepted):
+            chunk = free.tokens[position:position + gained]
+            inner = [tok for i, tok in enumerate(chunk[:-1]) if tok not in free.tokens[:position + i]]
+            if inner and step + 1 < len(free.accepted):
+                stop = inner[0]
+                ended = _decode(trained, prompt, 48, stop_ids={stop})
+                assert ended.tokens == free.tokens[:free.tokens.index(stop) + 1]
+                assert ended.accepted == free.accepted[:step + 1]
+                return
+            position += gained
+    pytest.skip("no prompt had a multi-token accepted block before its last step")
+
+
+def test_acceptance_is_reported_pooled_and_as_the_mean_of_per_prompt_means(trained):
+    from dflash_train.speculative import evaluate
+    prompts = trained["prompts"][:3]
+    result = evaluate(trained["drafter"], trained["tap"], trained["embed"], trained["head"], prompts, 32, set())
+    runs = [_decode(trained, p, 32).accepted for p in prompts]
+    assert result.per_prompt == [sum(a) / len(a) for a in runs]
+    assert result.mean_per_prompt == pytest.approx(sum(result.per_prompt) / len(prompts))
+    assert result.acceptance_length == pytest.approx(sum(map(sum, runs)) / sum(map(len, runs)))
+    assert result.verify_steps == sum(map(len, runs)) and result.prompts == 3
+
+
+def _evaluate_config(drafter: Path) -> str:
+    return _tiny_sections() + (f"job: evaluate\nevaluate: {{drafter: {json.dumps(str(drafter))}, "
+                                "max_new_tokens: 32, num_prompts: 4}\n")
+
+
+@pytest.mark.timeout(900)
+def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, workspace, tmp_path):
+    """`job: evaluate` on our export and on a copy written the way the reference
+    checkpoints are (bf16 weights, block_size only at the top level, dflash_config with
+    only mask_token_id and target_layer_ids): eval.json and the eval event carry both
+    figures, the same as measured in this process."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_train.model import load_drafter
+    from dflash_train.speculative import evaluate
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    config = json.loads((trained["export"] / "config.json").read_text())
+    config["dflash_config"] = {k: config["dflash_config"][k] for k in ("mask_token_id", "target_layer_ids")}
+    (foreign / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(trained["export"] / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(foreign / "model.safetensors"))
+
+    for drafter_dir in (trained["export"], foreign):
+        run_dir = tmp_path / f"eval-{drafter_dir.name}"
+        done = _trainer(_evaluate_config(drafter_dir), run_dir, workspace, timeout=400)
+        log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else done.stdout
+        assert done.returncode == 0, log[-3000:] + done.stderr[-2000:]
+        written = json.loads((run_dir / "eval.json").read_text())
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        [event] = [e for e in events if e["type"] == "eval"]
+        assert {k: event[k] for k in written} == written
+        assert events[-1]["type"] == "done" and events[-1]["exit_code"] == 0
+        drafter = load_drafter(drafter_dir).eval()
+        expected = evaluate(drafter, trained["tap"], trained["embed"], trained["head"], trained["prompts"][:4], 32,
+                            trained["stop_ids"])
+        assert written["prompts"] == 4
+        assert written["acceptance_length"] == round(expected.acceptance_length, 4) > 1.0
+        assert written["mean_per_prompt"] == round(expected.mean_per_prompt, 4)
+        assert written["verify_steps"] == expected.verify_steps and written["drafter"] == str(drafter_dir)
+        assert f"{expected.acceptance_length:.3f} (pooled), {expected.mean_per_prompt:.3f} (mean of per-prompt " \
+               "means)" in log
+
+
+@pytest.mark.timeout(300)
+def test_evaluate_job_names_a_folder_that_is_no_drafter(workspace, tmp_path):
+    not_a_drafter = tmp_path / "empty"
+    not_a_drafter.mkdir()
+    (not_a_drafter / "config.json").write_text("{}")
+    run_dir = tmp_path / "run"
+    done = _trainer(_evaluate_config(not_a_drafter), run_dir, workspace, timeout=250)
+    assert done.returncode == 1
+    [error] = [json.loads(line) for line in (run_dir / "errors.jsonl").read_text().splitlines()]
+    assert "evaluate.drafter" in error["message"] and str(not_a_drafter) in error["message"]
+    assert not (run_dir / "eval.json").exists()
+
+
+def test_the_config_says_what_an_evaluate_job_lacks(tmp_path):
+    import dflash_schema
+    cases = {
+        "job: evaluate\ntarget: {path: t}\n": "evaluate: missing required key for job: evaluate",
+        "job: evaluate\ntarget: {path: t}\nevaluate: {drafter: d}\n": "needs evaluate.prompts",
+        "job: evaluate\ntarget: {tiny: {}}\nevaluate: {drafter: d}\n": "needs data.synthetic",
+        "target: {path: t}\n": "data: missing required key for job: train",
+        "target: {path: t}\ndata: {train: x}\nevaluate: {drafter: d}\n": "job: train does not read evaluate",
+        "job: evaluate\ntarget: {path: t}\nevaluate: {drafter: d, prompts: p, max_new_tokens: 0}\n": "positive",
+    }
+    for text, message in cases.items():
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        with pytest.raises(dflash_schema.SchemaError, match=message):
+            load_train_config(path)
+    path.write_text("job: evaluate\ntarget: {path: t}\nevaluate: {drafter: d, prompts: p}\n")
+    config = load_train_config(path)
+    assert config.evaluate.max_new_tokens == 2048 and config.evaluate.num_prompts is None
+    from dflash_cli.commands.launch import host_paths
+    # launch has the host check the job's paths before it starts anything
+    assert host_paths(config) == [("model", "target.path", "t"), ("model", "evaluate.drafter", "d"),
+                                  ("file", "evaluate.prompts", "p")]
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path):
+    """A stopped evaluation exits 128+SIGTERM at its next verify step, with no eval.json."""
+    import signal
+    import time
+
+    from transformers import AutoConfig
+
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model import DFlashDrafter, drafter_hf_config, export_drafter
+    from dflash_train.tiny import ensure_tiny_assets
+
+    spec = load_train_config(TINY_CONFIG)
+    assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, workspace / "cache")
+    target_config = AutoConfig.from_pretrained(str(assets.target_dir))
+    drafter = DFlashDrafter(drafter_hf_config(target_config, DrafterConfig(num_layers=1, block_size=4), (1, 3), 4))
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    export_drafter(drafter, tmp_path / "drafter")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(_tiny_sections() + "job: evaluate\nevaluate: {drafter: %s, "
+                                         "max_new_tokens: 100000}\nruntime: {heartbeat_s: 0.2}\n"
+                                         % json.dumps(str(tmp_path / "drafter")))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "HF_HUB_OFFLINE": "1", "DFLASH_RELEASE_DIR": str(REPO),
+           "DFLASH_WORKSPACE": str(workspace)}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
+                             "--run-dir", str(run_dir)], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 200
+        events = run_dir / "events.jsonl"
+        while not (events.exists() and '"type": "heartbeat"' in events.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never started decoding"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rows = [json.loads(line) for line in events.read_text().splitlines()]
+    assert rows[-1]["type"] == "done" and rows[-1]["exit_code"] == 128 + signal.SIGTERM
+    assert not [r for r in rows if r["type"] == "eval"] and not (run_dir / "eval.json").exists()
+    assert (run_dir / "errors.jsonl").read_text() == ""
