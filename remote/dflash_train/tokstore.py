@@ -183,8 +183,11 @@ class StoreWriter:
         return num_samples
 
     def close(self) -> None:
+        """After a failure (a no-op after finish): the build is discarded, so a write that
+        cannot complete now (a full disk) is of no interest."""
         for handle in self._files.values():
-            handle.close()
+            with contextlib.suppress(OSError):
+                handle.close()
 
 
 def open_or_build(root: Path, key: dict, build: Callable[[StoreWriter], None]) -> TokenStore:
