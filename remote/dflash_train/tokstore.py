@@ -71,9 +71,10 @@ def file_sha256(path: Path, memo_dir: Path) -> str:
     with open(path, "rb") as f:
         while block := f.read(_READ_BLOCK):
             digest.update(block)
-    memo_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(memo, {"path": str(path), "identity": identity, "sha256": digest.hexdigest(),
-                       "hashed_at_ns": hashed_at})
+    with contextlib.suppress(OSError):  # a memo only saves time: a full disk must not fail the run here
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(memo, {"path": str(path), "identity": identity, "sha256": digest.hexdigest(),
+                           "hashed_at_ns": hashed_at})
     return digest.hexdigest()
 
 
@@ -252,11 +253,15 @@ def _discard(folder: Path) -> None:
 
 def _write_json(path: Path, value: dict) -> None:
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
+    try:
+        with open(temp, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def _fsync(path: Path) -> None:
