@@ -109,11 +109,15 @@ def test_a_second_load_is_a_cache_hit_that_tokenizes_nothing(tmp_path, tokenizer
     assert_same_samples(second, uncached(path, tokenizer))
 
 
-def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path, tokenizer, capsys):
+def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path, tokenizer, capsys, monkeypatch):
     path = write_data(tmp_path / "train.jsonl", 300)
+    monkeypatch.setattr(data_module, "PROGRESS_EVERY_S", 0.0)  # a report after every chunk
+    reports = []
     # small chunks: many tasks over two spawned workers, results written in file order
-    loaded = load_samples(path, tokenizer, MAX_LENGTH, tmp_path / "cache", chunk_bytes=4096, workers=2)
+    loaded = load_samples(path, tokenizer, MAX_LENGTH, tmp_path / "cache", chunk_bytes=4096, workers=2,
+                          progress=lambda fraction, count: reports.append((fraction, count)))
     assert "with 2 processes" in capsys.readouterr().out
+    assert len(reports) > 5 and reports == sorted(reports) and reports[-1] == (1.0, len(loaded))
     expected = uncached(path, tokenizer)
     assert 200 < len(expected) < 300  # some rows had nothing to learn and are left out, as before
     assert max(len(s.ids) for s in expected) == MAX_LENGTH  # some were cut

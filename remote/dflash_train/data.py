@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tokenizers
@@ -35,6 +35,9 @@ from .tokstore import StoreWriter, TokenStore, file_sha256, open_or_build, sha25
 # jsonl bytes per tokenizing task: about a thousand conversations of the recipe's length,
 # few enough tasks to keep every worker busy, small enough to bound each one's memory.
 CHUNK_BYTES = 4 << 20
+# A build of the recipe's data takes minutes: it says how far it is this often, and the
+# event it emits meanwhile keeps a starting run from looking stalled.
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +127,12 @@ class StoredSamples(Sequence):
 
 
 def load_samples(path: Path, tokenizer, max_length: int, cache_dir: Path, chunk_bytes: int = CHUNK_BYTES,
-                 workers: int | None = None) -> StoredSamples:
+                 workers: int | None = None, progress: Callable[[float, int], None] | None = None) -> StoredSamples:
     """The samples of a training jsonl, from the store under `cache_dir` keyed by what
     decides them: the file's bytes, the tokenizer, its chat template, max_length and the
     code of this module (so a change of the tokenization rebuilds). Built first if absent
-    or damaged, with `workers` processes (default: one per core)."""
+    or damaged, with `workers` processes (default: one per core); while it is built,
+    `progress(fraction of the file done, samples so far)` is called every PROGRESS_EVERY_S."""
     key = {"data_sha256": file_sha256(path, cache_dir / "hashes"),
            "tokenizer_sha256": _tokenizer_sha256(tokenizer),
            "chat_template_sha256": sha256_hex(json.dumps(tokenizer.chat_template, sort_keys=True).encode()),
@@ -136,7 +140,8 @@ def load_samples(path: Path, tokenizer, max_length: int, cache_dir: Path, chunk_
            "tokenization_sha256": sha256_hex(Path(__file__).read_bytes()),
            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     return StoredSamples(open_or_build(
-        cache_dir, key, lambda writer: _tokenize_into(writer, path, tokenizer, max_length, chunk_bytes, workers)))
+        cache_dir, key,
+        lambda writer: _tokenize_into(writer, path, tokenizer, max_length, chunk_bytes, workers, progress)))
 
 
 def _tokenizer_sha256(tokenizer) -> str:
@@ -151,17 +156,29 @@ def _tokenizer_sha256(tokenizer) -> str:
 
 
 def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, chunk_bytes: int,
-                   workers: int | None) -> None:
-    started = time.perf_counter()
-    size = path.stat().st_size
+                   workers: int | None, progress: Callable[[float, int], None] | None) -> None:
+    started = last_report = time.perf_counter()
+    size, done = path.stat().st_size, 0
     # Processes, not threads: the template rendering and the masks are Python.
     workers = max(1, min(workers or len(os.sched_getaffinity(0)), -(-size // chunk_bytes)))
     say(f"tokenizing {path} ({size / 2**20:.1f} MiB) with {workers} process{'es' if workers > 1 else ''}")
+
+    def write(result: tuple[dict[str, np.ndarray], np.ndarray], chunk_size: int) -> None:
+        nonlocal done, last_report
+        writer.append(*result)
+        done += chunk_size
+        if time.perf_counter() - last_report >= PROGRESS_EVERY_S:
+            last_report = time.perf_counter()
+            say(f"tokenizing: {done / size:.0%} of the file, {writer.num_samples} samples, "
+                f"{last_report - started:.0f}s")
+            if progress is not None:
+                progress(done / size, writer.num_samples)
+
     tokenize = _ChunkTokenizer(tokenizer, max_length, str(path))
     chunks = _read_chunks(path, chunk_bytes)
     if workers == 1:
-        for arrays, lengths in map(tokenize, chunks):
-            writer.append(arrays, lengths)
+        for chunk in chunks:
+            write(tokenize(chunk), len(chunk[0]))
     else:
         # spawn: the trainer has threads (and OpenMP pools) by now, which fork would copy half-held.
         executor = concurrent.futures.ProcessPoolExecutor(
@@ -169,11 +186,13 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
         try:
             pending: collections.deque = collections.deque()
             for chunk in chunks:  # a window of tasks in flight: the file is never held whole
-                pending.append(executor.submit(_tokenize_in_worker, chunk))
+                pending.append((executor.submit(_tokenize_in_worker, chunk), len(chunk[0])))
                 if len(pending) >= 2 * workers:
-                    writer.append(*pending.popleft().result())
+                    future, chunk_size = pending.popleft()
+                    write(future.result(), chunk_size)
             while pending:
-                writer.append(*pending.popleft().result())
+                future, chunk_size = pending.popleft()
+                write(future.result(), chunk_size)
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
     if writer.num_samples == 0:
