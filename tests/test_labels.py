@@ -93,9 +93,9 @@ def test_load_samples_reads_the_truncated_field(tokenizer, tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps(chat("w3 w4", truncated=True)) + "\n" + json.dumps(chat("w3 w4", truncated=1)) + "\n")
     with pytest.raises(ValueError, match=rf"^{path}:2: 'truncated' must be true or false, not 1$"):
-        load_samples(path, tokenizer, 128)
+        load_samples(path, tokenizer, 128, tmp_path / "cache")
     path.write_text(json.dumps(chat("w3 w4", truncated=True)) + "\n")
-    [sample] = load_samples(path, tokenizer, 128)
+    [sample] = load_samples(path, tokenizer, 128, tmp_path / "cache")
     assert learnt(tokenizer, sample) == [("w3", 0), ("w4", 0)]
 
 

@@ -215,7 +215,7 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
     # the output is a training file: the trainer's own reader takes every line
     from dflash_train.data import load_samples
 
-    assert len(load_samples(output, tokenizer, 128)) == len(rows)
+    assert len(load_samples(output, tokenizer, 128, run.run_dir / "cache")) == len(rows)
 
 
 @pytest.mark.timeout(600)

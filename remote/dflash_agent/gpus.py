@@ -20,8 +20,8 @@ QUERY_FIELDS = ("index", "name", "memory.used", "memory.total", "utilization.gpu
 KEYS = (("index", int), ("name", str), ("memory_used_mib", float), ("memory_total_mib", float),
         ("utilization_pct", float), ("temperature_c", float), ("power_w", float))
 NVIDIA_SMI_TIMEOUT_S = 15.0
-# The packages dflash_train needs beyond the standard library (PyYAML and safetensors
-# come with transformers); their distribution and module names are the same.
+# The packages dflash_train needs beyond the standard library (PyYAML, safetensors and
+# numpy come with transformers); their distribution and module names are the same.
 TRAINER_PACKAGES = ("torch", "transformers")
 
 

@@ -5,23 +5,43 @@ tokenizer's chat template; only assistant tokens are learnt, each turn on its ow
 block never learns across a user turn, see objective.py). `"truncated": true` says the
 final assistant answer was cut (at max_new_tokens when it was generated): the
 end-of-turn the template closes it with, and all it renders after, is never learnt, as
-the target never produced it. The batch plan is fixed by
+the target never produced it. The training file is tokenized once, by worker
+processes, into a memory-mapped store cached on the host (tokstore.py); later runs and
+resumes open it in seconds and read samples as batches need them. The store holds
+whatever `tokenize_sample` returns, array by array. The batch plan is fixed by
 the seed: every epoch shuffles the samples with its own seed and packs them greedily into
 micro-batches of at most `token_budget` padded tokens. Step s of replica r uses plan entry
 (s-1)*replicas + r, so a resumed run reads exactly what the uninterrupted one would.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import os
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
+import tokenizers
 import torch
+import transformers
 
 from .config import DataConfig, DrafterConfig, padded_length
 from .objective import NO_TURN, anchor_candidates, anchor_seed, block_labels, position_weights, sample_anchors
+from .runlog import say
+from .tokstore import StoreWriter, TokenStore, file_sha256, open_or_build, sha256_hex
+
+# jsonl bytes per tokenizing task: about a thousand conversations of the recipe's length,
+# few enough tasks to keep every worker busy, small enough to bound each one's memory.
+CHUNK_BYTES = 4 << 20
+# A build of the recipe's data takes minutes: it says how far it is this often, and the
+# event it emits meanwhile keeps a starting run from looking stalled.
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +50,27 @@ class Sample:
     turn_ids: torch.Tensor  # (L,) int32: the assistant turn a token is learnt in, NO_TURN if none
 
 
+def _parse_line(line: bytes, where: str) -> dict[str, Any] | None:
+    """One jsonl line as its object, or None for a blank line."""
+    try:
+        text = line.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 ({exc})") from exc
+    if not text:
+        return None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from exc
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
 def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append((number, json.loads(line)))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number}: not JSON ({exc})") from exc
-    return rows
+    with open(path, "rb") as f:
+        rows = [(number, _parse_line(line, f"{path}:{number}")) for number, line in enumerate(f, 1)]
+    return [(number, row) for number, row in rows if row is not None]
 
 
 def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
@@ -116,16 +147,146 @@ def tokenize_sample(row: dict[str, Any], tokenizer, max_length: int, where: str)
     return sample if anchor_candidates(sample.turn_ids).numel() else None
 
 
-def load_samples(path: Path, tokenizer, max_length: int) -> list[Sample]:
-    samples = []
-    for number, row in _read_jsonl(path):
-        sample = tokenize_sample(row, tokenizer, max_length, f"{path}:{number}")
-        if sample is not None:
-            samples.append(sample)
-    if not samples:
+class StoredSamples(Sequence):
+    """The training samples, read lazily from a memory-mapped TokenStore: a sample's
+    tensors are views of the mapped files, so resident memory does not grow with the data."""
+
+    def __init__(self, store: TokenStore):
+        self.store = store
+        self.lengths = store.lengths  # tokens per sample: enough to plan the batches
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, index: int) -> Sample:
+        if not 0 <= index < len(self.store):
+            raise IndexError(f"sample {index} of {len(self.store)}")
+        return Sample(**{name: torch.from_numpy(values) for name, values in self.store.row(index).items()})
+
+
+def load_samples(path: Path, tokenizer, max_length: int, cache_dir: Path, chunk_bytes: int = CHUNK_BYTES,
+                 workers: int | None = None, progress: Callable[[float, int], None] | None = None) -> StoredSamples:
+    """The samples of a training jsonl, from the store under `cache_dir` keyed by what
+    decides them: the file's bytes, the tokenizer, its chat template, max_length and the
+    code of this module (so a change of the tokenization rebuilds). Built first if absent
+    or damaged, with `workers` processes (default: one per core); while it is built,
+    `progress(fraction of the file done, samples so far)` is called every PROGRESS_EVERY_S."""
+    key = {"data_sha256": file_sha256(path, cache_dir / "hashes"),
+           "tokenizer_sha256": _tokenizer_sha256(tokenizer),
+           "chat_template_sha256": sha256_hex(json.dumps(tokenizer.chat_template, sort_keys=True).encode()),
+           "max_length": max_length,
+           "tokenization_sha256": sha256_hex(Path(__file__).read_bytes()),
+           "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+    return StoredSamples(open_or_build(
+        cache_dir, key,
+        lambda writer: _tokenize_into(writer, path, tokenizer, max_length, chunk_bytes, workers, progress)))
+
+
+def _tokenizer_sha256(tokenizer) -> str:
+    """What decides the ids besides the template: the fast tokenizer's whole pipeline
+    (vocabulary, merges, normalizer, pre-tokenizer, added tokens) and the special tokens
+    a chat template may name."""
+    if not tokenizer.is_fast:
+        raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer (no tokenizer.json): the chat "
+                         "loss mask needs token offsets, which only fast tokenizers give")
+    return sha256_hex(json.dumps({"class": type(tokenizer).__name__, "pipeline": tokenizer.backend_tokenizer.to_str(),
+                                  "special_tokens": tokenizer.special_tokens_map}, sort_keys=True).encode())
+
+
+def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, chunk_bytes: int,
+                   workers: int | None, progress: Callable[[float, int], None] | None) -> None:
+    started = last_report = time.perf_counter()
+    size, done = path.stat().st_size, 0
+    # Processes, not threads: the template rendering and the masks are Python.
+    workers = max(1, min(workers or len(os.sched_getaffinity(0)), -(-size // chunk_bytes)))
+    say(f"tokenizing {path} ({size / 2**20:.1f} MiB) with {workers} process{'es' if workers > 1 else ''}")
+
+    def write(result: tuple[dict[str, np.ndarray], np.ndarray], chunk_size: int) -> None:
+        nonlocal done, last_report
+        writer.append(*result)
+        done += chunk_size
+        if time.perf_counter() - last_report >= PROGRESS_EVERY_S:
+            last_report = time.perf_counter()
+            say(f"tokenizing: {done / size:.0%} of the file, {writer.num_samples} samples, "
+                f"{last_report - started:.0f}s")
+            if progress is not None:
+                progress(done / size, writer.num_samples)
+
+    tokenize = _ChunkTokenizer(tokenizer, max_length, str(path))
+    chunks = _read_chunks(path, chunk_bytes)
+    if workers == 1:
+        for chunk in chunks:
+            write(tokenize(chunk), len(chunk[0]))
+    else:
+        # spawn: the trainer has threads (and OpenMP pools) by now, which fork would copy half-held.
+        executor = concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(tokenize,))
+        try:
+            pending: collections.deque = collections.deque()
+            for chunk in chunks:  # a window of tasks in flight: the file is never held whole
+                pending.append((executor.submit(_tokenize_in_worker, chunk), len(chunk[0])))
+                if len(pending) >= 2 * workers:
+                    future, chunk_size = pending.popleft()
+                    write(future.result(), chunk_size)
+            while pending:
+                future, chunk_size = pending.popleft()
+                write(future.result(), chunk_size)
+        finally:
+            executor.shutdown(wait=True, cancel_futures=True)
+    if writer.num_samples == 0:
         raise ValueError(f"{path}: no sample has a learnable (assistant or text) token followed by "
                          "another of its turn, to anchor a block on")
-    return samples
+    say(f"tokenized {writer.num_samples} samples ({writer.num_tokens} tokens) in {time.perf_counter() - started:.1f}s")
+
+
+def _read_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+    """(whole lines of about chunk_bytes, the number of their first line), in file order."""
+    with open(path, "rb") as f:
+        first_line = 1
+        while chunk := f.read(chunk_bytes):
+            chunk += f.readline()  # on to the end of the line
+            yield chunk, first_line
+            first_line += chunk.count(b"\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkTokenizer:
+    """Tokenizes a chunk of jsonl lines into the store's form: per array, the samples'
+    values concatenated, and the samples' lengths."""
+
+    tokenizer: Any
+    max_length: int
+    path: str  # for messages
+
+    def __call__(self, chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        data, first_line = chunk
+        names = [field.name for field in dataclasses.fields(Sample)]
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
+        lengths = []
+        for number, line in enumerate(data.split(b"\n"), first_line):
+            where = f"{self.path}:{number}"
+            row = _parse_line(line, where)
+            sample = None if row is None else tokenize_sample(row, self.tokenizer, self.max_length, where)
+            if sample is not None:
+                for name in names:
+                    parts[name].append(getattr(sample, name).numpy())
+                lengths.append(len(sample.ids))
+        if not lengths:
+            return {}, np.zeros(0, dtype=np.int64)
+        return {name: np.concatenate(values) for name, values in parts.items()}, np.array(lengths, dtype=np.int64)
+
+
+_worker_tokenize: _ChunkTokenizer | None = None  # set in each tokenizing process by _start_worker
+
+
+def _start_worker(tokenize: _ChunkTokenizer) -> None:
+    global _worker_tokenize
+    _worker_tokenize = tokenize
+
+
+def _tokenize_in_worker(chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    assert _worker_tokenize is not None
+    return _worker_tokenize(chunk)
 
 
 def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
@@ -159,13 +320,16 @@ class PlanEntry:
 
 
 class BatchPlan:
-    def __init__(self, samples: list[Sample], data: DataConfig, replicas: int, epochs: int,
+    def __init__(self, samples: Sequence[Sample], data: DataConfig, replicas: int, epochs: int,
                  max_steps: int | None, seed: int):
         self.replicas = replicas
         self.entries: list[PlanEntry] = []
+        # A store's lengths plan the batches without reading a token.
+        lengths = (samples.lengths.tolist() if isinstance(samples, StoredSamples)
+                   else [len(sample.ids) for sample in samples])
         for epoch in range(epochs):
             order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-            batches = _pack([int(i) for i in order], samples, data)
+            batches = _pack(order.tolist(), lengths, data)
             usable = len(batches) - len(batches) % replicas  # every step feeds every replica
             self.entries += [PlanEntry(epoch, i, batch) for i, batch in enumerate(batches[:usable])]
         self.total_steps = len(self.entries) // replicas
@@ -183,10 +347,10 @@ class BatchPlan:
         return self.entry(step, self.replicas - 1)
 
 
-def _pack(order: list[int], samples: list[Sample], data: DataConfig) -> list[tuple[int, ...]]:
+def _pack(order: list[int], lengths: list[int], data: DataConfig) -> list[tuple[int, ...]]:
     batches, current, widest = [], [], 0
     for index in order:
-        width = padded_length(len(samples[index].ids), data.pad_multiple)
+        width = padded_length(lengths[index], data.pad_multiple)
         if current and (len(current) + 1) * max(widest, width) > data.token_budget:
             batches.append(tuple(current))
             current, widest = [], 0
@@ -217,7 +381,7 @@ class HostBatch:
         return dataclasses.replace(self, **{f: getattr(self, f).pin_memory() for f in fields})
 
 
-def collate(samples: list[Sample], entry: PlanEntry, step: int, replica: int, data: DataConfig,
+def collate(samples: Sequence[Sample], entry: PlanEntry, step: int, replica: int, data: DataConfig,
             drafter: DrafterConfig, pad_id: int, seed: int) -> HostBatch:
     chosen = [samples[i] for i in entry.samples]
     seq_len = padded_length(max(len(s.ids) for s in chosen), data.pad_multiple)

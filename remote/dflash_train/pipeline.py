@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -101,7 +102,7 @@ class Run:
     events: EventLog
     state: RunState
     faults: FaultInjector
-    samples: list[Sample]
+    samples: Sequence[Sample]  # a data.StoredSamples in a run
     plan: BatchPlan
     pad_id: int
     taps: list[FeatureTap]  # one per target device

@@ -109,7 +109,9 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
     drafter_devices = [canonical(d) for d in config.devices.drafters]
 
     tokenizer = AutoTokenizer.from_pretrained(target_source)
-    samples = load_samples(train_path, tokenizer, config.data.max_length)
+    samples = load_samples(train_path, tokenizer, config.data.max_length, cache_root(run_dir) / "tokenized",
+                           progress=lambda fraction, count: events.emit("tokenizing", fraction=round(fraction, 4),
+                                                                        samples=count))
     prompts = load_prompts(eval_path, tokenizer, config.eval.num_prompts) if eval_path else []
     plan = BatchPlan(samples, config.data, len(drafter_devices), config.optim.epochs, config.optim.max_steps,
                      config.seed)

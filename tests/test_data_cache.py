@@ -1,0 +1,281 @@
+"""The tokenized-data cache: a training jsonl is tokenized once into a memory-mapped store
+under the workspace; later loads open it, a change of what decides the tokens rebuilds it,
+a damaged or half-built store is never trusted. Real tokenizer, real worker processes,
+real files (and a real full filesystem)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train import data as data_module
+from dflash_train.config import DataConfig, SyntheticDataSpec, TinyTargetSpec
+from dflash_train.data import BatchPlan, _read_jsonl, load_samples, tokenize_sample
+from dflash_train.tiny import _build_tokenizer, ensure_tiny_assets
+from support.disk import tmpfs
+from test_trainer_runs import launch  # noqa: F401 - the fixture that runs the real trainer
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_LENGTH = 96
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _build_tokenizer(TinyTargetSpec())
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(f"w{rng.randrange(200)}" for _ in range(count))
+
+
+def write_data(path: Path, rows: int, seed: int = 0, answer_words: int = 150) -> Path:
+    """Chats (some longer than MAX_LENGTH, some with an empty answer: nothing to learn),
+    plain texts, and blank lines."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(rows):
+            if i % 7 == 3:
+                f.write(json.dumps({"text": words(rng, rng.randrange(2, 60))}) + "\n")
+            else:
+                f.write(json.dumps({"messages": [
+                    {"role": "user", "content": words(rng, rng.randrange(1, 30))},
+                    {"role": "assistant", "content": words(rng, rng.randrange(0, answer_words))}]}) + "\n")
+            if i % 11 == 5:
+                f.write("\n")
+    return path
+
+
+def uncached(path: Path, tokenizer, max_length: int = MAX_LENGTH) -> list:
+    """The samples as tokenize_sample makes them, one by one, in memory (the trainer's way before the cache)."""
+    samples = [tokenize_sample(row, tokenizer, max_length, f"{path}:{n}") for n, row in _read_jsonl(path)]
+    return [s for s in samples if s is not None]
+
+
+def assert_same_samples(loaded, expected) -> None:
+    assert len(loaded) == len(expected)
+    for got, want in zip(loaded, expected):
+        for name in ("ids", "turn_ids"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def stores(cache: Path) -> list[Path]:
+    return sorted(p.parent for p in cache.glob("*/header.json"))
+
+
+def builds(output: str) -> tuple[int, int]:
+    """(cache hits, builds) a log reports."""
+    return output.count("tokenized data cache hit"), output.count("tokenizing ")
+
+
+class CountingTokenizeRow:
+    """Counts the per-sample tokenizations (the in-process build calls data.tokenize_sample)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = data_module.tokenize_sample
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(data_module, "tokenize_sample", counted)
+
+
+def test_a_second_load_is_a_cache_hit_that_tokenizes_nothing(tmp_path, tokenizer, monkeypatch, capsys):
+    path, cache = write_data(tmp_path / "train.jsonl", 60), tmp_path / "cache"
+    counter = CountingTokenizeRow(monkeypatch)
+    first = load_samples(path, tokenizer, MAX_LENGTH, cache)
+    assert counter.calls == 60 and "tokenized data cache hit" not in capsys.readouterr().out
+    [store] = stores(cache)
+    inode, header = store.stat().st_ino, (store / "header.json").read_text()
+
+    second = load_samples(path, tokenizer, MAX_LENGTH, cache)
+    out = capsys.readouterr().out
+    assert counter.calls == 60, "the second load tokenized again"
+    assert f"tokenized data cache hit: {store} ({len(first)} samples" in out and "tokenizing" not in out
+    assert stores(cache) == [store] and store.stat().st_ino == inode and (store / "header.json").read_text() == header
+    assert_same_samples(second, uncached(path, tokenizer))
+
+
+def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path, tokenizer, capsys, monkeypatch):
+    path = write_data(tmp_path / "train.jsonl", 300)
+    monkeypatch.setattr(data_module, "PROGRESS_EVERY_S", 0.0)  # a report after every chunk
+    reports = []
+    # small chunks: many tasks over two spawned workers, results written in file order
+    loaded = load_samples(path, tokenizer, MAX_LENGTH, tmp_path / "cache", chunk_bytes=4096, workers=2,
+                          progress=lambda fraction, count: reports.append((fraction, count)))
+    assert "with 2 processes" in capsys.readouterr().out
+    assert len(reports) > 5 and reports == sorted(reports) and reports[-1] == (1.0, len(loaded))
+    expected = uncached(path, tokenizer)
+    assert 200 < len(expected) < 300  # some rows had nothing to learn and are left out, as before
+    assert max(len(s.ids) for s in expected) == MAX_LENGTH  # some were cut
+    assert_same_samples(loaded, expected)
+    config = DataConfig(train=str(path), max_length=MAX_LENGTH, token_budget=400, pad_multiple=16)
+    plans = [BatchPlan(samples, config, replicas=2, epochs=3, max_steps=None, seed=5) for samples in (loaded, expected)]
+    assert plans[0].entries == plans[1].entries and plans[0].total_steps == plans[1].total_steps
+
+
+@pytest.mark.parametrize("change", ["content", "max_length", "chat_template"])
+def test_a_change_of_what_decides_the_tokens_rebuilds(tmp_path, tokenizer, change, capsys):
+    path, cache = write_data(tmp_path / "train.jsonl", 40), tmp_path / "cache"
+    load_samples(path, tokenizer, MAX_LENGTH, cache)
+    capsys.readouterr()
+    max_length = MAX_LENGTH
+    if change == "content":
+        # the same size and mtime: only the bytes (and the ctime no one can set back) differ
+        stat, text = path.stat(), path.read_text()
+        path.write_text(text.replace("w1 ", "w2 ", 1))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert path.stat().st_size == stat.st_size and path.read_text() != text
+    elif change == "max_length":
+        max_length = MAX_LENGTH // 2
+    else:
+        tokenizer = _build_tokenizer(TinyTargetSpec())
+        tokenizer.chat_template = tokenizer.chat_template.replace("<|im_end|> ", "<|im_end|> <|endoftext|> ")
+    loaded = load_samples(path, tokenizer, max_length, cache)
+    out = capsys.readouterr().out
+    assert builds(out) == (0, 1), out
+    assert len(stores(cache)) == 2
+    assert_same_samples(loaded, uncached(path, tokenizer, max_length))
+
+
+@pytest.mark.parametrize("damage", ["truncated tokens", "changed index", "cut header", "deleted mask"])
+def test_a_damaged_store_is_rebuilt_not_trusted(tmp_path, tokenizer, damage, capsys):
+    path, cache = write_data(tmp_path / "train.jsonl", 40), tmp_path / "cache"
+    load_samples(path, tokenizer, MAX_LENGTH, cache)
+    [store] = stores(cache)
+    if damage == "truncated tokens":
+        with open(store / "ids.bin", "r+b") as f:
+            f.truncate(store.joinpath("ids.bin").stat().st_size - 4)
+    elif damage == "changed index":
+        index = bytearray((store / "offsets.bin").read_bytes())
+        index[8] ^= 1  # sample 0 one token longer: the sizes still agree
+        (store / "offsets.bin").write_bytes(bytes(index))
+    elif damage == "cut header":
+        header = (store / "header.json").read_bytes()
+        (store / "header.json").write_bytes(header[:len(header) // 2])
+    else:
+        (store / "turn_ids.bin").unlink()
+    capsys.readouterr()
+    loaded = load_samples(path, tokenizer, MAX_LENGTH, cache)
+    out = capsys.readouterr().out
+    assert f"tokenized data cache {store} is damaged (" in out and "rebuilding it" in out
+    assert builds(out) == (0, 1), out
+    assert stores(cache) == [store] and not [p for p in cache.iterdir() if ".damaged-" in p.name]
+    assert_same_samples(loaded, uncached(path, tokenizer))
+
+
+LOADER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from dflash_train.config import TinyTargetSpec
+    from dflash_train.data import load_samples
+    from dflash_train.tiny import _build_tokenizer
+    path, cache, chunk_bytes = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    samples = load_samples(path, _build_tokenizer(TinyTargetSpec()), %d, cache, chunk_bytes=chunk_bytes, workers=1)
+    print("loaded", len(samples), flush=True)
+""" % MAX_LENGTH)
+
+
+def start_loader(path: Path, cache: Path, chunk_bytes: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'remote'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-c", LOADER, str(path), str(cache), str(chunk_bytes)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(240)
+def test_a_build_killed_midway_leaves_no_store_and_the_next_load_builds_it(tmp_path, tokenizer, capsys):
+    path, cache = write_data(tmp_path / "train.jsonl", 3000, answer_words=60), tmp_path / "cache"
+    loader = start_loader(path, cache, chunk_bytes=2048)  # in-process, written chunk by chunk
+    try:
+        deadline = time.monotonic() + 200
+        while not [p for p in cache.glob(".*.build-*/ids.bin") if p.stat().st_size > 0]:
+            assert loader.poll() is None, loader.stdout.read()
+            assert time.monotonic() < deadline, "the build never started writing"
+            time.sleep(0.05)
+        loader.send_signal(signal.SIGKILL)
+    finally:
+        loader.kill()
+        loader.wait()
+    assert loader.returncode == -signal.SIGKILL
+    assert stores(cache) == [] and list(cache.glob(".*.build-*"))  # half a build, never in place
+
+    assert_same_samples(load_samples(path, tokenizer, MAX_LENGTH, cache), uncached(path, tokenizer))
+    assert len(stores(cache)) == 1 and not list(cache.glob(".*.build-*"))  # the leftover is cleaned up
+
+
+@pytest.mark.timeout(240)
+def test_concurrent_loads_of_one_key_build_it_once(tmp_path):
+    path, cache = write_data(tmp_path / "train.jsonl", 1500), tmp_path / "cache"
+    loaders = [start_loader(path, cache, chunk_bytes=4096) for _ in range(2)]
+    outputs = [loader.communicate(timeout=220)[0] for loader in loaders]
+    assert [loader.returncode for loader in loaders] == [0, 0], outputs
+    assert sorted(builds(out) for out in outputs) == [(0, 1), (1, 0)], outputs  # one built, the other opened it
+    assert len({out.splitlines()[-1] for out in outputs}) == 1 and len(stores(cache)) == 1
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing_behind(tmp_path, tokenizer):
+    path = write_data(tmp_path / "train.jsonl", 3000)
+    with tmpfs(tmp_path / "small", size_mib=1) as small:
+        cache = small / "tokenized"
+        with pytest.raises(OSError, match=re.escape(f"no space left to cache the tokenized data in {cache} ")):
+            load_samples(path, tokenizer, MAX_LENGTH, cache)
+        assert stores(cache) == [] and not list(cache.glob(".*.build-*"))
+
+
+def test_an_unchanged_files_hash_is_remembered_a_changed_ones_is_not(tmp_path, tokenizer):
+    path, cache = write_data(tmp_path / "train.jsonl", 20), tmp_path / "cache"
+    time.sleep(2.1)  # a memo is trusted only for a file last changed well before its hashing
+    load_samples(path, tokenizer, MAX_LENGTH, cache)
+    [memo] = (cache / "hashes").iterdir()
+    record = json.loads(memo.read_text())
+    assert record["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    load_samples(path, tokenizer, MAX_LENGTH, cache)
+    assert json.loads(memo.read_text()) == record  # not hashed again
+
+    path.write_bytes(path.read_bytes().replace(b"w1 ", b"w2 ", 1))
+    load_samples(path, tokenizer, MAX_LENGTH, cache)
+    assert json.loads(memo.read_text())["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() != record["sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_tokenizes_data_train_once_and_a_resume_reuses_it(launch, workspace, tmp_path):  # noqa: F811
+    assets = ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=64, num_eval=2), workspace / "cache")
+    path = write_data(tmp_path / "chats.jsonl", 80, seed=3)
+    base = textwrap.dedent(f"""
+        target: {{path: {assets.target_dir}}}
+        data: {{train: {path}, max_length: 96, token_budget: 384, pad_multiple: 16}}
+        drafter: {{num_layers: 1, block_size: 4, num_anchors: 8, num_target_features: 2}}
+        devices: {{target: [cpu], drafters: [cpu]}}
+        runtime: {{heartbeat_s: 0.5, torch_threads: 1}}
+        optim: {{max_steps: 6}}
+        eval: {{num_prompts: 0}}
+        """)
+    run_dir = tmp_path / "run"
+    first = launch(base + "checkpoint: {every: 3}\nfaults: [{thread: drafter-0, at: 'step:5', kind: exit, code: 3}]\n",
+                   run_dir)
+    assert first.wait(200) == 3
+    assert builds(first.log()) == (0, 1)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    [store] = [s for s in stores(workspace / "cache" / "tokenized")
+               if json.loads((s / "header.json").read_text())["key"]["data_sha256"] == digest]
+    inode, log_length = store.stat().st_ino, len(first.log())
+
+    second = launch(base + "checkpoint: {every: 3, resume: latest}\n", run_dir)
+    assert second.wait(200) == 0, second.log()[-3000:]
+    resumed_log = second.log()[log_length:]  # the same train.log, appended to
+    assert f"tokenized data cache hit: {store}" in resumed_log and builds(resumed_log) == (1, 0)
+    assert "resuming from" in resumed_log and store.stat().st_ino == inode
+    assert [e["step"] for e in second.events("step")][-3:] == [4, 5, 6]
