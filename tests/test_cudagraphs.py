@@ -37,10 +37,12 @@ pytestmark = pytest.mark.timeout(60)
 VOCAB, HIDDEN, FEATURE_LAYERS, BLOCK = 96, 32, 2, 4
 
 
-def tiny_objective(device: str, seed: int = 0, use_flex: bool = False) -> DraftObjective:
-    """A 1-layer DFlash drafter with random weights; embedding and head as the target's."""
+def tiny_objective(device: str, seed: int = 0, use_flex: bool = False, head_dim: int = 8) -> DraftObjective:
+    """A 1-layer DFlash drafter with random weights; embedding and head as the target's.
+    Inductor's FlexAttention kernels on CUDA need head_dim >= 16."""
     target = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=512)
     spec = DrafterConfig(num_layers=1, block_size=BLOCK, num_anchors=8)
     drafter = DFlashDrafter(drafter_hf_config(target, spec, (1, 3), mask_token_id=VOCAB - 1))
     generator = torch.Generator().manual_seed(seed)
@@ -426,7 +428,7 @@ def test_replayed_steps_mask_each_batch_by_its_own_anchors(attention, strategy):
     if strategy == "upstream" and cudagraphs.torch_version() < cudagraphs.UPSTREAM_THREAD_SAFE_TORCH:
         pytest.skip("the upstream strategy needs torch >= 2.13")
     device = "cuda:0"
-    objective = tiny_objective(device, use_flex=attention == "flex")
+    objective = tiny_objective(device, use_flex=attention == "flex", head_dim=16)
     base = random_inputs(2, 40, 8, block_size=BLOCK, vocab=VOCAB, num_features=FEATURE_LAYERS * HIDDEN,
                          features_dtype=objective.embed_weight.dtype, device=device, seed=7)
     batches = [_same_tokens_other_anchors(base, seed, real) for seed, real in ((1, 8), (2, 8), (3, 5), (4, 8))]
