@@ -87,12 +87,11 @@ def test_config_refuses_what_the_job_does_not_read_or_lacks(tmp_path, text, prob
 def test_example_config_answers_the_committed_synthetic_prompts(workspace):
     """configs/data/tiny-prompts.jsonl holds the user turns of the synthetic data the tiny path
     builds for the regeneration job's target, so regen-tiny-cpu.yaml works as shipped."""
-    from dflash_train.regenerate import TINY_DATA
-    from dflash_train.tiny import ensure_tiny_assets
+    from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
 
     config = load_train_config(REPO / "configs" / "train" / "regen-tiny-cpu.yaml")
     assert (REPO / config.regenerate.prompts) == TINY_PROMPTS and config.job == "regenerate"
-    assets = ensure_tiny_assets(config.target.tiny, TINY_DATA, workspace / "cache")
+    assets = ensure_tiny_assets(config.target.tiny, TARGET_DATA, workspace / "cache")
     synthetic = [json.loads(line)["messages"][:1] for line in assets.train_path.read_text().splitlines()]
     assert [json.loads(line)["messages"] for line in TINY_PROMPTS.read_text().splitlines()] == synthetic
 
@@ -143,10 +142,9 @@ def greedy_reference(workspace: Path, prompts: list[list[dict]], device: str) ->
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_train.config import TinyTargetSpec
-    from dflash_train.regenerate import TINY_DATA
-    from dflash_train.tiny import ensure_tiny_assets
+    from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
 
-    target = ensure_tiny_assets(TinyTargetSpec(), TINY_DATA, workspace / "cache").target_dir
+    target = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache").target_dir
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval().to(device)
     encoded = [tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
@@ -182,10 +180,9 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
     from transformers import AutoTokenizer
 
     from dflash_train.config import TinyTargetSpec
-    from dflash_train.regenerate import TINY_DATA
-    from dflash_train.tiny import ensure_tiny_assets
+    from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
 
-    assets = ensure_tiny_assets(TinyTargetSpec(), TINY_DATA, workspace / "cache")
+    assets = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache")
     tokenizer = AutoTokenizer.from_pretrained(str(assets.target_dir))
     turns = [[{"role": "user", "content": r["text"]}] if "text" in r else r["messages"][:1] for r in rows]
     reference = greedy_reference(workspace, turns, device)
@@ -289,12 +286,12 @@ def test_sampling_is_seeded_per_batch_and_the_template_gets_enable_thinking(work
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_train.config import RegenerateConfig, SamplingConfig, TinyTargetSpec
-    from dflash_train.regenerate import TINY_DATA, Answerer, Batch, read_prompts
+    from dflash_train.regenerate import Answerer, Batch, read_prompts
     from dflash_train.runlog import ErrorLog, ThreadNames
     from dflash_train.threads import RunState
-    from dflash_train.tiny import ensure_tiny_assets
+    from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
 
-    target = ensure_tiny_assets(TinyTargetSpec(), TINY_DATA, workspace / "cache").target_dir
+    target = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache").target_dir
     tokenizer = AutoTokenizer.from_pretrained(str(target), padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     state = RunState(ErrorLog(tmp_path / "errors.jsonl"), ThreadNames(tmp_path / "threads.json"))

@@ -97,12 +97,11 @@ def test_a_section_problem_names_its_key_path_once(tmp_path, section, message):
     assert str(info.value).startswith(f"{path}: {message}")
 
 
-def test_a_tiny_target_with_a_train_file_is_refused_naming_both_keys(tmp_path):
+def test_a_tiny_target_may_train_on_a_data_file(tmp_path):
+    """What job: regenerate wrote with the tiny target is a training file for it."""
     path = write_config(tmp_path, "target: {tiny: {}}\ndata: {train: chats.jsonl}\n")
-    with pytest.raises(SchemaError) as info:
-        load_train_config(path)
-    assert str(info.value).startswith(f"{path}: target.tiny makes its own data: use data.synthetic with it, "
-                                      "not data.train")
+    config = load_train_config(path)
+    assert config.data.train == "chats.jsonl" and config.data.synthetic is None
 
 
 def test_a_training_config_key_given_twice_is_refused(tmp_path):

@@ -419,9 +419,6 @@ class TrainConfig:
             raise ValueError(problem)
         if self.data.synthetic is not None and self.target.tiny is None:
             raise ValueError("data.synthetic needs target.tiny (responses come from the tiny target)")
-        if self.target.tiny is not None and self.data.train is not None:
-            raise ValueError("target.tiny makes its own data: use data.synthetic with it, not data.train "
-                             "(or train a real model: target.path)")
         if self.target.tiny is not None and self.drafter.target_layer_ids is not None and (
                 problem := last_layer_refusal(self.drafter.target_layer_ids, self.target.tiny.num_layers)):
             raise ValueError(problem)

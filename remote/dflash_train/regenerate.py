@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .config import RegenerateConfig, SyntheticDataSpec, TrainConfig, resolve_path
+from .config import RegenerateConfig, TrainConfig, resolve_path
 from .coordinator import EXIT_FAILED, EXIT_OK, ThreadFailed, report_threads_still_running
 from .data import _read_jsonl
 from .devices import canonical, thread_stream
@@ -40,11 +40,7 @@ from .runlog import EventLog, say
 from .startup import torch_threads
 from .target import load_target
 from .threads import RunState, StopRequested, Worker
-from .tiny import cache_root, ensure_tiny_assets
-
-# The tiny CPU path builds its target through the synthetic-data cache; this spec is the
-# small one the trainer's CPU tests use too, so both share one cache entry.
-TINY_DATA = SyntheticDataSpec(num_train=64, num_eval=2)
+from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
 
 
 class RegenerateError(ValueError):
@@ -324,7 +320,7 @@ class Regeneration:
 
         settings = self.settings
         if self.config.target.tiny is not None:
-            source = str(ensure_tiny_assets(self.config.target.tiny, TINY_DATA, cache_root(self.run_dir)).target_dir)
+            source = str(ensure_tiny_assets(self.config.target.tiny, TARGET_DATA, cache_root(self.run_dir)).target_dir)
         else:
             assert self.config.target.path is not None
             folder = resolve_path(self.config.target.path)

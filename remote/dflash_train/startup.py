@@ -24,7 +24,7 @@ from .replica import FrozenTargetWeights, Replica
 from .runlog import EventLog, say
 from .target import FeatureTap, load_target
 from .threads import RunState
-from .tiny import cache_root, ensure_tiny_assets
+from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
 
 
 @dataclasses.dataclass
@@ -58,17 +58,20 @@ def torch_threads(config: TrainConfig) -> int:
 def sources(config: TrainConfig, run_dir: Path) -> tuple[str, Path | None, Path | None]:
     """(target folder or hub id, train jsonl, eval jsonl); the jsonl files None when not
     given (an evaluate job may have no data section)."""
+    data = config.data
+    train = resolve_path(data.train) if data is not None and data.train else None
+    evaluation = resolve_path(data.eval) if data is not None and data.eval else None
     if config.target.tiny is not None:
-        assert config.data.synthetic is not None
-        assets = ensure_tiny_assets(config.target.tiny, config.data.synthetic, cache_root(run_dir))
-        return str(assets.target_dir), assets.train_path, assets.eval_path
+        # The tiny target is built with synthetic data; a data.train file (say, what job:
+        # regenerate wrote with this same target) takes the synthetic samples' place.
+        synthetic = data.synthetic if data is not None and data.synthetic is not None else TARGET_DATA
+        assets = ensure_tiny_assets(config.target.tiny, synthetic, cache_root(run_dir))
+        return str(assets.target_dir), train or assets.train_path, evaluation or assets.eval_path
     assert config.target.path is not None
     folder = resolve_path(config.target.path)
     # A path that is not there locally may be a hub id, found in the host's HF cache.
     target = str(folder) if folder.exists() else config.target.path
-    data = config.data
-    return (target, resolve_path(data.train) if data is not None and data.train else None,
-            resolve_path(data.eval) if data is not None and data.eval else None)
+    return target, train, evaluation
 
 
 def stop_ids(tokenizer) -> set[int]:

@@ -46,6 +46,12 @@ def cache_root(run_dir: Path) -> Path:
     return Path(workspace) / "cache" if workspace else run_dir / "cache"
 
 
+# The synthetic data a tiny target is built with when a job brings no data.synthetic of its
+# own (job: regenerate, or training on a data.train file): the small spec the trainer's CPU
+# tests use too, so they all share one cache entry and so one target.
+TARGET_DATA = SyntheticDataSpec(num_train=64, num_eval=2)
+
+
 def ensure_tiny_assets(spec: TinyTargetSpec, data: SyntheticDataSpec, root: Path) -> TinyAssets:
     blob = json.dumps({"v": _LAYOUT_VERSION, "target": dataclasses.asdict(spec),
                        "data": dataclasses.asdict(data)}, sort_keys=True)
