@@ -60,7 +60,7 @@ def test_regenerate_config_loads_and_names_its_threads_and_host_paths(tmp_path):
 @pytest.mark.parametrize("text, problem", [
     ("job: regenerate\ntarget: {tiny: {}}\n", "regenerate: missing required key for job: regenerate"),
     ("target: {tiny: {}}\n", "data: missing required key for job: train"),
-    ("job: serve\ntarget: {tiny: {}}\n", "job: expected one of 'train' | 'regenerate', got 'serve'"),
+    ("job: serve\ntarget: {tiny: {}}\n", "job: expected one of 'train' | 'regenerate' | 'evaluate', got 'serve'"),
     ("target: {tiny: {}}\ndata: {synthetic: {}}\nregenerate: {prompts: p, output: /o}\n",
      "job: train does not read regenerate"),
     ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: /o}\noptim: {lr: 0.1}\n"

@@ -127,7 +127,8 @@ def test_tiny_cpu_config_end_to_end(launch, workspace):
     # a checkpoint, complete, behind an atomically replaced `latest`
     latest = run.run_dir / "checkpoints" / "latest"
     assert latest.is_symlink() and os.readlink(latest) == f"step_{len(steps):06d}"
-    assert {p.name for p in latest.resolve().iterdir()} == {"model.safetensors", "optimizer.pt", "state.json"}
+    assert {p.name for p in latest.resolve().iterdir()} == {"model.safetensors", "optimizer.pt", "state.json",
+                                                              "SHA256SUMS"}
     assert [e["step"] for e in run.events("checkpoint")][-1] == len(steps)
     # the acceptance-length gain, both numbers reported
     evals = run.events("eval")
