@@ -26,7 +26,7 @@ from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, ev
 from .replica import Replica, verify_replicas_identical
 from .runlog import EventLog, dump_header, say
 from .startup import Prepared, prepare
-from .threads import Rendezvous, RunState, StopRequested, StoppableQueue, Worker
+from .threads import JobControl, Rendezvous, RunState, StopRequested, StoppableQueue, Worker
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -35,42 +35,23 @@ class ThreadFailed(RuntimeError):
     """The coordinator's own error when a worker failed; chained from the worker's exception."""
 
 
-class Coordinator:
+class Coordinator(JobControl):
     def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, state: RunState, fault_log):
+        super().__init__(events, state, config.runtime.heartbeat_s)
         self.config = config
         self.run_dir = run_dir
-        self.events = events
-        self.state = state
         self.fault_log = fault_log
-        self.phase = "startup"
         self.step: int | None = None
         self.workers: list[Worker] = []
         self.alive: list[str] = []  # threads still running at exit
         self.replicas: dict[int, Replica] = {}
         self.prepared: Prepared | None = None
         self.compile_plan: CompilePlan | None = None  # set before the first drafter starts
-        self._signal: int | None = None
-        self._heartbeat = (0.0, -1)  # (time, progress) of the last heartbeat
-
-    def on_signal(self, signum: int, frame) -> None:
-        """Only note it: the handler runs between two bytecodes of the main thread, which
-        may hold a lock that stopping the run needs. `poll` acts on it."""
-        self._signal = signum
 
     def poll(self) -> None:
-        if self._signal is not None and not self.state.stop.is_set():
-            say(f"received {signal.Signals(self._signal).name}: stopping")
-            self.state.request_stop(signal.Signals(self._signal).name)
-        now, progress = time.monotonic(), self.state.progress
-        last_time, last_progress = self._heartbeat
-        if progress != last_progress and now - last_time >= self.config.runtime.heartbeat_s:
-            lead = self.replicas.get(0)
-            self.events.emit("heartbeat", step=lead.completed_step if lead else None)
-            self._heartbeat = (now, progress)
-
-    def _set_phase(self, phase: str) -> None:
-        self.phase = phase
-        self.events.emit("phase", phase=phase)
+        self.act_on_signal("stopping")
+        lead = self.replicas.get(0)
+        self.heartbeat_if_due(step=lead.completed_step if lead else None)
 
     def run(self) -> int:
         try:

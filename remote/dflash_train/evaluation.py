@@ -27,43 +27,29 @@ from .runlog import EventLog, say
 from .speculative import evaluate
 from .startup import sources, stop_ids
 from .target import FeatureTap, load_target
-from .threads import RunState, StopRequested
+from .threads import JobControl, RunState, StopRequested
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
-class EvaluationJob:
+class EvaluationJob(JobControl):
     def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, state: RunState, fault_log):
         """As every job's coordinator is built (__main__.JOBS); one drafter is measured in
         this thread, so no worker thread can outlive a stop (`alive` stays empty)."""
         assert config.evaluate is not None
+        super().__init__(events, state, config.runtime.heartbeat_s)
+        self._heartbeat = (time.monotonic(), -1)  # the first heartbeat after heartbeat_s
         self.alive: list[str] = []
-        self.config, self.spec, self.run_dir, self.events, self.state = config, config.evaluate, run_dir, events, state
-        self.phase = "startup"
-        self._signal: int | None = None
-        self._last_heartbeat = time.monotonic()
+        self.config, self.spec, self.run_dir = config, config.evaluate, run_dir
         self.verify_steps = 0
-
-    def on_signal(self, signum: int, frame) -> None:
-        """Only note it (as the coordinator does); the next verify step acts on it."""
-        self._signal = signum
-
-    def _set_phase(self, phase: str) -> None:
-        self.phase = phase
-        self.events.emit("phase", phase=phase)
 
     def _stepped(self) -> None:
         """After every verify forward: act on a signal, and send a heartbeat when due."""
         self.verify_steps += 1
         self.state.progressed()
-        if self._signal is not None and not self.state.stop.is_set():
-            say(f"received {signal.Signals(self._signal).name}: stopping")
-            self.state.request_stop(signal.Signals(self._signal).name)
+        self.act_on_signal("stopping")
         self.state.check()
-        now = time.monotonic()
-        if now - self._last_heartbeat >= self.config.runtime.heartbeat_s:
-            self.events.emit("heartbeat", step=None, verify_steps=self.verify_steps)
-            self._last_heartbeat = now
+        self.heartbeat_if_due(step=None, verify_steps=self.verify_steps)
 
     def run(self) -> int:
         try:

@@ -39,7 +39,7 @@ from .faults import FaultInjector
 from .runlog import EventLog, say
 from .startup import torch_threads
 from .target import load_target
-from .threads import RunState, StopRequested, Worker
+from .threads import JobControl, RunState, StopRequested, Worker
 from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
 
 
@@ -249,37 +249,22 @@ class Answerer:
         return answers
 
 
-class Regeneration:
+class Regeneration(JobControl):
     """The coordinator of job: regenerate (main thread): startup, the workers, the exit code.
     Failures and signals are handled as in training (coordinator.Coordinator)."""
 
     def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, state: RunState, fault_log):
         assert config.regenerate is not None
+        super().__init__(events, state, config.runtime.heartbeat_s)
         self.config, self.settings = config, config.regenerate
-        self.run_dir, self.events, self.state, self.fault_log = run_dir, events, state, fault_log
-        self.phase = "startup"
+        self.run_dir, self.fault_log = run_dir, fault_log
         self.workers: list[Worker] = []
         self.alive: list[str] = []
         self.writer: AnswerWriter | None = None
-        self._signal: int | None = None
-        self._heartbeat = (0.0, -1)
-
-    def on_signal(self, signum: int, frame) -> None:
-        self._signal = signum  # acted on by poll, as in Coordinator.on_signal
 
     def poll(self) -> None:
-        if self._signal is not None and not self.state.stop.is_set():
-            say(f"received {signal.Signals(self._signal).name}: stopping after the batches being answered")
-            self.state.request_stop(signal.Signals(self._signal).name)
-        now, progress = time.monotonic(), self.state.progress
-        last_time, last_progress = self._heartbeat
-        if progress != last_progress and now - last_time >= self.config.runtime.heartbeat_s:
-            self.events.emit("heartbeat", step=None, answered=self.writer.answered if self.writer else None)
-            self._heartbeat = (now, progress)
-
-    def _set_phase(self, phase: str) -> None:
-        self.phase = phase
-        self.events.emit("phase", phase=phase)
+        self.act_on_signal("stopping after the batches being answered")
+        self.heartbeat_if_due(step=None, answered=self.writer.answered if self.writer else None)
 
     def run(self) -> int:
         try:
