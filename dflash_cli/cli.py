@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import console, retry
-from .commands import deploy, fetch_traceback, hosts, launch, pull, stacks, status, stop, watch
+from .commands import deploy, fetch_traceback, hosts, launch, pull, stacks, status, stop, version, watch
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
@@ -24,14 +24,29 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except DflashError as exc:
-            console.human.print(f"dflash: error: {exc.message}", style="red", markup=False,
-                                highlight=False, soft_wrap=True)
-            if exc.hint:
-                console.human.print(f"hint: {exc.hint}", markup=False, highlight=False, soft_wrap=True)
-            ctx.exit(int(exc.exit_code))
+            _fail(ctx, exc)
         except KeyboardInterrupt:
             console.say("interrupted")
             ctx.exit(int(ExitCode.INTERRUPTED))
+
+
+def _fail(ctx: click.Context, exc: DflashError) -> None:
+    """The core's error as a message and its exit code."""
+    console.human.print(f"dflash: error: {exc.message}", style="red", markup=False,
+                        highlight=False, soft_wrap=True)
+    if exc.hint:
+        console.human.print(f"hint: {exc.hint}", markup=False, highlight=False, soft_wrap=True)
+    ctx.exit(int(exc.exit_code))
+
+
+def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """--version runs while options are parsed, before any command (and without an inventory)."""
+    if not value or ctx.resilient_parsing:
+        return
+    try:
+        ctx.exit(int(version.run()))
+    except DflashError as exc:
+        _fail(ctx, exc)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,6 +56,8 @@ class _Group(click.Group):
               type=click.Path(file_okay=False), help="Where fetched logs and tracebacks are kept.")
 @click.option("--accept-new-host-key", is_flag=True,
               help="Record the SSH host key of a host seen for the first time instead of refusing it.")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Print dflash's version and the release id the current tree would deploy, then exit.")
 @click.pass_context
 def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_host_key: bool) -> None:
     """Train DFlash drafters on remote GPU hosts and see why they failed, at once.
@@ -90,16 +107,26 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
 @click.option("--source", "source_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Deploy this project tree (default: the one holding the current directory, "
                    "else the copy bundled with dflash).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override one config key (dotted: optim.lr=1e-4; VALUE read as YAML); repeatable.")
 @click.pass_obj
 def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | None,
-               follow: bool, force: bool, source_dir: Path | None) -> None:
+               follow: bool, force: bool, source_dir: Path | None, overrides: tuple[str, ...]) -> None:
     """Start a training run on HOST, detached; print its run id on stdout.
 
     Deploys first if the host's current release differs from the source tree (chosen
     as for `deploy`; run.json records it, with its git commit and uncommitted
     changes, for `status`). Refuses a second run on the same GPUs of a host unless --force.
+
+    --set KEY=VALUE changes one key of the config before it is checked, as if the
+    file said so: `--set optim.lr=1e-4 --set drafter.num_layers=3`. VALUE is one YAML
+    value (1e-4 a number, true a boolean, [a, b] a list, {k: v} a mapping that replaces
+    the key's, nothing at all null; quote a string that would read otherwise: 'off').
+    The run directory's config.yaml is the resolved config (every default filled in,
+    the overrides applied; `dflash status RUN --config` prints it) and run.json lists
+    the overrides.
     """
-    ref = launch.run(session, host_name, config_path, name, force, source_dir)
+    ref = launch.run(session, host_name, config_path, name, force, source_dir, overrides)
     console.data(ref.run_id + "\n")
     if follow:
         sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
@@ -182,15 +209,24 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> N
 @click.argument("run_id", metavar="[RUN]", required=False)
 @click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
 @click.option("--json", "as_json", is_flag=True, help="The status as JSON on stdout.")
+@click.option("--config", "show_config", is_flag=True,
+              help="Print the run's config.yaml instead (resolved: every default, the --set overrides applied).")
 @click.pass_obj
-def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_json: bool) -> None:
+def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_json: bool,
+               show_config: bool) -> None:
     """Print RUN's state (default: the latest run) on stdout, details on stderr.
 
     Exit code 0 while it is fine (STARTING, RUNNING) or succeeded; 1 FAILED, LOST,
     DEGRADED (a thread failed) or STALLED (no heartbeat for stall_after seconds:
     `dflash stacks` shows where it hangs); 4 STOPPED.
+
+    With --config: the config the run runs, as YAML on stdout (with --json: in the
+    status object as "config"), the state and the launch's --set overrides on stderr;
+    exit 0 whatever the state.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
+    if show_config:
+        sys.exit(status.run_config(session, ref, as_json))
     sys.exit(status.run_status(session, ref, as_json))
 
 

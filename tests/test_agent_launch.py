@@ -66,6 +66,7 @@ def test_launch_detaches_and_returns_once_run_json_exists(agent):
     assert record["argv"][1:] == ["-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
                                   "--run-dir", str(run_dir)]
     assert record["stall_after"] == 300.0 and record["host"] and record["started_at"] <= time.time()
+    assert record["overrides"] == []
 
     supervisor = record["supervisor"]["pid"]
     assert fd_target(supervisor, 0) == "/dev/null"
@@ -421,3 +422,16 @@ def test_a_disk_that_fills_up_during_the_launch_names_the_file(tmp_path, config_
             nothing_of(agent, "big")
         finally:
             agent.cleanup()
+
+
+def test_launch_records_the_overrides_and_status_gives_the_config(agent):
+    overrides = ["optim.lr=1e-4", "devices.target=[cuda:0, 'cuda:1']", "data.eval="]
+    agent.launch("set", [], *[f"--override={o}" for o in overrides])
+    agent.wait_state("set", "SUCCEEDED")
+    assert agent.read("set", "run.json")["overrides"] == overrides
+    plain = agent.ok("status", "--run-id", "set")["runs"][0]
+    assert plain["overrides"] == overrides and "config" not in plain
+    [status] = agent.ok("status", "--run-id", "set", "--config")["runs"]
+    assert status["config"] == (agent.run_dir("set") / "config.yaml").read_text() == json.dumps({"steps": []})
+    every = agent.run("status", "--config")
+    assert (every.rc, every.json["kind"]) == (2, "usage")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dflash_train.config import load_train_config, resolved_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
@@ -128,7 +129,9 @@ def test_tiny_cpu_config_end_to_end(launch, workspace):
     latest = run.run_dir / "checkpoints" / "latest"
     assert latest.is_symlink() and os.readlink(latest) == f"step_{len(steps):06d}"
     assert {p.name for p in latest.resolve().iterdir()} == {"model.safetensors", "optimizer.pt", "state.json",
-                                                              "SHA256SUMS"}
+                                                              "config.yaml", "SHA256SUMS"}
+    # the config it ran, resolved (the agent was given the file as written here)
+    assert (latest / "config.yaml").read_text() == resolved_yaml(load_train_config(TINY_CONFIG))
     assert [e["step"] for e in run.events("checkpoint")][-1] == len(steps)
     # the acceptance-length gain, both numbers reported
     evals = run.events("eval")

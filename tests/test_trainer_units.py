@@ -1,6 +1,7 @@
 """Unit tests of the trainer's parts, in process, on CPU with tiny random models."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import torch
 from dflash_schema import SchemaError
 
 from dflash_train import checkpoint as ckpt
-from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_train_config
+from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_train_config, resolved_yaml
 from dflash_train.data import tokenize_chat
 from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter, load_drafter
 from dflash_train.modeling_dflash import dense_attention
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(120)
 TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
+TINY_RESOLVED = resolved_yaml(load_train_config(TINY_CONFIG))
 
 
 def write_config(tmp_path: Path, text: str) -> Path:
@@ -393,7 +395,7 @@ def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
         model(torch.ones(1, 3)).sum().backward()
         optimizer.step()
         state = ckpt.TrainingState(step=step, epoch=0, batch_index=step, replicas=2, losses=[1.0] * step)
-        ckpt.save_checkpoint(root, state, model, optimizer, scheduler, keep=2)
+        ckpt.save_checkpoint(root, state, model, optimizer, scheduler, keep=2, config_yaml=TINY_RESOLVED)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
     assert os.readlink(root / "latest") == "step_000003"
     folder = ckpt.resolve_resume("latest", tmp_path)
@@ -402,11 +404,16 @@ def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
     assert torch.equal(loaded.weights["weight"], model.weight.detach())
     assert loaded.optimizer["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
     assert ckpt.resolve_resume("latest", tmp_path / "elsewhere") is None
+    # it carries the resolved config, which loads back, and SHA256SUMS covers it
+    assert (folder / "config.yaml").read_text() == TINY_RESOLVED
+    assert load_train_config(folder / "config.yaml") == load_train_config(TINY_CONFIG)
+    sums = dict(reversed(line.split("  ")) for line in (folder / "SHA256SUMS").read_text().splitlines())
+    assert sums["config.yaml"] == hashlib.sha256(TINY_RESOLVED.encode()).hexdigest()
     # A run resumed from an older checkpoint writes below the newest: what it wrote is kept,
     # and written again, a step's folder is replaced whole.
     for losses in ([2.0], [3.0]):
         state = ckpt.TrainingState(step=1, epoch=0, batch_index=1, replicas=2, losses=losses)
-        ckpt.save_checkpoint(root, state, model, optimizer, scheduler, keep=1)
+        ckpt.save_checkpoint(root, state, model, optimizer, scheduler, keep=1, config_yaml=TINY_RESOLVED)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
     assert ckpt.load_checkpoint(ckpt.resolve_resume("latest", tmp_path)).state.losses == [3.0]
 
@@ -531,14 +538,14 @@ def test_checkpoint_and_export_refuse_non_finite_weights(tmp_path, poison):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     root = tmp_path / "checkpoints"
     state = ckpt.TrainingState(step=1, epoch=0, batch_index=0, replicas=1, losses=[1.0])
-    ckpt.save_checkpoint(root, state, drafter, optimizer, scheduler, keep=3)
+    ckpt.save_checkpoint(root, state, drafter, optimizer, scheduler, keep=3, config_yaml=TINY_RESOLVED)
     export_drafter(drafter, tmp_path / "export")
     with torch.no_grad():
         drafter.layers[1].mlp.down_proj.weight.view(-1)[7] = poison
     state = ckpt.TrainingState(step=2, epoch=0, batch_index=1, replicas=1, losses=[1.0, 1.0])
     with pytest.raises(NonFiniteWeights, match=r"1 of \d+ weight tensors hold NaN or infinite values "
                                                 r"\(first: layers\.1\.mlp\.down_proj\.weight\); not written"):
-        ckpt.save_checkpoint(root, state, drafter, optimizer, scheduler, keep=3)
+        ckpt.save_checkpoint(root, state, drafter, optimizer, scheduler, keep=3, config_yaml=TINY_RESOLVED)
     with pytest.raises(NonFiniteWeights):
         ckpt.replace_dir(tmp_path / "export", lambda staging: export_drafter(drafter, staging))
     # what was there stays whole and finite; no staging folder is left behind

@@ -24,12 +24,13 @@ if TYPE_CHECKING:
 _BAD_NAME = re.compile(r"[/\x00-\x1f\x7f]")
 
 
-def load_config(path: Path):
-    """The training config, checked by the trainer's own schema before anything is sent."""
+def load_config(path: Path, overrides: tuple[str, ...] = ()) -> TrainConfig:
+    """The training config with the `--set KEY=VALUE` overrides merged in, checked by the
+    trainer's own schema before anything is sent."""
     from dflash_train.config import load_train_config  # torch-free by contract
 
     try:
-        return load_train_config(path)
+        return load_train_config(path, tuple(map(dflash_schema.parse_override, overrides)))
     except dflash_schema.SchemaError as exc:
         raise DflashError(str(exc), ExitCode.USAGE) from exc
 
@@ -72,12 +73,16 @@ def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
 
 
 def run(session: Session, host_name: str, config_path: Path, name: str | None,
-        force: bool, source_dir: Path | None) -> RunRef:
-    """Start a run; returns its reference (the CLI prints the run id on stdout)."""
+        force: bool, source_dir: Path | None, overrides: tuple[str, ...] = ()) -> RunRef:
+    """Start a run; returns its reference (the CLI prints the run id on stdout). The host
+    gets the resolved config (every default filled in, `overrides` applied), which the
+    trainer loads through the same schema again."""
+    from dflash_train.config import resolved_yaml
+
     name = config_path.stem if name is None else name
     check_name(name)
     host = session.host(host_name)
-    config = load_config(config_path)
+    config = load_config(config_path, overrides)
     tree, source = deploy.source_tree(source_dir)
     with deploy.upload_bars() as bars, deploy.cancel_on_ctrl_c() as cancel:
         result = deploy.deploy_host(session, host, tree, bars, cancel=cancel)
@@ -95,9 +100,10 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
     args += [f"--env={key}={value}" for key, value in host.env.items()]
     args += [f"--require-module={package}" for package in TRAINER_PACKAGES]
     args += [f"--require-path={kind}:{key}={path}" for kind, key, path in host_paths(config)]
+    args += [f"--override={override}" for override in overrides]
     if force:
         args.append("--force")
-    reply = session.agent(host.name).call("launch", *args, stdin=config_path.read_bytes())
+    reply = session.agent(host.name).call("launch", *args, stdin=resolved_yaml(config).encode())
     ref = RunRef(host.name, reply["run_id"])
     set_latest(session.logs_dir, ref)
     console.say(f"{host.name}: started run {ref.run_id} (pid {reply.get('pid')}, "

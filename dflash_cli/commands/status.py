@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console, provenance
-from ..errors import ExitCode, exit_code_for_state
+from ..errors import DflashError, ExitCode, exit_code_for_state
 from ..local_state import RunRef
 from ..session import Session
 
@@ -24,6 +24,12 @@ def runs_table(title: str, runs: list[dict]) -> Table:
     return table
 
 
+def overrides_line(status: dict) -> str | None:
+    """`overrides: --set optim.lr=1e-4 --set …`, or None for a run launched without any."""
+    overrides = status.get("overrides") or []
+    return "overrides: " + " ".join(f"--set {o}" for o in overrides) if overrides else None
+
+
 def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     """Print one run's state; the exit code says it too (0 fine, 1 failed, lost, degraded
     or stalled, 4 stopped)."""
@@ -36,7 +42,26 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
         console.human.print(runs_table(f"run {ref.run_id} on {ref.host}", [status]))
         if status.get("source"):
             console.say(f"source: {provenance.summary(status['source'])}")
+        if line := overrides_line(status):
+            console.say(line)
     return exit_code_for_state(status["state"])
+
+
+def run_config(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
+    """Print the config the run was started with (its config.yaml: resolved, for a run
+    launched by this dflash) on stdout; its state and overrides on stderr. Exit 0 once
+    printed, whatever the state: this asks for the config, not for the run's health."""
+    status = session.agent(ref.host).call("status", "--run-id", ref.run_id, "--config")["runs"][0]
+    if status.get("config") is None:
+        raise DflashError(f"run {ref.run_id} on {ref.host} recorded no config", ExitCode.USAGE)
+    if as_json:
+        console.data(json.dumps(status) + "\n")
+        return ExitCode.OK
+    console.data(status["config"] if status["config"].endswith("\n") else status["config"] + "\n")
+    console.say(f"run {ref.run_id} on {ref.host}: {status['state']}")
+    if line := overrides_line(status):
+        console.say(line)
+    return ExitCode.OK
 
 
 def list_runs(session: Session, host_names: list[str], as_json: bool) -> ExitCode:

@@ -19,7 +19,7 @@ Verbs
 -----
 launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          [--env KEY=VALUE]... [--python EXE] [--stall-after S=300] [--source-json JSON]
-         [--require-module NAME]... [--require-path KIND:KEY=PATH]...
+         [--require-module NAME]... [--require-path KIND:KEY=PATH]... [--override KEY=VALUE]...
          First checks what only the host can (preflight.py), all at once, before
          anything of the run exists: at least 64 MiB free in the workspace; each
          --require-module found by the trainer's interpreter (--python, run with the
@@ -52,14 +52,19 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          are not recorded), resources, start_time (/proc stat field 22) and
          supervisor {pid, start_time} and source: the --source-json object (where the
          release came from, DESIGN.md; null without it), whose "release_id" must name
-         the current release, else kind "conflict". `launch` returns after run.json exists:
+         the current release, else kind "conflict", and overrides: the --override
+         strings in order ([] without any), the `--set KEY=VALUE` the CLI resolved
+         the config with, recorded as given (the agent neither reads nor applies them). `launch` returns after run.json exists:
          {"run_id", "run_dir", "pid", "pgid", "release_id"}. A launch that fails before
          run.json exists leaves no run directory and no lock.
-status   [--run-id ID]    {"runs": [RunStatus...]} (all runs if no id; newest first)
+status   [--run-id ID [--config]]    {"runs": [RunStatus...]} (all runs if no id; newest first)
          RunStatus = {"run_id", "name", "state", "pid", "started_at", "ended_at",
                       "exit": exit.json or null, "errors": n_records,
                       "last_heartbeat": ts or null, "release_id", "source": run.json's
-                      source or null, "step": last step or null}
+                      source or null, "overrides": run.json's overrides or [],
+                      "step": last step or null}
+         --config (with --run-id only, else kind "usage") adds "config": run.json's
+         config, the text of config.yaml as launched.
          ended_at comes from exit.json, or from the trainer's `done` event when no
          supervisor was left to write exit.json.
 stop     --run-id ID [--grace S=10]

@@ -101,9 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a module the trainer's interpreter must find (checked before anything starts)")
     p.add_argument("--require-path", action="append", default=[], type=_path_requirement,
                    metavar="KIND:KEY=PATH", help="a path of the config that must exist on this host")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a --set the config was resolved with (recorded in run.json as given)")
 
     p = verbs.add_parser("status", help="RunStatus of one run or of all, newest first")
     p.add_argument("--run-id")
+    p.add_argument("--config", action="store_true", help="with --run-id: add the run's config.yaml text")
 
     p = verbs.add_parser("stop", help="SIGTERM the run's process group, then SIGKILL after --grace")
     p.add_argument("--run-id", required=True)
@@ -152,12 +155,15 @@ def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     return launch(ws, LaunchRequest(
         run_id=args.run_id, config=args.config, name=args.name, resources=tuple(args.resource),
         force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after,
-        source=args.source_json, modules=tuple(args.require_module), paths=tuple(args.require_path)))
+        source=args.source_json, modules=tuple(args.require_module), paths=tuple(args.require_path),
+        overrides=tuple(args.override)))
 
 
 def _status(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     from .report import status
-    return status(ws, args.run_id)
+    if args.config and args.run_id is None:
+        raise AgentError("status --config needs --run-id", "usage")
+    return status(ws, args.run_id, args.config)
 
 
 def _stop(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:

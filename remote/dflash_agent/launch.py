@@ -40,6 +40,7 @@ class LaunchRequest:
     source: Optional[Dict[str, Any]] = None  # where the release came from; names its release_id
     modules: Tuple[str, ...] = ()  # the trainer's interpreter must find these
     paths: Tuple[PathRequirement, ...] = ()  # the config's host paths that must exist
+    overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE the CLI resolved the config with
 
 
 def _read_config(request: LaunchRequest, release_root: str) -> bytes:
@@ -100,7 +101,7 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
             release_root=release_root, config_source=request.config, python=request.python,
             env=env,
             env_keys=tuple(key for key, _ in request.env), resources=request.resources,
-            stall_after=request.stall_after, source=request.source)
+            stall_after=request.stall_after, source=request.source, overrides=request.overrides)
         report = _start_supervisor(plan)
     except BaseException:
         if not os.path.exists(run.run_json):  # nothing started: the locks are ours to drop

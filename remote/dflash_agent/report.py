@@ -12,9 +12,9 @@ from .state import derive_state, error_records, observe, read_record, run_status
 FAULTHANDLER_MAX_BYTES = 4 * 1024 * 1024
 
 
-def status(ws: Workspace, run_id: Optional[str]) -> Dict[str, Any]:
+def status(ws: Workspace, run_id: Optional[str], with_config: bool = False) -> Dict[str, Any]:
     if run_id is not None:
-        return {"runs": [run_status(ws.existing_run(run_id))]}
+        return {"runs": [run_status(ws.existing_run(run_id), with_config)]}
     runs = []
     for run in ws.all_runs():
         try:

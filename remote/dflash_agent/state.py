@@ -170,11 +170,11 @@ def read_record(run: RunDir) -> Dict[str, Any]:
     return record
 
 
-def run_status(run: RunDir) -> Dict[str, Any]:
-    """The RunStatus object of the protocol."""
+def run_status(run: RunDir, with_config: bool = False) -> Dict[str, Any]:
+    """The RunStatus object of the protocol; `with_config` adds run.json's config text."""
     record = read_record(run)
     obs = observe(run, record)
-    return {
+    status = {
         "run_id": run.run_id,
         "name": record.get("name"),
         "state": derive_state(obs),
@@ -186,8 +186,12 @@ def run_status(run: RunDir) -> Dict[str, Any]:
         "last_heartbeat": obs.events.last_heartbeat,
         "release_id": record.get("release_id"),
         "source": record.get("source"),
+        "overrides": record.get("overrides") or [],
         "step": obs.events.step,
     }
+    if with_config:
+        status["config"] = record.get("config")
+    return status
 
 
 def _ended_at(obs: Observation) -> Optional[float]:

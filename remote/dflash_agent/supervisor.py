@@ -34,6 +34,7 @@ class TrainerPlan:
     resources: Tuple[str, ...]
     stall_after: float
     source: Optional[Dict[str, Any]] = None  # where the release came from, as the CLI saw it
+    overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE applied to the user's file
 
     @property
     def argv(self) -> Tuple[str, ...]:
@@ -126,6 +127,7 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
             "run_id": run.run_id, "name": plan.name, "release_id": plan.release_id,
             "release_dir": plan.release_root, "workspace": plan.workspace.root,
             "config": _read_text(run.config), "config_source": plan.config_source,
+            "overrides": list(plan.overrides),
             "argv": list(plan.argv), "cwd": run.path, "env_keys": list(plan.env_keys),
             "pid": pid, "pgid": pid, "start_time": start_ticks, "boot_id": procfs.boot_id(),
             "host": socket.gethostname(), "started_at": time.time(),

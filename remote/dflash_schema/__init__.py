@@ -7,7 +7,13 @@ Rules: unknown keys, missing required keys and wrong types are errors; each erro
 names the file, the path of keys that led to it ("hosts.ct200.container") and what
 was expected. Nothing is coerced except int -> float. A float is finite: YAML's `.inf`,
 `-.inf` and `.nan` (and numbers too large for a float) are refused for every float field,
-since no setting of this project means anything when infinite or NaN.
+since no setting of this project means anything when infinite or NaN. Numbers in exponent
+form without a dot (`1e-4`) are floats, as in YAML 1.2 (PyYAML's YAML 1.1 reads them as
+strings).
+
+Overrides (`--set optim.lr=1e-4`) are merged into the parsed mapping before it is
+checked, so they meet the same rules; an error they cause names the `--set`. `dump` is
+the inverse of `load`: a dataclass back to plain data that loads to an equal object.
 """
 from __future__ import annotations
 
@@ -15,10 +21,11 @@ import collections.abc
 import dataclasses
 import functools
 import math
+import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Callable, Literal, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -38,6 +45,25 @@ class DuplicateKey(Exception):
     def __init__(self, key: Any, line: int, first_line: int):
         super().__init__(f"line {line}: key {key!r} given twice (first at line {first_line})")
         self.key, self.line, self.first_line = key, line, first_line
+
+
+# YAML 1.2's float (core schema) where YAML 1.1 wants a dot: 1e-4, 5E+3. Tried after
+# PyYAML's own resolvers, so ints and YAML 1.1 floats resolve as before.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+def _with_exponent_floats(cls: type) -> type:
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+    return cls
+
+
+@functools.lru_cache(maxsize=None)
+def _strict_dumper() -> type:
+    """PyYAML's SafeDumper resolving scalars as the loader does, so a string such as
+    '1e-4' is written quoted and reads back as the string it was."""
+    import yaml
+
+    return _with_exponent_floats(type("StrictDumper", (yaml.SafeDumper,), {}))
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +90,7 @@ def _strict_loader() -> type:
                         continue  # an unhashable key: SafeLoader's own error names it
             return super().construct_mapping(node, deep=deep)
 
-    return StrictLoader
+    return _with_exponent_floats(StrictLoader)
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -89,8 +115,132 @@ def load(cls: type[T], data: Any, source: str, where: str = "") -> T:
     return _convert(cls, data, source, where)
 
 
-def load_file(cls: type[T], path: str | Path) -> T:
-    return load(cls, read_yaml(path), str(path))
+def load_file(cls: type[T], path: str | Path, overrides: tuple[Override, ...] = ()) -> T:
+    """`cls` from the YAML file at `path` with `overrides` merged in first. An error an
+    override caused names it instead of the file: `--set optim.lrr=1: optim.lrr: unknown key`."""
+    data = read_yaml(path)
+    if not overrides:
+        return load(cls, data, str(path))
+    merged = apply_overrides(data, overrides, str(path))
+    try:
+        return load(cls, merged, str(path))
+    except SchemaError as exc:
+        raise _blame(exc, overrides, lambda: load(cls, data, str(path))) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """One `--set KEY=VALUE`: `keys` the dotted KEY split, `value` VALUE read as YAML."""
+
+    text: str  # KEY=VALUE as given
+    keys: tuple[str, ...]
+    value: Any
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.keys)
+
+    @property
+    def label(self) -> str:
+        return f"--set {self.text}"
+
+
+def parse_override(text: str) -> Override:
+    """`KEY=VALUE` -> Override. VALUE is one YAML value, read as the file loader reads one:
+    1e-4 a number, true a boolean, [a, b] a list, {k: v} a mapping, nothing at all null;
+    quote a string that would read as something else ('off', '1e-4')."""
+    import yaml
+
+    key, equals, value_text = text.partition("=")
+    keys = tuple(key.split("."))
+    if not equals or not all(part and not any(c.isspace() for c in part) for part in keys):
+        raise SchemaError(f"--set {text}", "", "expected KEY=VALUE, KEY a dotted path of config keys "
+                                               "such as optim.lr")
+    try:
+        value = yaml.load(value_text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
+    except (DuplicateKey, yaml.YAMLError) as exc:
+        raise SchemaError(f"--set {text}", key, f"invalid YAML value: {exc}") from None
+    return Override(text, keys, value)
+
+
+def apply_overrides(data: Any, overrides: tuple[Override, ...], source: str) -> dict[str, Any]:
+    """A copy of `data` (the file's mapping) with each override's value put at its key, in
+    order. A missing or null mapping on the way is created; a key given by two overrides,
+    or one leading through a value that is not a mapping, is an error naming the override."""
+    if data is not None and not isinstance(data, dict):
+        raise SchemaError(source, "", f"expected a mapping, got {_type_name(data)}")
+    merged: dict[str, Any] = _unshared(data or {})
+    given: dict[str, Override] = {}
+    for override in overrides:
+        if override.key in given:
+            raise SchemaError(override.label, override.key, f"set twice (also by {given[override.key].label})")
+        given[override.key] = override
+        node = merged
+        for depth, key in enumerate(override.keys[:-1]):
+            if node.get(key) is None:
+                node[key] = {}
+            elif not isinstance(node[key], dict):
+                through = ".".join(override.keys[:depth + 1])
+                raise SchemaError(override.label, through, f"is {_type_name(node[key])} ({node[key]!r}), not a "
+                                                           f"mapping, so it has no key {override.keys[depth + 1]!r}")
+            node = node[key]
+        node[override.keys[-1]] = override.value
+    return merged
+
+
+def _unshared(data: Any) -> Any:
+    """A copy sharing no mapping or list: YAML aliases (`*base`) make several keys hold one
+    object, and an override of one of them must not change the others."""
+    if isinstance(data, dict):
+        return {k: _unshared(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_unshared(v) for v in data]
+    return data
+
+
+def _within(path: str, prefix: str) -> bool:
+    """Whether the key path `path` is `prefix` or under it (`optim.lr` under `optim`)."""
+    return not prefix or path == prefix or path.startswith((f"{prefix}.", f"{prefix}["))
+
+
+def _blame(exc: SchemaError, overrides: tuple[Override, ...], load_file_alone: Callable[[], Any]) -> SchemaError:
+    """`exc` (raised with the overrides merged) said by whoever caused it. An error at or
+    under an override's key is the override's. An error of a mapping an override changed
+    (a section's cross-field check) is the file's when the file alone gives it too, else
+    the overrides' under that mapping. Anything else is the file's."""
+    at = [o for o in overrides if _within(exc.where, o.key)]
+    if at:
+        return SchemaError(max(at, key=lambda o: len(o.keys)).label, exc.where, exc.problem)
+    inside = [o for o in overrides if _within(o.key, exc.where)]
+    if inside:
+        try:
+            load_file_alone()
+        except SchemaError as alone:
+            if (alone.where, alone.problem) == (exc.where, exc.problem):
+                return exc
+        return SchemaError(", ".join(o.label for o in inside), exc.where, exc.problem)
+    return exc
+
+
+def dump(value: Any) -> Any:
+    """Plain data (mappings, lists, scalars) that `load` turns back into an equal `value`:
+    every field, defaults included, in declaration order; internal fields left out."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: dump(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.init and not f.metadata.get("internal")}
+    if isinstance(value, (tuple, list)):
+        return [dump(v) for v in value]
+    if isinstance(value, collections.abc.Mapping):
+        return {k: dump(v) for k, v in value.items()}
+    return value
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML text of plain data that `read_yaml` reads back the same, keys in their order."""
+    import yaml
+
+    return yaml.dump(data, Dumper=_strict_dumper(), sort_keys=False, allow_unicode=True,
+                     default_flow_style=False)
 
 
 def _describe(tp: Any) -> str:

@@ -8,7 +8,8 @@ other files: `sha256sum -c` lines (`<hex>  <path>`, sorted), so that `dflash pul
 verifies a download without the host hashing gigabytes on every call.
 
 Contents: model.safetensors (drafter weights), optimizer.pt (optimizer and scheduler
-states) and state.json (step, data cursor, loss history, replicas). No global RNG state:
+states), state.json (step, data cursor, loss history, replicas) and config.yaml (the
+resolved config of the run that wrote it, config.resolved_yaml). No global RNG state:
 every random draw in training takes a generator seeded from the config, the epoch and the
 step, so a resumed run repeats them without it (and a checkpoint written where 8 GPUs were
 visible still loads where fewer are).
@@ -31,6 +32,7 @@ from .model import finite_cpu_weights
 
 LATEST = "latest"
 SHA256SUMS = "SHA256SUMS"
+CONFIG = "config.yaml"
 
 
 @dataclasses.dataclass
@@ -90,7 +92,7 @@ def replace_dir(final: Path, fill: Callable[[Path], None]) -> None:
 
 
 def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, optimizer, scheduler,
-                    keep: int) -> Path:
+                    keep: int, config_yaml: str) -> Path:
     from safetensors.torch import save_file
 
     def fill(staging: Path) -> None:
@@ -98,6 +100,7 @@ def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, op
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
                    staging / "optimizer.pt")
         (staging / "state.json").write_text(json.dumps(dataclasses.asdict(state)) + "\n")
+        (staging / CONFIG).write_text(config_yaml, encoding="utf-8")
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:06d}"

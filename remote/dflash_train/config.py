@@ -458,9 +458,22 @@ class TrainConfig:
         return tuple(f"gpu{i}" for i in sorted(indices))
 
 
-def load_train_config(path: str | os.PathLike[str]) -> TrainConfig:
-    """Load and check a training config; raises dflash_schema.SchemaError naming file and key."""
-    return dflash_schema.load_file(TrainConfig, path)
+def load_train_config(path: str | os.PathLike[str], overrides: tuple[dflash_schema.Override, ...] = ()) -> TrainConfig:
+    """Load and check a training config, `overrides` (`--set KEY=VALUE`) merged in first;
+    raises dflash_schema.SchemaError naming the file (or the `--set`) and the key."""
+    return dflash_schema.load_file(TrainConfig, path, overrides)
+
+
+def resolved_yaml(config: TrainConfig) -> str:
+    """The config as YAML with every default filled in: the run directory's config.yaml
+    and each checkpoint's. It loads back to an equal TrainConfig. The sections of other
+    jobs are left out (the config was refused unless they were at their defaults); values
+    the trainer derives from the model at run time (drafter.target_layer_ids when null)
+    stay null."""
+    data = dflash_schema.dump(config)
+    for name in _JOB_SPECIFIC - JOB_SECTIONS[config.job]:
+        del data[name]
+    return dflash_schema.dump_yaml({"job": data.pop("job"), **data})  # what it runs, first
 
 
 def resolve_path(path: str) -> Path:

@@ -22,7 +22,7 @@ import torch
 
 from .checkpoint import TrainingState, replace_dir, save_checkpoint
 from .compile_policy import StepStats
-from .config import TrainConfig
+from .config import TrainConfig, resolved_yaml
 from .data import BatchPlan, HostBatch, Sample, collate
 from .devices import Fence, handoff, is_cuda, thread_stream
 from .faults import FaultInjector
@@ -189,7 +189,7 @@ class Run:
         state = TrainingState(step=step, epoch=entry.epoch, batch_index=entry.index, replicas=self.plan.replicas,
                               losses=list(self.losses))
         path = save_checkpoint(self.run_dir / "checkpoints", state, replica.drafter, replica.optimizer,
-                               replica.scheduler, self.config.checkpoint.keep)
+                               replica.scheduler, self.config.checkpoint.keep, resolved_yaml(self.config))
         self.last_checkpoint = step
         self.events.emit("checkpoint", step=step, path=str(path))
         say(f"checkpoint at step {step}: {path}")
