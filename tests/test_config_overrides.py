@@ -72,7 +72,7 @@ def test_an_override_changes_one_of_two_aliased_mappings_only(tmp_path):
 REGEN = REPO / "configs" / "train" / "regen-tiny-cpu.yaml"
 
 
-@pytest.mark.parametrize("config, overrides, message", [
+BAD_SETS = [
     (None, ["optim.lrr=1e-4"], "--set optim.lrr=1e-4: optim.lrr: unknown key (known keys: betas, epochs, grad_clip, "
                                "lr, max_steps, warmup_ratio, weight_decay)"),
     (None, ["drafter.num_layers=three"],
@@ -92,7 +92,10 @@ REGEN = REPO / "configs" / "train" / "regen-tiny-cpu.yaml"
     (None, ["job=regenerate"], "--set job=regenerate: job: regenerate does not read"),
     (REGEN, ["regenerate.batch_size=0"],
      "--set regenerate.batch_size=0: regenerate: max_new_tokens and batch_size must be positive"),
-])
+]
+
+
+@pytest.mark.parametrize("config, overrides, message", BAD_SETS, ids=[" ".join(case[1]) for case in BAD_SETS])
 def test_a_bad_set_is_refused_naming_it_before_anything_is_deployed(home, tmp_path, config, overrides, message):
     config = config or small_config(tmp_path / "small.yaml")
     result = cli("launch", "local", "--config", str(config), *sets(*overrides))
