@@ -35,6 +35,7 @@ DFLASHIGNORE = ".dflashignore"
 LARGE_RELEASE_BYTES = 64 << 20
 _LARGEST_SHOWN = 5
 _CHUNK = 1 << 20
+GIT_TIMEOUT_S = 30.0
 
 
 #: What makes a folder a project tree dflash can deploy: the agent's launcher and its
@@ -263,23 +264,27 @@ def _selected(root: Path) -> Callable[[str], bool]:
     return chosen
 
 
+def run_git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """`git -C root ARGS`; raises OSError (no git) or subprocess.TimeoutExpired."""
+    # GIT_OPTIONAL_LOCKS=0: `status` must not take the index lock of a tree the user works in.
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=GIT_TIMEOUT_S,
+                          env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"}, stdin=subprocess.DEVNULL)
+
+
 def _git_committable(root: Path) -> set[str] | None:
     """`git ls-files --cached --others --exclude-standard` under remote/ and configs/,
     relative to `root`; None when `root` is not a git checkout's tree (its launcher not
     tracked: a copy inside an ignored folder of another repository is not its code)."""
-    def git(*args: str) -> subprocess.CompletedProcess[bytes] | None:
-        try:
-            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=60,
-                                  stdin=subprocess.DEVNULL, env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
-        except (OSError, subprocess.TimeoutExpired):
+    try:
+        tracked = run_git(root, "ls-files", "--error-unmatch", "--", PROJECT_MARKERS[0])
+        if tracked.returncode != 0:
             return None
-    tracked = git("ls-files", "--error-unmatch", "--", PROJECT_MARKERS[0])
-    if tracked is None or tracked.returncode != 0:
+        listed = run_git(root, "ls-files", "-z", "--full-name", "--cached", "--others", "--exclude-standard",
+                         "--", *RELEASE_DIRS)
+        prefix = run_git(root, "rev-parse", "--show-prefix")
+    except (OSError, subprocess.TimeoutExpired):
         return None
-    listed = git("ls-files", "-z", "--full-name", "--cached", "--others", "--exclude-standard", "--",
-                 *RELEASE_DIRS)
-    prefix = git("rev-parse", "--show-prefix")
-    if listed is None or listed.returncode != 0 or prefix is None or prefix.returncode != 0:
+    if listed.returncode != 0 or prefix.returncode != 0:
         return None
     strip = prefix.stdout.decode().strip()
     return {p[len(strip):] for p in listed.stdout.decode("utf-8", "surrogateescape").split("\0")
