@@ -57,12 +57,12 @@ class ReleaseStore:
             if hashlib.sha256(text.encode()).hexdigest()[:16] != release_id:
                 raise DflashError(f"host {host}: the MANIFEST of release {release_id} does not hash to its id",
                                   ExitCode.UNREACHABLE)
-            write_atomic(cached, text.encode())
+            self._write(cached, text.encode())
         return parse_manifest(cached.read_text())
 
     def add_local(self, tree: Release) -> None:
         """The release a deploy just sent, from its own tree: nothing to fetch for it."""
-        write_atomic(self.root / "manifests" / tree.release_id, tree.manifest_text.encode())
+        self._write(self.root / "manifests" / tree.release_id, tree.manifest_text.encode())
         self._local = tree
 
     def contents(self, host: str, release_id: str, entries: list[FileEntry]) -> dict[str, bytes | None]:
@@ -86,7 +86,15 @@ class ReleaseStore:
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             where = f"host {host}" if host else "the local tree"
             raise DflashError(f"{where}: {entry.path} does not match its MANIFEST entry", ExitCode.UNREACHABLE)
-        write_atomic(self._object(entry.sha256), data)
+        self._write(self._object(entry.sha256), data)
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        try:
+            write_atomic(path, data)
+        except OSError as exc:  # a full disk, a read-only logs folder: nothing half-written stays
+            raise DflashError(f"cannot keep a release file in {path.parent}: {exc.strerror or exc}",
+                              ExitCode.USAGE) from exc
 
     def diff(self, old: tuple[str, str], new: tuple[str, str], paths: tuple[str, ...] = ()) -> list[FileDiff]:
         """File by file, what changed from release `old` to release `new`, each given as

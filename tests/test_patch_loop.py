@@ -16,6 +16,7 @@ from dflash_cli.cli import main
 from dflash_cli.release_store import FileChange, file_diff
 from dflash_run import dflash, dflash_argv, dflash_env
 from support import copy_release_dirs
+from support.disk import fill, tmpfs
 from support.train_configs import small_config
 
 PATCHED = "remote/dflash_train/__init__.py"
@@ -73,6 +74,12 @@ def test_two_launches_one_line_apart_diff_runs_and_gc(make_inventory, tmp_path):
         assert shown.stdout == (f"--- a/{PATCHED}\n+++ b/{PATCHED}\n@@ -1 +1 @@\n"
                                 f"-{_round(1)}+{_round(2)}")
     os.rename(releases / ".away", releases / release_a)
+    with tmpfs(tmp_path / "full", 1) as full:  # no room to keep what it fetches: said, nothing half-kept
+        fill(full)
+        cramped = CliRunner().invoke(main, ["--hosts", str(tmp_path / "hosts.yaml"), "--logs-dir", str(full),
+                                            "diff", run_a, run_b, "--host", "node"])
+        assert cramped.exit_code == 2 and "cannot keep a release file" in cramped.stderr, cramped.stderr
+        assert not list(full.glob("releases/*/*"))
     stat = _cli(tmp_path, "diff", f"node/{run_a}", f"node/{run_b}", "--stat")
     assert stat.exit_code == 0, stat.stderr
     assert stat.stdout == f"1\t1\t{PATCHED}\n"
