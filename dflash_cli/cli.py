@@ -106,6 +106,8 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
     Deploys first if the host's current release differs from the source tree (chosen
     as for `deploy`; run.json records it, with its git commit and uncommitted
     changes, for `status`). Refuses a second run on the same GPUs of a host unless --force.
+    Before starting, one line says what the release changed since the newest run on
+    HOST (`changed since RUN: 2 files (+14 −3)`, or `same release as RUN`).
     """
     ref = launch.run(session, host_name, config_path, name, force, source_dir, allow_large)
     console.data(ref.run_id + "\n")

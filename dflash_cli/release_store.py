@@ -37,6 +37,7 @@ class FileDiff:
     text: str  # the unified diff, or a line saying binary or too large files differ
     added: int
     removed: int
+    compared: bool = True  # False: binary or too large, no line counts
 
 
 class ReleaseStore:
@@ -131,7 +132,7 @@ def file_diff(change: FileChange, old: bytes | None, new: bytes | None, labels: 
     old_lines, new_lines = _text(old), _text(new)
     if old_lines is None or new_lines is None:
         why = "too large to compare here" if None in (old, new) else "binary"
-        return FileDiff(change, f"Files {old_label} and {new_label} differ ({why})\n", 0, 0)
+        return FileDiff(change, f"Files {old_label} and {new_label} differ ({why})\n", 0, 0, compared=False)
     lines = list(difflib.unified_diff(old_lines, new_lines, old_label, new_label))
     lines = [line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines]
     added = sum(1 for line in lines if line.startswith("+") and not line.startswith("+++"))

@@ -116,7 +116,8 @@ def test_two_launches_one_line_apart_diff_runs_and_gc(make_inventory, tmp_path):
 
 def test_binary_files_are_said_to_differ():
     change = FileChange("configs/blob.bin", None, None)
-    assert file_diff(change, b"\0\1", b"\0\2", ("a/x", "b/x")).text == "Files a/x and b/x differ (binary)\n"
+    binary = file_diff(change, b"\0\1", b"\0\2", ("a/x", "b/x"))
+    assert (binary.text, binary.compared) == ("Files a/x and b/x differ (binary)\n", False)
 
 
 def _git(root, *args: str) -> None:

@@ -49,8 +49,9 @@ def run(session: Session, run_a: str, run_b: str, host: str | None, paths: tuple
         for column in ("file", "+", "−"):
             table.add_column(column, justify="left" if column == "file" else "right")
         for d in diffs:
-            table.add_row(d.change.path, str(d.added), str(d.removed))
-            console.data(f"{d.added}\t{d.removed}\t{d.change.path}\n")
+            added, removed = (str(d.added), str(d.removed)) if d.compared else ("-", "-")  # as git --numstat
+            table.add_row(d.change.path, added, removed)
+            console.data(f"{added}\t{removed}\t{d.change.path}\n")
         console.human.print(table)
     else:
         for d in diffs:
