@@ -256,7 +256,7 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
     sys.exit(status.list_runs(session, list(host_names) or [latest_host(session.logs_dir)], as_json))
 
 
-@main.command("diff", context_settings={"ignore_unknown_options": False})
+@main.command("diff")
 @click.argument("run_a", metavar="RUN_A")
 @click.argument("run_b", metavar="RUN_B")
 @click.argument("paths", nargs=-1, metavar="[-- PATH...]")

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from dflash_cli import release
 from dflash_cli.cli import main
+from dflash_cli.commands.status import source_commit
 from dflash_cli.release_store import FileChange, file_diff
 from dflash_run import dflash, dflash_argv, dflash_env
 from support import copy_release_dirs
@@ -188,3 +189,9 @@ def test_allow_large_sends_a_big_file_in_bounded_memory(make_inventory, tmp_path
     assert (tmp_path / "local ws" / "current" / "configs" / "dataset.bin").stat().st_size == size
     # ru_maxrss in KiB: the whole file held in memory (as the old in-memory tar did) exceeds it
     assert usage.ru_maxrss * 1024 < size // 2, f"peak RSS {usage.ru_maxrss} KiB"
+
+
+def test_runs_marks_a_source_with_uncommitted_changes():
+    commit = "1a2b3c4d5e6f"
+    assert [source_commit(s) for s in ({"git_commit": commit, "dirty": True}, {"git_commit": commit, "dirty": False},
+                                       {"git_commit": None}, None)] == ["1a2b3c4*", "1a2b3c4", "-", "-"]
