@@ -35,8 +35,8 @@ def _cli(tmp_path, *args: str):
                                      *args], env={"NO_COLOR": "1", "COLUMNS": "200"})
 
 
-def _launch(tmp_path, project, config) -> tuple[str, str]:
-    done = _cli(tmp_path, "launch", "node", "--config", str(config), "--source", str(project), "--force")
+def _launch(tmp_path, project, config, host: str = "node") -> tuple[str, str]:
+    done = _cli(tmp_path, "launch", host, "--config", str(config), "--source", str(project), "--force")
     assert done.exit_code == 0, done.stderr
     return done.stdout.strip(), done.stderr
 
@@ -63,6 +63,7 @@ def test_two_launches_one_line_apart_diff_runs_and_gc(make_inventory, tmp_path):
     assert f"node: changed since {run_a}: 1 file (+1 \u22121)" in said_b, said_b
     run_c, said_c = _launch(tmp_path, project, small_config(tmp_path / "b.yaml"))
     assert f"node: same release as {run_b}" in said_c, said_c
+    run_local, _ = _launch(tmp_path, project, small_config(tmp_path / "b.yaml"), host="local")
     shutil.rmtree(project)  # diff reads the releases on the host, not the tree
 
     releases = workspace / "releases"
@@ -81,6 +82,8 @@ def test_two_launches_one_line_apart_diff_runs_and_gc(make_inventory, tmp_path):
                                             "diff", run_a, run_b, "--host", "node"])
         assert cramped.exit_code == 2 and "cannot keep a release file" in cramped.stderr, cramped.stderr
         assert not list(full.glob("releases/*/*"))
+    across = _cli(tmp_path, "diff", f"node/{run_a}", f"local/{run_local}")  # the same change, across hosts
+    assert across.exit_code == 0 and across.stdout == shown.stdout, across.stderr
     stat = _cli(tmp_path, "diff", f"node/{run_a}", f"node/{run_b}", "--stat")
     assert stat.exit_code == 0, stat.stderr
     assert stat.stdout == f"1\t1\t{PATCHED}\n"
