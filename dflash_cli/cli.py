@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import console, retry
-from .commands import deploy, fetch_traceback, hosts, launch, pull, stacks, status, stop, version, watch
+from .commands import deploy, diff, fetch_traceback, gc, hosts, launch, pull, stacks, status, stop, version, watch
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
@@ -78,9 +78,12 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
 @click.option("--source", "source_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Deploy this project tree (default: the one holding the current directory, "
                    "else the copy bundled with dflash).")
+@click.option("--allow-large", is_flag=True,
+              help="Send a release over 64 MiB (refused by default, naming its largest files: data "
+                   "belongs on the host).")
 @click.pass_obj
 def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, verify: bool,
-               source_dir: Path | None) -> None:
+               source_dir: Path | None, allow_large: bool) -> None:
     """Send remote/ and configs/ to HOSTs as a content-addressed release.
 
     Only files the host lacks an intact copy of travel, in one tar stream; the host
@@ -92,9 +95,11 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
     The tree sent is --source DIR, else the project tree holding the current
     directory (the nearest folder with remote/agent.py and remote/dflash_agent/),
     else the copy bundled with dflash; a `source:` line on stderr says which, with
-    its git commit and uncommitted changes.
+    its git commit and uncommitted changes. A release holds what git would commit
+    of remote/ and configs/ (what .gitignore ignores stays here), minus what
+    .dflashignore names; files are read from disk as they are sent.
     """
-    sys.exit(deploy.run(session, list(host_names), all_hosts, verify, source_dir))
+    sys.exit(deploy.run(session, list(host_names), all_hosts, verify, source_dir, allow_large))
 
 
 @main.command("launch")
@@ -109,9 +114,13 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
                    "else the copy bundled with dflash).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override one config key (dotted: optim.lr=1e-4; VALUE read as YAML); repeatable.")
+@click.option("--allow-large", is_flag=True,
+              help="Send a release over 64 MiB (refused by default, naming its largest files: data "
+                   "belongs on the host).")
 @click.pass_obj
 def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | None,
-               follow: bool, force: bool, source_dir: Path | None, overrides: tuple[str, ...]) -> None:
+               follow: bool, force: bool, source_dir: Path | None, overrides: tuple[str, ...],
+               allow_large: bool) -> None:
     """Start a training run on HOST, detached; print its run id on stdout.
 
     Deploys first if the host's current release differs from the source tree (chosen
@@ -125,8 +134,11 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
     The run directory's config.yaml is the resolved config (every default filled in,
     the overrides applied; `dflash status RUN --config` prints it) and run.json lists
     the overrides.
+
+    Before starting, one line says what the release changed since the newest run on
+    HOST (`changed since RUN: 2 files (+14 −3)`, or `same release as RUN`).
     """
-    ref = launch.run(session, host_name, config_path, name, force, source_dir, overrides)
+    ref = launch.run(session, host_name, config_path, name, force, source_dir, overrides, allow_large)
     console.data(ref.run_id + "\n")
     if follow:
         sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
@@ -273,8 +285,50 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run on stdout.")
 @click.pass_obj
 def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> None:
-    """List the runs on hosts, newest first: `host<TAB>run<TAB>state` on stdout."""
+    """List the runs on hosts, newest first: `host<TAB>run<TAB>state` on stdout.
+
+    The table (stderr) adds each run's source commit (`*`: with uncommitted changes) and
+    what its release changed since the run before it on that host: `2 files (+14 −3)`,
+    or `same release as RUN`.
+    """
     sys.exit(status.list_runs(session, list(host_names) or [latest_host(session.logs_dir)], as_json))
+
+
+@main.command("diff")
+@click.argument("run_a", metavar="RUN_A")
+@click.argument("run_b", metavar="RUN_B")
+@click.argument("paths", nargs=-1, metavar="[-- PATH...]")
+@click.option("--host", "host_name", help="Host of both runs (or write HOST/RUN).")
+@click.option("--stat", is_flag=True, help="Per file, lines added and removed (`added<TAB>removed<TAB>path`).")
+@click.option("--config", "config", is_flag=True, help="Diff the runs' config.yaml instead of their code.")
+@click.pass_obj
+def diff_cmd(session: Session, run_a: str, run_b: str, paths: tuple[str, ...], host_name: str | None,
+             stat: bool, config: bool) -> None:
+    """Show what RUN_B's release changed from RUN_A's, as a unified diff on stdout.
+
+    Computed from the releases the runs used, kept on their hosts (fetched once into
+    <logs>/releases/): no local git history needed, across hosts (HOST/RUN), whatever
+    the source tree became since. PATHs (after --) limit it to those files or folders.
+    Binary files are said to differ.
+    """
+    sys.exit(diff.run(session, run_a, run_b, host_name, paths, stat, config))
+
+
+@main.command("gc")
+@click.argument("host_names", nargs=-1, metavar="HOST...")
+@click.option("--all", "all_hosts", is_flag=True, help="Every host of the inventory.")
+@click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Unused releases to keep on each host, newest first.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
+@click.pass_obj
+def gc_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, keep: int, as_json: bool) -> None:
+    """Remove the releases on HOSTs that no recorded run uses, reporting the space freed.
+
+    Never removes `current` or a release a run on the host used, and refuses while a
+    deploy is installing a release there. Prints `host<TAB>release<TAB>bytes` per
+    removed release.
+    """
+    sys.exit(gc.run(session, list(host_names), all_hosts, keep, as_json))
 
 
 @main.command("hosts")

@@ -8,7 +8,6 @@ the code exactly; this says where it came from.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 from importlib import metadata
@@ -17,7 +16,6 @@ from typing import Any
 
 from . import release
 
-GIT_TIMEOUT_S = 30.0
 #: run.json lists at most this many modified paths: the record travels to the host as one
 #: argument (Linux caps one at 128 KiB), and diff_sha256 covers every change anyway.
 MODIFIED_LISTED = 200
@@ -71,19 +69,19 @@ def _git_state(root: Path, tree: release.Release) -> dict[str, Any]:
     try:
         # The launcher must be tracked: a tree copied into an ignored folder of another
         # repository (a venv inside a checkout) is not that repository's code.
-        tracked = _git(root, "ls-files", "--error-unmatch", "--", release.PROJECT_MARKERS[0])
+        tracked = release.run_git(root, "ls-files", "--error-unmatch", "--", release.PROJECT_MARKERS[0])
         if tracked.returncode != 0:
             return {**unknown, "git_problem": _problem(tracked, "not a git checkout")}
-        head = _git(root, "rev-parse", "--verify", "--quiet", "HEAD")
+        head = release.run_git(root, "rev-parse", "--verify", "--quiet", "HEAD")
         if head.returncode != 0:
             return {**unknown, "git_problem": "git checkout without a commit"}
-        prefix = _git(root, "rev-parse", "--show-prefix").stdout.decode().strip()
-        status = _git(root, "status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignored=matching",
+        prefix = release.run_git(root, "rev-parse", "--show-prefix").stdout.decode().strip()
+        status = release.run_git(root, "status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignored=matching",
                       "--no-renames", "--", *release.RELEASE_DIRS)
-        diff = _git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", "--no-textconv",
+        diff = release.run_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", "--no-textconv",
                     "--no-renames", "--", *release.RELEASE_DIRS)
     except subprocess.TimeoutExpired:
-        return {**unknown, "git_problem": f"git did not answer within {GIT_TIMEOUT_S:.0f} s"}
+        return {**unknown, "git_problem": f"git did not answer within {release.GIT_TIMEOUT_S:.0f} s"}
     for done in (status, diff):
         if done.returncode != 0:
             return {**unknown, "git_problem": _problem(done, "git failed")}
@@ -107,12 +105,6 @@ def _git_state(root: Path, tree: release.Release) -> dict[str, Any]:
         digest.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0" + deployed[path].encode())
     return {"git_commit": commit, "dirty": True, "diff_sha256": digest.hexdigest(),
             "modified": modified[:MODIFIED_LISTED], "modified_count": len(modified), "git_problem": None}
-
-
-def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
-    # GIT_OPTIONAL_LOCKS=0: `status` must not take the index lock of a tree the user works in.
-    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=GIT_TIMEOUT_S,
-                          env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"}, stdin=subprocess.DEVNULL)
 
 
 def _problem(done: subprocess.CompletedProcess[bytes], default: str) -> str:

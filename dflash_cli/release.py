@@ -1,8 +1,15 @@
-"""What a release is: the files of remote/ and configs/, content-addressed.
+"""What a release is: the code and configs of remote/ and configs/, content-addressed.
 
 MANIFEST has one line per file, `sha256  size  mode  path`, sorted by path. The release
 id is the first 16 hex digits of the MANIFEST's own sha256, so the same tree always
 gives the same id and any change of content, path or executable bit gives a new one.
+
+Which files (DESIGN.md "What a release holds"): those of remote/ and configs/ that git
+would commit (tracked, or untracked and not ignored: `git ls-files --cached --others
+--exclude-standard`) in a git checkout, else those no `.gitignore` of the tree ignores;
+then minus what the tree's `.dflashignore` (gitignore syntax) names, and never caches or
+dotfiles. A release over LARGE_RELEASE_BYTES is refused unless allowed: data belongs on
+the host, not in every release.
 """
 from __future__ import annotations
 
@@ -10,15 +17,25 @@ import dataclasses
 import hashlib
 import io
 import os
+import subprocess
 import tarfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+import pathspec
 
 from .errors import DflashError, ExitCode
 
 RELEASE_DIRS = ("remote", "configs")
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo", ".swp")
+#: Files git tracks that hosts do not need, in gitignore syntax, at the tree's root.
+DFLASHIGNORE = ".dflashignore"
+#: Above this a release is refused (unless --allow-large): code and configs are small.
+LARGE_RELEASE_BYTES = 64 << 20
+_LARGEST_SHOWN = 5
+_CHUNK = 1 << 20
+GIT_TIMEOUT_S = 30.0
 
 
 #: What makes a folder a project tree dflash can deploy: the agent's launcher and its
@@ -92,43 +109,114 @@ class Release:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
-    def tar_of(self, paths: set[str], check: Callable[[], None] = lambda: None) -> bytes:
-        """A gzipped tar holding MANIFEST and the files named in `paths`. `check` is
-        called between blocks and may raise to stop: compressing a big file takes a while."""
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT, compresslevel=6) as tar:
-            manifest = self.manifest_text.encode()
-            info = tarfile.TarInfo("MANIFEST")
-            info.size, info.mode = len(manifest), 0o444
-            tar.addfile(info, io.BytesIO(manifest))
-            for entry in self.files:
-                if entry.path in paths:
-                    data = (self.root / entry.path).read_bytes()
-                    if hashlib.sha256(data).hexdigest() != entry.sha256:
-                        raise DflashError(f"{entry.path} changed while deploying; run the command again",
-                                          ExitCode.USAGE)
-                    info = tarfile.TarInfo(entry.path)
-                    info.size, info.mode = entry.size, entry.mode
-                    tar.addfile(info, _Checked(io.BytesIO(data), check))
-        return buf.getvalue()
+    def check_size(self, allow_large: bool) -> None:
+        """Refuse a release over LARGE_RELEASE_BYTES (unless `allow_large`), naming its
+        largest files, before anything is sent."""
+        if allow_large or self.total_bytes <= LARGE_RELEASE_BYTES:
+            return
+        largest = sorted(self.files, key=lambda f: -f.size)[:_LARGEST_SHOWN]
+        names = ", ".join(f"{f.path} ({_mib(f.size)})" for f in largest)
+        raise DflashError(
+            f"the release of {self.root} holds {_mib(self.total_bytes)} (more than "
+            f"{_mib(LARGE_RELEASE_BYTES)}); largest files: {names}; nothing was sent", ExitCode.USAGE,
+            hint="data belongs on the host (point the config's paths there); list such files in "
+                 f".gitignore or {DFLASHIGNORE}, or pass --allow-large to send them anyway")
+
+    def tar_stream(self, paths: set[str], check: Callable[[], None] = lambda: None) -> "TarStream":
+        """An uncompressed tar of MANIFEST and the files named in `paths`, read from disk
+        as it is sent (memory stays bounded whatever the files' size); its length is
+        known before the first byte, as the host's `install` needs."""
+        return TarStream(self, [f for f in self.files if f.path in paths], check)
 
 
-class _Checked(io.RawIOBase):
-    """A readable file that calls `check` before each read."""
+def parse_manifest(text: str) -> tuple[FileEntry, ...]:
+    """The files of a MANIFEST's lines `sha256  size  mode  path`."""
+    entries = []
+    for line in text.splitlines():
+        sha256, size, mode, path = line.split("  ", 3)
+        entries.append(FileEntry(path, int(size), sha256, int(mode, 8)))
+    return tuple(entries)
 
-    def __init__(self, source: io.BytesIO, check: Callable[[], None]):
-        self._source, self._check = source, check
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"
+
+
+def _padding(size: int) -> int:
+    return -size % tarfile.BLOCKSIZE
+
+
+class TarStream(io.RawIOBase):
+    """A tar as a readable file: the headers tarfile itself writes, each file's bytes
+    read in chunks (and checked against its MANIFEST entry, so a file changed since the
+    scan stops the stream short, which the host discards), then the end blocks. `check`
+    is called before each chunk and may raise to stop."""
+
+    def __init__(self, tree: Release, files: list[FileEntry], check: Callable[[], None]):
+        self._tree, self._check = tree, check
+        manifest = tree.manifest_text.encode()
+        self._members = [(_header("MANIFEST", len(manifest), 0o444), manifest, None)]
+        self._members += [(_header(f.path, f.size, f.mode), None, f) for f in files]
+        body = sum(len(header) + size + _padding(size) for header, size in
+                   ((h, len(data) if data is not None else f.size) for h, data, f in self._members))
+        end = body + 2 * tarfile.BLOCKSIZE
+        self._end = b"\0" * (end + (-end % tarfile.RECORDSIZE) - body)
+        self.length = body + len(self._end)
+        self._pieces, self._pending = self._generate(), memoryview(b"")
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        self._check()
-        return self._source.readinto(buffer)
+        while not self._pending:
+            self._check()
+            piece = next(self._pieces, None)
+            if piece is None:
+                return 0
+            self._pending = memoryview(piece)
+        count = min(len(buffer), len(self._pending))
+        buffer[:count] = self._pending[:count]
+        self._pending = self._pending[count:]
+        return count
+
+    def _generate(self) -> Iterator[bytes]:
+        for header, data, entry in self._members:
+            yield header
+            if entry is None:
+                yield data
+                size = len(data)
+            else:
+                yield from self._file(entry)
+                size = entry.size
+            yield b"\0" * _padding(size)
+        yield self._end
+
+    def _file(self, entry: FileEntry) -> Iterator[bytes]:
+        digest, left = hashlib.sha256(), entry.size
+        with open(self._tree.root / entry.path, "rb") as fh:
+            while left:
+                chunk = fh.read(min(_CHUNK, left))
+                if not chunk:
+                    break
+                digest.update(chunk)
+                left -= len(chunk)
+                if left == 0 and (fh.read(1) or digest.hexdigest() != entry.sha256):
+                    break  # the last bytes are held back: the stream ends short
+                yield chunk
+        if left or digest.hexdigest() != entry.sha256:
+            raise DflashError(f"{entry.path} changed while deploying; run the command again", ExitCode.USAGE)
+
+
+def _header(path: str, size: int, mode: int) -> bytes:
+    info = tarfile.TarInfo(path)
+    info.size, info.mode = size, mode
+    return info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
 
 
 def scan(root: Path | None = None) -> Release:
+    """The release of the tree at `root` (default: the one shipping with dflash)."""
     root = root or project_root()
+    chosen = _selected(root)
     entries = []
     for top in RELEASE_DIRS:
         for dirpath, dirnames, filenames in os.walk(root / top):
@@ -137,11 +225,93 @@ def scan(root: Path | None = None) -> Release:
                 if name.endswith(_SKIP_SUFFIXES) or name.startswith("."):
                     continue
                 full = Path(dirpath) / name
-                if not full.is_file():
+                path = full.relative_to(root).as_posix()
+                if not full.is_file() or not chosen(path):
                     continue
-                data = full.read_bytes()
-                mode = 0o755 if os.access(full, os.X_OK) else 0o644
-                entries.append(FileEntry(full.relative_to(root).as_posix(), len(data),
-                                         hashlib.sha256(data).hexdigest(), mode))
+                entries.append(_entry(full, path))
     entries.sort(key=lambda e: e.path)
     return Release(root, tuple(entries))
+
+
+def _entry(full: Path, path: str) -> FileEntry:
+    digest, size = hashlib.sha256(), 0
+    with open(full, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    mode = 0o755 if os.access(full, os.X_OK) else 0o644
+    return FileEntry(path, size, digest.hexdigest(), mode)
+
+
+def _selected(root: Path) -> Callable[[str], bool]:
+    """Whether a path (relative to `root`) belongs in the release: what git would commit
+    (or, outside git, what no .gitignore ignores), minus what .dflashignore names."""
+    committable = _git_committable(root)
+    specs: dict[Path, pathspec.GitIgnoreSpec | None] = {}
+
+    def spec_of(path: Path) -> pathspec.GitIgnoreSpec | None:
+        if path not in specs:
+            specs[path] = _spec(path)
+        return specs[path]
+
+    def chosen(path: str) -> bool:
+        if committable is not None and path not in committable:
+            return False
+        if committable is None and _gitignored(root, path, spec_of):
+            return False
+        dflashignore = spec_of(root / DFLASHIGNORE)
+        return not (dflashignore and dflashignore.match_file(path))
+    return chosen
+
+
+def run_git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """`git -C root ARGS`; raises OSError (no git) or subprocess.TimeoutExpired."""
+    # GIT_OPTIONAL_LOCKS=0: `status` must not take the index lock of a tree the user works in.
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=GIT_TIMEOUT_S,
+                          env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"}, stdin=subprocess.DEVNULL)
+
+
+def _git_committable(root: Path) -> set[str] | None:
+    """`git ls-files --cached --others --exclude-standard` under remote/ and configs/,
+    relative to `root`; None when `root` is not a git checkout's tree (its launcher not
+    tracked: a copy inside an ignored folder of another repository is not its code)."""
+    try:
+        tracked = run_git(root, "ls-files", "--error-unmatch", "--", PROJECT_MARKERS[0])
+        if tracked.returncode != 0:
+            return None
+        listed = run_git(root, "ls-files", "-z", "--full-name", "--cached", "--others", "--exclude-standard",
+                         "--", *RELEASE_DIRS)
+        prefix = run_git(root, "rev-parse", "--show-prefix")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if listed.returncode != 0 or prefix.returncode != 0:
+        return None
+    strip = prefix.stdout.decode().strip()
+    return {p[len(strip):] for p in listed.stdout.decode("utf-8", "surrogateescape").split("\0")
+            if p.startswith(strip) and p}
+
+
+def _spec(path: Path) -> pathspec.GitIgnoreSpec | None:
+    try:
+        return pathspec.GitIgnoreSpec.from_lines(path.read_text().splitlines())
+    except FileNotFoundError:
+        return None
+
+
+def _gitignored(root: Path, path: str, spec_of: Callable[[Path], pathspec.GitIgnoreSpec | None]) -> bool:
+    """Whether the .gitignore files of `root` and of the folders above `path` in it ignore
+    `path` (or a folder holding it), the deepest deciding, as git does."""
+    parts = path.split("/")
+    for depth in range(len(parts) - 1, -1, -1):
+        folder = root.joinpath(*parts[:depth])
+        spec = spec_of(folder / ".gitignore")
+        if spec is None:
+            continue
+        relative = parts[depth:]
+        # A pattern naming a folder ignores everything below it.
+        for end in range(1, len(relative) + 1):
+            candidate = "/".join(relative[:end]) + ("" if end == len(relative) else "/")
+            decided = spec.check_file(candidate).include
+            if decided is not None:
+                return decided
+    return False

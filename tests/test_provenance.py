@@ -126,25 +126,27 @@ def test_launch_records_the_source_in_run_json_and_status_shows_it(make_inventor
     assert launch_line.startswith(f"source: {project} (git {commit[:7]}, modified: 2 files")
 
 
-def test_a_tree_inside_a_larger_repository_counts_ignored_files_that_are_deployed(tmp_path):
+def test_a_tree_inside_a_larger_repository_counts_the_untracked_files_it_deploys(tmp_path):
     repo = tmp_path / "mono"
     tree = copy_release_dirs(repo / "vendor" / "dflash")
     (repo / ".gitignore").write_text("secret.yaml\n__pycache__/\n")
     git(repo, "init", "-q")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "vendored")
-    (tree / "configs" / "secret.yaml").write_text("token: 1\n")  # ignored by git, deployed all the same
+    (tree / "configs" / "secret.yaml").write_text("token: 1\n")  # ignored by git: not deployed
+    (tree / "configs" / "notes.yaml").write_text("a: 1\n")  # untracked, not ignored: deployed, counted
     (tree / "remote" / "dflash_agent" / "__pycache__").mkdir(exist_ok=True)
     (tree / "remote" / "dflash_agent" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"cache")  # neither
 
     source = release.find_source(cwd=tree / "configs")
     assert source == release.SourceTree(tree.resolve(), "checkout")
     scanned = release.scan(source.root)
+    assert "configs/secret.yaml" not in {f.path for f in scanned.files}
     facts = provenance.describe(source, scanned)
-    assert facts["modified"] == ["configs/secret.yaml"] and facts["dirty"] is True
+    assert facts["modified"] == ["configs/notes.yaml"] and facts["dirty"] is True
     assert facts["git_commit"] == git(repo, "rev-parse", "HEAD").decode().strip()
-    sha = hashlib.sha256(b"token: 1\n").hexdigest()
-    assert facts["diff_sha256"] == hashlib.sha256(b"\0configs/secret.yaml\0" + sha.encode()).hexdigest()
+    sha = hashlib.sha256(b"a: 1\n").hexdigest()
+    assert facts["diff_sha256"] == hashlib.sha256(b"\0configs/notes.yaml\0" + sha.encode()).hexdigest()
 
     # The same tree where git ignores remote/agent.py too (a copy inside an ignored
     # folder, as a wheel's in a venv): that repository's commit says nothing about it.

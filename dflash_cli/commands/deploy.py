@@ -71,11 +71,11 @@ def deploy_host(session: Session, host: Host, tree: release.Release, bars: Progr
             if cancel is not None and cancel.is_set():
                 raise DeployInterrupted(host.name)
 
-        payload = tree.tar_of(changed, stop_if_cancelled)
         stop_if_cancelled()
+        payload = tree.tar_stream(changed, stop_if_cancelled)
         upload = _Upload(host.name, payload, bars, cancel)
-        reply = _receiver(session, host, "install", release_id, str(len(payload)), stdin=upload)
-        files_sent, bytes_sent = len(changed), len(payload)
+        reply = _receiver(session, host, "install", release_id, str(payload.length), stdin=upload)
+        files_sent, bytes_sent = len(changed), payload.length
         files_reused = reply.get("files_reused", 0)
     return DeployResult(host.name, release_id, reply["status"], files_sent, files_reused,
                         bytes_sent, transport.round_trips - trips_before,
@@ -111,31 +111,31 @@ def _receiver(session: Session, host: Host, verb: str, *args: str, stdin=None) -
 
 
 class _Upload(io.RawIOBase):
-    """The payload as a file for the transport to read: draws a progress bar when it is
-    big enough and there is a display, and stops with DeployInterrupted once `cancel`
-    is set, which makes the transport end the command before the stream is complete."""
+    """The payload stream as a file for the transport to read: draws a progress bar when
+    it is big enough and there is a display, and stops with DeployInterrupted once
+    `cancel` is set, which makes the transport end the command before the stream is
+    complete."""
 
-    def __init__(self, host_name: str, data: bytes, bars: Progress | None,
+    def __init__(self, host_name: str, payload: release.TarStream, bars: Progress | None,
                  cancel: threading.Event | None):
-        self._host, self._data, self._pos, self._cancel = host_name, data, 0, cancel
+        self._host, self._payload, self._pos, self._cancel = host_name, payload, 0, cancel
         self._bars, self._task = None, None
-        if bars is not None and len(data) > PROGRESS_ABOVE_BYTES:
-            self._bars, self._task = bars, bars.add_task(f"deploy {host_name}", total=len(data))
+        if bars is not None and payload.length > PROGRESS_ABOVE_BYTES:
+            self._bars, self._task = bars, bars.add_task(f"deploy {host_name}", total=payload.length)
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        if self._cancel is not None and self._cancel.is_set() and self._pos < len(self._data):
+        if self._cancel is not None and self._cancel.is_set() and self._pos < self._payload.length:
             raise DeployInterrupted(self._host)
-        chunk = self._data[self._pos:self._pos + len(buffer)]
-        buffer[:len(chunk)] = chunk
-        self._pos += len(chunk)
+        count = self._payload.readinto(buffer)
+        self._pos += count
         if self._bars is not None:
             self._bars.update(self._task, completed=self._pos)
-            if not chunk:
+            if not count:
                 self._bars.update(self._task, visible=False)  # all sent: the bar goes away
-        return len(chunk)
+        return count
 
 
 @contextlib.contextmanager
@@ -171,25 +171,28 @@ def upload_bars() -> Iterator[Progress | None]:
         yield bars
 
 
-def source_tree(source_dir: Path | None) -> tuple[release.Release, dict]:
+def source_tree(source_dir: Path | None, allow_large: bool = False) -> tuple[release.Release, dict]:
     """The release to deploy (from --source DIR, the project tree holding the current
-    directory, or the copy bundled with dflash) and where it came from, said on stderr."""
+    directory, or the copy bundled with dflash) and where it came from, said on stderr.
+    A release over the size threshold is refused here, before any host is contacted,
+    unless `allow_large`."""
     source = release.find_source(source_dir)
     tree = release.scan(source.root)
     record = provenance.describe(source, tree)
     console.say(f"source: {provenance.summary(record)}")
+    tree.check_size(allow_large)
     return tree, record
 
 
 def run(session: Session, host_names: list[str], all_hosts: bool, verify: bool,
-        source_dir: Path | None) -> ExitCode:
+        source_dir: Path | None, allow_large: bool = False) -> ExitCode:
     """Deploy to each host in parallel; a table of results on stderr."""
     if all_hosts:
         host_names = sorted(session.inventory.hosts)
     if not host_names:
         raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
-    tree, _ = source_tree(source_dir)
+    tree, _ = source_tree(source_dir, allow_large)
     with upload_bars() as bars, cancel_on_ctrl_c() as cancel:
         results = session.on_each_host(
             hosts, lambda host: deploy_host(session, host, tree, bars, verify, cancel))

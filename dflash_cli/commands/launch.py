@@ -15,8 +15,10 @@ from dflash_agent.layout import MAX_RUN_ID
 from .. import console
 from ..errors import DflashError, ExitCode
 from ..local_state import RunRef, set_latest
+from ..release import Release
+from ..release_store import ReleaseStore
 from ..session import Session
-from . import deploy
+from . import deploy, status
 
 if TYPE_CHECKING:
     from dflash_train.config import TrainConfig
@@ -72,8 +74,21 @@ def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
     return paths
 
 
+def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
+    """One line: what this release changed since the newest run on the host, so the same
+    patch is not launched twice by mistake (nothing before the host's first run)."""
+    runs = session.agent(host_name).call("status")["runs"]
+    previous = next((r for r in runs if r.get("release_id")), None)
+    if previous is None:
+        return
+    store = ReleaseStore(session)
+    store.add_local(tree)
+    console.say(f"{host_name}: {status.change_since(store, host_name, previous, tree.release_id)['text']}")
+
+
 def run(session: Session, host_name: str, config_path: Path, name: str | None,
-        force: bool, source_dir: Path | None, overrides: tuple[str, ...] = ()) -> RunRef:
+        force: bool, source_dir: Path | None, overrides: tuple[str, ...] = (),
+        allow_large: bool = False) -> RunRef:
     """Start a run; returns its reference (the CLI prints the run id on stdout). The host
     gets the resolved config (every default filled in, `overrides` applied), which the
     trainer loads through the same schema again."""
@@ -83,7 +98,7 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
     check_name(name)
     host = session.host(host_name)
     config = load_config(config_path, overrides)
-    tree, source = deploy.source_tree(source_dir)
+    tree, source = deploy.source_tree(source_dir, allow_large)
     with deploy.upload_bars() as bars, deploy.cancel_on_ctrl_c() as cancel:
         result = deploy.deploy_host(session, host, tree, bars, cancel=cancel)
     if cancel.is_set():  # Ctrl-C came after the host had switched: say so, start nothing
@@ -92,6 +107,7 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
     if result.status != "unchanged":
         console.say(f"{host.name}: release {result.release_id} {result.status} "
                     f"({result.files_sent} files sent)")
+    say_what_is_new(session, host.name, tree)
     run_id = new_run_id(name)
     # Every value in the option's own word (--key=value): none can read as an option.
     args = [f"--run-id={run_id}", "--config=-", f"--name={name}", f"--stall-after={config.stall_after}",

@@ -9,17 +9,23 @@ from rich.text import Text
 from .. import console, provenance
 from ..errors import DflashError, ExitCode, exit_code_for_state
 from ..local_state import RunRef
+from ..release_store import ReleaseStore, summary
 from ..session import Session
 
 
-def runs_table(title: str, runs: list[dict]) -> Table:
+def runs_table(title: str, runs: list[dict], changes: dict[str, dict] | None = None) -> Table:
+    """The runs' table; with `changes` (run id -> change_since's record), two more columns:
+    the source commit (`*`: uncommitted changes) and what changed since the run before."""
     table = Table(title=title, title_justify="left")
-    for column in ("run", "state", "step", "errors", "started", "ended", "release"):
+    columns = ["run", "state", "step", "errors", "started", "ended", "release"]
+    for column in columns + (["source", "changed since previous run"] if changes is not None else []):
         table.add_column(column)
     for r in runs:
-        cells = (r["run_id"], r["state"], "" if r.get("step") is None else str(r["step"]),
+        cells = [r["run_id"], r["state"], "" if r.get("step") is None else str(r["step"]),
                  str(r.get("errors", 0)), console.utc_time(r.get("started_at")),
-                 console.utc_time(r.get("ended_at")), r.get("release_id") or "")
+                 console.utc_time(r.get("ended_at")), r.get("release_id") or ""]
+        if changes is not None:
+            cells += [source_commit(r.get("source")), changes.get(r["run_id"], {}).get("text", "")]
         table.add_row(*map(Text, cells))  # plain text: run names may hold [brackets]
     return table
 
@@ -28,6 +34,29 @@ def overrides_line(status: dict) -> str | None:
     """`overrides: --set optim.lr=1e-4 --set …`, or None for a run launched without any."""
     overrides = status.get("overrides") or []
     return "overrides: " + " ".join(f"--set {o}" for o in overrides) if overrides else None
+
+
+def source_commit(source: dict | None) -> str:
+    """`1a2b3c4` for a clean checkout, `1a2b3c4*` with uncommitted changes, else `-`."""
+    if not source or not source.get("git_commit"):
+        return "-"
+    return source["git_commit"][:7] + ("*" if source.get("dirty") else "")
+
+
+def change_since(store: ReleaseStore, host: str, previous: dict, release_id: str) -> dict:
+    """What release `release_id` changed from the one run `previous` used, both on `host`:
+    {"since", "same_release", "files", "added", "removed", "text"}; "text" reads
+    `same release as RUN` or `changed since RUN: 2 files (+14 −3)`."""
+    since = previous["run_id"]
+    if previous.get("release_id") == release_id:
+        return {"since": since, "same_release": True, "files": 0, "added": 0, "removed": 0,
+                "text": f"same release as {since}"}
+    try:
+        diffs = store.diff((host, previous["release_id"]), (host, release_id))
+    except DflashError as exc:
+        return {"since": since, "same_release": False, "text": f"changed since {since}: unknown ({exc.message})"}
+    return {"since": since, "same_release": False, "files": len(diffs), "added": sum(d.added for d in diffs),
+            "removed": sum(d.removed for d in diffs), "text": f"changed since {since}: {summary(diffs)}"}
 
 
 def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
@@ -65,13 +94,18 @@ def run_config(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
 
 
 def list_runs(session: Session, host_names: list[str], as_json: bool) -> ExitCode:
+    """Each host's runs, newest first, with what each changed since the run before it on
+    that host (MANIFESTs compared, differing files fetched once into the local cache)."""
+    store = ReleaseStore(session)
     for name in host_names:
         runs = session.agent(name).call("status")["runs"]
+        changes = {newer["run_id"]: change_since(store, name, older, newer["release_id"])
+                   for newer, older in zip(runs, runs[1:]) if newer.get("release_id") and older.get("release_id")}
         if as_json:
             for r in runs:
-                console.data(json.dumps({"host": name, **r}) + "\n")
+                console.data(json.dumps({"host": name, **r, "changed": changes.get(r["run_id"])}) + "\n")
         else:
             for r in runs:
                 console.data(f"{name}\t{r['run_id']}\t{r['state']}\n")
-            console.human.print(runs_table(f"runs on {name}", runs))
+            console.human.print(runs_table(f"runs on {name}", runs, changes))
     return ExitCode.OK

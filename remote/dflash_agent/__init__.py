@@ -157,6 +157,19 @@ send-file --run-id ID --folder F --path P --identity I [--offset N=0]
          The bytes are read through the descriptor opened for the check, so a folder
          replaced while they flow does not mix two versions.
 
+release-files --release-id ID [--path P]...
+         {"release_id", "manifest": releases/ID/MANIFEST's text, "files": {P: base64 of
+         its bytes}, "too_large": [P over 8 MiB, not sent]}. Only paths MANIFEST lists
+         (else kind "usage"); a release not in releases/ -> kind "not_found".
+run-config --run-id ID
+         {"run_id", "config": runs/ID/config.yaml's text}.
+gc       [--keep N=0]
+         Removes releases/<id> folders that are not `current` and that no runs/*/run.json
+         names as release_id, beyond the N newest (mtime) of them, made writable first.
+         Holds .deploy.lock meanwhile, taken without waiting: while a deploy installs,
+         kind "conflict". {"removed": [{"release_id", "bytes"}], "kept": [{"release_id",
+         "reason"}], "freed_bytes"}.
+
 Run states (DESIGN.md): STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED, DEGRADED,
 STALLED, LOST, derived from run.json + exit.json + errors.jsonl + stop_requested.json
 + events.jsonl (heartbeats, and the trainer's `done` when no exit.json was written)

@@ -145,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", required=True, help="the file's path inside the folder")
     p.add_argument("--offset", type=_non_negative_int, default=0)
     p.add_argument("--identity", required=True, help="as `artifacts` listed it")
+
+    p = verbs.add_parser("release-files", help="a release's MANIFEST and the named files' bytes")
+    p.add_argument("--release-id", required=True)
+    p.add_argument("--path", action="append", default=[], help="a file MANIFEST lists (repeatable)")
+
+    p = verbs.add_parser("run-config", help="the run's config.yaml")
+    p.add_argument("--run-id", required=True)
+
+    p = verbs.add_parser("gc", help="remove releases no run uses and `current` is not")
+    p.add_argument("--keep", type=_non_negative_int, default=0, help="unused releases to keep, newest first")
     return parser
 
 
@@ -186,6 +196,21 @@ def _artifacts(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     return artifacts(ws.existing_run(args.run_id), args.checkpoint)
 
 
+def _release_files(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .releases import release_files
+    return release_files(ws, args.release_id, args.path)
+
+
+def _run_config(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .releases import run_config
+    return run_config(ws.existing_run(args.run_id))
+
+
+def _gc(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .releases import gc
+    return gc(ws, args.keep)
+
+
 def _gpus(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     from .gpus import gpus
     return gpus()
@@ -200,6 +225,7 @@ def _info(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
 VERBS: Dict[str, Callable[[Workspace, argparse.Namespace], Dict[str, Any]]] = {
     "launch": _launch, "status": _status, "stop": _stop, "stacks": _stacks,
     "report": _report, "gpus": _gpus, "info": _info, "artifacts": _artifacts,
+    "release-files": _release_files, "run-config": _run_config, "gc": _gc,
 }
 
 
