@@ -171,3 +171,35 @@ def test_not_on_a_terminal_no_status_line_and_json_carries_the_events(agent, hos
     messages = [json.loads(line) for line in as_json.stdout.splitlines()]
     events = [e for m in messages if m["t"] == "events" for e in m["events"]]
     assert events == host_events(agent.run_dir("pipe"))
+
+
+def test_plot_draws_every_run_s_loss_acceptance_and_throughput_from_the_mirrors(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_cli.cli import main
+    from dflash_cli.commands import plot
+    from dflash_cli.local_state import RunRef
+
+    logs = tmp_path / "logs"
+    runs = {RunRef("ct200", "a"): [step_event(s) for s in (1, 2, 3)],
+            RunRef("gpu1", "b"): [step_event(s) for s in (1, 2)]}
+    runs[RunRef("ct200", "a")].insert(2, {"type": "eval", "step": 2, "acceptance_length": 1.5})
+    for ref, events in runs.items():
+        (logs / ref.host / ref.run_id).mkdir(parents=True)
+        (logs / ref.host / ref.run_id / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    fig = plot.figure(plot.load(logs, list(runs)))
+    loss, acceptance, throughput = fig.axes
+    drawn = {ax.get_ylabel(): {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+                               for line in ax.get_lines()} for ax in fig.axes}
+    assert drawn["loss"] == {"ct200/a": ([1, 2, 3], [3.75, 3.5, 3.25]), "gpu1/b": ([1, 2], [3.75, 3.5])}
+    assert drawn["acceptance length"] == {"ct200/a": ([2], [1.5]), "gpu1/b": ([], [])}
+    assert drawn["throughput (tokens/s)"]["ct200/a"] == ([1, 2, 3], [100.0, 200.0, 300.0])
+    assert [t.get_text() for t in loss.get_legend().get_texts()] == ["ct200/a", "gpu1/b"]
+
+    out = tmp_path / "curves.png"
+    done = CliRunner().invoke(main, ["--logs-dir", str(logs), "plot", "a", "b", "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and str(out) in done.output
+    missing = CliRunner().invoke(main, ["--logs-dir", str(logs), "plot", "a", "never-watched", "--host", "ct200"])
+    assert missing.exit_code == 2 and "no events of run never-watched on ct200" in missing.output
+    assert "dflash watch never-watched --host ct200" in missing.output
