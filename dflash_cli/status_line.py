@@ -19,6 +19,7 @@ class RunProgress:
         self._gpu_summary = gpu_summary  # list of GPU samples -> one line of text
         self.step: dict | None = None  # the latest step event
         self.acceptance: float | None = None
+        self.answered: dict | None = None  # the latest progress event of a regenerate job
         self.gpus: list[dict] = []
         self._first: tuple[float, int] | None = None  # (ts, step) of the first step event seen
 
@@ -30,6 +31,8 @@ class RunProgress:
                     self._first = (event.get("ts", 0.0), event["step"])
             elif event.get("type") == "eval" and event.get("acceptance_length") is not None:
                 self.acceptance = event["acceptance_length"]
+            elif event.get("type") == "progress":
+                self.answered = event
 
     def eta_s(self) -> float | None:
         """Seconds left at the pace of the steps seen so far (host clock: event times)."""
@@ -43,9 +46,13 @@ class RunProgress:
 
     def render(self) -> Text:
         parts = []
-        step = self.step
-        if step is None:
-            parts.append("waiting for the first step")
+        step, answered = self.step, self.answered
+        if step is None and answered is not None:
+            parts.append(f"answered {answered.get('answered')}/{answered.get('total')} prompts")
+            if answered.get("eta_s") is not None:
+                parts.append(f"ETA {clock(answered['eta_s'])}")
+        elif step is None:
+            parts.append("no step yet")
         else:
             total = step.get("total_steps")
             parts.append(f"step {step['step']}/{total}" if total else f"step {step['step']}")

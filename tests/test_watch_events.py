@@ -203,3 +203,12 @@ def test_plot_draws_every_run_s_loss_acceptance_and_throughput_from_the_mirrors(
     missing = CliRunner().invoke(main, ["--logs-dir", str(logs), "plot", "a", "never-watched", "--host", "ct200"])
     assert missing.exit_code == 2 and "no events of run never-watched on ct200" in missing.output
     assert "dflash watch never-watched --host ct200" in missing.output
+
+
+def test_status_line_of_a_regenerate_job_counts_prompts():
+    from dflash_cli.status_line import RunProgress
+
+    progress = RunProgress(lambda gpus: "")
+    assert progress.render().plain == "no step yet"
+    progress.update([{"type": "progress", "answered": 48, "total": 512, "eta_s": 133.2}])
+    assert progress.render().plain == "answered 48/512 prompts  ETA 00:02:13"
