@@ -117,6 +117,19 @@ class RunLogs:
             fh.seek(0, os.SEEK_END)
         return fh
 
+    def recent_events(self, cursor: Cursor, limit: int = 256 * 1024) -> list[dict]:
+        """The last events the cursor accounts for (those in the last `limit` bytes of
+        the local events.jsonl): where a run was when its watch resumes."""
+        try:
+            with open(self.events, "rb") as fh:
+                start = max(0, cursor.events_mirrored - limit)
+                fh.seek(start)
+                lines = fh.read(cursor.events_mirrored - start).split(b"\n")
+        except FileNotFoundError:
+            return []
+        records = map(jsonio.parse_json_line, lines[1:] if start else lines)  # the first may be cut
+        return [record for record in records if isinstance(record, dict)]
+
     def load_events(self) -> list[dict]:
         """The mirrored events (for `plot`); a last line cut short is left out."""
         with open(self.events, "rb") as fh:

@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import select
+import signal
 import struct
 import subprocess
 import termios
@@ -130,13 +131,26 @@ def read_terminal(fd: int, proc: subprocess.Popen, until: bytes, timeout: float 
 
 def test_on_a_terminal_a_status_line_stays_below_the_scrolling_log(agent, hosts, tmp_path):  # noqa: F811
     agent.launch("tty", [*events_script(1, 4), {"event": {"type": "eval", "step": 4, "acceptance_length": 2.25}},
-                         {"print": "[coordinator] four steps done"}, {"wait_file": "go"},
+                         {"print": "[coordinator] four steps done"}, {"wait_file": "go0"},
+                         {"print": "[coordinator] waiting"}, {"wait_file": "go"},
                          *events_script(5, TOTAL_STEPS)])
+    logs = tmp_path / "logs"
+    earlier = Watch(hosts, logs, "tty", "--host", "local")  # not on a terminal: no status line
+    earlier.wait_out(b"four steps done")
+    mirrored = logs / "local" / "tty" / "events.jsonl"
+    wait_for(lambda: mirrored.exists() and "acceptance_length" in mirrored.read_text(), 60, "the eval mirrored")
+    agent.touch("tty", "go0")
+    earlier.wait_out(b"waiting")  # shown after the events before it were handled whole
+    earlier.proc.send_signal(signal.SIGINT)
+    assert earlier.finish() == 130
+    assert b"ETA" not in earlier.stderr and b"\x1b[" not in earlier.stderr
+    # Resumed on a terminal: the status shows where the run is (from the events mirrored
+    # before), although no event comes until the run goes on.
     controller, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
     env = dict(dflash_env(), TERM="xterm-256color", COLUMNS="200")
     env.pop("NO_COLOR", None)
-    proc = subprocess.Popen(dflash_argv("--logs-dir", str(tmp_path / "logs"), "watch", "tty", "--host", "local",
+    proc = subprocess.Popen(dflash_argv("--logs-dir", str(logs), "watch", "tty", "--host", "local",
                                         hosts=hosts), stdin=terminal, stdout=terminal, stderr=terminal, env=env,
                             start_new_session=True)
     os.close(terminal)
@@ -144,12 +158,11 @@ def test_on_a_terminal_a_status_line_stays_below_the_scrolling_log(agent, hosts,
         screen = read_terminal(controller, proc, b"accept 2.25")
         assert b"step 4/6" in screen and b"loss 3.0000" in screen and b"acc@1 0.400" in screen, screen
         assert b"14.0 samples/s" in screen and b"ETA 00:00:" in screen, screen
-        assert b"four steps done" in screen
-        # Updated in place: the line is erased and redrawn, not printed again below.
-        assert b"\x1b[2K" in screen, screen
         agent.touch("tty", "go")
         screen += read_terminal(controller, proc, b"ended: SUCCEEDED")
         assert proc.wait(timeout=60) == 0
+        # Updated in place: the line is erased and redrawn, not printed again below.
+        assert b"\x1b[2K" in screen, screen
         assert b"step 6/6" in screen and b"ETA 00:00:00" in screen, screen[-2000:]
         log_at = screen.rindex(b"[drafter-0] step 6")
         assert screen.index(b"step 6/6") > log_at, "the status follows the log line it summarises"

@@ -61,6 +61,8 @@ class Watcher:
         self.events_mirror = None
         self.board = RunBoard(self.logs.dir) if self.claim else None
         self.progress = RunProgress(gpu_line)
+        if self.claim:  # a resumed watch shows where the run was, not "no step yet"
+            self.progress.update(self.logs.recent_events(self.cursor))
         self.live: Live | None = None  # the status line, on a terminal
         self.recent = b""  # the last bytes received before cursor.offset (its fingerprint)
         self.line_open = False  # the log text printed last did not end its line
