@@ -1,4 +1,5 @@
-"""Bytes moved by `dflash watch` against bytes the run wrote to its log, over the pct
+"""Bytes moved by `dflash watch` against bytes the run wrote (its log and its
+events.jsonl, whose events but heartbeats `watch` brings home too), over the pct
 transport, for a run of --duration seconds (default 300); then the time `watch --tail
 100` takes on a 1 GB log, against the same on a small log.
 
@@ -56,9 +57,14 @@ def watched_bytes(bed, duration: float) -> str:
     wire = socket_bytes_received(sock) - wire_before
     payload = transport.bytes_received - payload_before
     session.close()
-    log_bytes = (bed.workspace_on_node / "runs" / run_id / "train.log").stat().st_size
-    print(f"run of {duration:.0f} s (watch exit {code}): log {log_bytes} bytes; follow payload {payload} bytes "
-          f"({payload / log_bytes:.3f}x); TCP bytes received {wire} ({wire / log_bytes:.3f}x)", flush=True)
+    run_dir = bed.workspace_on_node / "runs" / run_id
+    log_bytes = (run_dir / "train.log").stat().st_size
+    events_bytes = (run_dir / "events.jsonl").stat().st_size
+    written = log_bytes + events_bytes
+    print(f"run of {duration:.0f} s (watch exit {code}): log {log_bytes} + events {events_bytes} = {written} bytes "
+          f"written; follow payload {payload} bytes ({payload / written:.3f}x of what the run wrote, "
+          f"{payload / log_bytes:.3f}x of its log); TCP bytes received {wire} ({wire / written:.3f}x, "
+          f"{wire / log_bytes:.3f}x)", flush=True)
     return run_id
 
 

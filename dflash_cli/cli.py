@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import console, retry
-from .commands import deploy, diff, fetch_traceback, gc, hosts, launch, pull, stacks, status, stop, version, watch
+from .commands import deploy, diff, fetch_traceback, gc, hosts, launch, plot, pull, stacks, status, stop, version, watch
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
@@ -277,6 +277,23 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
     sys.exit(pull.run(session, ref, checkpoint, retry_for))
+
+
+@main.command("plot")
+@click.argument("run_ids", nargs=-1, metavar="[RUN]...")
+@click.option("--host", "host_name", help="Host of the runs (default: found among the runs watched here).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), callback=_output_file,
+              help="The PNG to write (default: ./<first run>.png).")
+@click.pass_obj
+def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, output: Path | None) -> None:
+    """Draw RUNs (default: the latest run) in one PNG: loss, acceptance length and
+    throughput over steps, one line per run.
+
+    Reads the events `dflash watch` mirrored under logs/<host>/<run>/ (watch a run
+    first; nothing is fetched here). Prints the file's path on stdout.
+    """
+    refs = [resolve_run(session.logs_dir, run_id, host_name) for run_id in run_ids or [None]]
+    sys.exit(plot.run(session.logs_dir, refs, output))
 
 
 @main.command("runs")

@@ -1,8 +1,9 @@
 """logs/: what the CLI fetched, per host and run (DESIGN.md "Local state").
 
 logs/<host>/<run-id>/ holds train.log (as streamed; train.log.seg1, .seg2, ... for the
-content after each truncation or replacement on the host), traceback.txt, errors.jsonl,
-cursor.json and watch.lock, and what `pull` brought: export/ and checkpoint/<step folder>/; logs/latest.json names the run `watch`, `fetch-traceback`,
+content after each truncation or replacement on the host), events.jsonl (the run's
+events but heartbeats), TensorBoard event files made from them, traceback.txt,
+errors.jsonl, cursor.json and watch.lock, and what `pull` brought: export/ and checkpoint/<step folder>/; logs/latest.json names the run `watch`, `fetch-traceback`,
 `status` and `stop` use by default. Everything read by another command is written
 atomically.
 """
@@ -33,13 +34,17 @@ class Cursor:
     grew back past the offset must not go on mid-line), and how many error records were
     received. The segment's mirror holds the remote bytes [mirror_start, offset); a
     mirror found longer than that (the CLI died between writing it and saving the
-    cursor) is cut back, so a resume duplicates nothing."""
+    cursor) is cut back, so a resume duplicates nothing. Likewise for the events: the
+    host's events.jsonl was received up to byte events_offset, and the local
+    events.jsonl's first events_mirrored bytes hold them (it is cut back to that)."""
     segment: int = 0
     inode: int | None = None
     offset: int = 0
     fingerprint: str | None = None
     errors_seen: int = 0
     mirror_start: int = 0
+    events_offset: int = 0
+    events_mirrored: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +98,43 @@ class RunLogs:
     def open_mirror(self, cursor: Cursor):
         """The cursor's segment mirror, cut back to what the cursor accounts for, open for
         append."""
+        return self._open_cut_back(self.segment_log(cursor.segment), cursor.offset - cursor.mirror_start)
+
+    @property
+    def events(self) -> Path:
+        """The run's events as received (every type but heartbeat), one JSON per line."""
+        return self.dir / "events.jsonl"
+
+    def open_events_mirror(self, cursor: Cursor):
+        """The local events.jsonl, cut back to what the cursor accounts for, open for append."""
+        return self._open_cut_back(self.events, cursor.events_mirrored)
+
+    def _open_cut_back(self, path: Path, expected: int):
         self.dir.mkdir(parents=True, exist_ok=True)
-        fh = open(self.segment_log(cursor.segment), "ab")
-        expected = cursor.offset - cursor.mirror_start
+        fh = open(path, "ab")
         if fh.tell() != expected:
             fh.truncate(min(fh.tell(), expected))
             fh.seek(0, os.SEEK_END)
         return fh
+
+    def recent_events(self, cursor: Cursor, limit: int = 256 * 1024) -> list[dict]:
+        """The last events the cursor accounts for (those in the last `limit` bytes of
+        the local events.jsonl): where a run was when its watch resumes."""
+        try:
+            with open(self.events, "rb") as fh:
+                start = max(0, cursor.events_mirrored - limit)
+                fh.seek(start)
+                lines = fh.read(cursor.events_mirrored - start).split(b"\n")
+        except FileNotFoundError:
+            return []
+        records = map(jsonio.parse_json_line, lines[1:] if start else lines)  # the first may be cut
+        return [record for record in records if isinstance(record, dict)]
+
+    def load_events(self) -> list[dict]:
+        """The mirrored events (for `plot`); a last line cut short is left out."""
+        with open(self.events, "rb") as fh:
+            lines = fh.read().split(b"\n")
+        return [json.loads(line) for line in lines[:-1] if line.strip()]
 
     def load_errors(self) -> list[dict]:
         try:

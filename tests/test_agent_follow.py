@@ -157,6 +157,31 @@ def test_error_records_arrive_while_the_run_lives(agent):
     assert [(m["index"], m["record"]["thread"]) for m in again if m["t"] == "error"] == [(1, "coordinator")]
 
 
+def test_events_come_in_batches_without_heartbeats_and_resume_at_their_offset(agent):
+    steps = [{"event": {"type": "step", "step": i, "loss": 3.0 - i / 10}} for i in range(1, 4)]
+    agent.launch("ev", [{"heartbeat": 0}, *steps, {"heartbeat": 3}, {"touch": "wrote"}, {"wait_file": "go"},
+                        {"event": {"type": "eval", "step": 3, "acceptance_length": 1.5}}, {"heartbeat": 4},
+                        {"write_hex": b'{"type": "step", "st'.hex()}])  # a write cut by a kill
+    events_file = agent.run_dir("ev") / "events.jsonl"
+    stream = agent.follow("ev")
+    first = stream.until(lambda m: m["t"] == "events")[-1]
+    wait_for(lambda: (agent.run_dir("ev") / "wrote").exists())
+    first_batch = [first] + [m for m in stream.pending(1.5) if m["t"] == "events"]
+    assert [e["step"] for m in first_batch for e in m["events"]] == [1, 2, 3], "one batch or a few, in order"
+    assert first["offset"] == 0
+    agent.touch("ev", "go")
+    rest = [m for m in stream.rest() if m["t"] == "events"]
+    assert [e["type"] for m in rest for e in m["events"]] == ["eval"]
+    host = [json.loads(line) for line in events_file.read_bytes().splitlines()[:-1]]
+    received = [e for m in first_batch + rest for e in m["events"]]
+    assert received == [e for e in host if e["type"] != "heartbeat"]
+    for before, after in zip(first_batch + rest, (first_batch + rest)[1:]):
+        assert after["offset"] == before["next"], "every byte of events.jsonl is covered once"
+    # A resume at a batch's end sends only what came after it.
+    again = agent.follow("ev", "--events-offset", str(first_batch[-1]["next"])).rest()
+    assert [e for m in again if m["t"] == "events" for e in m["events"]] == received[3:]
+
+
 def test_waits_for_train_log_while_starting_and_ends_when_terminal(agent):
     # run.json names this very test process as the trainer: alive, starting, no log yet.
     run_dir = agent.fabricate_run("slow start")

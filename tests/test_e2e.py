@@ -19,6 +19,10 @@ from dflash_run import dflash, popen_dflash
 from support import kill_ssh_sessions, workspace_on_node
 from support.train_configs import small_config as write_small_config
 from support_agent.harness import wait_for
+from test_watch_events import tensorboard_scalars
+
+from dflash_cli.commands import plot
+from dflash_cli.local_state import RunRef
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -132,6 +136,25 @@ def test_watch_resumes_after_the_ssh_connection_dies_with_no_gap_and_no_duplicat
     remote_log = (bed.run_dir(run_id) / "train.log").read_bytes()
     assert b"".join(printed) == remote_log  # every line once, in order
     assert (bed.logs / "ct200" / run_id / "train.log").read_bytes() == remote_log
+    # The events came home once each too, and TensorBoard's reader finds every figure of
+    # every step of the real trainer's events; plot draws the same.
+    mirror = bed.logs / "ct200" / run_id
+    host_events = [json.loads(line) for line in (bed.run_dir(run_id) / "events.jsonl").read_text().splitlines()]
+    sent = [e for e in host_events if e["type"] != "heartbeat"]
+    assert [json.loads(line) for line in (mirror / "events.jsonl").read_text().splitlines()] == sent
+    steps = [e for e in sent if e["type"] == "step"]
+    scalars = tensorboard_scalars(mirror)
+    tags = ["train/loss", "train/acc@1", "train/lr", "train/grad_norm", "train/epoch", "throughput/samples_per_s",
+            "throughput/tokens_per_s"] + [f"train/acc_by_position/{k}" for k in range(1, len(steps[0]["acc"]) + 1)]
+    for tag in tags:
+        assert [step for step, _ in scalars[tag]] == [e["step"] for e in steps], tag
+    assert [value for _, value in scalars["train/loss"]] == pytest.approx([e["loss"] for e in steps])
+    evals = [e for e in sent if e["type"] == "eval"]
+    assert evals and scalars["eval/acceptance_length"] == [
+        (e["step"], pytest.approx(e["acceptance_length"])) for e in evals]
+    assert not [tag for tag in scalars if tag.startswith("memory/")]  # CPU drafters: no memory counter
+    [loss_line] = plot.figure(plot.load(bed.logs, [RunRef("ct200", run_id)])).axes[0].get_lines()
+    assert list(loss_line.get_ydata()) == [e["loss"] for e in steps]
 
 
 def cpu_lock_holders(bed: Bed) -> list[str]:

@@ -2,16 +2,22 @@
 
 The host does the following (the agent's `follow`); this side prints what arrives
 (control characters escaped, unless --json), mirrors the log under logs/<host>/<run>/
-(one file per segment: the host's log may be truncated or replaced under it), and keeps
-a cursor so that a dropped connection resumes with no gap and no duplicated line. One
-watch of a run at a time keeps that local state; another started meanwhile shows the
-whole log (or --tail) and saves nothing.
+(one file per segment: the host's log may be truncated or replaced under it) and the
+run's events beside it (events.jsonl, and TensorBoard files made from them), and keeps
+a cursor so that a dropped connection resumes with no gap and no duplicated line or
+event. One watch of a run at a time keeps that local state; another started meanwhile
+shows the whole log (or --tail) and saves nothing. On a terminal a status line (step,
+loss, acceptance length, ETA, GPUs) stays below the scrolling log.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
+
+from rich.live import Live
+from rich.text import Text
 
 from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
 
@@ -20,6 +26,8 @@ from ..errors import ExitCode, UnreachableError, exit_code_for_state
 from ..local_state import Cursor, RunLogs, RunRef
 from ..retry import Reconnects
 from ..session import Session
+from ..status_line import RunProgress
+from ..tensorboard import RunBoard
 from .fetch_traceback import render_no_record, render_record
 
 CURSOR_SAVE_EVERY_S = 0.5
@@ -50,6 +58,12 @@ class Watcher:
         self.cursor = self.logs.load_cursor() if self.claim else Cursor()
         self.records = self.logs.load_errors()[: self.cursor.errors_seen] if self.claim else []
         self.mirror = None
+        self.events_mirror = None
+        self.board = RunBoard(self.logs.dir) if self.claim else None
+        self.progress = RunProgress(gpu_line)
+        if self.claim:  # a resumed watch shows where the run was, not "no step yet"
+            self.progress.update(self.logs.recent_events(self.cursor))
+        self.live: Live | None = None  # the status line, on a terminal
         self.recent = b""  # the last bytes received before cursor.offset (its fingerprint)
         self.line_open = False  # the log text printed last did not end its line
         self.last_saved = 0.0
@@ -61,7 +75,7 @@ class Watcher:
         cursor = self.cursor
         args = ["--run-id", self.ref.run_id, "--errors-seen", str(cursor.errors_seen),
                 "--gpu-interval", str(self.interval), "--offset", str(cursor.offset),
-                "--segment", str(cursor.segment)]
+                "--segment", str(cursor.segment), "--events-offset", str(cursor.events_offset)]
         if cursor.inode is not None:
             args += ["--inode", str(cursor.inode)]
         if cursor.fingerprint is not None:
@@ -85,6 +99,10 @@ class Watcher:
             self.on_rotated(message)
         elif kind == "error":
             self.on_error(message)
+        elif kind == "events":
+            self.on_events(message)
+        elif kind == "gpu" and self.live is not None:
+            self.progress.gpus = message.get("gpus") or []
         elif kind == "gpu" and not self.as_json and message.get("gpus"):
             console.human.print(gpu_line(message["gpus"]), style="dim", markup=False, highlight=False)
         elif kind == "state" and not self.as_json:
@@ -106,7 +124,7 @@ class Watcher:
             if self.claim:
                 self.logs.segment_log(self.cursor.segment).unlink(missing_ok=True)
         if not self.as_json:
-            console.remote_text(message["data"])
+            self.show_remote(message["data"])
             self.line_open = not data.endswith(b"\n")
         fresh = data[max(0, self.cursor.offset - start):]  # --tail may resend mirrored bytes
         if fresh:
@@ -129,7 +147,7 @@ class Watcher:
         self.recent = b""
         if not self.as_json:
             if self.line_open:  # end the old content's last line: the new one must not continue it
-                console.remote_text("\n")
+                self.show_remote("\n")
                 self.line_open = False
             missing = ("" if message.get("complete") else
                        f"; lines written to the old file after byte {message.get('previous_end')} "
@@ -150,7 +168,7 @@ class Watcher:
         if not self.as_json:
             text = render_record(record, self.ref)
             console.human.rule(f"thread {record.get('thread')} failed", style="red")
-            console.remote_text(text)
+            self.show_remote(text)
         if self.claim:
             self.logs.save_errors(self.records)
             if index == 0:
@@ -159,13 +177,54 @@ class Watcher:
         self.cursor = dataclasses.replace(self.cursor, errors_seen=len(self.records))
         self.save_cursor(force=True)
 
+    def on_events(self, message: dict) -> None:
+        """The run's events (all but heartbeats) from the cursor's events offset on:
+        they feed the status line, and (for the watch that keeps the local state) go
+        to events.jsonl and the TensorBoard files, each once."""
+        if message["next"] <= self.cursor.events_offset:
+            return  # received before (a stream never resends, but a cursor is cheap to trust)
+        events = message["events"]
+        self.progress.update(events)
+        mirrored = self.cursor.events_mirrored
+        if self.claim:
+            if self.events_mirror is None:
+                self.events_mirror = self.logs.open_events_mirror(self.cursor)
+            data = "".join(json.dumps(event) + "\n" for event in events).encode()
+            self.events_mirror.write(data)
+            self.events_mirror.flush()
+            self.board.add(events)
+            mirrored += len(data)
+        self.cursor = dataclasses.replace(self.cursor, events_offset=message["next"], events_mirrored=mirrored)
+        self.save_cursor(force=False)
+
+    def show_remote(self, text: str) -> None:
+        """Text from the host for people: above the status line when there is one."""
+        if self.live is None:
+            console.remote_text(text)
+        else:
+            console.human.print(Text(console.printable(text)), end="", soft_wrap=True)
+
+    def start_status_line(self) -> None:
+        self.live = Live(get_renderable=self.progress.render, console=console.human, refresh_per_second=2,
+                         redirect_stdout=False, redirect_stderr=False)
+        self.live.start()
+
+    def stop_status_line(self) -> None:
+        if self.live is not None:
+            self.live.stop()  # the last status stays on screen, above what follows
+            self.live = None
+
     def save_cursor(self, force: bool) -> None:
         now = time.monotonic()
         if not self.claim:
             return  # another watch keeps the local state; this one's cursor lives in memory
         if force or now - self.last_saved >= CURSOR_SAVE_EVERY_S:
-            if self.mirror is not None:
-                self.mirror.flush()
+            # What the cursor accounts for is on disk first: a kill in between makes the
+            # next watch cut the mirrors back and receive it again, never skip it.
+            for mirror in (self.mirror, self.events_mirror):
+                if mirror is not None:
+                    mirror.flush()
+            self.board.flush()
             self.logs.save_cursor(self.cursor)
             self.last_saved = now
 
@@ -175,13 +234,18 @@ class Watcher:
             self.mirror = None
 
     def close(self) -> None:
+        self.stop_status_line()
         self.save_cursor(force=True)
         self._close_mirror()
+        if self.events_mirror is not None:
+            self.events_mirror.close()
         if self.claim:
+            self.board.close()
             self.claim.close()
 
     # -- the outcome -----------------------------------------------------------------
     def finish(self) -> ExitCode:
+        self.stop_status_line()
         state = self.end.get("state", "LOST")
         code = exit_code_for_state(state)
         if code == ExitCode.RUN_FAILED and not self.records and not self.as_json:
@@ -200,6 +264,8 @@ def run(session: Session, ref: RunRef, tail: int | None, interval: float, as_jso
     elif tail is None and watcher.cursor.offset:
         console.say(f"resuming {ref.run_id} at byte {watcher.cursor.offset} "
                     "(--tail N shows earlier lines)")
+    if not as_json and console.human.is_terminal and sys.stdout.isatty():
+        watcher.start_status_line()
     tail_lines = tail
     reconnects = Reconnects(retry_for)
     try:

@@ -91,7 +91,8 @@ info     {"python", "platform", "hostname", "boot_id", "packages": {"torch": v|n
           "transformers": v|null}, "gpus": [...], "current_release": id|null,
           "python_executable"} (+ "gpus_problem" as for gpus)
 follow   --run-id ID [--offset N] [--inode I] [--segment K=0] [--fingerprint LEN:SHA256]
-         [--errors-seen K] [--tail-lines N] [--gpu-interval S=5 (0: none)] [--poll S=0.1]
+         [--errors-seen K] [--events-offset N=0] [--tail-lines N] [--gpu-interval S=5 (0: none)]
+         [--poll S=0.1]
          Streams JSON lines, flushed one by one, until the run is terminal and
          everything was sent:
            {"t": "log", "offset": start_byte, "data": text}
@@ -117,6 +118,13 @@ follow   --run-id ID [--offset N] [--inode I] [--segment K=0] [--fingerprint LEN
                missing. Lines logrotate's copytruncate loses itself (written between
                its copy and its cut) are lost here too.
            {"t": "error", "index": k, "record": errors.jsonl record}
+           {"t": "events", "offset": start_byte, "next": end_byte, "events": [record, ...]}
+               events.jsonl's records (step, eval, checkpoint, replicas, phase, ...;
+               every type but heartbeat) from byte --events-offset on, whole lines
+               only, batched like the log (up to 1 s or 64 KiB); [offset, next) is the
+               stretch of the file they come from, so a resume passes next as
+               --events-offset. A stretch of heartbeats alone sends nothing; a line
+               that is not JSON (a write cut by a kill) is skipped.
            {"t": "gpu", "ts": ..., "gpus": [...]}          (none without nvidia-smi)
            {"t": "state", "state": "RUNNING", "ts": ...}    on every state change
            {"t": "end", "state": "FAILED", "exit": exit.json|null, "offset": N, "segment": K}

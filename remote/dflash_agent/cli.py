@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segment", type=_non_negative_int, default=0)
     p.add_argument("--fingerprint", type=_fingerprint, help="LEN:SHA256 of the LEN bytes before --offset")
     p.add_argument("--errors-seen", type=_non_negative_int, default=0)
+    p.add_argument("--events-offset", type=_non_negative_int, default=0,
+                   help="byte offset in events.jsonl to send events from")
     p.add_argument("--tail-lines", type=_non_negative_int)
     p.add_argument("--gpu-interval", type=_non_negative, default=5.0, help="0: no GPU samples")
     p.add_argument("--poll", type=_positive, default=0.1)
@@ -234,7 +236,7 @@ def _follow(ws: Workspace, args: argparse.Namespace) -> int:
     request = FollowRequest(
         run_id=args.run_id, offset=args.offset, inode=args.inode, segment=args.segment,
         fingerprint=args.fingerprint, errors_seen=args.errors_seen,
-        tail_lines=args.tail_lines, gpu_interval=args.gpu_interval, poll=args.poll)
+        events_offset=args.events_offset, tail_lines=args.tail_lines, gpu_interval=args.gpu_interval, poll=args.poll)
     try:
         return follow(ws, request, Output())
     except ClientGone:

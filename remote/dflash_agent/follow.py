@@ -1,5 +1,6 @@
-"""The `follow` verb: one long-lived stream of JSON lines (log chunks, error records,
-GPU samples, state changes) until the run is terminal and everything was sent.
+"""The `follow` verb: one long-lived stream of JSON lines (log chunks, the run's events,
+error records, GPU samples, state changes) until the run is terminal and everything was
+sent.
 
 The host does the following so the client never re-tails: it polls with fstat, sends
 whole log lines by byte offset (resumable: offset, inode, segment and the fingerprint of
@@ -44,6 +45,7 @@ class FollowRequest:
     segment: int = 0
     fingerprint: Optional[str] = None
     errors_seen: int = 0
+    events_offset: int = 0
     tail_lines: Optional[int] = None
     gpu_interval: float = 5.0
     poll: float = 0.1
@@ -315,6 +317,53 @@ class ErrorsFollower:
                 yield {"t": "error", "index": index, "record": None, "raw": decode_bytes(line)}
 
 
+class EventsFollower:
+    """Sends events.jsonl's records from a byte offset, whole lines only, batched like the
+    log. Heartbeats stay on the host: they only say the run is alive, which the "state"
+    messages already tell, and they would be most of the bytes of a quiet run.
+
+    events.jsonl is the trainer's append-only file (never rotated), so a byte offset is
+    all a resume needs. A line that is not JSON (a write cut by a kill) is skipped."""
+
+    def __init__(self, path: str, offset: int):
+        self._path = path
+        self._fd: Optional[int] = None
+        self.sent = offset  # the first byte not yet covered by a message
+        self._buffer = b""  # complete lines read past self.sent, not yet sent
+        self._last_flush = float("-inf")
+
+    def poll(self, final: bool) -> Iterator[Dict[str, Any]]:
+        if self._fd is None:
+            self._fd = _open_if_exists(self._path)
+            if self._fd is None:
+                return
+        size = os.fstat(self._fd).st_size
+        while self.sent + len(self._buffer) < size:
+            start = self.sent + len(self._buffer)
+            chunk = os.pread(self._fd, min(READ_CHUNK, size - start), start)
+            cut = chunk.rfind(b"\n") + 1
+            if not chunk or not cut:
+                break  # only part of a line: the trainer is writing it
+            self._buffer += chunk[:cut]
+            if len(self._buffer) >= LOG_FLUSH_BYTES:
+                yield from self._flush()
+        if self._buffer and (final or time.monotonic() - self._last_flush >= LOG_FLUSH_S):
+            yield from self._flush()
+
+    def _flush(self) -> Iterator[Dict[str, Any]]:
+        records = [record for record in map(parse_json_line, self._buffer.split(b"\n"))
+                   if isinstance(record, dict) and record.get("type") != "heartbeat"]
+        start, self.sent = self.sent, self.sent + len(self._buffer)
+        self._buffer = b""
+        self._last_flush = time.monotonic()
+        if records:  # a stretch of heartbeats alone is not worth a message
+            yield {"t": "events", "offset": start, "next": self.sent, "events": records}
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+
 class GpuSampler(threading.Thread):
     """Samples nvidia-smi every `interval` s into the stream; a failure is kept for the
     main loop to raise, never swallowed."""
@@ -358,6 +407,7 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
     record = read_record(run)
     logs = LogFollower(run.train_log, request)
     errors = ErrorsFollower(run.errors, request.errors_seen)
+    events = EventsFollower(run.events, request.events_offset)
     sampler = None
     if request.gpu_interval > 0 and shutil.which("nvidia-smi"):
         sampler = GpuSampler(out, request.gpu_interval)
@@ -380,6 +430,8 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
                 out.send(message)
             for message in new_errors:
                 out.send(message)
+            for message in events.poll(final=terminal):
+                out.send(message)
             if state != last_state:
                 out.send({"t": "state", "state": state, "ts": time.time()})
                 last_state = state
@@ -389,6 +441,7 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
                 return 0
             time.sleep(request.poll)
     finally:
+        events.close()
         if sampler is not None:
             sampler.stop()
         out.close()

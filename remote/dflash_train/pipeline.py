@@ -147,10 +147,17 @@ class Run:
         self.losses.append(loss)
         self.events.emit("step", step=step, loss=round(loss, 6), acc=acc, tokens_per_s=round(tokens / elapsed, 2),
                          samples_per_s=round(samples / elapsed, 3), queue_depths={q.name: q.depth() for q in self.queues},
-                         wait_s=self.waits.take(), lr=lr, grad_norm=round(grad_norm, 4), epoch=batches[0].epoch)
+                         wait_s=self.waits.take(), lr=lr, grad_norm=round(grad_norm, 4), epoch=batches[0].epoch,
+                         total_steps=self.total_steps, peak_memory_bytes=self.peak_memory())
         if step % self.config.log_every == 0 or step == self.total_steps:
             say(f"step {step}/{self.total_steps} loss {loss:.4f} acc@1 {acc[0]} lr {lr:.2e} "
                 f"tokens/s {tokens / elapsed:.0f}")
+
+    def peak_memory(self) -> list[int | None]:
+        """torch.cuda.max_memory_allocated of each drafter's device since the start (None
+        on CPU, which has no such counter); drafters sharing a device share its figure."""
+        return [torch.cuda.max_memory_allocated(device) if is_cuda(device) else None
+                for device in self.drafter_devices]
 
     # The lead replica's part of a run, the same in both pipelines; `evaluate` runs an
     # evaluation request or hands it to the evaluation thread.

@@ -1,0 +1,75 @@
+"""The one line `watch` keeps at the bottom of a terminal: where the run is (step, epoch,
+loss, accuracy, acceptance length, throughput, ETA) and its GPUs, from the events and
+GPU samples the agent's `follow` sends."""
+from __future__ import annotations
+
+from rich.text import Text
+
+
+def clock(seconds: float) -> str:
+    """HH:MM:SS (hours past 99 as they are)."""
+    seconds = int(round(seconds))
+    return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class RunProgress:
+    """The latest figures of a run; `render` makes the status line of them."""
+
+    def __init__(self, gpu_summary):
+        self._gpu_summary = gpu_summary  # list of GPU samples -> one line of text
+        self.step: dict | None = None  # the latest step event
+        self.acceptance: float | None = None
+        self.answered: dict | None = None  # the latest progress event of a regenerate job
+        self.gpus: list[dict] = []
+        self._first: tuple[float, int] | None = None  # (ts, step) of the first step event seen
+
+    def update(self, events: list[dict]) -> None:
+        for event in events:
+            if event.get("type") == "step" and isinstance(event.get("step"), int):
+                self.step = event
+                if self._first is None:
+                    self._first = (event.get("ts", 0.0), event["step"])
+            elif event.get("type") == "eval" and event.get("acceptance_length") is not None:
+                self.acceptance = event["acceptance_length"]
+            elif event.get("type") == "progress":
+                self.answered = event
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the pace of the steps seen so far (host clock: event times)."""
+        if self.step is None or self._first is None or not self.step.get("total_steps"):
+            return None
+        done = self.step["step"] - self._first[1]
+        elapsed = self.step.get("ts", 0.0) - self._first[0]
+        if done <= 0 or elapsed <= 0:
+            return None
+        return (self.step["total_steps"] - self.step["step"]) * elapsed / done
+
+    def render(self) -> Text:
+        parts = []
+        step, answered = self.step, self.answered
+        if step is None and answered is not None:
+            parts.append(f"answered {answered.get('answered')}/{answered.get('total')} prompts")
+            if answered.get("eta_s") is not None:
+                parts.append(f"ETA {clock(answered['eta_s'])}")
+        elif step is None:
+            parts.append("no step yet")
+        else:
+            total = step.get("total_steps")
+            parts.append(f"step {step['step']}/{total}" if total else f"step {step['step']}")
+            if step.get("epoch") is not None:
+                parts.append(f"epoch {step['epoch']}")
+            if isinstance(step.get("loss"), (int, float)):
+                parts.append(f"loss {step['loss']:.4f}")
+            accuracy = step.get("acc") or [None]
+            if accuracy[0] is not None:
+                parts.append(f"acc@1 {accuracy[0]:.3f}")
+        if self.acceptance is not None:
+            parts.append(f"accept {self.acceptance:.2f}")
+        if step is not None and step.get("samples_per_s") is not None:
+            parts.append(f"{step['samples_per_s']:.1f} samples/s")
+        eta = self.eta_s()
+        if step is not None:
+            parts.append(f"ETA {clock(eta)}" if eta is not None else "ETA ?")
+        if self.gpus:
+            parts.append(self._gpu_summary(self.gpus))
+        return Text("  ".join(parts), style="bold", no_wrap=True, overflow="ellipsis")

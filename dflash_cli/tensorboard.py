@@ -1,0 +1,89 @@
+"""TensorBoard event files of a run, written here from the events `watch` receives
+(DESIGN.md "Local state"): the hosts need nothing new, and `tensorboard --logdir logs`
+shows every run of every host, one run per logs/<host>/<run-id>/.
+
+The writer is TensorBoard's own EventFileWriter (the one torch.utils.tensorboard uses),
+imported only when a run has something to write: tensorboardX's SummaryWriter imports
+torch whenever torch is installed, which the CLI must not pay for.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+GIB = 1024 ** 3
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def scalars(event: dict) -> list[tuple[str, float]]:
+    """(tag, value) of every figure of a step or eval event that TensorBoard can draw."""
+    kind = event.get("type")
+    found: list[tuple[str, Any]] = []
+    if kind == "step":
+        found += [("train/loss", event.get("loss")), ("train/lr", event.get("lr")),
+                  ("train/grad_norm", event.get("grad_norm")), ("train/epoch", event.get("epoch")),
+                  ("throughput/samples_per_s", event.get("samples_per_s")),
+                  ("throughput/tokens_per_s", event.get("tokens_per_s"))]
+        accuracy = event.get("acc") or []
+        if accuracy:
+            found.append(("train/acc@1", accuracy[0]))
+        # acc[k-1]: the accuracy of block position k (1 = the first drafted token).
+        found += [(f"train/acc_by_position/{k}", value) for k, value in enumerate(accuracy, 1)]
+        found += [(f"memory/peak_gib/drafter-{i}", peak / GIB if _number(peak) else None)
+                  for i, peak in enumerate(event.get("peak_memory_bytes") or [])]
+    elif kind == "eval":
+        found += [("eval/acceptance_length", event.get("acceptance_length")),
+                  ("eval/mean_per_prompt", event.get("mean_per_prompt"))]
+    return [(tag, float(value)) for tag, value in found if _number(value)]
+
+
+class RunBoard:
+    """Appends a run's scalars to TensorBoard event files in `folder`.
+
+    Each writer (one per `watch`) starts its file with a session-start record at the
+    step of its first event: TensorBoard's readers then drop whatever an earlier file
+    holds from that step on. That covers the one window where a step could be written
+    twice: a watch killed after writing here and before saving its cursor, whose
+    successor receives those events again."""
+
+    def __init__(self, folder: Path):
+        self._folder = folder
+        self._writer = None
+        self._event_pb2: Any = None  # TensorBoard's protobuf modules, imported with the writer
+        self._summary_pb2: Any = None
+
+    def add(self, events: Iterable[dict]) -> None:
+        for event in events:
+            values = scalars(event)
+            if not values:
+                continue
+            step = int(event.get("step") or 0)  # an evaluate job's eval has no step
+            wall_time = float(event.get("ts") or 0.0)
+            if self._writer is None:
+                self._open(step, wall_time)
+            summary = self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(tag=tag, simple_value=value)
+                                                       for tag, value in values])
+            self._writer.add_event(self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
+
+    def _open(self, step: int, wall_time: float) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        self._folder.mkdir(parents=True, exist_ok=True)
+        self._writer = EventFileWriter(str(self._folder))
+        start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self._writer.add_event(event_pb2.Event(wall_time=wall_time, step=step, session_log=start))
+
+    def flush(self) -> None:
+        """On disk before the cursor that accounts for these events is saved."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
