@@ -24,6 +24,21 @@ def runs_table(title: str, runs: list[dict]) -> Table:
     return table
 
 
+def resume_point(status: dict) -> str:
+    """How much a resume would redo: the steps done since the newest checkpoint."""
+    attempts = status.get("attempts") or 1
+    where = f"attempt {status.get('attempt', 0)} of {attempts}; " if attempts > 1 else ""
+    done = status.get("step")
+    if done is None:
+        done = status.get("resume_step")  # this attempt has not finished a step yet
+    newest = status.get("checkpoint_step")
+    if newest is None:
+        return (f"{where}no checkpoint yet: a resume is not possible"
+                + ("" if done is None else f"; {done} steps would be redone by a new launch"))
+    redo = 0 if done is None else max(done - newest, 0)
+    return f"{where}newest checkpoint at step {newest}: a resume would redo {redo} step{'s' * (redo != 1)}"
+
+
 def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     """Print one run's state; the exit code says it too (0 fine, 1 failed, lost, degraded
     or stalled, 4 stopped)."""
@@ -36,6 +51,7 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
         console.human.print(runs_table(f"run {ref.run_id} on {ref.host}", [status]))
         if status.get("source"):
             console.say(f"source: {provenance.summary(status['source'])}")
+        console.say(resume_point(status))
     return exit_code_for_state(status["state"])
 
 

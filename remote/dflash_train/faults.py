@@ -14,7 +14,7 @@ import os
 import threading
 
 from .config import FaultSpec
-from .runlog import say
+from .runlog import attempt_number, say
 
 
 class InjectedFault(RuntimeError):
@@ -26,8 +26,9 @@ class InjectedRootCause(ValueError):
 
 
 class FaultInjector:
-    def __init__(self, faults: tuple[FaultSpec, ...]):
-        self._faults = faults
+    def __init__(self, faults: tuple[FaultSpec, ...], attempt: int | None = None):
+        attempt = attempt_number() if attempt is None else attempt
+        self._faults = tuple(f for f in faults if f.attempt is None or f.attempt == attempt)
 
     def fire(self, thread: str, step: int | None = None) -> None:
         for fault in self._matching(thread, step, poison=False):
