@@ -6,7 +6,8 @@ hangs, aborts the process or exits it with a code. A drafter also asks
 `poisons(name, step)` before its forward: `nonfinite` makes that step's loss and
 gradients NaN (Replica.run_step), the failure a diverging run meets. Matching is by the
 logical thread name, so the sequential pipeline (one thread doing every part) takes the
-same faults.
+same faults. A fault with `attempt: N` fires only in attempt N of the run (DFLASH_ATTEMPT),
+so a test can fail the launch and let its restart or resume succeed.
 """
 from __future__ import annotations
 
