@@ -51,7 +51,8 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
         console.human.print(runs_table(f"run {ref.run_id} on {ref.host}", [status]))
         if status.get("source"):
             console.say(f"source: {provenance.summary(status['source'])}")
-        console.say(resume_point(status))
+        if status["state"] != "SUCCEEDED":
+            console.say(resume_point(status))
     return exit_code_for_state(status["state"])
 
 
