@@ -179,6 +179,22 @@ def test_resume_refuses_a_run_without_a_checkpoint(bed):
     assert bed.run_json(run_id)["attempt"] == 0 and len(bed.run_json(run_id)["attempts"]) == 1  # untouched
 
 
+def test_a_stop_during_the_restart_back_off_ends_the_run_stopped_with_no_new_attempt(bed):
+    run_id = bed.launch("backoff", restart={"max": 3, "backoff_s": 600},
+                        faults=[{"thread": "coordinator", "at": "startup", "kind": "raise", "attempt": 0}])
+    wait_for(lambda: bed.log_has(run_id, "attempt 0 ended (failure); restarting in 600.0 s"), 240, "the back-off")
+    assert bed.dflash("status", run_id, "--host", HOST).stdout.strip() == "DEGRADED"  # not ended: restarting
+    stopped = bed.dflash("stop", run_id, "--host", HOST)
+    assert stopped.returncode == 0 and stopped.stdout.strip() == "STOPPED", stopped.stderr
+    record = bed.run_json(run_id)
+    assert record["attempt"] == 0 and len(record["attempts"]) == 1
+    assert json.loads((bed.run_dir(run_id) / "exit.json").read_text())["exit_code"] == 1
+    assert bed.log_has(run_id, "attempt 0 ended (failure): not restarting: it was stopped")
+    wait_for(lambda: not procfs.identity_alive(record["supervisor"]["pid"], record["supervisor"]["start_time"]),
+             30, "the supervisor's end")
+    assert bed.run_json(run_id)["attempt"] == 0
+
+
 def test_the_restart_policy_stops_at_its_budget_at_a_stop_and_at_a_failure_repeated_at_one_step():
     policy = {"max": 2, "on": ["failure"], "backoff_s": 4}
     launch = {"attempt": 0, "reason": "launch"}
