@@ -107,6 +107,18 @@ def test_summarize_events_reads_back_to_the_last_heartbeat(tmp_path):
     assert summarize_events(str(tmp_path / "missing")) == EventSummary()
 
 
+def test_summarize_events_stops_at_the_latest_attempts_marker(tmp_path):
+    # Attempt 0 ran, failed and wrote `done`; attempt 1 has started but reported nothing yet.
+    path = tmp_path / "events.jsonl"
+    events = [{"ts": 1.0, "type": "phase", "phase": "train"}, {"ts": 2.0, "type": "step", "step": 30},
+              {"ts": 3.0, "type": "done", "exit_code": 1},
+              {"ts": 4.0, "type": "attempt", "attempt": 1, "reason": "restart", "resume_step": 20}]
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert summarize_events(str(path)) == EventSummary(last_event_ts=4.0)  # no done, no heartbeat of attempt 0
+    path.write_text("".join(json.dumps(e) + "\n" for e in events + [{"ts": 5.0, "type": "step", "step": 21}]))
+    assert summarize_events(str(path)) == EventSummary(last_event_ts=5.0, last_heartbeat=5.0, step=21)
+
+
 @pytest.mark.timeout(20)
 def test_summarize_events_cost_does_not_depend_on_the_file_size(tmp_path):
     # 256 GiB of holes before the last events: reading it from the start would take minutes.
