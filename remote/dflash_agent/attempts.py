@@ -101,8 +101,13 @@ def log_line(run: RunDir, text: str) -> None:
 
 
 def _append(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    """Append whole lines. A trainer killed in the middle of a line left it without its
+    newline: one goes first, or the marker would be glued to that torn line and lost."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
         while data:
             data = data[os.write(fd, data):]
     finally:
