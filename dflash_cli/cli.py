@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import console, retry
-from .commands import deploy, diff, fetch_traceback, gc, hosts, launch, plot, pull, stacks, status, stop, version, watch
+from .commands import deploy, diff, fetch_traceback, gc, hosts, launch, plot, pull, resume, stacks, status, stop, version, watch
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
@@ -143,6 +143,35 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
     if follow:
         sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
                            retry_for=retry.RETRY_FOR_S))
+
+
+@main.command("resume")
+@click.argument("run_id", metavar="[RUN]", required=False)
+@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@click.option("--follow", is_flag=True, help="Watch the run after resuming it (as `dflash watch`).")
+@click.option("--release", type=click.Choice(["current"]),
+              help="Run the host's current release instead of the run's own (`current`).")
+@click.option("--step", type=click.IntRange(min=1),
+              help="Resume from the checkpoint of this step (default: the newest complete one).")
+@click.pass_obj
+def resume_cmd(session: Session, run_id: str | None, host_name: str | None, follow: bool,
+               release: str | None, step: int | None) -> None:
+    """Continue RUN (default: the latest run) from its newest complete checkpoint.
+
+    The run must have ended (stopped, failed or lost). It goes on as the next attempt of
+    the same run id, with the same config and release (or, with --release current, the
+    host's current one; a line says which): step count, data cursor, optimizer and loss
+    curve as the checkpoint left them; train.log and the events go on after an attempt
+    line. `status` and `fetch-traceback` show the latest attempt (`--all`: every one).
+    Refused (exit 2, with the reason) while the run is live, when it has no checkpoint,
+    or when the checkpoint does not fit the config.
+    """
+    ref = resolve_run(session.logs_dir, run_id, host_name)
+    code = resume.run(session, ref, release == "current", step)
+    if follow:
+        code = watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
+                         retry_for=retry.RETRY_FOR_S)
+    sys.exit(code)
 
 
 @main.command("watch")

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from dflash_agent import jsonio, procfs
+from dflash_agent import attempts, jsonio, procfs
+from dflash_agent.layout import RunDir
 from dflash_agent.state import (ALIVE, DEGRADED, ENDING, FAILED, GONE, LOST, RUNNING, STALLED,
                                 STARTING, STOPPED, SUCCEEDED, EventSummary, Observation,
                                 derive_state, summarize_events)
@@ -105,6 +106,29 @@ def test_summarize_events_reads_back_to_the_last_heartbeat(tmp_path):
     assert summarize_events(str(path)) == EventSummary(
         last_event_ts=8.0, last_phase="eval", last_phase_ts=6.0, last_heartbeat=5.0, step=2, done=done)
     assert summarize_events(str(tmp_path / "missing")) == EventSummary()
+
+
+def test_summarize_events_stops_at_the_latest_attempts_marker(tmp_path):
+    # Attempt 0 ran, failed and wrote `done`; attempt 1 has started but reported nothing yet.
+    path = tmp_path / "events.jsonl"
+    events = [{"ts": 1.0, "type": "phase", "phase": "train"}, {"ts": 2.0, "type": "step", "step": 30},
+              {"ts": 3.0, "type": "done", "exit_code": 1},
+              {"ts": 4.0, "type": "attempt", "attempt": 1, "reason": "restart", "resume_step": 20}]
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert summarize_events(str(path)) == EventSummary(last_event_ts=4.0)  # no done, no heartbeat of attempt 0
+    path.write_text("".join(json.dumps(e) + "\n" for e in events + [{"ts": 5.0, "type": "step", "step": 21}]))
+    assert summarize_events(str(path)) == EventSummary(last_event_ts=5.0, last_heartbeat=5.0, step=21)
+
+
+def test_an_attempt_marker_after_a_torn_last_line_still_counts(tmp_path):
+    run = RunDir("r", str(tmp_path))
+    (tmp_path / "events.jsonl").write_text('{"ts": 1.0, "type": "heartbeat", "step": 4}\n{"ts": 2.0, "type": "hea')
+    (tmp_path / "train.log").write_text("2026-11-30T00:00:00.000 [drafter-0] step 4/9 lo")
+    attempts.append_markers(run, 1, "resume", 4, "rel")
+    summary = summarize_events(str(tmp_path / "events.jsonl"))
+    assert summary.last_heartbeat is None and summary.last_event_ts is not None
+    last = (tmp_path / "train.log").read_text().splitlines()[-1]
+    assert last.endswith("[supervisor] === attempt 1 (resume): from its checkpoint at step 4, release rel ===")
 
 
 @pytest.mark.timeout(20)

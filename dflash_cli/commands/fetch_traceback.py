@@ -16,18 +16,20 @@ _THREAD_TAG = re.compile(r"^\S+ \[([^\]]+)\] ")
 LIVE_STATES = ("STARTING", "RUNNING", "DEGRADED", "STALLED")
 
 
-def header(record: dict, ref: RunRef) -> str:
+def header(record: dict, ref: RunRef, several_attempts: bool = False) -> str:
     step = f" at step {record['step']}" if record.get("step") is not None else ""
+    if several_attempts:
+        step += f" of attempt {record.get('attempt') or 0}"
     return (f"==> run {ref.run_id} on {ref.host}: thread {record.get('thread')} failed in "
             f"{record.get('phase')}{step} at {console.utc_time(record.get('ts', 0), 'milliseconds')} "
             f"({record.get('exc_type')}) <==\n")
 
 
-def render_record(record: dict, ref: RunRef) -> str:
+def render_record(record: dict, ref: RunRef, several_attempts: bool = False) -> str:
     """Header line, then the traceback text exactly as the thread formatted it (or, for
     a line of errors.jsonl that is not JSON, that line as it is)."""
     text = record.get("traceback", record.get("raw", ""))
-    return header(record, ref) + text + ("" if text.endswith("\n") else "\n")
+    return header(record, ref, several_attempts) + text + ("" if text.endswith("\n") else "\n")
 
 
 def render_no_record(report: dict, ref: RunRef) -> str:
@@ -78,12 +80,17 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         raise DflashError("--stacks shows every thread's stack; it does not combine with "
                           "--thread or --all", ExitCode.USAGE)
     report = session.agent(ref.host).call("report", "--run-id", ref.run_id)
-    records = report.get("errors", [])  # in file order: appended as threads failed
+    every = report.get("errors", [])  # in file order: appended as threads failed, attempt after attempt
+    # The state is the latest attempt's, and so is the root cause; --all shows earlier attempts' too.
+    attempt = int((report.get("run") or {}).get("attempt") or 0)
+    latest = [r for r in every if int(r.get("attempt") or 0) == attempt]
+    records = every if all_records else latest
     state = report.get("state")
     logs = RunLogs(session.logs_dir, ref)
-    if records:
-        logs.save_errors(records)
-        logs.save_traceback(records[0].get("traceback", ""))
+    if every:
+        logs.save_errors(every)
+    if latest:
+        logs.save_traceback(latest[0].get("traceback", ""))
     if thread:
         records = [r for r in records if r.get("thread") == thread]
         if not records:
@@ -95,7 +102,7 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         # diagnosis.
         text = render_stacks(session, ref, report)
     elif records:
-        text = "".join(render_record(r, ref) for r in (records if all_records else records[:1]))
+        text = "".join(render_record(r, ref, attempt > 0) for r in (records if all_records else records[:1]))
     elif state in ("FAILED", "LOST"):
         text, code = render_no_record(report, ref), ExitCode.RUN_FAILED
     else:

@@ -111,7 +111,7 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
     run_id = new_run_id(name)
     # Every value in the option's own word (--key=value): none can read as an option.
     args = [f"--run-id={run_id}", "--config=-", f"--name={name}", f"--stall-after={config.stall_after}",
-            f"--source-json={json.dumps(source)}"]
+            f"--source-json={json.dumps(source)}", f"--restart-json={json.dumps(config.restart.as_json())}"]
     args += [f"--resource={resource}" for resource in config.resources()]
     args += [f"--env={key}={value}" for key, value in host.env.items()]
     args += [f"--require-module={package}" for package in TRAINER_PACKAGES]

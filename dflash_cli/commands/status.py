@@ -59,6 +59,21 @@ def change_since(store: ReleaseStore, host: str, previous: dict, release_id: str
             "removed": sum(d.removed for d in diffs), "text": f"changed since {since}: {summary(diffs)}"}
 
 
+def resume_point(status: dict) -> str:
+    """How much a resume would redo: the steps done since the newest checkpoint."""
+    attempts = status.get("attempts") or 1
+    where = f"attempt {status.get('attempt', 0)} of {attempts}; " if attempts > 1 else ""
+    done = status.get("step")
+    if done is None:
+        done = status.get("resume_step")  # this attempt has not finished a step yet
+    newest = status.get("checkpoint_step")
+    if newest is None:
+        return (f"{where}no checkpoint yet: a resume is not possible"
+                + ("" if done is None else f"; {done} steps would be redone by a new launch"))
+    redo = 0 if done is None else max(done - newest, 0)
+    return f"{where}newest checkpoint at step {newest}: a resume would redo {redo} step{'s' * (redo != 1)}"
+
+
 def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     """Print one run's state; the exit code says it too (0 fine, 1 failed, lost, degraded
     or stalled, 4 stopped)."""
@@ -73,6 +88,8 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
             console.say(f"source: {provenance.summary(status['source'])}")
         if line := overrides_line(status):
             console.say(line)
+        if status["state"] != "SUCCEEDED":
+            console.say(resume_point(status))
     return exit_code_for_state(status["state"])
 
 

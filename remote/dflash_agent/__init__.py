@@ -20,6 +20,7 @@ Verbs
 launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          [--env KEY=VALUE]... [--python EXE] [--stall-after S=300] [--source-json JSON]
          [--require-module NAME]... [--require-path KIND:KEY=PATH]... [--override KEY=VALUE]...
+         [--restart-json JSON]
          First checks what only the host can (preflight.py), all at once, before
          anything of the run exists: at least 64 MiB free in the workspace; each
          --require-module found by the trainer's interpreter (--python, run with the
@@ -46,8 +47,11 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          runs/ID/train.log. The release is the one `current` points to at launch,
          resolved (runs keep their release even when `current` moves on). When the
          trainer ends it writes exit.json {exit_code, signal, oom_killed, ended_at,
-         exec_error} atomically (exec_error: null, or why the exec failed; exit_code
-         is then 127 and train.log holds the reason). run.json also records name,
+         exec_error, attempt} atomically (exec_error: null, or why the exec failed;
+         exit_code is then 127 and train.log holds the reason). With --restart-json
+         {"max", "on", "backoff_s"} (run.json's "restart") the supervisor starts the
+         next attempt from the newest checkpoint instead, as DESIGN.md "The restart
+         policy" says; run.json's "attempt" and "attempts" list the attempts. run.json also records name,
          release_dir, workspace, config_source, cwd, env_keys (the --env keys; values
          are not recorded), resources, start_time (/proc stat field 22) and
          supervisor {pid, start_time} and source: the --source-json object (where the
@@ -57,19 +61,37 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          the config with, recorded as given (the agent neither reads nor applies them). `launch` returns after run.json exists:
          {"run_id", "run_dir", "pid", "pgid", "release_id"}. A launch that fails before
          run.json exists leaves no run directory and no lock.
+resume   --run-id ID [--release run|current] [--step N] [--env KEY=VALUE]... [--require-module NAME]...
+         The next attempt of a run that ended (DESIGN.md "Attempts"), from its complete
+         checkpoint of step N (default: the newest), with its config and its release
+         (--release run) or the current one: under a per-run lock, refused (kind
+         "conflict") while the run is live (not terminal) or when the chosen release's
+         `python -m dflash_train.resume_check` says the checkpoint does not fit the config;
+         kind "not_found" without a complete checkpoint (or none at N) or when the run's
+         release is gone. Then the --require-module check, the run's resources taken as by
+         launch, and a new supervisor started as launch starts one, for attempt
+         run.json's attempt + 1 (reason "resume", env DFLASH_ATTEMPT, argv + --resume-from
+         FOLDER); it writes run.json, appends the attempt markers to events.jsonl and
+         train.log, then removes the ended attempt's exit.json and stop_requested.json.
+         -> {"run_id", "attempt", "previous_state", "step", "checkpoint", "pid",
+             "release_id", "previous_release_id", "release"}
 status   [--run-id ID [--config]]    {"runs": [RunStatus...]} (all runs if no id; newest first)
          RunStatus = {"run_id", "name", "state", "pid", "started_at", "ended_at",
                       "exit": exit.json or null, "errors": n_records,
                       "last_heartbeat": ts or null, "release_id", "source": run.json's
                       source or null, "overrides": run.json's overrides or [],
-                      "step": last step or null}
+                      "step": last step or null (of the latest attempt),
+                      "attempt", "attempts": how many, "resume_step": the checkpoint step
+                      the latest attempt started from or null, "checkpoint_step": the
+                      newest complete checkpoint's step or null}
          --config (with --run-id only, else kind "usage") adds "config": run.json's
          config, the text of config.yaml as launched.
          ended_at comes from exit.json, or from the trainer's `done` event when no
          supervisor was left to write exit.json.
 stop     --run-id ID [--grace S=10]
-         Writes stop_requested.json, SIGTERM to the trainer's process group, waits
-         `grace`, SIGKILL, and returns only when no process of the group is left and
+         Writes stop_requested.json (which also ends a restart policy's restarting),
+         SIGTERM to the trainer's process group, waits `grace`, SIGKILL (and again for
+         the group of an attempt that a restart started meanwhile, read from run.json), and returns only when no process of the group is left and
          exit.json exists (or no supervisor is left to write it: the run is then
          STOPPED all the same): {"run_id", "state", "killed": bool}.
 stacks   --run-id ID [--timeout S=5]

@@ -55,6 +55,15 @@ def _json_object(text: str) -> Dict[str, Any]:
     return value
 
 
+def _restart_policy(text: str) -> Dict[str, Any]:
+    from .attempts import check_policy
+    policy = _json_object(text)
+    problem = check_policy(policy)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return policy
+
+
 def _fingerprint(text: str) -> str:
     """LEN:HEX as jsonio.fingerprint writes it: a sha256 of at most FINGERPRINT_BYTES bytes."""
     length, _, digest = text.partition(":")
@@ -97,12 +106,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default=sys.executable or "python3")
     p.add_argument("--stall-after", type=_positive, default=300.0)
     p.add_argument("--source-json", type=_json_object, help="where the release came from (run.json's source)")
+    p.add_argument("--restart-json", type=_restart_policy,
+                   help='the restart policy: {"max": N, "on": ["failure", "killed"], "backoff_s": S}')
     p.add_argument("--require-module", action="append", default=[], metavar="NAME",
                    help="a module the trainer's interpreter must find (checked before anything starts)")
     p.add_argument("--require-path", action="append", default=[], type=_path_requirement,
                    metavar="KIND:KEY=PATH", help="a path of the config that must exist on this host")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a --set the config was resolved with (recorded in run.json as given)")
+
+    p = verbs.add_parser("resume", help="start the next attempt of an ended run from a checkpoint")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--release", choices=("run", "current"), default="run",
+                   help="the run's own release (default) or the host's current one")
+    p.add_argument("--step", type=_non_negative_int, help="this checkpoint step (default: the newest complete one)")
+    p.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE")
+    p.add_argument("--require-module", action="append", default=[], metavar="NAME")
 
     p = verbs.add_parser("status", help="RunStatus of one run or of all, newest first")
     p.add_argument("--run-id")
@@ -168,7 +187,13 @@ def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
         run_id=args.run_id, config=args.config, name=args.name, resources=tuple(args.resource),
         force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after,
         source=args.source_json, modules=tuple(args.require_module), paths=tuple(args.require_path),
-        overrides=tuple(args.override)))
+        overrides=tuple(args.override), restart=args.restart_json))
+
+
+def _resume(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .resume import ResumeRequest, resume
+    return resume(ws, ResumeRequest(run_id=args.run_id, release=args.release, step=args.step,
+                                    env=tuple(args.env), modules=tuple(args.require_module)))
 
 
 def _status(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
@@ -225,7 +250,7 @@ def _info(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 VERBS: Dict[str, Callable[[Workspace, argparse.Namespace], Dict[str, Any]]] = {
-    "launch": _launch, "status": _status, "stop": _stop, "stacks": _stacks,
+    "launch": _launch, "resume": _resume, "status": _status, "stop": _stop, "stacks": _stacks,
     "report": _report, "gpus": _gpus, "info": _info, "artifacts": _artifacts,
     "release-files": _release_files, "run-config": _run_config, "gc": _gc,
 }

@@ -40,26 +40,40 @@ def stop(run: RunDir, grace: float) -> Dict[str, Any]:
     if state in TERMINAL:
         return {"run_id": run.run_id, "state": state, "killed": False}
     write_json_atomic(run.stop_requested, {"requested_at": time.time(), "grace_s": grace})
-    pgid, leader_start = record["pgid"], record.get("start_time")
-    same_boot = record.get("boot_id") == procfs.boot_id()
     killed = False
-    if same_boot and procfs.group_is_ours(pgid, leader_start):
-        def group_empty() -> bool:
-            return not procfs.group_members(pgid)
-
-        _signal_group(pgid, signal.SIGTERM)
-        if not _wait(group_empty, grace):
-            killed = True
-            _signal_group(pgid, signal.SIGKILL)
-            if not _wait(group_empty, KILL_WAIT_S):
-                raise AgentError("run %r: processes of group %d still exist %.0f s after SIGKILL"
-                                 % (run.run_id, pgid, KILL_WAIT_S), "internal")
+    signalled = set()
+    # A supervisor restarting the run writes the new attempt's run.json, then looks for
+    # stop_requested.json before letting it start: reading run.json again after writing
+    # that file finds any trainer that started all the same.
+    while record["pgid"] not in signalled:
+        signalled.add(record["pgid"])
+        killed = _end_group(run, record, grace) or killed
+        record = read_record(run)
     # exit.json comes from the supervisor, if it is alive to write it.
     supervisor = record.get("supervisor") or {}
     _wait(lambda: os.path.exists(run.exit_json)
           or not procfs.identity_alive(supervisor.get("pid"), supervisor.get("start_time")),
           EXIT_JSON_WAIT_S)
     return {"run_id": run.run_id, "state": derive_state(observe(run, record)), "killed": killed}
+
+
+def _end_group(run: RunDir, record: Dict[str, Any], grace: float) -> bool:
+    """SIGTERM to the trainer's process group, SIGKILL after `grace`; True if it took that."""
+    pgid, leader_start = record["pgid"], record.get("start_time")
+    if record.get("boot_id") != procfs.boot_id() or not procfs.group_is_ours(pgid, leader_start):
+        return False
+
+    def group_empty() -> bool:
+        return not procfs.group_members(pgid)
+
+    _signal_group(pgid, signal.SIGTERM)
+    if _wait(group_empty, grace):
+        return False
+    _signal_group(pgid, signal.SIGKILL)
+    if not _wait(group_empty, KILL_WAIT_S):
+        raise AgentError("run %r: processes of group %d still exist %.0f s after SIGKILL"
+                         % (run.run_id, pgid, KILL_WAIT_S), "internal")
+    return True
 
 
 def stacks(run: RunDir, timeout: float) -> Dict[str, Any]:

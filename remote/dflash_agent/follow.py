@@ -21,7 +21,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .gpus import query_gpus
-from .jsonio import FINGERPRINT_BYTES, decode_bytes, encode_line, fingerprint, parse_json_line, tail_start
+from .jsonio import FINGERPRINT_BYTES, decode_bytes, encode_line, fingerprint, parse_json_line, read_json, tail_start
 from .layout import Workspace
 from .state import TERMINAL, derive_state, observe, read_record
 
@@ -420,7 +420,9 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
             if sampler is not None:
                 sampler.check()
             # The state is taken before reading: if it is terminal, everything the run
-            # wrote is already on disk, and the reads below drain it.
+            # wrote is already on disk, and the reads below drain it. run.json is read
+            # anew: a restart puts another attempt's trainer in it.
+            record = read_json(run.run_json) or record
             obs = observe(run, record)
             state = derive_state(obs)
             terminal = state in TERMINAL

@@ -41,6 +41,7 @@ class LaunchRequest:
     modules: Tuple[str, ...] = ()  # the trainer's interpreter must find these
     paths: Tuple[PathRequirement, ...] = ()  # the config's host paths that must exist
     overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE the CLI resolved the config with
+    restart: Optional[Dict[str, Any]] = None  # the config's restart policy (attempts.py)
 
 
 def _read_config(request: LaunchRequest, release_root: str) -> bytes:
@@ -54,7 +55,7 @@ def _read_config(request: LaunchRequest, release_root: str) -> bytes:
         raise AgentError("cannot read config %s: %s" % (path, exc.strerror or exc), "not_found")
 
 
-def _trainer_env(ws: Workspace, run: RunDir, release_id: str, release_root: str,
+def trainer_env(ws: Workspace, run: RunDir, release_id: str, release_root: str,
                  extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str], ...]:
     env = dict(os.environ)
     remote = os.path.join(release_root, "remote")
@@ -82,7 +83,7 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
                          "ran in between?)" % (release_id, request.source.get("release_id")), "conflict")
     config = _read_config(request, release_root)
     run = ws.run(request.run_id)
-    env = _trainer_env(ws, run, release_id, release_root, request.env)
+    env = trainer_env(ws, run, release_id, release_root, request.env)
     preflight.check(ws.root, release_root, request.python, env, request.modules, request.paths)
     os.makedirs(ws.runs, exist_ok=True)
     try:
@@ -101,8 +102,9 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
             release_root=release_root, config_source=request.config, python=request.python,
             env=env,
             env_keys=tuple(key for key, _ in request.env), resources=request.resources,
-            stall_after=request.stall_after, source=request.source, overrides=request.overrides)
-        report = _start_supervisor(plan)
+            stall_after=request.stall_after, source=request.source, overrides=request.overrides,
+            restart=request.restart)
+        report = start_supervisor(plan)
     except BaseException:
         if not os.path.exists(run.run_json):  # nothing started: the locks are ours to drop
             locks.release(ws, request.resources, run.run_id)
@@ -130,7 +132,7 @@ def _daemonize(log_path: str, keep_fd: int) -> None:
     os.chdir("/")
 
 
-def _start_supervisor(plan: TrainerPlan) -> Dict[str, Any]:
+def start_supervisor(plan: TrainerPlan) -> Dict[str, Any]:
     report_r, report_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()

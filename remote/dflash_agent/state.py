@@ -12,6 +12,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from . import procfs
+from .attempts import newest_checkpoint
 from .jsonio import decode_bytes, lines_backwards, parse_json_line, read_json
 from .layout import RunDir
 
@@ -93,7 +94,8 @@ def derive_state(obs: Observation) -> str:
 
 
 def summarize_events(path: str) -> EventSummary:
-    """Read events.jsonl backwards until the newest heartbeat/step event."""
+    """Read events.jsonl backwards until the newest heartbeat/step event, or the marker
+    of the latest attempt (attempts.py): what earlier attempts wrote is not this one's."""
     last_event_ts = last_phase = last_phase_ts = done = None
     for line in lines_backwards(path):
         event = parse_json_line(line)
@@ -103,6 +105,8 @@ def summarize_events(path: str) -> EventSummary:
         if last_event_ts is None:
             last_event_ts = ts
         kind = event.get("type")
+        if kind == "attempt":
+            break
         if kind == "phase" and last_phase is None:
             last_phase, last_phase_ts = event.get("phase"), ts
         if kind == "done" and done is None:
@@ -129,6 +133,12 @@ def error_records(path: str) -> List[Dict[str, Any]]:
     return records
 
 
+def attempt_errors(records: List[Dict[str, Any]], attempt: int) -> List[Dict[str, Any]]:
+    """The error records of one attempt of the run (a record without `attempt`, or a line
+    that is not JSON, counts as attempt 0's: written before attempts existed)."""
+    return [r for r in records if int(r.get("attempt") or 0) == attempt]
+
+
 def trainer_liveness(record: Dict[str, Any]) -> str:
     recorded_boot = record.get("boot_id")
     current_boot = procfs.boot_id()
@@ -143,7 +153,7 @@ def trainer_liveness(record: Dict[str, Any]) -> str:
 
 
 def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
-    """The facts about a started run (record = its run.json)."""
+    """The facts about a started run's latest attempt (record = its run.json)."""
     exit_record = read_json(run.exit_json)
     trainer = GONE
     if exit_record is None:
@@ -157,7 +167,7 @@ def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
         now=time.time(),
         trainer=trainer,
         exit=exit_record,
-        error_count=len(error_records(run.errors)),
+        error_count=len(attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))),
         stop_requested=os.path.exists(run.stop_requested),
         events=summarize_events(run.events),
     )
@@ -188,10 +198,25 @@ def run_status(run: RunDir, with_config: bool = False) -> Dict[str, Any]:
         "source": record.get("source"),
         "overrides": record.get("overrides") or [],
         "step": obs.events.step,
+        "attempt": int(record.get("attempt") or 0),
+        "attempts": len(record.get("attempts") or ()) or 1,
+        "resume_step": _resume_step(record),
+        "checkpoint_step": _newest_checkpoint_step(run),
     }
     if with_config:
         status["config"] = record.get("config")
     return status
+
+
+def _resume_step(record: Dict[str, Any]) -> Optional[int]:
+    """The checkpoint step the latest attempt started from (None: from the start)."""
+    entries = record.get("attempts") or [{}]
+    return (entries[-1].get("resume_from") or {}).get("step")
+
+
+def _newest_checkpoint_step(run: RunDir) -> Optional[int]:
+    newest = newest_checkpoint(run)
+    return newest[0] if newest else None
 
 
 def _ended_at(obs: Observation) -> Optional[float]:

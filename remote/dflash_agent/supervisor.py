@@ -1,5 +1,6 @@
 """The supervisor: starts the trainer, records run.json before it runs and exit.json
-after it ends, then releases the run's locks.
+after it ends, then releases the run's locks. Under the run's restart policy it starts
+the next attempt from the newest checkpoint instead of writing exit.json (attempts.py).
 
 It runs detached (launch.py daemonizes it): stdin /dev/null, stdout+stderr appended to
 runs/ID/agent.log, no descriptor of the caller left open.
@@ -14,9 +15,12 @@ import sys
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from . import locks, oom, procfs
+from . import attempts, locks, oom, procfs
 from .jsonio import encode_line, write_json_atomic
 from .layout import RunDir, Workspace
+from .state import GONE, Observation, attempt_errors, derive_state, error_records, summarize_events
+
+STOP_POLL_S = 0.2  # during a restart's back-off, how often stop_requested.json is looked for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +39,17 @@ class TrainerPlan:
     stall_after: float
     source: Optional[Dict[str, Any]] = None  # where the release came from, as the CLI saw it
     overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE applied to the user's file
+    restart: Optional[Dict[str, Any]] = None  # the config's restart policy (attempts.py)
+    attempt: int = 0  # 0: the launch; then each resume or restart
+    reason: str = "launch"  # launch | resume | restart
+    resume_from: Optional[Tuple[int, str]] = None  # (step, checkpoint folder) this attempt starts from
+    history: Tuple[Dict[str, Any], ...] = ()  # the ended attempts' entries (run.json `attempts`)
 
     @property
     def argv(self) -> Tuple[str, ...]:
+        resume = () if self.resume_from is None else ("--resume-from", self.resume_from[1])
         return (self.python, "-m", "dflash_train", "--config", self.run.config,
-                "--run-dir", self.run.path)
+                "--run-dir", self.run.path) + resume
 
 
 def log(message: str) -> None:
@@ -81,7 +91,7 @@ def _exec_trainer(plan: TrainerPlan, pipes: Dict[str, int], train_log_fd: int) -
             signal.signal(getattr(signal, name), signal.SIG_DFL)
         if os.read(pipes["go_r"], 1) != b"g":
             os._exit(125)  # the supervisor gave up before run.json existed: never start
-        os.execvpe(plan.python, list(plan.argv), dict(plan.env))
+        os.execvpe(plan.python, list(plan.argv), dict(plan.env, DFLASH_ATTEMPT=str(plan.attempt)))
     except BaseException as exc:  # exec failed: say why in train.log and to the supervisor
         reason = "cannot start the trainer: %s: %s" % (type(exc).__name__, exc)
     try:
@@ -101,11 +111,33 @@ def _read_all(fd: int) -> bytes:
 
 
 def supervise(plan: TrainerPlan, report_fd: int) -> int:
-    """Start the trainer and wait for it. Reports {"ok": ...} on `report_fd` once
-    run.json exists (or why it could not start) and closes it."""
+    """Run the trainer, and again from the newest checkpoint while the run's restart
+    policy says so (attempts.py); then write exit.json and release the locks. Reports
+    {"ok": ...} on `report_fd` once the first attempt's run.json exists (or why it could
+    not start) and closes it."""
+    report: Optional[int] = report_fd
+    while True:
+        entry, exit_record = _run_attempt(plan, report)
+        report = None
+        plan_next = _next_attempt(plan, entry, exit_record)
+        if plan_next is None:
+            break
+        plan = plan_next
+    locks.release(plan.workspace, plan.resources, plan.run.run_id)
+    return 0
+
+
+def _report(fd: Optional[int], message: Dict[str, Any]) -> None:
+    if fd is not None:
+        _send(fd, message)
+        os.close(fd)
+
+
+def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Start one trainer process and wait for it: (its `attempts` entry, its exit record)."""
     run = plan.run
     oom_before = oom.oom_kill_count()
-    pipes = {"report": report_fd}
+    pipes = {"report": report_fd if report_fd is not None else os.open(os.devnull, os.O_RDONLY)}
     pipes["go_r"], pipes["go_w"] = os.pipe()
     pipes["sync_r"], pipes["sync_w"] = os.pipe()
     pipes["exec_r"], pipes["exec_w"] = os.pipe()  # close-on-exec: EOF without data = exec worked
@@ -115,6 +147,8 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
         _exec_trainer(plan, pipes, train_log_fd)
     for key in ("go_r", "sync_w", "exec_w"):
         os.close(pipes[key])
+    if report_fd is None:
+        os.close(pipes["report"])
     os.close(train_log_fd)
     # Wait until the child is in its own session: from then on pgid == pid holds.
     in_session = os.read(pipes["sync_r"], 1) == b"s"
@@ -123,6 +157,11 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
         if not in_session:
             raise RuntimeError("the trainer process died before starting")
         start_ticks = procfs.start_time(pid)
+        started_at = time.time()
+        entry = {"attempt": plan.attempt, "reason": plan.reason, "started_at": started_at, "pid": pid,
+                 "release_id": plan.release_id,
+                 "resume_from": None if plan.resume_from is None else
+                 {"step": plan.resume_from[0], "path": plan.resume_from[1]}}
         record = {
             "run_id": run.run_id, "name": plan.name, "release_id": plan.release_id,
             "release_dir": plan.release_root, "workspace": plan.workspace.root,
@@ -130,24 +169,37 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
             "overrides": list(plan.overrides),
             "argv": list(plan.argv), "cwd": run.path, "env_keys": list(plan.env_keys),
             "pid": pid, "pgid": pid, "start_time": start_ticks, "boot_id": procfs.boot_id(),
-            "host": socket.gethostname(), "started_at": time.time(),
+            "host": socket.gethostname(), "started_at": started_at,
             "stall_after": plan.stall_after, "resources": list(plan.resources),
             "supervisor": {"pid": os.getpid(), "start_time": procfs.start_time(os.getpid())},
-            "source": plan.source,
+            "source": plan.source, "restart": plan.restart,
+            "attempt": plan.attempt, "attempts": list(plan.history) + [entry],
         }
         write_json_atomic(run.run_json, record)
+        if plan.attempt > 0:
+            attempts.append_markers(run, plan.attempt, plan.reason,
+                                    None if plan.resume_from is None else plan.resume_from[0], plan.release_id)
+        if plan.reason == "resume":
+            # The run is this attempt's from here on: the previous attempt's exit.json and
+            # stop_requested.json go (its entry in `attempts` keeps them). A restart has
+            # neither: its attempt's exit was never written, and a stop ends restarting.
+            attempts.clear_ended_attempt(run)
     except BaseException as exc:
         os.close(pipes["go_w"])  # the child reads EOF and exits without exec
         os.waitpid(pid, 0)
-        _send(report_fd, {"ok": False, "error": "%s: %s" % (type(exc).__name__, exc),
-                          "errno": getattr(exc, "errno", None), "filename": getattr(exc, "filename", None)})
-        os.close(report_fd)
+        _report(report_fd, {"ok": False, "error": "%s: %s" % (type(exc).__name__, exc),
+                            "errno": getattr(exc, "errno", None), "filename": getattr(exc, "filename", None)})
         raise
-    os.write(pipes["go_w"], b"g")
-    os.close(pipes["go_w"])
-    log("trainer pid %d started: %r" % (pid, list(plan.argv)))
-    _send(report_fd, {"ok": True, "pid": pid, "pgid": pid})
-    os.close(report_fd)
+    # `stop` writes stop_requested.json, then reads run.json; this wrote run.json and now
+    # reads stop_requested.json: one of the two sees the other, so a stop that came as a
+    # restart began either finds the new trainer or keeps it from starting.
+    if plan.attempt > 0 and os.path.exists(run.stop_requested):
+        os.close(pipes["go_w"])
+    else:
+        os.write(pipes["go_w"], b"g")
+        os.close(pipes["go_w"])
+    log("trainer pid %d started (attempt %d): %r" % (pid, plan.attempt, list(plan.argv)))
+    _report(report_fd, {"ok": True, "pid": pid, "pgid": pid})
 
     exec_error = _read_all(pipes["exec_r"]).decode("utf-8", "replace") or None
     os.close(pipes["exec_r"])
@@ -159,12 +211,52 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
     exit_record = {
         "exit_code": exit_code, "signal": sig,
         "oom_killed": oom.was_oom_killed(oom_before, oom.oom_kill_count(), sig, pid, start_ticks),
-        "ended_at": time.time(), "exec_error": exec_error,
+        "ended_at": time.time(), "exec_error": exec_error, "attempt": plan.attempt,
     }
-    write_json_atomic(run.exit_json, exit_record)
     log("trainer ended: %r" % exit_record)
-    locks.release(plan.workspace, plan.resources, run.run_id)
-    return 0
+    return entry, exit_record
+
+
+def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: Dict[str, Any]) -> Optional[TrainerPlan]:
+    """The plan of the restart the policy calls for, after its back-off; None (with
+    exit.json written) when the run ends here."""
+    run = plan.run
+    errors = attempt_errors(error_records(run.errors), plan.attempt)
+    step = attempts.failed_step(errors, summarize_events(run.events).step)
+    cause = attempts.restart_cause(exit_record, errors)
+    history = list(plan.history) + [entry]
+    refusal = attempts.restart_refusal(plan.restart, history, cause, step,
+                                       os.path.exists(run.stop_requested))
+    if refusal is None:
+        delay = attempts.backoff(plan.restart or {}, history)
+        where = "" if step is None else " at step %d" % step
+        attempts.log_line(run, "attempt %d ended (%s%s); restarting in %.1f s (restart %d of %d)" % (
+            plan.attempt, cause, where, delay, attempts.restarts_in_a_row(history) + 1, plan.restart["max"]))
+        if _stopped_within(run, delay):
+            refusal = "it was stopped"
+    if refusal is not None:
+        if cause is not None and plan.restart and plan.restart.get("max"):
+            attempts.log_line(run, "attempt %d ended (%s): not restarting: %s" % (plan.attempt, cause, refusal))
+        write_json_atomic(run.exit_json, exit_record)
+        return None
+    state = derive_state(Observation(started_at=entry["started_at"], stall_after=plan.stall_after, now=time.time(),
+                                     trainer=GONE, exit=exit_record, error_count=len(errors)))
+    newest = attempts.newest_checkpoint(run)
+    return dataclasses.replace(
+        plan, attempt=plan.attempt + 1, reason="restart", resume_from=newest or plan.resume_from,
+        history=tuple(plan.history) + (attempts.closed(entry, exit_record, state, step),))
+
+
+def _stopped_within(run: RunDir, seconds: float) -> bool:
+    """Wait `seconds`, or less if a stop is requested meanwhile (then True)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if os.path.exists(run.stop_requested):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(STOP_POLL_S, left))
 
 
 def _read_text(path: str) -> str:

@@ -7,6 +7,7 @@ them still leaves stacks in faulthandler.log.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import importlib
 import os
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Run the job of a config: train a DFlash drafter, regenerate data, or evaluate a drafter.")
     parser.add_argument("--config", required=True, help="the job's config (YAML)")
     parser.add_argument("--run-dir", required=True, help="the run directory (DESIGN.md layout)")
+    parser.add_argument("--resume-from", metavar="CHECKPOINT",
+                        help="resume from this checkpoint folder instead of the config's checkpoint.resume "
+                             "(the agent passes it to a resumed or restarted attempt)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     install_excepthook(state)
     try:
         config = load_train_config(args.config)
+        if args.resume_from is not None:
+            config = dataclasses.replace(
+                config, checkpoint=dataclasses.replace(config.checkpoint, resume=args.resume_from))
         from transformers.utils import logging as hf_logging
 
         from .coordinator import install_signal_handlers

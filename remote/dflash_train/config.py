@@ -233,13 +233,16 @@ class EvaluateConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 1000  # steps between checkpoints; 0: only at the end
+    # minutes between checkpoints, whichever of this and `every` comes first; 0: by steps only.
+    # Bounds what a restart redoes when steps are slow (a 40-minute step count is hours).
+    every_minutes: float = 0.0
     keep: int = 3
     resume: str | None = None  # "latest" (this run dir) or a checkpoint folder
     on_stop: bool = True  # write one when stopped by SIGTERM
 
     def __post_init__(self) -> None:
-        if self.every < 0 or self.keep <= 0:
-            raise ValueError("every must be >= 0 and keep positive")
+        if self.every < 0 or self.keep <= 0 or self.every_minutes < 0:
+            raise ValueError("every and every_minutes must be >= 0 and keep positive")
 
 
 _FAULT_AT = re.compile(r"^(startup|step:(\d+))$")
@@ -261,6 +264,7 @@ class FaultSpec:
     kind: Literal["raise", "hang", "abort", "exit", "nonfinite"]  # nonfinite: a drafter's step:N only
     depth: int = 10  # raise: frames between the thread body and the raise
     code: int = 3  # exit: the exit status
+    attempt: int | None = None  # fire only in this attempt of the run (0: the launch); None: in every one
 
     def __post_init__(self) -> None:
         match = _FAULT_AT.match(self.at)
@@ -270,11 +274,37 @@ class FaultSpec:
             raise ValueError("at: steps count from 1")
         if self.depth < 1 or not 0 < self.code < 256:
             raise ValueError("depth must be >= 1 and code in 1..255")
+        if self.attempt is not None and self.attempt < 0:
+            raise ValueError("attempt counts from 0 (the launch)")
 
     @property
     def step(self) -> int | None:
         """The step the fault fires at, or None for startup."""
         return None if self.at == "startup" else int(self.at.split(":")[1])
+
+
+RestartCause = Literal["failure", "killed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartConfig:
+    """`restart:`: the host's supervisor starts a new attempt of a run that ended badly, from
+    its newest checkpoint (read by the agent from run.json, not by the trainer)."""
+
+    max: int = 0  # restarts at most; 0: none
+    # failure: the trainer recorded an error or exited non-zero; killed: a signal ended it
+    # with no record (SIGKILL, the OOM killer, a segfault)
+    on: tuple[RestartCause, ...] = ("failure", "killed")
+    backoff_s: float = 10.0  # before the first restart; doubled before each next one
+
+    def __post_init__(self) -> None:
+        if self.max < 0 or self.backoff_s < 0:
+            raise ValueError("max and backoff_s must be >= 0")
+        if not self.on:
+            raise ValueError("on: name at least one of failure, killed")
+
+    def as_json(self) -> dict:
+        return {"max": self.max, "on": list(self.on), "backoff_s": self.backoff_s}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +387,7 @@ class TrainConfig:
     export: ExportConfig = ExportConfig()
     faults: tuple[FaultSpec, ...] = ()
     runtime: RuntimeConfig = RuntimeConfig()
+    restart: RestartConfig = RestartConfig()
     seed: int = 0
     log_every: int = 1
     stall_after: float = 300.0  # seconds without a heartbeat before the run counts as STALLED

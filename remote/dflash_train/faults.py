@@ -6,7 +6,8 @@ hangs, aborts the process or exits it with a code. A drafter also asks
 `poisons(name, step)` before its forward: `nonfinite` makes that step's loss and
 gradients NaN (Replica.run_step), the failure a diverging run meets. Matching is by the
 logical thread name, so the sequential pipeline (one thread doing every part) takes the
-same faults.
+same faults. A fault with `attempt: N` fires only in attempt N of the run (DFLASH_ATTEMPT),
+so a test can fail the launch and let its restart or resume succeed.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import os
 import threading
 
 from .config import FaultSpec
-from .runlog import say
+from .runlog import attempt_number, say
 
 
 class InjectedFault(RuntimeError):
@@ -26,8 +27,9 @@ class InjectedRootCause(ValueError):
 
 
 class FaultInjector:
-    def __init__(self, faults: tuple[FaultSpec, ...]):
-        self._faults = faults
+    def __init__(self, faults: tuple[FaultSpec, ...], attempt: int | None = None):
+        attempt = attempt_number() if attempt is None else attempt
+        self._faults = tuple(f for f in faults if f.attempt is None or f.attempt == attempt)
 
     def fire(self, thread: str, step: int | None = None) -> None:
         for fault in self._matching(thread, step, poison=False):

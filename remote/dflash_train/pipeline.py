@@ -115,10 +115,13 @@ class Run:
     evaluator: Evaluator | None = None
     last_checkpoint: int = -1
     _last_report: float = dataclasses.field(default_factory=time.perf_counter)
+    # when the newest checkpoint was written (or training started): checkpoint.every_minutes counts from it
+    _last_checkpoint_at: float = dataclasses.field(default_factory=time.monotonic)
 
     def training_started(self) -> None:
-        """Throughput counts from here, not from the startup."""
+        """Throughput and checkpoint.every_minutes count from here, not from the startup."""
         self._last_report = time.perf_counter()
+        self._last_checkpoint_at = time.monotonic()
 
     @property
     def total_steps(self) -> int:
@@ -183,8 +186,11 @@ class Run:
             evaluate(EvalRequest(self.total_steps, cpu_weights(lead.drafter), final=True))
 
     def checkpoint_due(self, step: int) -> bool:
-        every = self.config.checkpoint.every
-        return step == self.total_steps or (every > 0 and step % every == 0)
+        """At the last step, every `every` steps, and once `every_minutes` passed since the
+        newest checkpoint, whichever comes first."""
+        every, minutes = self.config.checkpoint.every, self.config.checkpoint.every_minutes
+        return (step == self.total_steps or (every > 0 and step % every == 0)
+                or (minutes > 0 and time.monotonic() - self._last_checkpoint_at >= minutes * 60))
 
     def eval_due(self, step: int) -> bool:
         every = self.config.eval.every
@@ -198,6 +204,7 @@ class Run:
         path = save_checkpoint(self.run_dir / "checkpoints", state, replica.drafter, replica.optimizer,
                                replica.scheduler, self.config.checkpoint.keep, resolved_yaml(self.config))
         self.last_checkpoint = step
+        self._last_checkpoint_at = time.monotonic()
         self.events.emit("checkpoint", step=step, path=str(path))
         say(f"checkpoint at step {step}: {path}")
 

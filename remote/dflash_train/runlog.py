@@ -151,6 +151,12 @@ def root_cause(exc: BaseException) -> BaseException:
         exc = nxt
 
 
+def attempt_number() -> int:
+    """Which attempt of its run this process is (DFLASH_ATTEMPT, set by the agent's
+    supervisor; 0, the launch, when run by hand)."""
+    return int(os.environ.get("DFLASH_ATTEMPT") or 0)
+
+
 def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
                  phase: str, step: int | None) -> dict[str, Any]:
     """DESIGN.md's errors.jsonl record for `exc`; `detail` when the root cause carries one
@@ -171,6 +177,7 @@ def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         "frames": frames,
         "release_id": os.environ.get("DFLASH_RELEASE_ID"),
+        "attempt": attempt_number(),
     }
     if isinstance(detail, dict):
         record["detail"] = detail

@@ -21,6 +21,7 @@ from .faults import FaultInjector
 from .model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
 from .pipeline import Evaluator, Run
 from .replica import FrozenTargetWeights, Replica
+from .resume_check import mismatch
 from .runlog import EventLog, say
 from .target import FeatureTap, load_target
 from .threads import RunState
@@ -141,9 +142,8 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
             say("checkpoint.resume: latest, but this run has no checkpoint yet: starting fresh")
         else:
             resumed = load_checkpoint(folder)
-            if resumed.state.replicas != len(drafter_devices):
-                raise ValueError(f"{folder} was trained with {resumed.state.replicas} drafters; this config has "
-                                 f"{len(drafter_devices)} (the data order depends on it)")
+            if problem := mismatch(config, folder, resumed.state.step, resumed.state.replicas):
+                raise ValueError(problem)
             if resumed.state.step > plan.total_steps:
                 raise ValueError(f"{folder} is at step {resumed.state.step}, past this config's "
                                  f"{plan.total_steps} steps")

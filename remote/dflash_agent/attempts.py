@@ -1,0 +1,191 @@
+"""Attempts of a run (DESIGN.md "Attempts"): one run id, several trainer processes in turn.
+
+A run's first attempt (0) is its launch; each `resume` verb (by hand) or restart (by the
+supervisor, under the run's `restart` policy) starts the next one from a checkpoint of
+the run. run.json's top-level fields (pid, pgid, start_time, supervisor, started_at,
+release) are always those of the latest attempt, and `attempts` lists them all, each
+ended one with how it ended; exit.json and stop_requested.json are the latest attempt's
+only, errors.jsonl records carry their `attempt`, and events.jsonl and train.log go on
+across attempts after a marker line. So the state (state.py) is that of the latest
+attempt with nothing else to know.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from .jsonio import encode_line
+from .layout import RunDir
+
+CHECKPOINTS = "checkpoints"
+# What save_checkpoint writes into a step folder before renaming it into place: a folder
+# holding them all (SHA256SUMS is written last) is complete.
+CHECKPOINT_FILES = ("state.json", "model.safetensors", "optimizer.pt", "SHA256SUMS")
+_STEP_FOLDER = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_folders(run: RunDir) -> List[Tuple[int, str]]:
+    """(step, folder) of every complete checkpoint of the run, oldest first. Staging
+    folders (`.step_…-XXXX`) and folders missing a file are not checkpoints."""
+    root = run.file(CHECKPOINTS)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        match = _STEP_FOLDER.match(name)
+        folder = os.path.join(root, name)
+        if match and all(os.path.isfile(os.path.join(folder, f)) for f in CHECKPOINT_FILES):
+            found.append((int(match.group(1)), folder))
+    return sorted(found)
+
+
+def newest_checkpoint(run: RunDir) -> Optional[Tuple[int, str]]:
+    folders = checkpoint_folders(run)
+    return folders[-1] if folders else None
+
+
+def attempt_of(record: Dict[str, Any]) -> int:
+    """The latest attempt's number (0 for a run.json from before attempts existed)."""
+    return int(record.get("attempt") or 0)
+
+
+def history(record: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """run.json's `attempts`; one entry made from the top-level fields for a run.json
+    written before attempts existed."""
+    attempts = record.get("attempts")
+    if isinstance(attempts, list) and attempts:
+        return [dict(a) for a in attempts]
+    return [{"attempt": 0, "reason": "launch", "started_at": record.get("started_at"),
+             "pid": record.get("pid"), "release_id": record.get("release_id"), "resume_from": None}]
+
+
+def failed_step(errors: List[Dict[str, Any]], last_step: Optional[int]) -> Optional[int]:
+    """Where an attempt failed: its root cause's step, else the last step it reported."""
+    for record in errors:
+        if record.get("step") is not None:
+            return int(record["step"])
+    return last_step
+
+
+def closed(entry: Dict[str, Any], exit_record: Optional[Dict[str, Any]], state: str,
+           step: Optional[int]) -> Dict[str, Any]:
+    """An attempt's entry once it ended: how (exit.json or null), its state, and the step
+    it ended at (for a failure: its root cause's step, `failed_step`)."""
+    return dict(entry, exit=exit_record, state=state, step=step,
+                ended_at=(exit_record or {}).get("ended_at") or time.time())
+
+
+def append_markers(run: RunDir, attempt: int, reason: str, resume_step: Optional[int],
+                   release_id: str) -> None:
+    """The boundary of a new attempt in events.jsonl and train.log: both go on, never
+    rewritten. state.summarize_events stops at the events marker, so nothing an earlier
+    attempt wrote (its `done`, its heartbeats) counts for the new one."""
+    now = time.time()
+    event = {"ts": now, "type": "attempt", "attempt": attempt, "reason": reason,
+             "resume_step": resume_step, "release_id": release_id}
+    _append(run.events, encode_line(event))
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + ".%03d" % (int(now * 1000) % 1000)
+    start = "from its checkpoint at step %d" % resume_step if resume_step is not None else "from the start"
+    line = "%s [supervisor] === attempt %d (%s): %s, release %s ===\n" % (stamp, attempt, reason, start, release_id)
+    _append(run.train_log, line.encode("utf-8"))
+
+
+def log_line(run: RunDir, text: str) -> None:
+    """One supervisor line in train.log, where `watch` shows it."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+    _append(run.train_log, ("%s.000 [supervisor] %s\n" % (stamp, text)).encode("utf-8"))
+
+
+def _append(path: str, data: bytes) -> None:
+    """Append whole lines. A trainer killed in the middle of a line left it without its
+    newline: one goes first, or the marker would be glued to that torn line and lost."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
+
+
+def clear_ended_attempt(run: RunDir) -> None:
+    """exit.json and stop_requested.json are the latest attempt's: once a new attempt's
+    run.json is written (its entry in `attempts` keeps them), they go."""
+    for path in (run.exit_json, run.stop_requested):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+# The restart policy (config `restart:`), applied by the supervisor when an attempt ends.
+
+RESTART_CAUSES = ("failure", "killed")
+
+
+def check_policy(policy: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with a restart policy object, or None (the CLI checked the config;
+    this guards the agent's own input)."""
+    if set(policy) - {"max", "on", "backoff_s"}:
+        return "unknown keys %s" % ", ".join(sorted(set(policy) - {"max", "on", "backoff_s"}))
+    if not isinstance(policy.get("max", 0), int) or policy.get("max", 0) < 0:
+        return "max must be an integer >= 0"
+    if not isinstance(policy.get("backoff_s", 0), (int, float)) or policy.get("backoff_s", 0) < 0:
+        return "backoff_s must be a number >= 0"
+    on = policy.get("on", [])
+    if not isinstance(on, list) or any(cause not in RESTART_CAUSES for cause in on):
+        return "on must list some of %s" % ", ".join(RESTART_CAUSES)
+    return None
+
+
+def restart_cause(exit_record: Dict[str, Any], errors: List[Dict[str, Any]]) -> Optional[str]:
+    """"failure" (an error record, or a non-zero exit), "killed" (a signal, no record),
+    or None for a clean exit."""
+    if errors:
+        return "failure"
+    if exit_record.get("signal"):
+        return "killed"
+    return "failure" if exit_record.get("exit_code") != 0 else None
+
+
+def restart_refusal(policy: Optional[Dict[str, Any]], attempts: List[Dict[str, Any]], cause: Optional[str],
+                    step: Optional[int], stop_requested: bool) -> Optional[str]:
+    """Why the attempt that just ended (the last of `attempts`, not yet closed) is not
+    restarted, or None when it is. Restarts count since the last attempt started by a
+    person (the launch or a `resume`), so a resume by hand renews the budget."""
+    if cause is None:
+        return "it succeeded"
+    if stop_requested:
+        return "it was stopped"
+    if not policy or not policy.get("max"):
+        return "the config sets no restart"
+    if cause not in (policy.get("on") or ()):
+        return "restart.on does not name %r" % cause
+    restarts = restarts_in_a_row(attempts)
+    if restarts >= int(policy["max"]):
+        return "restart.max (%d) reached" % int(policy["max"])
+    previous = attempts[-2] if len(attempts) > 1 else None
+    if (previous is not None and step is not None and previous.get("state") in ("FAILED", "LOST")
+            and previous.get("step") == step):
+        return "it failed at step %d twice in a row: a restart would fail there again" % step
+    return None
+
+
+def backoff(policy: Dict[str, Any], attempts: List[Dict[str, Any]]) -> float:
+    """backoff_s before the first restart, doubled before each next one."""
+    return float(policy.get("backoff_s") or 0.0) * (2 ** restarts_in_a_row(attempts))
+
+
+def restarts_in_a_row(attempts: List[Dict[str, Any]]) -> int:
+    count = 0
+    for entry in reversed(attempts):
+        if entry.get("reason") != "restart":
+            break
+        count += 1
+    return count

@@ -1,0 +1,128 @@
+"""The `resume` verb: the next attempt of a run that ended (stopped, failed, lost), from
+a complete checkpoint of its own, with its config and its release (or the host's current
+one), under the same run id (attempts.py).
+
+Refused, with nothing changed, while the run is live, when it has no complete checkpoint
+(or not the --step asked for), or when the checkpoint does not fit the config as the
+chosen release's trainer reads it (`python -m dflash_train.resume_check`). The step is
+explicit in the request, so several hosts' runs can be resumed from one common step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import subprocess
+from typing import Any, Dict, Optional, Tuple
+
+from . import attempts, locks, preflight
+from .jsonio import AgentError, read_json
+from .launch import start_supervisor, trainer_env
+from .layout import RunDir, Workspace
+from .state import TERMINAL, attempt_errors, derive_state, error_records, observe, read_record, summarize_events
+from .supervisor import TrainerPlan
+
+CHECK_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeRequest:
+    run_id: str
+    release: str = "run"  # "run": the run's own release; "current": the host's current one
+    step: Optional[int] = None  # the checkpoint step; None: the newest complete one
+    env: Tuple[Tuple[str, str], ...] = ()  # the host's settings, as at launch (values are not recorded)
+    modules: Tuple[str, ...] = ()  # the trainer's interpreter must find these
+
+
+def resume(ws: Workspace, request: ResumeRequest) -> Dict[str, Any]:
+    run = ws.existing_run(request.run_id)
+    # One resume of a run at a time: the second would find it STARTING anyway, but only
+    # once the first has written run.json.
+    fd = os.open(run.file(".resume.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AgentError("run %r is being resumed by another command" % run.run_id, "conflict")
+        return _resume_locked(ws, run, request)
+    finally:
+        os.close(fd)
+
+
+def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[str, Any]:
+    record = read_record(run)
+    obs = observe(run, record)
+    state = derive_state(obs)
+    if state not in TERMINAL:
+        raise AgentError("run %r is still live (%s): stop it first (dflash stop), or wait for it to end"
+                         % (run.run_id, state), "conflict", state=state)
+    checkpoint = _checkpoint(run, request.step, state)
+    release_id, release_root = _release(ws, record, request.release)
+    python = (record.get("argv") or [None])[0] or "python3"
+    env = trainer_env(ws, run, release_id, release_root, request.env)
+    preflight.check(ws.root, release_root, python, env, request.modules, ())
+    _check_fit(python, env, run, checkpoint)
+    resources = tuple(record.get("resources") or ())
+    locks.acquire(ws, resources, run.run_id, force=False)
+    attempt = attempts.attempt_of(record)
+    errors = attempt_errors(error_records(run.errors), attempt)
+    history = attempts.history(record)
+    ended = attempts.closed(history[-1], obs.exit, state,
+                            attempts.failed_step(errors, summarize_events(run.events).step))
+    plan = TrainerPlan(
+        workspace=ws, run=run, name=record.get("name"), release_id=release_id, release_root=release_root,
+        config_source=record.get("config_source") or run.config, python=python, env=env,
+        env_keys=tuple(key for key, _ in request.env), resources=resources,
+        stall_after=float(record.get("stall_after") or 300.0),
+        source=record.get("source") if release_id == record.get("release_id") else None,
+        overrides=tuple(record.get("overrides") or ()), restart=record.get("restart"), attempt=attempt + 1, reason="resume", resume_from=checkpoint,
+        history=tuple(history[:-1]) + (ended,))
+    try:
+        report = start_supervisor(plan)
+    except BaseException:
+        if read_json(run.run_json) == record:  # nothing started: the locks are ours to drop
+            locks.release(ws, resources, run.run_id)
+        raise
+    return {"run_id": run.run_id, "attempt": attempt + 1, "previous_state": state,
+            "step": checkpoint[0], "checkpoint": checkpoint[1], "pid": report["pid"],
+            "release_id": release_id, "previous_release_id": record.get("release_id"),
+            "release": request.release}
+
+
+def _checkpoint(run: RunDir, step: Optional[int], state: str) -> Tuple[int, str]:
+    folders = attempts.checkpoint_folders(run)
+    if not folders:
+        raise AgentError("run %r (%s) has no complete checkpoint to resume from: it ended before its first "
+                         "one (checkpoint.every, checkpoint.every_minutes); launch it anew"
+                         % (run.run_id, state), "not_found", state=state)
+    if step is None:
+        return folders[-1]
+    for found in folders:
+        if found[0] == step:
+            return found
+    raise AgentError("run %r has no complete checkpoint at step %d (it has steps %s)"
+                     % (run.run_id, step, ", ".join(str(s) for s, _ in folders)), "not_found")
+
+
+def _release(ws: Workspace, record: Dict[str, Any], which: str) -> Tuple[str, str]:
+    if which == "current":
+        return ws.current_release()
+    root = record.get("release_dir") or ""
+    if not os.path.isfile(os.path.join(root, "MANIFEST")):
+        raise AgentError("the run's release %s is no longer in %s; resume with --release current"
+                         % (record.get("release_id"), root), "not_found")
+    return str(record.get("release_id")), root
+
+
+def _check_fit(python: str, env: Tuple[Tuple[str, str], ...], run: RunDir, checkpoint: Tuple[int, str]) -> None:
+    """The chosen release's trainer says whether the checkpoint fits the run's config."""
+    argv = [python, "-m", "dflash_train.resume_check", "--config", run.config, "--checkpoint", checkpoint[1]]
+    try:
+        done = subprocess.run(argv, env=dict(env), cwd=run.path, stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=CHECK_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise AgentError("cannot check checkpoint %s against the config: %s" % (checkpoint[1], exc), "host")
+    if done.returncode != 0:
+        said = (done.stdout or done.stderr).decode("utf-8", "replace").strip()
+        raise AgentError("run %r cannot resume from %s: %s" % (run.run_id, checkpoint[1], said[-2000:]),
+                         "conflict")

@@ -1,0 +1,217 @@
+"""Runs that survive: `dflash resume` continues a stopped, failed or lost run as a new
+attempt of the same run id, and the supervisor restarts a failed run under the config's
+`restart` policy (DESIGN.md "Attempts"). On the `local` host, with the real trainer."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+from dflash_agent import attempts, procfs
+from dflash_run import dflash
+from support.train_configs import small_config
+from support_agent.harness import wait_for
+
+pytestmark = pytest.mark.timeout(600)
+HOST = "local"
+STEPS = 6  # the small config: 32 samples make 12 micro-batches, 2 drafters take 2 a step
+
+
+class Bed:
+    def __init__(self, make_inventory, tmp_path: Path):
+        self.tmp = tmp_path
+        self.hosts = make_inventory(tmp_path)
+        self.logs = tmp_path / "logs"
+        self.workspace = Path(yaml.safe_load(self.hosts.read_text())["hosts"][HOST]["workspace"])
+
+    def dflash(self, *args: str, **kwargs):
+        return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
+
+    def launch(self, name: str, **changes) -> str:
+        config = small_config(self.tmp / f"{name}.yaml", **changes)
+        done = self.dflash("launch", HOST, "--config", str(config))
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()[0]
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.workspace / "runs" / run_id
+
+    def run_json(self, run_id: str) -> dict:
+        return json.loads((self.run_dir(run_id) / "run.json").read_text())
+
+    def events(self, run_id: str) -> list[dict]:
+        """The whole lines of events.jsonl (none before the trainer made it)."""
+        path = self.run_dir(run_id) / "events.jsonl"
+        text = path.read_text() if path.exists() else ""
+        return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+    def log_has(self, run_id: str, text: str) -> bool:
+        return text.encode() in (self.run_dir(run_id) / "train.log").read_bytes()
+
+
+@pytest.fixture
+def bed(make_inventory, tmp_path):
+    return Bed(make_inventory, tmp_path)
+
+
+def steps_of(events: list[dict]) -> list[int]:
+    return [e["step"] for e in events if e["type"] == "step"]
+
+
+def losses_of(events: list[dict]) -> list[float]:
+    return [e["loss"] for e in events if e["type"] == "step"]
+
+
+def test_a_stopped_run_resumes_as_attempt_1_with_every_step_once_and_its_loss_curve_continued(bed):
+    # Attempt 0 hangs before step 4's batch; the stop's checkpoint is at step 3.
+    hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
+    run_id = bed.launch("stopped", faults=hang)
+    wait_for(lambda: 3 in steps_of(bed.events(run_id)), 240, "step 3, the last before the hang")
+    stopped = bed.dflash("stop", run_id, "--host", HOST, "--grace", "20")
+    assert stopped.stdout.strip() == "STOPPED", stopped.stderr
+    status = bed.dflash("status", run_id, "--host", HOST)
+    assert status.returncode == 4, status.stderr
+    assert "newest checkpoint at step 3: a resume would redo 0 steps" in status.stderr
+
+    resumed = bed.dflash("resume", run_id, "--host", HOST, "--follow")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"run {run_id} (STOPPED) resumed as attempt 1 from its checkpoint at step 3" in resumed.stderr
+    assert "the run's own" in resumed.stderr
+    assert "=== attempt 1 (resume): from its checkpoint at step 3" in resumed.stdout  # watch shows the marker
+    assert "ended: SUCCEEDED" in resumed.stderr
+
+    events = bed.events(run_id)
+    assert steps_of(events) == list(range(1, STEPS + 1))
+    markers = [e for e in events if e["type"] == "attempt"]
+    assert [(m["attempt"], m["reason"], m["resume_step"]) for m in markers] == [(1, "resume", 3)]
+    record = bed.run_json(run_id)
+    assert record["attempt"] == 1
+    assert [(a["attempt"], a["reason"], a.get("state")) for a in record["attempts"]] == [
+        (0, "launch", "STOPPED"), (1, "resume", None)]
+    assert record["attempts"][1]["resume_from"]["step"] == 3
+    assert record["release_id"] == record["attempts"][0]["release_id"]
+    # The checkpoint carried the loss curve on: the final one is the curve of the events.
+    final = json.loads((bed.run_dir(run_id) / "checkpoints" / f"step_{STEPS:06d}" / "state.json").read_text())
+    assert final["losses"] == pytest.approx(losses_of(events), abs=1e-6)
+
+
+
+def test_a_raise_in_attempt_0_is_restarted_once_from_the_timed_checkpoint_and_its_traceback_kept(bed):
+    # No checkpoint by steps (every: 0); every_minutes makes one after each step here.
+    run_id = bed.launch("restarted", checkpoint={"every": 0, "every_minutes": 0.0001},
+                        restart={"max": 1, "backoff_s": 0.5},
+                        faults=[{"thread": "drafter-1", "at": "step:3", "kind": "raise", "attempt": 0}])
+    watch = bed.dflash("watch", run_id, "--host", HOST)  # follows the run across the restart
+    assert watch.returncode == 0, watch.stderr[-3000:]
+    assert "attempt 0 ended (failure at step 3); restarting in 0.5 s (restart 1 of 1)" in watch.stdout
+    assert "=== attempt 1 (restart): from its checkpoint at step 2" in watch.stdout
+
+    events = bed.events(run_id)
+    checkpoints = [e["step"] for e in events if e["type"] == "checkpoint"]
+    assert checkpoints[:2] == [1, 2] and checkpoints[-1] == STEPS
+    marker = next(i for i, e in enumerate(events) if e["type"] == "attempt")
+    assert steps_of(events[marker:]) == list(range(3, STEPS + 1))
+    record = bed.run_json(run_id)
+    assert [(a["attempt"], a["reason"], a.get("state"), a.get("step")) for a in record["attempts"]] == [
+        (0, "launch", "FAILED", 3), (1, "restart", None, None)]
+    assert record["attempts"][0]["exit"]["exit_code"] == 1
+    assert json.loads((bed.run_dir(run_id) / "exit.json").read_text())["exit_code"] == 0
+
+    latest = bed.dflash("fetch-traceback", run_id, "--host", HOST)
+    assert latest.returncode == 0 and latest.stdout == ""
+    assert "no error recorded (state SUCCEEDED)" in latest.stderr
+    every = bed.dflash("fetch-traceback", run_id, "--host", HOST, "--all")
+    assert every.returncode == 0, every.stderr
+    assert f"thread drafter-1 failed in train at step 3 of attempt 0" in every.stdout
+    assert "InjectedRootCause: injected root cause in drafter-1 at step 3" in every.stdout
+
+
+def test_a_lost_run_resumes_by_hand_and_resume_refuses_a_live_run_and_a_mismatched_config(bed):
+    hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
+    run_id = bed.launch("lost", checkpoint={"every": 2}, faults=hang)
+    wait_for(lambda: 3 in steps_of(bed.events(run_id)), 240, "step 3, the last before the hang")
+    live = bed.dflash("resume", run_id, "--host", HOST)
+    assert live.returncode == 2
+    assert f"run '{run_id}' is still live (RUNNING): stop it first" in live.stderr
+
+    # The host's agent goes (the supervisor killed), then the trainer: nobody records an end.
+    record = bed.run_json(run_id)
+    os.kill(record["supervisor"]["pid"], signal.SIGKILL)
+    wait_for(lambda: not procfs.identity_alive(record["supervisor"]["pid"], record["supervisor"]["start_time"]),
+             30, "the supervisor's end")
+    os.killpg(record["pgid"], signal.SIGKILL)
+    wait_for(lambda: not procfs.identity_alive(record["pid"], record["start_time"]), 30, "the trainer's end")
+    status = bed.dflash("status", run_id, "--host", HOST)
+    assert status.stdout.strip() == "LOST" and status.returncode == 1, status.stderr
+    assert "newest checkpoint at step 2: a resume would redo 1 step" in status.stderr
+
+    config = bed.run_dir(run_id) / "config.yaml"
+    good = config.read_text()
+    config.write_text(good.replace("drafters:\n  - cpu\n  - cpu\n", "drafters:\n  - cpu\n"))
+    assert config.read_text() != good
+    mismatched = bed.dflash("resume", run_id, "--host", HOST)
+    assert mismatched.returncode == 2
+    assert "was trained with 2 drafters; this config has 1" in mismatched.stderr
+    assert bed.run_json(run_id) == record  # nothing started
+    config.write_text(good)
+
+    resumed = bed.dflash("resume", run_id, "--host", HOST, "--follow", "--release", "current")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(LOST) resumed as attempt 1 from its checkpoint at step 2" in resumed.stderr
+    assert "the host's current, the same as the run's" in resumed.stderr
+    events = bed.events(run_id)
+    marker = next(i for i, e in enumerate(events) if e["type"] == "attempt")
+    assert steps_of(events[:marker]) == [1, 2, 3] and steps_of(events[marker:]) == list(range(3, STEPS + 1))
+    # Exact resume: step 3 redone from the checkpoint of step 2 has the loss it had unbroken.
+    assert losses_of(events[:marker])[2] == losses_of(events[marker:])[0]
+    assert bed.run_json(run_id)["attempts"][0]["state"] == "LOST"
+
+
+def test_resume_refuses_a_run_without_a_checkpoint(bed):
+    run_id = bed.launch("early", faults=[{"thread": "coordinator", "at": "startup", "kind": "raise"}])
+    assert bed.dflash("watch", run_id, "--host", HOST).returncode == 1
+    refused = bed.dflash("resume", run_id, "--host", HOST)
+    assert refused.returncode == 2
+    assert f"run '{run_id}' (FAILED) has no complete checkpoint to resume from" in refused.stderr
+    assert bed.run_json(run_id)["attempt"] == 0 and len(bed.run_json(run_id)["attempts"]) == 1  # untouched
+
+
+def test_a_stop_during_the_restart_back_off_ends_the_run_stopped_with_no_new_attempt(bed):
+    run_id = bed.launch("backoff", restart={"max": 3, "backoff_s": 600},
+                        faults=[{"thread": "coordinator", "at": "startup", "kind": "raise", "attempt": 0}])
+    wait_for(lambda: bed.log_has(run_id, "attempt 0 ended (failure); restarting in 600.0 s"), 240, "the back-off")
+    assert bed.dflash("status", run_id, "--host", HOST).stdout.strip() == "DEGRADED"  # not ended: restarting
+    stopped = bed.dflash("stop", run_id, "--host", HOST)
+    assert stopped.returncode == 0 and stopped.stdout.strip() == "STOPPED", stopped.stderr
+    record = bed.run_json(run_id)
+    assert record["attempt"] == 0 and len(record["attempts"]) == 1
+    assert json.loads((bed.run_dir(run_id) / "exit.json").read_text())["exit_code"] == 1
+    assert bed.log_has(run_id, "attempt 0 ended (failure): not restarting: it was stopped")
+    wait_for(lambda: not procfs.identity_alive(record["supervisor"]["pid"], record["supervisor"]["start_time"]),
+             30, "the supervisor's end")
+    assert bed.run_json(run_id)["attempt"] == 0
+
+
+def test_the_restart_policy_stops_at_its_budget_at_a_stop_and_at_a_failure_repeated_at_one_step():
+    policy = {"max": 2, "on": ["failure"], "backoff_s": 4}
+    launch = {"attempt": 0, "reason": "launch"}
+    assert attempts.restart_refusal(policy, [launch], "failure", 7, False) is None
+    assert attempts.backoff(policy, [launch]) == 4
+    assert attempts.restart_refusal(policy, [launch], None, 7, False) == "it succeeded"
+    assert attempts.restart_refusal(policy, [launch], "failure", 7, True) == "it was stopped"
+    assert attempts.restart_refusal(policy, [launch], "killed", 7, False) == "restart.on does not name 'killed'"
+    assert attempts.restart_refusal(None, [launch], "failure", 7, False) == "the config sets no restart"
+    failed_at_7 = dict(launch, state="FAILED", step=7)
+    restart = {"attempt": 1, "reason": "restart"}
+    assert attempts.backoff(policy, [failed_at_7, restart]) == 8  # doubled
+    assert attempts.restart_refusal(policy, [failed_at_7, restart], "failure", 9, False) is None
+    assert "failed at step 7 twice in a row" in attempts.restart_refusal(policy, [failed_at_7, restart], "failure",
+                                                                         7, False)
+    budget = [failed_at_7, dict(restart, state="FAILED", step=9), {"attempt": 2, "reason": "restart"}]
+    assert attempts.restart_refusal(policy, budget, "failure", 11, False) == "restart.max (2) reached"
+    # A resume by hand renews the budget.
+    by_hand = budget[:2] + [dict(budget[2], state="STOPPED", step=10), {"attempt": 3, "reason": "resume"}]
+    assert attempts.restart_refusal(policy, by_hand, "failure", 11, False) is None
