@@ -23,8 +23,10 @@ the torch requirement, the torch index and the interpreter's version), and SETUP
 it, written last, holds that stamp: an environment without it is unfinished. The link
 <workspace>/env points at the environment in use and is switched with one atomic
 rename, only after the new one is complete, so a failed or interrupted install leaves
-the previous one working. After a switch, environments other than the new and the
-previous one are removed. Setups of one workspace take turns (.setup.lock).
+the previous one working (SIGTERM, SIGHUP or a closed stdout kill pip and remove the
+unfinished folder; after SIGKILL the next setup removes it). After a switch,
+environments other than the new and the previous one are removed. Setups of one
+workspace take turns (.setup.lock).
 """
 import fcntl
 import hashlib
@@ -33,6 +35,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections import deque
@@ -109,10 +112,15 @@ def run_streamed(step, argv):
     tail = deque(maxlen=TAIL_LINES)
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env)
-    for raw in proc.stdout:
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-        tail.append(line)
-        emit({"pip": line})
+    try:
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            tail.append(line)
+            emit({"pip": line})
+    except BaseException:  # the CLI is gone (a broken pipe), or a signal: so is pip
+        proc.kill()
+        proc.wait()
+        raise
     if proc.wait() != 0:
         raise SetupFailed(step, "%s exited %d:\n%s" % (" ".join(argv[:4]), proc.returncode, "\n".join(tail)))
 
@@ -207,7 +215,13 @@ def setup(workspace, request):
     return dict(result, status="installed")
 
 
+def _exit_on_signal(signum, _frame):
+    sys.exit(128 + signum)  # SystemExit: pip is killed and the unfinished folder removed
+
+
 def main(argv):
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
     workspace = os.path.abspath(os.path.expanduser(argv[0]))
     os.makedirs(workspace, exist_ok=True)
     try:

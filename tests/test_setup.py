@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import tomllib
@@ -15,7 +16,7 @@ from packaging.requirements import Requirement
 
 from dflash_cli import host_setup, requirements
 from dflash_cli.commands.setup import failed_package
-from dflash_run import REPO, dflash
+from dflash_run import REPO, dflash, popen_dflash
 from support import container_workspace
 from support.inventory import default_hosts
 from support.pve import BARE_CONTAINER
@@ -29,7 +30,7 @@ def test_the_train_extra_is_the_requirements_file():
 
 
 @pytest.mark.parametrize("driver, index", [
-    ("580.82.07", "cu130"), ("575.51.03", "cu129"), ("570.124.06", "cu128"), ("565.57.01", "cu126"),
+    ("580.159.04", "cu130"), ("580.82.07", "cu130"), ("575.51.03", "cu129"), ("570.124.06", "cu128"), ("565.57.01", "cu126"),
     ("550.54.15", "cu124"), ("535.104.05", "cu121"), ("525.60.13", "cu118")])
 def test_the_cuda_driver_picks_the_newest_pytorch_build_it_runs(driver, index):
     assert host_setup.index_for_driver(driver) == f"https://download.pytorch.org/whl/{index}"
@@ -150,3 +151,32 @@ def test_a_bare_container_is_set_up_then_ready_then_trains_and_a_failed_install_
     assert stamp.stat().st_ino == installed
     assert os.listdir(on_node / "envs") == [Path(env).name]  # the failed build is gone
     assert check(hosts)["ct203"]["status"] == "ok"
+
+
+def test_ctrl_c_ends_the_install_on_the_host_and_leaves_no_environment(make_inventory, bare_python, tmp_path):
+    workspace = tmp_path / "local ws"
+    hosts = make_inventory(tmp_path, node=None, ct200=None, ct201=None, ct999=None, down=None,
+                           local={"python": bare_python})
+    setup = popen_dflash("setup", "local", "--torch", "2.13.0", "--index-url", "pip", hosts=hosts)
+    for line in setup.stderr:  # pip has started: the environment is being built
+        if line.startswith(b"local: "):
+            break
+    setup.send_signal(signal.SIGINT)
+    stdout, stderr = setup.communicate(timeout=120)
+    assert setup.returncode == 130, stderr
+    assert b"error: host local: setup interrupted; the environment in use stays as it was" in stderr
+    assert stdout == b""
+    assert not (workspace / "env").exists()
+    assert list((workspace / "envs").iterdir()) == []  # the unfinished one was removed
+    assert processes_naming(workspace) == []  # pip went with it
+
+
+def processes_naming(path: Path) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.fsencode(path) in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except OSError:  # gone meanwhile
+            pass
+    return found

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +24,7 @@ from ..agent import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
 from ..session import Session
+from . import deploy
 from ..transports.base import Completed
 from ..transports.common import CommandFailed
 
@@ -57,8 +59,18 @@ def failed_package(pip_lines: list[str]) -> str | None:
     return None
 
 
-def setup_host(session: Session, host: Host, request: dict, bars: Progress | None) -> SetupResult:
-    """Run host_setup.py on `host`, streaming pip's lines to the user."""
+class SetupInterrupted(DflashError):
+    """Ctrl-C: the host's setup is ended; its environment in use stays as it was."""
+
+    def __init__(self, host: str):
+        super().__init__(f"host {host}: setup interrupted; the environment in use stays as it was",
+                         ExitCode.INTERRUPTED)
+
+
+def setup_host(session: Session, host: Host, request: dict, bars: Progress | None,
+               cancel: threading.Event | None = None) -> SetupResult:
+    """Run host_setup.py on `host`, streaming pip's lines to the user; `cancel` (set by
+    Ctrl-C) ends it at the next line, which ends the command on the host."""
     started = time.monotonic()
     transport = session.transport(host)
     trips_before = transport.round_trips
@@ -66,8 +78,11 @@ def setup_host(session: Session, host: Host, request: dict, bars: Progress | Non
     lines: list[str] = []
     result = None
     task = bars.add_task(f"setup {host.name}", total=None) if bars is not None else None
+    lines_in = transport.stream(argv)
     try:
-        for raw in transport.stream(argv):
+        for raw in lines_in:
+            if cancel is not None and cancel.is_set():
+                raise SetupInterrupted(host.name)
             message = parse_reply(raw)
             if message is None or "pip" not in message:
                 result = message
@@ -80,6 +95,7 @@ def setup_host(session: Session, host: Host, request: dict, bars: Progress | Non
         check_interpreter(host, Completed(exc.argv, exc.status, b"", exc.stderr))
         raise DflashError(f"host {host.name}: setup failed: {exc.message}", exc.exit_code) from None
     finally:
+        lines_in.close()  # ends the command on the host if it still runs
         if task is not None:
             bars.remove_task(task)
     if result is None or "status" not in result:
@@ -125,8 +141,8 @@ def run(session: Session, host_names: list[str], all_hosts: bool, torch: str | N
     needs = requirements.load()
     request = {"requirements": needs.text, "torch": needs.torch_pin(torch) if torch else None,
                "index_url": index_url}
-    with setup_bars() as bars:
-        results = session.on_each_host(hosts, lambda host: setup_host(session, host, request, bars))
+    with setup_bars() as bars, deploy.cancel_on_ctrl_c("the setups") as cancel:
+        results = session.on_each_host(hosts, lambda host: setup_host(session, host, request, bars, cancel))
     _print_table(results, host_names)
     for host in hosts:
         outcome = results[host.name]
