@@ -33,6 +33,19 @@ _BOOTSTRAP = (
     "runpy.run_path(script, run_name='__main__')\n"
 )
 
+# Put before the source of every `python -c` run as the host's interpreter when the
+# inventory names no `python` (sys.argv[1] is then the workspace): when `dflash setup`
+# made <workspace>/env and this is not its interpreter, the same command line, read back
+# from /proc (a `-c` source is not in sys.argv), runs again with env/bin/python.
+PREFER_SETUP_ENV = (
+    "import os, sys\n"
+    "_env = os.path.join(os.path.expanduser(sys.argv[1]), 'env')\n"
+    "_python = os.path.join(_env, 'bin', 'python')\n"
+    "if os.path.isfile(_python) and os.path.realpath(sys.prefix) != os.path.realpath(_env):\n"
+    "    with open('/proc/self/cmdline', 'rb') as _fh:\n"
+    "        os.execv(_python, [_python] + _fh.read().split(b'\\0')[1:-1])\n"
+)
+
 # "host": the host was reached but cannot take the run (a package, a path, disk space).
 _EXIT_FOR_KIND = {"usage": ExitCode.USAGE, "conflict": ExitCode.USAGE, "not_found": ExitCode.USAGE,
                   "not_deployed": ExitCode.USAGE, "host": ExitCode.USAGE}
@@ -44,7 +57,7 @@ class AgentClient:
         self.transport = transport
 
     def argv(self, verb: str, args: Sequence[str]) -> list[str]:
-        return [self.host.python, "-c", _BOOTSTRAP, self.host.workspace, verb, *args]
+        return python_argv(self.host, _BOOTSTRAP, self.host.workspace, verb, *args)
 
     @contextlib.contextmanager
     def _naming(self, verb: str) -> Iterator[None]:
@@ -92,6 +105,13 @@ class AgentClient:
         drops; CommandFailed (its stderr holds the agent's error object) if it fails."""
         with self._naming(verb):
             yield from self.transport.chunks(self.argv(verb, args))
+
+
+def python_argv(host: Host, source: str, workspace: str, *args: str) -> list[str]:
+    """argv running `source` on `host` with the trainer's interpreter: the inventory's
+    `python`, else the environment `dflash setup` made, else the default python."""
+    prelude = "" if host.python_named else PREFER_SETUP_ENV
+    return [host.python, "-c", prelude + source, workspace, *args]
 
 
 def check_interpreter(host: Host, done: Completed) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import console, retry
-from .commands import deploy, diff, fetch_traceback, gc, hosts, launch, plot, pull, resume, stacks, status, stop, version, watch
+from .commands import deploy, diff, fetch_traceback, gc, hosts, launch, plot, pull, resume, setup, stacks, status, stop, version, watch
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
@@ -100,6 +100,31 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
     .dflashignore names; files are read from disk as they are sent.
     """
     sys.exit(deploy.run(session, list(host_names), all_hosts, verify, source_dir, allow_large))
+
+
+@main.command("setup")
+@click.argument("host_names", nargs=-1, metavar="HOST...")
+@click.option("--all", "all_hosts", is_flag=True, help="Set up every host of the inventory.")
+@click.option("--torch", "torch_version", metavar="VERSION",
+              help="Install this torch version (within the range remote/requirements.txt supports).")
+@click.option("--index-url", metavar="URL",
+              help="Where torch comes from (default: the PyTorch index for the host's CUDA driver, "
+                   "https://download.pytorch.org/whl/cpu without a GPU); `pip`: the indexes pip on "
+                   "the host is configured with.")
+@click.pass_obj
+def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, torch_version: str | None,
+              index_url: str | None) -> None:
+    """Make on HOSTs the interpreter the trainer needs: a virtualenv in WORKSPACE/envs/
+    with remote/requirements.txt installed, and torch built for the host's CUDA driver.
+
+    It is built beside the one in use and WORKSPACE/env is switched to it only once
+    complete: a failed install exits 2 naming the package and leaves the previous
+    environment working. Nothing to change costs one round trip (result `unchanged`).
+    The environment is the host's interpreter unless the inventory names `python` for
+    it. pip's output streams to stderr; `host<TAB>result<TAB>environment` per host on
+    stdout.
+    """
+    sys.exit(setup.run(session, list(host_names), all_hosts, torch_version, index_url))
 
 
 @main.command("launch")
@@ -380,13 +405,15 @@ def gc_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, keep:
 @main.command("hosts")
 @click.option("--check", "do_check", is_flag=True,
               help="Connect to each host: reachable, container running, python/torch/transformers, GPUs, "
-                   "and whether the current release was modified on the host (exit 2).")
+                   "whether it is ready to train, and whether the current release was modified on the host.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
 @click.pass_obj
 def hosts_cmd(session: Session, do_check: bool, as_json: bool) -> None:
     """List the hosts of the inventory (the built-in `local` included).
 
-    With --check, exit 3 when a host is unreachable, 2 when one cannot run the trainer
-    (its python lacks torch or transformers, or the check failed there).
+    With --check, a host is `ok` only when its interpreter imports torch and
+    transformers in the versions remote/requirements.txt supports and torch sees every
+    GPU nvidia-smi lists; otherwise `needs setup` with the `dflash setup` command to
+    run. Exit 3 when a host is unreachable, 2 when one is not ok.
     """
     sys.exit(hosts.run(session, do_check, as_json))

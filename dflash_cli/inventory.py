@@ -26,8 +26,9 @@ class Host:
     workspace: str
     ssh: str | None = None  # user@host[:port] or an alias from ~/.ssh/config
     container: int | None = None  # the LXC vmid, for transport pct
-    # Interpreter on the host (inside the container for pct). Default: python3 remotely;
-    # for `local`, the interpreter running dflash, which has the trainer's packages.
+    # Interpreter on the host (inside the container for pct). Default: the environment
+    # `dflash setup` made (<workspace>/env/bin/python) where there is one, else python3
+    # remotely and for `local` the interpreter running dflash (agent.PREFER_SETUP_ENV).
     python: str | None = None
     identity_file: str | None = None
     known_hosts: str | None = None
@@ -36,8 +37,12 @@ class Host:
     connect_timeout: float = 10.0
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # for the trainer
     name: str = dataclasses.field(default="", metadata={"internal": True})
+    # Whether the inventory names `python`; kept through dataclasses.replace.
+    python_named: bool | None = dataclasses.field(default=None, metadata={"internal": True})
 
     def __post_init__(self) -> None:
+        if self.python_named is None:
+            object.__setattr__(self, "python_named", self.python is not None)
         if self.python is None:
             object.__setattr__(self, "python", sys.executable if self.transport == "local" else "python3")
         if self.transport in ("ssh", "pct") and not self.ssh:

@@ -60,6 +60,13 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(venv / "bin" / "python")
 
 
+@pytest.fixture(scope="session")
+def bare_container(fake_pve: FakePve, bare_python: str) -> int:
+    """Container 203 of the fake node: running, its `python3` the bare interpreter (a
+    fresh container with only the system Python)."""
+    return fake_pve.add_bare_container(Path(bare_python).parent)
+
+
 @pytest.fixture
 def make_inventory(ssh_node: SshNode, fake_pve: FakePve) -> Iterator[Callable[..., Path]]:
     """make_inventory(tmp_path, **overrides) -> path of a hosts.yaml with hosts local,

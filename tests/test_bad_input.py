@@ -115,12 +115,15 @@ def test_a_python_without_torch_is_not_ok_and_launches_nothing(make_inventory, b
     check = dflash("hosts", "--check", hosts=hosts)
     assert check.returncode == 2, check.stderr
     (row,) = [line for line in check.stderr.splitlines() if line.startswith("│ node")]
-    assert "not ok: " in row
+    assert "needs setup: " in row
     as_json = dflash("hosts", "--check", "--json", hosts=hosts)
     assert as_json.returncode == 2
     entries = {e["host"]: e for e in map(json.loads, as_json.stdout.splitlines())}
     assert entries["node"]["missing_packages"] == ["torch", "transformers"]
     assert entries["node"]["python_executable"] == bare_python
+    assert entries["node"]["status"] == (f"needs setup: {bare_python} cannot import torch, transformers: "
+                                         "ModuleNotFoundError: No module named 'torch'; run: dflash setup node")
+    assert entries["ct200"]["status"] == "ok"
     assert entries["ct200"]["missing_packages"] == []
 
     done = dflash("launch", "node", "--config", str(small_config(tmp_path / "c.yaml")), hosts=hosts)

@@ -9,7 +9,7 @@ from support import workspace_on_node
 
 from dflash_run import REPO, dflash
 
-COMMANDS = ["deploy", "launch", "resume", "watch", "fetch-traceback", "stacks", "status", "stop", "runs", "hosts", "plot"]
+COMMANDS = ["setup", "deploy", "launch", "resume", "diff", "gc", "watch", "fetch-traceback", "stacks", "status", "stop", "runs", "hosts", "plot"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -139,17 +139,17 @@ class _Upload(io.RawIOBase):
 
 
 @contextlib.contextmanager
-def cancel_on_ctrl_c() -> Iterator[threading.Event]:
+def cancel_on_ctrl_c(stopping: str = "the uploads") -> Iterator[threading.Event]:
     """An event the first Ctrl-C sets instead of raising KeyboardInterrupt, so that the
-    uploads running in worker threads stop at their next chunk and each host's outcome
-    is still known; a second Ctrl-C raises as usual."""
+    uploads (or `stopping`) running in worker threads stop at their next chunk and each
+    host's outcome is still known; a second Ctrl-C raises as usual."""
     cancel = threading.Event()
     previous = signal.getsignal(signal.SIGINT)
 
     def on_sigint(signum, frame):
         cancel.set()
         signal.signal(signal.SIGINT, previous)
-        console.say("interrupting: stopping the uploads (Ctrl-C again to quit at once)")
+        console.say(f"interrupting: stopping {stopping} (Ctrl-C again to quit at once)")
 
     signal.signal(signal.SIGINT, on_sigint)
     try:

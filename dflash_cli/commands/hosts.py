@@ -1,4 +1,5 @@
-"""dflash hosts: the inventory, and with --check what each host really has."""
+"""dflash hosts: the inventory, and with --check what each host really has and whether
+it is ready to train (DESIGN.md "Host environments")."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ from dflash_agent import gpus
 from rich.table import Table
 from rich.text import Text
 
-from .. import console
-from ..agent import check_interpreter, parse_reply
+from .. import console, requirements
+from ..agent import check_interpreter, parse_reply, python_argv
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session
@@ -18,6 +19,8 @@ from . import deploy
 # The agent's own host facts (stdlib only, no package imports), sent with `python -c`:
 # it works before anything is deployed.
 _PROBE = Path(gpus.__file__).read_text()
+# Importing torch and transformers on a loaded host takes a while (gpus.IMPORT_TIMEOUT_S).
+PROBE_TIMEOUT_S = gpus.IMPORT_TIMEOUT_S + 60
 
 
 def missing_packages(facts: dict) -> list[str]:
@@ -26,7 +29,7 @@ def missing_packages(facts: dict) -> list[str]:
 
 
 def check(session: Session, host: Host) -> dict:
-    done = session.transport(host).run([host.python, "-c", _PROBE, host.workspace], timeout=60)
+    done = session.transport(host).run(python_argv(host, _PROBE, host.workspace), timeout=PROBE_TIMEOUT_S)
     check_interpreter(host, done)
     facts = parse_reply(done.stdout)
     if done.exit_code != 0 or facts is None:
@@ -43,8 +46,20 @@ def _where(host: Host) -> str:
     return host.ssh or "this machine"
 
 
+def status(host: Host, facts: dict, needs: requirements.TrainerRequirements) -> str:
+    """"ok", "needs setup: ..." with the command that fixes it, or "release modified"."""
+    problems = requirements.readiness_problems(facts, needs)
+    if problems:
+        return f"needs setup: {'; '.join(problems)}; run: dflash setup {host.name}"
+    if modified := facts["release_modified"]:
+        return (f"release modified ({len(modified)} files differ: "
+                f"{'; '.join(modified)}; dflash deploy {host.name} repairs it)")
+    return "ok"
+
+
 def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
     hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts)]
+    needs = requirements.load() if do_check else None
     results = session.on_each_host(hosts, lambda host: check(session, host)) if do_check else {}
     table = Table(title=f"hosts ({session.inventory.source})", title_justify="left")
     for column in ["host", "transport", "where", "workspace"] + (
@@ -59,16 +74,8 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
         elif result is not None:
             found = ", ".join(f"{g['index']}:{g['name']}" for g in result["gpus"]) or "none"
             packages = result["packages"]
-            missing = missing_packages(result)
-            modified = result["release_modified"]
-            if missing:
-                status = f"not ok: {result['python_executable']} lacks {', '.join(missing)}"
-            elif modified:
-                status = (f"release modified ({len(modified)} files differ: "
-                          f"{'; '.join(modified)}; dflash deploy {host.name} repairs it)")
-            else:
-                status = "ok"
-            row += [status, result["python"], packages["torch"] or "-", packages["transformers"] or "-",
+            result["status"] = status(host, result, needs)
+            row += [result["status"], result["python"], packages["torch"] or "-", packages["transformers"] or "-",
                     result.get("gpus_problem", found), result["current_release"] or "-"]
         table.add_row(*map(Text, row))  # plain text: messages may hold [brackets]
         if as_json:
@@ -86,6 +93,5 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     if any(isinstance(f, UnreachableError) for f in failures):
         return ExitCode.UNREACHABLE
-    unfit = [r for r in results.values()
-             if isinstance(r, dict) and (missing_packages(r) or r["release_modified"])]
+    unfit = [r for r in results.values() if isinstance(r, dict) and r["status"] != "ok"]
     return ExitCode.USAGE if failures or unfit else ExitCode.OK

@@ -3,8 +3,10 @@ current release (`host_facts`, the `info` verb).
 
 Standard library only and no imports from this package: `dflash hosts --check` sends this
 file's source with `python -c SOURCE WORKSPACE` to hosts where nothing is deployed yet,
-and prints what it answers. No torch import: it must stay fast and must work where torch
-is broken; package versions come from importlib.metadata.
+and prints what it answers. No torch import here: it must stay fast and must work where
+torch is broken; package versions come from importlib.metadata. Run as a script, it also
+reports `imports` (`import_check`): what a child interpreter importing torch and
+transformers finds.
 """
 import json
 import os
@@ -23,6 +25,12 @@ NVIDIA_SMI_TIMEOUT_S = 15.0
 # The packages dflash_train needs beyond the standard library (PyYAML, safetensors and
 # numpy come with transformers); their distribution and module names are the same.
 TRAINER_PACKAGES = ("torch", "transformers")
+# In a child process: an import that crashes or hangs the interpreter is reported, not
+# suffered. device_count() asks NVML and does not initialize CUDA.
+IMPORT_CHECK = ("import json, torch, transformers\n"
+                "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, "
+                "'cuda_devices': torch.cuda.device_count()}))")
+IMPORT_TIMEOUT_S = 180.0
 
 
 def _value(text: str, kind: type) -> Any:
@@ -109,5 +117,22 @@ def host_facts(workspace: str) -> Dict[str, Any]:
     return answer
 
 
+def import_check() -> Dict[str, Any]:
+    """{"torch": version, "transformers": version, "cuda_devices": n} as this interpreter
+    imports them, or {"error": why not}."""
+    try:
+        done = subprocess.run([sys.executable, "-c", IMPORT_CHECK], stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=IMPORT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": str(exc)}
+    lines = done.stdout.decode("utf-8", "replace").strip().splitlines()
+    if done.returncode != 0 or not lines:
+        text = done.stderr.decode("utf-8", "replace").strip().splitlines()
+        return {"error": text[-1] if text else "exit %d" % done.returncode}
+    return json.loads(lines[-1])
+
+
 if __name__ == "__main__":  # as `dflash hosts --check` runs it
-    print(json.dumps(host_facts(os.path.abspath(os.path.expanduser(sys.argv[1])))))
+    facts = host_facts(os.path.abspath(os.path.expanduser(sys.argv[1])))
+    facts["imports"] = import_check()
+    print(json.dumps(facts))

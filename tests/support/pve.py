@@ -13,6 +13,9 @@ from pathlib import Path
 FAKE_PCT = Path(__file__).with_name("fake_pct")
 CONTAINERS = {200: "running", 201: "stopped"}
 UNKNOWN_CONTAINER = 999
+#: added by FakePve.add_bare_container: a running container whose `python3` is a bare
+#: interpreter (a fresh container's system Python, without torch or transformers)
+BARE_CONTAINER = 203
 
 
 class NeedsRoot(RuntimeError):
@@ -33,6 +36,13 @@ class FakePve:
     def on_node(self, vmid: int, container_path: str | os.PathLike[str]) -> Path:
         """Where a path under mount_point, as container `vmid` sees it, lies on the node."""
         return self.rootfs(vmid) / Path(container_path).relative_to(self.mount_point)
+
+    def add_bare_container(self, bin_dir: Path) -> int:
+        """Container BARE_CONTAINER, running, with `bin_dir` (holding its `python3`)
+        first on its PATH."""
+        _write_conf(self.root, BARE_CONTAINER, "running", self.mount_point,
+                    f"path: {bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n")
+        return BARE_CONTAINER
 
     def node_leaks(self) -> list[str]:
         """What the node's side of mount_point holds: empty unless something wrote a file
@@ -55,8 +65,12 @@ def make_fake_pve(root: Path) -> FakePve:
     mount_point = root / "ct mount"
     mount_point.mkdir()
     for vmid, status in CONTAINERS.items():
-        rootfs = root / "rootfs" / str(vmid)
-        rootfs.mkdir(parents=True)
-        (root / "lxc" / f"{vmid}.conf").write_text(
-            f"hostname: ct{vmid}\nstatus: {status}\nrootfs: {rootfs}\nmountpoint: {mount_point}\n")
+        _write_conf(root, vmid, status, mount_point)
     return FakePve(root, pct, mount_point, os.uname().nodename.split(".")[0])
+
+
+def _write_conf(root: Path, vmid: int, status: str, mount_point: Path, extra: str = "") -> None:
+    rootfs = root / "rootfs" / str(vmid)
+    rootfs.mkdir(parents=True)
+    (root / "lxc" / f"{vmid}.conf").write_text(
+        f"hostname: ct{vmid}\nstatus: {status}\nrootfs: {rootfs}\nmountpoint: {mount_point}\n{extra}")

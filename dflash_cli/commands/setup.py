@@ -1,0 +1,171 @@
+"""dflash setup: on each host, a virtualenv under the workspace with what the trainer
+needs (remote/requirements.txt), made the host's interpreter (DESIGN.md "Host environments").
+
+The work happens on the host (dflash_cli/host_setup.py, sent with `python -c`), in one
+command: one round trip when nothing changed. pip's output comes back line by line.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from .. import console, requirements
+from ..agent import check_interpreter, parse_reply
+from ..errors import DflashError, ExitCode
+from ..inventory import Host
+from ..session import Session
+from . import deploy
+from ..transports.base import Completed
+from ..transports.common import CommandFailed
+
+SETUP_SOURCE = (Path(__file__).resolve().parent.parent / "host_setup.py").read_text()
+#: --index-url's value for "the indexes pip on the host is configured with"
+PIP_CONFIGURED = "pip"
+# How pip names the requirement it could not install, most specific first.
+_PIP_FAILURES = (
+    re.compile(r"No matching distribution found for (\S+)"),
+    re.compile(r"Could not find a version that satisfies the requirement (\S+)"),
+    re.compile(r"Failed (?:building wheel for|to build) (\S+)"),
+    re.compile(r"Cannot install (.+?) because"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupResult:
+    host: str
+    status: str  # unchanged | switched | installed
+    env: str  # the environment's folder on the host
+    torch_index: str
+    round_trips: int
+    seconds: float
+
+
+def failed_package(pip_lines: list[str]) -> str | None:
+    """The requirement pip's output says it could not install, or None."""
+    for pattern in _PIP_FAILURES:
+        for line in reversed(pip_lines):
+            if found := pattern.search(line):
+                return found.group(1)
+    return None
+
+
+class SetupInterrupted(DflashError):
+    """Ctrl-C: the host's setup is ended; its environment in use stays as it was."""
+
+    def __init__(self, host: str):
+        super().__init__(f"host {host}: setup interrupted; the environment in use stays as it was",
+                         ExitCode.INTERRUPTED)
+
+
+def setup_host(session: Session, host: Host, request: dict, bars: Progress | None,
+               cancel: threading.Event | None = None) -> SetupResult:
+    """Run host_setup.py on `host`, streaming pip's lines to the user; `cancel` (set by
+    Ctrl-C) ends it at the next line, which ends the command on the host."""
+    started = time.monotonic()
+    transport = session.transport(host)
+    trips_before = transport.round_trips
+    argv = [host.python, "-c", SETUP_SOURCE, host.workspace, json.dumps(request)]
+    lines: list[str] = []
+    result = None
+    task = bars.add_task(f"setup {host.name}", total=None) if bars is not None else None
+    lines_in = transport.stream(argv)
+    try:
+        for raw in lines_in:
+            if cancel is not None and cancel.is_set():
+                raise SetupInterrupted(host.name)
+            message = parse_reply(raw)
+            if message is None or "pip" not in message:
+                result = message
+                continue
+            lines.append(message["pip"])
+            console.say(console.printable(f"{host.name}: {message['pip']}"))
+            if task is not None:
+                bars.update(task, description=console.printable(f"setup {host.name}: {message['pip'][:70]}"))
+    except CommandFailed as exc:
+        check_interpreter(host, Completed(exc.argv, exc.status, b"", exc.stderr))
+        raise DflashError(f"host {host.name}: setup failed: {exc.message}", exc.exit_code) from None
+    finally:
+        lines_in.close()  # ends the command on the host if it still runs
+        if task is not None:
+            bars.remove_task(task)
+    if result is None or "status" not in result:
+        raise DflashError(f"host {host.name}: setup gave no answer", ExitCode.UNREACHABLE)
+    if result["status"] == "failed":
+        raise _failure(host, result, lines)
+    return SetupResult(host.name, result["status"], result["env"], result["torch_index"],
+                       transport.round_trips - trips_before, time.monotonic() - started)
+
+
+def _failure(host: Host, result: dict, pip_lines: list[str]) -> DflashError:
+    kept = (f"the environment in use stays {result['env']}" if result["env"]
+            else "the host has no environment yet")
+    package = failed_package(pip_lines) if result["step"] in ("torch", "requirements") else None
+    if package:
+        what = f"pip could not install {package}"
+    else:
+        what = f"{result['step']}: {result['error'].strip().splitlines()[-1] if result['error'].strip() else ''}"
+    return DflashError(f"host {host.name}: setup failed: {what}; {kept}", ExitCode.USAGE)
+
+
+@contextlib.contextmanager
+def setup_bars() -> Iterator[Progress | None]:
+    """One live display with a spinner per host (hosts set up in parallel); None off a
+    terminal, where pip's lines alone show the progress."""
+    if not console.human.is_terminal:
+        yield None
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console.human, transient=True) as bars:
+        yield bars
+
+
+def run(session: Session, host_names: list[str], all_hosts: bool, torch: str | None,
+        index_url: str | None) -> ExitCode:
+    """Set up each host in parallel; a table of results on stderr, `HOST STATUS ENV`
+    lines on stdout."""
+    if all_hosts:
+        host_names = sorted(session.inventory.hosts)
+    if not host_names:
+        raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
+    hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
+    needs = requirements.load()
+    request = {"requirements": needs.text, "torch": needs.torch_pin(torch) if torch else None,
+               "index_url": index_url}
+    with setup_bars() as bars, deploy.cancel_on_ctrl_c("the setups") as cancel:
+        results = session.on_each_host(hosts, lambda host: setup_host(session, host, request, bars, cancel))
+    _print_table(results, host_names)
+    for host in hosts:
+        outcome = results[host.name]
+        if isinstance(outcome, SetupResult):
+            if host.python_named:
+                console.warn(f"{host.name}: the inventory names python {host.python}, which stays the "
+                             f"trainer's interpreter; remove `python:` from {host.name} to use {outcome.env}")
+            console.data(f"{host.name}\t{outcome.status}\t{outcome.env}\n")
+        else:  # whole, where the table's cell wraps it
+            console.say(f"error: {outcome.message}")
+            if outcome.hint:
+                console.say(f"{host.name}: hint: {outcome.hint}")
+    return max((r.exit_code for r in results.values() if isinstance(r, DflashError)), default=ExitCode.OK)
+
+
+def _print_table(results: dict, order: list[str]) -> None:
+    table = Table(title="trainer environments", title_justify="left")
+    for column in ("host", "result", "environment", "torch from", "round trips", "seconds"):
+        table.add_column(column, justify="right" if column in ("round trips", "seconds") else "left")
+    for name in order:
+        r = results[name]
+        if isinstance(r, DflashError):
+            table.add_row(name, Text(f"failed: {r.message}", style="red"), "", "", "", "")
+        else:
+            table.add_row(name, r.status, r.env, r.torch_index, str(r.round_trips), f"{r.seconds:.2f}")
+    console.human.print(table)
