@@ -34,6 +34,7 @@ class TrainerPlan:
     resources: Tuple[str, ...]
     stall_after: float
     source: Optional[Dict[str, Any]] = None  # where the release came from, as the CLI saw it
+    distributed: Optional[Dict[str, Any]] = None  # this host's place in a run on several hosts
 
     @property
     def argv(self) -> Tuple[str, ...]:
@@ -131,7 +132,7 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
             "host": socket.gethostname(), "started_at": time.time(),
             "stall_after": plan.stall_after, "resources": list(plan.resources),
             "supervisor": {"pid": os.getpid(), "start_time": procfs.start_time(os.getpid())},
-            "source": plan.source,
+            "source": plan.source, "distributed": plan.distributed,
         }
         write_json_atomic(run.run_json, record)
     except BaseException as exc:
