@@ -81,7 +81,7 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
 
 
 @main.command("launch")
-@click.argument("host_name", metavar="HOST")
+@click.argument("host_names", metavar="HOST...", nargs=-1, required=True)
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Training config (YAML), validated here before anything is sent.")
 @click.option("--name", help="Run name (default: the config's file name); the run id starts with it.")
@@ -90,16 +90,26 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
 @click.option("--source", "source_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Deploy this project tree (default: the one holding the current directory, "
                    "else the copy bundled with dflash).")
+@click.option("--master-addr", metavar="ADDRESS",
+              help="Several hosts: where the others reach the first (default: its inventory address).")
+@click.option("--master-port", type=click.IntRange(1, 65535), metavar="PORT",
+              help="Several hosts: the first host's rendezvous port (default: one free there).")
 @click.pass_obj
-def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | None,
-               follow: bool, force: bool, source_dir: Path | None) -> None:
+def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path, name: str | None,
+               follow: bool, force: bool, source_dir: Path | None, master_addr: str | None,
+               master_port: int | None) -> None:
     """Start a training run on HOST, detached; print its run id on stdout.
 
     Deploys first if the host's current release differs from the source tree (chosen
     as for `deploy`; run.json records it, with its git commit and uncommitted
     changes, for `status`). Refuses a second run on the same GPUs of a host unless --force.
+
+    Several HOSTs (or an inventory group) make one run with one trainer per host, the
+    first being rank 0: every host is deployed and checked before any starts, and a
+    start that fails stops the others. watch, status, stop and fetch-traceback then
+    take the run id alone and cover every host.
     """
-    ref = launch.run(session, host_name, config_path, name, force, source_dir)
+    ref = launch.run(session, list(host_names), config_path, name, force, source_dir, master_addr, master_port)
     console.data(ref.run_id + "\n")
     if follow:
         sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,

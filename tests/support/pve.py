@@ -12,6 +12,7 @@ from pathlib import Path
 
 FAKE_PCT = Path(__file__).with_name("fake_pct")
 CONTAINERS = {200: "running", 201: "stopped"}
+CONTAINERS[202] = "running"  # a second running container, with its own filesystem: runs on two hosts
 UNKNOWN_CONTAINER = 999
 
 
