@@ -5,6 +5,7 @@ every host before it starts any and leaves no half-started run."""
 from __future__ import annotations
 
 import json
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory
 from dflash_cli.local_state import RunRef, resolve_run, set_latest
 from dflash_cli.multihost import aggregate_state, in_time_order, root_cause
-from dflash_run import dflash
+from dflash_run import dflash, dflash_argv, dflash_env
 from support import container_workspace
 from support.inventory import default_hosts
 from support.train_configs import small_config
@@ -207,3 +208,97 @@ def test_launch_options_for_several_hosts_only(pair, tmp_path):
     assert done.returncode == 2 and "ct202 (rank 0) has no address" in done.stderr
     assert "set address: in the inventory entry of ct202" in done.stderr
     assert not pair.on_node(200, "runs").exists() and not pair.on_node(202, "runs").exists()
+
+
+# -- end to end: the real trainer on both containers ------------------------------------------
+
+def launch_pair(pair: Pair, config: Path) -> str:
+    done = pair.dflash("launch", "ct200", "ct202", "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    (run_id,) = done.stdout.splitlines()  # printed once
+    return run_id
+
+
+def events(pair: Pair, vmid: int, run_id: str, kind: str) -> list[dict]:
+    path = pair.on_node(vmid, f"runs/{run_id}") / "events.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("type") == kind]
+
+
+def test_a_run_on_two_hosts_is_one_run(pair, tmp_path):
+    run_id = launch_pair(pair, small_config(tmp_path / "pair.yaml"))
+    layouts = [pair.run_json(vmid, run_id)["distributed"] for vmid in (200, 202)]
+    port = layouts[0]["master_port"]
+    assert layouts == [{"rank": rank, "world_size": 2, "master_addr": "127.0.0.1", "master_port": port,
+                        "hosts": ["ct200", "ct202"]} for rank in (0, 1)]
+    watch = pair.dflash("watch")  # the latest run: both hosts
+    assert watch.returncode == 0, watch.stderr
+    assert f"run {run_id} ended: SUCCEEDED (ct200 SUCCEEDED, ct202 SUCCEEDED)" in watch.stderr
+    for host, vmid in (("ct200", 200), ("ct202", 202)):
+        log = (pair.on_node(vmid, f"runs/{run_id}") / "train.log").read_text()
+        shown = [line[len(host) + 2:] for line in watch.stdout.splitlines() if line.startswith(f"{host}| ")]
+        assert shown == log.splitlines()  # every line of each host, once, prefixed with it
+    # Every replica on both hosts ends with the same weights.
+    checksums = [sha for vmid in (200, 202) for sha in events(pair, vmid, run_id, "replicas")[-1]["sha256"]]
+    assert len(checksums) == 4 and len(set(checksums)) == 1, checksums
+    status = pair.dflash("status", run_id, "--json")
+    assert status.returncode == 0, status.stderr
+    found = json.loads(status.stdout)
+    assert found["state"] == "SUCCEEDED"
+    assert [(s["host"], s["rank"], s["state"]) for s in found["hosts"]] == [
+        ("ct200", 0, "SUCCEEDED"), ("ct202", 1, "SUCCEEDED")]
+
+
+def test_a_drafter_failing_on_the_second_host_stops_the_first_and_is_shown_naming_it(pair, tmp_path):
+    fault = {"thread": "drafter-1", "at": "step:2", "kind": "raise", "depth": 30, "rank": 1}
+    config = small_config(tmp_path / "fault.yaml", optim={"max_steps": 200, "epochs": 50}, faults=[fault])
+    run_id = launch_pair(pair, config)
+    watch = subprocess.Popen(dflash_argv("--logs-dir", str(pair.logs), "watch", run_id, hosts=pair.hosts),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dflash_env())
+    try:
+        errors = pair.on_node(202, f"runs/{run_id}") / "errors.jsonl"
+        wait_for(lambda: errors.exists() and errors.read_text().strip(), 240, "ct202's error record")
+        # ct200's trainer, not failing itself, is gone within seconds of its peer's failure.
+        wait_for(lambda: not pair.trainer_alive(200, run_id), 30, "ct200's trainer to end")
+        stdout, stderr = watch.communicate(timeout=120)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 1, stderr
+    root = json.loads(errors.read_text().splitlines()[0])
+    assert root["thread"] == "drafter-1" and root["exc_type"] != "PeerFailed"
+    assert root["traceback"].count(", in _descend_") >= 30
+    assert root["traceback"] in stdout  # whole, not prefixed, not cut by ct200's lines
+    assert f"==> run {run_id} on ct202: thread drafter-1 failed in " in stdout
+    assert "root cause on ct202 (rank 1): thread drafter-1" in stderr
+    peer = [json.loads(line) for line in
+            (pair.on_node(200, f"runs/{run_id}") / "errors.jsonl").read_text().splitlines()]
+    assert peer[0]["exc_type"] == "PeerFailed" and peer[0]["detail"]["peer_rank"] == 1
+    assert "ct200| " in stderr and "stopped because rank 1 (ct202) failed" in stderr
+    fetched = pair.dflash("fetch-traceback", run_id)
+    assert fetched.returncode == 0, fetched.stderr
+    assert fetched.stdout == f"{fetched.stdout.splitlines()[0]}\n{root['traceback']}"
+    assert fetched.stdout.startswith(f"==> run {run_id} on ct202: thread drafter-1 failed")
+    assert "root cause on ct202 (rank 1 of 2)" in fetched.stderr
+    status = pair.dflash("status", run_id, "--json")
+    assert status.returncode == 1 and json.loads(status.stdout)["state"] == "FAILED"
+
+
+def test_stop_leaves_no_process_on_either_host(pair, tmp_path):
+    config = small_config(tmp_path / "long.yaml", optim={"max_steps": 100000, "epochs": 300})
+    run_id = launch_pair(pair, config)
+
+    def state() -> str:
+        return json.loads(pair.dflash("status", run_id, "--json").stdout)["state"]
+
+    wait_for(lambda: state() == "RUNNING" and all(events(pair, v, run_id, "step") for v in (200, 202)),
+             240, "both hosts to train")
+    stopped = pair.dflash("stop", "--grace", "5")  # the latest run: both hosts
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout == "STOPPED\n"
+    for vmid in (200, 202):
+        record = pair.run_json(vmid, run_id)
+        assert not procfs.is_running(procfs.read_stat(record["pid"]))
+        assert procfs.group_members(record["pgid"]) == []
+    status = pair.dflash("status", run_id)
+    assert (status.returncode, status.stdout) == (4, "STOPPED\n")
