@@ -171,8 +171,8 @@ class Watcher:
         self.records.append(record)
         peer_failed = record.get("exc_type") == multihost.PEER_FAILED
         if not self.as_json and peer_failed:
-            console.say(f"{self.label}thread {record.get('thread')}: "
-                        + multihost.peer_failed_line(record, self.hosts))
+            console.say(console.printable(f"{self.label}thread {record.get('thread')}: "
+                                          + multihost.peer_failed_line(record, self.hosts)))
         elif not self.as_json:
             text = render_record(record, self.ref)
             on = f" on {self.ref.host}" if self.label else ""
@@ -295,8 +295,9 @@ def _watch_hosts(session: Session, ref: RunRef, tail: int | None, interval: floa
     cause = multihost.root_cause(multihost.in_time_order({w.ref.host: w.records for w in watchers}))
     if cause is not None and not as_json:
         host, record = cause
-        console.say(f"root cause on {host} (rank {ref.hosts.index(host)}): thread {record.get('thread')} "
-                    f"{record.get('exc_type')}: {record.get('message', '')}".rstrip())
+        console.say(console.printable(f"root cause on {host} (rank {ref.hosts.index(host)}): thread "
+                                      f"{record.get('thread')} {record.get('exc_type')}: "
+                                      f"{record.get('message', '')}".rstrip()))
     console.say(f"run {ref.run_id} ended: {state} "
                 f"({', '.join(f'{host} {s or multihost.UNKNOWN}' for host, s in states.items())})")
     if state == multihost.UNKNOWN:
