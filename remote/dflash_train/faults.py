@@ -6,7 +6,8 @@ hangs, aborts the process or exits it with a code. A drafter also asks
 `poisons(name, step)` before its forward: `nonfinite` makes that step's loss and
 gradients NaN (Replica.run_step), the failure a diverging run meets. Matching is by the
 logical thread name, so the sequential pipeline (one thread doing every part) takes the
-same faults.
+same faults. A fault with `rank: N` fires only in the process of that rank (a host of a
+multi-host run); without it, in every process.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ class InjectedRootCause(ValueError):
 
 
 class FaultInjector:
-    def __init__(self, faults: tuple[FaultSpec, ...]):
-        self._faults = faults
+    def __init__(self, faults: tuple[FaultSpec, ...], rank: int = 0):
+        self._faults = tuple(f for f in faults if f.rank is None or f.rank == rank)
 
     def fire(self, thread: str, step: int | None = None) -> None:
         for fault in self._matching(thread, step, poison=False):

@@ -1,0 +1,99 @@
+"""One run over several trainer processes (torch.distributed, gloo on CPU): each process
+started as a host's supervisor starts it, with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT, on 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from support import free_port
+from test_trainer_runs import REPO, SMALL, launch, step_losses  # noqa: F401 - launch is a fixture
+
+ONE_DRAFTER = SMALL.replace("drafters: [cpu, cpu]", "drafters: [cpu]")
+BASE = "optim: {max_steps: 4}\neval: {num_prompts: 0}\ncheckpoint: {every: 2}\n"
+
+
+def rank_envs(world_size: int) -> list[dict[str, str]]:
+    port = str(free_port())
+    return [{"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+             "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(workspace):
+    """SMALL's tiny target and data, built before processes that start together need them
+    (builders racing each other is not what these tests are about)."""
+    code = ("from pathlib import Path; from dflash_train.config import TinyTargetSpec, SyntheticDataSpec; "
+            "from dflash_train.tiny import ensure_tiny_assets, cache_root; "
+            "ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=64, num_eval=2), cache_root(Path('.')))")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "DFLASH_WORKSPACE": str(workspace)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120, cwd=REPO)
+
+
+def launch_ranks(launch, tmp_path, config: str, run_id: str = "pair") -> list:
+    """The processes of one run, one per rank, each in a run directory of its own (its host's)."""
+    return [launch(config, run_dir=tmp_path / f"{run_id}-rank{rank}", run_id=run_id, env=env)
+            for rank, env in enumerate(rank_envs(2))]
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_train_as_one_process_with_both_replicas(launch, tmp_path, tiny_cache):
+    one = launch(SMALL + BASE, run_id="one")  # one process, two drafter replicas
+    rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + BASE)  # two processes, one replica each
+    for run in (one, rank0, rank1):
+        assert run.wait(250) == 0, run.log()[-3000:]
+    # The same global batch: replica g of the run trains on the same micro-batches, and the
+    # averaged gradients are the same sum (two addends: a + b == b + a exactly; more would
+    # only be summed in another order), so the losses agree to float32 rounding.
+    assert sorted(step_losses(rank0)) == [1, 2, 3, 4]
+    assert step_losses(rank0) == pytest.approx(step_losses(one), rel=1e-5)
+    assert rank1.events("step") == []  # rank 0 reports the run's steps
+    assert [(e["rank"], e["world_size"]) for e in rank0.events("ready") + rank1.events("ready")] == [(0, 2), (1, 2)]
+    # Every replica of both ranks holds the same weights; each rank saw every rank's checksums.
+    (replicas0,), (replicas1,) = rank0.events("replicas"), rank1.events("replicas")
+    assert replicas0["sha256_by_rank"] == replicas1["sha256_by_rank"]
+    assert len({c for sums in replicas0["sha256_by_rank"] for c in sums}) == 1
+    assert replicas0["sha256_by_rank"] == [replicas0["sha256"], replicas1["sha256"]]
+    # Rank 0 alone writes checkpoints and the export.
+    assert sorted(p.name for p in (rank0.run_dir / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
+    assert (rank0.run_dir / "export" / "model.safetensors").exists()
+    assert not (rank1.run_dir / "checkpoints").exists() and not (rank1.run_dir / "export").exists()
+    state = json.loads((rank0.run_dir / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert (state["replicas"], state["world_size"]) == (2, 2)
+
+    # Resume: the data order depends on the replicas in all, not on how processes hold them.
+    resume = f"checkpoint: {{every: 2, resume: {rank0.run_dir / 'checkpoints' / 'step_000002'}}}\n"
+    config = SMALL + BASE.replace("checkpoint: {every: 2}\n", resume)
+    other_layout = launch(config, run_id="resumed-1x2")
+    refused = launch(config.replace("drafters: [cpu, cpu]", "drafters: [cpu]"), run_id="resumed-1x1")
+    assert other_layout.wait(200) == 0, other_layout.log()[-3000:]
+    assert refused.wait(200) == 1
+    resumed = step_losses(other_layout)
+    assert sorted(resumed) == [3, 4]
+    assert resumed == pytest.approx({s: step_losses(rank0)[s] for s in (3, 4)}, rel=1e-5)
+    (error,) = refused.errors()
+    assert "2 drafter replica(s) in all (2 process(es)); this run has 1" in error["message"], error["message"]
+
+
+@pytest.mark.timeout(200)
+def test_a_drafter_failing_on_rank_1_stops_rank_0_with_peer_failed(launch, tmp_path, tiny_cache):
+    fault = "faults: [{thread: drafter-0, at: 'step:3', kind: raise, depth: 5, rank: 1}]\n"
+    rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + "optim: {max_steps: 8}\neval: {num_prompts: 0}\n"
+                                + fault, run_id="fails")
+    assert rank1.wait(150) == 1, rank1.log()[-3000:]
+    assert rank0.wait(150) == 1, rank0.log()[-3000:]  # within seconds; the bound is the CI machine's
+    root, coordinator = rank1.errors()
+    assert (root["thread"], root["step"], root["exc_type"]) == ("drafter-0", 3, "InjectedFault")
+    assert coordinator["exc_type"] == "ThreadFailed"
+    (peer,) = rank0.errors()  # one record: the root cause is the other rank's
+    assert peer["exc_type"] == "PeerFailed"
+    assert peer["detail"] == {"peer_rank": 1, "peer_exc_type": "InjectedFault",
+                              "peer_message": "injected fault in drafter-0 at step 3 (the cause is 5 frames deep)"}
+    assert "injecting fault" not in rank0.log()  # the fault fired on rank 1 only
+    assert all(e["step"] < 3 for e in rank0.events("step"))
+    for run in (rank0, rank1):
+        assert run.events("done")[-1]["exit_code"] == 1
+    assert not (rank0.run_dir / "export").exists()
