@@ -111,7 +111,10 @@ def _build(spec: TinyTargetSpec, data: SyntheticDataSpec, out: Path) -> None:
     # Not model.save_pretrained: under torch.distributed, transformers writes only on rank 0,
     # and every host of a run on several hosts builds the tiny target in its own workspace.
     model = _build_model(spec, len(tokenizer), tokenizer)
+    model.config.architectures = [type(model).__name__]  # what save_pretrained records
+    model.config.dtype = next(model.parameters()).dtype
     model.config.save_pretrained(str(staging))
+    model.generation_config.save_pretrained(str(staging))
     save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
               str(staging / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(staging))
