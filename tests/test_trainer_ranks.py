@@ -65,12 +65,17 @@ def test_two_ranks_train_as_one_process_with_both_replicas(launch, tmp_path, tin
     assert (state["replicas"], state["world_size"]) == (2, 2)
 
     # Resume: the data order depends on the replicas in all, not on how processes hold them.
+    # The checkpoint is on rank 0's host only: rank 0 reads it and sends it to the others.
     resume = f"checkpoint: {{every: 2, resume: {rank0.run_dir / 'checkpoints' / 'step_000002'}}}\n"
     config = SMALL + BASE.replace("checkpoint: {every: 2}\n", resume)
+    same_layout = launch_ranks(launch, tmp_path, config.replace("drafters: [cpu, cpu]", "drafters: [cpu]"),
+                               run_id="resumed-2x1")
     other_layout = launch(config, run_id="resumed-1x2")
     refused = launch(config.replace("drafters: [cpu, cpu]", "drafters: [cpu]"), run_id="resumed-1x1")
-    assert other_layout.wait(200) == 0, other_layout.log()[-3000:]
+    for run in (*same_layout, other_layout):
+        assert run.wait(200) == 0, run.log()[-3000:]
     assert refused.wait(200) == 1
+    assert step_losses(same_layout[0]) == {s: step_losses(rank0)[s] for s in (3, 4)}  # exactly
     resumed = step_losses(other_layout)
     assert sorted(resumed) == [3, 4]
     assert resumed == pytest.approx({s: step_losses(rank0)[s] for s in (3, 4)}, rel=1e-5)
