@@ -118,7 +118,7 @@ def test_a_rank_that_finds_no_peers_fails_naming_the_rendezvous(launch, tmp_path
 
 @pytest.mark.timeout(200)
 def test_sigterm_on_one_rank_stops_both(launch, tmp_path, tiny_cache):
-    rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + "optim: {max_steps: 100}\neval: {num_prompts: 0}\n",
+    rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + "optim: {epochs: 100}\neval: {num_prompts: 0}\n",
                                 run_id="stopped")
     rank0.wait_for("a few steps", lambda: len(rank0.events("step")) >= 3, 150)
     rank1.proc.send_signal(signal.SIGTERM)
@@ -126,7 +126,9 @@ def test_sigterm_on_one_rank_stops_both(launch, tmp_path, tiny_cache):
     assert rank0.wait(100) == 143, rank0.log()[-3000:]  # rank 1's stop record stops rank 0 as a signal would
     assert rank0.errors() == [] and rank1.errors() == []  # a stop is not a failure
     assert "rank 1 stopped (SIGTERM): stopping" in rank0.log()
-    assert len(rank0.events("step")) < 100
+    assert len(rank0.events("step")) < 400  # of 400: stopped, not finished
+    assert (rank0.run_dir / "checkpoints" / "latest").exists()  # rank 0 alone checkpoints on a stop
+    assert not (rank1.run_dir / "checkpoints").exists()
 
 
 # --- in process -------------------------------------------------------------------------
