@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -65,12 +66,17 @@ def test_two_ranks_train_as_one_process_with_both_replicas(launch, tmp_path, tin
     assert (state["replicas"], state["world_size"]) == (2, 2)
 
     # Resume: the data order depends on the replicas in all, not on how processes hold them.
+    # The checkpoint is on rank 0's host only: rank 0 reads it and sends it to the others.
     resume = f"checkpoint: {{every: 2, resume: {rank0.run_dir / 'checkpoints' / 'step_000002'}}}\n"
     config = SMALL + BASE.replace("checkpoint: {every: 2}\n", resume)
+    same_layout = launch_ranks(launch, tmp_path, config.replace("drafters: [cpu, cpu]", "drafters: [cpu]"),
+                               run_id="resumed-2x1")
     other_layout = launch(config, run_id="resumed-1x2")
     refused = launch(config.replace("drafters: [cpu, cpu]", "drafters: [cpu]"), run_id="resumed-1x1")
-    assert other_layout.wait(200) == 0, other_layout.log()[-3000:]
+    for run in (*same_layout, other_layout):
+        assert run.wait(200) == 0, run.log()[-3000:]
     assert refused.wait(200) == 1
+    assert step_losses(same_layout[0]) == {s: step_losses(rank0)[s] for s in (3, 4)}  # exactly
     resumed = step_losses(other_layout)
     assert sorted(resumed) == [3, 4]
     assert resumed == pytest.approx({s: step_losses(rank0)[s] for s in (3, 4)}, rel=1e-5)
@@ -97,3 +103,78 @@ def test_a_drafter_failing_on_rank_1_stops_rank_0_with_peer_failed(launch, tmp_p
     for run in (rank0, rank1):
         assert run.events("done")[-1]["exit_code"] == 1
     assert not (rank0.run_dir / "export").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_finds_no_peers_fails_naming_the_rendezvous(launch, tmp_path, tiny_cache):
+    env = rank_envs(2)[1]  # rank 1 alone: rank 0 never comes
+    run = launch(ONE_DRAFTER + "distributed: {join_timeout_s: 3}\n", run_id="alone", env=env)
+    assert run.wait(100) == 1, run.log()[-3000:]
+    (error,) = run.errors()
+    assert error["exc_type"] == "JoinFailed" and error["phase"] == "startup"
+    assert error["message"].startswith(f"rank 1 could not join the process group of 2 at "
+                                       f"127.0.0.1:{env['MASTER_PORT']} within 3s"), error["message"]
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_on_one_rank_stops_both(launch, tmp_path, tiny_cache):
+    rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + "optim: {epochs: 100}\neval: {num_prompts: 0}\n",
+                                run_id="stopped")
+    rank0.wait_for("a few steps", lambda: len(rank0.events("step")) >= 3, 150)
+    rank1.proc.send_signal(signal.SIGTERM)
+    assert rank1.wait(100) == 143, rank1.log()[-3000:]
+    assert rank0.wait(100) == 143, rank0.log()[-3000:]  # rank 1's stop record stops rank 0 as a signal would
+    assert rank0.errors() == [] and rank1.errors() == []  # a stop is not a failure
+    assert "rank 1 stopped (SIGTERM): stopping" in rank0.log()
+    assert len(rank0.events("step")) < 400  # of 400: stopped, not finished
+    assert (rank0.run_dir / "checkpoints" / "latest").exists()  # rank 0 alone checkpoints on a stop
+    assert not (rank1.run_dir / "checkpoints").exists()
+
+
+# --- in process -------------------------------------------------------------------------
+
+def test_a_fault_with_a_rank_fires_in_that_rank_only(tmp_path):
+    from dflash_schema import SchemaError
+    from dflash_train.config import load_train_config
+    from dflash_train.faults import FaultInjector, InjectedFault
+
+    path = tmp_path / "train.yaml"
+    path.write_text(SMALL + "faults: [{thread: drafter-0, at: 'step:2', kind: raise, rank: 1},\n"
+                            "         {thread: drafter-1, at: 'step:2', kind: raise}]\n")
+    faults = load_train_config(path).faults
+    for rank, fired in ((0, ["drafter-1"]), (1, ["drafter-0", "drafter-1"])):
+        injector, seen = FaultInjector(faults, rank), []
+        for thread in ("drafter-0", "drafter-1"):
+            try:
+                injector.fire(thread, 2)
+            except InjectedFault:
+                seen.append(thread)
+        assert seen == fired, rank
+    path.write_text(SMALL + "faults: [{thread: drafter-0, at: 'step:2', kind: raise, rank: -1}]\n")
+    with pytest.raises(SchemaError, match="rank counts from 0"):
+        load_train_config(path)
+    path.write_text(SMALL + "distributed: {timeout_s: 0}\n")
+    with pytest.raises(SchemaError, match="distributed: .*must be positive"):
+        load_train_config(path)
+
+
+def test_the_exchange_gives_every_replica_the_same_mean_and_every_fact():
+    import torch
+    from dflash_train.devices import Fence
+    from dflash_train.distributed import Layout
+    from dflash_train.gradients import GradientExchange, Posted
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(3, 5), (7,), (2, 2, 2)]
+    posted = [Posted([torch.randn(s, generator=generator) for s in shapes],
+                     torch.tensor([float(r), 10.0 + r, 20.0 + r]), Fence("cpu"), "cpu") for r in range(3)]
+    averaged = GradientExchange(Layout(local_replicas=3), None).average(posted)
+    for i in range(len(shapes)):
+        # the one-process sum as it always was: in replica order, then divided
+        expected = (posted[0].grads[i] + posted[1].grads[i] + posted[2].grads[i]) / 3
+        assert all(torch.equal(a.grads[i], expected) for a in averaged)
+    assert all(torch.equal(a.facts, torch.stack([p.facts for p in posted])) for a in averaged)
+    # every replica owns its copy: clipping one replica's gradients in place leaves the others' alone
+    averaged[1].grads[0].mul_(0.5)
+    assert torch.equal(averaged[0].grads[0], averaged[2].grads[0])
+    assert not torch.equal(averaged[0].grads[0], averaged[1].grads[0])

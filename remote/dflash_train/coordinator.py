@@ -262,7 +262,7 @@ class Coordinator(JobControl):
         report_threads_still_running(self.alive, self.config.runtime.stop_grace_s, self.fault_log)
 
     def _stopped(self) -> int:
-        """SIGTERM (or SIGINT): stop, checkpoint if the lead replica stopped cleanly, exit 128+signal."""
+        """SIGTERM (or SIGINT): stop, checkpoint (rank 0) if the lead replica stopped cleanly, exit 128+signal."""
         self._set_phase("shutdown")
         self._teardown()
         run = self.prepared.run if self.prepared else None
@@ -270,7 +270,7 @@ class Coordinator(JobControl):
         lead_thread = next((w for w in self.workers if w.name == "drafter-0"), None)
         # Sequential runs stop between steps; a lead thread that ended stopped between steps too.
         lead_stopped = lead is not None and (lead_thread is None or not lead_thread.is_alive())
-        if (run is not None and lead_stopped and self.config.checkpoint.on_stop
+        if (run is not None and run.writes_outputs and lead_stopped and self.config.checkpoint.on_stop
                 and lead.completed_step > max(run.last_checkpoint, run.start_step)):
             if is_cuda(lead.device):  # its last update ran on the lead thread's stream, not this one's
                 torch.cuda.synchronize(lead.device)

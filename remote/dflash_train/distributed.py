@@ -178,6 +178,40 @@ class Peers:
             raise self._collective_failed("the gradient all-reduce", exc) from exc
         self.state.check()  # an abort may have woken the wait: never apply what it left
 
+    def share_from_rank0(self, value: Any, device: str) -> Any:
+        """Rank 0's `value` (any object torch.save takes; ignored on the other ranks), on
+        every rank. It goes through the collective group in pieces of bucket_mb staged on
+        `device` (a CUDA device for NCCL): a checkpoint is gigabytes, too much for the store."""
+        import io
+
+        import torch.distributed as dist
+
+        data = b""
+        if self.rank == 0:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            data = buffer.getvalue()
+            self.publish("shared-bytes", len(data))
+        size = self.collect("shared-bytes", self.config.timeout_s, ranks=[0])[0]
+        received = bytearray(size) if self.rank != 0 else bytearray()
+        per_piece = max(1, int(self.config.bucket_mb * (1 << 20)))
+        try:
+            for start in range(0, size, per_piece):
+                count = min(per_piece, size - start)
+                if self.rank == 0:
+                    piece = torch.frombuffer(bytearray(data[start:start + count]), dtype=torch.uint8).to(device)
+                else:
+                    piece = torch.empty(count, dtype=torch.uint8, device=device)
+                dist.broadcast(piece, 0, group=self.group)
+                if self.rank != 0:
+                    received[start:start + count] = piece.cpu().numpy().tobytes()
+        except Exception as exc:  # noqa: BLE001 - as in all_reduce_sum
+            raise self._collective_failed("receiving rank 0's checkpoint", exc) from exc
+        self.state.check()
+        if self.rank == 0:
+            return value
+        return torch.load(io.BytesIO(bytes(received)), map_location="cpu", weights_only=False)
+
     def _collective_failed(self, what: str, exc: BaseException) -> BaseException:
         """What a broken collective means: a stop under way, a peer's failure, or our own."""
         deadline = time.monotonic() + COLLECTIVE_CAUSE_S
@@ -206,19 +240,32 @@ class Peers:
         """This rank's `value` (JSON) under `name`, for every rank to collect."""
         self.store.set(f"{name}/{self.rank}", json.dumps(value))
 
-    def collect(self, name: str, timeout: float) -> list[Any]:
-        """Every rank's published `value` under `name`, by rank."""
-        keys = [f"{name}/{r}" for r in range(self.layout.world_size)]
+    def collect(self, name: str, timeout: float, ranks: list[int] | None = None) -> list[Any]:
+        """The `value` every rank (or those of `ranks`) published under `name`, by rank."""
+        keys = [f"{name}/{r}" for r in (range(self.layout.world_size) if ranks is None else ranks)]
         self._poll(lambda: self.store.check(keys), timeout, f"not every rank sent {name!r}")
         return [json.loads(self.store.get(key)) for key in keys]
 
     def _poll(self, done, timeout: float, what: str) -> None:
+        import torch.distributed as dist
+
         deadline = time.monotonic() + timeout
-        while not done():
+        while True:
+            try:
+                if done():
+                    return
+            except dist.DistError as exc:  # the store's host is gone: that is rank 0
+                raise self._store_gone(exc) from exc
             self.state.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} within {timeout:.0f}s")
             time.sleep(0.05)
+
+    def _store_gone(self, exc: BaseException) -> BaseException:
+        if self.rank == 0 or self.state.stop.is_set():
+            return StopRequested(self.state.stop_reason or "stop requested") if self.state.stop.is_set() else exc
+        return self.peer_failed(0, None, f"the store that rank 0 hosts at {self.address} stopped answering "
+                                         f"({_first_line(exc)}): rank 0 is gone")
 
     def check_same_replicas(self) -> None:
         """Every rank must run as many replicas: the data plan numbers them rank * local + i."""
@@ -266,8 +313,7 @@ class Peers:
             except Exception as exc:  # noqa: BLE001 - the store's host is gone: that is rank 0
                 if self._closing.is_set():
                     return None
-                self.peer_failed(0, None, f"the store that rank 0 hosts at {self.address} stopped answering "
-                                          f"({_first_line(exc)}): rank 0 is gone")
+                self._store_gone(exc)
                 return 1
         return None
 

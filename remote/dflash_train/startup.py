@@ -117,6 +117,21 @@ def _check_layout(resumed: LoadedCheckpoint, layout: Layout) -> None:
             f"{state.replicas // state.world_size} drafters)")
 
 
+def resume_point(config: TrainConfig, run_dir: Path, peers: Peers | None, device: str) -> LoadedCheckpoint | None:
+    """The checkpoint `checkpoint.resume` names, or None for a fresh start. Rank 0 writes
+    the checkpoints, so in a multi-host run it reads this one and sends it to the others."""
+    resumed = None
+    if config.checkpoint.resume is not None and (peers is None or peers.rank == 0):
+        folder = resolve_resume(config.checkpoint.resume, run_dir)
+        if folder is None:
+            say("checkpoint.resume: latest, but this run has no checkpoint yet: starting fresh")
+        else:
+            resumed = load_checkpoint(folder)
+    if config.checkpoint.resume is not None and peers is not None:
+        resumed = peers.share_from_rank0(resumed, device if peers.backend == "nccl" else "cpu")
+    return resumed
+
+
 def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunState,
             peers: Peers | None = None) -> Prepared:
     from transformers import AutoTokenizer
@@ -153,19 +168,14 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
     taps = [taps_by_device[device] for device in target_devices]
     hf_config = drafter_hf_config(target_config, config.drafter, tuple(layer_ids), mask_id)
 
-    resumed = None
-    if config.checkpoint.resume is not None:
-        folder = resolve_resume(config.checkpoint.resume, run_dir)
-        if folder is None:
-            say("checkpoint.resume: latest, but this run has no checkpoint yet: starting fresh")
-        else:
-            resumed = load_checkpoint(folder)
-            _check_layout(resumed, layout)
-            if resumed.state.step > plan.total_steps:
-                raise ValueError(f"{folder} is at step {resumed.state.step}, past this config's "
-                                 f"{plan.total_steps} steps")
-            _check_cursor(resumed, plan)
-            say(f"resuming from {folder} at step {resumed.state.step}")
+    resumed = resume_point(config, run_dir, peers, drafter_devices[0])
+    if resumed is not None:
+        _check_layout(resumed, layout)
+        if resumed.state.step > plan.total_steps:
+            raise ValueError(f"{resumed.folder} is at step {resumed.state.step}, past this config's "
+                             f"{plan.total_steps} steps")
+        _check_cursor(resumed, plan)
+        say(f"resuming from {resumed.folder} at step {resumed.state.step}")
     if resumed is not None:
         weights = resumed.weights
     else:
