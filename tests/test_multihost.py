@@ -5,6 +5,7 @@ every host before it starts any and leaves no half-started run."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import textwrap
 from pathlib import Path
@@ -17,7 +18,7 @@ from dflash_cli.inventory import load_inventory
 from dflash_cli.local_state import RunRef, resolve_run, set_latest
 from dflash_cli.multihost import aggregate_state, in_time_order, root_cause
 from dflash_run import dflash, dflash_argv, dflash_env
-from support import container_workspace
+from support import container_workspace, free_port
 from support.inventory import default_hosts
 from support.train_configs import small_config
 from support_agent.harness import wait_for
@@ -71,7 +72,7 @@ def test_bad_groups_name_file_group_and_entry(tmp_path, groups, expected):
         load_inventory(path)
     assert info.value.exit_code == ExitCode.USAGE
     assert info.value.message.startswith(f"{path}: ")
-    assert __import__("re").search(expected, info.value.message), info.value.message
+    assert re.search(expected, info.value.message), info.value.message
 
 
 def test_a_bad_address_is_refused(tmp_path):
@@ -137,9 +138,11 @@ class Pair:
     """A test's inventory with ct200 (address 127.0.0.1: the fake containers share the
     node's network) and ct202, each container's view of the workspace, and the CLI."""
 
-    def __init__(self, make_inventory, ssh_node, fake_pve, tmp_path: Path, **overrides):
-        ct202 = {**default_hosts(tmp_path, ssh_node, fake_pve)["ct200"], "container": 202}
-        self.hosts = make_inventory(tmp_path, ct200={"address": "127.0.0.1"}, ct202=ct202, **overrides)
+    def __init__(self, make_inventory, ssh_node, fake_pve, tmp_path: Path):
+        self.ct202 = {**default_hosts(tmp_path, ssh_node, fake_pve)["ct200"], "container": 202}
+        self.hosts = make_inventory(tmp_path, ct200={"address": "127.0.0.1"}, ct202=self.ct202)
+        self.rewrite = lambda **ct202: make_inventory(tmp_path, ct200={"address": "127.0.0.1"},
+                                                      ct202={**self.ct202, **ct202})
         self.logs = tmp_path / "logs"
         self.pve = fake_pve
         self.workspace = container_workspace(fake_pve, tmp_path)
@@ -309,3 +312,10 @@ def test_stop_leaves_no_process_on_either_host(pair, tmp_path):
         assert procfs.group_members(record["pgid"]) == []
     status = pair.dflash("status", run_id)
     assert (status.returncode, status.stdout) == (4, "STOPPED\n")
+    # A host that cannot be asked: the run's state is unknown (exit 3), that host named.
+    pair.rewrite(ssh=f"root@127.0.0.1:{free_port()}", connect_timeout=1.0)
+    status = pair.dflash("status", run_id, "--json")
+    found = json.loads(status.stdout)
+    assert status.returncode == 3 and found["state"] == "UNKNOWN"
+    assert [s["state"] for s in found["hosts"]] == ["STOPPED", None]
+    assert found["hosts"][1]["error"].startswith("host ct202 (") and "unreachable" in found["hosts"][1]["error"]
