@@ -56,7 +56,7 @@ class Host:
             raise ValueError("'workspace' must not be empty")
         if self.connect_timeout <= 0:
             raise ValueError("'connect_timeout' must be positive")
-        if self.address is not None and not _ADDRESS.match(self.address):
+        if self.address is not None and not is_address(self.address):
             raise ValueError(f"'address' must be a host name or IP address, got {self.address!r}")
 
     def rendezvous_address(self) -> str | None:
@@ -85,6 +85,10 @@ class InventoryFile:
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # A DNS name or an IPv4/IPv6 address: what MASTER_ADDR may hold.
 _ADDRESS = re.compile(r"^[A-Za-z0-9._:-]+$")
+
+
+def is_address(text: str) -> bool:
+    return bool(_ADDRESS.match(text))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -207,6 +207,8 @@ def test_launch_options_for_several_hosts_only(pair, tmp_path):
     assert done.returncode == 2 and "--master-addr and --master-port are for a run on several hosts" in done.stderr
     done = pair.dflash("launch", "ct200", "ct200", "--config", config)
     assert done.returncode == 2 and "host 'ct200' is named twice" in done.stderr
+    done = pair.dflash("launch", "ct200", "ct202", "--config", config, "--master-addr", "10.0.0.1; rm")
+    assert done.returncode == 2 and "--master-addr '10.0.0.1; rm': expected a host name or IP address" in done.stderr
     done = pair.dflash("launch", "ct202", "ct200", "--config", config)  # rank 0 is a container without address
     assert done.returncode == 2 and "ct202 (rank 0) has no address" in done.stderr
     assert "set address: in the inventory entry of ct202" in done.stderr

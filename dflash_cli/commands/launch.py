@@ -15,7 +15,7 @@ from dflash_agent.layout import MAX_RUN_ID
 
 from .. import console
 from ..errors import DflashError, ExitCode
-from ..inventory import Host
+from ..inventory import Host, is_address
 from ..local_state import RunRef, set_latest
 from ..session import Session
 from . import deploy
@@ -143,6 +143,8 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config_path: Path, nam
     """One run id on every host, rank = position in `hosts`. Every host checks what it
     can before any starts (one refusal starts nothing anywhere); a start that fails
     after that stops the parts already started: no half-started run is left."""
+    if master_addr is not None and not is_address(master_addr):
+        raise DflashError(f"--master-addr {master_addr!r}: expected a host name or IP address", ExitCode.USAGE)
     config = load_config(config_path)
     first = hosts[0]
     address = master_addr or first.rendezvous_address()
