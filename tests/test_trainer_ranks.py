@@ -117,6 +117,24 @@ def test_a_rank_that_finds_no_peers_fails_naming_the_rendezvous(launch, tmp_path
 
 
 @pytest.mark.timeout(200)
+def test_a_non_finite_step_on_rank_1_is_found_by_every_rank_at_that_step(launch, tmp_path, tiny_cache):
+    fault = "faults: [{thread: drafter-0, at: 'step:3', kind: nonfinite, rank: 1}]\n"
+    rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + "optim: {max_steps: 6}\neval: {num_prompts: 0}\n"
+                                + fault, run_id="nonfinite")
+    assert rank1.wait(150) == 1, rank1.log()[-3000:]
+    assert rank0.wait(150) == 1, rank0.log()[-3000:]
+    root = rank1.errors()[0]
+    assert (root["thread"], root["step"], root["exc_type"]) == ("drafter-0", 3, "NonFiniteStep")
+    assert root["detail"]["replica"] == 1 and root["detail"]["losses"][1] == "nan"  # replica 1 of the run
+    assert root["message"].startswith("step 3: the loss of drafter-0 of rank 1 is nan")
+    (peer,) = rank0.errors()  # rank 0 read the same losses: it stops at step 3 too, naming rank 1
+    assert peer["exc_type"] == "PeerFailed" and peer["step"] == 3
+    assert (peer["detail"]["peer_rank"], peer["detail"]["peer_exc_type"]) == (1, "NonFiniteStep")
+    assert [e["step"] for e in rank0.events("step")] == [1, 2]
+    assert not (rank0.run_dir / "export").exists()
+
+
+@pytest.mark.timeout(200)
 def test_sigterm_on_one_rank_stops_both(launch, tmp_path, tiny_cache):
     rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + "optim: {epochs: 100}\neval: {num_prompts: 0}\n",
                                 run_id="stopped")
