@@ -342,22 +342,9 @@ def part_throughput(work: Path, steps: int, warmup: int, timeout_s: float) -> di
             work, target, data, shape, steps, warmup, flops, sampler, timeout_s)
     finally:
         sampler.stop()
-    report = {"steps": steps, "warmup": warmup, "runs": runs}
-    print(f"\n## the trainer on two GPUs, two layouts, global batch 2 x one {shape.seq_len}-token sequence "
-          f"(steps after the first {warmup} measured)")
-    print("| layout | exit | step ms | samples/s | drafter MFU | target MFU | GPU util % | wait share per thread "
-          "| replicas sha256 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, r in runs.items():
-        sums = r.get("replica_sha256") or []
-        same = "-" if not sums else (f"{len(sums)}x {sums[0][:12]}" if len(set(sums)) == 1 else "DIFFER")
-        if "samples_per_s" not in r:
-            print(f"| {name} | {r.get('exit_code')} | - | - | - | - | - | {r.get('first_error') or r.get('error')} "
-                  f"| {same} |")
-            continue
-        util = " ".join(f"{g}:{v['util_pct']:.0f}" for g, v in r["gpus"].items()) or "-"
-        print(f"| {name} | {r['exit_code']} | {r['step_ms']:.1f} | {r['samples_per_s']:.3f} "
-              f"| {100 * r['drafter_mfu']:.1f}% | {100 * r['target_mfu']:.1f}% | {util} | {r['wait_share']} | {same} |")
+    report = {"target": "Qwen3-8B-architecture", "warmup": warmup, "compile": "cudagraphs", "runs": runs,
+              "flops_per_sample": {"drafter": flops[0], "target": flops[1], "target_layers_run": layers_run}}
+    trainer.print_tables(report, shape)
     one, two = runs.values()
     if "samples_per_s" in one and "samples_per_s" in two:
         print(f"two processes / one process samples/s: {two['samples_per_s'] / one['samples_per_s']:.3f}")
