@@ -175,6 +175,12 @@ def build_step(mode: str, objective: DraftObjective, example: DrafterInputs):
     raise ValueError(mode)
 
 
+def received(averaged) -> list[torch.Tensor]:
+    """A replica's averaged gradients, once its stream waited for the exchange's copies."""
+    averaged.fence.wait("cuda", averaged.flat)
+    return averaged.grads
+
+
 class Updater:
     """replica.Replica.apply for one replica: clip, AdamW, LR schedule, zero_grad."""
 
@@ -183,9 +189,8 @@ class Updater:
         self.optimizer = torch.optim.AdamW(self.params, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / 20))
 
-    def apply(self, averaged) -> float:
-        averaged.fence.wait("cuda", averaged.flat)
-        for param, grad in zip(self.params, averaged.grads):
+    def apply(self, mean_grads: list[torch.Tensor]) -> float:
+        for param, grad in zip(self.params, mean_grads):
             param.grad = grad
         norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
@@ -295,7 +300,7 @@ def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode
             for r in range(replicas):
                 post(r, train_steps[r](data[r][step]))
             for r, mine in enumerate(exchange.average(list(posted))):
-                updaters[r].apply(mine)
+                updaters[r].apply(received(mine))
     else:
         barrier = threading.Barrier(replicas)
         ready = [threading.Event() for _ in range(replicas)]
@@ -314,7 +319,7 @@ def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode
                         if r == 0:
                             averaged[:] = exchange.average(list(posted))
                         barrier.wait()
-                        updaters[r].apply(averaged[r])
+                        updaters[r].apply(received(averaged[r]))
                     torch.cuda.current_stream().synchronize()
             except BaseException:  # counted and shown in the table
                 errors.append(f"drafter-{r}: {traceback.format_exc()}")

@@ -84,13 +84,19 @@ def test_two_ranks_train_as_one_process_with_both_replicas(launch, tmp_path, tin
     assert "2 drafter replica(s) in all (2 process(es)); this run has 1" in error["message"], error["message"]
 
 
+def failed_ranks(launch, tmp_path, fault: str, run_id: str) -> list:
+    """Both ranks of a run with `fault` (a faults: entry), once both exited 1."""
+    ranks = launch_ranks(launch, tmp_path, ONE_DRAFTER + "optim: {max_steps: 8}\neval: {num_prompts: 0}\n"
+                         f"faults: [{fault}]\n", run_id=run_id)
+    for run in reversed(ranks):  # rank 0 exits within seconds of rank 1; the bound is the CI machine's
+        assert run.wait(150) == 1, run.log()[-3000:]
+    return ranks
+
+
 @pytest.mark.timeout(200)
 def test_a_drafter_failing_on_rank_1_stops_rank_0_with_peer_failed(launch, tmp_path, tiny_cache):
-    fault = "faults: [{thread: drafter-0, at: 'step:3', kind: raise, depth: 5, rank: 1}]\n"
-    rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + "optim: {max_steps: 8}\neval: {num_prompts: 0}\n"
-                                + fault, run_id="fails")
-    assert rank1.wait(150) == 1, rank1.log()[-3000:]
-    assert rank0.wait(150) == 1, rank0.log()[-3000:]  # within seconds; the bound is the CI machine's
+    rank0, rank1 = failed_ranks(launch, tmp_path, "{thread: drafter-0, at: 'step:3', kind: raise, depth: 5, rank: 1}",
+                                "fails")
     root, coordinator = rank1.errors()
     assert (root["thread"], root["step"], root["exc_type"]) == ("drafter-0", 3, "InjectedFault")
     assert coordinator["exc_type"] == "ThreadFailed"
@@ -114,6 +120,21 @@ def test_a_rank_that_finds_no_peers_fails_naming_the_rendezvous(launch, tmp_path
     assert error["exc_type"] == "JoinFailed" and error["phase"] == "startup"
     assert error["message"].startswith(f"rank 1 could not join the process group of 2 at "
                                        f"127.0.0.1:{env['MASTER_PORT']} within 3s"), error["message"]
+
+
+@pytest.mark.timeout(200)
+def test_a_non_finite_step_on_rank_1_is_found_by_every_rank_at_that_step(launch, tmp_path, tiny_cache):
+    rank0, rank1 = failed_ranks(launch, tmp_path, "{thread: drafter-0, at: 'step:3', kind: nonfinite, rank: 1}",
+                                "nonfinite")
+    root = rank1.errors()[0]
+    assert (root["thread"], root["step"], root["exc_type"]) == ("drafter-0", 3, "NonFiniteStep")
+    assert root["detail"]["replica"] == 1 and root["detail"]["losses"][1] == "nan"  # replica 1 of the run
+    assert root["message"].startswith("step 3: the loss of drafter-0 of rank 1 is nan")
+    (peer,) = rank0.errors()  # rank 0 read the same losses: it stops at step 3 too, naming rank 1
+    assert peer["exc_type"] == "PeerFailed" and peer["step"] == 3
+    assert (peer["detail"]["peer_rank"], peer["detail"]["peer_exc_type"]) == (1, "NonFiniteStep")
+    assert [e["step"] for e in rank0.events("step")] == [1, 2]
+    assert not (rank0.run_dir / "export").exists()
 
 
 @pytest.mark.timeout(200)

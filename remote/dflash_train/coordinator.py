@@ -22,7 +22,7 @@ import torch
 from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
 from .config import TrainConfig
 from .devices import is_cuda
-from .distributed import Peers, PeerFailed, join
+from .distributed import PeerFailed, Peers, join
 from .model import NonFiniteWeights
 from .pipeline import READY, Channels, EvalRequest, drafter_body, eval_body, prefetch_body, target_body
 from .replica import NonFiniteStep, Replica, ReplicasDiverged, verify_replicas_identical

@@ -8,8 +8,7 @@
 Step s of replica r is plan entry (s-1)*G + g, g = rank*R + r its index in the run (G
 replicas in all, R per process), and goes through target r % T, so each drafter receives
 its micro-batches in order. Rank 0 alone reports steps, evaluates, writes checkpoints
-and the export. All queues are bounded; every blocking call
-wakes on the stop event.
+and the export. All queues are bounded; every blocking call wakes on the stop event.
 """
 from __future__ import annotations
 
@@ -26,10 +25,10 @@ from .checkpoint import TrainingState, replace_dir, save_checkpoint
 from .config import TrainConfig
 from .data import BatchPlan, HostBatch, Sample, collate
 from .devices import Fence, handoff, is_cuda, thread_stream
-from .faults import FaultInjector
-from .model import DFlashDrafter, cpu_weights, export_drafter
 from .distributed import Layout, Peers
+from .faults import FaultInjector
 from .gradients import GradientExchange
+from .model import DFlashDrafter, cpu_weights, export_drafter
 from .replica import AppliedStep, FeatureBatch, NonFiniteStep, Replica
 from .runlog import EventLog, say
 from .speculative import evaluate
