@@ -257,6 +257,11 @@ def test_a_run_on_two_hosts_is_one_run(pair, tmp_path):
     assert found["state"] == "SUCCEEDED"
     assert [(s["host"], s["rank"], s["state"]) for s in found["hosts"]] == [
         ("ct200", 0, "SUCCEEDED"), ("ct202", 1, "SUCCEEDED")]
+    # Rank 0 writes the export; `pull RUN` fetches it from there.
+    pulled = pair.dflash("pull", run_id)
+    assert pulled.returncode == 0, pulled.stderr
+    assert (pair.logs / "ct200" / run_id / "export" / "model.safetensors").exists()
+    assert not (pair.on_node(202, f"runs/{run_id}") / "export").exists()
 
 
 def test_a_drafter_failing_on_the_second_host_stops_the_first_and_is_shown_naming_it(pair, tmp_path):
