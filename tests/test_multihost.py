@@ -75,6 +75,15 @@ def test_bad_groups_name_file_group_and_entry(tmp_path, groups, expected):
     assert re.search(expected, info.value.message), info.value.message
 
 
+def test_hosts_lists_the_groups(tmp_path):
+    path = inventory(tmp_path, HOSTS + "    groups: {pair: [ct202, ct200]}\n")
+    listed = dflash("hosts", hosts=path)
+    assert listed.returncode == 0, listed.stderr
+    assert "group pair: ct202, ct200 (one run, rank 0 first)" in listed.stderr
+    entries = {e["host"]: e for e in map(json.loads, dflash("hosts", "--json", hosts=path).stdout.splitlines())}
+    assert (entries["ct200"]["groups"], entries["gpu1"]["groups"]) == (["pair"], [])
+
+
 def test_a_bad_address_is_refused(tmp_path):
     path = inventory(tmp_path, "hosts:\n  box: {transport: ssh, ssh: root@n, workspace: /w, address: 'a b'}\n")
     with pytest.raises(DflashError, match=r"hosts.box: 'address' must be a host name or IP address"):
