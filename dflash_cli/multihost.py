@@ -52,5 +52,7 @@ def peer_failed_line(record: dict, hosts: Sequence[str]) -> str:
     detail = record.get("detail") or {}
     rank = detail.get("peer_rank")
     where = f"rank {rank}" + (f" ({hosts[rank]})" if isinstance(rank, int) and 0 <= rank < len(hosts) else "")
-    return (f"stopped because {where} failed: {detail.get('peer_exc_type', '?')}: "
-            f"{detail.get('peer_message', record.get('message', ''))}")
+    message = detail.get("peer_message", record.get("message", ""))
+    if not detail.get("peer_exc_type"):  # the peer vanished without a record (killed, store gone)
+        return f"stopped because {where} is gone: {message}"
+    return f"stopped because {where} failed: {detail['peer_exc_type']}: {message}"

@@ -16,7 +16,7 @@ from dflash_agent import procfs
 from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory
 from dflash_cli.local_state import RunRef, resolve_run, set_latest
-from dflash_cli.multihost import aggregate_state, in_time_order, root_cause
+from dflash_cli.multihost import aggregate_state, in_time_order, peer_failed_line, root_cause
 from dflash_run import dflash, dflash_argv, dflash_env
 from support import container_workspace, free_port
 from support.inventory import default_hosts
@@ -123,6 +123,10 @@ def test_the_root_cause_is_the_earliest_record_that_is_not_a_peer_failure():
     only_peers = in_time_order({"ct200": [record(3.0, "PeerFailed")], "ct202": []})
     assert root_cause(only_peers)[0] == "ct200"
     assert root_cause([]) is None
+    gone = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "peer_message": "no sign"}}
+    assert peer_failed_line(gone, ["ct200", "ct202"]) == "stopped because rank 0 (ct200) is gone: no sign"
+    failed = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": "KeyError", "peer_message": "x"}}
+    assert peer_failed_line(failed, ["ct200", "ct202"]) == "stopped because rank 1 (ct202) failed: KeyError: x"
     # One host keeps its file order (records are appended as threads fail).
     assert in_time_order({"a": [record(2.0, "X"), record(1.0, "Y")]})[0][1]["ts"] == 2.0
 
