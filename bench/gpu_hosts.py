@@ -431,6 +431,9 @@ def main() -> None:
     need_gpus(1 if args.part == "specforge" else 2)
     report: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "argv": sys.argv}
     if args.part == "specforge":
+        from dflash_train.compile_policy import configure_compiler
+
+        configure_compiler("cudagraphs", 16)  # as gpu_threads: every drafter compiled here guards the same code
         report["specforge"] = part_specforge(SPECFORGE, "cuda", args.iters)
     elif args.part == "exchange":
         report["exchange"] = part_exchange("8b", args.iters, cuda=True)
