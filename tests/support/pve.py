@@ -1,5 +1,5 @@
 """The fake Proxmox node: a state folder holding the strict fake `pct` (fake_pct, see
-its docstring) and the containers it knows. Container 200 runs, 201 is stopped, and
+its docstring) and the containers it knows. Containers 200 and 202 run, 201 is stopped, and
 999 does not exist. Inside a container, its own root folder is bind-mounted over
 `mount_point`, which on the node stays an EMPTY folder: anything found there was
 written on the node instead of inside the container."""
