@@ -40,7 +40,8 @@ from dflash_train.config import DrafterConfig
 from dflash_train.devices import Fence, thread_stream
 from dflash_train.model import DFlashDrafter, drafter_hf_config
 from dflash_train.objective import DraftObjective, DrafterInputs, block_labels, position_weights
-from dflash_train.replica import average_gradients
+from dflash_train.distributed import Layout
+from dflash_train.gradients import GradientExchange, Posted, step_facts
 
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, datasheet (SXM); the MFU denominator
 # bf16 autocast: Inductor's fused kernels round differently than eager's, and 500 steps
@@ -174,6 +175,12 @@ def build_step(mode: str, objective: DraftObjective, example: DrafterInputs):
     raise ValueError(mode)
 
 
+def received(averaged) -> list[torch.Tensor]:
+    """A replica's averaged gradients, once its stream waited for the exchange's copies."""
+    averaged.fence.wait("cuda", averaged.flat)
+    return averaged.grads
+
+
 class Updater:
     """replica.Replica.apply for one replica: clip, AdamW, LR schedule, zero_grad."""
 
@@ -269,17 +276,20 @@ def part_naive(report: dict) -> None:
 
 def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode: str, threaded: bool) -> dict:
     """`replicas` data-parallel drafters on one GPU, exactly as the pipeline steps them
-    (train step, rendezvous, mean gradient in replica order, clip, AdamW), fresh data
+    (train step, rendezvous, the lead's GradientExchange, clip, AdamW), fresh data
     every step."""
     objectives = [make_objective(shape, frozen, "cuda") for _ in range(replicas)]
     updaters = [Updater(o) for o in objectives]
     data = [make_batches(shape, steps, 100 + r, "cuda") for r in range(replicas)]
     losses: list[list[torch.Tensor]] = [[] for _ in range(replicas)]
     posted: list = [None] * replicas
+    averaged: list = []
+    exchange = GradientExchange(Layout(local_replicas=replicas), None)
     errors: list[str] = []
 
     def post(r: int, stats) -> None:
-        posted[r] = ([p.grad for p in objectives[r].drafter.parameters()], Fence("cuda"))
+        grads = [p.grad for p in objectives[r].drafter.parameters()]
+        posted[r] = Posted(grads, step_facts(stats, grads[0].dtype), Fence("cuda"), "cuda:0")
         losses[r].append(stats.loss)
 
     started = time.perf_counter()
@@ -289,9 +299,8 @@ def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode
         for step in range(steps):
             for r in range(replicas):
                 post(r, train_steps[r](data[r][step]))
-            everyone = list(posted)
-            for r in range(replicas):
-                updaters[r].apply(average_gradients(everyone, "cuda"))
+            for r, mine in enumerate(exchange.average(list(posted))):
+                updaters[r].apply(received(mine))
     else:
         barrier = threading.Barrier(replicas)
         ready = [threading.Event() for _ in range(replicas)]
@@ -307,9 +316,10 @@ def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode
                     for step in range(steps):
                         post(r, train_step(data[r][step]))
                         barrier.wait()  # threads.Rendezvous.exchange
-                        everyone = list(posted)
+                        if r == 0:
+                            averaged[:] = exchange.average(list(posted))
                         barrier.wait()
-                        updaters[r].apply(average_gradients(everyone, "cuda"))
+                        updaters[r].apply(received(averaged[r]))
                     torch.cuda.current_stream().synchronize()
             except BaseException:  # counted and shown in the table
                 errors.append(f"drafter-{r}: {traceback.format_exc()}")

@@ -128,7 +128,7 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
 
 
 @main.command("launch")
-@click.argument("host_name", metavar="HOST")
+@click.argument("host_names", metavar="HOST...", nargs=-1, required=True)
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Training config (YAML), validated here before anything is sent.")
 @click.option("--name", help="Run name (default: the config's file name); the run id starts with it.")
@@ -142,10 +142,14 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
 @click.option("--allow-large", is_flag=True,
               help="Send a release over 64 MiB (refused by default, naming its largest files: data "
                    "belongs on the host).")
+@click.option("--master-addr", metavar="ADDRESS",
+              help="Several hosts: where the others reach the first (default: its inventory address).")
+@click.option("--master-port", type=click.IntRange(1, 65535), metavar="PORT",
+              help="Several hosts: the first host's rendezvous port (default: one free there).")
 @click.pass_obj
-def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | None,
+def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path, name: str | None,
                follow: bool, force: bool, source_dir: Path | None, overrides: tuple[str, ...],
-               allow_large: bool) -> None:
+               allow_large: bool, master_addr: str | None, master_port: int | None) -> None:
     """Start a training run on HOST, detached; print its run id on stdout.
 
     Deploys first if the host's current release differs from the source tree (chosen
@@ -162,8 +166,14 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
 
     Before starting, one line says what the release changed since the newest run on
     HOST (`changed since RUN: 2 files (+14 −3)`, or `same release as RUN`).
+
+    Several HOSTs (or an inventory group) make one run with one trainer per host, the
+    first being rank 0: every host is deployed and checked before any starts, and a
+    start that fails stops the others. watch, status, stop and fetch-traceback then
+    take the run id alone and cover every host.
     """
-    ref = launch.run(session, host_name, config_path, name, force, source_dir, overrides, allow_large)
+    ref = launch.run(session, list(host_names), config_path, name, force, source_dir, overrides, allow_large,
+                     master_addr, master_port)
     console.data(ref.run_id + "\n")
     if follow:
         sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,

@@ -10,7 +10,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
 import dflash_schema
 
@@ -36,6 +36,10 @@ class Host:
     pct: str = "pct"  # path of pct on the Proxmox node
     connect_timeout: float = 10.0
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # for the trainer
+    # Where the other hosts of a run on several hosts reach this one: its rendezvous
+    # address when it is the first. Often not the SSH target (a container's address is
+    # not its Proxmox node's), so it is a key of its own.
+    address: str | None = None
     name: str = dataclasses.field(default="", metadata={"internal": True})
     # Whether the inventory names `python`; kept through dataclasses.replace.
     python_named: bool | None = dataclasses.field(default=None, metadata={"internal": True})
@@ -57,28 +61,72 @@ class Host:
             raise ValueError("'workspace' must not be empty")
         if self.connect_timeout <= 0:
             raise ValueError("'connect_timeout' must be positive")
+        if self.address is not None and not is_address(self.address):
+            raise ValueError(f"'address' must be a host name or IP address, got {self.address!r}")
+
+    def rendezvous_address(self) -> str | None:
+        """Where the other hosts reach this one: `address`, else the host of an `ssh`
+        target (`user@host[:port]`) for transport ssh, else 127.0.0.1 for `local`. A pct
+        container has none by default: its node's address is not its own."""
+        if self.address:
+            return self.address
+        if self.transport == "local":
+            return "127.0.0.1"
+        if self.transport == "ssh" and self.ssh:
+            host = self.ssh.rpartition("@")[2]
+            if host.startswith("["):  # [v6 address]:port
+                return host[1:].partition("]")[0]
+            return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
 class InventoryFile:
     hosts: Mapping[str, Host] = dataclasses.field(default_factory=dict)
+    # A name for several hosts, launched as one run in this order (rank 0 first).
+    groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# A DNS name or an IPv4/IPv6 address: what MASTER_ADDR may hold.
+_ADDRESS = re.compile(r"^[A-Za-z0-9._:-]+$")
+
+
+def is_address(text: str) -> bool:
+    return bool(_ADDRESS.match(text))
 
 
 @dataclasses.dataclass(frozen=True)
 class Inventory:
     source: str  # the file read, or "(built-in)"
     hosts: Mapping[str, Host]
+    groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def get(self, name: str) -> Host:
         try:
             return self.hosts[name]
         except KeyError:
             known = ", ".join(sorted(self.hosts))
-            raise DflashError(f"{self.source}: unknown host {name!r} (known hosts: {known})",
+            groups = f"; groups: {', '.join(sorted(self.groups))}" if self.groups else ""
+            raise DflashError(f"{self.source}: unknown host {name!r} (known hosts: {known}{groups})",
                               ExitCode.USAGE) from None
+
+    def expand(self, names: Sequence[str]) -> list[Host]:
+        """The hosts that host and group names stand for, in the order given (a group's
+        in its own order): the rank order of a run on several hosts. A host named
+        twice, directly or through a group, is an error: it would be two ranks."""
+        hosts: list[Host] = []
+        via: dict[str, str] = {}
+        for name in names:
+            members = self.groups.get(name, (name,)) if name not in self.hosts else (name,)
+            for member in members:
+                how = f"in group {name!r}" if member != name else "directly"
+                if member in via:
+                    raise DflashError(f"host {member!r} is named twice ({via[member]}, then {how}): "
+                                      "a run has one trainer per host", ExitCode.USAGE)
+                via[member] = how
+                hosts.append(self.get(member))
+        return hosts
 
 
 def builtin_local() -> Host:
@@ -106,4 +154,26 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
             raise DflashError(f"{file}: hosts.{name}: host names may use letters, digits, '.', '_' and '-'",
                               ExitCode.USAGE)
         hosts[name] = dataclasses.replace(host, name=name)
-    return Inventory(str(file), hosts)
+    return Inventory(str(file), hosts, _checked_groups(file, parsed.groups, hosts))
+
+
+def _checked_groups(file: Path, groups: Mapping[str, tuple[str, ...]],
+                    hosts: Mapping[str, Host]) -> dict[str, tuple[str, ...]]:
+    """Every group names known hosts, each once, and is not itself a host's name."""
+    for name, members in groups.items():
+        where = f"{file}: groups.{name}"
+        if not _HOST_NAME.match(name):
+            raise DflashError(f"{where}: group names may use letters, digits, '.', '_' and '-'", ExitCode.USAGE)
+        if name in hosts:
+            raise DflashError(f"{where}: {name!r} is already a host's name", ExitCode.USAGE)
+        if not members:
+            raise DflashError(f"{where}: a group names at least one host", ExitCode.USAGE)
+        for index, member in enumerate(members):
+            if member not in hosts:
+                known = ", ".join(sorted(hosts))
+                raise DflashError(f"{where}[{index}]: unknown host {member!r} (known hosts: {known})",
+                                  ExitCode.USAGE)
+            if member in members[:index]:
+                raise DflashError(f"{where}[{index}]: host {member!r} is in the group twice "
+                                  f"(first at [{members.index(member)}])", ExitCode.USAGE)
+    return dict(groups)

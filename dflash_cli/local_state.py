@@ -3,7 +3,7 @@
 logs/<host>/<run-id>/ holds train.log (as streamed; train.log.seg1, .seg2, ... for the
 content after each truncation or replacement on the host), events.jsonl (the run's
 events but heartbeats), TensorBoard event files made from them, traceback.txt,
-errors.jsonl, cursor.json and watch.lock, and what `pull` brought: export/ and checkpoint/<step folder>/; logs/latest.json names the run `watch`, `fetch-traceback`,
+errors.jsonl, cursor.json and watch.lock, hosts.json for a run on several hosts, and what `pull` brought: export/ and checkpoint/<step folder>/; logs/latest.json names the run `watch`, `fetch-traceback`,
 `status` and `stop` use by default. Everything read by another command is written
 atomically.
 """
@@ -18,6 +18,9 @@ from pathlib import Path
 from dflash_agent import jsonio
 
 from .errors import DflashError, ExitCode
+
+
+HOSTS_FILE = "hosts.json"  # logs/<host>/<run>/: the hosts of a run on several hosts
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -49,8 +52,22 @@ class Cursor:
 
 @dataclasses.dataclass(frozen=True)
 class RunRef:
-    host: str
+    host: str  # for a run on several hosts: the first (rank 0, which writes the export)
     run_id: str
+    hosts: tuple[str, ...] = ()  # a run on several hosts: all of them, in rank order
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RunRef":
+        return cls(data["host"], data["run_id"], tuple(data.get("hosts") or ()))
+
+    @property
+    def members(self) -> list["RunRef"]:
+        """One reference per host of the run: its own part there."""
+        return [RunRef(host, self.run_id) for host in self.hosts] or [self]
+
+    @property
+    def multihost(self) -> bool:
+        return len(self.hosts) > 1
 
 
 class RunLogs:
@@ -154,15 +171,28 @@ class RunLogs:
 
 
 def set_latest(logs_dir: Path, ref: RunRef) -> None:
+    """`ref` becomes the latest run; a run on several hosts is also recorded in each
+    host's logs/<host>/<run>/hosts.json, so that the run id alone finds all of them."""
+    for member in ref.members if ref.multihost else ():
+        write_atomic(RunLogs(logs_dir, member).dir / HOSTS_FILE, json.dumps({"hosts": list(ref.hosts)}).encode())
     write_atomic(logs_dir / "latest.json", json.dumps(dataclasses.asdict(ref)).encode())
 
 
 def _latest(logs_dir: Path) -> RunRef | None:
     """The latest run this checkout launched, or None when none is recorded."""
     try:
-        return RunRef(**json.loads((logs_dir / "latest.json").read_text()))
-    except (OSError, ValueError, TypeError):
+        return RunRef.from_json(json.loads((logs_dir / "latest.json").read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
         return None
+
+
+def _recorded(logs_dir: Path, ref: RunRef) -> RunRef:
+    """The whole run when `ref`'s host holds a record of a run on several hosts."""
+    try:
+        hosts = tuple(json.loads((RunLogs(logs_dir, ref).dir / HOSTS_FILE).read_text())["hosts"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return ref
+    return RunRef(hosts[0], ref.run_id, hosts) if ref.host in hosts else ref
 
 
 def latest_host(logs_dir: Path) -> str:
@@ -177,9 +207,11 @@ def resolve_run(logs_dir: Path, run_id: str | None, host: str | None) -> RunRef:
         # `dflash launch` makes no such id; the agent would read one as an option.
         raise DflashError(f"{run_id!r} is not a run id (run ids start with the run's name)", ExitCode.USAGE)
     if run_id and host:
-        return RunRef(host, run_id)
+        return RunRef(host, run_id)  # one host's part, also of a run on several hosts
     latest = _latest(logs_dir)
     if run_id is None:
+        if latest is not None and host and host in latest.hosts:
+            return RunRef(host, latest.run_id)
         if latest is None or (host and latest.host != host):
             raise DflashError("no run given and no latest run recorded in "
                               f"{logs_dir / 'latest.json'}", ExitCode.USAGE,
@@ -189,8 +221,9 @@ def resolve_run(logs_dir: Path, run_id: str | None, host: str | None) -> RunRef:
         return latest
     # A run id without --host: look for it among the runs this checkout has seen.
     matches = sorted(p.parent.name for p in logs_dir.glob(f"*/{_glob_escape(run_id)}") if p.is_dir())
-    if len(matches) == 1:
-        return RunRef(matches[0], run_id)
+    found = {_recorded(logs_dir, RunRef(match, run_id)) for match in matches}
+    if len(found) == 1:
+        return found.pop()
     if not matches:
         return RunRef("local", run_id)
     raise DflashError(f"run {run_id!r} exists on several hosts ({', '.join(matches)})",

@@ -44,7 +44,7 @@ def ssh_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshNode]:
 
 @pytest.fixture(scope="session")
 def fake_pve(tmp_path_factory: pytest.TempPathFactory) -> FakePve:
-    """The node's fake pct: container 200 running, 201 stopped, 999 unknown."""
+    """The node's fake pct: containers 200 and 202 running, 201 stopped, 999 unknown."""
     try:
         return make_fake_pve(tmp_path_factory.mktemp("pve") / "pve node")
     except NeedsRoot as exc:

@@ -30,7 +30,8 @@ from dflash_train.model import DFlashDrafter, drafter_hf_config
 from dflash_train import objective as objective_module
 from dflash_train.objective import DraftObjective, DrafterInputs, block_labels, position_weights
 from dflash_train.devices import Fence, thread_stream
-from dflash_train.replica import average_gradients
+from dflash_train.distributed import Layout
+from dflash_train.gradients import GradientExchange, Posted, step_facts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -276,8 +277,8 @@ def _batches(seed: int, steps: int, objective: DraftObjective, device: str) -> l
 
 def _train(devices: list[str], steps: int, mode: str, threaded: bool) -> list[list[float]]:
     """One data-parallel drafter per entry of `devices`, gradients averaged every step as
-    the pipeline does (its Fence, thread_stream and average_gradients); in threads of
-    their own (threaded) or one after another here."""
+    the pipeline does (its Fence, thread_stream and GradientExchange, run by replica 0);
+    in threads of their own (threaded) or one after another here."""
     replicas = len(devices)
     objectives = [tiny_objective(device, seed=0) for device in devices]
     optimizers = [torch.optim.AdamW(o.drafter.parameters(), lr=3e-3) for o in objectives]
@@ -285,6 +286,8 @@ def _train(devices: list[str], steps: int, mode: str, threaded: bool) -> list[li
     buckets = [cudagraphs.BatchShape(2, 24, 8), cudagraphs.BatchShape(2, 40, 8)]
     losses: list[list[float]] = [[] for _ in range(replicas)]
     posted: list = [None] * replicas
+    averaged: list = []
+    exchange = GradientExchange(Layout(local_replicas=replicas), None)
 
     def build(r: int):
         example = example_inputs(objectives[r], 24, FEATURE_LAYERS * HIDDEN, devices[r])
@@ -293,12 +296,14 @@ def _train(devices: list[str], steps: int, mode: str, threaded: bool) -> list[li
         return cudagraphs.build_cudagraph_train_step(objectives[r], example, buckets, strategy="whole_step")
 
     def post(r: int, stats) -> None:
-        posted[r] = ([p.grad for p in objectives[r].drafter.parameters()], Fence(devices[r]))
+        grads = [p.grad for p in objectives[r].drafter.parameters()]
+        posted[r] = Posted(grads, step_facts(stats, grads[0].dtype), Fence(devices[r]), devices[r])
         losses[r].append(float(stats.loss))
 
-    def update(r: int, everyone: list) -> None:  # replica.Replica.apply, minus the scheduler
+    def update(r: int, mine) -> None:  # replica.Replica.apply, minus the checks and the scheduler
+        mine.fence.wait(devices[r], mine.flat)
         params = list(objectives[r].drafter.parameters())
-        for param, grad in zip(params, average_gradients(everyone, devices[r])):
+        for param, grad in zip(params, mine.grads):
             param.grad = grad
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizers[r].step()
@@ -309,8 +314,8 @@ def _train(devices: list[str], steps: int, mode: str, threaded: bool) -> list[li
         for step in range(steps):
             for r in range(replicas):
                 post(r, train_steps[r](data[r][step]))
-            for r in range(replicas):
-                update(r, list(posted))
+            for r, mine in enumerate(exchange.average(list(posted))):
+                update(r, mine)
         return losses
 
     barrier = threading.Barrier(replicas)
@@ -325,9 +330,10 @@ def _train(devices: list[str], steps: int, mode: str, threaded: bool) -> list[li
                 for step in range(steps):
                     post(r, train_step(data[r][step]))
                     barrier.wait()  # threads.Rendezvous.exchange: everyone posted,
-                    everyone = list(posted)
-                    barrier.wait()  # everyone read every slot
-                    update(r, everyone)  # meanwhile a faster replica may replay its next step
+                    if r == 0:
+                        averaged[:] = exchange.average(list(posted))
+                    barrier.wait()  # the lead averaged
+                    update(r, averaged[r])  # meanwhile a faster replica may replay its next step
         except BaseException as exc:  # forwarded to the test thread
             errors.append(exc)
             ready[r].set()

@@ -71,13 +71,15 @@ class Launched:
 def launch(workspace, tmp_path):
     started: list[Launched] = []
 
-    def start(config_text: str, run_dir: Path | None = None, run_id: str = "run-1") -> Launched:
+    def start(config_text: str, run_dir: Path | None = None, run_id: str = "run-1",
+              env: dict[str, str] | None = None) -> Launched:
+        """`env`: more variables (e.g. a rank's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
         run_dir = run_dir or tmp_path / run_id
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_text)
         env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
                "DFLASH_RUN_ID": run_id, "DFLASH_RELEASE_ID": "rel-test", "DFLASH_RELEASE_DIR": str(REPO),
-               "DFLASH_WORKSPACE": str(workspace)}
+               "DFLASH_WORKSPACE": str(workspace), **(env or {})}
         with open(run_dir / "train.log", "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
                                      "--run-dir", str(run_dir)], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,

@@ -473,6 +473,16 @@ def gradients_of(replica, fill: dict[str, float]) -> list[torch.Tensor]:
     return grads
 
 
+def averaged(grads: list[torch.Tensor], losses: list[float]):
+    """What the gradient exchange hands a replica: `grads` and every replica's facts
+    (its loss, then no accuracy counts: block_size 4, so 3 positions of each)."""
+    from dflash_train.devices import Fence
+    from dflash_train.gradients import Averaged
+
+    facts = torch.tensor([[loss, *[0.0] * 6] for loss in losses])
+    return Averaged(grads, facts, facts, Fence("cpu"))
+
+
 def test_a_non_finite_gradient_is_never_applied_and_its_parameters_are_named_in_module_order(tmp_path):
     from dflash_train.replica import NonFiniteStep, weights_checksum
 
@@ -482,7 +492,7 @@ def test_a_non_finite_gradient_is_never_applied_and_its_parameters_are_named_in_
     before = weights_checksum(replica.drafter)
     grads = gradients_of(replica, {bad[0]: math.inf, bad[1]: math.nan, bad[2]: -math.inf})
     with pytest.raises(NonFiniteStep) as info:
-        replica.apply(grads, 5, [torch.tensor(2.5)])
+        replica.apply(averaged(grads, [2.5]), 5)
     exc = info.value
     assert exc.reporter == 0
     assert exc.detail == {"quantity": "grad_norm", "value": "nan", "replica": 0, "grad_norm": "nan",
@@ -493,7 +503,7 @@ def test_a_non_finite_gradient_is_never_applied_and_its_parameters_are_named_in_
     assert weights_checksum(replica.drafter) == before  # no update, not even a clipped one
     assert replica.optimizer.state_dict()["state"] == {} and replica.completed_step == 0
     # the same replica then takes a finite step as usual
-    applied = replica.apply(gradients_of(replica, {}), 6, [torch.tensor(2.0), torch.tensor(3.0)])
+    applied = replica.apply(averaged(gradients_of(replica, {}), [2.0, 3.0]), 6)
     assert applied.losses == [2.0, 3.0] and applied.grad_norm == pytest.approx(0.01 * math.sqrt(
         sum(p.numel() for p in replica.drafter.parameters())), rel=1e-5)
     assert weights_checksum(replica.drafter) != before and replica.completed_step == 6
@@ -504,9 +514,8 @@ def test_a_non_finite_loss_names_its_replica_for_every_replica_alike(tmp_path, i
     from dflash_train.replica import NonFiniteStep
 
     replica = small_replica(tmp_path, index)
-    losses = [torch.tensor(1.0), torch.tensor(math.inf), torch.tensor(math.nan)]
     with pytest.raises(NonFiniteStep) as info:
-        replica.apply(gradients_of(replica, {}), 3, losses)
+        replica.apply(averaged(gradients_of(replica, {}), [1.0, math.inf, math.nan]), 3)
     # replicas 0, 1 and 2 all see drafter-1's loss first: drafter-1 records it, the others just stop
     assert info.value.reporter == 1
     assert info.value.detail["quantity"] == "loss" and info.value.detail["value"] == "inf"

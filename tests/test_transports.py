@@ -19,6 +19,7 @@ from dflash_cli.errors import DflashError, UnreachableError
 from dflash_cli.inventory import load_inventory
 from dflash_cli.transports import CommandFailed, open_transport
 from support import keygen, kill_ssh_sessions
+from support.pve import CONTAINERS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -414,7 +415,8 @@ def test_fake_pct_accepts_only_proxmox_forms(fake_pve):
     assert pct("status", "201").stdout == "status: stopped\n"
     listed = pct("list").stdout.splitlines()
     assert listed[0].split() == ["VMID", "Status", "Lock", "Name"]
-    assert [line.split() for line in listed[1:]] == [["200", "running", "ct200"], ["201", "stopped", "ct201"]]
+    assert [line.split() for line in listed[1:]] == [[str(vmid), status, f"ct{vmid}"]
+                                                     for vmid, status in sorted(CONTAINERS.items())]
     unknown = pct("status", "999")
     assert (unknown.returncode, unknown.stderr) == (
         255, f"Configuration file 'nodes/{fake_pve.node_name}/lxc/999.conf' does not exist\n")

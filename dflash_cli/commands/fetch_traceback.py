@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from .. import console
+from .. import console, multihost
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef
 from ..session import Session
@@ -74,41 +74,74 @@ def render_stacks(session: Session, ref: RunRef, report: dict) -> str | None:
             + text + ("" if text.endswith("\n") else "\n"))
 
 
+def _reports(session: Session, ref: RunRef) -> dict[str, dict]:
+    """The agent's report of every host of the run, asked in parallel, in rank order. A
+    host that cannot be asked is an error for a run on one host; on several, it is
+    named and left out, unless no host answers."""
+    hosts = [session.host(member.host) for member in ref.members]
+    replies = session.on_each_host(hosts, lambda host: session.agent(host.name).call(
+        "report", "--run-id", ref.run_id))
+    reports = {}
+    for host in hosts:
+        reply = replies[host.name]
+        if isinstance(reply, DflashError):
+            if len(hosts) == 1 or all(isinstance(r, DflashError) for r in replies.values()):
+                raise reply
+            console.warn(f"run {ref.run_id} on {host.name}: no report: {reply.message}")
+        else:
+            reports[host.name] = reply
+    return reports
+
+
 def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         output: Path | None, stacks: bool) -> ExitCode:
+    """The root cause's traceback, for a run on one host or on several: there the root
+    cause is the earliest record that is not a rank stopping for a peer's failure
+    (PeerFailed), on whichever host it is, and the header names that host."""
     if stacks and (thread or all_records):
         raise DflashError("--stacks shows every thread's stack; it does not combine with "
                           "--thread or --all", ExitCode.USAGE)
-    report = session.agent(ref.host).call("report", "--run-id", ref.run_id)
-    every = report.get("errors", [])  # in file order: appended as threads failed, attempt after attempt
+    reports = _reports(session, ref)
+    every = {host: report.get("errors", []) for host, report in reports.items()}  # file order, attempt after attempt
     # The state is the latest attempt's, and so is the root cause; --all shows earlier attempts' too.
-    attempt = int((report.get("run") or {}).get("attempt") or 0)
-    latest = [r for r in every if int(r.get("attempt") or 0) == attempt]
-    records = every if all_records else latest
-    state = report.get("state")
-    logs = RunLogs(session.logs_dir, ref)
-    if every:
-        logs.save_errors(every)
-    if latest:
-        logs.save_traceback(latest[0].get("traceback", ""))
+    attempts = {host: int((report.get("run") or {}).get("attempt") or 0) for host, report in reports.items()}
+    latest = {host: [r for r in records if int(r.get("attempt") or 0) == attempts[host]]
+              for host, records in every.items()}
+    for host, records in every.items():
+        logs = RunLogs(session.logs_dir, RunRef(host, ref.run_id))
+        if records:
+            logs.save_errors(records)
+        if latest[host]:
+            logs.save_traceback(multihost.root_cause([(host, r) for r in latest[host]])[1].get("traceback", ""))
+    records = multihost.in_time_order(every if all_records else latest)
+    several_attempts = any(attempt > 0 for attempt in attempts.values())
     if thread:
-        records = [r for r in records if r.get("thread") == thread]
+        records = [(host, r) for host, r in records if r.get("thread") == thread]
         if not records:
             raise DflashError(f"run {ref.run_id}: no error record from thread {thread!r}",
                               ExitCode.USAGE)
+    state = multihost.aggregate_state({host: report.get("state") for host, report in reports.items()})
     code = ExitCode.OK
     if stacks or (not records and state in ("STALLED", "STOPPED")):
         # A hang records no error: where every thread is (now, or at the last dump) is the
         # diagnosis.
-        text = render_stacks(session, ref, report)
+        texts = [render_stacks(session, RunRef(host, ref.run_id), report) for host, report in reports.items()]
+        text = "".join(t for t in texts if t) or None
     elif records:
-        text = "".join(render_record(r, ref, attempt > 0) for r in (records if all_records else records[:1]))
+        cause = multihost.root_cause(records)
+        if ref.multihost and not all_records:
+            console.say(f"root cause on {cause[0]} (rank {ref.hosts.index(cause[0])} of {len(ref.hosts)})")
+        text = "".join(render_record(r, RunRef(host, ref.run_id), several_attempts)
+                       for host, r in (records if all_records else [cause]))
     elif state in ("FAILED", "LOST"):
-        text, code = render_no_record(report, ref), ExitCode.RUN_FAILED
+        text = "".join(render_no_record(report, RunRef(host, ref.run_id)) for host, report in reports.items()
+                       if report.get("state") in ("FAILED", "LOST"))
+        code = ExitCode.RUN_FAILED
     else:
         text = None
     if text is None:
-        console.say(f"run {ref.run_id} on {ref.host}: no error recorded"
+        where = ", ".join(reports)
+        console.say(f"run {ref.run_id} on {where}: no error recorded"
                     f"{' and no stack dump' if stacks or state == 'STOPPED' else ''} (state {state})")
         return ExitCode.OK
     if output:

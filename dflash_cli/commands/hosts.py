@@ -60,6 +60,7 @@ def status(host: Host, facts: dict, needs: requirements.TrainerRequirements) -> 
 def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
     hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts)]
     needs = requirements.load() if do_check else None
+    groups = session.inventory.groups
     results = session.on_each_host(hosts, lambda host: check(session, host)) if do_check else {}
     table = Table(title=f"hosts ({session.inventory.source})", title_justify="left")
     for column in ["host", "transport", "where", "workspace"] + (
@@ -81,6 +82,7 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
         if as_json:
             entry = {"host": host.name, "transport": host.transport, "where": _where(host),
                      "workspace": host.workspace}
+            entry["groups"] = [name for name, members in groups.items() if host.name in members]
             if isinstance(result, DflashError):
                 entry["error"] = result.message
             elif result is not None:
@@ -90,6 +92,8 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
             console.data(f"{host.name}\n")
     if not as_json:  # --json is the whole answer; a table on stderr would be noise
         console.human.print(table)
+        for name, members in groups.items():
+            console.say(f"group {name}: {', '.join(members)} (one run, rank 0 first)")
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     if any(isinstance(f, UnreachableError) for f in failures):
         return ExitCode.UNREACHABLE

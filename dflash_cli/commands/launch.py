@@ -1,4 +1,5 @@
-"""dflash launch: validate a training config here, deploy if needed, start the run there."""
+"""dflash launch: validate a training config here, deploy if needed, start the run there
+(on several hosts: one run, one trainer per host, DESIGN.md "Several hosts")."""
 from __future__ import annotations
 
 import datetime
@@ -14,6 +15,7 @@ from dflash_agent.layout import MAX_RUN_ID
 
 from .. import console
 from ..errors import DflashError, ExitCode
+from ..inventory import Host, is_address
 from ..local_state import RunRef, set_latest
 from ..release import Release
 from ..release_store import ReleaseStore
@@ -86,30 +88,33 @@ def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
     console.say(f"{host_name}: {status.change_since(store, host_name, previous, tree.release_id)['text']}")
 
 
-def run(session: Session, host_name: str, config_path: Path, name: str | None,
-        force: bool, source_dir: Path | None, overrides: tuple[str, ...] = (),
-        allow_large: bool = False) -> RunRef:
-    """Start a run; returns its reference (the CLI prints the run id on stdout). The host
-    gets the resolved config (every default filled in, `overrides` applied), which the
-    trainer loads through the same schema again."""
-    from dflash_train.config import resolved_yaml
-
-    name = config_path.stem if name is None else name
-    check_name(name)
-    host = session.host(host_name)
-    config = load_config(config_path, overrides)
+def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_large: bool) -> dict:
+    """The source tree made the current release of every host, in parallel; its
+    provenance record for run.json. Any host that failed (or a Ctrl-C) starts nothing.
+    Then each host says what the release changed since its newest run."""
     tree, source = deploy.source_tree(source_dir, allow_large)
     with deploy.upload_bars() as bars, deploy.cancel_on_ctrl_c() as cancel:
-        result = deploy.deploy_host(session, host, tree, bars, cancel=cancel)
-    if cancel.is_set():  # Ctrl-C came after the host had switched: say so, start nothing
-        raise DflashError(f"{host.name}: interrupted; release {result.release_id} is live ({result.status} "
-                          "before the interrupt took effect); no run was started", ExitCode.INTERRUPTED)
-    if result.status != "unchanged":
-        console.say(f"{host.name}: release {result.release_id} {result.status} "
-                    f"({result.files_sent} files sent)")
-    say_what_is_new(session, host.name, tree)
-    run_id = new_run_id(name)
-    # Every value in the option's own word (--key=value): none can read as an option.
+        results = session.on_each_host(hosts, lambda host: deploy.deploy_host(session, host, tree, bars,
+                                                                               cancel=cancel))
+    for host in hosts:
+        result = results[host.name]
+        if isinstance(result, DflashError):
+            raise result
+        if cancel.is_set():  # Ctrl-C came after the host had switched: say so, start nothing
+            raise DflashError(f"{host.name}: interrupted; release {result.release_id} is live ({result.status} "
+                              "before the interrupt took effect); no run was started", ExitCode.INTERRUPTED)
+        if result.status != "unchanged":
+            console.say(f"{host.name}: release {result.release_id} {result.status} "
+                        f"({result.files_sent} files sent)")
+    for host in hosts:
+        say_what_is_new(session, host.name, tree)
+    return source
+
+
+def _agent_args(host: Host, config: TrainConfig, run_id: str, name: str, source: dict, force: bool,
+                overrides: tuple[str, ...]) -> list[str]:
+    """The agent's launch options for `host`. Every value in the option's own word
+    (--key=value): none can read as an option."""
     args = [f"--run-id={run_id}", "--config=-", f"--name={name}", f"--stall-after={config.stall_after}",
             f"--source-json={json.dumps(source)}", f"--restart-json={json.dumps(config.restart.as_json())}"]
     args += [f"--resource={resource}" for resource in config.resources()]
@@ -119,9 +124,107 @@ def run(session: Session, host_name: str, config_path: Path, name: str | None,
     args += [f"--override={override}" for override in overrides]
     if force:
         args.append("--force")
-    reply = session.agent(host.name).call("launch", *args, stdin=resolved_yaml(config).encode())
+    return args
+
+
+def run(session: Session, host_names: list[str], config_path: Path, name: str | None,
+        force: bool, source_dir: Path | None, overrides: tuple[str, ...] = (), allow_large: bool = False,
+        master_addr: str | None = None, master_port: int | None = None) -> RunRef:
+    """Start a run on one host, or one run on several (a group names several); returns
+    its reference (the CLI prints the run id on stdout). The hosts get the resolved
+    config (every default filled in, `overrides` applied), which the trainer loads
+    through the same schema again."""
+    name = config_path.stem if name is None else name
+    check_name(name)
+    hosts = session.inventory.expand(host_names)
+    config = load_config(config_path, overrides)
+    if len(hosts) > 1:
+        return _launch_on_hosts(session, hosts, config, overrides, name, force, source_dir, allow_large,
+                                master_addr, master_port)
+    if master_addr is not None or master_port is not None:
+        raise DflashError("--master-addr and --master-port are for a run on several hosts; "
+                          f"{hosts[0].name} is one", ExitCode.USAGE)
+    (host,) = hosts
+    source = _deploy(session, hosts, source_dir, allow_large)
+    run_id = new_run_id(name)
+    reply = session.agent(host.name).call("launch", *_agent_args(host, config, run_id, name, source, force, overrides),
+                                          stdin=_resolved(config))
     ref = RunRef(host.name, reply["run_id"])
     set_latest(session.logs_dir, ref)
     console.say(f"{host.name}: started run {ref.run_id} (pid {reply.get('pid')}, "
                 f"release {reply.get('release_id')})")
     return ref
+
+
+def _resolved(config: TrainConfig) -> bytes:
+    """What the hosts get as config.yaml: the resolved config."""
+    from dflash_train.config import resolved_yaml
+
+    return resolved_yaml(config).encode()
+
+
+# Seconds between SIGTERM and SIGKILL for the parts of a run stopped because another
+# host could not start its own.
+ROLLBACK_GRACE_S = 5.0
+
+
+def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, overrides: tuple[str, ...],
+                     name: str, force: bool, source_dir: Path | None, allow_large: bool,
+                     master_addr: str | None, master_port: int | None) -> RunRef:
+    """One run id on every host, rank = position in `hosts`. Every host checks what it
+    can before any starts (one refusal starts nothing anywhere); a start that fails
+    after that stops the parts already started: no half-started run is left."""
+    if master_addr is not None and not is_address(master_addr):
+        raise DflashError(f"--master-addr {master_addr!r}: expected a host name or IP address", ExitCode.USAGE)
+    if config.restart.max > 0:
+        # One host's supervisor cannot restart the others: the restarted trainer would
+        # wait for peers that ended (DESIGN.md "Attempts").
+        raise DflashError(f"restart.max {config.restart.max}: a run on several hosts is not restarted "
+                          "by its hosts; set restart.max: 0", ExitCode.USAGE)
+    first = hosts[0]
+    address = master_addr or first.rendezvous_address()
+    if address is None:
+        raise DflashError(f"{first.name} (rank 0) has no address the other hosts can reach it at",
+                          ExitCode.USAGE, hint=f"set address: in the inventory entry of {first.name} "
+                          "(a container's own, not its node's), or pass --master-addr")
+    source = _deploy(session, hosts, source_dir, allow_large)
+    run_id = new_run_id(name)
+    config_bytes = _resolved(config)
+    names = [host.name for host in hosts]
+
+    def launch_on(host: Host, port: int, *extra: str) -> dict:
+        layout = [f"--rank={names.index(host.name)}", f"--world-size={len(hosts)}",
+                  f"--master-addr={address}", f"--master-port={port}", f"--host-names={','.join(names)}"]
+        return session.agent(host.name).call("launch", *_agent_args(host, config, run_id, name, source, force, overrides),
+                                             *layout, *extra, stdin=config_bytes)
+
+    checks = session.on_each_host(hosts, lambda host: launch_on(host, master_port or 0, "--check-only"))
+    _refuse(hosts, checks, "nothing was started on any host")
+    # The first host's agent picked a port free there, in the round trip of its check.
+    port = master_port or checks[first.name]["master_port"]
+    started = session.on_each_host(hosts, lambda host: launch_on(host, port))
+    running = [host for host in hosts if not isinstance(started[host.name], DflashError)]
+    if len(running) < len(hosts):
+        stopped = session.on_each_host(running, lambda host: session.agent(host.name).call(
+            "stop", f"--run-id={run_id}", f"--grace={ROLLBACK_GRACE_S}", timeout=ROLLBACK_GRACE_S + 60))
+        left = [f"{host}: {outcome.message}" for host, outcome in stopped.items() if isinstance(outcome, DflashError)]
+        what = (f"the run was stopped on {', '.join(host.name for host in running)}" if running else
+                "it was started nowhere")
+        _refuse(hosts, started, what + (f"; stopping it failed on {'; '.join(left)}" if left else ""))
+    ref = RunRef(first.name, run_id, tuple(names))
+    set_latest(session.logs_dir, ref)
+    for rank, host in enumerate(hosts):
+        reply = started[host.name]
+        console.say(f"{host.name}: started run {run_id} as rank {rank} of {len(hosts)} "
+                    f"(pid {reply.get('pid')}, release {reply.get('release_id')})")
+    console.say(f"rendezvous at {address}:{port} ({first.name})")
+    return ref
+
+
+def _refuse(hosts: list[Host], outcomes: dict, consequence: str) -> None:
+    """Raise one DflashError naming every host whose outcome is an error, if any."""
+    errors = [outcomes[host.name] for host in hosts if isinstance(outcomes[host.name], DflashError)]
+    if errors:
+        raise DflashError("; ".join(error.message for error in errors) + f" ({consequence})",
+                          max(error.exit_code for error in errors),
+                          hint=next((error.hint for error in errors if error.hint), None))

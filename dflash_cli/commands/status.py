@@ -6,24 +6,26 @@ import json
 from rich.table import Table
 from rich.text import Text
 
-from .. import console, provenance
+from .. import console, multihost, provenance
 from ..errors import DflashError, ExitCode, exit_code_for_state
 from ..local_state import RunRef
 from ..release_store import ReleaseStore, summary
 from ..session import Session
 
 
-def runs_table(title: str, runs: list[dict], changes: dict[str, dict] | None = None) -> Table:
-    """The runs' table; with `changes` (run id -> change_since's record), two more columns:
-    the source commit (`*`: uncommitted changes) and what changed since the run before."""
+def runs_table(title: str, runs: list[dict], changes: dict[str, dict] | None = None, first: str = "run") -> Table:
+    """One row per run, or with first="host" one per host of a run on several hosts; with
+    `changes` (run id -> change_since's record), two more columns: the source commit
+    (`*`: uncommitted changes) and what changed since the run before."""
     table = Table(title=title, title_justify="left")
-    columns = ["run", "state", "step", "errors", "started", "ended", "release"]
+    columns = [first, "state", "step", "errors", "started", "ended", "release"]
     for column in columns + (["source", "changed since previous run"] if changes is not None else []):
         table.add_column(column)
     for r in runs:
-        cells = [r["run_id"], r["state"], "" if r.get("step") is None else str(r["step"]),
+        cells = [r[first if first == "host" else "run_id"], r.get("state") or multihost.UNKNOWN,
+                 "" if r.get("step") is None else str(r["step"]),
                  str(r.get("errors", 0)), console.utc_time(r.get("started_at")),
-                 console.utc_time(r.get("ended_at")), r.get("release_id") or ""]
+                 console.utc_time(r.get("ended_at")), r.get("release_id") or r.get("error", "")]
         if changes is not None:
             cells += [source_commit(r.get("source")), changes.get(r["run_id"], {}).get("text", "")]
         table.add_row(*map(Text, cells))  # plain text: run names may hold [brackets]
@@ -74,9 +76,46 @@ def resume_point(status: dict) -> str:
     return f"{where}newest checkpoint at step {newest}: a resume would redo {redo} step{'s' * (redo != 1)}"
 
 
+def host_statuses(session: Session, ref: RunRef) -> list[dict]:
+    """Every host's RunStatus of a run on several hosts, asked in parallel, in rank
+    order, each with "host" and "rank"; a host that could not be asked has state None
+    and "error", its message."""
+    hosts = [session.host(name) for name in ref.hosts]
+    replies = session.on_each_host(
+        hosts, lambda host: session.agent(host.name).call("status", "--run-id", ref.run_id)["runs"][0])
+    out = []
+    for rank, name in enumerate(ref.hosts):
+        reply = replies[name]
+        if isinstance(reply, DflashError):
+            out.append({"host": name, "rank": rank, "run_id": ref.run_id, "state": None, "error": reply.message})
+        else:
+            out.append({"host": name, "rank": rank, **reply})
+    return out
+
+
+def _status_of_hosts(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
+    statuses = host_statuses(session, ref)
+    state = multihost.aggregate_state({s["host"]: s["state"] for s in statuses})
+    if as_json:
+        console.data(json.dumps({"run_id": ref.run_id, "state": state, "hosts": statuses}) + "\n")
+    else:
+        console.data(f"{state}\n")
+        console.human.print(runs_table(f"run {ref.run_id} on {len(statuses)} hosts: {state}", statuses, first="host"))
+        for s in statuses:
+            if s.get("error"):
+                console.warn(s["error"])
+        source = next((s["source"] for s in statuses if s.get("source")), None)
+        if source:
+            console.say(f"source: {provenance.summary(source)}")
+    return exit_code_for_state(state)
+
+
 def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     """Print one run's state; the exit code says it too (0 fine, 1 failed, lost, degraded
-    or stalled, 4 stopped)."""
+    or stalled, 4 stopped). A run on several hosts: the state of the whole (FAILED if
+    any host failed, RUNNING only if all run) and a row per host."""
+    if ref.multihost:
+        return _status_of_hosts(session, ref, as_json)
     reply = session.agent(ref.host).call("status", "--run-id", ref.run_id)
     status = reply["runs"][0]
     if as_json:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 import time
 
 from rich.live import Live
@@ -21,8 +22,8 @@ from rich.text import Text
 
 from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
 
-from .. import console
-from ..errors import ExitCode, UnreachableError, exit_code_for_state
+from .. import console, multihost
+from ..errors import DflashError, ExitCode, UnreachableError, exit_code_for_state
 from ..local_state import Cursor, RunLogs, RunRef
 from ..retry import Reconnects
 from ..session import Session
@@ -48,8 +49,15 @@ def gpu_line(gpus: list[dict]) -> str:
 
 
 class Watcher:
-    def __init__(self, session: Session, ref: RunRef, interval: float, as_json: bool):
+    """Follows one host's part of a run. `hosts`: all the run's hosts when it has
+    several; then every line it prints starts with this host's name, and its messages
+    are printed under one lock, whole, between those of the other hosts' watchers."""
+
+    def __init__(self, session: Session, ref: RunRef, interval: float, as_json: bool,
+                 hosts: tuple[str, ...] = ()):
         self.ref = ref
+        self.hosts = hosts
+        self.label = f"{ref.host}| " if len(hosts) > 1 else ""
         self.agent = session.agent(ref.host)
         self.logs = RunLogs(session.logs_dir, ref)
         self.interval = interval
@@ -89,10 +97,14 @@ class Watcher:
         raise UnreachableError(f"host {self.ref.host}: follow stream ended before the run did")
 
     def handle(self, message: dict) -> None:
+        with _PRINTING:
+            self._handle(message)
+
+    def _handle(self, message: dict) -> None:
         kind = message.get("t")
         self.messages += 1
         if self.as_json:
-            console.data(json.dumps(message) + "\n")
+            console.data(json.dumps({**message, "host": self.ref.host} if self.label else message) + "\n")
         if kind == "log":
             self.on_log(message)
         elif kind == "rotated":
@@ -104,9 +116,10 @@ class Watcher:
         elif kind == "gpu" and self.live is not None:
             self.progress.gpus = message.get("gpus") or []
         elif kind == "gpu" and not self.as_json and message.get("gpus"):
-            console.human.print(gpu_line(message["gpus"]), style="dim", markup=False, highlight=False)
+            console.human.print(self.label + gpu_line(message["gpus"]), style="dim", markup=False,
+                                highlight=False)
         elif kind == "state" and not self.as_json:
-            console.say(f"[{self.ref.run_id}] state {message.get('state')}")
+            console.say(f"{self.label}[{self.ref.run_id}] state {message.get('state')}")
         elif kind == "end":
             self.end = message
 
@@ -124,7 +137,7 @@ class Watcher:
             if self.claim:
                 self.logs.segment_log(self.cursor.segment).unlink(missing_ok=True)
         if not self.as_json:
-            self.show_remote(message["data"])
+            self.show_remote(self._labelled(message["data"]))
             self.line_open = not data.endswith(b"\n")
         fresh = data[max(0, self.cursor.offset - start):]  # --tail may resend mirrored bytes
         if fresh:
@@ -136,6 +149,15 @@ class Watcher:
             self.recent = (self.recent + fresh[-FINGERPRINT_BYTES:])[-FINGERPRINT_BYTES:]
             self.cursor = dataclasses.replace(self.cursor, offset=end, fingerprint=fingerprint(self.recent))
         self.save_cursor(force=False)
+
+    def _labelled(self, text: str) -> str:
+        """`text` with this host's name at the start of each of its lines (a line the
+        last text left open goes on without one)."""
+        if not self.label or not text:
+            return text
+        lines = text.split("\n")
+        body = ("\n" + self.label).join(lines[:-1] + ([lines[-1]] if lines[-1] else []))
+        return ("" if self.line_open else self.label) + body + ("\n" if not lines[-1] else "")
 
     def on_rotated(self, message: dict) -> None:
         """The host's log was cut or replaced: what the stream sends next is new content,
@@ -153,7 +175,7 @@ class Watcher:
                        f"; lines written to the old file after byte {message.get('previous_end')} "
                        "could not be read")
             saved = f", saved as {self.logs.segment_log(self.cursor.segment)}" if self.claim else ""
-            console.say(f"[{self.ref.run_id}] train.log was {message.get('reason')} on {self.ref.host}"
+            console.say(f"{self.label}[{self.ref.run_id}] train.log was {message.get('reason')} on {self.ref.host}"
                         f"{missing}: the new content follows from its start{saved}")
         self.save_cursor(force=True)
 
@@ -165,15 +187,20 @@ class Watcher:
             record = {"thread": "?", "phase": "?", "exc_type": "unreadable errors.jsonl line",
                       "traceback": message.get("raw", "")}
         self.records.append(record)
-        if not self.as_json:
+        peer_failed = record.get("exc_type") == multihost.PEER_FAILED
+        if not self.as_json and peer_failed:
+            console.say(console.printable(f"{self.label}thread {record.get('thread')}: "
+                                          + multihost.peer_failed_line(record, self.hosts)))
+        elif not self.as_json:
             text = render_record(record, self.ref)
-            console.human.rule(f"thread {record.get('thread')} failed", style="red")
+            on = f" on {self.ref.host}" if self.label else ""
+            console.human.rule(f"thread {record.get('thread')} failed{on}", style="red")
             self.show_remote(text)
         if self.claim:
             self.logs.save_errors(self.records)
-            if index == 0:
+            if multihost.root_cause([(self.ref.host, r) for r in self.records])[1] is record:
                 path = self.logs.save_traceback(record.get("traceback", ""))
-                console.say(f"traceback saved to {path}")
+                console.say(f"{self.label}traceback saved to {path}")
         self.cursor = dataclasses.replace(self.cursor, errors_seen=len(self.records))
         self.save_cursor(force=True)
 
@@ -250,38 +277,95 @@ class Watcher:
         code = exit_code_for_state(state)
         if code == ExitCode.RUN_FAILED and not self.records and not self.as_json:
             report = self.agent.call("report", "--run-id", self.ref.run_id)
-            console.remote_text(render_no_record(report, self.ref))
+            with _PRINTING:
+                console.remote_text(render_no_record(report, self.ref))
         console.say(f"run {self.ref.run_id} on {self.ref.host} ended: {state}")
         return code
+
+    def follow_to_end(self, tail: int | None, retry_for: float) -> ExitCode:
+        """Follow until the run ends here, reconnecting after dropped connections."""
+        if not self.claim:
+            console.say(f"another watch of {self.ref.run_id} keeps {self.logs.dir}: this one shows "
+                        "the log from its start (or --tail) and saves nothing")
+        elif tail is None and self.cursor.offset:
+            console.say(f"{self.label}resuming {self.ref.run_id} at byte {self.cursor.offset} "
+                        "(--tail N shows earlier lines)")
+        tail_lines = tail
+        reconnects = Reconnects(retry_for)
+        while True:
+            seen = self.messages
+            try:
+                self.follow_once(tail_lines)
+                return self.finish()
+            except UnreachableError as exc:
+                self.save_cursor(force=True)
+                tail_lines = None  # from now on resume exactly at the cursor
+                if self.messages > seen:  # the last connection worked for a while
+                    reconnects.progressed()
+                reconnects.wait(exc, "the run may still be going: dflash watch resumes it")
+
+
+# Whole messages from the watchers of a run's hosts, one at a time: a traceback is
+# never cut by another host's lines.
+_PRINTING = threading.RLock()
 
 
 def run(session: Session, ref: RunRef, tail: int | None, interval: float, as_json: bool,
         retry_for: float) -> ExitCode:
+    if ref.multihost:
+        return _watch_hosts(session, ref, tail, interval, as_json, retry_for)
     watcher = Watcher(session, ref, interval, as_json)
-    if not watcher.claim:
-        console.say(f"another watch of {ref.run_id} keeps {watcher.logs.dir}: this one shows "
-                    "the log from its start (or --tail) and saves nothing")
-    elif tail is None and watcher.cursor.offset:
-        console.say(f"resuming {ref.run_id} at byte {watcher.cursor.offset} "
-                    "(--tail N shows earlier lines)")
     if not as_json and console.human.is_terminal and sys.stdout.isatty():
         watcher.start_status_line()
-    tail_lines = tail
-    reconnects = Reconnects(retry_for)
     try:
-        while True:
-            seen = watcher.messages
-            try:
-                watcher.follow_once(tail_lines)
-                return watcher.finish()
-            except UnreachableError as exc:
-                watcher.save_cursor(force=True)
-                tail_lines = None  # from now on resume exactly at the cursor
-                if watcher.messages > seen:  # the last connection worked for a while
-                    reconnects.progressed()
-                reconnects.wait(exc, "the run may still be going: dflash watch resumes it")
+        return watcher.follow_to_end(tail, retry_for)
     except KeyboardInterrupt:
         console.say(f"\ndetached from {ref.run_id}; it keeps running (dflash watch resumes)")
         return ExitCode.INTERRUPTED
     finally:
         watcher.close()
+
+
+def _watch_hosts(session: Session, ref: RunRef, tail: int | None, interval: float, as_json: bool,
+                 retry_for: float) -> ExitCode:
+    """Every host's part of the run followed at once, one thread each; returns when all
+    ended, with the whole run's outcome, and names the host of its root cause."""
+    watchers = [Watcher(session, member, interval, as_json, ref.hosts) for member in ref.members]
+    outcomes: dict[str, ExitCode | DflashError] = {}
+
+    def follow(watcher: Watcher) -> None:
+        try:
+            outcomes[watcher.ref.host] = watcher.follow_to_end(tail, retry_for)
+        except DflashError as exc:
+            outcomes[watcher.ref.host] = exc
+            console.warn(f"{watcher.label}{exc.message}")
+        finally:
+            watcher.close()
+
+    # Daemons: Ctrl-C leaves while they wait on their hosts (the cursors are saved as
+    # they go, so the next watch resumes).
+    threads = [threading.Thread(target=follow, args=(w,), name=f"watch-{w.ref.host}", daemon=True)
+               for w in watchers]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)
+    except KeyboardInterrupt:
+        console.say(f"\ndetached from {ref.run_id}; it keeps running on {', '.join(ref.hosts)} "
+                    "(dflash watch resumes)")
+        return ExitCode.INTERRUPTED
+    states = {w.ref.host: (w.end or {}).get("state") for w in watchers}
+    state = multihost.aggregate_state(states)
+    cause = multihost.root_cause(multihost.in_time_order({w.ref.host: w.records for w in watchers}))
+    if cause is not None and not as_json:
+        host, record = cause
+        console.say(console.printable(f"root cause on {host} (rank {ref.hosts.index(host)}): thread "
+                                      f"{record.get('thread')} {record.get('exc_type')}: "
+                                      f"{record.get('message', '')}".rstrip()))
+    console.say(f"run {ref.run_id} ended: {state} "
+                f"({', '.join(f'{host} {s or multihost.UNKNOWN}' for host, s in states.items())})")
+    if state == multihost.UNKNOWN:
+        return max((o.exit_code for o in outcomes.values() if isinstance(o, DflashError)), default=ExitCode.UNREACHABLE)
+    return exit_code_for_state(state)

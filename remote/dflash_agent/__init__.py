@@ -21,6 +21,8 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          [--env KEY=VALUE]... [--python EXE] [--stall-after S=300] [--source-json JSON]
          [--require-module NAME]... [--require-path KIND:KEY=PATH]... [--override KEY=VALUE]...
          [--restart-json JSON]
+         [--rank I --world-size N --master-addr A [--master-port P] [--host-names H0,H1,...]]
+         [--check-only]
          First checks what only the host can (preflight.py), all at once, before
          anything of the run exists: at least 64 MiB free in the workspace; each
          --require-module found by the trainer's interpreter (--python, run with the
@@ -61,6 +63,18 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          the config with, recorded as given (the agent neither reads nor applies them). `launch` returns after run.json exists:
          {"run_id", "run_dir", "pid", "pgid", "release_id"}. A launch that fails before
          run.json exists leaves no run directory and no lock.
+         One host's part of a run on several hosts (DESIGN.md "Several hosts"): --rank,
+         --world-size and --master-addr go together; the trainer's environment then
+         holds RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK=0 and
+         LOCAL_WORLD_SIZE=1 (torch.distributed's env://; they override --env and the
+         host's own), and run.json "distributed": {"rank", "world_size", "master_addr",
+         "master_port", "hosts": --host-names as a list}. Without them these variables
+         are removed from the trainer's environment and "distributed" is null.
+         --check-only: every check above (the preflight, the run id not taken, no live
+         holder of a resource unless --force), nothing created, nothing started:
+         {"run_id", "checked": true, "release_id"}, plus "master_port": a TCP port free
+         on this host now (bound as port 0) when --master-port is 0 or absent. The CLI
+         checks every host this way before it starts any.
 resume   --run-id ID [--release run|current] [--step N] [--env KEY=VALUE]... [--require-module NAME]...
          The next attempt of a run that ended (DESIGN.md "Attempts"), from its complete
          checkpoint of step N (default: the newest), with its config and its release

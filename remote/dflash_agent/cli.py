@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="KIND:KEY=PATH", help="a path of the config that must exist on this host")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a --set the config was resolved with (recorded in run.json as given)")
+    p.add_argument("--rank", type=_non_negative_int, help="this host's position in a run on several hosts")
+    p.add_argument("--world-size", type=_non_negative_int, help="how many hosts the run has")
+    p.add_argument("--master-addr", help="rank 0's address, where the trainers meet")
+    p.add_argument("--master-port", type=_non_negative_int, default=0,
+                   help="rank 0's rendezvous port (0 with --check-only: pick a free one)")
+    p.add_argument("--host-names", default="", help="the run's hosts, comma-separated, in rank order")
+    p.add_argument("--check-only", action="store_true",
+                   help="check what the launch would (host, run id, locks), start nothing")
 
     p = verbs.add_parser("resume", help="start the next attempt of an ended run from a checkpoint")
     p.add_argument("--run-id", required=True)
@@ -182,12 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
 # Each verb imports only what it needs: the agent starts afresh for every CLI call.
 
 def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
-    from .launch import LaunchRequest, launch
+    from .launch import Distributed, LaunchRequest, launch
+    distributed = None
+    if args.world_size is not None or args.rank is not None or args.master_addr is not None:
+        if args.world_size is None or args.rank is None or args.master_addr is None:
+            raise AgentError("--rank, --world-size and --master-addr go together", "usage")
+        distributed = Distributed(args.rank, args.world_size, args.master_addr, args.master_port,
+                                  tuple(name for name in args.host_names.split(",") if name))
     return launch(ws, LaunchRequest(
         run_id=args.run_id, config=args.config, name=args.name, resources=tuple(args.resource),
         force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after,
         source=args.source_json, modules=tuple(args.require_module), paths=tuple(args.require_path),
-        overrides=tuple(args.override), restart=args.restart_json))
+        overrides=tuple(args.override), restart=args.restart_json,
+        distributed=distributed, check_only=args.check_only))
 
 
 def _resume(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:

@@ -13,6 +13,7 @@ import json
 import os
 import select
 import shutil
+import socket
 import sys
 import time
 import traceback
@@ -25,6 +26,42 @@ from .preflight import PathRequirement
 from .supervisor import TrainerPlan, supervise
 
 REPORT_TIMEOUT_S = 60.0
+# The torch.distributed variables a trainer joins its process group by (init_method
+# env://). Set for a run on several hosts; removed otherwise, so that a value the host's
+# environment happens to hold cannot make a one-host run wait for peers.
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+    """This host's place in a run across several hosts (DESIGN.md "Several hosts"):
+    one trainer process per host, rank = the host's position in the launch."""
+    rank: int
+    world_size: int
+    master_addr: str  # where rank 0's trainer listens for the others (the rendezvous)
+    master_port: int  # 0 only in a --check-only launch: this agent picks a free one
+    hosts: Tuple[str, ...] = ()  # the CLI's host names, in rank order
+
+    def check(self, check_only: bool) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise AgentError("--rank %d is not in [0, --world-size %d)" % (self.rank, self.world_size), "usage")
+        if self.hosts and len(self.hosts) != self.world_size:
+            raise AgentError("--host-names names %d hosts for --world-size %d"
+                             % (len(self.hosts), self.world_size), "usage")
+        if not self.master_addr:
+            raise AgentError("--master-addr must not be empty", "usage")
+        if not (0 if check_only else 1) <= self.master_port <= 65535:
+            raise AgentError("--master-port %d is not a TCP port" % self.master_port, "usage")
+
+    def env(self) -> Dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
+                "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+
+    def record(self) -> Dict[str, Any]:
+        """run.json's `distributed`."""
+        return {"rank": self.rank, "world_size": self.world_size, "master_addr": self.master_addr,
+                "master_port": self.master_port, "hosts": list(self.hosts)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +79,8 @@ class LaunchRequest:
     paths: Tuple[PathRequirement, ...] = ()  # the config's host paths that must exist
     overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE the CLI resolved the config with
     restart: Optional[Dict[str, Any]] = None  # the config's restart policy (attempts.py)
+    distributed: Optional[Distributed] = None  # None: a run on this host alone
+    check_only: bool = False  # check what a launch would, start nothing (several hosts)
 
 
 def _read_config(request: LaunchRequest, release_root: str) -> bytes:
@@ -56,7 +95,8 @@ def _read_config(request: LaunchRequest, release_root: str) -> bytes:
 
 
 def trainer_env(ws: Workspace, run: RunDir, release_id: str, release_root: str,
-                 extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str], ...]:
+                extra: Tuple[Tuple[str, str], ...],
+                distributed: Optional[Distributed] = None) -> Tuple[Tuple[str, str], ...]:
     env = dict(os.environ)
     remote = os.path.join(release_root, "remote")
     env["PYTHONPATH"] = remote + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -69,7 +109,32 @@ def trainer_env(ws: Workspace, run: RunDir, release_id: str, release_root: str,
         "DFLASH_WORKSPACE": ws.root,
     })
     env.update(dict(extra))  # the host's and the user's settings win
+    for key in DISTRIBUTED_ENV:  # ... but the layout is the launch's, not the host's
+        env.pop(key, None)
+    if distributed is not None:
+        env.update(distributed.env())
     return tuple(sorted(env.items()))
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on here now, as the kernel hands one out for port 0.
+    Free when asked: rank 0's trainer binds it moments later (DESIGN.md)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _check_only(ws: Workspace, request: LaunchRequest, run: RunDir, release_id: str) -> Dict[str, Any]:
+    """A launch's checks without its effects: the run id is free and no live run holds
+    the resources (unless --force). The first host of a run on several hosts also picks
+    the rendezvous port here when none was given, in the round trip the check costs."""
+    if os.path.lexists(run.path):
+        raise AgentError("run %r already exists in %s" % (run.run_id, ws.runs), "conflict")
+    locks.check_free(ws, request.resources, request.force)
+    reply = {"run_id": run.run_id, "checked": True, "release_id": release_id}  # type: Dict[str, Any]
+    if request.distributed is not None and request.distributed.master_port == 0:
+        reply["master_port"] = free_port()
+    return reply
 
 
 def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
@@ -77,14 +142,18 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
         locks.check_resource(resource)
     if request.stall_after <= 0:
         raise AgentError("--stall-after must be positive", "usage")
+    if request.distributed is not None:
+        request.distributed.check(request.check_only)
     release_id, release_root = ws.current_release()
     if request.source is not None and request.source.get("release_id") != release_id:
         raise AgentError("the current release is %s, not %s whose source was given (another deploy "
                          "ran in between?)" % (release_id, request.source.get("release_id")), "conflict")
     config = _read_config(request, release_root)
     run = ws.run(request.run_id)
-    env = trainer_env(ws, run, release_id, release_root, request.env)
+    env = trainer_env(ws, run, release_id, release_root, request.env, request.distributed)
     preflight.check(ws.root, release_root, request.python, env, request.modules, request.paths)
+    if request.check_only:
+        return _check_only(ws, request, run, release_id)
     os.makedirs(ws.runs, exist_ok=True)
     try:
         os.mkdir(run.path)  # claims the run id
@@ -103,7 +172,7 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
             env=env,
             env_keys=tuple(key for key, _ in request.env), resources=request.resources,
             stall_after=request.stall_after, source=request.source, overrides=request.overrides,
-            restart=request.restart)
+            restart=request.restart, distributed=request.distributed.record() if request.distributed else None)
         report = start_supervisor(plan)
     except BaseException:
         if not os.path.exists(run.run_json):  # nothing started: the locks are ours to drop

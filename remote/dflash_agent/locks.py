@@ -104,18 +104,31 @@ def acquire(ws: Workspace, resources: Sequence[str], run_id: str, force: bool) -
               "launcher_start_time": procfs.start_time(os.getpid()), "boot_id": procfs.boot_id()}
     with _guard(ws):
         live = {resource: _live_holders(ws, resource) for resource in resources}
-        for resource in resources:
-            if live[resource] and not force:
-                names = ", ".join("%r (%s)" % (h.get("run_id"), state) for h, state in live[resource])
-                raise AgentError(
-                    "%s is in use by run%s %s; stop %s first or pass --force"
-                    % (resource, "s" if len(live[resource]) > 1 else "", names,
-                       "them" if len(live[resource]) > 1 else "it"),
-                    "conflict", resource=resource,
-                    holders=[h.get("run_id") for h, _ in live[resource]])
+        if not force:
+            _refuse_if_in_use(live)
         for resource in resources:
             holders = [h for h, _ in live[resource] if h.get("run_id") != run_id]
             _write_holders(ws, resource, holders + [record])
+
+
+def check_free(ws: Workspace, resources: Sequence[str], force: bool) -> None:
+    """What `acquire` would refuse, without taking anything: a launch on several hosts
+    checks every host before it starts any."""
+    if force:
+        return
+    with _guard(ws):
+        _refuse_if_in_use({resource: _live_holders(ws, resource) for resource in resources})
+
+
+def _refuse_if_in_use(live: Dict[str, List[Tuple[Dict[str, Any], str]]]) -> None:
+    """AgentError(kind="conflict") naming every live holder of the first resource in use."""
+    for resource, holders in live.items():
+        if holders:
+            names = ", ".join("%r (%s)" % (h.get("run_id"), state) for h, state in holders)
+            raise AgentError(
+                "%s is in use by run%s %s; stop %s first or pass --force"
+                % (resource, "s" if len(holders) > 1 else "", names, "them" if len(holders) > 1 else "it"),
+                "conflict", resource=resource, holders=[h.get("run_id") for h, _ in holders])
 
 
 def release(ws: Workspace, resources: Sequence[str], run_id: str) -> None:

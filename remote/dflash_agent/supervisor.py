@@ -44,6 +44,7 @@ class TrainerPlan:
     reason: str = "launch"  # launch | resume | restart
     resume_from: Optional[Tuple[int, str]] = None  # (step, checkpoint folder) this attempt starts from
     history: Tuple[Dict[str, Any], ...] = ()  # the ended attempts' entries (run.json `attempts`)
+    distributed: Optional[Dict[str, Any]] = None  # this host's place in a run on several hosts
 
     @property
     def argv(self) -> Tuple[str, ...]:
@@ -172,7 +173,7 @@ def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str,
             "host": socket.gethostname(), "started_at": started_at,
             "stall_after": plan.stall_after, "resources": list(plan.resources),
             "supervisor": {"pid": os.getpid(), "start_time": procfs.start_time(os.getpid())},
-            "source": plan.source, "restart": plan.restart,
+            "source": plan.source, "restart": plan.restart, "distributed": plan.distributed,
             "attempt": plan.attempt, "attempts": list(plan.history) + [entry],
         }
         write_json_atomic(run.run_json, record)

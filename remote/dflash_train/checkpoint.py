@@ -8,8 +8,8 @@ other files: `sha256sum -c` lines (`<hex>  <path>`, sorted), so that `dflash pul
 verifies a download without the host hashing gigabytes on every call.
 
 Contents: model.safetensors (drafter weights), optimizer.pt (optimizer and scheduler
-states), state.json (step, data cursor, loss history, replicas) and config.yaml (the
-resolved config of the run that wrote it, config.resolved_yaml). No global RNG state:
+states), state.json (step, data cursor, loss history, replicas, world size) and config.yaml
+(the resolved config of the run that wrote it, config.resolved_yaml). No global RNG state:
 every random draw in training takes a generator seeded from the config, the epoch and the
 step, so a resumed run repeats them without it (and a checkpoint written where 8 GPUs were
 visible still loads where fewer are).
@@ -40,8 +40,9 @@ class TrainingState:
     step: int  # optimizer steps completed
     epoch: int  # data cursor: the epoch and micro-batch index of the last batch used
     batch_index: int
-    replicas: int
+    replicas: int  # drafter replicas in the whole run (every process's): the data order depends on it
     losses: list[float]  # loss per step so far, so a resumed run carries its curve on
+    world_size: int = 1  # processes of the run that wrote it (absent in older checkpoints: 1)
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -265,6 +265,7 @@ class FaultSpec:
     depth: int = 10  # raise: frames between the thread body and the raise
     code: int = 3  # exit: the exit status
     attempt: int | None = None  # fire only in this attempt of the run (0: the launch); None: in every one
+    rank: int | None = None  # only in the process of this rank (a host of a multi-host run); None: every rank
 
     def __post_init__(self) -> None:
         match = _FAULT_AT.match(self.at)
@@ -276,6 +277,8 @@ class FaultSpec:
             raise ValueError("depth must be >= 1 and code in 1..255")
         if self.attempt is not None and self.attempt < 0:
             raise ValueError("attempt counts from 0 (the launch)")
+        if self.rank is not None and self.rank < 0:
+            raise ValueError("rank counts from 0")
 
     @property
     def step(self) -> int | None:
@@ -320,6 +323,23 @@ class RuntimeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """One run over several processes (one per host), joined by torch.distributed.
+
+    Used only when the process is started with WORLD_SIZE > 1 (distributed.py)."""
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl when the drafters are on CUDA, else gloo
+    join_timeout_s: float = 600.0  # how long a process waits for the others to join
+    timeout_s: float = 600.0  # one collective (a step's gradient all-reduce) at most; then the run fails
+    peer_timeout_s: float = 30.0  # a peer whose watchdog is silent this long is gone (killed, frozen)
+    bucket_mb: float = 256.0  # the cross-process all-reduce runs in buckets of this many MiB
+
+    def __post_init__(self) -> None:
+        if min(self.join_timeout_s, self.timeout_s, self.peer_timeout_s, self.bucket_mb) <= 0:
+            raise ValueError("join_timeout_s, timeout_s, peer_timeout_s and bucket_mb must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """Sampled answers (the `regenerate.sampling` section; without it answers are greedy).
     Every value is passed to generate, so none comes from the model's generation_config."""
@@ -359,7 +379,8 @@ class RegenerateConfig:
 # The optional sections each job reads. A job refuses a section it does not read that is
 # set to anything but its default: a training setting in a regeneration config is a mistake.
 JOB_SECTIONS: dict[str, frozenset[str]] = {
-    "train": frozenset({"data", "drafter", "optim", "pipeline", "compile", "eval", "checkpoint", "export"}),
+    "train": frozenset({"data", "drafter", "optim", "pipeline", "compile", "eval", "checkpoint", "export",
+                        "distributed"}),
     "regenerate": frozenset({"regenerate"}),
     "evaluate": frozenset({"evaluate", "data"}),  # data: the tiny target's synthetic spec, or data.eval prompts
 }
@@ -385,6 +406,7 @@ class TrainConfig:
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     export: ExportConfig = ExportConfig()
+    distributed: DistributedConfig = DistributedConfig()
     faults: tuple[FaultSpec, ...] = ()
     runtime: RuntimeConfig = RuntimeConfig()
     restart: RestartConfig = RestartConfig()

@@ -11,6 +11,7 @@ a timeout, so a hung thread cannot hang the exit.
 from __future__ import annotations
 
 import faulthandler
+import os
 import signal
 import threading
 import time
@@ -21,9 +22,10 @@ import torch
 from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
 from .config import TrainConfig
 from .devices import is_cuda
+from .distributed import PeerFailed, Peers, join
 from .model import NonFiniteWeights
-from .pipeline import Channels, EvalRequest, average_gradients, drafter_body, eval_body, prefetch_body, target_body
-from .replica import Replica, verify_replicas_identical
+from .pipeline import READY, Channels, EvalRequest, drafter_body, eval_body, prefetch_body, target_body
+from .replica import NonFiniteStep, Replica, ReplicasDiverged, verify_replicas_identical
 from .runlog import EventLog, dump_header, say
 from .startup import Prepared, prepare
 from .threads import JobControl, Rendezvous, RunState, StopRequested, StoppableQueue, Worker
@@ -47,6 +49,8 @@ class Coordinator(JobControl):
         self.replicas: dict[int, Replica] = {}
         self.prepared: Prepared | None = None
         self.compile_plan: CompilePlan | None = None  # set before the first drafter starts
+        self.peers: Peers | None = None  # the other processes of a multi-process run
+        self.checksums: list[str] | None = None  # of this process's replicas, once they are done
 
     def poll(self) -> None:
         self.act_on_signal("stopping")
@@ -56,22 +60,48 @@ class Coordinator(JobControl):
     def run(self) -> int:
         try:
             self._set_phase("startup")
-            self.prepared = prepare(self.config, self.run_dir, self.events, self.state)
+            self.peers = join(self.config.distributed, len(self.config.devices.drafters),
+                              not self.config.devices.cpu_only, self.state)
+            if self.peers is not None:
+                self.peers.where = lambda: (self.phase, self.step)
+                self.peers.on_stuck = self._end_now
+                self.peers.exit_after_s = self.config.runtime.stop_grace_s + 10.0
+            self.prepared = prepare(self.config, self.run_dir, self.events, self.state, self.peers)
             if self.config.pipeline.mode == "sequential":
                 self._run_sequential(self.prepared)
             else:
                 self._run_threaded(self.prepared)
             self._verify_replicas()
             self._set_phase("shutdown")
+            self._leave(ok=True)
             self._teardown()
             return EXIT_OK
-        except StopRequested:
-            return self._stopped()
+        except (StopRequested, PeerFailed):
+            if self.state.failure is not None:  # a peer failed: its PeerFailed record is written
+                self._teardown()
+                self._leave(ok=False)
+                return EXIT_FAILED
+            code = self._stopped()
+            self._leave(ok=False)
+            return code
         except BaseException as exc:  # noqa: BLE001 - the coordinator's own failure is recorded too
             self.state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase=self.phase,
                                       step=self.step)
             self._teardown()
+            self._leave(ok=False)
             return EXIT_FAILED
+
+    def _end_now(self, code: int) -> None:
+        """A peer ended the run, and this process did not follow (the main thread is in a
+        startup step that does not look at the stop event): stacks, the done event, exit."""
+        alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        report_threads_still_running(alive, self.config.runtime.stop_grace_s + 10.0, self.fault_log)
+        self.events.emit("done", exit_code=code, threads_alive=alive)
+        os._exit(code)
+
+    def _leave(self, ok: bool) -> None:
+        if self.peers is not None:
+            self.peers.leave(ok)
 
     def _start_replica(self, index: int) -> Replica:
         """Runs in the drafter's thread (or the main thread when sequential)."""
@@ -86,13 +116,37 @@ class Coordinator(JobControl):
             f"{sum(p.numel() for p in replica.drafter.parameters()):,} parameters, from step {run.start_step})")
         return replica
 
-    def _verify_replicas(self) -> None:
-        """After the last step: all replicas must hold the same weights (checksums in events)."""
+    def _replicas_done(self) -> None:
+        """Once the drafters are done: this process's replicas must hold the same weights;
+        their checksums go to the other ranks (before rank 0's final evaluation, which the
+        others need not wait for)."""
         replicas = [self.replicas[i] for i in sorted(self.replicas)]
-        checksums = verify_replicas_identical(replicas)
+        self.checksums = verify_replicas_identical(replicas)
+        if self.peers is not None:
+            self.peers.publish("sha256", self.checksums)
+
+    def _verify_replicas(self) -> None:
+        """After the last step: every replica of every rank holds the same weights (checksums in events)."""
+        if self.checksums is None:
+            self._replicas_done()
+        assert self.checksums is not None
+        replicas = [self.replicas[i] for i in sorted(self.replicas)]
         step = replicas[0].completed_step
-        self.events.emit("replicas", step=step, devices=[r.device for r in replicas], sha256=checksums)
-        say(f"{len(replicas)} drafter replica(s) identical after step {step}: weights sha256 {checksums[0]}")
+        by_rank = [self.checksums]
+        fields = {}
+        if self.peers is not None:
+            by_rank = self.peers.collect("sha256", self.config.distributed.timeout_s)
+            fields = {"rank": self.peers.rank, "world_size": self.peers.layout.world_size, "sha256_by_rank": by_rank}
+            reference = by_rank[0][0]
+            differing = [f"rank {r} drafter-{i}" for r, sums in enumerate(by_rank) for i, c in enumerate(sums)
+                         if c != reference]
+            if differing:
+                raise ReplicasDiverged(
+                    f"drafter replicas differ across ranks after step {step}: {', '.join(differing)} differ from rank 0 "
+                    f"drafter-0 (sha256 by rank: {'; '.join(', '.join(c[:16] for c in sums) for sums in by_rank)})")
+        self.events.emit("replicas", step=step, devices=[r.device for r in replicas], sha256=self.checksums, **fields)
+        count = sum(len(sums) for sums in by_rank)
+        say(f"{count} drafter replica(s) identical after step {step}: weights sha256 {self.checksums[0]}")
 
     def _configure_compiler(self) -> None:
         """Decide what every drafter compiles and set the compiler up for it, in the main
@@ -117,6 +171,8 @@ class Coordinator(JobControl):
         for index in range(drafters):
             worker = self._start(f"drafter-{index}", drafter_body(run, channels, index, self._start_replica))
             worker.wait_until_ready(self.config.runtime.ready_timeout_s, poll=self.poll)
+        if self.peers is not None:
+            self.peers.arrive(READY)
         for index in range(targets):
             self._start(f"target-{index}", target_body(run, channels, index))
         self._start("prefetch", prefetch_body(run, channels))
@@ -128,9 +184,13 @@ class Coordinator(JobControl):
             self.poll()
             if state.failure is not None:
                 name, exc = state.failure
+                if isinstance(exc, PeerFailed):
+                    raise exc  # recorded once, where it was found
                 raise ThreadFailed(f"{name} failed: {type(exc).__name__}: {exc}") from exc
             state.check()
             if all(w.done.is_set() for w in drafter_workers):
+                if self.checksums is None:
+                    self._replicas_done()
                 if evaluator is None or evaluator.done.is_set():
                     return
                 if self.phase != "eval":
@@ -151,6 +211,9 @@ class Coordinator(JobControl):
             faults.fire(name)
         self._configure_compiler()
         replicas = [self._start_replica(index) for index in range(drafters)]
+        if self.peers is not None:
+            self.peers.arrive(READY)
+            self.peers.wait_for_all(READY, self.config.runtime.ready_timeout_s)
 
         def evaluate(request: EvalRequest) -> None:
             if request.final:
@@ -167,21 +230,26 @@ class Coordinator(JobControl):
             self.poll()
             self.state.check()
             faults.fire("prefetch", step)
-            stats, batches = [], []
+            stats = []
             for replica in replicas:
                 batch = run.host_batch(step, replica.index)
                 faults.fire(f"target-{replica.index % targets}", step)
                 features = run.features(replica.index % targets, batch)
                 faults.fire(f"drafter-{replica.index}", step)
                 stats.append(replica.run_step(features, poison=faults.poisons(f"drafter-{replica.index}", step)))
-                batches.append(batch)
-            posted = [replica.gradients() for replica in replicas]
-            losses = [s.loss for s in stats]
-            for replica in replicas:  # a non-finite step fails in the first, before any replica applied it
-                applied = replica.apply(average_gradients(posted, replica.device), step, losses)
+            averaged = run.exchange.average([replica.post(s) for replica, s in zip(replicas, stats)])
+            try:  # a non-finite step fails in the first, before any replica applied it
+                for replica, mean in zip(replicas, averaged):
+                    applied = replica.apply(mean, step)
+            except NonFiniteStep as exc:
+                reporter_rank = exc.reporter // len(replicas)
+                if self.peers is not None and reporter_rank != self.peers.rank:  # that rank records the root cause
+                    raise self.peers.peer_failed(reporter_rank, type(exc).__name__, str(exc)) from exc
+                raise
             self.state.progressed()
-            run.after_step(step, replicas[0], stats, batches, applied, evaluate)
+            run.after_step(step, replicas[0], applied, evaluate)
         self._set_phase("shutdown")
+        self._replicas_done()
         run.after_training(replicas[0], evaluate)
 
     def _teardown(self) -> None:
@@ -194,7 +262,7 @@ class Coordinator(JobControl):
         report_threads_still_running(self.alive, self.config.runtime.stop_grace_s, self.fault_log)
 
     def _stopped(self) -> int:
-        """SIGTERM (or SIGINT): stop, checkpoint if the lead replica stopped cleanly, exit 128+signal."""
+        """SIGTERM (or SIGINT): stop, checkpoint (rank 0) if the lead replica stopped cleanly, exit 128+signal."""
         self._set_phase("shutdown")
         self._teardown()
         run = self.prepared.run if self.prepared else None
@@ -202,7 +270,7 @@ class Coordinator(JobControl):
         lead_thread = next((w for w in self.workers if w.name == "drafter-0"), None)
         # Sequential runs stop between steps; a lead thread that ended stopped between steps too.
         lead_stopped = lead is not None and (lead_thread is None or not lead_thread.is_alive())
-        if (run is not None and lead_stopped and self.config.checkpoint.on_stop
+        if (run is not None and run.writes_outputs and lead_stopped and self.config.checkpoint.on_stop
                 and lead.completed_step > max(run.last_checkpoint, run.start_step)):
             if is_cuda(lead.device):  # its last update ran on the lead thread's stream, not this one's
                 torch.cuda.synchronize(lead.device)

@@ -10,8 +10,9 @@ processes, into a memory-mapped store cached on the host (tokstore.py); later ru
 resumes open it in seconds and read samples as batches need them. The store holds
 whatever `tokenize_sample` returns, array by array. The batch plan is fixed by
 the seed: every epoch shuffles the samples with its own seed and packs them greedily into
-micro-batches of at most `token_budget` padded tokens. Step s of replica r uses plan entry
-(s-1)*replicas + r, so a resumed run reads exactly what the uninterrupted one would.
+micro-batches of at most `token_budget` padded tokens. Step s of replica g uses plan entry
+(s-1)*replicas + g (g: its index among every replica of every process of the run), so a
+resumed run reads exactly what the uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -325,8 +326,8 @@ class BatchPlan:
         self.replicas = replicas
         self.entries: list[PlanEntry] = []
         # A store's lengths plan the batches without reading a token.
-        lengths = (samples.lengths.tolist() if isinstance(samples, StoredSamples)
-                   else [len(sample.ids) for sample in samples])
+        lengths = self.lengths = (samples.lengths.tolist() if isinstance(samples, StoredSamples)
+                                  else [len(sample.ids) for sample in samples])
         for epoch in range(epochs):
             order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
             batches = _pack(order.tolist(), lengths, data)
@@ -341,6 +342,10 @@ class BatchPlan:
 
     def entry(self, step: int, replica: int) -> PlanEntry:
         return self.entries[(step - 1) * self.replicas + replica]
+
+    def tokens(self, entry: PlanEntry) -> int:
+        """The real (unpadded) tokens of a micro-batch, as its HostBatch counts them."""
+        return sum(self.lengths[i] for i in entry.samples)
 
     def last_entry(self, step: int) -> PlanEntry:
         """The last micro-batch `step` uses: the data cursor a checkpoint of that step records."""

@@ -7,7 +7,8 @@ hangs, aborts the process or exits it with a code. A drafter also asks
 gradients NaN (Replica.run_step), the failure a diverging run meets. Matching is by the
 logical thread name, so the sequential pipeline (one thread doing every part) takes the
 same faults. A fault with `attempt: N` fires only in attempt N of the run (DFLASH_ATTEMPT),
-so a test can fail the launch and let its restart or resume succeed.
+so a test can fail the launch and let its restart or resume succeed; one with `rank: N`
+only in the process of that rank (a host of a multi-host run). Without them, everywhere.
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ class InjectedRootCause(ValueError):
 
 
 class FaultInjector:
-    def __init__(self, faults: tuple[FaultSpec, ...], attempt: int | None = None):
+    def __init__(self, faults: tuple[FaultSpec, ...], rank: int = 0, attempt: int | None = None):
         attempt = attempt_number() if attempt is None else attempt
-        self._faults = tuple(f for f in faults if f.attempt is None or f.attempt == attempt)
+        self._faults = tuple(f for f in faults if (f.attempt is None or f.attempt == attempt)
+                             and (f.rank is None or f.rank == rank))
 
     def fire(self, thread: str, step: int | None = None) -> None:
         for fault in self._matching(thread, step, poison=False):

@@ -5,9 +5,10 @@
                                                                       v  every step (Rendezvous)
     drafter-0: metrics, checkpoints, export, eval requests --eval_queue--> eval
 
-Step s of replica r is plan entry (s-1)*R + r and goes through target r % T, so each
-drafter receives its micro-batches in order. All queues are bounded; every blocking call
-wakes on the stop event.
+Step s of replica r is plan entry (s-1)*G + g, g = rank*R + r its index in the run (G
+replicas in all, R per process), and goes through target r % T, so each drafter receives
+its micro-batches in order. Rank 0 alone reports steps, evaluates, writes checkpoints
+and the export. All queues are bounded; every blocking call wakes on the stop event.
 """
 from __future__ import annotations
 
@@ -21,17 +22,21 @@ from typing import Any, Callable
 import torch
 
 from .checkpoint import TrainingState, replace_dir, save_checkpoint
-from .compile_policy import StepStats
 from .config import TrainConfig, resolved_yaml
 from .data import BatchPlan, HostBatch, Sample, collate
 from .devices import Fence, handoff, is_cuda, thread_stream
+from .distributed import Layout, Peers
 from .faults import FaultInjector
+from .gradients import GradientExchange
 from .model import DFlashDrafter, cpu_weights, export_drafter
-from .replica import AppliedStep, FeatureBatch, NonFiniteStep, Replica, average_gradients
+from .replica import AppliedStep, FeatureBatch, NonFiniteStep, Replica
 from .runlog import EventLog, say
 from .speculative import evaluate
 from .target import FeatureTap
 from .threads import Rendezvous, RunState, StoppableQueue, StopRequested, Worker
+
+
+READY = "ready"  # the store barrier every rank arrives at once all its drafters are ready
 
 
 @dataclasses.dataclass
@@ -110,6 +115,8 @@ class Run:
     drafter_devices: list[str]
     start_step: int
     losses: list[float]  # the loss curve, carried across resumes
+    exchange: GradientExchange
+    peers: Peers | None = None  # the other processes of the run, if any
     waits: WaitMeter = dataclasses.field(default_factory=WaitMeter)
     queues: list[StoppableQueue] = dataclasses.field(default_factory=list)  # reported in step events
     evaluator: Evaluator | None = None
@@ -127,8 +134,12 @@ class Run:
     def total_steps(self) -> int:
         return self.plan.total_steps
 
+    @property
+    def layout(self) -> Layout:
+        return self.exchange.layout
+
     def host_batch(self, step: int, replica: int) -> HostBatch:
-        entry = self.plan.entry(step, replica)
+        entry = self.plan.entry(step, self.layout.global_index(replica))
         batch = collate(self.samples, entry, step, replica, self.config.data, self.config.drafter,
                         self.pad_id, self.config.seed)
         return batch.pin() if is_cuda(self.target_devices[0]) else batch
@@ -138,19 +149,20 @@ class Run:
         features = self.taps[target].features(batch.input_ids.to(device, non_blocking=True))
         return FeatureBatch(batch, handoff(features, drafter_device), Fence(device))
 
-    def report_step(self, step: int, stats: list[StepStats], batches: list[HostBatch], applied: AppliedStep) -> None:
+    def report_step(self, step: int, applied: AppliedStep) -> None:
+        """The step event, for every replica of the run (the sizes of the micro-batches of
+        other ranks come from the plan, which every rank has)."""
         now = time.perf_counter()
         elapsed, self._last_report = max(now - self._last_report, 1e-9), now
         lr, grad_norm = applied.lr, applied.grad_norm
         loss = sum(applied.losses) / len(applied.losses)
-        correct = sum(s.correct.to("cpu") for s in stats)
-        counted = sum(s.counted.to("cpu") for s in stats)
-        acc = [round(c / n, 4) if n else None for c, n in zip(correct.tolist(), counted.tolist())]
-        tokens, samples = sum(b.num_tokens for b in batches), sum(b.num_samples for b in batches)
+        acc = [round(c / n, 4) if n else None for c, n in zip(applied.correct, applied.counted)]
+        entries = [self.plan.entry(step, g) for g in range(self.plan.replicas)]
+        tokens, samples = sum(self.plan.tokens(e) for e in entries), sum(len(e.samples) for e in entries)
         self.losses.append(loss)
         self.events.emit("step", step=step, loss=round(loss, 6), acc=acc, tokens_per_s=round(tokens / elapsed, 2),
                          samples_per_s=round(samples / elapsed, 3), queue_depths={q.name: q.depth() for q in self.queues},
-                         wait_s=self.waits.take(), lr=lr, grad_norm=round(grad_norm, 4), epoch=batches[0].epoch,
+                         wait_s=self.waits.take(), lr=lr, grad_norm=round(grad_norm, 4), epoch=entries[0].epoch,
                          total_steps=self.total_steps, peak_memory_bytes=self.peak_memory())
         if step % self.config.log_every == 0 or step == self.total_steps:
             say(f"step {step}/{self.total_steps} loss {loss:.4f} acc@1 {acc[0]} lr {lr:.2e} "
@@ -170,17 +182,26 @@ class Run:
         if self.evaluator is not None and self.config.eval.at_start:
             evaluate(EvalRequest(self.start_step, cpu_weights(lead.drafter), baseline=True))
 
-    def after_step(self, step: int, lead: Replica, stats: list[StepStats], batches: list[HostBatch],
-                   applied: AppliedStep, evaluate: Callable[[EvalRequest], None]) -> None:
-        """Report the step, then checkpoint and evaluate when due."""
-        self.report_step(step, stats, batches, applied)
+    @property
+    def writes_outputs(self) -> bool:
+        """Rank 0 reports steps, writes checkpoints and the export, and evaluates."""
+        return self.layout.rank == 0
+
+    def after_step(self, step: int, lead: Replica, applied: AppliedStep,
+                   evaluate: Callable[[EvalRequest], None]) -> None:
+        """Report the step, then checkpoint and evaluate when due (rank 0)."""
+        if not self.writes_outputs:
+            return
+        self.report_step(step, applied)
         if self.checkpoint_due(step):
             self.save_checkpoint(lead)
         if self.eval_due(step):
             evaluate(EvalRequest(step, cpu_weights(lead.drafter)))
 
     def after_training(self, lead: Replica, evaluate: Callable[[EvalRequest], None]) -> None:
-        """Export the trained drafter, then its final evaluation."""
+        """Export the trained drafter, then its final evaluation (rank 0)."""
+        if not self.writes_outputs:
+            return
         self.export(lead)
         if self.evaluator is not None:
             evaluate(EvalRequest(self.total_steps, cpu_weights(lead.drafter), final=True))
@@ -200,7 +221,7 @@ class Run:
         step = replica.completed_step  # >= 1: checkpoints follow steps
         entry = self.plan.last_entry(step)
         state = TrainingState(step=step, epoch=entry.epoch, batch_index=entry.index, replicas=self.plan.replicas,
-                              losses=list(self.losses))
+                              losses=list(self.losses), world_size=self.layout.world_size)
         path = save_checkpoint(self.run_dir / "checkpoints", state, replica.drafter, replica.optimizer,
                                replica.scheduler, self.config.checkpoint.keep, resolved_yaml(self.config))
         self.last_checkpoint = step
@@ -271,7 +292,8 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
             run.faults.fire(worker.name)
             replica = start_replica(index)
             worker.mark_ready()
-            run.events.emit("ready", replica=replica.index, device=replica.device, compile=run.config.compile)
+            run.events.emit("ready", replica=replica.index, device=replica.device, compile=run.config.compile,
+                            rank=run.layout.rank, world_size=run.layout.world_size)
             run.state.progressed()
             worker.phase = "train"
             lead = replica.index == 0
@@ -281,6 +303,8 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
 
             if lead:
                 run.before_training(replica, evaluate)
+                if run.peers is not None:  # the first all-reduce must not time out on a slower host's warm-up
+                    run.peers.wait_for_all(READY, run.config.runtime.ready_timeout_s)
             for step in range(run.start_step + 1, run.total_steps + 1):
                 worker.step = step
                 feature_batch, waited = channels.drafter_queues[replica.index].get()
@@ -289,24 +313,31 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
                 run.faults.fire(worker.name, step)
                 stats = replica.run_step(feature_batch, poison=run.faults.poisons(worker.name, step))
                 started = time.perf_counter()
-                posted = channels.rendezvous.exchange(
-                    replica.index, (replica.gradients(), stats, feature_batch.host))
+                averaged = channels.rendezvous.exchange(replica.index, replica.post(stats), run.exchange.average)
                 run.waits.add(worker.name, time.perf_counter() - started)
-                mean = average_gradients([p[0] for p in posted], replica.device)
                 try:
-                    applied = replica.apply(mean, step, [p[1].loss for p in posted])
+                    applied = replica.apply(averaged, step)
                 except NonFiniteStep as exc:
-                    if exc.reporter != replica.index:
-                        # Every replica found it at this step; the one named records it, the rest stop.
-                        raise StopRequested(f"drafter-{exc.reporter} found a non-finite step") from None
-                    raise
+                    raise stop_unless_reporter(run, replica, exc) from None
                 run.state.progressed()
                 if lead:
-                    run.after_step(step, replica, [p[1] for p in posted], [p[2] for p in posted], applied, evaluate)
+                    run.after_step(step, replica, applied, evaluate)
             worker.phase = "shutdown"
             if lead:
                 run.after_training(replica, evaluate)
     return body
+
+
+def stop_unless_reporter(run: Run, replica: Replica, exc: NonFiniteStep) -> BaseException:
+    """Every replica of the run found the non-finite step; the one it names records it.
+    The others stop without a record; on another rank than the reporter's, the first of
+    them records PeerFailed, the root cause being that rank's."""
+    if exc.reporter == replica.global_index:
+        return exc
+    reporter_rank = exc.reporter // run.layout.local_replicas
+    if reporter_rank != run.layout.rank and run.peers is not None:
+        run.peers.peer_failed(reporter_rank, type(exc).__name__, str(exc))
+    return StopRequested(f"{run.layout.replica_name(exc.reporter)} found a non-finite step")
 
 
 def eval_body(run: Run, channels: Channels):

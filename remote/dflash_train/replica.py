@@ -1,7 +1,8 @@
 """One data-parallel drafter replica: weights, optimizer, scheduler and train step.
 
-Every replica starts from the same weights and applies the same averaged gradients
-(summed in replica order, on every replica alike), so all replicas stay identical.
+Every replica starts from the same weights and applies the same averaged gradients (one
+tensor, summed by the lead replica and copied to every replica: gradients.py), so all
+replicas stay identical, in one process or in every process of a run.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from .compile_policy import StepStats, TrainStep
 from .config import TrainConfig
 from .data import HostBatch
 from .devices import Fence, is_cuda
+from .distributed import Layout
+from .gradients import Averaged, Posted, step_facts
 from .model import DFlashDrafter
 from .objective import DraftObjective, DrafterInputs, warmup_cosine
 
@@ -58,19 +61,21 @@ class FrozenTargetWeights:
 
 @dataclasses.dataclass(frozen=True)
 class AppliedStep:
-    """What one optimizer step read back to the host."""
+    """What one optimizer step read back to the host, about every replica of the run."""
 
     lr: float  # the learning rate it used
     grad_norm: float  # of the averaged gradients, before clipping
-    losses: list[float]  # every replica's loss, in replica order
+    losses: list[float]  # every replica's loss, in the run's replica order
+    correct: list[float]  # (bs-1,) hits per block position, summed over the replicas
+    counted: list[float]  # (bs-1,) learnable tokens per block position, summed over the replicas
 
 
 class NonFiniteStep(RuntimeError):
     """A step's loss or gradient norm is NaN or infinite; its update was not applied.
 
     Every replica reads the same values (all losses, the norm of the shared averaged
-    gradients), so all of them find it at the same step. `reporter` is the replica that
-    records it: the first whose loss is non-finite, else the lead. `detail` goes into the
+    gradients), so all of them find it at the same step. `reporter` is the replica (its
+    index in the run) that records it: the first whose loss is non-finite, else the lead. `detail` goes into the
     errors.jsonl record (non-finite numbers as the strings "nan", "inf", "-inf")."""
 
     def __init__(self, message: str, reporter: int, detail: dict[str, Any]):
@@ -88,8 +93,11 @@ def _json_number(value: float) -> float | str:
 
 class Replica:
     def __init__(self, index: int, device: str, config: TrainConfig, hf_config: Any,
-                 weights: dict[str, torch.Tensor], frozen: FrozenTargetWeights, total_steps: int):
-        self.index = index
+                 weights: dict[str, torch.Tensor], frozen: FrozenTargetWeights, total_steps: int,
+                 layout: Layout = Layout()):
+        self.index = index  # in this process: drafter-<index>
+        self.layout = layout
+        self.global_index = layout.global_index(index)  # in the run: which micro-batches it trains on
         self.device = device
         self.drafter = DFlashDrafter(hf_config)
         self.drafter.load_state_dict(weights)
@@ -122,31 +130,38 @@ class Replica:
             inputs.features = torch.full_like(inputs.features, math.nan)
         return self.train_step(inputs)
 
-    def gradients(self) -> tuple[list[torch.Tensor], Fence]:
-        return [p.grad for p in self.drafter.parameters()], Fence(self.device)
+    def post(self, stats: StepStats) -> Posted:
+        """This step's gradients and facts, for the gradient exchange."""
+        grads = [p.grad for p in self.drafter.parameters()]
+        return Posted(grads, step_facts(stats, grads[0].dtype), Fence(self.device), self.device)
 
-    def apply(self, mean_grads: list[torch.Tensor], step: int, losses: list[torch.Tensor]) -> AppliedStep:
+    def apply(self, averaged: Averaged, step: int) -> AppliedStep:
         """Set the averaged gradients, check them and every replica's loss, clip, step.
 
-        The norm and `losses` (every replica's loss tensor, readable on this device once
-        average_gradients waited for their fences) come to the host in one read: the one
-        host sync a step has always taken here. NonFiniteStep if any is NaN or infinite,
-        before the optimizer step, so the weights never take a non-finite update."""
+        The norm and the facts of every replica (loss, accuracy counts) come to the host
+        in one read: the one host sync a step has always taken here. NonFiniteStep if the
+        norm or a loss is NaN or infinite, before the optimizer step, so the weights never
+        take a non-finite update."""
+        averaged.fence.wait(self.device, averaged.flat)
         params = list(self.drafter.parameters())
-        for param, grad in zip(params, mean_grads):
+        for param, grad in zip(params, averaged.grads):
             param.grad = grad
-        norm = torch.nn.utils.get_total_norm(mean_grads)
-        grad_norm, *loss_values = torch.stack(
-            [norm, *(loss.to(norm.device, norm.dtype) for loss in losses)]).tolist()
-        if not all(math.isfinite(value) for value in (grad_norm, *loss_values)):
-            raise self._non_finite(step, grad_norm, loss_values, mean_grads)
+        norm = torch.nn.utils.get_total_norm(averaged.grads)
+        grad_norm, *facts = torch.cat([norm.reshape(1), averaged.facts.reshape(-1).to(norm.dtype)]).tolist()
+        width = averaged.facts.shape[1]  # 1 + 2 (bs - 1)
+        rows = [facts[i:i + width] for i in range(0, len(facts), width)]
+        losses = [row[0] for row in rows]
+        if not all(math.isfinite(value) for value in (grad_norm, *losses)):
+            raise self._non_finite(step, grad_norm, losses, averaged.grads)
         torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.completed_step = step
-        return AppliedStep(lr, grad_norm, loss_values)
+        positions = (width - 1) // 2
+        return AppliedStep(lr, grad_norm, losses, [sum(r[1 + k] for r in rows) for k in range(positions)],
+                           [sum(r[1 + positions + k] for r in rows) for k in range(positions)])
 
     def _non_finite(self, step: int, grad_norm: float, losses: list[float],
                     grads: list[torch.Tensor]) -> NonFiniteStep:
@@ -157,7 +172,7 @@ class Replica:
         bad_loss = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
         if bad_loss is not None:
             reporter, quantity, value = bad_loss, "loss", losses[bad_loss]
-            what = f"the loss of drafter-{bad_loss} is {value} (gradient norm {grad_norm:.6g})"
+            what = f"the loss of {self.layout.replica_name(bad_loss)} is {value} (gradient norm {grad_norm:.6g})"
         else:
             reporter, quantity, value = 0, "grad_norm", grad_norm
             what = f"the gradient norm is {value} (losses {', '.join(f'{x:.6g}' for x in losses)})"
@@ -173,26 +188,6 @@ class Replica:
                   "nonfinite_grads": bad[:NONFINITE_NAMES_SHOWN], "nonfinite_grad_count": len(bad),
                   "parameters": len(names)}
         return NonFiniteStep(f"step {step}: {what}; {where}; the update was not applied", reporter, detail)
-
-
-def average_gradients(posted: list[tuple[list[torch.Tensor], Fence]], device: str) -> list[torch.Tensor]:
-    """Mean of every replica's gradients, in new tensors on `device`. The sum runs in
-    replica order, so every replica computes bit-identical results."""
-    if len(posted) == 1:
-        return list(posted[0][0])
-    for _, fence in posted:
-        fence.wait(device)
-    means = []
-    for grads in zip(*(g for g, _ in posted)):
-        total = grads[0].to(device, copy=True)
-        for grad in grads[1:]:
-            total.add_(grad.to(device, non_blocking=is_cuda(device)))
-        means.append(total.div_(len(grads)))
-    if is_cuda(device):
-        # The owners free or overwrite their gradients right after the exchange: every
-        # read of them must have finished on this stream before we report back.
-        torch.cuda.current_stream(device).synchronize()
-    return means
 
 
 class ReplicasDiverged(RuntimeError):

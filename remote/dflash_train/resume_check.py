@@ -16,11 +16,12 @@ from pathlib import Path
 from .config import TrainConfig, load_train_config
 
 
-def mismatch(config: TrainConfig, folder: Path, step: int, replicas: int) -> str | None:
-    """Why the checkpoint of `step` written with `replicas` drafters cannot go on under `config`."""
+def mismatch(config: TrainConfig, folder: Path, step: int, replicas: int, world_size: int = 1) -> str | None:
+    """Why the checkpoint of `step` written with `replicas` drafters in all cannot go on under
+    `config` run by `world_size` processes (hosts)."""
     if config.job != "train":
         return f"job: {config.job} does not train a drafter from checkpoints"
-    drafters = len(config.devices.drafters)
+    drafters = len(config.devices.drafters) * world_size
     if replicas != drafters:
         return (f"{folder} was trained with {replicas} drafters; this config has {drafters} "
                 "(the data order depends on it)")
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_train_config(args.config)
         state = json.loads((folder / "state.json").read_text())
-        problem = mismatch(config, folder, int(state["step"]), int(state["replicas"]))
+        # A resume runs on the hosts the checkpoint's run had: as many processes as then.
+        problem = mismatch(config, folder, int(state["step"]), int(state["replicas"]), int(state.get("world_size", 1)))
     except Exception as exc:  # noqa: BLE001 - whatever it is, it is why the resume is refused
         problem = f"{type(exc).__name__}: {exc}"
     if problem:

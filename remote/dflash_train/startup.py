@@ -17,7 +17,9 @@ from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume
 from .config import TrainConfig, resolve_path
 from .data import BatchPlan, load_prompts, load_samples
 from .devices import canonical
+from .distributed import Layout, Peers
 from .faults import FaultInjector
+from .gradients import GradientExchange
 from .model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
 from .pipeline import Evaluator, Run
 from .replica import FrozenTargetWeights, Replica
@@ -38,7 +40,7 @@ class Prepared:
 
     def make_replica(self, index: int) -> Replica:
         replica = Replica(index, self.run.drafter_devices[index], self.run.config, self.hf_config,
-                          self.initial_weights, self.frozen, self.run.total_steps)
+                          self.initial_weights, self.frozen, self.run.total_steps, self.run.layout)
         if self.resumed is not None:
             replica.load_training_state(self.resumed.optimizer, self.resumed.scheduler, self.resumed.state.step)
         return replica
@@ -102,10 +104,41 @@ def _check_cursor(resumed: LoadedCheckpoint, plan: BatchPlan) -> None:
                          f"{entry.index}); the data, token_budget or seed changed since it was written")
 
 
-def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunState) -> Prepared:
+def _check_layout(resumed: LoadedCheckpoint, layout: Layout) -> None:
+    """Micro-batches go to replicas by their index in the run, so a checkpoint resumes with
+    as many replicas in all, however they are spread over processes (then the sum of the
+    gradients only runs in another order)."""
+    state = resumed.state
+    if state.replicas != layout.global_replicas:
+        raise ValueError(
+            f"{resumed.folder} was trained with {state.replicas} drafter replica(s) in all ({state.world_size} "
+            f"process(es)); this run has {layout.global_replicas} ({layout.world_size} process(es) x "
+            f"{layout.local_replicas} drafters): the data order depends on the number of replicas, so resume "
+            f"with {state.replicas} in all (e.g. {state.world_size} process(es) x "
+            f"{state.replicas // state.world_size} drafters)")
+
+
+def resume_point(config: TrainConfig, run_dir: Path, peers: Peers | None, device: str) -> LoadedCheckpoint | None:
+    """The checkpoint `checkpoint.resume` names, or None for a fresh start. Rank 0 writes
+    the checkpoints, so in a multi-host run it reads this one and sends it to the others."""
+    resumed = None
+    if config.checkpoint.resume is not None and (peers is None or peers.rank == 0):
+        folder = resolve_resume(config.checkpoint.resume, run_dir)
+        if folder is None:
+            say("checkpoint.resume: latest, but this run has no checkpoint yet: starting fresh")
+        else:
+            resumed = load_checkpoint(folder)
+    if config.checkpoint.resume is not None and peers is not None:
+        resumed = peers.share_from_rank0(resumed, device if peers.backend == "nccl" else "cpu")
+    return resumed
+
+
+def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunState,
+            peers: Peers | None = None) -> Prepared:
     from transformers import AutoTokenizer
 
-    faults = FaultInjector(config.faults)
+    layout = peers.layout if peers is not None else Layout(local_replicas=len(config.devices.drafters))
+    faults = FaultInjector(config.faults, layout.rank)
     faults.fire("coordinator")
     target_source, train_path, eval_path = sources(config, run_dir)  # building tiny assets uses every core
     torch.set_num_threads(torch_threads(config))
@@ -116,8 +149,9 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
     samples = load_samples(train_path, tokenizer, config.data.max_length, cache_root(run_dir) / "tokenized",
                            progress=lambda fraction, count: events.emit("tokenizing", fraction=round(fraction, 4),
                                                                         samples=count))
-    prompts = load_prompts(eval_path, tokenizer, config.eval.num_prompts) if eval_path else []
-    plan = BatchPlan(samples, config.data, len(drafter_devices), config.optim.epochs, config.optim.max_steps,
+    # Rank 0 alone evaluates (the replicas are identical).
+    prompts = load_prompts(eval_path, tokenizer, config.eval.num_prompts) if eval_path and layout.rank == 0 else []
+    plan = BatchPlan(samples, config.data, layout.global_replicas, config.optim.epochs, config.optim.max_steps,
                      config.seed)
     say(f"{len(samples)} samples, {len(plan.entries)} micro-batches, {plan.total_steps} steps; "
         f"{len(prompts)} eval prompts; torch threads {torch.get_num_threads()}")
@@ -135,20 +169,16 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
     taps = [taps_by_device[device] for device in target_devices]
     hf_config = drafter_hf_config(target_config, config.drafter, tuple(layer_ids), mask_id)
 
-    resumed = None
-    if config.checkpoint.resume is not None:
-        folder = resolve_resume(config.checkpoint.resume, run_dir)
-        if folder is None:
-            say("checkpoint.resume: latest, but this run has no checkpoint yet: starting fresh")
-        else:
-            resumed = load_checkpoint(folder)
-            if problem := mismatch(config, folder, resumed.state.step, resumed.state.replicas):
-                raise ValueError(problem)
-            if resumed.state.step > plan.total_steps:
-                raise ValueError(f"{folder} is at step {resumed.state.step}, past this config's "
-                                 f"{plan.total_steps} steps")
-            _check_cursor(resumed, plan)
-            say(f"resuming from {folder} at step {resumed.state.step}")
+    resumed = resume_point(config, run_dir, peers, drafter_devices[0])
+    if resumed is not None:
+        _check_layout(resumed, layout)
+        if problem := mismatch(config, resumed.folder, resumed.state.step, resumed.state.replicas, layout.world_size):
+            raise ValueError(problem)
+        if resumed.state.step > plan.total_steps:
+            raise ValueError(f"{resumed.folder} is at step {resumed.state.step}, past this config's "
+                             f"{plan.total_steps} steps")
+        _check_cursor(resumed, plan)
+        say(f"resuming from {resumed.folder} at step {resumed.state.step}")
     if resumed is not None:
         weights = resumed.weights
     else:
@@ -160,7 +190,8 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
     run = Run(config=config, run_dir=run_dir, events=events, state=state, faults=faults, samples=samples,
               plan=plan, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
               taps=taps, target_devices=target_devices, drafter_devices=drafter_devices, start_step=start_step,
-              losses=list(resumed.state.losses) if resumed else [])
+              losses=list(resumed.state.losses) if resumed else [], exchange=GradientExchange(layout, peers),
+              peers=peers)
     if resumed is not None:
         run.last_checkpoint = start_step
     frozen = FrozenTargetWeights(targets)

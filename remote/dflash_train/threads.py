@@ -207,25 +207,30 @@ class StoppableQueue(Generic[T]):
 
 
 class Rendezvous:
-    """All data-parallel replicas meet here every step to average gradients.
+    """All data-parallel replicas of the process meet here every step to average gradients.
 
-    `exchange(replica, value)` blocks until every replica posted its value and returns
-    the list of all values (index = replica). The barrier is broken when the run stops,
-    so a replica waiting for a dead peer wakes up instead of hanging.
+    `exchange(replica, value, combine)` blocks until every replica posted its value; the
+    lead (replica 0) computes `combine(values)` (index = replica) and every replica gets
+    its entry of the result. The barrier is broken when the run stops, so a replica
+    waiting for a dead peer (or for a lead that failed) wakes up instead of hanging.
     """
 
     def __init__(self, parties: int, state: RunState):
         self._barrier = threading.Barrier(parties)
         self._slots: list[Any] = [None] * parties
+        self._result: list[Any] = []
         state.on_stop(self._barrier.abort)
         self._state = state
 
-    def exchange(self, replica: int, value: Any) -> list[Any]:
+    def exchange(self, replica: int, value: T, combine: Callable[[list[T]], list[Any]]) -> Any:
         self._slots[replica] = value
         self._wait()
-        values = list(self._slots)
-        self._wait()  # nobody may overwrite a slot before every replica has read them all
-        return values
+        if replica == 0:
+            self._result = combine(list(self._slots))
+        # Nobody posts the next step's value before the lead has read them all, and the
+        # lead writes the next result only after every replica posted again (so has read this one).
+        self._wait()
+        return self._result[replica]
 
     def _wait(self) -> None:
         try:

@@ -103,11 +103,20 @@ def _build_model(spec: TinyTargetSpec, vocab_size: int, tokenizer):
 
 
 def _build(spec: TinyTargetSpec, data: SyntheticDataSpec, out: Path) -> None:
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     staging = out / "target"
     tokenizer = _build_tokenizer(spec)
-    _build_model(spec, len(tokenizer), tokenizer).save_pretrained(str(staging))
+    # Not model.save_pretrained: under torch.distributed, transformers writes only on rank 0,
+    # and every host of a run on several hosts builds the tiny target in its own workspace.
+    model = _build_model(spec, len(tokenizer), tokenizer)
+    model.config.architectures = [type(model).__name__]  # what save_pretrained records
+    model.config.dtype = next(model.parameters()).dtype
+    model.config.save_pretrained(str(staging))
+    model.generation_config.save_pretrained(str(staging))
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
+              str(staging / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(staging))
     # Generate with what from_pretrained gives back: the data must match the saved target.
     model = AutoModelForCausalLM.from_pretrained(str(staging), dtype=torch.float32).eval()

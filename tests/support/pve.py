@@ -1,5 +1,5 @@
 """The fake Proxmox node: a state folder holding the strict fake `pct` (fake_pct, see
-its docstring) and the containers it knows. Container 200 runs, 201 is stopped, and
+its docstring) and the containers it knows. Containers 200 and 202 run, 201 is stopped, and
 999 does not exist. Inside a container, its own root folder is bind-mounted over
 `mount_point`, which on the node stays an EMPTY folder: anything found there was
 written on the node instead of inside the container."""
@@ -12,6 +12,7 @@ from pathlib import Path
 
 FAKE_PCT = Path(__file__).with_name("fake_pct")
 CONTAINERS = {200: "running", 201: "stopped"}
+CONTAINERS[202] = "running"  # a second running container, with its own filesystem: runs on two hosts
 UNKNOWN_CONTAINER = 999
 #: added by FakePve.add_bare_container: a running container whose `python3` is a bare
 #: interpreter (a fresh container's system Python, without torch or transformers)

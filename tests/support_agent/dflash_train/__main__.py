@@ -45,6 +45,9 @@ def describe_start(argv):
         "stdin": os.readlink("/proc/self/fd/0"), "stdout": os.readlink("/proc/self/fd/1"),
         "run_json_existed": os.path.exists(path("run.json")), "argv": argv,
         "env": {key: os.environ.get(key) for key in env_keys},
+        "distributed_env": {key: os.environ[key] for key in (
+            "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+            if key in os.environ},
     })
 
 

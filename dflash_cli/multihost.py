@@ -1,0 +1,58 @@
+"""One run across several hosts, seen as one (DESIGN.md "Several hosts"): its state from
+each host's, and its root cause among every host's error records."""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+# The record of a rank that stopped because another rank failed (the trainers' store
+# watchdog writes it, with detail {peer_rank, peer_exc_type, peer_message}): never the
+# root cause while the failure it reports is on record.
+PEER_FAILED = "PeerFailed"
+# A host whose state could not be read (unreachable): exit 3 unless another host failed.
+UNKNOWN = "UNKNOWN"
+# The run's state is the first of these any host is in. FAILED anywhere is the run
+# failed; a stop of one part stops the whole; RUNNING only when every host runs, and
+# SUCCEEDED only when every host succeeded (one still running: the run is).
+_PRECEDENCE = ("FAILED", "LOST", UNKNOWN, "STOPPED", "STALLED", "DEGRADED", "STARTING", "RUNNING", "SUCCEEDED")
+
+
+def aggregate_state(states: Mapping[str, str | None]) -> str:
+    """The run's state from each host's (None: that host could not be asked)."""
+    present = {state or UNKNOWN for state in states.values()}
+    for state in _PRECEDENCE:
+        if state in present:
+            return state
+    return sorted(present)[0]  # a state this CLI does not know: shown as it is (exit 3)
+
+
+def in_time_order(records_by_host: Mapping[str, Sequence[dict]]) -> list[tuple[str, dict]]:
+    """(host, record) of every host's error records. One host's keep their file order
+    (appended as threads failed); several hosts' are merged by their time stamps."""
+    tagged = [(host, record) for host, records in records_by_host.items() for record in records]
+    if len(records_by_host) < 2:
+        return tagged
+    def stamp(item: tuple[str, dict]) -> float:
+        ts = item[1].get("ts")
+        return ts if isinstance(ts, (int, float)) else math.inf
+    return sorted(tagged, key=stamp)
+
+
+def root_cause(records: Sequence[tuple[str, dict]]) -> tuple[str, dict] | None:
+    """The run's root cause: the earliest record that is not a rank stopping because a
+    peer failed, else the earliest (a peer that failed without a record of its own)."""
+    for item in records:
+        if item[1].get("exc_type") != PEER_FAILED:
+            return item
+    return records[0] if records else None
+
+
+def peer_failed_line(record: dict, hosts: Sequence[str]) -> str:
+    """One line for a PeerFailed record: its traceback is the watchdog's, not the cause."""
+    detail = record.get("detail") or {}
+    rank = detail.get("peer_rank")
+    where = f"rank {rank}" + (f" ({hosts[rank]})" if isinstance(rank, int) and 0 <= rank < len(hosts) else "")
+    message = detail.get("peer_message", record.get("message", ""))
+    if not detail.get("peer_exc_type"):  # the peer vanished without a record (killed, store gone)
+        return f"stopped because {where} is gone: {message}"
+    return f"stopped because {where} failed: {detail['peer_exc_type']}: {message}"

@@ -1,0 +1,390 @@
+"""One run over several processes (one per host), joined by torch.distributed.
+
+Every host's supervisor starts one trainer process with the standard variables RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT (what `torchrun --nproc-per-node 1` sets too);
+`join` makes the process group from them (init_method env://: rank 0 hosts the c10d
+TCPStore). Without WORLD_SIZE, or with 1, there is no group and nothing here runs.
+
+A failure must stop every host within seconds, whatever collective the others wait in.
+On the store, under dflash/<run id>/:
+
+    abort      {rank, kind: failed|stopped, exc_type, message}: written by the first rank
+               that fails or stops, before it tears down (compare_set: the first one wins)
+    alive/<r>  rank r's watchdog counts up every WATCH_S
+    left/<r>   rank r ended its part normally (its count stops for a good reason)
+    acked      peers that saw `abort` (the failed rank 0 waits for them before leaving)
+
+Every rank runs a watchdog thread that reads them: a peer's `failed` record, a peer
+silent for peer_timeout_s, or the store gone (rank 0 gone) make this rank's run stop
+with ONE errors.jsonl record, PeerFailed, whose detail names the peer and its root cause;
+a peer's `stopped` record stops this rank as a signal would (exit 143). A rank that has
+not ended its part `exit_after_s` later (busy in a startup step that does not look at
+the stop event, say loading a target) is ended by the watchdog (`Peers.on_stuck`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import threading
+import signal
+import time
+from typing import Any, Callable
+
+import torch
+
+from .config import DistributedConfig
+from .runlog import say
+from .threads import RunState, StopRequested
+
+WATCH_S = 0.5  # the watchdog's period: how fast a peer's failure is seen
+ACK_S = 5.0  # how long a failed rank 0 keeps its store up for the others to read why
+COLLECTIVE_CAUSE_S = 2.0  # after a broken collective, how long to look for the peer's abort record
+
+
+class JoinFailed(RuntimeError):
+    """The process group could not be formed (no rendezvous, a peer that never came)."""
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective failed and no peer said why (it died without a record, or the network broke)."""
+
+
+class PeerFailed(RuntimeError):
+    """This rank stopped because another one failed; `detail` names that rank and its root cause."""
+
+    def __init__(self, peer_rank: int, peer_exc_type: str | None, peer_message: str):
+        cause = f"{peer_exc_type}: {peer_message}" if peer_exc_type else peer_message
+        super().__init__(f"rank {peer_rank} failed ({cause}); this rank stopped")
+        self.detail = {"peer_rank": peer_rank, "peer_exc_type": peer_exc_type, "peer_message": peer_message}
+
+
+def _first_line(exc: BaseException) -> str:
+    """c10d errors carry a C++ backtrace after their first line."""
+    return str(exc).strip().split("\n")[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where this process sits: replicas are numbered rank * local + i over the whole run."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_replicas: int = 1
+
+    @property
+    def global_replicas(self) -> int:
+        return self.world_size * self.local_replicas
+
+    def global_index(self, local: int) -> int:
+        return self.rank * self.local_replicas + local
+
+    def replica_name(self, global_index: int) -> str:
+        """drafter-i, and the rank that runs it when there are several."""
+        if self.world_size == 1:
+            return f"drafter-{global_index}"
+        return f"drafter-{global_index % self.local_replicas} of rank {global_index // self.local_replicas}"
+
+
+def requested_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1") or "1")
+
+
+def pick_backend(config: DistributedConfig, cuda: bool) -> str:
+    if config.backend != "auto":
+        return config.backend
+    return "nccl" if cuda else "gloo"
+
+
+def join(config: DistributedConfig, local_replicas: int, cuda: bool, state: RunState) -> "Peers | None":
+    """The process group of this run, or None for a one-process run (WORLD_SIZE unset or 1)."""
+    world = requested_world_size()
+    if world <= 1:
+        return None
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise JoinFailed(f"WORLD_SIZE is {world} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                         "not set (a multi-process run needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
+    rank, address = int(os.environ["RANK"]), f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    backend = pick_backend(config, cuda)
+    if backend == "nccl":
+        # wait() then blocks on the CPU and raises at the timeout instead of leaving a hung
+        # kernel on the stream, and an abort (a peer failed) wakes it.
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    import torch.distributed as dist
+
+    say(f"joining the process group at {address} as rank {rank} of {world} ({backend})")
+    try:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=config.join_timeout_s))
+        # The collectives' own group: the join may wait long for a slow host, a step may not.
+        group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=config.timeout_s),
+                               backend=backend)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                              datetime.timedelta(seconds=max(config.timeout_s, 30.0)))
+    except Exception as exc:  # noqa: BLE001 - c10d raises several types for the same thing
+        raise JoinFailed(f"rank {rank} could not join the process group of {world} at {address} within "
+                         f"{config.join_timeout_s:.0f}s ({type(exc).__name__}: {_first_line(exc)})") from exc
+    peers = Peers(Layout(rank, world, local_replicas), config, backend, group,
+                  dist.PrefixStore(f"dflash/{os.environ.get('DFLASH_RUN_ID', 'run')}/", store), address, state)
+    peers.check_same_replicas()
+    peers.start_watchdog()
+    say(f"rank {rank} of {world} joined ({local_replicas} drafter replica(s) here, "
+        f"{peers.layout.global_replicas} in the run)")
+    return peers
+
+
+class Peers:
+    """This rank's view of the others: the collective group, the shared store and the watchdog."""
+
+    def __init__(self, layout: Layout, config: DistributedConfig, backend: str, group, store, address: str,
+                 state: RunState):
+        self.layout, self.config, self.backend = layout, config, backend
+        self.group, self.store, self.address, self.state = group, store, address, state
+        self._closing = threading.Event()
+        self._left = False
+        self._peer_lock = threading.Lock()
+        self._peer_failure: PeerFailed | None = None
+        self._watchdog: threading.Thread | None = None
+        # Set by the job: its (phase, step) for a PeerFailed record the watchdog writes, and
+        # what ends the process when it does not end by itself after a peer's failure.
+        self.where: Callable[[], tuple[str, int | None]] = lambda: ("startup", None)
+        self.on_stuck: Callable[[int], None] = lambda code: None
+        self.exit_after_s = 10.0
+        state.on_stop(self._on_local_stop)
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def others(self) -> list[int]:
+        return [r for r in range(self.layout.world_size) if r != self.rank]
+
+    # -- collectives -------------------------------------------------------------------
+
+    def all_reduce_sum(self, flat: torch.Tensor) -> None:
+        """Sum the 1-D `flat` over every rank, in place, in buckets of bucket_mb."""
+        import torch.distributed as dist
+
+        per_bucket = max(1, int(self.config.bucket_mb * (1 << 20)) // flat.element_size())
+        try:
+            works = [dist.all_reduce(flat[start:start + per_bucket], group=self.group, async_op=True)
+                     for start in range(0, flat.numel(), per_bucket)]
+            for work in works:
+                work.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo and NCCL raise RuntimeError subclasses of their own
+            raise self._collective_failed("the gradient all-reduce", exc) from exc
+        self.state.check()  # an abort may have woken the wait: never apply what it left
+
+    def share_from_rank0(self, value: Any, device: str) -> Any:
+        """Rank 0's `value` (any object torch.save takes; ignored on the other ranks), on
+        every rank. It goes through the collective group in pieces of bucket_mb staged on
+        `device` (a CUDA device for NCCL): a checkpoint is gigabytes, too much for the store."""
+        import io
+
+        import torch.distributed as dist
+
+        data = b""
+        if self.rank == 0:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            data = buffer.getvalue()
+            self.publish("shared-bytes", len(data))
+        size = self.collect("shared-bytes", self.config.timeout_s, ranks=[0])[0]
+        received = bytearray(size) if self.rank != 0 else bytearray()
+        per_piece = max(1, int(self.config.bucket_mb * (1 << 20)))
+        try:
+            for start in range(0, size, per_piece):
+                count = min(per_piece, size - start)
+                if self.rank == 0:
+                    piece = torch.frombuffer(bytearray(data[start:start + count]), dtype=torch.uint8).to(device)
+                else:
+                    piece = torch.empty(count, dtype=torch.uint8, device=device)
+                dist.broadcast(piece, 0, group=self.group)
+                if self.rank != 0:
+                    received[start:start + count] = piece.cpu().numpy().tobytes()
+        except Exception as exc:  # noqa: BLE001 - as in all_reduce_sum
+            raise self._collective_failed("receiving rank 0's checkpoint", exc) from exc
+        self.state.check()
+        if self.rank == 0:
+            return value
+        return torch.load(io.BytesIO(bytes(received)), map_location="cpu", weights_only=False)
+
+    def _collective_failed(self, what: str, exc: BaseException) -> BaseException:
+        """What a broken collective means: a stop under way, a peer's failure, or our own."""
+        deadline = time.monotonic() + COLLECTIVE_CAUSE_S
+        while not self.state.stop.is_set() and time.monotonic() < deadline:
+            record = self._abort_record()  # the peer writes it before it tears down
+            if record is not None:
+                self._on_abort_record(record)
+                break
+            time.sleep(0.1)
+        if self.state.stop.is_set():
+            return StopRequested(self.state.stop_reason or "stop requested")
+        return CollectiveFailed(f"{what} with the other {self.layout.world_size - 1} rank(s) failed and no rank "
+                                f"recorded why ({type(exc).__name__}: {_first_line(exc)})")
+
+    def arrive(self, name: str) -> None:
+        """Count this rank into the store barrier `name` (see wait_for_all)."""
+        self.store.add(name, 1)
+
+    def wait_for_all(self, name: str, timeout: float) -> None:
+        """A barrier on the store (no collective): wait until every rank arrived at `name`;
+        wakes on the stop event."""
+        self._poll(lambda: self.store.add(name, 0) >= self.layout.world_size, timeout,
+                   f"not every rank reached {name!r}")
+
+    def publish(self, name: str, value: Any) -> None:
+        """This rank's `value` (JSON) under `name`, for every rank to collect."""
+        self.store.set(f"{name}/{self.rank}", json.dumps(value))
+
+    def collect(self, name: str, timeout: float, ranks: list[int] | None = None) -> list[Any]:
+        """The `value` every rank (or those of `ranks`) published under `name`, by rank."""
+        keys = [f"{name}/{r}" for r in (range(self.layout.world_size) if ranks is None else ranks)]
+        self._poll(lambda: self.store.check(keys), timeout, f"not every rank sent {name!r}")
+        return [json.loads(self.store.get(key)) for key in keys]
+
+    def _poll(self, done, timeout: float, what: str) -> None:
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if done():
+                    return
+            except dist.DistError as exc:  # the store's host is gone: that is rank 0
+                raise self._store_gone(exc) from exc
+            self.state.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} within {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def _store_gone(self, exc: BaseException) -> BaseException:
+        if self.rank == 0 or self.state.stop.is_set():
+            return StopRequested(self.state.stop_reason or "stop requested") if self.state.stop.is_set() else exc
+        return self.peer_failed(0, None, f"the store that rank 0 hosts at {self.address} stopped answering "
+                                         f"({_first_line(exc)}): rank 0 is gone")
+
+    def check_same_replicas(self) -> None:
+        """Every rank must run as many replicas: the data plan numbers them rank * local + i."""
+        self.publish("replicas", self.layout.local_replicas)
+        counts = self.collect("replicas", self.config.join_timeout_s)
+        if len(set(counts)) > 1:
+            raise JoinFailed(f"the ranks run different numbers of drafter replicas ({counts}, by rank); "
+                             "every host needs as many devices.drafters")
+
+    # -- failure propagation --------------------------------------------------------------
+
+    def start_watchdog(self) -> None:
+        self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._watchdog.start()
+        self.state.thread_names.add(self._watchdog)
+
+    def _watch(self) -> None:
+        code = self._watch_until_a_peer_ends()
+        if code is not None and not self._closing.wait(self.exit_after_s):
+            say(f"this rank has not ended {self.exit_after_s:.0f}s after its peer did: ending it")
+            self.on_stuck(code)
+
+    def _watch_until_a_peer_ends(self) -> int | None:
+        """None once this rank leaves; else the exit code this rank ends with (a peer failed or stopped)."""
+        heard = {peer: (-1, time.monotonic()) for peer in self.others}  # peer -> (count, when it moved)
+        while not self._closing.wait(WATCH_S):
+            try:
+                self.store.add(f"alive/{self.rank}", 1)
+                record = self._abort_record()
+                if record is not None:
+                    self.store.add("acked", 1)
+                    self._on_abort_record(record)
+                    return 128 + signal.SIGTERM if record["kind"] == "stopped" else 1
+                now = time.monotonic()
+                for peer in self.others:
+                    if self.store.check([f"left/{peer}"]):
+                        continue
+                    count = self.store.add(f"alive/{peer}", 0)
+                    if count != heard[peer][0]:
+                        heard[peer] = (count, now)
+                    elif now - heard[peer][1] > self.config.peer_timeout_s:
+                        self.peer_failed(peer, None, f"no sign of life from rank {peer} for "
+                                                     f"{self.config.peer_timeout_s:.0f}s (killed, or frozen)")
+                        return 1
+            except Exception as exc:  # noqa: BLE001 - the store's host is gone: that is rank 0
+                if self._closing.is_set():
+                    return None
+                self._store_gone(exc)
+                return 1
+        return None
+
+    def _abort_record(self) -> dict[str, Any] | None:
+        if not self.store.check(["abort"]):
+            return None
+        record = json.loads(self.store.get("abort"))
+        return None if record["rank"] == self.rank else record
+
+    def _on_abort_record(self, record: dict[str, Any]) -> None:
+        if record["kind"] == "stopped":
+            say(f"rank {record['rank']} stopped ({record['message']}): stopping")
+            self.state.request_stop(f"rank {record['rank']} stopped")
+        else:
+            self.peer_failed(record["rank"], record["exc_type"], record["message"])
+
+    def peer_failed(self, peer_rank: int, exc_type: str | None, message: str) -> PeerFailed:
+        """Record (once, unless this rank already failed or is stopping) that a peer failed,
+        and stop this rank's run. Callers then end their thread without a record of their own."""
+        with self._peer_lock:
+            if self._peer_failure is None:
+                self._peer_failure = PeerFailed(peer_rank, exc_type, message)
+                if not self.state.stop.is_set():
+                    thread = threading.current_thread()
+                    phase, step = self.where()
+                    self.state.record_failure(self._peer_failure, thread=thread.name, thread_ident=thread.ident,
+                                              phase=getattr(thread, "phase", phase), step=getattr(thread, "step", step))
+            return self._peer_failure
+
+    def _on_local_stop(self) -> None:
+        """The run stops (RunState.request_stop): tell the peers why, unless a peer told us,
+        and free any thread blocked in a collective."""
+        if self._left:
+            return
+        failure = self.state.failure
+        if failure is None or not isinstance(failure[1], PeerFailed):
+            if failure is not None:
+                thread, exc = failure
+                record = {"rank": self.rank, "kind": "failed", "thread": thread,
+                          "exc_type": type(exc).__name__, "message": str(exc)}
+            else:
+                record = {"rank": self.rank, "kind": "stopped", "exc_type": None,
+                          "message": self.state.stop_reason or "stop requested"}
+            try:
+                self.store.compare_set("abort", "", json.dumps(record))
+            except Exception:  # noqa: BLE001 - rank 0 is gone: the peers see that for themselves
+                pass
+        if self.backend == "nccl":
+            try:  # a blocking NCCL wait only wakes when its communicator is aborted
+                self.group.abort()
+            except Exception:  # noqa: BLE001 - best effort: the timeout still bounds the wait
+                pass
+
+    def leave(self, ok: bool) -> None:
+        """End this rank's part. Rank 0 hosts the store: it stays until the others have
+        left (a run that ended well) or have read why it failed (at most ACK_S)."""
+        if ok:
+            self.store.set(f"left/{self.rank}", "1")
+        self._left = True
+        self._closing.set()
+        if self._watchdog is not None:
+            self._watchdog.join(5.0)
+        if self.rank != 0:
+            return
+        try:
+            if ok:
+                self._poll(lambda: all(self.store.check([f"left/{r}"]) for r in self.others),
+                           self.config.timeout_s, "not every rank left")
+            elif self._peer_failure is None:
+                deadline = time.monotonic() + ACK_S
+                while self.store.add("acked", 0) < len(self.others) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        except (TimeoutError, StopRequested):
+            pass

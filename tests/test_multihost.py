@@ -1,0 +1,341 @@
+"""One run across several hosts, as the CLI and the agent see it: inventory groups and
+addresses, the run's state and root cause from every host's, and `dflash launch` on two
+containers (ct200 + ct202 behind the fake pct, each with its own filesystem) that checks
+every host before it starts any and leaves no half-started run."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dflash_agent import procfs
+from dflash_cli.errors import DflashError, ExitCode
+from dflash_cli.inventory import load_inventory
+from dflash_cli.local_state import RunRef, resolve_run, set_latest
+from dflash_cli.multihost import aggregate_state, in_time_order, peer_failed_line, root_cause
+from dflash_run import dflash, dflash_argv, dflash_env
+from support import container_workspace, free_port
+from support.inventory import default_hosts
+from support.train_configs import small_config
+from support_agent.harness import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# -- inventory -------------------------------------------------------------------------
+
+def inventory(tmp_path: Path, text: str):
+    path = tmp_path / "hosts.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+HOSTS = """
+    hosts:
+      ct200: {transport: pct, ssh: root@10.1.2.6, container: 200, workspace: /w, address: 10.1.2.20}
+      ct202: {transport: pct, ssh: root@10.1.2.6, container: 202, workspace: /w}
+      gpu1: {transport: ssh, ssh: 'ubuntu@gpu1.example.net:2222', workspace: /w}
+"""
+
+
+def test_a_group_names_hosts_in_rank_order(tmp_path):
+    loaded = load_inventory(inventory(tmp_path, HOSTS + "    groups: {pair: [ct202, ct200], trio: [gpu1, ct200, ct202]}\n"))
+    assert [h.name for h in loaded.expand(["pair"])] == ["ct202", "ct200"]
+    assert [h.name for h in loaded.expand(["gpu1", "pair"])] == ["gpu1", "ct202", "ct200"]
+    # Where the others reach a host: its address, else an ssh target's host; a
+    # container's node is not the container, so it has none unless set.
+    assert [loaded.get(n).rendezvous_address() for n in ("ct200", "ct202", "gpu1", "local")] == [
+        "10.1.2.20", None, "gpu1.example.net", "127.0.0.1"]
+    with pytest.raises(DflashError, match=r"host 'ct200' is named twice \(in group 'pair', then directly\)"):
+        loaded.expand(["pair", "ct200"])
+    with pytest.raises(DflashError, match=r"host 'ct200' is named twice \(directly, then directly\)"):
+        loaded.expand(["ct200", "ct200"])
+    with pytest.raises(DflashError, match=r"unknown host 'quad' \(known hosts: .*; groups: pair, trio\)"):
+        loaded.expand(["quad"])
+
+
+@pytest.mark.parametrize("groups, expected", [
+    ("{pair: [ct200, ct209]}", r"groups.pair\[1\]: unknown host 'ct209' \(known hosts: ct200, ct202, gpu1, local\)"),
+    ("{pair: [ct200, ct202, ct200]}", r"groups.pair\[2\]: host 'ct200' is in the group twice \(first at \[0\]\)"),
+    ("{ct200: [ct200, ct202]}", r"groups.ct200: 'ct200' is already a host's name"),
+    ("{pair: []}", r"groups.pair: a group names at least one host"),
+    ("{pair: ct200}", r"groups.pair: expected a list"),
+    ("{'pa ir': [ct200]}", r"groups.pa ir: group names may use letters"),
+])
+def test_bad_groups_name_file_group_and_entry(tmp_path, groups, expected):
+    path = inventory(tmp_path, HOSTS + f"    groups: {groups}\n")
+    with pytest.raises(DflashError) as info:
+        load_inventory(path)
+    assert info.value.exit_code == ExitCode.USAGE
+    assert info.value.message.startswith(f"{path}: ")
+    assert re.search(expected, info.value.message), info.value.message
+
+
+def test_hosts_lists_the_groups(tmp_path):
+    path = inventory(tmp_path, HOSTS + "    groups: {pair: [ct202, ct200]}\n")
+    listed = dflash("hosts", hosts=path)
+    assert listed.returncode == 0, listed.stderr
+    assert "group pair: ct202, ct200 (one run, rank 0 first)" in listed.stderr
+    entries = {e["host"]: e for e in map(json.loads, dflash("hosts", "--json", hosts=path).stdout.splitlines())}
+    assert (entries["ct200"]["groups"], entries["gpu1"]["groups"]) == (["pair"], [])
+
+
+def test_a_bad_address_is_refused(tmp_path):
+    path = inventory(tmp_path, "hosts:\n  box: {transport: ssh, ssh: root@n, workspace: /w, address: 'a b'}\n")
+    with pytest.raises(DflashError, match=r"hosts.box: 'address' must be a host name or IP address"):
+        load_inventory(path)
+
+
+# -- the run's state and root cause from every host's ---------------------------------------
+
+@pytest.mark.parametrize("states, expected", [
+    (["RUNNING", "RUNNING"], "RUNNING"),
+    (["RUNNING", "STARTING"], "STARTING"),  # RUNNING only when every host runs
+    (["RUNNING", "FAILED"], "FAILED"),  # FAILED if any host failed
+    (["STOPPED", "FAILED"], "FAILED"),
+    (["SUCCEEDED", "RUNNING"], "RUNNING"),  # not done until every host is
+    (["SUCCEEDED", "SUCCEEDED"], "SUCCEEDED"),
+    (["STOPPED", "RUNNING"], "STOPPED"),
+    (["RUNNING", "DEGRADED"], "DEGRADED"),
+    (["RUNNING", None], "UNKNOWN"),  # a host that could not be asked
+    (["FAILED", None], "FAILED"),
+])
+def test_the_run_state_is_the_worst_host_state(states, expected):
+    assert aggregate_state({f"h{i}": s for i, s in enumerate(states)}) == expected
+
+
+def record(ts: float, exc_type: str, thread: str = "drafter-0") -> dict:
+    return {"ts": ts, "exc_type": exc_type, "thread": thread}
+
+
+def test_the_root_cause_is_the_earliest_record_that_is_not_a_peer_failure():
+    # ct200 noticed its peer's failure (PeerFailed) before ct202's own record's time
+    # stamp: the cause is still ct202's.
+    by_host = {"ct200": [record(10.0, "PeerFailed", "coordinator"), record(10.5, "RuntimeError", "coordinator")],
+               "ct202": [record(10.2, "RuntimeError", "drafter-1"), record(10.3, "RuntimeError", "coordinator")]}
+    merged = in_time_order(by_host)
+    assert [(h, r["ts"]) for h, r in merged] == [("ct200", 10.0), ("ct202", 10.2), ("ct202", 10.3), ("ct200", 10.5)]
+    assert root_cause(merged) == ("ct202", by_host["ct202"][0])
+    only_peers = in_time_order({"ct200": [record(3.0, "PeerFailed")], "ct202": []})
+    assert root_cause(only_peers)[0] == "ct200"
+    assert root_cause([]) is None
+    gone = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "peer_message": "no sign"}}
+    assert peer_failed_line(gone, ["ct200", "ct202"]) == "stopped because rank 0 (ct200) is gone: no sign"
+    failed = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": "KeyError", "peer_message": "x"}}
+    assert peer_failed_line(failed, ["ct200", "ct202"]) == "stopped because rank 1 (ct202) failed: KeyError: x"
+    # One host keeps its file order (records are appended as threads fail).
+    assert in_time_order({"a": [record(2.0, "X"), record(1.0, "Y")]})[0][1]["ts"] == 2.0
+
+
+def test_the_run_id_alone_finds_every_host_of_the_run(tmp_path):
+    logs = tmp_path / "logs"
+    ref = RunRef("ct200", "pair-1", ("ct200", "ct202"))
+    set_latest(logs, ref)
+    set_latest(logs, RunRef("local", "other-1"))  # a later run elsewhere
+    assert resolve_run(logs, "pair-1", None) == ref
+    assert resolve_run(logs, "pair-1", "ct202") == RunRef("ct202", "pair-1")  # one host's part
+    assert resolve_run(logs, None, None) == RunRef("local", "other-1")
+    set_latest(logs, ref)
+    assert resolve_run(logs, None, None) == ref
+    assert resolve_run(logs, None, "ct202") == RunRef("ct202", "pair-1")
+    assert json.loads((logs / "ct202" / "pair-1" / "hosts.json").read_text()) == {"hosts": ["ct200", "ct202"]}
+
+
+# -- launch on ct200 + ct202 ---------------------------------------------------------------
+
+class Pair:
+    """A test's inventory with ct200 (address 127.0.0.1: the fake containers share the
+    node's network) and ct202, each container's view of the workspace, and the CLI."""
+
+    def __init__(self, make_inventory, ssh_node, fake_pve, tmp_path: Path):
+        self.ct202 = {**default_hosts(tmp_path, ssh_node, fake_pve)["ct200"], "container": 202}
+        self.hosts = make_inventory(tmp_path, ct200={"address": "127.0.0.1"}, ct202=self.ct202)
+        self.rewrite = lambda **ct202: make_inventory(tmp_path, ct200={"address": "127.0.0.1"},
+                                                      ct202={**self.ct202, **ct202})
+        self.logs = tmp_path / "logs"
+        self.pve = fake_pve
+        self.workspace = container_workspace(fake_pve, tmp_path)
+
+    def dflash(self, *args: str, **kwargs):
+        return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
+
+    def on_node(self, vmid: int, path: str = "") -> Path:
+        """`path` under the workspace, as container `vmid` holds it, seen from the node."""
+        return self.pve.on_node(vmid, self.workspace) / path
+
+    def run_json(self, vmid: int, run_id: str) -> dict:
+        return json.loads((self.on_node(vmid, f"runs/{run_id}") / "run.json").read_text())
+
+    def trainer_alive(self, vmid: int, run_id: str) -> bool:
+        record = self.run_json(vmid, run_id)
+        return procfs.identity_alive(record["pid"], record["start_time"])
+
+
+@pytest.fixture
+def pair(make_inventory, ssh_node, fake_pve, tmp_path):
+    return Pair(make_inventory, ssh_node, fake_pve, tmp_path)
+
+
+def test_a_host_that_refuses_starts_nothing_anywhere(pair, tmp_path):
+    """data.train exists in ct200's filesystem only: ct202's check refuses, and ct200,
+    whose check passed, starts nothing either."""
+    data = pair.workspace.parent / f"data {tmp_path.name}" / "train.jsonl"
+    on_ct200 = pair.pve.on_node(200, data)
+    on_ct200.parent.mkdir(parents=True)
+    on_ct200.write_text('{"text": "hello world"}\n')
+    config = small_config(tmp_path / "refused.yaml", data={"synthetic": None, "train": str(data)})
+    done = pair.dflash("launch", "ct200", "ct202", "--config", str(config))
+    assert done.returncode == 2, done.stderr
+    assert f"host ct202: data.train: {data} does not exist" in done.stderr
+    assert "nothing was started on any host" in done.stderr and "host ct200" not in done.stderr
+    assert done.stdout == ""
+    for vmid in (200, 202):
+        assert not pair.on_node(vmid, "runs").exists()
+    assert not (pair.logs / "latest.json").exists()
+
+
+def test_a_host_whose_start_fails_stops_the_others(pair, tmp_path):
+    """ct202 passes the check but cannot create its run (its runs/ is a file): ct200's
+    part, already started, is stopped; no process is left and no run is the latest."""
+    pair.on_node(202).mkdir(parents=True)
+    pair.on_node(202, "runs").write_text("not a folder\n")
+    done = pair.dflash("launch", "ct200", "ct202", "--config", str(small_config(tmp_path / "half.yaml")))
+    assert done.returncode != 0 and done.stdout == ""
+    assert "host ct202: " in done.stderr and "the run was stopped on ct200" in done.stderr, done.stderr
+    (run_id,) = [p.name for p in pair.on_node(200, "runs").iterdir()]
+    assert not pair.trainer_alive(200, run_id)
+    assert json.loads((pair.on_node(200, f"runs/{run_id}") / "exit.json").read_text())
+    status = pair.dflash("status", run_id, "--host", "ct200", "--json")
+    assert json.loads(status.stdout)["state"] == "STOPPED"
+    assert not (pair.logs / "latest.json").exists()
+
+
+def test_launch_options_for_several_hosts_only(pair, tmp_path):
+    config = str(small_config(tmp_path / "one.yaml"))
+    done = pair.dflash("launch", "ct200", "--config", config, "--master-port", "29500")
+    assert done.returncode == 2 and "--master-addr and --master-port are for a run on several hosts" in done.stderr
+    done = pair.dflash("launch", "ct200", "ct200", "--config", config)
+    assert done.returncode == 2 and "host 'ct200' is named twice" in done.stderr
+    done = pair.dflash("launch", "ct200", "ct202", "--config", config, "--master-addr", "10.0.0.1; rm")
+    assert done.returncode == 2 and "--master-addr '10.0.0.1; rm': expected a host name or IP address" in done.stderr
+    done = pair.dflash("launch", "ct202", "ct200", "--config", config)  # rank 0 is a container without address
+    assert done.returncode == 2 and "ct202 (rank 0) has no address" in done.stderr
+    assert "set address: in the inventory entry of ct202" in done.stderr
+    assert not pair.on_node(200, "runs").exists() and not pair.on_node(202, "runs").exists()
+
+
+# -- end to end: the real trainer on both containers ------------------------------------------
+
+def pair_config(path: Path, **changes) -> Path:
+    """The small config with data enough for its 4 drafter replicas (2 per host)."""
+    synthetic = {"num_train": 64, "num_eval": 2, "prompt_words": 12, "response_tokens": 24}
+    return small_config(path, data={"synthetic": synthetic}, **changes)
+
+
+def launch_pair(pair: Pair, config: Path) -> str:
+    done = pair.dflash("launch", "ct200", "ct202", "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    (run_id,) = done.stdout.splitlines()  # printed once
+    return run_id
+
+
+def events(pair: Pair, vmid: int, run_id: str, kind: str) -> list[dict]:
+    path = pair.on_node(vmid, f"runs/{run_id}") / "events.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("type") == kind]
+
+
+def test_a_run_on_two_hosts_is_one_run(pair, tmp_path):
+    run_id = launch_pair(pair, pair_config(tmp_path / "pair.yaml"))
+    layouts = [pair.run_json(vmid, run_id)["distributed"] for vmid in (200, 202)]
+    port = layouts[0]["master_port"]
+    assert layouts == [{"rank": rank, "world_size": 2, "master_addr": "127.0.0.1", "master_port": port,
+                        "hosts": ["ct200", "ct202"]} for rank in (0, 1)]
+    watch = pair.dflash("watch")  # the latest run: both hosts
+    assert watch.returncode == 0, watch.stderr
+    assert f"run {run_id} ended: SUCCEEDED (ct200 SUCCEEDED, ct202 SUCCEEDED)" in watch.stderr
+    for host, vmid in (("ct200", 200), ("ct202", 202)):
+        log = (pair.on_node(vmid, f"runs/{run_id}") / "train.log").read_text()
+        shown = [line[len(host) + 2:] for line in watch.stdout.splitlines() if line.startswith(f"{host}| ")]
+        assert shown == log.splitlines()  # every line of each host, once, prefixed with it
+    # Every replica on both hosts ends with the same weights.
+    checksums = [sha for vmid in (200, 202) for sha in events(pair, vmid, run_id, "replicas")[-1]["sha256"]]
+    assert len(checksums) == 4 and len(set(checksums)) == 1, checksums
+    status = pair.dflash("status", run_id, "--json")
+    assert status.returncode == 0, status.stderr
+    found = json.loads(status.stdout)
+    assert found["state"] == "SUCCEEDED"
+    assert [(s["host"], s["rank"], s["state"]) for s in found["hosts"]] == [
+        ("ct200", 0, "SUCCEEDED"), ("ct202", 1, "SUCCEEDED")]
+    # Rank 0 writes the export; `pull RUN` fetches it from there.
+    pulled = pair.dflash("pull", run_id)
+    assert pulled.returncode == 0, pulled.stderr
+    assert (pair.logs / "ct200" / run_id / "export" / "model.safetensors").exists()
+    assert not (pair.on_node(202, f"runs/{run_id}") / "export").exists()
+
+
+def test_a_drafter_failing_on_the_second_host_stops_the_first_and_is_shown_naming_it(pair, tmp_path):
+    fault = {"thread": "drafter-1", "at": "step:2", "kind": "raise", "depth": 30, "rank": 1}
+    config = pair_config(tmp_path / "fault.yaml", optim={"max_steps": 200, "epochs": 50}, faults=[fault])
+    run_id = launch_pair(pair, config)
+    watch = subprocess.Popen(dflash_argv("--logs-dir", str(pair.logs), "watch", run_id, hosts=pair.hosts),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dflash_env())
+    try:
+        errors = pair.on_node(202, f"runs/{run_id}") / "errors.jsonl"
+        wait_for(lambda: errors.exists() and errors.read_text().strip(), 240, "ct202's error record")
+        # ct200's trainer, not failing itself, is gone within seconds of its peer's failure.
+        wait_for(lambda: not pair.trainer_alive(200, run_id), 30, "ct200's trainer to end")
+        stdout, stderr = watch.communicate(timeout=120)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 1, stderr
+    root = json.loads(errors.read_text().splitlines()[0])
+    assert root["thread"] == "drafter-1" and root["exc_type"] != "PeerFailed"
+    assert root["traceback"].count(", in _descend_") >= 30
+    assert root["traceback"] in stdout  # whole, not prefixed, not cut by ct200's lines
+    assert f"==> run {run_id} on ct202: thread drafter-1 failed in " in stdout
+    assert "root cause on ct202 (rank 1): thread drafter-1" in stderr
+    peer = [json.loads(line) for line in
+            (pair.on_node(200, f"runs/{run_id}") / "errors.jsonl").read_text().splitlines()]
+    assert peer[0]["exc_type"] == "PeerFailed" and peer[0]["detail"]["peer_rank"] == 1
+    assert "ct200| " in stderr and "stopped because rank 1 (ct202) failed" in stderr
+    fetched = pair.dflash("fetch-traceback", run_id)
+    assert fetched.returncode == 0, fetched.stderr
+    assert fetched.stdout == f"{fetched.stdout.splitlines()[0]}\n{root['traceback']}"
+    assert fetched.stdout.startswith(f"==> run {run_id} on ct202: thread drafter-1 failed")
+    assert "root cause on ct202 (rank 1 of 2)" in fetched.stderr
+    status = pair.dflash("status", run_id, "--json")
+    assert status.returncode == 1 and json.loads(status.stdout)["state"] == "FAILED"
+
+
+def test_stop_leaves_no_process_on_either_host(pair, tmp_path):
+    config = pair_config(tmp_path / "long.yaml", optim={"max_steps": 100000, "epochs": 5000})
+    run_id = launch_pair(pair, config)
+
+    def state() -> str:
+        return json.loads(pair.dflash("status", run_id, "--json").stdout)["state"]
+
+    # Rank 0 reports the steps of the whole run (they are one run's steps).
+    wait_for(lambda: len(events(pair, 200, run_id, "step")) >= 2 and state() == "RUNNING", 240,
+             "both hosts to train")
+    stopped = pair.dflash("stop", "--grace", "5")  # the latest run: both hosts
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout == "STOPPED\n"
+    for vmid in (200, 202):
+        record = pair.run_json(vmid, run_id)
+        assert not procfs.is_running(procfs.read_stat(record["pid"]))
+        assert procfs.group_members(record["pgid"]) == []
+    status = pair.dflash("status", run_id)
+    assert (status.returncode, status.stdout) == (4, "STOPPED\n")
+    # A host that cannot be asked: the run's state is unknown (exit 3), that host named.
+    pair.rewrite(ssh=f"root@127.0.0.1:{free_port()}", connect_timeout=1.0)
+    status = pair.dflash("status", run_id, "--json")
+    found = json.loads(status.stdout)
+    assert status.returncode == 3 and found["state"] == "UNKNOWN"
+    assert [s["state"] for s in found["hosts"]] == ["STOPPED", None]
+    assert found["hosts"][1]["error"].startswith("host ct202 (") and "unreachable" in found["hosts"][1]["error"]
