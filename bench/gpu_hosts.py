@@ -259,9 +259,10 @@ def two_processes(argv: list[str], envs: list[dict[str, str]], timeout_s: float)
 
 
 def rank_envs(cuda: bool) -> list[dict[str, str]]:
-    from support.sshd import free_port  # tests/support: a free port on 127.0.0.1
-
-    port = str(free_port())
+    import socket  # not tests/support, which imports dflash_cli: the GPU machine has the trainer's packages only
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
     return [{"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_RANK": "0",
              "LOCAL_WORLD_SIZE": "1", "DFLASH_RUN_ID": f"bench-{port}",
              **({"CUDA_VISIBLE_DEVICES": str(r)} if cuda else {})} for r in range(2)]
@@ -411,7 +412,6 @@ def main() -> None:
     parser.add_argument("--shape", default="8b", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-check", action="store_true", help="micro shapes on the CPU (gloo)")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO / "tests"))  # support.sshd.free_port
     if args.part == "exchange-child":
         exchange_child(args.shape, args.iters)
         return
