@@ -51,7 +51,7 @@ def main() -> None:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work)
         _, status, usage_info = os.wait4(proc.pid, 0)
         seconds = time.monotonic() - started
-        out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+        err = proc.stderr.read().decode()
         proc.returncode = os.waitstatus_to_exitcode(status)
         print(f"checkout {checkout}: deploy of a tree with a {args.mib} MiB file: exit {proc.returncode}, "
               f"peak RSS {usage_info.ru_maxrss / 1024:.0f} MiB, {seconds:.1f} s")

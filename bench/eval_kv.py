@@ -112,7 +112,7 @@ def main() -> None:
     for result in report["modes"].values():
         del result["tokens"]
     write_report(report, "eval_kv.json")
-    print(f"\n| mode | verify steps | ms / verify step | tokens/s |\n| --- | --- | --- | --- |")
+    print("\n| mode | verify steps | ms / verify step | tokens/s |\n| --- | --- | --- | --- |")
     for mode, result in report["modes"].items():
         print(f"| {mode} | {result['verify_steps']} | {result['ms_per_verify_step']} | {result['tokens_per_s']} |")
     print(f"\nKV cache speed-up: {report['speedup_tokens_per_s']}x tokens/s; same tokens in both modes: "

@@ -125,7 +125,7 @@ def test_a_raise_in_attempt_0_is_restarted_once_from_the_timed_checkpoint_and_it
     assert "no error recorded (state SUCCEEDED)" in latest.stderr
     every = bed.dflash("fetch-traceback", run_id, "--host", HOST, "--all")
     assert every.returncode == 0, every.stderr
-    assert f"thread drafter-1 failed in train at step 3 of attempt 0" in every.stdout
+    assert "thread drafter-1 failed in train at step 3 of attempt 0" in every.stdout
     assert "InjectedRootCause: injected root cause in drafter-1 at step 3" in every.stdout
 
 

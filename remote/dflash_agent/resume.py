@@ -56,6 +56,12 @@ def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[s
     if state not in TERMINAL:
         raise AgentError("run %r is still live (%s): stop it first (dflash stop), or wait for it to end"
                          % (run.run_id, state), "conflict", state=state)
+    if record.get("distributed"):
+        # Only rank 0's host holds the checkpoints, and every host's trainer must start
+        # again together: resuming one host's part alone would wait for peers that ended.
+        raise AgentError("run %r is one part of a run on several hosts (%s): it cannot be resumed "
+                         "host by host; launch it again with checkpoint.resume set to its checkpoint"
+                         % (run.run_id, ", ".join(record["distributed"].get("hosts") or [])), "conflict")
     checkpoint = _checkpoint(run, request.step, state)
     release_id, release_root = _release(ws, record, request.release)
     python = (record.get("argv") or [None])[0] or "python3"
