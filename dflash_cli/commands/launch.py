@@ -112,15 +112,18 @@ def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_
 
 
 def _agent_args(host: Host, config: TrainConfig, run_id: str, name: str, source: dict, force: bool,
-                overrides: tuple[str, ...]) -> list[str]:
-    """The agent's launch options for `host`. Every value in the option's own word
-    (--key=value): none can read as an option."""
+                overrides: tuple[str, ...], rank: int = 0) -> list[str]:
+    """The agent's launch options for `host`, rank `rank` of the run. Every value in the
+    option's own word (--key=value): none can read as an option. Only rank 0 reads
+    checkpoint.resume (it sends the checkpoint to the others), so only its host must
+    hold it."""
     args = [f"--run-id={run_id}", "--config=-", f"--name={name}", f"--stall-after={config.stall_after}",
             f"--source-json={json.dumps(source)}", f"--restart-json={json.dumps(config.restart.as_json())}"]
     args += [f"--resource={resource}" for resource in config.resources()]
     args += [f"--env={key}={value}" for key, value in host.env.items()]
     args += [f"--require-module={package}" for package in TRAINER_PACKAGES]
-    args += [f"--require-path={kind}:{key}={path}" for kind, key, path in host_paths(config)]
+    args += [f"--require-path={kind}:{key}={path}" for kind, key, path in host_paths(config)
+             if rank == 0 or key != "checkpoint.resume"]
     args += [f"--override={override}" for override in overrides]
     if force:
         args.append("--force")
@@ -195,7 +198,8 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
     def launch_on(host: Host, port: int, *extra: str) -> dict:
         layout = [f"--rank={names.index(host.name)}", f"--world-size={len(hosts)}",
                   f"--master-addr={address}", f"--master-port={port}", f"--host-names={','.join(names)}"]
-        return session.agent(host.name).call("launch", *_agent_args(host, config, run_id, name, source, force, overrides),
+        return session.agent(host.name).call("launch", *_agent_args(host, config, run_id, name, source, force, overrides,
+                                                          names.index(host.name)),
                                              *layout, *extra, stdin=config_bytes)
 
     checks = session.on_each_host(hosts, lambda host: launch_on(host, master_port or 0, "--check-only"))
