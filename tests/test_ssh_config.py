@@ -14,7 +14,7 @@ from dflash_cli.errors import UnreachableError
 from dflash_cli.inventory import load_inventory
 from dflash_cli.transports import open_transport
 from support import keygen
-from support.sshd import sign_user_key
+from support.sshd import sign_user_key, start_sshd, stop_sshd
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not shutil.which("ssh"), reason="needs an OpenSSH client")]
@@ -137,3 +137,27 @@ def test_a_passphrase_key_without_agent_is_named_instead_of_prompting(client, ss
         transport.run(["true"])
     assert str(key) in refused.value.message and f"ssh-add {key}" in refused.value.hint
     assert not openssh_connects(config)
+
+
+@pytest.fixture(scope="module")
+def second_node(tmp_path_factory):
+    """Another sshd (its own host key, its own port) for ProxyJump through `ssh_node`."""
+    node, proc = start_sshd(tmp_path_factory.mktemp("sshd-behind"))
+    yield node
+    stop_sshd(proc)
+
+
+def test_proxyjump_reaches_a_second_sshd_through_the_first(client, ssh_node, second_node, tmp_path):
+    known = tmp_path / "known_hosts"
+    known.write_text(ssh_node.known_hosts.read_text() + second_node.known_hosts.read_text())
+    # the jump is written as user@host:port, resolved on its own like OpenSSH does
+    transport, config = client(
+        f"Host dflash-t\n    HostName {second_node.address}\n    Port {second_node.port}\n    User root\n"
+        f"    IdentityFile {second_node.identity_file}\n    UserKnownHostsFile {known}\n"
+        f"    ProxyJump root@{ssh_node.address}:{ssh_node.port}\n"
+        f"Host {ssh_node.address}\n    IdentityFile {ssh_node.identity_file}\n    UserKnownHostsFile {known}\n")
+    jumps_before, behind_before = ssh_node.accepted_logins(), second_node.accepted_logins()
+    done = transport.run(["printenv", "SSH_CONNECTION"])
+    assert done.stdout.split()[3] == str(second_node.port).encode()
+    assert ssh_node.accepted_logins() == jumps_before + 1 and second_node.accepted_logins() == behind_before + 1
+    assert openssh_connects(config)

@@ -55,12 +55,13 @@ class SshOptions:
 
 
 def split_target(target: str) -> tuple[str | None, str, int | None]:
-    """user@host[:port] -> (user, host, port); both user and port are optional."""
+    """user@host[:port] -> (user, host, port); both user and port are optional. Also
+    [host]:port, the form `ssh -G` prints ProxyJump hops in."""
     user, _, rest = target.rpartition("@")
-    host, colon, port = rest.partition(":")
+    host, colon, port = rest.rpartition(":") if rest.startswith("[") else rest.partition(":")
     if colon and port.isdigit():
-        return user or None, host, int(port)
-    return user or None, rest, None
+        return user or None, host.strip("[]"), int(port)
+    return user or None, rest.strip("[]"), None
 
 
 def _config_file() -> str | None:
