@@ -246,11 +246,14 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
               help="Connect to each host: reachable, container running, python/torch/transformers, GPUs, "
                    "and whether the current release was modified on the host (exit 2).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Per SSH host, the effective SSH options (as `ssh -G` resolves the alias) and where each "
+                   "came from: your ssh config, the inventory, or the default.")
 @click.pass_obj
-def hosts_cmd(session: Session, do_check: bool, as_json: bool) -> None:
+def hosts_cmd(session: Session, do_check: bool, as_json: bool, verbose: bool) -> None:
     """List the hosts of the inventory (the built-in `local` included).
 
     With --check, exit 3 when a host is unreachable, 2 when one cannot run the trainer
     (its python lacks torch or transformers, or the check failed there).
     """
-    sys.exit(hosts.run(session, do_check, as_json))
+    sys.exit(hosts.run(session, do_check, as_json, verbose))

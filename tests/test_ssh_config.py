@@ -3,13 +3,16 @@ config (a config file made by each test, given as DFLASH_SSH_CONFIG, i.e. `ssh -
 each case also runs the real `ssh` client and expects the same outcome."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from dflash_cli.cli import main
 from dflash_cli.errors import UnreachableError
 from dflash_cli.inventory import load_inventory
 from dflash_cli.transports import open_transport
@@ -161,3 +164,19 @@ def test_proxyjump_reaches_a_second_sshd_through_the_first(client, ssh_node, sec
     assert done.stdout.split()[3] == str(second_node.port).encode()
     assert ssh_node.accepted_logins() == jumps_before + 1 and second_node.accepted_logins() == behind_before + 1
     assert openssh_connects(config)
+
+
+def test_hosts_verbose_says_where_each_option_came_from(make_inventory, ssh_node, tmp_path, monkeypatch):
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host dflash-t\n    HostName {ssh_node.address}\n    Port {ssh_node.port}\n")
+    monkeypatch.setenv("DFLASH_SSH_CONFIG", str(config))
+    inventory = make_inventory(tmp_path, node={"ssh": "dflash-t", "identity_file": str(ssh_node.identity_file)})
+    done = CliRunner().invoke(main, ["--hosts", str(inventory), "hosts", "-v", "--json"])
+    assert done.exit_code == 0, done.output
+    node = next(e for e in map(json.loads, done.stdout.splitlines()) if e["host"] == "node")
+    assert node["ssh"]["resolved_by"] == "ssh -G"
+    found = {row["option"]: (row["value"], row["source"]) for row in node["ssh"]["options"]}
+    assert found["HostName"] == (ssh_node.address, f"ssh config ({config})")
+    assert found["Port"] == (str(ssh_node.port), f"ssh config ({config})")
+    assert found["IdentityFile"] == (str(ssh_node.identity_file), "inventory identity_file")
+    assert found["ProxyJump"] == ("none", "OpenSSH default")

@@ -43,7 +43,24 @@ def _where(host: Host) -> str:
     return host.ssh or "this machine"
 
 
-def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
+def ssh_options(session: Session, host: Host) -> dict:
+    """How the host's `ssh:` resolves: the effective options and where each came from."""
+    from ..transports.ssh_options import resolve  # only -v pays for resolving
+    options = resolve(host.ssh, host)
+    return {"resolved_by": options.resolved_by,
+            "options": [{"option": o, "value": v, "source": src} for o, v, src in options.explain()]}
+
+
+def _print_options(name: str, resolved: dict) -> None:
+    table = Table(title=f"{name}: ssh options (resolved by {resolved['resolved_by']})", title_justify="left")
+    for column in ("option", "value", "from"):
+        table.add_column(column)
+    for row in resolved["options"]:
+        table.add_row(*map(Text, (row["option"], row["value"], row["source"])))
+    console.human.print(table)
+
+
+def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) -> ExitCode:
     hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts)]
     results = session.on_each_host(hosts, lambda host: check(session, host)) if do_check else {}
     table = Table(title=f"hosts ({session.inventory.source})", title_justify="left")
@@ -78,11 +95,16 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
                 entry["error"] = result.message
             elif result is not None:
                 entry.update(result, missing_packages=missing_packages(result))
+            if verbose and host.ssh:
+                entry["ssh"] = ssh_options(session, host)
             console.data(json.dumps(entry) + "\n")
         elif not do_check:
             console.data(f"{host.name}\n")
     if not as_json:  # --json is the whole answer; a table on stderr would be noise
         console.human.print(table)
+        for host in hosts if verbose else ():
+            if host.ssh:
+                _print_options(host.name, ssh_options(session, host))
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     if any(isinstance(f, UnreachableError) for f in failures):
         return ExitCode.UNREACHABLE

@@ -48,6 +48,24 @@ class SshOptions:
     resolved_by: str  # "ssh -G" or "paramiko (no OpenSSH client)"
     sources: Mapping[str, str]  # option -> where its value came from
 
+    def explain(self) -> list[tuple[str, str, str]]:
+        """(OpenSSH option, effective value, where it came from), for `hosts --check -v`."""
+        values = [("HostName", self.hostname, "hostname"), ("Port", str(self.port), "port"),
+                  ("User", self.user, "user"),
+                  ("IdentityFile", " ".join(self.identity_files) or "none", "identityfile"),
+                  ("IdentitiesOnly", "yes" if self.identities_only else "no", "identitiesonly"),
+                  ("IdentityAgent", self.identity_agent or "$SSH_AUTH_SOCK", "identityagent"),
+                  ("CertificateFile", " ".join(self.certificate_files) or "none", "certificatefile"),
+                  ("KnownHostsFiles", " ".join(self.known_hosts), "userknownhostsfile"),
+                  ("StrictHostKeyChecking", "accept-new" if self.accept_new else "yes", "stricthostkeychecking"),
+                  ("ProxyJump", self.proxy_jump or "none", "proxyjump"),
+                  ("ProxyCommand", self.proxy_command or "none", "proxycommand"),
+                  ("ServerAliveInterval", str(self.server_alive_interval), "serveraliveinterval")]
+        sources = dict(self.sources)
+        if sources.get("stricthostkeychecking") == "OpenSSH default":
+            sources["stricthostkeychecking"] = "dflash default (OpenSSH would ask; dflash never prompts)"
+        return [(option, value, sources.get(key, "default")) for option, value, key in values]
+
     @property
     def host_key_name(self) -> str:
         """The name known_hosts files use for this host (OpenSSH's and paramiko's)."""
