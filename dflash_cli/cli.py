@@ -5,16 +5,23 @@ Command docstrings are the --help text.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from pathlib import Path
 
 import click
 
 from . import console, retry
-from .commands import deploy, fetch_traceback, hosts, launch, pull, stacks, status, stop, watch
+from .commands import watch  # its GPU_INTERVAL_S is an option's default
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
+
+
+def _verb(name: str):
+    """The module of verb `name`, imported when that verb runs: `--help` and the other
+    verbs do not pay for its imports (deploy's alone cost as much as click's)."""
+    return importlib.import_module(f".commands.{name}", __package__)
 
 
 class _Group(click.Group):
@@ -77,7 +84,7 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
     else the copy bundled with dflash; a `source:` line on stderr says which, with
     its git commit and uncommitted changes.
     """
-    sys.exit(deploy.run(session, list(host_names), all_hosts, verify, source_dir))
+    sys.exit(_verb("deploy").run(session, list(host_names), all_hosts, verify, source_dir))
 
 
 @main.command("launch")
@@ -99,7 +106,7 @@ def launch_cmd(session: Session, host_name: str, config_path: Path, name: str | 
     as for `deploy`; run.json records it, with its git commit and uncommitted
     changes, for `status`). Refuses a second run on the same GPUs of a host unless --force.
     """
-    ref = launch.run(session, host_name, config_path, name, force, source_dir)
+    ref = _verb("launch").run(session, host_name, config_path, name, force, source_dir)
     console.data(ref.run_id + "\n")
     if follow:
         sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
@@ -160,7 +167,7 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
     stack now, and a STOPPED run shows its last dump, threads named (drafter-1, ...).
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(fetch_traceback.run(session, ref, thread, all_records, output, show_stacks))
+    sys.exit(_verb("fetch_traceback").run(session, ref, thread, all_records, output, show_stacks))
 
 
 @main.command("stacks")
@@ -175,7 +182,7 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> N
     `dflash fetch-traceback --stacks`.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(stacks.run(session, ref))
+    sys.exit(_verb("stacks").run(session, ref))
 
 
 @main.command("status")
@@ -191,7 +198,7 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
     `dflash stacks` shows where it hangs); 4 STOPPED.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(status.run_status(session, ref, as_json))
+    sys.exit(_verb("status").run_status(session, ref, as_json))
 
 
 @main.command("stop")
@@ -206,7 +213,7 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
     Returns only when none of the run's processes is left.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(stop.run(session, ref, grace))
+    sys.exit(_verb("stop").run(session, ref, grace))
 
 
 @main.command("pull")
@@ -228,7 +235,7 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
     3 when the host stays unreachable.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(pull.run(session, ref, checkpoint, retry_for))
+    sys.exit(_verb("pull").run(session, ref, checkpoint, retry_for))
 
 
 @main.command("runs")
@@ -238,7 +245,7 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
 @click.pass_obj
 def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> None:
     """List the runs on hosts, newest first: `host<TAB>run<TAB>state` on stdout."""
-    sys.exit(status.list_runs(session, list(host_names) or [latest_host(session.logs_dir)], as_json))
+    sys.exit(_verb("status").list_runs(session, list(host_names) or [latest_host(session.logs_dir)], as_json))
 
 
 @main.command("hosts")
@@ -256,4 +263,4 @@ def hosts_cmd(session: Session, do_check: bool, as_json: bool, verbose: bool) ->
     With --check, exit 3 when a host is unreachable, 2 when one cannot run the trainer
     (its python lacks torch or transformers, or the check failed there).
     """
-    sys.exit(hosts.run(session, do_check, as_json, verbose))
+    sys.exit(_verb("hosts").run(session, do_check, as_json, verbose))
