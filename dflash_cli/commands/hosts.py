@@ -46,7 +46,7 @@ def _where(host: Host) -> str:
 def ssh_options(session: Session, host: Host) -> dict:
     """How the host's `ssh:` resolves: the effective options and where each came from."""
     from ..transports.ssh_options import resolve  # only -v pays for resolving
-    options = resolve(host.ssh, host)
+    options = resolve(host.ssh, host, explain=True)
     return {"resolved_by": options.resolved_by,
             "options": [{"option": o, "value": v, "source": src} for o, v, src in options.explain()]}
 

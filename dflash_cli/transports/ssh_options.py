@@ -98,15 +98,19 @@ def _ssh_g(args: list[str], config: str | None) -> dict[str, list[str]]:
     return options
 
 
-def _with_openssh(host: str, user: str | None, port: int | None) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """The options `ssh -G` gives, and per option whether the config file set it (it
-    differs from what OpenSSH says without any config file) or OpenSSH's default."""
+def _with_openssh(host: str, user: str | None, port: int | None,
+                  explain: bool) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The options `ssh -G` gives, and with `explain` per option whether the config
+    file set it (it differs from what OpenSSH says without any config file) or
+    OpenSSH's default (a second `ssh -G`, so only when asked)."""
     config = _config_file()
     args = [*(["-l", user] if user else []), *(["-p", str(port)] if port else []), host]
     options = _ssh_g(args, config)
-    defaults = _ssh_g(args, os.devnull)
-    where = f"ssh config ({config or '~/.ssh/config, /etc/ssh/ssh_config'})"
-    sources = {key: where if options.get(key) != defaults.get(key) else "OpenSSH default" for key in USED}
+    sources: dict[str, str] = {}
+    if explain:
+        defaults = _ssh_g(args, os.devnull)
+        where = f"ssh config ({config or '~/.ssh/config, /etc/ssh/ssh_config'})"
+        sources = {key: where if options.get(key) != defaults.get(key) else "OpenSSH default" for key in USED}
     if user:
         sources["user"] = "inventory ssh:"
     if port:
@@ -143,11 +147,12 @@ def _words(options: dict[str, list[str]], key: str) -> list[str]:
     return [word for value in options.get(key, []) for word in value.split() if word != "none"]
 
 
-def resolve(target: str, host: Host) -> SshOptions:
-    """The options for `target` (the host's `ssh:` or one of its ProxyJump hops)."""
+def resolve(target: str, host: Host, *, explain: bool = False) -> SshOptions:
+    """The options for `target` (the host's `ssh:` or one of its ProxyJump hops);
+    `explain` fills in `sources` for every option, not only the inventory's."""
     user, name, port = split_target(target)
     if shutil.which("ssh"):
-        options, sources = _with_openssh(name, user, port)
+        options, sources = _with_openssh(name, user, port, explain)
         resolved_by = "ssh -G"
     else:
         options, sources = _with_paramiko(name, user, port)
