@@ -5,16 +5,23 @@ Command docstrings are the --help text.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from pathlib import Path
 
 import click
 
 from . import console, retry
-from .commands import deploy, diff, fetch_traceback, gc, hosts, launch, plot, pull, resume, setup, stacks, status, stop, version, watch
+from .commands import watch  # its GPU_INTERVAL_S is an option's default
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
+
+
+def _verb(name: str):
+    """The module of verb `name`, imported when that verb runs: `--help` and the other
+    verbs do not pay for its imports (deploy's alone cost as much as click's)."""
+    return importlib.import_module(f".commands.{name}", __package__)
 
 
 class _Group(click.Group):
@@ -44,7 +51,7 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
     if not value or ctx.resilient_parsing:
         return
     try:
-        ctx.exit(int(version.run()))
+        ctx.exit(int(_verb("version").run()))
     except DflashError as exc:
         _fail(ctx, exc)
 
@@ -99,7 +106,7 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
     of remote/ and configs/ (what .gitignore ignores stays here), minus what
     .dflashignore names; files are read from disk as they are sent.
     """
-    sys.exit(deploy.run(session, list(host_names), all_hosts, verify, source_dir, allow_large))
+    sys.exit(_verb("deploy").run(session, list(host_names), all_hosts, verify, source_dir, allow_large))
 
 
 @main.command("setup")
@@ -124,7 +131,7 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
     it. pip's output streams to stderr; `host<TAB>result<TAB>environment` per host on
     stdout.
     """
-    sys.exit(setup.run(session, list(host_names), all_hosts, torch_version, index_url))
+    sys.exit(_verb("setup").run(session, list(host_names), all_hosts, torch_version, index_url))
 
 
 @main.command("launch")
@@ -172,7 +179,7 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
     start that fails stops the others. watch, status, stop and fetch-traceback then
     take the run id alone and cover every host.
     """
-    ref = launch.run(session, list(host_names), config_path, name, force, source_dir, overrides, allow_large,
+    ref = _verb("launch").run(session, list(host_names), config_path, name, force, source_dir, overrides, allow_large,
                      master_addr, master_port)
     console.data(ref.run_id + "\n")
     if follow:
@@ -202,7 +209,7 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
     or when the checkpoint does not fit the config.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    code = resume.run(session, ref, release == "current", step)
+    code = _verb("resume").run(session, ref, release == "current", step)
     if follow:
         code = watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
                          retry_for=retry.RETRY_FOR_S)
@@ -263,7 +270,7 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
     stack now, and a STOPPED run shows its last dump, threads named (drafter-1, ...).
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(fetch_traceback.run(session, ref, thread, all_records, output, show_stacks))
+    sys.exit(_verb("fetch_traceback").run(session, ref, thread, all_records, output, show_stacks))
 
 
 @main.command("stacks")
@@ -278,7 +285,7 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> N
     `dflash fetch-traceback --stacks`.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(stacks.run(session, ref))
+    sys.exit(_verb("stacks").run(session, ref))
 
 
 @main.command("status")
@@ -302,8 +309,8 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
     if show_config:
-        sys.exit(status.run_config(session, ref, as_json))
-    sys.exit(status.run_status(session, ref, as_json))
+        sys.exit(_verb("status").run_config(session, ref, as_json))
+    sys.exit(_verb("status").run_status(session, ref, as_json))
 
 
 @main.command("stop")
@@ -318,7 +325,7 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
     Returns only when none of the run's processes is left.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(stop.run(session, ref, grace))
+    sys.exit(_verb("stop").run(session, ref, grace))
 
 
 @main.command("pull")
@@ -340,7 +347,7 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
     3 when the host stays unreachable.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(pull.run(session, ref, checkpoint, retry_for))
+    sys.exit(_verb("pull").run(session, ref, checkpoint, retry_for))
 
 
 @main.command("plot")
@@ -357,7 +364,7 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     first; nothing is fetched here). Prints the file's path on stdout.
     """
     refs = [resolve_run(session.logs_dir, run_id, host_name) for run_id in run_ids or [None]]
-    sys.exit(plot.run(session.logs_dir, refs, output))
+    sys.exit(_verb("plot").run(session.logs_dir, refs, output))
 
 
 @main.command("runs")
@@ -372,7 +379,7 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
     what its release changed since the run before it on that host: `2 files (+14 −3)`,
     or `same release as RUN`.
     """
-    sys.exit(status.list_runs(session, list(host_names) or [latest_host(session.logs_dir)], as_json))
+    sys.exit(_verb("status").list_runs(session, list(host_names) or [latest_host(session.logs_dir)], as_json))
 
 
 @main.command("diff")
@@ -392,7 +399,7 @@ def diff_cmd(session: Session, run_a: str, run_b: str, paths: tuple[str, ...], h
     the source tree became since. PATHs (after --) limit it to those files or folders.
     Binary files are said to differ.
     """
-    sys.exit(diff.run(session, run_a, run_b, host_name, paths, stat, config))
+    sys.exit(_verb("diff").run(session, run_a, run_b, host_name, paths, stat, config))
 
 
 @main.command("gc")
@@ -409,7 +416,7 @@ def gc_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, keep:
     deploy is installing a release there. Prints `host<TAB>release<TAB>bytes` per
     removed release.
     """
-    sys.exit(gc.run(session, list(host_names), all_hosts, keep, as_json))
+    sys.exit(_verb("gc").run(session, list(host_names), all_hosts, keep, as_json))
 
 
 @main.command("hosts")
@@ -417,8 +424,11 @@ def gc_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, keep:
               help="Connect to each host: reachable, container running, python/torch/transformers, GPUs, "
                    "whether it is ready to train, and whether the current release was modified on the host.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Per SSH host, the effective SSH options (as `ssh -G` resolves the alias) and where each "
+                   "came from: your ssh config, the inventory, or the default.")
 @click.pass_obj
-def hosts_cmd(session: Session, do_check: bool, as_json: bool) -> None:
+def hosts_cmd(session: Session, do_check: bool, as_json: bool, verbose: bool) -> None:
     """List the hosts of the inventory (the built-in `local` included).
 
     With --check, a host is `ok` only when its interpreter imports torch and
@@ -426,4 +436,4 @@ def hosts_cmd(session: Session, do_check: bool, as_json: bool) -> None:
     GPU nvidia-smi lists; otherwise `needs setup` with the `dflash setup` command to
     run. Exit 3 when a host is unreachable, 2 when one is not ok.
     """
-    sys.exit(hosts.run(session, do_check, as_json))
+    sys.exit(_verb("hosts").run(session, do_check, as_json, verbose))

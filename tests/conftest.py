@@ -87,3 +87,19 @@ def make_inventory(ssh_node: SshNode, fake_pve: FakePve) -> Iterator[Callable[..
         else:
             path.unlink()
     assert not leaks, f"written on the node instead of inside the container: {fake_pve.mount_point}/{leaks}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """An empty client config made for the tests: dflash (and its subprocesses) resolve
+    SSH targets with it instead of the machine's ~/.ssh/config (DFLASH_SSH_CONFIG is
+    OpenSSH's `ssh -F`). Tests that need a config of their own set the variable again."""
+    path = tmp_path_factory.mktemp("ssh-client") / "config"
+    path.write_text("")
+    before = os.environ.get("DFLASH_SSH_CONFIG")
+    os.environ["DFLASH_SSH_CONFIG"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("DFLASH_SSH_CONFIG", None)
+    else:
+        os.environ["DFLASH_SSH_CONFIG"] = before

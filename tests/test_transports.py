@@ -295,16 +295,19 @@ def test_changed_host_key_is_refused_even_when_accepting_new_keys(make_inventory
     assert known.read_text() == before
 
 
-def _ssh_config(home: Path, text: str) -> None:
-    (home / ".ssh").mkdir(parents=True)
+def _ssh_config(home: Path, text: str) -> Path:
+    """A client config made by the test (never the machine's ~/.ssh), given to dflash
+    the way a user gives another one: DFLASH_SSH_CONFIG (ssh -F)."""
+    (home / ".ssh").mkdir(parents=True, exist_ok=True)
     (home / ".ssh" / "config").write_text(text)
+    return home / ".ssh" / "config"
 
 
 def test_ssh_config_alias_supplies_address_user_port_and_key(make_inventory, connect, ssh_node, tmp_path, monkeypatch):
     home = tmp_path / "home"
     _ssh_config(home, f"Host dflash-test-node\n    HostName {ssh_node.address}\n    Port {ssh_node.port}\n"
                       f"    User {ssh_node.user}\n    IdentityFile {ssh_node.identity_file}\n")
-    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("DFLASH_SSH_CONFIG", str(home / ".ssh" / "config"))
     hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-test-node", "identity_file": None}))
     done = connect("node", hosts).run(["printenv", "SSH_CONNECTION"])
     assert done.stdout.split()[3] == str(ssh_node.port).encode()
@@ -315,7 +318,7 @@ def test_every_proxyjump_hop_has_its_host_key_checked(make_inventory, connect, s
     hop = f"    HostName {ssh_node.address}\n    User root\n    IdentityFile {ssh_node.identity_file}\n"
     _ssh_config(home, f"Host dflash-jump\n{hop}    Port {ssh_node.port}\n"
                       f"Host dflash-behind\n{hop}    Port {ssh_node.alt_port}\n    ProxyJump dflash-jump\n")
-    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("DFLASH_SSH_CONFIG", str(home / ".ssh" / "config"))
     key = ssh_node.host_key_line
     behind_only = tmp_path / "behind_only"
     behind_only.write_text(f"[{ssh_node.address}]:{ssh_node.alt_port} {key}\n")

@@ -57,7 +57,24 @@ def status(host: Host, facts: dict, needs: requirements.TrainerRequirements) -> 
     return "ok"
 
 
-def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
+def ssh_options(session: Session, host: Host) -> dict:
+    """How the host's `ssh:` resolves: the effective options and where each came from."""
+    from ..transports.ssh_options import resolve  # only -v pays for resolving
+    options = resolve(host.ssh, host, explain=True)
+    return {"resolved_by": options.resolved_by,
+            "options": [{"option": o, "value": v, "source": src} for o, v, src in options.explain()]}
+
+
+def _print_options(name: str, resolved: dict) -> None:
+    table = Table(title=f"{name}: ssh options (resolved by {resolved['resolved_by']})", title_justify="left")
+    for column in ("option", "value", "from"):
+        table.add_column(column)
+    for row in resolved["options"]:
+        table.add_row(*map(Text, (row["option"], row["value"], row["source"])))
+    console.human.print(table)
+
+
+def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) -> ExitCode:
     hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts)]
     needs = requirements.load() if do_check else None
     groups = session.inventory.groups
@@ -87,6 +104,8 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
                 entry["error"] = result.message
             elif result is not None:
                 entry.update(result, missing_packages=missing_packages(result))
+            if verbose and host.ssh:
+                entry["ssh"] = ssh_options(session, host)
             console.data(json.dumps(entry) + "\n")
         elif not do_check:
             console.data(f"{host.name}\n")
@@ -94,6 +113,9 @@ def run(session: Session, do_check: bool, as_json: bool) -> ExitCode:
         console.human.print(table)
         for name, members in groups.items():
             console.say(f"group {name}: {', '.join(members)} (one run, rank 0 first)")
+        for host in hosts if verbose else ():
+            if host.ssh:
+                _print_options(host.name, ssh_options(session, host))
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     if any(isinstance(f, UnreachableError) for f in failures):
         return ExitCode.UNREACHABLE

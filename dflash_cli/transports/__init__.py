@@ -18,7 +18,7 @@ def open_transport(host: Host, *, accept_new_host_key: bool = False) -> Transpor
     """The transport for `host`. accept_new_host_key records an unknown SSH host key in
     known_hosts instead of refusing it (as `host_key: accept-new` does); a changed key
     is refused either way."""
-    # imported here: paramiko and Fabric cost a noticeable start-up time that
+    # imported here: paramiko costs a noticeable start-up time that
     # commands on the local host should not pay
     if host.transport == "local":
         from .local import LocalTransport

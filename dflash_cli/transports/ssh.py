@@ -1,38 +1,37 @@
 """The `ssh` transport: one SSH connection per host per invocation, a channel per command.
 
-Fabric resolves the target (`user@host[:port]` or a ~/.ssh/config alias with its
-HostName, User, Port, IdentityFile and ProxyJump) and opens the connection; the bytes
-go through paramiko channels directly, because Fabric's stream handling is text and
-pty oriented. Host keys are checked against one known_hosts file (the host's
-`known_hosts`, else ~/.ssh/known_hosts) on every hop: Fabric's default would accept
-any key.
+The target (`user@host[:port]` or an alias of the user's ssh config) is resolved as
+the user's OpenSSH client resolves it (ssh_options: `ssh -G`); paramiko then opens
+the connection with those options: the host and port, ProxyJump hops (a direct-tcpip
+channel of the previous hop's connection) or ProxyCommand, the host keys of every
+known_hosts file OpenSSH reads, keys from the agent (also a non-default IdentityAgent
+socket), the identity files and their OpenSSH certificates. Nothing ever prompts: a
+key protected by a passphrase that no agent holds is named in the error.
 
-Thread safety: Fabric's Connection is not thread-safe, so opening and replacing it is
-serialized by a lock; paramiko multiplexes channels of one connection safely, so
-several threads may run commands on one transport at once.
+Thread safety: opening and replacing the connection is serialized by a lock;
+paramiko multiplexes channels of one connection safely, so several threads may run
+commands on one transport at once.
 """
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
 import os
 import shlex
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
 
-import fabric
 import paramiko
 from paramiko.ssh_exception import NoValidConnectionsError
 
-from ..errors import ConnectionLost, DflashError, ExitCode, UnreachableError
+from ..errors import ConnectionLost, UnreachableError
 from ..inventory import Host
 from .base import Completed, Transport
 from .common import (CHUNK, CommandFailed, Deadline, Tally, Worker, feed_stdin, normalize_argv,
                      read_to_end)
+from .known_hosts import HostKeyRefused, KnownHosts, fingerprint
+from .ssh_options import SshOptions, resolve
 
 #: seconds between keepalive packets; with TCP_USER_TIMEOUT a silent peer is dropped
 #: after KEEPALIVE_S * KEEPALIVE_COUNT seconds (OpenSSH's ServerAliveInterval/CountMax)
@@ -41,8 +40,6 @@ KEEPALIVE_COUNT = 3
 #: the exit code of a command killed by a signal: sshd sends no exit status then, and
 #: OpenSSH's client reports 255 as well
 SIGNALLED_EXIT = 255
-#: guards appends to known_hosts files by the transports of this process
-_KNOWN_HOSTS_LOCK = threading.Lock()
 _CONNECTION_LOST = (paramiko.SSHException, OSError, EOFError)
 
 # Paramiko logs failures of its transport thread (with tracebacks) through logging,
@@ -51,58 +48,91 @@ _CONNECTION_LOST = (paramiko.SSHException, OSError, EOFError)
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
-def fingerprint(key: paramiko.PKey) -> str:
-    """The key's fingerprint as `ssh-keygen -l` prints it (SHA256:base64, no padding)."""
-    digest = hashlib.sha256(key.asbytes()).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+class KeyNeedsPassphrase(paramiko.AuthenticationException):
+    def __init__(self, paths: list[str]):
+        super().__init__(f"the key {', '.join(paths)} is protected by a passphrase and no agent offers it")
+        self.paths = paths
 
 
-class UnknownHostKey(paramiko.SSHException):
-    def __init__(self, hostname: str, key: paramiko.PKey):
-        super().__init__(f"unknown host key for {hostname}")
-        self.hostname = hostname
-        self.key = key
+class _AgentAt(paramiko.agent.AgentSSH):
+    """The agent listening on `path` (paramiko's Agent only reads $SSH_AUTH_SOCK)."""
+
+    def __init__(self, path: str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        self._conn = None
+        self._keys = ()
+        self._connect(sock)
 
 
-def append_known_host(path: Path, hostname: str, key: paramiko.PKey) -> None:
-    """Record `key` for `hostname` (as paramiko names it: "[host]:port" off port 22)."""
-    line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
-    with _KNOWN_HOSTS_LOCK:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if path.is_file() and path.stat().st_size:
-            with open(path, "rb") as existing:
-                existing.seek(-1, os.SEEK_END)
-                if existing.read(1) != b"\n":
-                    line = "\n" + line
-        # One write() with O_APPEND: a reader never sees half a line and lines other
-        # programs add meanwhile are kept (a rewrite-and-replace could drop them).
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+def agent_keys(options: SshOptions) -> tuple[paramiko.AgentKey, ...]:
+    path = options.identity_agent if options.identity_agent else os.environ.get("SSH_AUTH_SOCK")
+    if not path or path == "none":
+        return ()
+    try:
+        return tuple(_AgentAt(path).get_keys())
+    except (OSError, paramiko.SSHException):
+        return ()  # OpenSSH too goes on without an agent it cannot reach
+
+
+def _public_blob(path: str) -> bytes | None:
+    try:
+        return paramiko.PublicBlob.from_file(path + ".pub").key_blob
+    except (OSError, ValueError, paramiko.SSHException):
+        return None
+
+
+def _with_certificate(key: paramiko.PKey, path: str, options: SshOptions) -> paramiko.PKey:
+    """`key` with the OpenSSH certificate OpenSSH would send along (CertificateFile,
+    else PATH-cert.pub), when there is one for it."""
+    for candidate in (*options.certificate_files, path + "-cert.pub"):
+        if os.path.isfile(candidate):
+            try:
+                key.load_certificate(candidate)
+                return key
+            except ValueError:
+                continue  # a certificate for another key
+    return key
+
+
+def authenticate(transport: paramiko.Transport, options: SshOptions) -> None:
+    """Public-key authentication in OpenSSH's order: agent keys (only those of the
+    identity files with IdentitiesOnly), then the identity files. Never prompts."""
+    tried: list[BaseException] = []
+    locked: list[str] = []
+    files = [path for path in options.identity_files if os.path.isfile(path)]
+    wanted = {_public_blob(path) for path in files}
+    in_agent = agent_keys(options)
+    for key in in_agent:
+        if options.identities_only and key.asbytes() not in wanted:
+            continue
         try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
-
-
-class KnownHostsPolicy(paramiko.MissingHostKeyPolicy):
-    """Paramiko calls this only for a host with no key on record; a key that differs
-    from the recorded one raises BadHostKeyException before, and is always refused."""
-
-    def __init__(self, known_hosts: Path, accept_new: bool):
-        self.known_hosts = known_hosts
-        self.accept_new = accept_new
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        if not self.accept_new:
-            raise UnknownHostKey(hostname, key)
-        append_known_host(self.known_hosts, hostname, key)
-        client.get_host_keys().add(hostname, key.get_name(), key)
-
-
-def _close_chain(conn: fabric.Connection) -> None:
-    """Close a connection and its ProxyJump gateways (Fabric's close() leaves those open)."""
-    conn.client.close()
-    if isinstance(conn.gateway, fabric.Connection):
-        _close_chain(conn.gateway)
+            transport.auth_publickey(options.user, key)
+            return
+        except paramiko.AuthenticationException as exc:
+            tried.append(exc)
+    offered = {key.asbytes() for key in in_agent}
+    for path in files:
+        try:
+            key = paramiko.PKey.from_path(path)
+        except (paramiko.PasswordRequiredException, TypeError):
+            # TypeError: what cryptography raises for an OpenSSH-format key with a passphrase
+            if _public_blob(path) not in offered:
+                locked.append(path)
+            continue
+        except (OSError, ValueError, paramiko.SSHException) as exc:
+            tried.append(exc)
+            continue
+        try:
+            transport.auth_publickey(options.user, _with_certificate(key, path, options))
+            return
+        except paramiko.AuthenticationException as exc:
+            tried.append(exc)
+    if locked:
+        raise KeyNeedsPassphrase(locked)
+    raise paramiko.AuthenticationException(
+        f"no key was accepted for {options.user} (tried {len(tried)}: agent keys and "
+        f"{', '.join(files) or 'no identity file found'})")
 
 
 class SshTransport(Tally, Transport):
@@ -111,10 +141,10 @@ class SshTransport(Tally, Transport):
         super().__init__()
         self.host = host
         self.describe = host.ssh
-        self._accept_new = accept_new_host_key or host.host_key == "accept-new"
-        self._known_hosts = Path(os.path.expanduser(host.known_hosts or "~/.ssh/known_hosts"))
-        self._lock = threading.Lock()  # guards _connection
-        self._connection: fabric.Connection | None = None
+        self._accept_new = accept_new_host_key
+        self._lock = threading.Lock()  # guards _chain
+        self._chain: list[paramiko.Transport] = []  # ProxyJump hops, then the host itself
+        self._options: SshOptions | None = None
 
     # -- the connection ------------------------------------------------------------------
 
@@ -125,82 +155,109 @@ class SshTransport(Tally, Transport):
         """The inventory name and the hop chain, for messages: "ct200 (root@node -> pct 200)"."""
         return f"{self.host.name} ({self.describe})" if self.host.name else self.describe
 
+    @property
+    def options(self) -> SshOptions:
+        """The host's resolved options (`ssh -G` runs once per transport)."""
+        if self._options is None:
+            self._options = resolve(self.host.ssh, self.host)
+        return self._options
+
     def _session_transport(self, stale: paramiko.Transport | None = None) -> paramiko.Transport:
         """The live connection's paramiko Transport, connecting when there is none, when
         it died, or when the caller found `stale` dead (another thread may have
         replaced it already)."""
         with self._lock:
-            conn = self._connection
-            if conn is not None and conn.is_connected and conn.transport is not stale:
-                return conn.transport
-            if conn is not None:
-                _close_chain(conn)
-                self._connection = None
-            self._connection = self._connect()
-            return self._connection.transport
+            if self._chain and self._chain[-1].is_active() and self._chain[-1] is not stale:
+                return self._chain[-1]
+            self._close_chain()
+            self._chain = self._open(self.options, via=None)
+            return self._chain[-1]
 
-    def _connect(self) -> fabric.Connection:
-        # Compression: a follow stream is mostly log text, which zlib shrinks severalfold
-        # on the way from a rented box; release tars are gzipped already and cost little.
-        connect_kwargs: dict = {"compress": True}
-        if self.host.identity_file:
-            connect_kwargs["key_filename"] = [os.path.expanduser(self.host.identity_file)]
-        conn = fabric.Connection(self.host.ssh, connect_kwargs=connect_kwargs)
-        self._harden(conn)
-        target = f"{conn.user}@{conn.host}:{conn.port}"
+    def _close_chain(self) -> None:
+        for transport in reversed(self._chain):
+            transport.close()
+        self._chain = []
+
+    def _open(self, options: SshOptions, via: paramiko.Transport | None) -> list[paramiko.Transport]:
+        """Connect to `options`' host (through `via`, its own ProxyJump hops or its
+        ProxyCommand); the chain of connections, the host's last."""
+        chain: list[paramiko.Transport] = []
+        if via is None and options.proxy_jump:
+            for hop in options.proxy_jump.split(","):
+                chain += self._open(resolve(hop, self.host), via=chain[-1] if chain else None)
+            via = chain[-1]
+        target = f"{options.user}@{options.hostname}:{options.port}"
         started = time.monotonic()
+        seconds = self.host.connect_timeout
         try:
-            conn.open()
+            try:
+                if via is not None:
+                    sock = via.open_channel("direct-tcpip", (options.hostname, options.port), ("127.0.0.1", 0),
+                                            timeout=seconds)
+                elif options.proxy_command:
+                    sock = paramiko.ProxyCommand(options.proxy_command)
+                else:
+                    sock = socket.create_connection((options.hostname, options.port), timeout=seconds)
+            except ConnectionRefusedError as exc:
+                raise NoValidConnectionsError({(options.hostname, options.port): exc}) from exc
+            transport = paramiko.Transport(sock)
+            chain.append(transport)
+            # Compression: a follow stream is mostly log text, which zlib shrinks
+            # severalfold on the way from a rented box.
+            transport.use_compression(True)
+            transport.banner_timeout = transport.auth_timeout = transport.channel_timeout = seconds
+            transport.start_client(timeout=seconds)
+            self._check_host_key(options, transport.get_remote_server_key())
+            authenticate(transport, options)
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            _close_chain(conn)
-            raise self._unreachable(target, exc, time.monotonic() - started) from exc
-        transport = conn.transport
-        transport.set_keepalive(KEEPALIVE_S)
+            for opened in reversed(chain):
+                opened.close()
+            raise self._unreachable(target, options, exc, time.monotonic() - started) from exc
+        transport.set_keepalive(options.server_alive_interval or KEEPALIVE_S)
         sock = transport.sock
         # Keepalives alone never notice a vanished peer (paramiko does not wait for
         # replies); TCP_USER_TIMEOUT fails the socket when they go unacknowledged.
         if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, KEEPALIVE_S * KEEPALIVE_COUNT * 1000)
-        return conn
+        return chain
 
-    def _harden(self, conn: fabric.Connection) -> None:
-        """Replace Fabric's accept-any-key client, and its whole-second connect timeout,
-        on this hop and every ProxyJump hop before it."""
-        client = paramiko.SSHClient()
-        if self._known_hosts.is_file():
-            try:
-                client.get_host_keys().load(str(self._known_hosts))
-            except (OSError, paramiko.SSHException) as exc:
-                raise DflashError(f"{self._name()}: cannot read known_hosts file {self._known_hosts}: {exc}",
-                                  ExitCode.USAGE) from exc
-        client.set_missing_host_key_policy(KnownHostsPolicy(self._known_hosts, self._accept_new))
-        conn.client = client
-        seconds = self.host.connect_timeout
-        conn.connect_timeout = None  # Fabric rounds it down to an int; paramiko takes floats
-        conn.connect_kwargs.update(timeout=seconds, banner_timeout=seconds, auth_timeout=seconds,
-                                   channel_timeout=seconds)
-        if isinstance(conn.gateway, fabric.Connection):
-            self._harden(conn.gateway)
+    def _check_host_key(self, options: SshOptions, key: paramiko.PKey) -> None:
+        known = KnownHosts(options.known_hosts)
+        try:
+            known.check(options.host_key_name, key)
+        except HostKeyRefused as exc:
+            if exc.problem != "unknown" or not (self._accept_new or options.accept_new):
+                raise
+            known.record(options.host_key_name, key)
 
-    def _unreachable(self, target: str, exc: BaseException, elapsed: float) -> UnreachableError:
+    def _unreachable(self, target: str, options: SshOptions, exc: BaseException, elapsed: float) -> UnreachableError:
         where = f"host {self._name()} ({target}) is unreachable"
-        known = self._known_hosts
-        if isinstance(exc, UnknownHostKey):
+        if isinstance(exc, HostKeyRefused) and exc.problem == "unknown":
             return UnreachableError(
                 f"{where}: its host key is unknown ({exc.hostname} {exc.key.get_name()} "
-                f"{fingerprint(exc.key)} is not in {known}); refused",
-                hint="to trust this key, run again with --accept-new-host-key, "
-                     "or set host_key: accept-new for this host in the inventory")
-        if isinstance(exc, paramiko.BadHostKeyException):
+                f"{fingerprint(exc.key)} is {exc.detail}); refused",
+                hint="to trust this key, run again with --accept-new-host-key, or set host_key: accept-new "
+                     "for this host in the inventory" + (
+                         "; @cert-authority lines are not used by dflash: record the host's own key"
+                         if KnownHosts(options.known_hosts).has_cert_authority else ""))
+        if isinstance(exc, HostKeyRefused) and exc.problem == "changed":
             return UnreachableError(
                 f"{where}: the host key of {exc.hostname} has CHANGED (it sent {exc.key.get_name()} "
-                f"{fingerprint(exc.key)}; {known} records {fingerprint(exc.expected_key)}); refused",
-                hint=f"if the host was reinstalled, delete its old line from {known}")
+                f"{fingerprint(exc.key)}; {exc.detail}); refused",
+                hint="if the host was reinstalled, delete its old line from that known_hosts file")
+        if isinstance(exc, HostKeyRefused):
+            return UnreachableError(f"{where}: the host key of {exc.hostname} ({fingerprint(exc.key)}) "
+                                    f"is REVOKED: {exc.detail}; refused")
+        if isinstance(exc, KeyNeedsPassphrase):
+            return UnreachableError(f"{where}: {exc}; dflash never asks for a passphrase",
+                                    hint=f"load it into your agent first: ssh-add {exc.paths[0]}")
         if isinstance(exc, paramiko.AuthenticationException) or "authentication" in str(exc).lower():
             return UnreachableError(f"{where}: authentication failed ({exc})",
-                                    hint="check identity_file and the user in `ssh:`")
+                                    hint="check identity_file and the user in `ssh:`, or `dflash hosts --check -v`")
         if isinstance(exc, socket.gaierror):
-            return UnreachableError(f"{where}: cannot resolve the host name ({exc.strerror})")
+            alias = "" if options.hostname != options.target.rpartition("@")[2].partition(":")[0] else (
+                "; it is no alias of your ssh config either")
+            return UnreachableError(f"{where}: cannot resolve the host name ({exc.strerror}){alias}")
         if isinstance(exc, NoValidConnectionsError):
             return UnreachableError(f"{where}: connection refused")
         if isinstance(exc, TimeoutError) or elapsed >= self.host.connect_timeout:
@@ -323,6 +380,4 @@ class SshTransport(Tally, Transport):
 
     def close(self) -> None:
         with self._lock:
-            if self._connection is not None:
-                _close_chain(self._connection)
-                self._connection = None
+            self._close_chain()

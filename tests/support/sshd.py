@@ -32,6 +32,7 @@ class SshNode:
     host_key_line: str  # "ssh-ed25519 AAAA…" as sshd presents it
     pid: int  # the listening sshd, started by the fixture
     log_path: Path  # sshd's own log (-e: everything it says on stderr)
+    user_ca: Path | None = None  # a CA private key whose user certificates sshd trusts (TrustedUserCAKeys)
 
     @property
     def target(self) -> str:
@@ -76,8 +77,10 @@ def _sshd_version() -> tuple[int, int]:
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
-def _write_config(workdir: Path, ports: tuple[int, int], host_key: Path, authorized: Path) -> Path:
+def _write_config(workdir: Path, ports: tuple[int, int], host_key: Path, authorized: Path,
+                  user_ca_pub: Path) -> Path:
     lines = [
+        f"TrustedUserCAKeys {user_ca_pub}",
         *(f"Port {port}" for port in ports),
         f"ListenAddress {ADDRESS}",
         f"HostKey {host_key}",
@@ -111,9 +114,12 @@ def start_sshd(workdir: Path) -> tuple[SshNode, subprocess.Popen[bytes]]:
     client_key = workdir / "id_ed25519"
     (workdir / "authorized_keys").write_text(keygen(client_key, "dflash-test-client") + "\n")
     key_type, key_b64 = host_key_line.split()[:2]
+    user_ca = workdir / "user_ca"
+    keygen(user_ca, "dflash-test-user-ca")
     for _attempt in range(3):  # another process may take the free port before sshd does
         port, alt_port = free_ports(2)
-        config = _write_config(workdir, (port, alt_port), host_key, workdir / "authorized_keys")
+        config = _write_config(workdir, (port, alt_port), host_key, workdir / "authorized_keys",
+                               user_ca.with_name("user_ca.pub"))
         log_path = workdir / f"sshd-{port}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
@@ -125,7 +131,7 @@ def start_sshd(workdir: Path) -> tuple[SshNode, subprocess.Popen[bytes]]:
                 known_hosts = workdir / "known_hosts"
                 known_hosts.write_text(f"[{ADDRESS}]:{port} {key_type} {key_b64}\n")
                 node = SshNode(ADDRESS, port, alt_port, "root", client_key, known_hosts, f"{key_type} {key_b64}",
-                               proc.pid, log_path)
+                               proc.pid, log_path, user_ca)
                 return node, proc
             time.sleep(0.02)
         stop_sshd(proc)
@@ -193,3 +199,11 @@ def stop_sshd(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def sign_user_key(node: SshNode, key: Path, principal: str = "root") -> Path:
+    """An OpenSSH user certificate for `key` (KEY-cert.pub) signed by the CA `node` trusts."""
+    assert node.user_ca is not None
+    subprocess.run(["ssh-keygen", "-q", "-s", str(node.user_ca), "-I", "dflash-test", "-n", principal,
+                    str(key.with_name(key.name + ".pub"))], check=True, stdin=subprocess.DEVNULL)
+    return key.with_name(key.name + "-cert.pub")
