@@ -79,7 +79,11 @@ def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
 def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
     """One line: what this release changed since the newest run on the host, so the same
     patch is not launched twice by mistake (nothing before the host's first run)."""
-    runs = session.agent(host_name).call("status")["runs"]
+    try:
+        runs = session.agent(host_name).call("status")["runs"]
+    except DflashError as exc:  # a hint, not a check: the launch's own checks come next
+        console.warn(f"{host_name}: cannot compare with the previous run ({exc.message})")
+        return
     previous = next((r for r in runs if r.get("release_id")), None)
     if previous is None:
         return
