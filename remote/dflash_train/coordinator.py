@@ -66,12 +66,27 @@ class Coordinator(JobControl):
             self._teardown()
             return EXIT_OK
         except StopRequested:
+            if self.state.failure is not None:  # a worker outside the drafters failed (the checkpoint writer)
+                self._teardown()
+                self._finish_checkpoints()
+                return EXIT_FAILED
             return self._stopped()
         except BaseException as exc:  # noqa: BLE001 - the coordinator's own failure is recorded too
             self.state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase=self.phase,
                                       step=self.step)
             self._teardown()
+            self._finish_checkpoints()
             return EXIT_FAILED
+
+    def _finish_checkpoints(self) -> bool:
+        """Wait for the checkpoint being written, if any; False if its write failed."""
+        if self.prepared is None:
+            return True
+        try:
+            self.prepared.run.checkpoints.wait()
+            return True
+        except StopRequested:
+            return False
 
     def _start_replica(self, index: int) -> Replica:
         """Runs in the drafter's thread (or the main thread when sequential)."""
@@ -210,6 +225,10 @@ class Coordinator(JobControl):
                 run.save_checkpoint(lead)
             except NonFiniteWeights as exc:  # the newest finite checkpoint stays `latest`
                 say(f"no checkpoint on stop: {exc}")
+            except StopRequested:  # the previous checkpoint's write failed (recorded by its writer)
+                pass
+        if not self._finish_checkpoints():
+            return EXIT_FAILED
         signum = self._signal or signal.SIGTERM
         return 128 + int(signum)
 
