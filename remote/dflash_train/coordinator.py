@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .compile_cache import compile_key_facts, use_compile_cache
 from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
 from .config import TrainConfig
 from .devices import is_cuda
@@ -113,6 +114,8 @@ class Coordinator(JobControl):
         """Decide what every drafter compiles and set the compiler up for it, in the main
         thread, before any drafter starts (compiler settings are process-wide)."""
         self.compile_plan = plan = plan_compile(self.config)
+        if plan.mode != "off" and self.prepared is not None:
+            use_compile_cache(self.run_dir, compile_key_facts(self.prepared.run.drafter_devices[0]))
         configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter)
         if plan.buckets:
             say(f"compile: cudagraphs captures {len(plan.buckets)} shape bucket(s) per drafter: "
