@@ -43,12 +43,10 @@ def compile_key(facts: dict[str, str]) -> str:
     return f"{slug}-{digest}"
 
 
-def use_compile_cache(run_dir: Path, facts: dict[str, str]) -> Path | None:
+def use_compile_cache(run_dir: Path, facts: dict[str, str]) -> Path:
     """Point Inductor and Triton at this key's folder (before anything compiles); its path.
-    A TORCHINDUCTOR_CACHE_DIR set by whoever started the trainer wins (a benchmark's fresh one)."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        say(f"compile cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']} (TORCHINDUCTOR_CACHE_DIR as set)")
-        return None
+    Always set: importing torch's compiler already sets TORCHINDUCTOR_CACHE_DIR to its
+    default under /tmp, so an inherited value cannot be told from that one."""
     folder = cache_root(run_dir) / "compile" / compile_key(facts)
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / KEY_FILE).exists():
