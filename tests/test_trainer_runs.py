@@ -137,7 +137,10 @@ def test_tiny_cpu_config_end_to_end(launch, workspace):
                                                               "config.yaml", "SHA256SUMS"}
     # the config it ran, resolved (the agent was given the file as written here)
     assert (latest / "config.yaml").read_text() == resolved_yaml(load_train_config(TINY_CONFIG))
-    assert [e["step"] for e in run.events("checkpoint")][-1] == len(steps)
+    checkpoints = run.events("checkpoint")
+    assert checkpoints[-1]["step"] == len(steps) and checkpoints[-1]["thread"] == "checkpoint-writer"
+    # training is held only for the copy off the device; the write is timed apart
+    assert all(e["held_s"] >= 0 and e["write_s"] > 0 and e["waited_s"] >= 0 for e in checkpoints)
     # the acceptance-length gain, both numbers reported
     evals = run.events("eval")
     assert [e["step"] for e in evals] == [0, 48, 96]  # at the start, every 48 steps, at the end
@@ -280,6 +283,20 @@ def test_abort_leaves_every_stack_in_faulthandler_log(launch):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["threaded", "sequential"])
+def test_a_checkpoint_that_cannot_be_written_fails_the_run(launch, mode):
+    # `checkpoints` is a file: the background writer's mkdir fails, as a full or read-only disk would.
+    run = launch(SMALL + f"pipeline: {{mode: {mode}}}\noptim: {{max_steps: 6}}\ncheckpoint: {{every: 2}}\n"
+                 "eval: {num_prompts: 0}\n")
+    (run.run_dir / "checkpoints").write_text("not a folder\n")
+    assert run.wait(150) == 1, run.log()[-3000:]
+    first = run.errors()[0]
+    assert first["thread"] == "checkpoint-writer" and first["phase"] == "checkpoint" and first["step"] == 2
+    assert first["exc_type"] == "FileExistsError"
+    assert run.events("checkpoint") == [] and run.events("done")[-1]["exit_code"] == 1
+
+
 def test_exit_fault_sets_the_exit_code(launch):
     run = launch(SMALL + "faults: [{thread: prefetch, at: 'step:2', kind: exit, code: 7}]\n")
     assert run.wait(100) == 7

@@ -92,19 +92,52 @@ def replace_dir(final: Path, fill: Callable[[Path], None]) -> None:
     shutil.rmtree(old, ignore_errors=True)  # only once the new one is in place
 
 
-def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, optimizer, scheduler,
-                    keep: int, config_yaml: str) -> Path:
+@dataclasses.dataclass
+class CheckpointSnapshot:
+    """What a checkpoint holds, already copied off the device: training goes on while it is written."""
+    state: TrainingState
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]  # {"optimizer": state_dict, "scheduler": state_dict}, tensors on the CPU
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A deep copy of a state_dict with every tensor on the CPU; from CUDA into pinned
+    memory, asynchronously (the caller synchronizes), so training is held only as long
+    as the copy over the bus takes."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            return pinned.copy_(value.detach(), non_blocking=True)
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v) for v in value)
+    return value  # numbers, strings, None: immutable
+
+
+def take_snapshot(state: TrainingState, model: torch.nn.Module, optimizer, scheduler) -> CheckpointSnapshot:
+    """Copy the checkpoint's content off the device; refuses non-finite weights."""
+    device = next(model.parameters()).device
+    optimizer_states = _cpu_copy({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+    if device.type == "cuda":  # the pinned copies were queued on this thread's stream
+        torch.cuda.current_stream(device).synchronize()
+    return CheckpointSnapshot(dataclasses.replace(state, losses=list(state.losses)), finite_cpu_weights(model),
+                              optimizer_states)
+
+
+def write_checkpoint(root: Path, snapshot: CheckpointSnapshot, keep: int, config_yaml: str) -> Path:
+    """Write `snapshot` as root/step_NNNNNN (atomically), point `latest` at it, prune."""
     from safetensors.torch import save_file
 
     def fill(staging: Path) -> None:
-        save_file(finite_cpu_weights(model), str(staging / "model.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   staging / "optimizer.pt")
-        (staging / "state.json").write_text(json.dumps(dataclasses.asdict(state)) + "\n")
+        save_file(snapshot.weights, str(staging / "model.safetensors"))
+        torch.save(snapshot.optimizer, staging / "optimizer.pt")
+        (staging / "state.json").write_text(json.dumps(dataclasses.asdict(snapshot.state)) + "\n")
         (staging / CONFIG).write_text(config_yaml, encoding="utf-8")
 
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{state.step:06d}"
+    final = root / f"step_{snapshot.state.step:06d}"
     replace_dir(final, fill)
     link = root / f".{LATEST}-{os.getpid()}"
     link.unlink(missing_ok=True)
@@ -112,6 +145,12 @@ def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, op
     os.replace(link, root / LATEST)
     _prune(root, keep, final)
     return final
+
+
+def save_checkpoint(root: Path, state: TrainingState, model: torch.nn.Module, optimizer, scheduler,
+                    keep: int, config_yaml: str) -> Path:
+    """Snapshot and write in the calling thread."""
+    return write_checkpoint(root, take_snapshot(state, model, optimizer, scheduler), keep, config_yaml)
 
 
 def _prune(root: Path, keep: int, written: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .compile_cache import compile_key_facts, use_compile_cache
 from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
 from .config import TrainConfig
 from .devices import is_cuda
@@ -77,8 +78,11 @@ class Coordinator(JobControl):
             self._teardown()
             return EXIT_OK
         except (StopRequested, PeerFailed):
-            if self.state.failure is not None:  # a peer failed: its PeerFailed record is written
+            # A peer failed (its PeerFailed record is written), or a worker outside the
+            # drafters did (the checkpoint writer): the run fails.
+            if self.state.failure is not None:
                 self._teardown()
+                self._finish_checkpoints()
                 self._leave(ok=False)
                 return EXIT_FAILED
             code = self._stopped()
@@ -88,8 +92,19 @@ class Coordinator(JobControl):
             self.state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase=self.phase,
                                       step=self.step)
             self._teardown()
+            self._finish_checkpoints()
             self._leave(ok=False)
             return EXIT_FAILED
+
+    def _finish_checkpoints(self) -> bool:
+        """Wait for the checkpoint being written, if any; False if its write failed."""
+        if self.prepared is None:
+            return True
+        try:
+            self.prepared.run.checkpoints.wait()
+            return True
+        except StopRequested:
+            return False
 
     def _end_now(self, code: int) -> None:
         """A peer ended the run, and this process did not follow (the main thread is in a
@@ -152,6 +167,8 @@ class Coordinator(JobControl):
         """Decide what every drafter compiles and set the compiler up for it, in the main
         thread, before any drafter starts (compiler settings are process-wide)."""
         self.compile_plan = plan = plan_compile(self.config)
+        if plan.mode != "off" and self.prepared is not None:
+            use_compile_cache(self.run_dir, compile_key_facts(self.prepared.run.drafter_devices[0]))
         configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter)
         if plan.buckets:
             say(f"compile: cudagraphs captures {len(plan.buckets)} shape bucket(s) per drafter: "
@@ -278,6 +295,10 @@ class Coordinator(JobControl):
                 run.save_checkpoint(lead)
             except NonFiniteWeights as exc:  # the newest finite checkpoint stays `latest`
                 say(f"no checkpoint on stop: {exc}")
+            except StopRequested:  # the previous checkpoint's write failed (recorded by its writer)
+                pass
+        if not self._finish_checkpoints():
+            return EXIT_FAILED
         signum = self._signal or signal.SIGTERM
         return 128 + int(signum)
 

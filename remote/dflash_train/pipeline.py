@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpoint import TrainingState, replace_dir, save_checkpoint
+from .checkpoint import TrainingState, replace_dir, take_snapshot
+from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig, resolved_yaml
 from .data import BatchPlan, HostBatch, Sample, collate
 from .devices import Fence, handoff, is_cuda, thread_stream
@@ -124,6 +125,11 @@ class Run:
     _last_report: float = dataclasses.field(default_factory=time.perf_counter)
     # when the newest checkpoint was written (or training started): checkpoint.every_minutes counts from it
     _last_checkpoint_at: float = dataclasses.field(default_factory=time.monotonic)
+    checkpoints: CheckpointWriter = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.checkpoints = CheckpointWriter(self.run_dir / "checkpoints", self.config.checkpoint.keep,
+                                            resolved_yaml(self.config), self.events, self.state)
 
     def training_started(self) -> None:
         """Throughput and checkpoint.every_minutes count from here, not from the startup."""
@@ -199,10 +205,12 @@ class Run:
             evaluate(EvalRequest(step, cpu_weights(lead.drafter)))
 
     def after_training(self, lead: Replica, evaluate: Callable[[EvalRequest], None]) -> None:
-        """Export the trained drafter, then its final evaluation (rank 0)."""
+        """Export the trained drafter, then its final evaluation (rank 0); the last
+        checkpoint is complete before this returns."""
         if not self.writes_outputs:
             return
         self.export(lead)
+        self.checkpoints.wait()
         if self.evaluator is not None:
             evaluate(EvalRequest(self.total_steps, cpu_weights(lead.drafter), final=True))
 
@@ -222,12 +230,11 @@ class Run:
         entry = self.plan.last_entry(step)
         state = TrainingState(step=step, epoch=entry.epoch, batch_index=entry.index, replicas=self.plan.replicas,
                               losses=list(self.losses), world_size=self.layout.world_size)
-        path = save_checkpoint(self.run_dir / "checkpoints", state, replica.drafter, replica.optimizer,
-                               replica.scheduler, self.config.checkpoint.keep, resolved_yaml(self.config))
+        start = time.perf_counter()
+        snapshot = take_snapshot(state, replica.drafter, replica.optimizer, replica.scheduler)
+        self.checkpoints.submit(snapshot, held_s=time.perf_counter() - start)
         self.last_checkpoint = step
         self._last_checkpoint_at = time.monotonic()
-        self.events.emit("checkpoint", step=step, path=str(path))
-        say(f"checkpoint at step {step}: {path}")
 
     def export(self, replica: Replica) -> None:
         """DIR/export in `export_dtype`, replaced atomically (a previous export stays whole
