@@ -362,6 +362,9 @@ def test_a_run_on_two_hosts_resumes_as_one_from_rank_0s_checkpoint(pair, tmp_pat
     missing = pair.dflash("resume", run_id, "--step", "1")
     assert missing.returncode == 2 and f"run '{run_id}' has no complete checkpoint at step 1" in missing.stderr
     assert "nothing was started on any host" in missing.stderr and attempts() == [0, 0]
+    alone = pair.dflash("resume", run_id, "--host", "ct202")  # one host's part
+    assert alone.returncode == 2 and "resume it on all of them together" in alone.stderr, alone.stderr
+    assert attempts() == [0, 0]
     newest = max(int(p.name[len("step_"):]) for p in pair.on_node(200, f"runs/{run_id}/checkpoints").glob("step_*"))
     assert not pair.on_node(202, f"runs/{run_id}/checkpoints").exists()  # rank 0 alone holds them
 
