@@ -206,7 +206,8 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
     curve as the checkpoint left them; train.log and the events go on after an attempt
     line. `status` and `fetch-traceback` show the latest attempt (`--all`: every one).
     Refused (exit 2, with the reason) while the run is live, when it has no checkpoint,
-    or when the checkpoint does not fit the config.
+    or when the checkpoint does not fit the config. A run on several hosts resumes as
+    one: every host from rank 0's checkpoint at one step, checked on every host first.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
     code = _verb("resume").run(session, ref, release == "current", step)

@@ -225,6 +225,9 @@ def test_launch_options_for_several_hosts_only(pair, tmp_path):
     done = pair.dflash("launch", "ct202", "ct200", "--config", config)  # rank 0 is a container without address
     assert done.returncode == 2 and "ct202 (rank 0) has no address" in done.stderr
     assert "set address: in the inventory entry of ct202" in done.stderr
+    done = pair.dflash("launch", "ct200", "ct202", "--config", config, "--set", "restart.max=1")
+    assert done.returncode == 2 and "cannot restart together without a coordinator" in done.stderr
+    assert "resume it by hand with `dflash resume RUN`" in done.stderr
     assert not pair.on_node(200, "runs").exists() and not pair.on_node(202, "runs").exists()
 
 
@@ -339,3 +342,48 @@ def test_stop_leaves_no_process_on_either_host(pair, tmp_path):
     assert status.returncode == 3 and found["state"] == "UNKNOWN"
     assert [s["state"] for s in found["hosts"]] == ["STOPPED", None]
     assert found["hosts"][1]["error"].startswith("host ct202 (") and "unreachable" in found["hosts"][1]["error"]
+
+
+def test_a_run_on_two_hosts_resumes_as_one_from_rank_0s_checkpoint(pair, tmp_path):
+    """Stopped after its checkpoint at step 2 (both hosts hang before step 4 in attempt
+    0): `dflash resume RUN` is refused while it is live and for a step rank 0 has no
+    checkpoint of, starting nothing; then it resumes both hosts as attempt 1 from one step."""
+    hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
+    run_id = launch_pair(pair, pair_config(tmp_path / "resumed.yaml", checkpoint={"every": 2}, faults=hang))
+    wait_for(lambda: 3 in [e["step"] for e in events(pair, 200, run_id, "step")], 240, "step 3 on rank 0")
+
+    def attempts() -> list[int]:
+        return [pair.run_json(vmid, run_id)["attempt"] for vmid in (200, 202)]
+
+    live = pair.dflash("resume", run_id)
+    assert live.returncode == 2 and "is still live (RUNNING): stop it first" in live.stderr, live.stderr
+    assert "nothing was started on any host" in live.stderr and attempts() == [0, 0]
+    assert pair.dflash("stop", run_id, "--grace", "20").stdout == "STOPPED\n"
+    missing = pair.dflash("resume", run_id, "--step", "1")
+    assert missing.returncode == 2 and f"run '{run_id}' has no complete checkpoint at step 1" in missing.stderr
+    assert "nothing was started on any host" in missing.stderr and attempts() == [0, 0]
+    alone = pair.dflash("resume", run_id, "--host", "ct202")  # one host's part
+    assert alone.returncode == 2 and "resume it on all of them together" in alone.stderr, alone.stderr
+    assert attempts() == [0, 0]
+    newest = max(int(p.name[len("step_"):]) for p in pair.on_node(200, f"runs/{run_id}/checkpoints").glob("step_*"))
+    assert not pair.on_node(202, f"runs/{run_id}/checkpoints").exists()  # rank 0 alone holds them
+
+    resumed = pair.dflash("resume", run_id)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"run {run_id} (STOPPED) resumed as attempt 1 on 2 hosts from rank 0's checkpoint at step {newest}"
+            in resumed.stderr)
+    watch = pair.dflash("watch", run_id)
+    assert watch.returncode == 0, watch.stderr[-3000:]
+    assert f"run {run_id} ended: SUCCEEDED (ct200 SUCCEEDED, ct202 SUCCEEDED)" in watch.stderr
+    records = [pair.run_json(vmid, run_id) for vmid in (200, 202)]
+    assert [[(a["attempt"], a["reason"], a["resume_from"] and a["resume_from"]["step"]) for a in r["attempts"]]
+            for r in records] == [[(0, "launch", None), (1, "resume", newest)]] * 2
+    layouts = [r["distributed"] for r in records]
+    assert layouts[0]["master_port"] == layouts[1]["master_port"] and [l["rank"] for l in layouts] == [0, 1]
+    steps = [e["step"] for e in events(pair, 200, run_id, "step")]
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] > newest  # each step once, across the attempts
+    checksums = [sha for vmid in (200, 202) for sha in events(pair, vmid, run_id, "replicas")[-1]["sha256"]]
+    assert len(checksums) == 4 and len(set(checksums)) == 1, checksums
+    status = pair.dflash("status", run_id, "--json")
+    assert [(s["host"], s["state"]) for s in json.loads(status.stdout)["hosts"]] == [
+        ("ct200", "SUCCEEDED"), ("ct202", "SUCCEEDED")]

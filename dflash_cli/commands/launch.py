@@ -184,10 +184,12 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
     if master_addr is not None and not is_address(master_addr):
         raise DflashError(f"--master-addr {master_addr!r}: expected a host name or IP address", ExitCode.USAGE)
     if config.restart.max > 0:
-        # One host's supervisor cannot restart the others: the restarted trainer would
-        # wait for peers that ended (DESIGN.md "Attempts").
+        # Each host's supervisor restarts only its own trainer, which would wait for peers
+        # that ended: restarting together needs a coordinator (DESIGN.md "Attempts").
         raise DflashError(f"restart.max {config.restart.max}: a run on several hosts is not restarted "
-                          "by its hosts; set restart.max: 0", ExitCode.USAGE)
+                          "automatically (the hosts' supervisors cannot restart together without a "
+                          "coordinator); set restart.max: 0 and resume it by hand with `dflash resume RUN`",
+                          ExitCode.USAGE)
     first = hosts[0]
     address = master_addr or first.rendezvous_address()
     if address is None:
@@ -207,18 +209,10 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
                                              *layout, *extra, stdin=config_bytes)
 
     checks = session.on_each_host(hosts, lambda host: launch_on(host, master_port or 0, "--check-only"))
-    _refuse(hosts, checks, "nothing was started on any host")
+    refuse(hosts, checks, "nothing was started on any host")
     # The first host's agent picked a port free there, in the round trip of its check.
     port = master_port or checks[first.name]["master_port"]
-    started = session.on_each_host(hosts, lambda host: launch_on(host, port))
-    running = [host for host in hosts if not isinstance(started[host.name], DflashError)]
-    if len(running) < len(hosts):
-        stopped = session.on_each_host(running, lambda host: session.agent(host.name).call(
-            "stop", f"--run-id={run_id}", f"--grace={ROLLBACK_GRACE_S}", timeout=ROLLBACK_GRACE_S + 60))
-        left = [f"{host}: {outcome.message}" for host, outcome in stopped.items() if isinstance(outcome, DflashError)]
-        what = (f"the run was stopped on {', '.join(host.name for host in running)}" if running else
-                "it was started nowhere")
-        _refuse(hosts, started, what + (f"; stopping it failed on {'; '.join(left)}" if left else ""))
+    started = start_together(session, hosts, run_id, lambda host: launch_on(host, port))
     ref = RunRef(first.name, run_id, tuple(names))
     set_latest(session.logs_dir, ref)
     for rank, host in enumerate(hosts):
@@ -229,7 +223,23 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
     return ref
 
 
-def _refuse(hosts: list[Host], outcomes: dict, consequence: str) -> None:
+def start_together(session: Session, hosts: list[Host], run_id: str, start) -> dict:
+    """`start(host)` on every host at once; their replies by host name. When any failed,
+    the parts started elsewhere are stopped (no half-started run is left) and the error
+    names every host's failure."""
+    started = session.on_each_host(hosts, start)
+    running = [host for host in hosts if not isinstance(started[host.name], DflashError)]
+    if len(running) < len(hosts):
+        stopped = session.on_each_host(running, lambda host: session.agent(host.name).call(
+            "stop", f"--run-id={run_id}", f"--grace={ROLLBACK_GRACE_S}", timeout=ROLLBACK_GRACE_S + 60))
+        left = [f"{host}: {outcome.message}" for host, outcome in stopped.items() if isinstance(outcome, DflashError)]
+        what = (f"the run was stopped on {', '.join(host.name for host in running)}" if running else
+                "it was started nowhere")
+        refuse(hosts, started, what + (f"; stopping it failed on {'; '.join(left)}" if left else ""))
+    return started
+
+
+def refuse(hosts: list[Host], outcomes: dict, consequence: str) -> None:
     """Raise one DflashError naming every host whose outcome is an error, if any."""
     errors = [outcomes[host.name] for host in hosts if isinstance(outcomes[host.name], DflashError)]
     if errors:

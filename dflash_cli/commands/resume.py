@@ -1,26 +1,79 @@
-"""dflash resume: the next attempt of a run that ended, from its newest complete checkpoint."""
+"""dflash resume: the next attempt of a run that ended, from its newest complete checkpoint
+(on several hosts: every host's part, from rank 0's checkpoint, DESIGN.md "Attempts")."""
 from __future__ import annotations
 
 from dflash_agent.gpus import TRAINER_PACKAGES
 
 from .. import console
-from ..errors import ExitCode
+from ..errors import DflashError, ExitCode
+from ..inventory import Host
 from ..local_state import RunRef, set_latest
 from ..session import Session
+from .launch import refuse, start_together
 
 
 def run(session: Session, ref: RunRef, current_release: bool, step: int | None) -> ExitCode:
     """Start the attempt; the host refuses (exit 2, with the reason) a live run, one
     without a complete checkpoint, and a checkpoint that does not fit the config."""
+    if ref.multihost:
+        return _resume_on_hosts(session, ref, current_release, step)
     host = session.host(ref.host)
+    reply = session.agent(host.name).call("resume", *_agent_args(host, ref, current_release, step))
+    set_latest(session.logs_dir, ref)
+    console.say(f"{host.name}: run {ref.run_id} ({reply['previous_state']}) resumed as attempt {reply['attempt']} "
+                f"from its checkpoint at step {reply['step']} (pid {reply['pid']}, {_which_release(reply, current_release)})")
+    return ExitCode.OK
+
+
+def _agent_args(host: Host, ref: RunRef, current_release: bool, step: int | None) -> list[str]:
     args = [f"--run-id={ref.run_id}", f"--release={'current' if current_release else 'run'}"]
     if step is not None:
         args.append(f"--step={step}")
     # The host's settings travel again: run.json keeps their keys only (values may be secrets).
     args += [f"--env={key}={value}" for key, value in host.env.items()]
     args += [f"--require-module={package}" for package in TRAINER_PACKAGES]
-    reply = session.agent(host.name).call("resume", *args)
+    return args
+
+
+def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step: int | None) -> ExitCode:
+    """Every host's part as the same next attempt, from one step: rank 0's checkpoint
+    (rank > 0 takes it from rank 0 when the trainers meet), at a rendezvous port picked
+    free on rank 0's host. Every host checks before any starts (one refusal starts
+    nothing); a start that fails after that stops the parts already started."""
+    hosts = [session.host(name) for name in ref.hosts]
+
+    def resume_on(host: Host, at_step: int | None, port: int, *extra: str) -> dict:
+        layout = [f"--rank={ref.hosts.index(host.name)}", f"--world-size={len(hosts)}", f"--master-port={port}",
+                  f"--host-names={','.join(ref.hosts)}"]
+        return session.agent(host.name).call("resume", *_agent_args(host, ref, current_release, at_step),
+                                             *layout, *extra)
+
+    first = hosts[0]
+    # Rank 0 first: its checkpoint is the step every host resumes from.
+    checks = session.on_each_host(hosts[:1], lambda host: resume_on(host, step, 0, "--check-only"))
+    refuse(hosts[:1], checks, "nothing was started on any host")
+    chosen = checks[first.name]["step"]
+    checks.update(session.on_each_host(hosts[1:], lambda host: resume_on(host, chosen, 0, "--check-only")))
+    refuse(hosts, checks, "nothing was started on any host")
+    numbers = {checks[host.name]["attempt"] for host in hosts}
+    if len(numbers) > 1:
+        raise DflashError(f"run {ref.run_id}: the hosts' attempts disagree ("
+                          + ", ".join(f"{host.name} would start attempt {checks[host.name]['attempt']}" for host in hosts)
+                          + "): a host's part was resumed or restarted alone; nothing was started on any host",
+                          ExitCode.USAGE)
+    port = checks[first.name]["master_port"]
+    started = start_together(session, hosts, ref.run_id, lambda host: resume_on(host, chosen, port))
     set_latest(session.logs_dir, ref)
+    reply = started[first.name]
+    console.say(f"run {ref.run_id} ({reply['previous_state']}) resumed as attempt {reply['attempt']} on "
+                f"{len(hosts)} hosts from rank 0's checkpoint at step {chosen} "
+                f"({_which_release(reply, current_release)}; rendezvous port {port})")
+    for rank, host in enumerate(hosts):
+        console.say(f"{host.name}: rank {rank}, pid {started[host.name]['pid']}")
+    return ExitCode.OK
+
+
+def _which_release(reply: dict, current_release: bool) -> str:
     release = reply["release_id"]
     if not current_release:
         which = "the run's own"
@@ -28,6 +81,4 @@ def run(session: Session, ref: RunRef, current_release: bool, step: int | None) 
         which = "the host's current, the same as the run's"
     else:
         which = f"the host's current; the run had {reply.get('previous_release_id')}"
-    console.say(f"{host.name}: run {ref.run_id} ({reply['previous_state']}) resumed as attempt {reply['attempt']} "
-                f"from its checkpoint at step {reply['step']} (pid {reply['pid']}, release {release}: {which})")
-    return ExitCode.OK
+    return f"release {release}: {which}"

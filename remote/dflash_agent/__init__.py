@@ -76,6 +76,7 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          on this host now (bound as port 0) when --master-port is 0 or absent. The CLI
          checks every host this way before it starts any.
 resume   --run-id ID [--release run|current] [--step N] [--env KEY=VALUE]... [--require-module NAME]...
+         [--rank R --world-size W [--master-addr A] [--master-port P] [--host-names H0,H1,...]] [--check-only]
          The next attempt of a run that ended (DESIGN.md "Attempts"), from its complete
          checkpoint of step N (default: the newest), with its config and its release
          (--release run) or the current one: under a per-run lock, refused (kind
@@ -89,6 +90,14 @@ resume   --run-id ID [--release run|current] [--step N] [--env KEY=VALUE]... [--
          train.log, then removes the ended attempt's exit.json and stop_requested.json.
          -> {"run_id", "attempt", "previous_state", "step", "checkpoint", "pid",
              "release_id", "previous_release_id", "release"}
+         A part of a run on several hosts (run.json `distributed`) resumes only with its
+         --rank and --world-size, which must be run.json's (kind "conflict" otherwise, and
+         without them); --master-addr defaults to the launch's, --master-port is the new
+         rendezvous port. Rank 0 needs the checkpoint and checks its fit; rank > 0 needs
+         --step (rank 0's) and no checkpoint: its trainer gets `--resume-from rank0` and
+         takes rank 0's. --check-only checks all that and the resources' locks, starts
+         nothing: -> {"run_id", "checked": true, "attempt", "previous_state", "step",
+         "checkpoint"}, plus "master_port" (free here now) when --master-port is 0.
 status   [--run-id ID [--config]]    {"runs": [RunStatus...]} (all runs if no id; newest first)
          RunStatus = {"run_id", "name", "state", "pid", "started_at", "ended_at",
                       "exit": exit.json or null, "errors": n_records,

@@ -114,14 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="KIND:KEY=PATH", help="a path of the config that must exist on this host")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a --set the config was resolved with (recorded in run.json as given)")
-    p.add_argument("--rank", type=_non_negative_int, help="this host's position in a run on several hosts")
-    p.add_argument("--world-size", type=_non_negative_int, help="how many hosts the run has")
-    p.add_argument("--master-addr", help="rank 0's address, where the trainers meet")
-    p.add_argument("--master-port", type=_non_negative_int, default=0,
-                   help="rank 0's rendezvous port (0 with --check-only: pick a free one)")
-    p.add_argument("--host-names", default="", help="the run's hosts, comma-separated, in rank order")
-    p.add_argument("--check-only", action="store_true",
-                   help="check what the launch would (host, run id, locks), start nothing")
+    _distributed_options(p, "launch")
 
     p = verbs.add_parser("resume", help="start the next attempt of an ended run from a checkpoint")
     p.add_argument("--run-id", required=True)
@@ -130,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=_non_negative_int, help="this checkpoint step (default: the newest complete one)")
     p.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE")
     p.add_argument("--require-module", action="append", default=[], metavar="NAME")
+    _distributed_options(p, "resume")
 
     p = verbs.add_parser("status", help="RunStatus of one run or of all, newest first")
     p.add_argument("--run-id")
@@ -187,16 +181,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _distributed_options(p: argparse.ArgumentParser, verb: str) -> None:
+    """A host's place in a run on several hosts (launch.Distributed), and the check of
+    every host before any starts."""
+    p.add_argument("--rank", type=_non_negative_int, help="this host's position in a run on several hosts")
+    p.add_argument("--world-size", type=_non_negative_int, help="how many hosts the run has")
+    p.add_argument("--master-addr", help="rank 0's address, where the trainers meet"
+                   + (" (default: the launch's)" if verb == "resume" else ""))
+    p.add_argument("--master-port", type=_non_negative_int, default=0,
+                   help="rank 0's rendezvous port (0 with --check-only: pick a free one)")
+    p.add_argument("--host-names", default="", help="the run's hosts, comma-separated, in rank order")
+    p.add_argument("--check-only", action="store_true",
+                   help="check what the %s would (host, run, checkpoint, locks), start nothing" % verb)
+
+
+def _distributed(args: argparse.Namespace, address_required: bool = True):
+    from .launch import Distributed
+    if args.world_size is None and args.rank is None and args.master_addr is None:
+        return None
+    if args.world_size is None or args.rank is None or (address_required and args.master_addr is None):
+        raise AgentError("--rank, --world-size and --master-addr go together"
+                         if address_required else "--rank and --world-size go together", "usage")
+    return Distributed(args.rank, args.world_size, args.master_addr or "", args.master_port,
+                       tuple(name for name in args.host_names.split(",") if name))
+
+
 # Each verb imports only what it needs: the agent starts afresh for every CLI call.
 
 def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
-    from .launch import Distributed, LaunchRequest, launch
-    distributed = None
-    if args.world_size is not None or args.rank is not None or args.master_addr is not None:
-        if args.world_size is None or args.rank is None or args.master_addr is None:
-            raise AgentError("--rank, --world-size and --master-addr go together", "usage")
-        distributed = Distributed(args.rank, args.world_size, args.master_addr, args.master_port,
-                                  tuple(name for name in args.host_names.split(",") if name))
+    from .launch import LaunchRequest, launch
+    distributed = _distributed(args)
     return launch(ws, LaunchRequest(
         run_id=args.run_id, config=args.config, name=args.name, resources=tuple(args.resource),
         force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after,
@@ -208,7 +222,9 @@ def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
 def _resume(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     from .resume import ResumeRequest, resume
     return resume(ws, ResumeRequest(run_id=args.run_id, release=args.release, step=args.step,
-                                    env=tuple(args.env), modules=tuple(args.require_module)))
+                                    env=tuple(args.env), modules=tuple(args.require_module),
+                                    distributed=_distributed(args, address_required=False),
+                                    check_only=args.check_only))
 
 
 def _status(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:

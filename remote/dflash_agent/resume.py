@@ -6,6 +6,12 @@ Refused, with nothing changed, while the run is live, when it has no complete ch
 (or not the --step asked for), or when the checkpoint does not fit the config as the
 chosen release's trainer reads it (`python -m dflash_train.resume_check`). The step is
 explicit in the request, so several hosts' runs can be resumed from one common step.
+
+A part of a run on several hosts resumes only with its place in the run (`distributed`,
+as launch's options; the CLI's `dflash resume` sends every host's): rank 0 must hold the
+checkpoint at --step and checks that it fits; a host of rank > 0 needs none, its trainer
+takes rank 0's (DESIGN.md "Attempts: resume and restart"). --check-only checks all of
+that and starts nothing; on rank 0 it also picks a free rendezvous port, as launch does.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from . import attempts, locks, preflight
 from .jsonio import AgentError, read_json
-from .launch import start_supervisor, trainer_env
+from .launch import Distributed, free_port, start_supervisor, trainer_env
 from .layout import RunDir, Workspace
 from .state import TERMINAL, attempt_errors, derive_state, error_records, observe, read_record, summarize_events
 from .supervisor import TrainerPlan
@@ -32,6 +38,13 @@ class ResumeRequest:
     step: Optional[int] = None  # the checkpoint step; None: the newest complete one
     env: Tuple[Tuple[str, str], ...] = ()  # the host's settings, as at launch (values are not recorded)
     modules: Tuple[str, ...] = ()  # the trainer's interpreter must find these
+    distributed: Optional[Distributed] = None  # this host's place, for a part of a run on several hosts
+    check_only: bool = False  # check what a resume would, start nothing (several hosts)
+
+
+# What a trainer of rank > 0 is given as --resume-from: it reads no checkpoint itself but
+# takes rank 0's over the process group (dflash_train.startup.resume_point).
+FROM_RANK0 = "rank0"
 
 
 def resume(ws: Workspace, request: ResumeRequest) -> Dict[str, Any]:
@@ -56,21 +69,29 @@ def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[s
     if state not in TERMINAL:
         raise AgentError("run %r is still live (%s): stop it first (dflash stop), or wait for it to end"
                          % (run.run_id, state), "conflict", state=state)
-    if record.get("distributed"):
-        # Only rank 0's host holds the checkpoints, and every host's trainer must start
-        # again together: resuming one host's part alone would wait for peers that ended.
-        raise AgentError("run %r is one part of a run on several hosts (%s): it cannot be resumed "
-                         "host by host; launch it again with checkpoint.resume set to its checkpoint"
-                         % (run.run_id, ", ".join(record["distributed"].get("hosts") or [])), "conflict")
-    checkpoint = _checkpoint(run, request.step, state)
+    distributed = _place(run, record, request)
+    if distributed is None or distributed.rank == 0:
+        checkpoint = _checkpoint(run, request.step, state)
+    elif request.step is None:
+        raise AgentError("--step is required for rank %d: the step is rank 0's checkpoint" % distributed.rank, "usage")
+    else:
+        checkpoint = (request.step, FROM_RANK0)
     release_id, release_root = _release(ws, record, request.release)
     python = (record.get("argv") or [None])[0] or "python3"
-    env = trainer_env(ws, run, release_id, release_root, request.env)
+    env = trainer_env(ws, run, release_id, release_root, request.env, distributed)
     preflight.check(ws.root, release_root, python, env, request.modules, ())
-    _check_fit(python, env, run, checkpoint)
+    if checkpoint[1] != FROM_RANK0:
+        _check_fit(python, env, run, checkpoint)
     resources = tuple(record.get("resources") or ())
-    locks.acquire(ws, resources, run.run_id, force=False)
     attempt = attempts.attempt_of(record)
+    if request.check_only:
+        locks.check_free(ws, resources, False)
+        reply = {"run_id": run.run_id, "checked": True, "attempt": attempt + 1, "previous_state": state,
+                 "step": checkpoint[0], "checkpoint": checkpoint[1]}  # type: Dict[str, Any]
+        if distributed is not None and distributed.master_port == 0:
+            reply["master_port"] = free_port()
+        return reply
+    locks.acquire(ws, resources, run.run_id, force=False)
     errors = attempt_errors(error_records(run.errors), attempt)
     history = attempts.history(record)
     ended = attempts.closed(history[-1], obs.exit, state,
@@ -82,7 +103,7 @@ def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[s
         stall_after=float(record.get("stall_after") or 300.0),
         source=record.get("source") if release_id == record.get("release_id") else None,
         overrides=tuple(record.get("overrides") or ()), restart=record.get("restart"), attempt=attempt + 1, reason="resume", resume_from=checkpoint,
-        history=tuple(history[:-1]) + (ended,))
+        history=tuple(history[:-1]) + (ended,), distributed=distributed.record() if distributed else None)
     try:
         report = start_supervisor(plan)
     except BaseException:
@@ -93,6 +114,32 @@ def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[s
             "step": checkpoint[0], "checkpoint": checkpoint[1], "pid": report["pid"],
             "release_id": release_id, "previous_release_id": record.get("release_id"),
             "release": request.release}
+
+
+def _place(run: RunDir, record: Dict[str, Any], request: ResumeRequest) -> Optional[Distributed]:
+    """This host's place in the resumed run: the request's, which must be the one run.json
+    records (the rendezvous address defaults to the launch's; the port is new)."""
+    recorded = record.get("distributed")
+    given = request.distributed
+    if recorded and given is None:
+        # Only rank 0's host holds the checkpoints, and every host's trainer must start
+        # again together: resuming one host's part alone would wait for peers that ended.
+        raise AgentError("run %r is one part of a run on several hosts (%s): resume it on all of them "
+                         "together (dflash resume %s)" % (run.run_id, ", ".join(recorded.get("hosts") or []),
+                                                          run.run_id), "conflict")
+    if given is None:
+        return None
+    if not recorded:
+        raise AgentError("run %r runs on this host alone: resume it without --rank" % run.run_id, "usage")
+    if not given.master_addr:
+        given = dataclasses.replace(given, master_addr=str(recorded.get("master_addr") or ""))
+    if not given.hosts:
+        given = dataclasses.replace(given, hosts=tuple(recorded.get("hosts") or ()))
+    given.check(request.check_only)
+    if (given.rank, given.world_size) != (recorded.get("rank"), recorded.get("world_size")):
+        raise AgentError("run %r is rank %s of %s here, not rank %d of %d" % (
+            run.run_id, recorded.get("rank"), recorded.get("world_size"), given.rank, given.world_size), "conflict")
+    return given
 
 
 def _checkpoint(run: RunDir, step: Optional[int], state: str) -> Tuple[int, str]:

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, help="the run directory (DESIGN.md layout)")
     parser.add_argument("--resume-from", metavar="CHECKPOINT",
                         help="resume from this checkpoint folder instead of the config's checkpoint.resume "
-                             "(the agent passes it to a resumed or restarted attempt)")
+                             "(the agent passes it to a resumed or restarted attempt; on rank > 0 of a run on several "
+                             "hosts it only says that the run resumes: rank 0 sends its checkpoint)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
