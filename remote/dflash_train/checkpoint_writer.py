@@ -17,15 +17,15 @@ from pathlib import Path
 
 from .checkpoint import CheckpointSnapshot, write_checkpoint
 from .runlog import EventLog, say
-from .threads import RunState, StopRequested, Worker
+from .threads import StopLatch, StopRequested, Worker
 
 WRITER = "checkpoint-writer"
 
 
 class CheckpointWriter:
-    def __init__(self, root: Path, keep: int, config_yaml: str, events: EventLog, state: RunState):
+    def __init__(self, root: Path, keep: int, config_yaml: str, events: EventLog, latch: StopLatch):
         self.root, self.keep, self.config_yaml = root, keep, config_yaml
-        self.events, self.state = events, state
+        self.events, self.latch = events, latch
         self._worker: Worker | None = None
 
     def submit(self, snapshot: CheckpointSnapshot, held_s: float) -> None:
@@ -44,7 +44,7 @@ class CheckpointWriter:
                              write_s=round(write_s, 4), waited_s=round(waited_s, 4))
             say(f"checkpoint at step {step}: {path} (training held {held_s:.2f}s, written in {write_s:.2f}s)")
 
-        self._worker = Worker(WRITER, self.state, body)
+        self._worker = Worker(WRITER, self.latch, body)
         self._worker.start()
 
     def wait(self) -> float:
