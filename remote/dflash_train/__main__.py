@@ -18,7 +18,7 @@ from pathlib import Path
 from .runlog import ErrorLog, EventLog, ThreadNames, install_line_writers, say
 
 # config.job -> (module, class) of the job's coordinator: built with (config, run_dir, events,
-# state, fault_log), `run()` returns the exit code, `on_signal` and `alive` as Coordinator's.
+# latch, fault_log), `run()` returns the exit code, `on_signal` and `alive` as Coordinator's.
 JOBS = {"train": (".coordinator", "Coordinator"), "regenerate": (".regenerate", "Regeneration"),
         "evaluate": (".evaluation", "EvaluationJob")}
 

@@ -64,7 +64,9 @@ class JobControl:
 
 
 class StopLatch:
-    """Shared by all threads: stop event, the first failure, and a progress counter."""
+    """The run's stop latch, shared by all threads: set once (by a signal, the end of the
+    run, a peer, or the first failure, which it records) and never reset; every blocking
+    call wakes on it. Also counts progress, which gates heartbeats."""
 
     def __init__(self, errors: ErrorLog, thread_names: ThreadNames):
         self.errors = errors
