@@ -29,7 +29,7 @@ from .pipeline import READY, Channels, EvalRequest, drafter_body, eval_body, pre
 from .replica import NonFiniteStep, Replica, ReplicasDiverged, verify_replicas_identical
 from .runlog import EventLog, dump_header, say
 from .startup import Prepared, prepare
-from .threads import JobControl, Rendezvous, StopLatch, StopRequested, StoppableQueue, Worker
+from .threads import JobControl, Rendezvous, StopLatch, StopRequested, StoppableQueue, JobThread
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -45,7 +45,7 @@ class Coordinator(JobControl):
         self.run_dir = run_dir
         self.fault_log = fault_log
         self.step: int | None = None
-        self.workers: list[Worker] = []
+        self.workers: list[JobThread] = []
         self.alive: list[str] = []  # threads still running at exit
         self.replicas: dict[int, Replica] = {}
         self.prepared: Prepared | None = None
@@ -214,8 +214,8 @@ class Coordinator(JobControl):
                     self._set_phase("eval")  # training is over; the final evaluation runs
             time.sleep(0.1)
 
-    def _start(self, name: str, body) -> Worker:
-        worker = Worker(name, self.latch, body)
+    def _start(self, name: str, body) -> JobThread:
+        worker = JobThread(name, self.latch, body)
         self.workers.append(worker)
         worker.start()
         return worker

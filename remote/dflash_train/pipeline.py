@@ -34,7 +34,7 @@ from .replica import AppliedStep, FeatureBatch, NonFiniteStep, Replica
 from .runlog import EventLog, say
 from .speculative import evaluate
 from .target import FeatureTap
-from .threads import Rendezvous, StopLatch, StoppableQueue, StopRequested, Worker
+from .threads import Rendezvous, StopLatch, StoppableQueue, StopRequested, JobThread
 
 
 READY = "ready"  # the store barrier every rank arrives at once all its drafters are ready
@@ -255,7 +255,7 @@ class Channels:
 
 
 def prefetch_body(run: Run, channels: Channels):
-    def body(worker: Worker) -> None:
+    def body(worker: JobThread) -> None:
         run.faults.fire(worker.name)
         worker.phase = "train"
         targets = len(channels.target_queues)
@@ -273,7 +273,7 @@ def prefetch_body(run: Run, channels: Channels):
 
 
 def target_body(run: Run, channels: Channels, index: int):
-    def body(worker: Worker) -> None:
+    def body(worker: JobThread) -> None:
         with thread_stream(run.target_devices[index]):
             run.faults.fire(worker.name)
             worker.phase = "train"
@@ -294,7 +294,7 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
     """`start_replica(index)` builds the replica and its train step (weights on the
     device, compile warm-up): the startup that `wait_until_ready` waits for."""
 
-    def body(worker: Worker) -> None:
+    def body(worker: JobThread) -> None:
         with thread_stream(run.drafter_devices[index]):
             run.faults.fire(worker.name)
             replica = start_replica(index)
@@ -348,7 +348,7 @@ def stop_unless_reporter(run: Run, replica: Replica, exc: NonFiniteStep) -> Base
 
 
 def eval_body(run: Run, channels: Channels):
-    def body(worker: Worker) -> None:
+    def body(worker: JobThread) -> None:
         assert run.evaluator is not None and channels.eval_queue is not None
         with thread_stream(run.evaluator.device):
             run.faults.fire(worker.name)

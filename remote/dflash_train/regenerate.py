@@ -39,7 +39,7 @@ from .faults import FaultInjector
 from .runlog import EventLog, say
 from .startup import torch_threads
 from .target import load_target
-from .threads import JobControl, StopLatch, StopRequested, Worker
+from .threads import JobControl, StopLatch, StopRequested, JobThread
 from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
 
 
@@ -258,7 +258,7 @@ class Regeneration(JobControl):
         super().__init__(events, latch, config.runtime.heartbeat_s)
         self.config, self.settings = config, config.regenerate
         self.run_dir, self.fault_log = run_dir, fault_log
-        self.workers: list[Worker] = []
+        self.workers: list[JobThread] = []
         self.alive: list[str] = []
         self.writer: AnswerWriter | None = None
 
@@ -330,7 +330,7 @@ class Regeneration(JobControl):
         return batches, answerers
 
     def _body(self, answerer: Answerer, faults: FaultInjector, queue, queue_lock: threading.Lock):
-        def body(worker: Worker) -> None:
+        def body(worker: JobThread) -> None:
             with thread_stream(answerer.device):
                 faults.fire(worker.name)
                 worker.mark_ready()
@@ -349,8 +349,8 @@ class Regeneration(JobControl):
 
         return body
 
-    def _start(self, name: str, body) -> Worker:
-        worker = Worker(name, self.latch, body)
+    def _start(self, name: str, body) -> JobThread:
+        worker = JobThread(name, self.latch, body)
         self.workers.append(worker)
         worker.start()
         return worker

@@ -1,6 +1,6 @@
 """Threads that never die silently, and the blocking primitives they share.
 
-Every worker body runs inside `Worker.run`: any exception becomes an errors.jsonl
+Every worker body runs inside `JobThread.run`: any exception becomes an errors.jsonl
 record (written, flushed and fsynced by the failing thread itself), a log entry with
 the full traceback, and the run's first failure, which sets the stop event. Blocking
 calls (queues, the gradient barrier) wake up on the stop event, so a failure anywhere
@@ -121,13 +121,13 @@ class StopLatch:
             raise StopRequested(self.stop_reason or "stop requested")
 
 
-class Worker(threading.Thread):
+class JobThread(threading.Thread):
     """A daemon thread whose body failures are recorded, never lost.
 
     `phase` and `step` are updated by the body and land in the error record.
     """
 
-    def __init__(self, name: str, latch: StopLatch, body: Callable[["Worker"], None]):
+    def __init__(self, name: str, latch: StopLatch, body: Callable[["JobThread"], None]):
         super().__init__(name=name, daemon=True)
         self.latch = latch
         self.body = body
@@ -243,7 +243,7 @@ class Rendezvous:
 
 
 def install_excepthook(latch: StopLatch) -> None:
-    """Safety net for threads not started through Worker (e.g. a library's own threads)."""
+    """Safety net for threads not started through JobThread (e.g. a library's own threads)."""
 
     def hook(args: threading.ExceptHookArgs) -> None:
         if args.exc_type is SystemExit or args.exc_value is None:
