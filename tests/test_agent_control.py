@@ -1,18 +1,17 @@
 """`stop`, `stacks`, `report`, `status`, `info`, and the JSON-only stdout contract."""
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
 import subprocess
-import sys
 import time
 from importlib import metadata
 
 import pytest
 
 from dflash_agent import procfs
+from support.old_python import old_python_problems
 from support_agent.harness import REPO, wait_for
 from support_agent.harness import agent  # noqa: F401  (fixture)
 
@@ -181,19 +180,9 @@ def test_usage_errors_are_json_on_stdout(agent, args, text):
 def test_agent_is_stdlib_only_and_python38_syntax():
     agent_dir = REPO / "remote" / "dflash_agent"
     sources = sorted(agent_dir.glob("*.py")) + [REPO / "remote" / "agent.py"]
-    stdlib = set(sys.stdlib_module_names)
-    for path in sources:
-        tree = ast.parse(path.read_text(), filename=str(path), feature_version=(3, 8))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module or ""]
-            else:
-                continue
-            for name in names:
-                top = name.split(".")[0]
-                assert top in stdlib or top == "dflash_agent", "%s imports %s" % (path.name, name)
+    problems = [problem for path in sources for problem in old_python_problems(
+        path.read_text(), path.name, packages=frozenset({"dflash_agent"}), relative_imports=True)]
+    assert problems == []
 
 
 def test_stacks_and_stop_of_unknown_runs(agent):

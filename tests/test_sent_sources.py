@@ -1,0 +1,68 @@
+"""Every source the CLI runs on a host with `python -c` runs on an unprepared host: deploy's
+receiver, setup's script, `hosts --check`'s probe and the agent's bootstrap, each as sent
+(the probe and the bootstrap after the prelude that prefers setup's environment)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from dflash_cli import agent_client
+from dflash_cli.commands import deploy, hosts, setup
+from dflash_cli.inventory import Host
+from support.old_python import old_python_problems
+
+CLI = Path(agent_client.__file__).resolve().parent
+HOST = Host(transport="local", workspace="~/dflash")  # no `python:`: the prelude is sent too
+SENT = {
+    "deploy_receiver.py": deploy.RECEIVER_SOURCE,
+    "host_setup.py": setup.SETUP_SOURCE,
+    "hosts --check probe": agent_client.python_argv(HOST, hosts._PROBE, HOST.workspace)[2],
+    "agent bootstrap": agent_client.python_argv(HOST, agent_client._BOOTSTRAP, HOST.workspace)[2],
+}
+
+
+def _python_c_argvs() -> set[tuple[str, str]]:
+    """(module, function) of every argv literal in dflash_cli that holds "-c", and
+    (module, source argument) of every python_argv call."""
+    found = set()
+    for path in sorted(CLI.rglob("*.py")):
+        module = path.relative_to(CLI).as_posix()
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.List) and any(isinstance(e, ast.Constant) and e.value == "-c"
+                                                      for e in node.elts):
+                    found.add((module, function.name))
+                called = getattr(node, "func", None)
+                if isinstance(node, ast.Call) and getattr(called, "id", getattr(called, "attr", None)) == "python_argv":
+                    found.add((module, ast.unparse(node.args[1])))
+    return found
+
+
+def test_the_guard_knows_every_source_sent_with_python_c():
+    # A new `python -c` in the CLI fails here until its source is added to SENT.
+    assert _python_c_argvs() == {
+        ("agent_client.py", "python_argv"), ("agent_client.py", "_BOOTSTRAP"), ("commands/hosts.py", "_PROBE"),
+        ("commands/deploy.py", "_receiver"), ("commands/setup.py", "setup_host")}
+
+
+@pytest.mark.parametrize("name", sorted(SENT))
+def test_sent_source_runs_on_python38_with_the_stdlib_only(name):
+    assert old_python_problems(SENT[name], name) == []
+
+
+@pytest.mark.parametrize("addition, problem", [
+    ("import yaml\n", "imports yaml"),
+    ("import tomllib\n", "imports tomllib"),
+    ("from .jsonio import dump\n", "relative import"),
+    ("match sys.argv:\n    case _:\n        pass\n", "not Python 3.8 syntax"),
+    ("with (open('a') as a, open('b') as b):\n    pass\n", "not Python 3.8 syntax"),
+    ("def newer(x: list[int]) -> int | None:\n    pass\n", "fails when Python 3.8 evaluates it"),
+])
+def test_the_guard_finds_what_fails_on_an_unprepared_host(addition, problem):
+    for name, source in SENT.items():
+        problems = old_python_problems(source + "\n" + addition, name)
+        assert len(problems) >= 1 and all(problem in p and name in p for p in problems), problems
