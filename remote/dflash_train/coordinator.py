@@ -25,9 +25,10 @@ from .config import TrainConfig
 from .devices import is_cuda
 from .distributed import PeerFailed, Peers, join
 from .model import NonFiniteWeights
-from .pipeline import READY, Channels, EvalRequest, drafter_body, eval_body, prefetch_body, target_body
+from .pipeline import READY, Channels, drafter_body, eval_body, prefetch_body, target_body
 from .replica import NonFiniteStep, Replica, ReplicasDiverged, verify_replicas_identical
 from .runlog import EventLog, dump_header, say
+from .schedule import EvalRequest, OutputSchedule
 from .startup import Prepared, prepare
 from .threads import JobControl, Rendezvous, StopLatch, StopRequested, StoppableQueue, JobThread
 
@@ -49,6 +50,7 @@ class Coordinator(JobControl):
         self.alive: list[str] = []  # threads still running at exit
         self.replicas: dict[int, Replica] = {}
         self.prepared: Prepared | None = None
+        self.schedule: OutputSchedule | None = None  # made before the first drafter starts
         self.compile_plan: CompilePlan | None = None  # set before the first drafter starts
         self.peers: Peers | None = None  # the other processes of a multi-process run
         self.checksums: list[str] | None = None  # of this process's replicas, once they are done
@@ -98,10 +100,10 @@ class Coordinator(JobControl):
 
     def _finish_checkpoints(self) -> bool:
         """Wait for the checkpoint being written, if any; False if its write failed."""
-        if self.prepared is None:
+        if self.schedule is None:
             return True
         try:
-            self.prepared.run.checkpoints.wait()
+            self.schedule.checkpoints.wait()
             return True
         except StopRequested:
             return False
@@ -181,21 +183,21 @@ class Coordinator(JobControl):
             target_queues=[StoppableQueue(f"target-{t}", pipe.queue_size, latch, pipe.poll_s) for t in range(targets)],
             drafter_queues=[StoppableQueue(f"drafter-{r}", pipe.queue_size, latch, pipe.poll_s)
                             for r in range(drafters)],
-            eval_queue=StoppableQueue("eval", 2, latch, pipe.poll_s) if run.evaluator else None,
+            eval_queue=StoppableQueue("eval", 2, latch, pipe.poll_s) if prepared.evaluator else None,
             rendezvous=Rendezvous(drafters, latch))
-        run.queues = [*channels.target_queues, *channels.drafter_queues]
+        schedule = self.schedule = prepared.output_schedule([*channels.target_queues, *channels.drafter_queues])
         self._configure_compiler()
         for index in range(drafters):
-            worker = self._start(f"drafter-{index}", drafter_body(run, channels, index, self._start_replica))
+            worker = self._start(f"drafter-{index}", drafter_body(run, schedule, channels, index, self._start_replica))
             worker.wait_until_ready(self.config.runtime.ready_timeout_s, poll=self.poll)
         if self.peers is not None:
             self.peers.arrive(READY)
         for index in range(targets):
             self._start(f"target-{index}", target_body(run, channels, index))
         self._start("prefetch", prefetch_body(run, channels))
-        evaluator = self._start("eval", eval_body(run, channels)) if run.evaluator else None
+        evaluator = self._start("eval", eval_body(run, channels, prepared.evaluator)) if prepared.evaluator else None
         self._set_phase("train")
-        run.training_started()
+        schedule.training_started()
         drafter_workers = self.workers[:drafters]
         while True:
             self.poll()
@@ -223,6 +225,7 @@ class Coordinator(JobControl):
     def _run_sequential(self, prepared: Prepared) -> None:
         """The same work in the main thread, one part after another (for comparison)."""
         run, faults = prepared.run, prepared.run.faults
+        schedule = self.schedule = prepared.output_schedule([])
         drafters, targets = len(run.drafter_devices), len(run.target_devices)
         for name in self.config.thread_names()[1:]:
             faults.fire(name)
@@ -237,11 +240,11 @@ class Coordinator(JobControl):
                 self._set_phase("eval")
             if not request.baseline:
                 faults.fire("eval", request.step)
-            run.evaluator.measure(request)
+            prepared.evaluator.measure(request)
 
-        run.before_training(replicas[0], evaluate)
+        schedule.before_training(replicas[0], evaluate)
         self._set_phase("train")
-        run.training_started()
+        schedule.training_started()
         for step in range(run.start_step + 1, run.total_steps + 1):
             self.step = step
             self.poll()
@@ -264,10 +267,10 @@ class Coordinator(JobControl):
                     raise self.peers.peer_failed(reporter_rank, type(exc).__name__, str(exc)) from exc
                 raise
             self.latch.progressed()
-            run.after_step(step, replicas[0], applied, evaluate)
+            schedule.after_step(step, replicas[0], applied, evaluate)
         self._set_phase("shutdown")
         self._replicas_done()
-        run.after_training(replicas[0], evaluate)
+        schedule.after_training(replicas[0], evaluate)
 
     def _teardown(self) -> None:
         """Stop every thread; wait at most stop_grace_s for them to finish their step."""
@@ -282,17 +285,16 @@ class Coordinator(JobControl):
         """SIGTERM (or SIGINT): stop, checkpoint (rank 0) if the lead replica stopped cleanly, exit 128+signal."""
         self._set_phase("shutdown")
         self._teardown()
-        run = self.prepared.run if self.prepared else None
-        lead = self.replicas.get(0)
+        schedule, lead = self.schedule, self.replicas.get(0)
         lead_thread = next((w for w in self.workers if w.name == "drafter-0"), None)
         # Sequential runs stop between steps; a lead thread that ended stopped between steps too.
         lead_stopped = lead is not None and (lead_thread is None or not lead_thread.is_alive())
-        if (run is not None and run.writes_outputs and lead_stopped and self.config.checkpoint.on_stop
-                and lead.completed_step > max(run.last_checkpoint, run.start_step)):
+        if (schedule is not None and schedule.writes_outputs and lead_stopped and self.config.checkpoint.on_stop
+                and lead.completed_step > schedule.last_checkpoint):
             if is_cuda(lead.device):  # its last update ran on the lead thread's stream, not this one's
                 torch.cuda.synchronize(lead.device)
             try:
-                run.save_checkpoint(lead)
+                schedule.save_checkpoint(lead)
             except NonFiniteWeights as exc:  # the newest finite checkpoint stays `latest`
                 say(f"no checkpoint on stop: {exc}")
             except StopRequested:  # the previous checkpoint's write failed (recorded by its writer)

@@ -21,12 +21,13 @@ from .distributed import Layout, Peers
 from .faults import FaultInjector
 from .gradients import GradientExchange
 from .model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
-from .pipeline import Evaluator, Run
+from .pipeline import Run
 from .replica import FrozenTargetWeights, Replica
 from .resume_check import mismatch
 from .runlog import EventLog, say
+from .schedule import Evaluator, OutputSchedule
 from .target import FeatureTap, load_target
-from .threads import StopLatch
+from .threads import StopLatch, StoppableQueue
 from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
 
 
@@ -37,6 +38,12 @@ class Prepared:
     initial_weights: dict[str, torch.Tensor]
     resumed: LoadedCheckpoint | None
     frozen: FrozenTargetWeights
+    evaluator: Evaluator | None  # None without eval prompts, and on ranks other than 0
+
+    def output_schedule(self, queues: list[StoppableQueue]) -> OutputSchedule:
+        """`queues`: the pipeline's, reported in step events (none in a sequential run)."""
+        return OutputSchedule(self.run, self.evaluator, queues,
+                              losses=list(self.resumed.state.losses) if self.resumed else [])
 
     def make_replica(self, index: int) -> Replica:
         replica = Replica(index, self.run.drafter_devices[index], self.run.config, self.hf_config,
@@ -190,16 +197,14 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
     run = Run(config=config, run_dir=run_dir, events=events, latch=latch, faults=faults, samples=samples,
               plan=plan, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
               taps=taps, target_devices=target_devices, drafter_devices=drafter_devices, start_step=start_step,
-              losses=list(resumed.state.losses) if resumed else [], exchange=GradientExchange(layout, peers),
-              peers=peers)
-    if resumed is not None:
-        run.last_checkpoint = start_step
+              exchange=GradientExchange(layout, peers), peers=peers)
     frozen = FrozenTargetWeights(targets)
+    evaluator = None
     if prompts:
         embed, head = frozen.on(target_devices[0])
-        run.evaluator = Evaluator(run, hf_config, taps[0], target_devices[0], embed, head, prompts,
-                                  stop_ids(tokenizer))
+        evaluator = Evaluator(events, latch, config.eval.max_new_tokens, hf_config, taps[0], target_devices[0],
+                              embed, head, prompts, stop_ids(tokenizer))
     say(f"target layers {list(layer_ids)} -> drafter ({config.drafter.num_layers} layers, block "
         f"{config.drafter.block_size}, mask token id {mask_id}); compile {config.compile}; "
         f"attention {'flex' if config.uses_flex else 'sdpa'}")
-    return Prepared(run, hf_config, weights, resumed, frozen)
+    return Prepared(run, hf_config, weights, resumed, frozen, evaluator)
