@@ -368,7 +368,7 @@ def non_finite_tensors(checkpoint: Path) -> list[str]:
 
     found = [f"model.safetensors:{name}" for name, t in load_file(str(checkpoint / "model.safetensors")).items()
              if not t.isfinite().all()]
-    extra = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=False)
+    extra = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
     for index, moments in extra["optimizer"]["state"].items():
         found += [f"optimizer.pt:{index}.{key}" for key, t in moments.items()
                   if t.is_floating_point() and not t.isfinite().all()]

@@ -20,6 +20,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -181,11 +183,34 @@ class LoadedCheckpoint:
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
 
+    def to_plain(self) -> dict[str, Any]:
+        """As plain data, which torch.load(weights_only=True) reads back: what rank 0 sends
+        the other ranks of a multi-host resume."""
+        return {"folder": str(self.folder), "state": dataclasses.asdict(self.state), "weights": self.weights,
+                "optimizer": self.optimizer, "scheduler": self.scheduler}
+
+    @classmethod
+    def from_plain(cls, plain: dict[str, Any]) -> LoadedCheckpoint:
+        return cls(Path(plain["folder"]), TrainingState(**plain["state"]), plain["weights"], plain["optimizer"],
+                   plain["scheduler"])
+
+
+def _load_plain(path: Path) -> Any:
+    """torch.load of plain data only (tensors, dicts, lists, tuples, numbers, strings), so
+    that nothing in the file runs while it loads."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        raise ValueError(f"{path}: refused: it holds not only tensors, dicts, lists, numbers and strings"
+                         f"{f' (it names {found.group(1)})' if found else ''}, as this trainer writes it; "
+                         f"unpickling the rest could run code from the file") from exc
+
 
 def load_checkpoint(folder: Path) -> LoadedCheckpoint:
     from safetensors.torch import load_file
 
     state = TrainingState(**json.loads((folder / "state.json").read_text()))
-    extra = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
+    extra = _load_plain(folder / "optimizer.pt")
     return LoadedCheckpoint(folder, state, load_file(str(folder / "model.safetensors")),
                             extra["optimizer"], extra["scheduler"])

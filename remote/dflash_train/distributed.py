@@ -179,8 +179,8 @@ class Peers:
         self.latch.check()  # an abort may have woken the wait: never apply what it left
 
     def share_from_rank0(self, value: Any, device: str) -> Any:
-        """Rank 0's `value` (any object torch.save takes; ignored on the other ranks), on
-        every rank. It goes through the collective group in pieces of bucket_mb staged on
+        """Rank 0's `value` (plain data: tensors, dicts, lists, numbers, strings, None, which
+        the other ranks load with weights_only=True; ignored on the other ranks), on every rank. It goes through the collective group in pieces of bucket_mb staged on
         `device` (a CUDA device for NCCL): a checkpoint is gigabytes, too much for the store."""
         import io
 
@@ -210,7 +210,7 @@ class Peers:
         self.latch.check()
         if self.rank == 0:
             return value
-        return torch.load(io.BytesIO(bytes(received)), map_location="cpu", weights_only=False)
+        return torch.load(io.BytesIO(bytes(received)), map_location="cpu", weights_only=True)
 
     def _collective_failed(self, what: str, exc: BaseException) -> BaseException:
         """What a broken collective means: a stop under way, a peer's failure, or our own."""

@@ -136,7 +136,9 @@ def resume_point(config: TrainConfig, run_dir: Path, peers: Peers | None, device
         else:
             resumed = load_checkpoint(folder)
     if config.checkpoint.resume is not None and peers is not None:
-        resumed = peers.share_from_rank0(resumed, device if peers.backend == "nccl" else "cpu")
+        plain = peers.share_from_rank0(resumed.to_plain() if resumed else None,
+                                       device if peers.backend == "nccl" else "cpu")
+        resumed = LoadedCheckpoint.from_plain(plain) if plain is not None else None
     return resumed
 
 
