@@ -19,6 +19,8 @@ from pathlib import Path, PurePosixPath
 
 from rich.progress import Progress
 
+from dflash_agent.jsonio import fsync_path
+
 from .. import console
 from ..agent_client import AgentClient, parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
@@ -58,14 +60,6 @@ def sha256_file(path: Path) -> str:
         while block := f.read(_HASH_CHUNK):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def local_folder(logs: RunLogs, folder: str) -> Path:
@@ -167,7 +161,7 @@ class Puller:
             digest = sha256_file(part)
             if digest == remote.sha256:
                 os.replace(part, local)
-                _fsync_dir(local.parent)
+                fsync_path(local.parent)
                 self.received[local] = remote.sha256
                 return True
             part.unlink()

@@ -96,6 +96,16 @@ def write_atomic(path: str, data: bytes) -> None:
         raise
 
 
+def fsync_path(path: "str | os.PathLike[str]") -> None:
+    """Make what is at `path` durable: a file's bytes, or a folder's entries (after a
+    rename or a create in it). The CLI and the trainer use it too."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
     write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"))
 

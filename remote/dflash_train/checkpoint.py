@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from dflash_agent.jsonio import fsync_path
+
 from .config import resolve_path
 from .model import finite_cpu_weights
 
@@ -50,13 +52,8 @@ class TrainingState:
 def _fsync_tree(folder: Path) -> None:
     for dirpath, _, filenames in os.walk(folder):
         for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
 
 
 def _sha256(path: Path) -> str:

@@ -32,6 +32,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from dflash_agent.jsonio import fsync_path
+
 from .runlog import say
 
 LAYOUT_VERSION = 1  # bump when the files of a store change
@@ -175,12 +177,12 @@ class StoreWriter:
         sizes = {OFFSETS: len(index)}
         sizes.update({f"{name}.bin": num_tokens * dtype.itemsize for name, dtype in self._dtypes.items()})
         for name in sizes:
-            _fsync(self.folder / name)
+            fsync_path(self.folder / name)
         header = {"layout": LAYOUT_VERSION, "key": key, "num_samples": num_samples, "num_tokens": num_tokens,
                   "arrays": {name: dtype.str for name, dtype in self._dtypes.items()}, "sizes": sizes,
                   "index_sha256": sha256_hex(index), "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         _write_json(self.folder / HEADER, header)
-        _fsync(self.folder)
+        fsync_path(self.folder)
         return num_samples
 
     def close(self) -> None:
@@ -217,7 +219,7 @@ def open_or_build(root: Path, key: dict, build: Callable[[StoreWriter], None]) -
             finally:
                 writer.close()
             os.replace(building, folder)
-            _fsync(root)
+            fsync_path(root)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise OSError(exc.errno, f"no space left to cache the tokenized data in {root} "
@@ -262,11 +264,3 @@ def _write_json(path: Path, value: dict) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
