@@ -23,7 +23,9 @@ from transformers import Qwen3Config
 from dflash_schema import SchemaError
 from dflash_train import cudagraphs
 from dflash_train.compile_policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
-                                         configure_compiler, example_inputs, plan_compile, random_inputs)
+                                         configure_compiler, example_inputs, plan_compile)
+from dflash_train.train_step import (compile_for_shapes, graphs_compiled, inputs_of_shape, random_inputs,
+                                     warm_up)
 from dflash_train.config import DataConfig, DrafterConfig, load_train_config
 from dflash_train.data import BatchPlan, Sample, collate
 from dflash_train.model import DFlashDrafter, drafter_hf_config
@@ -53,7 +55,7 @@ def tiny_objective(device: str, seed: int = 0, use_flex: bool = False, head_dim:
     return DraftObjective(drafter.to(device), embed.to(device), head.to(device), use_flex=use_flex)
 
 
-def _write_config(tmp_path, compile_mode: str, drafters: str, data: str = "pad_multiple: 1024"):
+def _write_config(tmp_path, compile_mode: str, drafters: str, data: str = "pad_multiple: 1024", extra: str = ""):
     """A config file; by default its data make 3 padded lengths (1024, 2048, 3072)."""
     path = tmp_path / "train.yaml"
     path.write_text(textwrap.dedent(f"""\
@@ -61,7 +63,7 @@ def _write_config(tmp_path, compile_mode: str, drafters: str, data: str = "pad_m
         data: {{synthetic: {{}}, {data}}}
         devices: {{target: [{drafters.split(',')[0]}], drafters: [{drafters}]}}
         compile: {compile_mode}
-        """))
+        """) + extra)
     return path
 
 
@@ -170,16 +172,20 @@ def test_every_batch_the_packer_makes_fits_a_bucket():
     ("cuda:0, cuda:1", False),
     ("cuda:1", False),
 ])
-def test_cudagraphs_plan_hands_the_config_buckets_and_placement_to_the_graph_builder(tmp_path, drafters, shared):
+def test_cudagraphs_plan_holds_the_config_buckets_placement_and_shapes(tmp_path, drafters, shared):
     config = load_train_config(_write_config(tmp_path, "cudagraphs", drafters))
     plan = plan_compile(config)
     assert plan.buckets == cudagraphs.bucket_shapes(config.data, config.drafter)
     assert [b.length for b in plan.buckets] == [1024, 2048, 3072]
     assert plan.drafters_share_a_device is shared and plan.num_drafters == len(config.devices.drafters)
-    assert plan.shapes_per_drafter == 3
-    builder = plan.builder()
-    assert builder.func is cudagraphs.build_cudagraph_train_step
-    assert builder.keywords == {"buckets": plan.buckets, "drafters_share_a_device": shared}
+    assert plan.shapes_per_drafter == 3 and plan.shapes == "dynamic"
+    static = load_train_config(_write_config(tmp_path, "cudagraphs", drafters, extra="compile_shapes: static\n"))
+    assert plan_compile(static).shapes == "static"
+
+
+def test_compile_shapes_static_is_refused_without_cudagraphs(tmp_path):
+    with pytest.raises(SchemaError, match="compile_shapes: static applies to compile: cudagraphs"):
+        load_train_config(_write_config(tmp_path, "default", "cpu", extra="compile_shapes: static\n"))
 
 
 def test_build_train_step_reaches_the_graph_builder_for_a_cudagraphs_plan(tmp_path):
@@ -237,7 +243,7 @@ def test_padding_into_a_bucket_leaves_loss_and_gradients_unchanged():
     objective = tiny_objective("cpu")
     real = example_inputs(objective, 24, FEATURE_LAYERS * HIDDEN, "cpu")  # 2 rows, 24 tokens, 8 blocks
     shape = cudagraphs.BatchShape(rows=3, length=40, blocks=16)
-    bucket = cudagraphs._Bucket(shape, cudagraphs._example(shape, real, BLOCK, VOCAB, seed=5))
+    bucket = cudagraphs._Bucket(shape, inputs_of_shape(objective, shape, real, seed=5))
     assert shape.holds(real) and not cudagraphs.BatchShape(1, 16, 16).holds(real)
     bucket.load(real)
     assert bucket.static.input_ids.shape == (3, 40) and bucket.static.anchors.shape == (3, 16)
@@ -253,7 +259,7 @@ def test_bucket_load_overwrites_every_padded_slot_of_the_previous_batch():
     big = example_inputs(objective, 40, FEATURE_LAYERS * HIDDEN, "cpu")
     small = example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu")
     shape = cudagraphs.BatchShape(rows=2, length=40, blocks=8)
-    bucket = cudagraphs._Bucket(shape, cudagraphs._example(shape, big, BLOCK, VOCAB, seed=1))
+    bucket = cudagraphs._Bucket(shape, inputs_of_shape(objective, shape, big, seed=1))
     bucket.load(big)
     bucket.load(small)
     blocks = small.anchors.shape[1]
@@ -261,6 +267,71 @@ def test_bucket_load_overwrites_every_padded_slot_of_the_previous_batch():
     assert not bucket.static.anchor_valid[:, blocks:].any()
     assert float(bucket.static.weights[:, blocks:].abs().sum()) == 0.0
     assert torch.equal(bucket.static.features[:, :16], small.features)
+
+
+# ------------------------------------------------------------------ CPU: one compile for every bucket
+
+# Four buckets (16x16, 8x32, 5x48, 4x64, 8 blocks each); at these sizes Inductor's CPU code
+# generation makes the same size-dependent choices for all four (at larger ones it picks a
+# reduction's accumulator by size, which would give a bucket a graph of its own).
+FOUR_BUCKETS = DataConfig(synthetic=None, train="train.jsonl", max_length=64, token_budget=256, pad_multiple=16)
+TWO_BUCKETS = DataConfig(synthetic=None, train="train.jsonl", max_length=32, token_budget=256, pad_multiple=16)
+
+
+def _bucket_inputs(objective: DraftObjective, data: DataConfig) -> list[DrafterInputs]:
+    """Random inputs of every bucket `data` makes, largest first as the graph builder warms them up."""
+    buckets = cudagraphs.bucket_shapes(data, DrafterConfig(block_size=BLOCK, num_anchors=8))
+    like = example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu")
+    ordered = sorted(buckets, key=lambda shape: (shape.tokens, shape), reverse=True)
+    return [inputs_of_shape(objective, shape, like, seed=i) for i, shape in enumerate(ordered)]
+
+
+def _warm_up_compiled(shapes: str, data: DataConfig):
+    """What the whole_step strategy runs before capturing, on CPU: the objective compiled
+    for every bucket, one warm-up step per bucket. -> (graphs compiled per bucket,
+    compiled losses, eager losses)."""
+    torch._dynamo.reset()  # no cache entry of an earlier test's compile may serve this one
+    objective = tiny_objective("cpu")
+    inputs = _bucket_inputs(objective, data)
+    compiled = compile_for_shapes(objective, inputs, shapes, fullgraph=True)
+    losses = []
+
+    def step(batch: DrafterInputs) -> None:
+        loss, _, _ = compiled(batch)
+        loss.backward()
+        losses.append(float(loss))
+
+    graphs = [count for _, count in warm_up(step, inputs, steps=1)]
+    return graphs, losses, [float(objective(batch)[0]) for batch in inputs]
+
+
+@pytest.mark.timeout(600)
+def test_dynamic_shapes_compile_once_for_every_bucket_with_eager_losses():
+    graphs, compiled, eager = _warm_up_compiled("dynamic", FOUR_BUCKETS)
+    assert graphs == [1, 0, 0, 0]  # the first bucket's compile serves the other three
+    assert compiled == pytest.approx(eager, rel=1e-4)
+    assert len(set(eager)) == 4  # four different batches, not one loss four times
+
+
+@pytest.mark.timeout(600)
+def test_static_shapes_compile_every_bucket_on_its_own():
+    graphs, compiled, eager = _warm_up_compiled("static", TWO_BUCKETS)
+    assert graphs == [1, 1]
+    assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+@pytest.mark.timeout(600)
+def test_compile_default_serves_every_bucket_from_one_graph_and_reports_it():
+    torch._dynamo.reset()
+    objective = tiny_objective("cpu")
+    step = build_train_step("default", objective, example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu"))
+    assert step.report.graphs_compiled == 1 and step.report.mode == "default"
+    assert "1 graph(s) compiled for 1 shape(s)" in step.report.describe()
+    before = graphs_compiled()
+    for batch in _bucket_inputs(objective, FOUR_BUCKETS):
+        objective.drafter.zero_grad(set_to_none=True)
+        assert float(step(batch).loss) == pytest.approx(float(objective(batch)[0]), rel=1e-4)
+    assert graphs_compiled() == before  # no bucket recompiled
 
 
 # ------------------------------------------------------------------ GPU: real graphs
