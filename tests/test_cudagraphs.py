@@ -178,14 +178,16 @@ def test_cudagraphs_plan_holds_the_config_buckets_placement_and_shapes(tmp_path,
     assert plan.buckets == cudagraphs.bucket_shapes(config.data, config.drafter)
     assert [b.length for b in plan.buckets] == [1024, 2048, 3072]
     assert plan.drafters_share_a_device is shared and plan.num_drafters == len(config.devices.drafters)
-    assert plan.shapes_per_drafter == 3 and plan.shapes == "dynamic"
-    static = load_train_config(_write_config(tmp_path, "cudagraphs", drafters, extra="compile_shapes: static\n"))
-    assert plan_compile(static).shapes == "static"
+    assert plan.shapes_per_drafter == 3 and plan.shapes == "static"  # the default, for now
+    dynamic = load_train_config(_write_config(tmp_path, "cudagraphs", drafters, extra="compile_shapes: dynamic\n"))
+    assert plan_compile(dynamic).shapes == "dynamic"
 
 
-def test_compile_shapes_static_is_refused_without_cudagraphs(tmp_path):
-    with pytest.raises(SchemaError, match="compile_shapes: static applies to compile: cudagraphs"):
-        load_train_config(_write_config(tmp_path, "default", "cpu", extra="compile_shapes: static\n"))
+@pytest.mark.parametrize("shapes", ["static", "dynamic"])
+def test_compile_shapes_is_refused_without_cudagraphs(tmp_path, shapes):
+    with pytest.raises(SchemaError, match="compile_shapes applies to compile: cudagraphs.*compile: default is always"):
+        load_train_config(_write_config(tmp_path, "default", "cpu", extra=f"compile_shapes: {shapes}\n"))
+    assert plan_compile(load_train_config(_write_config(tmp_path, "default", "cpu"))).shapes == "dynamic"
 
 
 def test_build_train_step_reaches_the_graph_builder_for_a_cudagraphs_plan(tmp_path):
@@ -202,7 +204,7 @@ def test_build_train_step_reaches_the_graph_builder_for_a_cudagraphs_plan(tmp_pa
 def test_plans_without_graphs_build_a_working_step(tmp_path):
     path = _write_config(tmp_path, "off", "cpu, cpu")
     plan = plan_compile(load_train_config(path))
-    assert plan == CompilePlan("off", num_drafters=2, buckets=(), drafters_share_a_device=True)
+    assert plan == CompilePlan("off", num_drafters=2, buckets=(), drafters_share_a_device=True, shapes="dynamic")
     assert plan.shapes_per_drafter == DYNAMIC_SHAPE_VARIANTS
     objective = tiny_objective("cpu")
     step = build_train_step(plan, objective, example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu"))

@@ -39,7 +39,7 @@ class CompilePlan:
     num_drafters: int = 1
     buckets: tuple[BatchShape, ...] = ()  # cudagraphs: every shape a batch can have, captured at start-up
     drafters_share_a_device: bool = True  # cudagraphs: picks the capture strategy
-    shapes: CompileShapes = "dynamic"  # cudagraphs: one compile for every bucket, or one per bucket
+    shapes: CompileShapes = "static"  # cudagraphs: one compile per bucket, or one for every bucket
 
     def __post_init__(self) -> None:
         if self.mode == "cudagraphs" and not self.buckets:
@@ -67,7 +67,7 @@ def plan_compile(config: TrainConfig) -> CompilePlan:
     drafters = [canonical(d) for d in config.devices.drafters]
     buckets = bucket_shapes(config.data, config.drafter) if config.compile == "cudagraphs" else ()
     return CompilePlan(mode=config.compile, num_drafters=len(drafters), buckets=buckets,
-                       drafters_share_a_device=len(set(drafters)) < len(drafters), shapes=config.compile_shapes)
+                       drafters_share_a_device=len(set(drafters)) < len(drafters), shapes=config.compiled_shapes)
 
 
 def recompile_limit(num_drafters: int, shapes_per_drafter: int) -> int:

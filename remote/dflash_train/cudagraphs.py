@@ -131,7 +131,7 @@ class _Bucket:
 
 
 def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs,
-                               buckets: Sequence[BatchShape] | None = None, *, shapes: CompileShapes = "dynamic",
+                               buckets: Sequence[BatchShape] | None = None, *, shapes: CompileShapes = "static",
                                drafters_share_a_device: bool = True, strategy: Strategy = "auto") -> BuiltStep:
     """Compile and capture one replica's forward+backward; call in its thread before ready.
 
