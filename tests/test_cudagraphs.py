@@ -3,13 +3,15 @@
 CPU CI proves: the module imports on CPU-only torch, the config refuses cudagraphs on a
 CPU run and with more shape buckets than are captured, the strategy per torch version
 and placement, the buckets that cover the data (every batch data.py packs fits one),
-that the trainer's compile plan hands those buckets and the placement to the graph
-builder, and that padding a batch into a bucket leaves loss and gradients unchanged
-(checked with the real DFlash objective). The `gpu` tests capture graphs in several drafter
+that the trainer's compile plan holds those buckets, the placement and compile_shapes,
+that padding a batch into a bucket leaves loss and gradients unchanged (checked with the
+real DFlash objective), and that compile_shapes: dynamic compiles one train step for
+every bucket with eager's losses while static compiles each bucket. The `gpu` tests capture graphs in several drafter
 threads on one GPU, and in one drafter per GPU on two, and compare every loss with eager
 and with the same graphs replayed in one thread; and, for both attention backends (sdpa's
 dense mask and FlexAttention's BlockMask, the production path) and both capture
-strategies, that a replayed step builds its block mask from each batch's own anchors.
+strategies, that a replayed step builds its block mask from each batch's own anchors;
+and that the dynamic whole_step compiles once for four buckets and captures each.
 """
 from __future__ import annotations
 
@@ -516,3 +518,26 @@ def test_replayed_steps_mask_each_batch_by_its_own_anchors(attention, strategy):
         assert _relative(graphed, eager) < tolerance, (_relative(graphed, eager), _relative(stale, eager))
         assert float(stats.loss) == pytest.approx(float(loss), rel=2e-2)
         assert torch.equal(stats.counted.cpu(), counted.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_dynamic_whole_step_compiles_once_and_captures_every_bucket(attention):
+    """compile_shapes: dynamic on a GPU: one compile serves the four buckets, each bucket
+    gets a graph of its own, and every replay gives eager's loss for its batch."""
+    torch._dynamo.reset()
+    device = "cuda:0"
+    objective = tiny_objective(device, use_flex=attention == "flex", head_dim=16)
+    buckets = cudagraphs.bucket_shapes(FOUR_BUCKETS, DrafterConfig(block_size=BLOCK, num_anchors=8))
+    like = example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, device)
+    step = cudagraphs.build_cudagraph_train_step(objective, like, buckets, shapes="dynamic", strategy="whole_step")
+    assert step.report.shapes == "dynamic" and len(step.report.buckets) == 4
+    assert step.report.graphs_compiled == 1, step.report.describe()
+    assert all(b.capture_s > 0 for b in step.report.buckets)
+    for i, shape in enumerate(buckets):
+        batch = inputs_of_shape(objective, shape, like, seed=50 + i)
+        graphed = float(step(batch).loss)
+        eager = _eager_loss_and_grads(objective, batch)[0]
+        assert graphed == pytest.approx(float(eager), rel=2e-2), shape
