@@ -165,7 +165,7 @@ def build_step(mode: str, objective: DraftObjective, example: DrafterInputs):
                                       example.anchors.shape[1])
         bucket = cudagraphs._Bucket(shape, example)
         with cudagraphs.CAPTURE_LOCK:
-            replay = cudagraphs._warm_up_upstream(objective, [bucket])
+            replay, _ = cudagraphs._warm_up_upstream(objective, [bucket])
 
         def step(inputs: DrafterInputs):
             bucket.load(inputs)

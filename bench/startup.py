@@ -1,8 +1,11 @@
 """Launch -> first step of the trainer, cold and warm compile cache, 1/2/4 drafter threads,
 and a second "host" (another workspace on this machine) seeded with the first one's
-compile cache folder.
+compile cache folder; and the train step's build alone at the Qwen3-8B drafter shape.
 
     PYTHONPATH=remote python3 bench/startup.py --work /tmp/startup [--threads 1,2,4] [--compile cudagraphs]
+        [--compile-shapes dynamic,static] [--steps 3]
+    PYTHONPATH=remote python3 bench/startup.py --work /tmp/startup-8b --drafter-shape 8b \
+        [--compile-shapes dynamic,static] [--pad-multiple 768]
 
 Each run is the trainer itself (`python -m dflash_train`, as the agent starts it) on
 configs/train/tiny-gpu.yaml with its drafters on cuda:0 (`--device cpu` with
@@ -10,7 +13,20 @@ configs/train/tiny-gpu.yaml with its drafters on cuda:0 (`--device cpu` with
 no checkpoint. "cold": a fresh workspace (its cache/compile/<key>/ empty); "warm": the
 same workspace again; "host2": a fresh workspace whose cache/compile/ is a copy of the
 first one's. Printed per run: seconds from the process start to the first step event,
-and the compile-cache line the trainer logged. $WORK/startup.json holds the numbers.
+the steady ms per step (median interval between step events after the first 10, with
+--steps > 12), the compile-cache line and each drafter's `train step built` line (graphs
+compiled, warm-up and capture seconds per bucket). `--compile-shapes` runs the whole set
+once per setting of the config's `compile_shapes` (cudagraphs only).
+
+`--drafter-shape 8b` measures the train step alone, without a target (random features,
+as bench/gpu_threads.py's step benchmarks): a child process per run builds the Qwen3-8B
+drafter (bench/gpu_threads.QWEN3_8B, flex attention) and its cudagraphs train step for
+the buckets of `max_length = token_budget = 3072` padded to `--pad-multiple` (768: four
+buckets, 4x768 ... 1x3072), then replays every bucket; printed: process start -> step
+built, the build report, and the median ms of a replayed step per bucket. "cold": a fresh
+TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, "warm": the same again. `--drafter-shape micro
+--device cpu` checks that path on a CPU (compile only: no graphs there).
+$WORK/startup.json holds the numbers.
 """
 from __future__ import annotations
 
@@ -18,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -28,14 +45,17 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
-def write_config(path: Path, drafters: int, device: str, compile_mode: str) -> None:
+def write_config(path: Path, drafters: int, device: str, compile_mode: str, compile_shapes: str,
+                 steps: int) -> None:
     config = yaml.safe_load((REPO / "configs" / "train" / "tiny-gpu.yaml").read_text())
     config["devices"] = {"target": [device], "drafters": [device] * drafters}
     config["compile"] = compile_mode
+    if compile_mode == "cudagraphs":
+        config["compile_shapes"] = compile_shapes
     # 4 shape buckets of 32 over max_length 128: the layout start-up was first measured with
     # (cudagraphs captures at most 4)
     config["data"]["pad_multiple"] = 32
-    config["optim"]["max_steps"] = 3
+    config["optim"]["max_steps"] = steps
     config["eval"] = {"num_prompts": 0}
     config["checkpoint"] = {"every": 0}
     path.write_text(yaml.safe_dump(config))
@@ -52,9 +72,105 @@ def first_step_s(workspace: Path, run_dir: Path, config: Path, timeout_s: float)
                                str(run_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     steps = [e["ts"] for e in events if e["type"] == "step"]
-    cache_line = next((line.split("] ", 1)[1] for line in (run_dir / "train.log").read_text().splitlines()
-                       if "compile cache:" in line), "")
-    return {"exit_code": code, "first_step_s": round(steps[0] - started, 1) if steps else None, "cache": cache_line}
+    log = [line.split("] ", 1)[-1] for line in (run_dir / "train.log").read_text().splitlines()]
+    cache_line = next((line for line in log if "compile cache:" in line), "")
+    intervals = [b - a for a, b in zip(steps[10:], steps[11:])]
+    return {"exit_code": code, "first_step_s": round(steps[0] - started, 1) if steps else None,
+            "steady_ms": round(1000 * statistics.median(intervals), 2) if len(intervals) >= 2 else None,
+            "cache": cache_line, "builds": [line for line in log if "train step built" in line]}
+
+
+def trainer_runs(args: argparse.Namespace) -> list[dict]:
+    results = []
+    for shapes in args.compile_shapes.split(","):
+        for drafters in [int(n) for n in args.threads.split(",")]:
+            name = f"d{drafters}-{shapes}"
+            config = args.work / f"{name}.yaml"
+            args.work.mkdir(parents=True, exist_ok=True)
+            write_config(config, drafters, args.device, args.compile, shapes, args.steps)
+            host1, host2 = args.work / f"workspace-{name}-host1", args.work / f"workspace-{name}-host2"
+            for label, workspace in (("cold", host1), ("warm", host1), ("host2", host2)):
+                if label == "host2":  # what deploying the first host's artifacts to a second one gives it
+                    shutil.copytree(host1 / "cache" / "compile", host2 / "cache" / "compile")
+                row = {"drafters": drafters, "compile_shapes": shapes, "cache": label,
+                       **first_step_s(workspace, args.work / f"{name}-{label}", config, args.timeout_s)}
+                results.append(row)
+                print(f"drafters {drafters}  {shapes:7}  {label:5}  launch->first step {row['first_step_s']} s  "
+                      f"steady {row['steady_ms']} ms/step  exit {row['exit_code']}  {row['cache']}", flush=True)
+                for line in row["builds"]:
+                    print(f"    {line}", flush=True)
+    return results
+
+
+def step_builds(args: argparse.Namespace) -> list[dict]:
+    """The train step alone at a drafter shape, cold and warm, one child process each."""
+    results = []
+    for shapes in args.compile_shapes.split(","):
+        cache = args.work / f"cache-{args.drafter_shape}-{shapes}"
+        env = {**os.environ, "PYTHONPATH": f"{REPO / 'remote'}{os.pathsep}{REPO / 'bench'}",
+               "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+        for label in ("cold", "warm"):
+            started = time.time()
+            child = subprocess.run(
+                [sys.executable, __file__, "--step-child", "--work", str(args.work), "--drafter-shape",
+                 args.drafter_shape, "--device", args.device, "--compile-shapes", shapes, "--pad-multiple",
+                 str(args.pad_multiple)], env=env, capture_output=True, text=True, timeout=args.timeout_s)
+            lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+            row = {"shape": args.drafter_shape, "compile_shapes": shapes, "cache": label, "exit_code": child.returncode}
+            if lines:
+                report = json.loads(lines[-1])
+                row.update(report, start_to_built_s=round(report.pop("built_at") - started, 1))
+            else:
+                row["error"] = child.stderr[-2000:]
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
+def step_child(args: argparse.Namespace) -> None:
+    """Build the train step at `--drafter-shape`; print one JSON line (see step_builds)."""
+    import torch
+    from gpu_threads import MICRO, QWEN3_8B, Frozen, make_objective
+
+    from dflash_train.compile_policy import configure_compiler, example_inputs
+    from dflash_train.config import DataConfig, DrafterConfig
+    from dflash_train.cudagraphs import bucket_shapes, build_cudagraph_train_step
+    from dflash_train.train_step import compile_for_shapes, inputs_of_shape, warm_up
+
+    shape = {"8b": QWEN3_8B, "micro": MICRO}[args.drafter_shape]
+    data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len, token_budget=shape.seq_len,
+                      pad_multiple=args.pad_multiple)
+    buckets = bucket_shapes(data, DrafterConfig(block_size=shape.block, num_anchors=shape.anchors))
+    configure_compiler("cudagraphs", 1, max(2, len(buckets)))
+    cuda = args.device.startswith("cuda")
+    objective = make_objective(shape, Frozen(shape, args.device), args.device, use_flex=cuda)
+    like = example_inputs(objective, 16, objective.drafter.fc.in_features, args.device)
+    batches = [inputs_of_shape(objective, bucket, like, seed=i) for i, bucket in enumerate(buckets)]
+    if cuda:
+        step = build_cudagraph_train_step(objective, like, buckets, shapes=args.compile_shapes)
+        report = step.report
+        built = {"report": report.describe(), "graphs_compiled": report.graphs_compiled,
+                 "build_s": round(report.seconds, 1)}
+    else:  # no CUDA graphs on a CPU: the compile and warm-up alone
+        compiled = compile_for_shapes(objective, batches, args.compile_shapes, fullgraph=True)
+        def step(batch):
+            compiled(batch)[0].backward()
+
+        timings = warm_up(step, batches, steps=1)
+        built = {"graphs_compiled": sum(g for _, g in timings), "build_s": round(sum(s for s, _ in timings), 1)}
+    built["built_at"] = time.time()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step_ms = {}
+    for bucket, batch in zip(buckets, batches):
+        times = []
+        for _ in range(args.replays + 2):
+            sync()
+            began = time.perf_counter()
+            step(batch)
+            sync()
+            times.append(1000 * (time.perf_counter() - began))
+        step_ms[str(bucket)] = round(statistics.median(times[2:]), 2)
+    print(json.dumps({**built, "step_ms": step_ms}), flush=True)
 
 
 def main() -> None:
@@ -63,23 +179,20 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2,4")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--compile", default="cudagraphs", choices=["default", "cudagraphs"])
+    parser.add_argument("--compile-shapes", default="dynamic", help="dynamic, static or both (comma-separated)")
+    parser.add_argument("--steps", type=int, default=3, help="optim.max_steps of each trainer run")
+    parser.add_argument("--drafter-shape", choices=["8b", "micro"], help="the train step alone at this shape")
+    parser.add_argument("--pad-multiple", type=int, default=768, help="--drafter-shape: bucket lengths")
+    parser.add_argument("--replays", type=int, default=10, help="--drafter-shape: timed steps per bucket")
+    parser.add_argument("--step-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=float, default=400)
     args = parser.parse_args()
+    if args.step_child:
+        step_child(args)
+        return
     shutil.rmtree(args.work, ignore_errors=True)
-    results = []
-    for drafters in [int(n) for n in args.threads.split(",")]:
-        config = args.work / f"d{drafters}.yaml"
-        args.work.mkdir(parents=True, exist_ok=True)
-        write_config(config, drafters, args.device, args.compile)
-        host1, host2 = args.work / f"workspace-d{drafters}-host1", args.work / f"workspace-d{drafters}-host2"
-        for label, workspace in (("cold", host1), ("warm", host1), ("host2", host2)):
-            if label == "host2":  # what deploying the first host's artifacts to a second one gives it
-                shutil.copytree(host1 / "cache" / "compile", host2 / "cache" / "compile")
-            row = {"drafters": drafters, "cache": label,
-                   **first_step_s(workspace, args.work / f"d{drafters}-{label}", config, args.timeout_s)}
-            results.append(row)
-            print(f"drafters {drafters}  {label:5}  launch->first step {row['first_step_s']} s  "
-                  f"exit {row['exit_code']}  {row['cache']}", flush=True)
+    args.work.mkdir(parents=True)
+    results = step_builds(args) if args.drafter_shape else trainer_runs(args)
     (args.work / "startup.json").write_text(json.dumps(results, indent=1) + "\n")
 
 

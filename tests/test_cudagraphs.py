@@ -3,13 +3,15 @@
 CPU CI proves: the module imports on CPU-only torch, the config refuses cudagraphs on a
 CPU run and with more shape buckets than are captured, the strategy per torch version
 and placement, the buckets that cover the data (every batch data.py packs fits one),
-that the trainer's compile plan hands those buckets and the placement to the graph
-builder, and that padding a batch into a bucket leaves loss and gradients unchanged
-(checked with the real DFlash objective). The `gpu` tests capture graphs in several drafter
+that the trainer's compile plan holds those buckets, the placement and compile_shapes,
+that padding a batch into a bucket leaves loss and gradients unchanged (checked with the
+real DFlash objective), and that compile_shapes: dynamic compiles one train step for
+every bucket with eager's losses while static compiles each bucket. The `gpu` tests capture graphs in several drafter
 threads on one GPU, and in one drafter per GPU on two, and compare every loss with eager
 and with the same graphs replayed in one thread; and, for both attention backends (sdpa's
 dense mask and FlexAttention's BlockMask, the production path) and both capture
-strategies, that a replayed step builds its block mask from each batch's own anchors.
+strategies, that a replayed step builds its block mask from each batch's own anchors;
+and that the dynamic whole_step compiles once for four buckets and captures each.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from transformers import Qwen3Config
 from dflash_schema import SchemaError
 from dflash_train import cudagraphs
 from dflash_train.compile_policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
-                                         configure_compiler, example_inputs, plan_compile, random_inputs)
+                                         configure_compiler, example_inputs, plan_compile)
+from dflash_train.train_step import compile_for_shapes, inputs_of_shape, random_inputs, warm_up
 from dflash_train.config import DataConfig, DrafterConfig, load_train_config
 from dflash_train.data import BatchPlan, Sample, collate
 from dflash_train.model import DFlashDrafter, drafter_hf_config
@@ -53,7 +56,7 @@ def tiny_objective(device: str, seed: int = 0, use_flex: bool = False, head_dim:
     return DraftObjective(drafter.to(device), embed.to(device), head.to(device), use_flex=use_flex)
 
 
-def _write_config(tmp_path, compile_mode: str, drafters: str, data: str = "pad_multiple: 1024"):
+def _write_config(tmp_path, compile_mode: str, drafters: str, data: str = "pad_multiple: 1024", extra: str = ""):
     """A config file; by default its data make 3 padded lengths (1024, 2048, 3072)."""
     path = tmp_path / "train.yaml"
     path.write_text(textwrap.dedent(f"""\
@@ -61,7 +64,7 @@ def _write_config(tmp_path, compile_mode: str, drafters: str, data: str = "pad_m
         data: {{synthetic: {{}}, {data}}}
         devices: {{target: [{drafters.split(',')[0]}], drafters: [{drafters}]}}
         compile: {compile_mode}
-        """))
+        """) + extra)
     return path
 
 
@@ -170,16 +173,22 @@ def test_every_batch_the_packer_makes_fits_a_bucket():
     ("cuda:0, cuda:1", False),
     ("cuda:1", False),
 ])
-def test_cudagraphs_plan_hands_the_config_buckets_and_placement_to_the_graph_builder(tmp_path, drafters, shared):
+def test_cudagraphs_plan_holds_the_config_buckets_placement_and_shapes(tmp_path, drafters, shared):
     config = load_train_config(_write_config(tmp_path, "cudagraphs", drafters))
     plan = plan_compile(config)
     assert plan.buckets == cudagraphs.bucket_shapes(config.data, config.drafter)
     assert [b.length for b in plan.buckets] == [1024, 2048, 3072]
     assert plan.drafters_share_a_device is shared and plan.num_drafters == len(config.devices.drafters)
-    assert plan.shapes_per_drafter == 3
-    builder = plan.builder()
-    assert builder.func is cudagraphs.build_cudagraph_train_step
-    assert builder.keywords == {"buckets": plan.buckets, "drafters_share_a_device": shared}
+    assert plan.shapes_per_drafter == 3 and plan.shapes == "static"  # the default, for now
+    dynamic = load_train_config(_write_config(tmp_path, "cudagraphs", drafters, extra="compile_shapes: dynamic\n"))
+    assert plan_compile(dynamic).shapes == "dynamic"
+
+
+@pytest.mark.parametrize("shapes", ["static", "dynamic"])
+def test_compile_shapes_is_refused_without_cudagraphs(tmp_path, shapes):
+    with pytest.raises(SchemaError, match="compile_shapes applies to compile: cudagraphs.*compile: default is always"):
+        load_train_config(_write_config(tmp_path, "default", "cpu", extra=f"compile_shapes: {shapes}\n"))
+    assert plan_compile(load_train_config(_write_config(tmp_path, "default", "cpu"))).shapes == "dynamic"
 
 
 def test_build_train_step_reaches_the_graph_builder_for_a_cudagraphs_plan(tmp_path):
@@ -196,7 +205,7 @@ def test_build_train_step_reaches_the_graph_builder_for_a_cudagraphs_plan(tmp_pa
 def test_plans_without_graphs_build_a_working_step(tmp_path):
     path = _write_config(tmp_path, "off", "cpu, cpu")
     plan = plan_compile(load_train_config(path))
-    assert plan == CompilePlan("off", num_drafters=2, buckets=(), drafters_share_a_device=True)
+    assert plan == CompilePlan("off", num_drafters=2, buckets=(), drafters_share_a_device=True, shapes="dynamic")
     assert plan.shapes_per_drafter == DYNAMIC_SHAPE_VARIANTS
     objective = tiny_objective("cpu")
     step = build_train_step(plan, objective, example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu"))
@@ -237,7 +246,7 @@ def test_padding_into_a_bucket_leaves_loss_and_gradients_unchanged():
     objective = tiny_objective("cpu")
     real = example_inputs(objective, 24, FEATURE_LAYERS * HIDDEN, "cpu")  # 2 rows, 24 tokens, 8 blocks
     shape = cudagraphs.BatchShape(rows=3, length=40, blocks=16)
-    bucket = cudagraphs._Bucket(shape, cudagraphs._example(shape, real, BLOCK, VOCAB, seed=5))
+    bucket = cudagraphs._Bucket(shape, inputs_of_shape(objective, shape, real, seed=5))
     assert shape.holds(real) and not cudagraphs.BatchShape(1, 16, 16).holds(real)
     bucket.load(real)
     assert bucket.static.input_ids.shape == (3, 40) and bucket.static.anchors.shape == (3, 16)
@@ -253,7 +262,7 @@ def test_bucket_load_overwrites_every_padded_slot_of_the_previous_batch():
     big = example_inputs(objective, 40, FEATURE_LAYERS * HIDDEN, "cpu")
     small = example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu")
     shape = cudagraphs.BatchShape(rows=2, length=40, blocks=8)
-    bucket = cudagraphs._Bucket(shape, cudagraphs._example(shape, big, BLOCK, VOCAB, seed=1))
+    bucket = cudagraphs._Bucket(shape, inputs_of_shape(objective, shape, big, seed=1))
     bucket.load(big)
     bucket.load(small)
     blocks = small.anchors.shape[1]
@@ -261,6 +270,62 @@ def test_bucket_load_overwrites_every_padded_slot_of_the_previous_batch():
     assert not bucket.static.anchor_valid[:, blocks:].any()
     assert float(bucket.static.weights[:, blocks:].abs().sum()) == 0.0
     assert torch.equal(bucket.static.features[:, :16], small.features)
+
+
+# ------------------------------------------------------------------ CPU: one compile for every bucket
+
+# Four buckets (16x16, 8x32, 5x48, 4x64, 8 blocks each); at these sizes Inductor's CPU code
+# generation makes the same size-dependent choices for all four (at larger ones it picks a
+# reduction's accumulator by size, which would give a bucket a graph of its own).
+FOUR_BUCKETS = DataConfig(synthetic=None, train="train.jsonl", max_length=64, token_budget=256, pad_multiple=16)
+
+
+def _bucket_inputs(objective: DraftObjective, data: DataConfig) -> list[DrafterInputs]:
+    """Random inputs of every bucket `data` makes, largest first as the graph builder warms them up."""
+    buckets = cudagraphs.bucket_shapes(data, DrafterConfig(block_size=BLOCK, num_anchors=8))
+    like = example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu")
+    ordered = sorted(buckets, key=lambda shape: (shape.tokens, shape), reverse=True)
+    return [inputs_of_shape(objective, shape, like, seed=i) for i, shape in enumerate(ordered)]
+
+
+def _warm_up_compiled(shapes: str, data: DataConfig, backward: bool, **options):
+    """What the whole_step strategy runs before capturing, on CPU: the objective compiled
+    (torch.compile `options`) for every bucket, one warm-up step per bucket (forward only
+    unless `backward`). -> (graphs compiled per bucket, compiled losses, eager losses)."""
+    torch._dynamo.reset()  # no cache entry of an earlier test's compile may serve this one
+    objective = tiny_objective("cpu")
+    inputs = _bucket_inputs(objective, data)
+    compiled = compile_for_shapes(objective, inputs, shapes, fullgraph=True, **options)
+    losses = []
+
+    def step(batch: DrafterInputs) -> None:
+        with torch.set_grad_enabled(backward):
+            loss, _, _ = compiled(batch)
+        if backward:
+            loss.backward()
+        losses.append(float(loss.detach()))
+
+    graphs = [count for _, count in warm_up(step, inputs, steps=1)]
+    with torch.no_grad():
+        eager = [float(objective(batch)[0]) for batch in inputs]
+    return graphs, losses, eager
+
+
+@pytest.mark.timeout(600)
+def test_dynamic_shapes_compile_one_train_step_for_every_bucket_with_eager_losses():
+    graphs, compiled, eager = _warm_up_compiled("dynamic", FOUR_BUCKETS, backward=True)
+    assert graphs == [1, 0, 0, 0]  # the first bucket's compile serves the other three
+    assert compiled == pytest.approx(eager, rel=1e-4)
+    assert len(set(eager)) == 4  # four different batches, not one loss four times
+
+
+@pytest.mark.timeout(600)
+def test_static_shapes_compile_every_bucket_on_its_own():
+    # Whether a shape gets a graph of its own is Dynamo's decision (dynamic=False), made
+    # before any backend runs: the eager backend shows it without Inductor's CPU compile.
+    graphs, compiled, eager = _warm_up_compiled("static", FOUR_BUCKETS, backward=False, backend="eager")
+    assert graphs == [1, 1, 1, 1]
+    assert compiled == pytest.approx(eager, rel=1e-4)
 
 
 # ------------------------------------------------------------------ GPU: real graphs
@@ -452,3 +517,26 @@ def test_replayed_steps_mask_each_batch_by_its_own_anchors(attention, strategy):
         assert _relative(graphed, eager) < tolerance, (_relative(graphed, eager), _relative(stale, eager))
         assert float(stats.loss) == pytest.approx(float(loss), rel=2e-2)
         assert torch.equal(stats.counted.cpu(), counted.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_dynamic_whole_step_compiles_once_and_captures_every_bucket(attention):
+    """compile_shapes: dynamic on a GPU: one compile serves the four buckets, each bucket
+    gets a graph of its own, and every replay gives eager's loss for its batch."""
+    torch._dynamo.reset()
+    device = "cuda:0"
+    objective = tiny_objective(device, use_flex=attention == "flex", head_dim=16)
+    buckets = cudagraphs.bucket_shapes(FOUR_BUCKETS, DrafterConfig(block_size=BLOCK, num_anchors=8))
+    like = example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, device)
+    step = cudagraphs.build_cudagraph_train_step(objective, like, buckets, shapes="dynamic", strategy="whole_step")
+    assert step.report.shapes == "dynamic" and len(step.report.buckets) == 4
+    assert step.report.graphs_compiled == 1, step.report.describe()
+    assert all(b.capture_s > 0 for b in step.report.buckets)
+    for i, shape in enumerate(buckets):
+        batch = inputs_of_shape(objective, shape, like, seed=50 + i)
+        graphed = float(step(batch).loss)
+        eager = _eager_loss_and_grads(objective, batch)[0]
+        assert graphed == pytest.approx(float(eager), rel=2e-2), shape

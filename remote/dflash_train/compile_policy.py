@@ -14,34 +14,21 @@ the optimizer step follow in the drafter thread.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
-from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .config import TrainConfig
+from .cudagraphs import bucket_shapes, build_cudagraph_train_step
 from .devices import canonical
-from .objective import DraftObjective, DrafterInputs, block_labels, position_weights
-
-if TYPE_CHECKING:
-    from .cudagraphs import BatchShape
+from .objective import DraftObjective, DrafterInputs
+from .train_step import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats, random_inputs,
+                         shape_of, warm_up)
 
 _BUILD_LOCK = threading.Lock()
 # compile: default compiles with dynamic shapes: one graph per drafter, plus the
 # re-specializations Dynamo still makes (a size of 1, sizes equal at the first trace).
 DYNAMIC_SHAPE_VARIANTS = 2
-
-
-@dataclasses.dataclass
-class StepStats:
-    loss: torch.Tensor  # () detached
-    correct: torch.Tensor  # (bs-1,) hits per block position
-    counted: torch.Tensor  # (bs-1,) learnable tokens per block position
-
-
-TrainStep = Callable[[DrafterInputs], StepStats]
-StepBuilder = Callable[[DraftObjective, DrafterInputs], TrainStep]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +39,7 @@ class CompilePlan:
     num_drafters: int = 1
     buckets: tuple[BatchShape, ...] = ()  # cudagraphs: every shape a batch can have, captured at start-up
     drafters_share_a_device: bool = True  # cudagraphs: picks the capture strategy
+    shapes: CompileShapes = "static"  # cudagraphs: one compile per bucket, or one for every bucket
 
     def __post_init__(self) -> None:
         if self.mode == "cudagraphs" and not self.buckets:
@@ -60,31 +48,26 @@ class CompilePlan:
 
     @property
     def shapes_per_drafter(self) -> int:
-        """Graphs Dynamo compiles per drafter: one per bucket for the static cudagraphs
-        compile, a dynamic graph and its re-specializations otherwise."""
-        return len(self.buckets) if self.mode == "cudagraphs" else DYNAMIC_SHAPE_VARIANTS
+        """Graphs Dynamo may compile per drafter, at most: one per bucket for cudagraphs
+        (static shapes, or dynamic ones re-specialized per bucket at worst), a dynamic
+        graph and its re-specializations otherwise."""
+        return max(len(self.buckets), DYNAMIC_SHAPE_VARIANTS)
 
-    def builder(self) -> StepBuilder:
-        """The function that builds one replica's train step for this plan."""
+    def build(self, objective: DraftObjective, example: DrafterInputs) -> BuiltStep:
+        """One replica's train step for this plan, compiled and warmed up (not locked)."""
         if self.mode == "cudagraphs":
-            from .cudagraphs import build_cudagraph_train_step
-
-            return functools.partial(build_cudagraph_train_step, buckets=self.buckets,
-                                     drafters_share_a_device=self.drafters_share_a_device)
-        return functools.partial(_build_eager_or_compiled, self.mode)
+            return build_cudagraph_train_step(objective, example, self.buckets, shapes=self.shapes,
+                                              drafters_share_a_device=self.drafters_share_a_device)
+        return _build_eager_or_compiled(self.mode, objective, example)
 
 
 def plan_compile(config: TrainConfig) -> CompilePlan:
     """The run's compile plan. Devices compare canonically ("cuda" is "cuda:0"), so two
     drafters written as cuda and cuda:0 count as sharing a GPU."""
     drafters = [canonical(d) for d in config.devices.drafters]
-    buckets: tuple[BatchShape, ...] = ()
-    if config.compile == "cudagraphs":
-        from .cudagraphs import bucket_shapes
-
-        buckets = bucket_shapes(config.data, config.drafter)
+    buckets = bucket_shapes(config.data, config.drafter) if config.compile == "cudagraphs" else ()
     return CompilePlan(mode=config.compile, num_drafters=len(drafters), buckets=buckets,
-                       drafters_share_a_device=len(set(drafters)) < len(drafters))
+                       drafters_share_a_device=len(set(drafters)) < len(drafters), shapes=config.compiled_shapes)
 
 
 def recompile_limit(num_drafters: int, shapes_per_drafter: int) -> int:
@@ -100,6 +83,7 @@ def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = D
     if mode == "off":
         return
     import torch._dynamo
+    import torch._functorch.config
     import torch._inductor.config
 
     limit = recompile_limit(num_drafters, shapes_per_drafter)
@@ -110,24 +94,14 @@ def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = D
     # Inductor's coalescing analysis "does not yet apply to dynamic shapes" (its own config
     # comment) yet runs on them, and asserts in get_pw_red_splits on this step (torch 2.11, CUDA).
     torch._inductor.config.triton.coalesce_tiling_analysis = False
-
-
-def random_inputs(rows: int, length: int, blocks: int, *, block_size: int, vocab: int, num_features: int,
-                  features_dtype: torch.dtype, device: str | torch.device, seed: int) -> DrafterInputs:
-    """A valid micro-batch of random tokens and features: input_ids (rows, length), blocks
-    anchors a row, of which the first min(blocks, length - 2) are real (an anchor needs a
-    token before and after it) and the rest invalid padding."""
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (rows, length), generator=generator)
-    real = min(blocks, length - 2)
-    anchors = torch.zeros((rows, blocks), dtype=torch.long)
-    anchors[:, :real] = torch.stack([torch.sort(torch.randperm(length - 2, generator=generator)[:real]).values
-                                     for _ in range(rows)]) + 1
-    anchor_valid = torch.arange(blocks).expand(rows, -1) < real
-    labels, weights = block_labels(input_ids, torch.zeros_like(input_ids), anchors, anchor_valid,  # one turn
-                                   position_weights(block_size, 7.0))
-    features = torch.randn(rows, length, num_features, generator=generator).to(features_dtype)
-    return DrafterInputs(*(t.to(device) for t in (input_ids, features, anchors, anchor_valid, labels, weights)))
+    # A relaunch finds the compiled graphs, autotuning results and AOTAutograd's joint
+    # graphs of earlier runs in the host's compile cache (compile_cache.py) instead of
+    # compiling again: on by default in the torch releases we run, set here so an
+    # environment variable (TORCHINDUCTOR_FX_GRAPH_CACHE=0, ...) cannot turn a warm start
+    # cold unnoticed. Dynamo still traces every graph in every process.
+    torch._inductor.config.fx_graph_cache = True
+    torch._inductor.config.autotune_local_cache = True
+    torch._functorch.config.enable_autograd_cache = True
 
 
 def example_inputs(objective: DraftObjective, seq_len: int, num_features: int, device: str) -> DrafterInputs:
@@ -140,18 +114,19 @@ def example_inputs(objective: DraftObjective, seq_len: int, num_features: int, d
                          features_dtype=objective.embed_weight.dtype, device=device, seed=0)
 
 
-def build_train_step(plan: CompilePlan | str, objective: DraftObjective, example: DrafterInputs) -> TrainStep:
-    """The forward+backward callable for one replica, built and warmed up under the lock.
+def build_train_step(plan: CompilePlan | str, objective: DraftObjective, example: DrafterInputs) -> BuiltStep:
+    """The forward+backward callable for one replica, built and warmed up under the lock,
+    with the report of what building it took.
 
     A bare mode ("off", "default") stands for a plan of that mode, for callers that build
     a step outside a run (benchmarks); cudagraphs needs a whole plan (its buckets)."""
     if isinstance(plan, str):
         plan = CompilePlan(plan)
     with _BUILD_LOCK:
-        return plan.builder()(objective, example)
+        return plan.build(objective, example)
 
 
-def _build_eager_or_compiled(mode: str, objective: DraftObjective, example: DrafterInputs) -> TrainStep:
+def _build_eager_or_compiled(mode: str, objective: DraftObjective, example: DrafterInputs) -> BuiltStep:
     # dynamic=True: micro-batch shapes vary with the data; one graph serves them all.
     forward = objective if mode == "off" else torch.compile(objective, dynamic=True)
 
@@ -160,6 +135,8 @@ def _build_eager_or_compiled(mode: str, objective: DraftObjective, example: Draf
         loss.backward()
         return StepStats(loss.detach(), correct, counted)
 
-    train_step(example)  # compiles now, not in the first training step
+    # Compiles now, not in the first training step.
+    [(seconds, graphs)] = warm_up(train_step, [example], steps=1)
     objective.drafter.zero_grad(set_to_none=True)
-    return train_step
+    report = BuildReport(mode, "dynamic", (BucketTiming(shape_of(example), seconds, 0.0, graphs),))
+    return BuiltStep(train_step, report)

@@ -17,6 +17,7 @@ from typing import Literal
 import dflash_schema
 
 CompileMode = Literal["off", "default", "cudagraphs"]
+CompileShapes = Literal["dynamic", "static"]
 # What a launch does; each job is dispatched by __main__.JOBS and reads the sections JOB_SECTIONS names.
 Job = Literal["train", "regenerate", "evaluate"]
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -379,8 +380,8 @@ class RegenerateConfig:
 # The optional sections each job reads. A job refuses a section it does not read that is
 # set to anything but its default: a training setting in a regeneration config is a mistake.
 JOB_SECTIONS: dict[str, frozenset[str]] = {
-    "train": frozenset({"data", "drafter", "optim", "pipeline", "compile", "eval", "checkpoint", "export",
-                        "distributed"}),
+    "train": frozenset({"data", "drafter", "optim", "pipeline", "compile", "compile_shapes", "eval", "checkpoint",
+                        "export", "distributed"}),
     "regenerate": frozenset({"regenerate"}),
     "evaluate": frozenset({"evaluate", "data"}),  # data: the tiny target's synthetic spec, or data.eval prompts
 }
@@ -403,6 +404,11 @@ class TrainConfig:
     pipeline: PipelineConfig = PipelineConfig()
     # YAML 1.1 reads a bare `off` as false, so false is accepted and means "off".
     compile: CompileMode | bool = "off"
+    # cudagraphs: one Inductor compile for every shape bucket (dynamic), or one per bucket
+    # (static: kernels specialized to each size; a longer start-up). train_step.compile_for_shapes.
+    # Unset: static under cudagraphs until dynamic is measured to step as fast on a GPU
+    # (TrainConfig.compiled_shapes); compile: default is always dynamic.
+    compile_shapes: CompileShapes | None = None
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     export: ExportConfig = ExportConfig()
@@ -470,6 +476,9 @@ class TrainConfig:
                              "use compile: off or default")
         if self.compile == "cudagraphs" and (problem := self.data.too_many_cudagraph_buckets()):
             raise ValueError(problem)
+        if self.compile_shapes is not None and self.compile != "cudagraphs":
+            raise ValueError(f"compile_shapes applies to compile: cudagraphs (its shape buckets); compile: "
+                             f"{self.compile} {'compiles nothing' if self.compile == 'off' else 'is always dynamic'}")
         if self.data.synthetic is not None and self.target.tiny is None:
             raise ValueError("data.synthetic needs target.tiny (responses come from the tiny target)")
         if self.target.tiny is not None and self.drafter.target_layer_ids is not None and (
@@ -487,6 +496,14 @@ class TrainConfig:
         if self.drafter.attention == "auto":
             return self.compile == "cudagraphs"
         return self.drafter.attention == "flex"
+
+    @property
+    def compiled_shapes(self) -> CompileShapes:
+        """`compile_shapes` with its default resolved. Static under cudagraphs: on a CPU,
+        Inductor's dynamic-shape kernels of the micro drafter stepped 10-30x slower than
+        its static ones (bench/startup.py --drafter-shape micro --device cpu), and the
+        GPU figures are not in yet."""
+        return self.compile_shapes or ("static" if self.compile == "cudagraphs" else "dynamic")
 
     @property
     def export_dtype(self) -> str:

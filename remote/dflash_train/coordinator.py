@@ -127,7 +127,9 @@ class Coordinator(JobControl):
         run = self.prepared.run
         example = example_inputs(replica.objective, self.config.data.pad_multiple,
                                  replica.drafter.fc.in_features, replica.device)
-        replica.train_step = build_train_step(self.compile_plan, replica.objective, example)
+        built = build_train_step(self.compile_plan, replica.objective, example)
+        replica.train_step = built
+        say(f"drafter {index}: {built.report.describe()}")
         self.replicas[index] = replica
         say(f"drafter {index} ready on {replica.device} (compile {self.config.compile}, "
             f"{sum(p.numel() for p in replica.drafter.parameters()):,} parameters, from step {run.start_step})")

@@ -3,48 +3,54 @@
 Several drafter threads of one architecture share a process (often one GPU) and must
 all run their forward+backward from CUDA graphs, on torch 2.11 through 2.14. The
 obvious route, `torch.compile(mode="reduce-overhead")`, crashes in every thread but the
-first on torch <= 2.12; shared/research/torch-threads.md records why (the CUDA-graph-tree
+first on torch <= 2.12; docs/cuda-graphs-in-threads.md says why (the CUDA-graph-tree
 registry lives in the TLS of the thread that imported it first, warm-up and capture are
 not serialized, and one graphed callable is shared by all threads that reach the same
-compiled artifact).
+compiled artifact) and lists the rules this module follows.
 
 Two strategies, one contract (`build_cudagraph_train_step`, the seam compile_policy.py
 calls for `compile: cudagraphs`):
 
 * ``whole_step`` (every torch version; the choice for <= 2.12, by measurement, see
-  bench/RESULTS-h200.md): Inductor compiles the objective (default mode: fused kernels,
-  no CUDA-graph trees, `fullgraph=True`, static shapes), then the whole forward+backward
-  -- gradient zeroing and accumulation included -- is captured with `torch.cuda.graph`
-  once per shape bucket, in the drafter's own thread, under a process-wide lock, into a
-  memory pool private to that drafter. None of the tree machinery runs, so none of its
+  bench/RESULTS-h200.md): Inductor compiles the objective once for every shape bucket
+  (default mode: fused kernels, no CUDA-graph trees, `fullgraph=True`; the dimensions
+  that differ between buckets dynamic, or with `compile_shapes: static` one compile per
+  bucket), then the whole forward+backward -- gradient zeroing and accumulation
+  included -- is captured with `torch.cuda.graph` once per shape bucket, in the
+  drafter's own thread, under a process-wide lock, into a memory pool private to that
+  drafter. A graph holds the sizes it was captured with, so one dynamic compile still
+  gives one graph per bucket. None of the tree machinery runs, so none of its
   thread-safety holes apply.
 * ``upstream`` (torch >= 2.13, which has pytorch PR #184357, thread-aware trees):
   `torch.compile(mode="reduce-overhead", fullgraph=True)`, warmed up and recorded under
   the lock. Chosen automatically only when every drafter has a GPU of its own: all
   backwards on one GPU run on one autograd device thread, and upstream keys the graphed
-  backward by executing thread, so same-GPU drafters would share it.
+  backward by executing thread, so same-GPU drafters would share it. It compiles with
+  static shapes whatever `compile_shapes` says: the trees record a graph per shape
+  anyway, and dynamic shapes under trees are not measured.
 
-Rules both follow (the research note's): compiler config is set before drafter threads
-start (compile_policy.configure_compiler); compile, warm-up and capture happen in the
+Rules both follow: compiler config is set before drafter threads start
+(compile_policy.configure_compiler); compile, warm-up and capture happen in the
 drafter's start-up, before its ready signal, one drafter at a time (`CAPTURE_LOCK`);
-`cudagraph_mark_step_begin` is never called; shapes are static: every batch is padded up
-to one of a few bucket shapes, all captured at start-up, so no capture ever overlaps
-another thread's training. Padding is loss-neutral: padded rows and blocks are invalid
-anchors with zero loss weight, and padded context lies after every real anchor.
+`cudagraph_mark_step_begin` is never called; every batch is padded up to one of a few
+bucket shapes, all captured at start-up, so no capture ever overlaps another thread's
+training. Padding is loss-neutral: padded rows and blocks are invalid anchors with zero
+loss weight, and padded context lies after every real anchor.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
+import time
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
-from .compile_policy import StepStats, TrainStep, random_inputs
 from .config import DataConfig, DrafterConfig
 from .data import blocks_per_row
 from .objective import DraftObjective, DrafterInputs
+from .train_step import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
+                         compile_for_shapes, inputs_of_shape, shape_of, warm_up)
 
 Strategy = Literal["auto", "whole_step", "upstream"]
 
@@ -85,23 +91,6 @@ def resolve_strategy(requested: Strategy, *, drafters_share_a_device: bool,
     return "upstream" if upstream_ok and not drafters_share_a_device else "whole_step"
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class BatchShape:
-    """A bucket: micro-batches of at most `rows` sequences of `length` tokens, `blocks` anchors."""
-
-    rows: int
-    length: int
-    blocks: int
-
-    @property
-    def tokens(self) -> int:
-        return self.rows * self.length
-
-    def holds(self, inputs: DrafterInputs) -> bool:
-        rows, length = inputs.input_ids.shape
-        return rows <= self.rows and length <= self.length and inputs.anchors.shape[1] <= self.blocks
-
-
 def bucket_shapes(data: DataConfig, drafter: DrafterConfig) -> tuple[BatchShape, ...]:
     """The buckets that hold every micro-batch data.py can make from this config.
 
@@ -116,13 +105,6 @@ def bucket_shapes(data: DataConfig, drafter: DrafterConfig) -> tuple[BatchShape,
     # A row of n tokens has at most n - 2 anchors (a token before and after each).
     return tuple(BatchShape(max(1, data.token_budget // n), n, blocks_per_row(n - 2, drafter.num_anchors))
                  for n in lengths)
-
-
-def _example(shape: BatchShape, like: DrafterInputs, block_size: int, vocab: int, seed: int) -> DrafterInputs:
-    """Valid random inputs of `shape`, with `like`'s feature width, dtypes and device."""
-    return random_inputs(shape.rows, shape.length, shape.blocks, block_size=block_size, vocab=vocab,
-                         num_features=like.features.shape[-1], features_dtype=like.features.dtype,
-                         device=like.input_ids.device, seed=seed)
 
 
 class _Bucket:
@@ -149,46 +131,46 @@ class _Bucket:
 
 
 def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs,
-                               buckets: Sequence[BatchShape] | None = None, *,
-                               drafters_share_a_device: bool = True,
-                               strategy: Strategy = "auto") -> TrainStep:
+                               buckets: Sequence[BatchShape] | None = None, *, shapes: CompileShapes = "static",
+                               drafters_share_a_device: bool = True, strategy: Strategy = "auto") -> BuiltStep:
     """Compile and capture one replica's forward+backward; call in its thread before ready.
 
     `example` gives dtypes, feature width and device; `buckets` the shapes to capture
-    (default: the example's own). The returned step pads each batch to the smallest
-    bucket that holds it, replays, and leaves the gradients in every parameter's
-    `.grad` (the same tensors every step), like the eager step does.
+    (default: the example's own); `shapes` whether one compile serves every bucket
+    (dynamic) or each is compiled on its own (static; see train_step.compile_for_shapes).
+    The returned step pads each batch to the smallest bucket that holds it, replays, and
+    leaves the gradients in every parameter's `.grad` (the same tensors every step), like
+    the eager step does; its report has each bucket's warm-up and capture time.
     """
     device = next(objective.drafter.parameters()).device
     if device.type != "cuda" or not torch.cuda.is_available():
         raise CudaGraphsUnavailable(f"compile: cudagraphs needs a CUDA device; the drafter is on {device}")
     chosen = resolve_strategy(strategy, drafters_share_a_device=drafters_share_a_device)
     if buckets is None:
-        buckets = [BatchShape(example.input_ids.shape[0], example.input_ids.shape[1], example.anchors.shape[1])]
+        buckets = [shape_of(example)]
     # Largest first: smaller buckets' captures then fit in memory the largest freed.
-    shapes = sorted(set(buckets), key=lambda s: (s.tokens, s), reverse=True)
-    vocab = objective.embed_weight.shape[0]
-    statics = [_Bucket(shape, _example(shape, example, objective.drafter.block_size, vocab, seed=i))
-               for i, shape in enumerate(shapes)]
+    ordered = sorted(set(buckets), key=lambda s: (s.tokens, s), reverse=True)
+    statics = [_Bucket(shape, inputs_of_shape(objective, shape, example, seed=i)) for i, shape in enumerate(ordered)]
     with CAPTURE_LOCK, torch.cuda.device(device):
         if chosen == "upstream":
-            replay = _warm_up_upstream(objective, statics)
+            replay, timings = _warm_up_upstream(objective, statics)
         else:
-            replay = _capture_whole_step(objective, statics)
+            replay, timings = _capture_whole_step(objective, statics, shapes)
 
     def train_step(inputs: DrafterInputs) -> StepStats:
-        # Smallest padded size that holds the batch (shapes is sorted largest first).
+        # Smallest padded size that holds the batch (statics is sorted largest first).
         bucket = next((b for b in reversed(statics) if b.shape.holds(inputs)), None)
         if bucket is None:
             rows, length = inputs.input_ids.shape
             raise UncapturedShape(
                 f"a micro-batch of {rows} x {length} tokens with {inputs.anchors.shape[1]} blocks fits no "
-                f"captured bucket ({', '.join(map(str, shapes))}); capturing during training would race "
+                f"captured bucket ({', '.join(map(str, ordered))}); capturing during training would race "
                 "with the other drafters, so the buckets must cover the data (see bucket_shapes)")
         bucket.load(inputs)
         return replay(bucket)
 
-    return train_step
+    compiled_shapes = "static" if chosen == "upstream" else shapes
+    return BuiltStep(train_step, BuildReport(chosen, compiled_shapes, tuple(timings)))
 
 
 def _trainable(objective: DraftObjective) -> list[torch.nn.Parameter]:
@@ -206,13 +188,13 @@ def _hand_out_gradients(params: list[torch.nn.Parameter], grads: list[torch.Tens
         param.grad = fresh
 
 
-def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket]):
+def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shapes: CompileShapes):
     params = _trainable(objective)
     # Gradients live outside any graph pool, allocated once: the graph zeroes them and
     # backward accumulates into them in place, so every bucket's graph writes the same
     # tensors and the code after the step (averaging, clipping, AdamW) can read them.
     grads = [torch.zeros_like(p) for p in params]
-    compiled = torch.compile(objective, fullgraph=True, dynamic=False)
+    compiled = compile_for_shapes(objective, [bucket.static for bucket in statics], shapes, fullgraph=True)
 
     def body(inputs: DrafterInputs):
         for param, grad in zip(params, grads):
@@ -223,13 +205,12 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket]):
         return loss.detach(), correct, counted
 
     # Warm up on a side stream (the allocator and autograd must see a non-default stream
-    # before capture): compiles each bucket, autotunes, creates cuBLAS handles.
+    # before capture): compiles (once, or per bucket with static shapes), autotunes,
+    # creates cuBLAS handles.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for bucket in statics:
-            for _ in range(WARMUP_STEPS):
-                body(bucket.static)
+        warmed = warm_up(body, [bucket.static for bucket in statics], WARMUP_STEPS, side.synchronize)
     torch.cuda.current_stream().wait_stream(side)
 
     pool = torch.cuda.graph_pool_handle()  # this drafter's own; its buckets take turns in it
@@ -238,13 +219,16 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket]):
     # would capture on it and fail at its first allocation (seen on 2 H200s).
     capture_stream = torch.cuda.Stream()
     graphs = {}
-    for bucket in statics:
+    timings = []
+    for bucket, (warmup_s, compiled_graphs) in zip(statics, warmed):
+        started = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         # "thread_local": another thread's harmless CUDA call (pinning host memory) must
         # not void this capture; captures themselves are serialized by CAPTURE_LOCK.
         with torch.cuda.graph(graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
             outputs = body(bucket.static)
         graphs[bucket.shape] = (graph, outputs)
+        timings.append(BucketTiming(bucket.shape, warmup_s, time.perf_counter() - started, compiled_graphs))
     torch.cuda.current_stream().synchronize()
 
     def replay(bucket: _Bucket) -> StepStats:
@@ -254,11 +238,12 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket]):
         # The next replay (any bucket: they share the pool) overwrites the outputs; copy now.
         return StepStats(loss.clone(), correct.clone(), counted.clone())
 
-    return replay
+    return replay, timings
 
 
 def _warm_up_upstream(objective: DraftObjective, statics: list[_Bucket]):
-    compiled = torch.compile(objective, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    compiled = compile_for_shapes(objective, [bucket.static for bucket in statics], "static",
+                                  mode="reduce-overhead", fullgraph=True)
 
     params = _trainable(objective)
 
@@ -271,10 +256,10 @@ def _warm_up_upstream(objective: DraftObjective, statics: list[_Bucket]):
         return StepStats(loss.detach().clone(), correct.clone(), counted.clone())
 
     # CUDA-graph trees warm up on a function's first call and record on the next: all of
-    # it here, under the capture lock, for every bucket.
-    for bucket in statics:
-        for _ in range(WARMUP_STEPS):
-            step(bucket.static)
+    # it here, under the capture lock, for every bucket (the recording is in the warm-up
+    # time; there is no capture step of its own).
+    warmed = warm_up(step, [bucket.static for bucket in statics], WARMUP_STEPS, torch.cuda.synchronize)
     objective.drafter.zero_grad(set_to_none=True)
     torch.cuda.current_stream().synchronize()
-    return lambda bucket: step(bucket.static)
+    timings = [BucketTiming(bucket.shape, seconds, 0.0, graphs) for bucket, (seconds, graphs) in zip(statics, warmed)]
+    return (lambda bucket: step(bucket.static)), timings

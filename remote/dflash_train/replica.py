@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .compile_policy import StepStats, TrainStep
+from .train_step import StepStats, TrainStep
 from .config import TrainConfig
 from .data import HostBatch
 from .devices import Fence, is_cuda
