@@ -43,6 +43,7 @@ class TrainingState:
     replicas: int  # drafter replicas in the whole run (every process's): the data order depends on it
     losses: list[float]  # loss per step so far, so a resumed run carries its curve on
     world_size: int = 1  # processes of the run that wrote it (absent in older checkpoints: 1)
+    accumulate: int = 1  # optim.accumulate: micro-batches per step and replica (absent in older checkpoints: 1)
 
 
 def _fsync_tree(folder: Path) -> None:

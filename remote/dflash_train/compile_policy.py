@@ -9,14 +9,16 @@ lock, so drafters compile one at a time: torch.compile is not thread-safe overal
 CUDA graph captures of two threads break each other.
 
 The train step runs forward and backward only; gradient averaging across replicas and
-the optimizer step follow in the drafter thread.
+the optimizer step follow in the drafter thread. With `optim.accumulate` > 1 it runs once
+per micro-batch: `first` starts from zero gradients, later calls add to them, and after
+the `last` the sum is in every parameter's `.grad`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -39,8 +41,16 @@ class StepStats:
     correct: torch.Tensor  # (bs-1,) hits per block position
     counted: torch.Tensor  # (bs-1,) learnable tokens per block position
 
+    def plus(self, other: "StepStats") -> "StepStats":
+        """Two micro-batches' stats summed (the loss too: the replica averages it)."""
+        return StepStats(self.loss + other.loss, self.correct + other.correct, self.counted + other.counted)
 
-TrainStep = Callable[[DrafterInputs], StepStats]
+
+class TrainStep(Protocol):
+    def __call__(self, inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats: ...
+
+
+
 StepBuilder = Callable[[DraftObjective, DrafterInputs], TrainStep]
 
 
@@ -155,7 +165,9 @@ def _build_eager_or_compiled(mode: str, objective: DraftObjective, example: Draf
     # dynamic=True: micro-batch shapes vary with the data; one graph serves them all.
     forward = objective if mode == "off" else torch.compile(objective, dynamic=True)
 
-    def train_step(inputs: DrafterInputs) -> StepStats:
+    def train_step(inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats:
+        if first:  # backward adds to .grad: a step starts from none
+            objective.drafter.zero_grad(set_to_none=True)
         loss, correct, counted = forward(inputs)
         loss.backward()
         return StepStats(loss.detach(), correct, counted)

@@ -14,7 +14,7 @@ calls for `compile: cudagraphs`):
 * ``whole_step`` (every torch version; the choice for <= 2.12, by measurement, see
   bench/RESULTS-h200.md): Inductor compiles the objective (default mode: fused kernels,
   no CUDA-graph trees, `fullgraph=True`, static shapes), then the whole forward+backward
-  -- gradient zeroing and accumulation included -- is captured with `torch.cuda.graph`
+  -- gradient accumulation included -- is captured with `torch.cuda.graph`
   once per shape bucket, in the drafter's own thread, under a process-wide lock, into a
   memory pool private to that drafter. None of the tree machinery runs, so none of its
   thread-safety holes apply.
@@ -176,7 +176,7 @@ def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs
         else:
             replay = _capture_whole_step(objective, statics)
 
-    def train_step(inputs: DrafterInputs) -> StepStats:
+    def train_step(inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats:
         # Smallest padded size that holds the batch (shapes is sorted largest first).
         bucket = next((b for b in reversed(statics) if b.shape.holds(inputs)), None)
         if bucket is None:
@@ -186,7 +186,7 @@ def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs
                 f"captured bucket ({', '.join(map(str, shapes))}); capturing during training would race "
                 "with the other drafters, so the buckets must cover the data (see bucket_shapes)")
         bucket.load(inputs)
-        return replay(bucket)
+        return replay(bucket, first, last)
 
     return train_step
 
@@ -208,16 +208,17 @@ def _hand_out_gradients(params: list[torch.nn.Parameter], grads: list[torch.Tens
 
 def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket]):
     params = _trainable(objective)
-    # Gradients live outside any graph pool, allocated once: the graph zeroes them and
-    # backward accumulates into them in place, so every bucket's graph writes the same
-    # tensors and the code after the step (averaging, clipping, AdamW) can read them.
+    # Gradients live outside any graph pool, allocated once: backward accumulates into
+    # them in place, so every bucket's graph writes the same tensors and the code after
+    # the step (averaging, clipping, AdamW) can read them. They are zeroed outside the
+    # graph, before a step's first micro-batch: the micro-batches of optim.accumulate
+    # replay the same graphs and add up.
     grads = [torch.zeros_like(p) for p in params]
     compiled = torch.compile(objective, fullgraph=True, dynamic=False)
 
     def body(inputs: DrafterInputs):
         for param, grad in zip(params, grads):
-            param.grad = grad  # Python only; what the graph records is the in-place zero and add
-        torch._foreach_zero_(grads)
+            param.grad = grad  # Python only; what the graph records is the in-place add
         loss, correct, counted = compiled(inputs)
         loss.backward()
         return loss.detach(), correct, counted
@@ -247,10 +248,13 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket]):
         graphs[bucket.shape] = (graph, outputs)
     torch.cuda.current_stream().synchronize()
 
-    def replay(bucket: _Bucket) -> StepStats:
+    def replay(bucket: _Bucket, first: bool, last: bool) -> StepStats:
         graph, (loss, correct, counted) = graphs[bucket.shape]
+        if first:
+            torch._foreach_zero_(grads)
         graph.replay()
-        _hand_out_gradients(params, grads)
+        if last:  # earlier micro-batches' sums stay in the graph's own gradients
+            _hand_out_gradients(params, grads)
         # The next replay (any bucket: they share the pool) overwrites the outputs; copy now.
         return StepStats(loss.clone(), correct.clone(), counted.clone())
 
@@ -262,11 +266,14 @@ def _warm_up_upstream(objective: DraftObjective, statics: list[_Bucket]):
 
     params = _trainable(objective)
 
-    def step(inputs: DrafterInputs) -> StepStats:
+    def step(inputs: DrafterInputs, first: bool = True) -> StepStats:
+        if first:
+            objective.drafter.zero_grad(set_to_none=True)
         loss, correct, counted = compiled(inputs)
         loss.backward()
         # Tree outputs (the gradients backward stole among them) are overwritten by the
-        # next replay: copy before handing out.
+        # next replay: copy before handing out (a later micro-batch's backward then adds
+        # its gradients to these copies).
         _hand_out_gradients(params, [p.grad for p in params])
         return StepStats(loss.detach().clone(), correct.clone(), counted.clone())
 
@@ -277,4 +284,4 @@ def _warm_up_upstream(objective: DraftObjective, statics: list[_Bucket]):
             step(bucket.static)
     objective.drafter.zero_grad(set_to_none=True)
     torch.cuda.current_stream().synchronize()
-    return lambda bucket: step(bucket.static)
+    return lambda bucket, first, last: step(bucket.static, first)

@@ -5,9 +5,10 @@
                                                                       v  every step (Rendezvous)
     drafter-0: metrics, checkpoints, export, eval requests --eval_queue--> eval
 
-Step s of replica r is plan entry (s-1)*G + g, g = rank*R + r its index in the run (G
-replicas in all, R per process), and goes through target r % T, so each drafter receives
-its micro-batches in order. Rank 0 alone reports steps, evaluates, writes checkpoints
+Micro-batch m of step s of replica r is plan entry ((s-1)*A + m)*G + g, g = rank*R + r
+its index in the run (G replicas in all, R per process, A = optim.accumulate micro-batches
+a step), and goes through target r % T, so each drafter receives its micro-batches in
+order; the gradients are exchanged and applied once a step, after its A micro-batches. Rank 0 alone reports steps, evaluates, writes checkpoints
 and the export. All queues are bounded; every blocking call wakes on the stop event.
 """
 from __future__ import annotations
@@ -144,10 +145,10 @@ class Run:
     def layout(self) -> Layout:
         return self.exchange.layout
 
-    def host_batch(self, step: int, replica: int) -> HostBatch:
-        entry = self.plan.entry(step, self.layout.global_index(replica))
+    def host_batch(self, step: int, replica: int, micro: int = 0) -> HostBatch:
+        entry = self.plan.entry(step, self.layout.global_index(replica), micro)
         batch = collate(self.samples, entry, step, replica, self.config.data, self.config.drafter,
-                        self.pad_id, self.config.seed)
+                        self.pad_id, self.config.seed, micro)
         return batch.pin() if is_cuda(self.target_devices[0]) else batch
 
     def features(self, target: int, batch: HostBatch) -> FeatureBatch:
@@ -156,20 +157,21 @@ class Run:
         return FeatureBatch(batch, handoff(features, drafter_device), Fence(device))
 
     def report_step(self, step: int, applied: AppliedStep) -> None:
-        """The step event, for every replica of the run (the sizes of the micro-batches of
-        other ranks come from the plan, which every rank has)."""
+        """The step event, for every replica of the run and every micro-batch of the step
+        (the sizes of the micro-batches of other ranks come from the plan, which every rank has)."""
         now = time.perf_counter()
         elapsed, self._last_report = max(now - self._last_report, 1e-9), now
         lr, grad_norm = applied.lr, applied.grad_norm
         loss = sum(applied.losses) / len(applied.losses)
         acc = [round(c / n, 4) if n else None for c, n in zip(applied.correct, applied.counted)]
-        entries = [self.plan.entry(step, g) for g in range(self.plan.replicas)]
+        entries = self.plan.step_entries(step)
         tokens, samples = sum(self.plan.tokens(e) for e in entries), sum(len(e.samples) for e in entries)
         self.losses.append(loss)
         self.events.emit("step", step=step, loss=round(loss, 6), acc=acc, tokens_per_s=round(tokens / elapsed, 2),
                          samples_per_s=round(samples / elapsed, 3), queue_depths={q.name: q.depth() for q in self.queues},
                          wait_s=self.waits.take(), lr=lr, grad_norm=round(grad_norm, 4), epoch=entries[0].epoch,
-                         total_steps=self.total_steps, peak_memory_bytes=self.peak_memory())
+                         total_steps=self.total_steps, peak_memory_bytes=self.peak_memory(),
+                         micro_batches=len(entries), samples=samples, tokens=tokens)
         if step % self.config.log_every == 0 or step == self.total_steps:
             say(f"step {step}/{self.total_steps} loss {loss:.4f} acc@1 {acc[0]} lr {lr:.2e} "
                 f"tokens/s {tokens / elapsed:.0f}")
@@ -229,7 +231,8 @@ class Run:
         step = replica.completed_step  # >= 1: checkpoints follow steps
         entry = self.plan.last_entry(step)
         state = TrainingState(step=step, epoch=entry.epoch, batch_index=entry.index, replicas=self.plan.replicas,
-                              losses=list(self.losses), world_size=self.layout.world_size)
+                              losses=list(self.losses), world_size=self.layout.world_size,
+                              accumulate=self.plan.accumulate)
         start = time.perf_counter()
         snapshot = take_snapshot(state, replica.drafter, replica.optimizer, replica.scheduler)
         self.checkpoints.submit(snapshot, held_s=time.perf_counter() - start)
@@ -262,10 +265,11 @@ def prefetch_body(run: Run, channels: Channels):
         for step in range(run.start_step + 1, run.total_steps + 1):
             worker.step = step
             run.faults.fire(worker.name, step)
-            for replica in range(len(channels.drafter_queues)):
-                batch = run.host_batch(step, replica)
-                run.waits.add(worker.name, channels.target_queues[replica % targets].put(batch))
-                run.state.progressed()
+            for micro in range(run.plan.accumulate):
+                for replica in range(len(channels.drafter_queues)):
+                    batch = run.host_batch(step, replica, micro)
+                    run.waits.add(worker.name, channels.target_queues[replica % targets].put(batch))
+                    run.state.progressed()
         worker.phase = "shutdown"
         for target_queue in channels.target_queues:
             target_queue.put(None)  # end of data
@@ -283,7 +287,8 @@ def target_body(run: Run, channels: Channels, index: int):
                 if batch is None:
                     break
                 worker.step = batch.step
-                run.faults.fire(worker.name, batch.step)
+                if batch.micro == 0:
+                    run.faults.fire(worker.name, batch.step)
                 run.waits.add(worker.name, channels.drafter_queues[batch.replica].put(run.features(index, batch)))
                 run.state.progressed()
             worker.phase = "shutdown"
@@ -314,11 +319,16 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
                     run.peers.wait_for_all(READY, run.config.runtime.ready_timeout_s)
             for step in range(run.start_step + 1, run.total_steps + 1):
                 worker.step = step
-                feature_batch, waited = channels.drafter_queues[replica.index].get()
-                run.waits.add(worker.name, waited)
-                assert feature_batch.host.step == step, (feature_batch.host.step, step)
-                run.faults.fire(worker.name, step)
-                stats = replica.run_step(feature_batch, poison=run.faults.poisons(worker.name, step))
+                stats = None
+                for micro in range(run.plan.accumulate):
+                    feature_batch, waited = channels.drafter_queues[replica.index].get()
+                    run.waits.add(worker.name, waited)
+                    assert (feature_batch.host.step, feature_batch.host.micro) == (step, micro), \
+                        (feature_batch.host.step, feature_batch.host.micro, step, micro)
+                    if micro == 0:
+                        run.faults.fire(worker.name, step)
+                        poison = run.faults.poisons(worker.name, step)  # every micro-batch of the step
+                    stats = replica.run_step(feature_batch, poison, stats)
                 started = time.perf_counter()
                 averaged = channels.rendezvous.exchange(replica.index, replica.post(stats), run.exchange.average)
                 run.waits.add(worker.name, time.perf_counter() - started)

@@ -110,6 +110,7 @@ class Replica:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(total_steps, optim.warmup_ratio))
         self.grad_clip = optim.grad_clip
+        self.accumulate = optim.accumulate  # micro-batches per optimizer step
         self.train_step: TrainStep | None = None  # set by the compile policy during startup
         self.completed_step = 0
 
@@ -121,19 +122,29 @@ class Replica:
         self.scheduler.load_state_dict(scheduler)
         self.completed_step = step
 
-    def run_step(self, batch: FeatureBatch, poison: bool = False) -> StepStats:
-        """Forward and backward. `poison` (the `nonfinite` fault) feeds NaN target features,
-        so the loss and the gradients come out NaN as from a forward that diverged."""
+    def run_step(self, batch: FeatureBatch, poison: bool = False, summed: StepStats | None = None) -> StepStats:
+        """Forward and backward of micro-batch `batch.host.micro` of a step: the first
+        starts from zero gradients, the others add theirs. `summed`: the stats of the
+        step's earlier micro-batches; returned with this one's added. `poison` (the
+        `nonfinite` fault) feeds NaN target features, so the loss and the gradients come
+        out NaN as from a forward that diverged."""
         assert self.train_step is not None, "the train step is built during startup"
+        micro = batch.host.micro
         inputs = batch.to_inputs(self.device)
         if poison:
             inputs.features = torch.full_like(inputs.features, math.nan)
-        return self.train_step(inputs)
+        stats = self.train_step(inputs, first=micro == 0, last=micro == self.accumulate - 1)
+        return stats if summed is None else summed.plus(stats)
 
-    def post(self, stats: StepStats) -> Posted:
-        """This step's gradients and facts, for the gradient exchange."""
+    def post(self, summed: StepStats) -> Posted:
+        """This step's gradients and facts, for the gradient exchange: the mean over the
+        step's micro-batches of their gradients and losses (each micro-batch's loss is
+        already its own weighted mean), the accuracy counts summed."""
         grads = [p.grad for p in self.drafter.parameters()]
-        return Posted(grads, step_facts(stats, grads[0].dtype), Fence(self.device), self.device)
+        if self.accumulate > 1:
+            torch._foreach_div_(grads, self.accumulate)
+            summed = StepStats(summed.loss / self.accumulate, summed.correct, summed.counted)
+        return Posted(grads, step_facts(summed, grads[0].dtype), Fence(self.device), self.device)
 
     def apply(self, averaged: Averaged, step: int) -> AppliedStep:
         """Set the averaged gradients, check them and every replica's loss, clip, step.
