@@ -126,6 +126,7 @@ class Coordinator(JobControl):
         example = example_inputs(replica.objective, self.config.data.pad_multiple,
                                  replica.drafter.fc.in_features, replica.device)
         replica.train_step = build_train_step(self.compile_plan, replica.objective, example)
+        replica.prepare_optimizer()
         self.replicas[index] = replica
         say(f"drafter {index} ready on {replica.device} (compile {self.config.compile}, "
             f"{sum(p.numel() for p in replica.drafter.parameters()):,} parameters, from step {run.start_step})")
