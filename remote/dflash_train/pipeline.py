@@ -233,9 +233,8 @@ class Run:
         state = TrainingState(step=step, epoch=entry.epoch, batch_index=entry.index, replicas=self.plan.replicas,
                               losses=list(self.losses), world_size=self.layout.world_size,
                               accumulate=self.plan.accumulate)
-        start = time.perf_counter()
-        snapshot = take_snapshot(state, replica.drafter, replica.optimizer, replica.scheduler)
-        self.checkpoints.submit(snapshot, held_s=time.perf_counter() - start)
+        self.checkpoints.save(lambda buffers: take_snapshot(state, replica.drafter, replica.optimizer,
+                                                            replica.scheduler, buffers))
         self.last_checkpoint = step
         self._last_checkpoint_at = time.monotonic()
 
