@@ -376,11 +376,11 @@ def non_finite_tensors(checkpoint: Path) -> list[str]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode", ["threaded", "sequential"])
-def test_nonfinite_fault_fails_the_run_at_that_step_and_writes_nothing_non_finite(launch, mode):
-    run = launch(SMALL + f"pipeline: {{mode: {mode}}}\noptim: {{max_steps: 6}}\ncheckpoint: {{every: 2}}\n"
-                 "eval: {num_prompts: 0}\nfaults: [{thread: drafter-1, at: 'step:3', kind: nonfinite}]\n",
-                 run_id=mode)
+@pytest.mark.parametrize("mode, accumulate", [("threaded", 1), ("sequential", 1), ("threaded", 2)])
+def test_nonfinite_fault_fails_the_run_at_that_step_and_writes_nothing_non_finite(launch, mode, accumulate):
+    run = launch(SMALL + f"pipeline: {{mode: {mode}}}\noptim: {{max_steps: 6, accumulate: {accumulate}}}\n"
+                 "checkpoint: {every: 2}\neval: {num_prompts: 0}\n"
+                 "faults: [{thread: drafter-1, at: 'step:3', kind: nonfinite}]\n", run_id=mode)
     assert run.wait(180) == 1, run.log()[-3000:]
     assert "injecting fault: nonfinite in drafter-1 at step 3" in run.log()
     errors = run.errors()
