@@ -589,3 +589,21 @@ def test_checkpoint_and_export_refuse_non_finite_weights(tmp_path, poison):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "export"]
     assert all(t.isfinite().all() for t in load_drafter(tmp_path / "export").state_dict().values())
+
+
+@pytest.mark.parametrize("saved, configured, refused", [(2, 2, False), (None, 1, False), (None, 3, True), (4, 1, True)])
+def test_resume_check_refuses_another_accumulate_naming_both(tmp_path, capsys, saved, configured, refused):
+    from dflash_train import resume_check
+
+    config = write_config(tmp_path, BASE + f"optim: {{accumulate: {configured}}}\n")
+    folder = tmp_path / "step_000004"
+    folder.mkdir()
+    state = {"step": 4, "epoch": 0, "batch_index": 15, "replicas": 2, "losses": [], "world_size": 1}
+    if saved is not None:  # absent in checkpoints written before optim.accumulate: 1
+        state["accumulate"] = saved
+    (folder / "state.json").write_text(json.dumps(state))
+    code = resume_check.main(["--config", str(config), "--checkpoint", str(folder)])
+    out = capsys.readouterr().out
+    assert code == (2 if refused else 0), out
+    if refused:
+        assert f"optim.accumulate {saved or 1}" in out and f"optim.accumulate {configured}" in out
