@@ -509,3 +509,37 @@ def test_accumulated_steps_are_the_micro_batches_by_hand_resume_mid_step_count_a
     assert refused.wait(200) == 1
     message = refused.errors()[-1]["message"]
     assert "optim.accumulate 2" in message and "optim.accumulate 3" in message, message
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs CUDA")
+@pytest.mark.timeout(1500)
+def test_the_graphed_optimizer_accumulates_keeps_replicas_identical_and_its_checkpoints_load_both_ways(launch):
+    # pad_multiple 64 in both: two graphed buckets, and the same packing (data cursor) on the CPU
+    cpu = ACCUMULATE.replace("pad_multiple: 16", "pad_multiple: 64")
+    gpu = (cpu.replace("devices: {target: [cpu], drafters: [cpu, cpu]}",
+                       "devices: {target: [cuda:0], drafters: [cuda:0, cuda:0]}")
+           .replace("num_target_features: 2}", "num_target_features: 2, attention: sdpa}") + "compile: cudagraphs\n")
+    graphed = launch(gpu, run_id="graphed")
+    assert graphed.wait(600) == 0, graphed.log()[-3000:]
+    assert [e["step"] for e in graphed.events("step")] == [1, 2, 3, 4]
+    assert all(math.isfinite(e["loss"]) and e["micro_batches"] == 4 for e in graphed.events("step"))
+    (replicas,) = graphed.events("replicas")  # the run fails unless both replicas hold the same bits
+    assert len(replicas["sha256"]) == 2 and len(set(replicas["sha256"])) == 1
+    # the captured optimizer's checkpoint (step counts on the device) goes on on the CPU, eager
+    resume = f"keep: 3, resume: {graphed.run_dir / 'checkpoints' / 'step_000004'}}}"
+    eager = launch(cpu.replace("max_steps: 4", "max_steps: 6").replace("keep: 3}", resume), run_id="eager")
+    assert eager.wait(300) == 0, eager.log()[-3000:]
+    assert [e["step"] for e in eager.events("step")] == [5, 6]
+    # and the eager one's goes on under the captured optimizer
+    resume = f"keep: 3, resume: {eager.run_dir / 'checkpoints' / 'step_000006'}}}"
+    back = launch(gpu.replace("max_steps: 4", "max_steps: 8").replace("keep: 3}", resume), run_id="back")
+    assert back.wait(600) == 0, back.log()[-3000:]
+    assert [e["step"] for e in back.events("step")] == [7, 8]
+    assert all(math.isfinite(e["loss"]) for e in back.events("step"))
