@@ -492,10 +492,15 @@ def test_accumulated_steps_are_the_micro_batches_by_hand_resume_mid_step_count_a
     assert sorted(written) == sorted(expected)
     assert [name for name in expected if not torch.equal(written[name], expected[name])] == []
 
-    # a crash after step 3 (its checkpoint is step 2), then a resume: the same step 4, to the bit
-    crashed = launch(ACCUMULATE + "faults: [{thread: drafter-0, at: 'step:4', kind: exit, code: 3}]\n",
-                     run_id="crashed")
-    assert crashed.wait(200) == 3
+    # stopped while hung before step 4 (its newest checkpoint is step 2: the hung lead
+    # writes none on stop, and the exit waits for step 2's write), then a resume: the same
+    # step 4, to the bit. A hang and a stop rather than a crash: a crash could come before
+    # the background write of step 2 is complete.
+    crashed = launch(ACCUMULATE + "faults: [{thread: drafter-0, at: 'step:4', kind: hang}]\n", run_id="crashed")
+    crashed.wait_for("the hang", lambda: "injecting fault: hang" in crashed.log(), 150)
+    crashed.proc.send_signal(signal.SIGTERM)
+    assert crashed.wait(100) == 143
+    assert [e["step"] for e in crashed.events("step")] == [1, 2, 3]
     assert os.readlink(crashed.run_dir / "checkpoints" / "latest") == "step_000002"
     resume = ACCUMULATE.replace("keep: 3}", "keep: 3, resume: latest}")
     resumed = launch(resume, crashed.run_dir)
