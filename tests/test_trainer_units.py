@@ -436,7 +436,8 @@ def test_snapshots_reuse_their_buffers_and_hold_the_state_of_their_own_step():
         snapshot = ckpt.take_snapshot(state, model, optimizer, scheduler, buffers)
         assert torch.equal(snapshot.weights["weight"], model.weight.detach())
         moments = snapshot.optimizer["optimizer"]["state"][0]
-        assert torch.equal(moments["exp_avg"], optimizer.state[model.weight]["exp_avg"]) and int(moments["step"]) == step
+        assert torch.equal(moments["exp_avg"], optimizer.state[model.weight]["exp_avg"])
+        assert int(moments["step"]) == step
         assert snapshot.weights["weight"].data_ptr() != model.weight.data_ptr()  # a copy, not the live weights
         pointers.append([snapshot.weights["weight"].data_ptr(), moments["exp_avg"].data_ptr()])
     assert pointers[0] == pointers[1]

@@ -3,9 +3,10 @@ off the device (`take_snapshot`, into CPU buffers made once and reused); a worke
 named `checkpoint-writer` writes it.
 
 One write at a time: a checkpoint due while the previous one is still being written
-waits for it (and says so) before its copy, which reuses that one's buffers. The run's exit waits for the last one, also on a stop, so
-the on-stop checkpoint is complete before exit 143. The writer is a `Worker`: a failed
-write (disk full) is its errors.jsonl record and the run's failure, never a silent loss.
+waits for it (and says so) before its copy, which reuses that one's buffers. The run's
+exit waits for the last one, also on a stop, so the on-stop checkpoint is complete before
+exit 143. The writer is a `Worker`: a failed write (disk full) is its errors.jsonl record
+and the run's failure, never a silent loss.
 A plain thread over a CPU snapshot rather than torch.distributed.checkpoint's async save:
 the checkpoint stays the same files (safetensors, optimizer.pt, SHA256SUMS) that resume,
 export and `dflash pull` read, written by the same atomic replace_dir, with no process

@@ -8,8 +8,9 @@
 Micro-batch m of step s of replica r is plan entry ((s-1)*A + m)*G + g, g = rank*R + r
 its index in the run (G replicas in all, R per process, A = optim.accumulate micro-batches
 a step), and goes through target r % T, so each drafter receives its micro-batches in
-order; the gradients are exchanged and applied once a step, after its A micro-batches. Rank 0 alone reports steps, evaluates, writes checkpoints
-and the export. All queues are bounded; every blocking call wakes on the stop event.
+order; the gradients are exchanged and applied once a step, after its A micro-batches.
+Rank 0 alone reports steps, evaluates, writes checkpoints and the export. All queues are
+bounded; every blocking call wakes on the stop event.
 """
 from __future__ import annotations
 
