@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -39,6 +40,11 @@ from .objective import warmup_cosine
 Form = Literal["eager", "device", "graph"]
 # Param-group keys that say how AdamW computes, not what: the loading optimizer's own win.
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+# torch warns once per optimizer when a capturable one steps outside a capture (the device
+# form) that it may be slower; the fused kernel is the same captured or not, and the
+# device form exists so the CPU runs the captured form's code. Set at import, once: the
+# warnings filters are process-wide and not to be changed from drafter threads.
+warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True", category=UserWarning)
 
 
 def optimizer_form(compile_mode: str, device: str) -> Form:
