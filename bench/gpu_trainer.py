@@ -411,7 +411,7 @@ def checkpoint_held(cpu: bool, work: Path, checkpoints: int = 2) -> dict:
     from dflash_train.checkpoint import TrainingState, take_snapshot
     from dflash_train.checkpoint_writer import CheckpointWriter
     from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
-    from dflash_train.threads import RunState
+    from dflash_train.threads import StopLatch
 
     drafter = DrafterAlone.make(cpu, graphs=False)  # no compile: the minutes go to the writes
     optimizer = drafter.optimizer("device" if cpu else "graph")
@@ -420,7 +420,7 @@ def checkpoint_held(cpu: bool, work: Path, checkpoints: int = 2) -> dict:
     folder.mkdir(parents=True)
     events = EventLog(folder / "events.jsonl")
     writer = CheckpointWriter(folder / "checkpoints", 1, "", events,
-                              RunState(ErrorLog(folder / "errors.jsonl"), ThreadNames(folder / "threads.json")))
+                              StopLatch(ErrorLog(folder / "errors.jsonl"), ThreadNames(folder / "threads.json")))
     index = 0
 
     def train(count: int) -> list[float]:

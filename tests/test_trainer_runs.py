@@ -438,7 +438,7 @@ def by_hand(run_dir: Path, workspace: Path, steps: int, monkeypatch) -> dict:
     from dflash_train.config import load_train_config
     from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
     from dflash_train.startup import prepare
-    from dflash_train.threads import RunState
+    from dflash_train.threads import StopLatch
 
     import torch
 
@@ -449,7 +449,7 @@ def by_hand(run_dir: Path, workspace: Path, steps: int, monkeypatch) -> dict:
     threads = torch.get_num_threads()
     try:
         prepared = prepare(config, here, EventLog(here / "events.jsonl"),
-                           RunState(ErrorLog(here / "errors.jsonl"), ThreadNames(here / "threads.json")))
+                           StopLatch(ErrorLog(here / "errors.jsonl"), ThreadNames(here / "threads.json")))
         run, replica = prepared.run, prepared.make_replica(0)
         params = list(replica.drafter.parameters())
         for step in range(1, steps + 1):

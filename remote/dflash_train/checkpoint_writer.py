@@ -5,7 +5,7 @@ named `checkpoint-writer` writes it.
 One write at a time: a checkpoint due while the previous one is still being written
 waits for it (and says so) before its copy, which reuses that one's buffers. The run's
 exit waits for the last one, also on a stop, so the on-stop checkpoint is complete before
-exit 143. The writer is a `Worker`: a failed write (disk full) is its errors.jsonl record
+exit 143. The writer is a `JobThread`: a failed write (disk full) is its errors.jsonl record
 and the run's failure, never a silent loss.
 A plain thread over a CPU snapshot rather than torch.distributed.checkpoint's async save:
 the checkpoint stays the same files (safetensors, optimizer.pt, SHA256SUMS) that resume,
@@ -20,16 +20,16 @@ from typing import Callable
 
 from .checkpoint import CheckpointSnapshot, SnapshotBuffers, write_checkpoint
 from .runlog import EventLog, say
-from .threads import RunState, StopRequested, Worker
+from .threads import StopLatch, StopRequested, JobThread
 
 WRITER = "checkpoint-writer"
 
 
 class CheckpointWriter:
-    def __init__(self, root: Path, keep: int, config_yaml: str, events: EventLog, state: RunState):
+    def __init__(self, root: Path, keep: int, config_yaml: str, events: EventLog, latch: StopLatch):
         self.root, self.keep, self.config_yaml = root, keep, config_yaml
-        self.events, self.state = events, state
-        self._worker: Worker | None = None
+        self.events, self.latch = events, latch
+        self._worker: JobThread | None = None
         self.buffers = SnapshotBuffers()  # where every snapshot of this run is copied
 
     def save(self, take: Callable[[SnapshotBuffers], CheckpointSnapshot]) -> None:
@@ -43,7 +43,7 @@ class CheckpointWriter:
         if waited_s >= 0.01:
             say(f"checkpoint at step {step} waited {waited_s:.2f}s for the previous one to be written")
 
-        def body(worker: Worker) -> None:
+        def body(worker: JobThread) -> None:
             worker.phase, worker.step = "checkpoint", step
             start = time.perf_counter()
             path = write_checkpoint(self.root, snapshot, self.keep, self.config_yaml)
@@ -52,7 +52,7 @@ class CheckpointWriter:
                              write_s=round(write_s, 4), waited_s=round(waited_s, 4))
             say(f"checkpoint at step {step}: {path} (training held {held_s:.2f}s, written in {write_s:.2f}s)")
 
-        self._worker = Worker(WRITER, self.state, body)
+        self._worker = JobThread(WRITER, self.latch, body)
         self._worker.start()
 
     @property
