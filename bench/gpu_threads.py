@@ -169,7 +169,7 @@ def build_step(mode: str, objective: DraftObjective, example: DrafterInputs):
 
         def step(inputs: DrafterInputs):
             bucket.load(inputs)
-            return replay(bucket)
+            return replay(bucket, True, True)  # one micro-batch a step
 
         return step
     raise ValueError(mode)

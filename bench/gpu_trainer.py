@@ -23,14 +23,35 @@ GPU's utilisation; each thread's wait per step; which side bounds the run; and t
 replicas' weight checksums, which the trainer itself checks to be identical.
 $OUT/gpu_trainer.json holds everything. `--cpu-check` runs the same script on a micro
 target on the CPU (compile off), to check the script without a GPU.
+
+Two measurements of the drafter alone, at the Qwen3-8B drafter shape with random target
+features (no target: bench/gpu_threads.py's objective and batches), in this process,
+with the trainer's own train step (compile: cudagraphs, whole_step, flex) and
+optimizer step (dflash_train.optimizer_step), one sequence of 3072 tokens a micro-batch:
+
+    PYTHONPATH=remote python3 bench/gpu_trainer.py --step-parts [--iters 8]
+        ms a step split into forward+backward (every micro-batch) and the optimizer (the
+        norm, the step's one host read, clip + AdamW + schedule), ms a sample and drafter
+        MFU, for optim.accumulate 1 and 4 x the optimizer's forms: eager (compile: off's),
+        device (fused capturable AdamW, not captured), graph (the same, captured). The
+        split runs synchronize between the parts; "step ms" is timed without that sync.
+    PYTHONPATH=remote python3 bench/gpu_trainer.py --checkpoint-held --work DIR
+        the training time a checkpoint holds (copy off the GPU of the weights and the
+        graphed AdamW's state, 12.6 GB) the first time (pinned buffers made) and the next
+        (reused), the background write's seconds, and the step time while it writes
+        (an eager train step here: no compile, so the command's minutes go to the writes).
+
+With --cpu-check both run at gpu_threads.MICRO on the CPU (forms eager and device).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -275,18 +296,193 @@ def print_tables(report: dict, shape: Shape) -> None:
             print(f"{name} / {twin} samples/s: {r['samples_per_s'] / runs[twin]['samples_per_s']:.3f}")
 
 
+# ------------------------------------------------------------- the drafter alone
+
+@dataclasses.dataclass
+class DrafterAlone:
+    """One drafter at a shape, its trainer-built train step, random batches."""
+
+    shape: Shape
+    device: str
+    objective: object
+    train_step: object
+    batches: list
+    build_s: float
+
+    @classmethod
+    def make(cls, cpu: bool, graphs: bool = True) -> "DrafterAlone":
+        """`graphs`: the train step of compile: cudagraphs (on the GPU), else compile: off's."""
+        from gpu_threads import MICRO, Frozen, make_batches, make_objective
+
+        from dflash_train import cudagraphs
+        from dflash_train.compile_policy import build_train_step, configure_compiler
+
+        shape, device = (MICRO, "cpu") if cpu else (QWEN3_8B, "cuda")
+        objective = make_objective(shape, Frozen(shape, device), device, use_flex=not cpu)
+        batches = make_batches(shape, 4, 7, device)
+        graphs = graphs and not cpu
+        configure_compiler("cudagraphs" if graphs else "off", 1, 1)
+        started = time.perf_counter()
+        if not graphs:
+            train_step = build_train_step("off", objective, batches[0])
+        else:
+            train_step = cudagraphs.build_cudagraph_train_step(objective, batches[0], strategy="whole_step")
+        return cls(shape, device, objective, train_step, batches, time.perf_counter() - started)
+
+    @property
+    def params(self) -> list:
+        return list(self.objective.drafter.parameters())
+
+    def optimizer(self, form: str):
+        from dflash_train.config import OptimConfig
+        from dflash_train.optimizer_step import OptimizerStep
+
+        optimizer = OptimizerStep(self.params, OptimConfig(lr=6e-4, betas=(0.9, 0.95), grad_clip=1.0),
+                                  total_steps=10_000, form=form)
+        optimizer.prepare()
+        return optimizer
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def step(self, optimizer, index: int, accumulate: int, split: bool) -> tuple[float, float]:
+        """One optimizer step as replica.Replica runs it with one replica (the exchange
+        hands its own gradients back): (ms of the micro-batches, ms of the optimizer part),
+        the parts synchronized apart when `split`, else all in the first."""
+        import torch
+
+        self.sync()
+        began = time.perf_counter()
+        summed = None
+        for micro in range(accumulate):
+            batch = self.batches[(index * accumulate + micro) % len(self.batches)]
+            stats = self.train_step(batch, first=micro == 0, last=micro == accumulate - 1)
+            summed = stats if summed is None else summed.plus(stats)
+        grads = [p.grad for p in self.params]
+        if accumulate > 1:
+            torch._foreach_div_(grads, accumulate)
+        if split:
+            self.sync()
+        middle = time.perf_counter()
+        norm = torch.nn.utils.get_total_norm(grads)
+        grad_norm, loss = torch.stack([norm, summed.loss.float()]).tolist()  # the step's one host read
+        assert math.isfinite(grad_norm) and math.isfinite(loss), (grad_norm, loss)
+        optimizer.apply(grads, norm)
+        self.sync()
+        ended = time.perf_counter()
+        return (middle - began) * 1e3, (ended - middle) * 1e3
+
+
+def step_parts(cpu: bool, iters: int) -> dict:
+    drafter = DrafterAlone.make(cpu)
+    flops = step_flops(drafter.shape)["total"]  # a micro-batch of one sequence
+    forms = ["eager", "device"] + ([] if cpu else ["graph"])
+    optimizers = {form: drafter.optimizer(form) for form in forms}  # all on the same weights
+    rows = []
+    for accumulate in (1, 4):
+        for form in forms:
+            for index in range(3):  # warm: allocator, cuBLAS, the fused kernels
+                drafter.step(optimizers[form], index, accumulate, split=True)
+            split = [drafter.step(optimizers[form], i, accumulate, split=True) for i in range(iters)]
+            whole = [sum(drafter.step(optimizers[form], i, accumulate, split=False)) for i in range(iters)]
+            step_ms = statistics.median(whole)
+            rows.append({"accumulate": accumulate, "optimizer": form,
+                         "fwd_bwd_ms": statistics.median(a for a, _ in split),
+                         "optimizer_ms": statistics.median(b for _, b in split), "step_ms": step_ms,
+                         "ms_per_sample": step_ms / accumulate,
+                         "drafter_mfu": accumulate * flops / (step_ms / 1e3) / H200_BF16_DENSE_PEAK})
+            print(f"[step-parts] {json.dumps(rows[-1])}", flush=True)
+    print(f"\n## one drafter step at {drafter.shape.name} ({drafter.shape.describe()}), random target features, "
+          f"compile {'off' if cpu else 'cudagraphs (flex)'}, built in {drafter.build_s:.0f}s; median of {iters} steps; "
+          f"{flops / 1e12:.2f} TFLOP a sample, MFU over {H200_BF16_DENSE_PEAK / 1e12:.0f} TFLOP/s")
+    print("| accumulate | optimizer | fwd+bwd ms | optimizer ms | step ms | ms/sample | drafter MFU |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['accumulate']} | {r['optimizer']} | {r['fwd_bwd_ms']:.1f} | {r['optimizer_ms']:.2f} "
+              f"| {r['step_ms']:.1f} | {r['ms_per_sample']:.1f} | {100 * r['drafter_mfu']:.1f}% |")
+    return {"shape": drafter.shape.describe(), "build_s": drafter.build_s, "rows": rows}
+
+
+def checkpoint_held(cpu: bool, work: Path, checkpoints: int = 2) -> dict:
+    """The trainer's CheckpointWriter.save with take_snapshot, as pipeline.Run.save_checkpoint calls them."""
+    from dflash_train.checkpoint import TrainingState, take_snapshot
+    from dflash_train.checkpoint_writer import CheckpointWriter
+    from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
+    from dflash_train.threads import StopLatch
+
+    drafter = DrafterAlone.make(cpu, graphs=False)  # no compile: the minutes go to the writes
+    optimizer = drafter.optimizer("device" if cpu else "graph")
+    folder = work / "checkpoint-held"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    events = EventLog(folder / "events.jsonl")
+    writer = CheckpointWriter(folder / "checkpoints", 1, "", events,
+                              StopLatch(ErrorLog(folder / "errors.jsonl"), ThreadNames(folder / "threads.json")))
+    index = 0
+
+    def train(count: int) -> list[float]:
+        nonlocal index
+        index += count
+        return [sum(drafter.step(optimizer, index + i, 1, split=False)) for i in range(count)]
+
+    before = statistics.median(train(8))
+    rows = []
+    for _ in range(checkpoints):
+        state = TrainingState(step=index, epoch=0, batch_index=index, replicas=1, losses=[])
+        started = time.perf_counter()
+        writer.save(lambda buffers: take_snapshot(state, drafter.objective.drafter, optimizer.optimizer,
+                                                  optimizer.scheduler, buffers))
+        lost = time.perf_counter() - started
+        during = []
+        while writer.writing:
+            during += train(1)  # training goes on while it is written
+        writer.wait()
+        event = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()][-1]
+        rows.append({"training_lost_s": lost, "held_s": event["held_s"], "write_s": event["write_s"],
+                     "steps_during_write": len(during),
+                     "step_ms_during_write": statistics.median(during) if during else None})
+        print(f"[checkpoint-held] {json.dumps(rows[-1])}", flush=True)
+    size = sum(p.stat().st_size for p in (folder / "checkpoints").rglob("*") if p.is_file())
+    print(f"\n## a checkpoint at {drafter.shape.name}: {size / 1e9:.2f} GB on disk; step {before:.1f} ms without one")
+    print("| checkpoint | training lost s | held s (copy off the device) | write s (background) "
+          "| steps during the write | step ms during the write |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for number, r in enumerate(rows, 1):
+        during = "-" if r["step_ms_during_write"] is None else f"{r['step_ms_during_write']:.1f}"
+        print(f"| {number} ({'buffers made' if number == 1 else 'buffers reused'}) | {r['training_lost_s']:.3f} "
+              f"| {r['held_s']:.3f} | {r['write_s']:.1f} | {r['steps_during_write']} | {during} |")
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"bytes": size, "step_ms": before, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=RunSpec.parse, metavar="RUN")
+    parser.add_argument("runs", nargs="*", type=RunSpec.parse, metavar="RUN")
+    parser.add_argument("--step-parts", action="store_true", help="the drafter alone: fwd+bwd vs optimizer (above)")
+    parser.add_argument("--checkpoint-held", action="store_true", help="the drafter alone: a checkpoint's held time")
+    parser.add_argument("--iters", type=int, default=8, help="--step-parts: timed steps per row")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu-trainer"))
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the averages")
     parser.add_argument("--timeout-s", type=float, default=420, help="per trainer run")
     parser.add_argument("--cpu-check", action="store_true", help="micro target on the CPU, compile off")
     args = parser.parse_args()
     cpu = args.cpu_check
-    architecture, shape = (MICRO_TARGET, MICRO_DRAFTER) if cpu else (QWEN3_8B_TARGET, QWEN3_8B)
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
+    if args.step_parts or args.checkpoint_held:
+        alone = {}
+        if args.step_parts:
+            alone["step_parts"] = step_parts(cpu, args.iters)
+        if args.checkpoint_held:
+            alone["checkpoint_held"] = checkpoint_held(cpu, work)
+        write_report(alone, "gpu_trainer-drafter-alone.json")
+        return
+    if not args.runs:
+        parser.error("give RUNs, --step-parts or --checkpoint-held")
+    architecture, shape = (MICRO_TARGET, MICRO_DRAFTER) if cpu else (QWEN3_8B_TARGET, QWEN3_8B)
     target = work / ("micro-random" if cpu else "qwen3-8b-random")
     if not target.exists():
         build_target(target, architecture, "cpu" if cpu else "cuda:0")

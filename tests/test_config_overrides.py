@@ -73,8 +73,8 @@ REGEN = REPO / "configs" / "train" / "regen-tiny-cpu.yaml"
 
 
 BAD_SETS = [
-    (None, ["optim.lrr=1e-4"], "--set optim.lrr=1e-4: optim.lrr: unknown key (known keys: betas, epochs, grad_clip, "
-                               "lr, max_steps, warmup_ratio, weight_decay)"),
+    (None, ["optim.lrr=1e-4"], "--set optim.lrr=1e-4: optim.lrr: unknown key (known keys: accumulate, betas, epochs, "
+                               "grad_clip, lr, max_steps, warmup_ratio, weight_decay)"),
     (None, ["drafter.num_layers=three"],
      "--set drafter.num_layers=three: drafter.num_layers: expected an integer, got a string 'three'"),
     (None, ["drafter.num_layers=2.5"], "--set drafter.num_layers=2.5: drafter.num_layers: expected an integer, "

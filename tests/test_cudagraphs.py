@@ -540,3 +540,41 @@ def test_dynamic_whole_step_compiles_once_and_captures_every_bucket(attention):
         graphed = float(step(batch).loss)
         eager = _eager_loss_and_grads(objective, batch)[0]
         assert graphed == pytest.approx(float(eager), rel=2e-2), shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(600)
+def test_graphed_micro_batches_add_up_and_a_step_starts_from_zero():
+    """optim.accumulate under whole_step: the graph adds, the zeroing before a step's
+    first micro-batch is outside it, and the sum is handed out after the last."""
+    objective = tiny_objective("cuda:0")
+    batches = _batches(7, 3, objective, "cuda:0")  # 16, 24 and 32 tokens: both buckets
+    example = example_inputs(objective, 24, FEATURE_LAYERS * HIDDEN, "cuda:0")
+    train_step = cudagraphs.build_cudagraph_train_step(
+        objective, example, [cudagraphs.BatchShape(2, 24, 8), cudagraphs.BatchShape(2, 40, 8)], strategy="whole_step")
+    params = list(objective.drafter.parameters())
+    alone = []  # each micro-batch as a step of its own, by the same graphs
+    for batch in batches:
+        stats = train_step(batch)
+        alone.append((float(stats.loss), [p.grad for p in params]))
+    summed = None
+    for micro, batch in enumerate(batches):
+        stats = train_step(batch, first=micro == 0, last=micro == len(batches) - 1)
+        summed = stats if summed is None else summed.plus(stats)
+    got = [p.grad for p in params]
+    expected = [sum(grads) for grads in zip(*(g for _, g in alone))]
+
+    def relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return float(torch.linalg.vector_norm(torch.cat([(x - y).flatten() for x, y in zip(a, b)]))
+                     / torch.linalg.vector_norm(torch.cat([y.flatten() for y in b])))
+
+    # the same kernels, added in place: only non-deterministic attention backward may differ
+    assert relative_error(got, expected) < 1e-3
+    # not the last micro-batch alone, nor a sum that kept the previous step's gradients
+    assert relative_error(got, alone[-1][1]) > 0.1
+    assert relative_error(got, [e + g for e, g in zip(expected, alone[-1][1])]) > 0.1
+    assert float(summed.loss) == pytest.approx(sum(loss for loss, _ in alone), rel=1e-3)
+    handed_out = [g.clone() for g in got]
+    train_step(batches[0])  # the handed-out sums are copies the next step leaves alone
+    assert all(torch.equal(a, b) for a, b in zip(got, handed_out))

@@ -170,3 +170,19 @@ def test_collated_weights_never_leave_the_anchors_turn(tokenizer):
                 crossing += anchor + k < len(turns) and turns[anchor + k] not in (turns[anchor], NO_TURN)
                 assert (batch.weights[row, block, k - 1] > 0) == in_turn, (index, anchor, k)
     assert crossing > 0  # some block did reach into the next answer
+
+
+def test_an_accumulating_plan_uses_every_micro_batch_once_in_step_order():
+    samples = [Sample(torch.arange(5 + i % 7), torch.zeros(5 + i % 7, dtype=torch.long)) for i in range(60)]
+    data = DataConfig(train="unused.jsonl", max_length=16, token_budget=16, pad_multiple=8)
+    plain = BatchPlan(samples, data, replicas=2, epochs=2, max_steps=None, seed=3)
+    plan = BatchPlan(samples, data, replicas=2, epochs=2, max_steps=None, seed=3, accumulate=3)
+    used = [plan.entry(step, g, m) for step in range(1, plan.total_steps + 1) for m in range(3) for g in range(2)]
+    assert used == plan.entries  # one entry each (step, micro-batch, replica), none skipped or repeated
+    assert plan.total_steps == len(plan.entries) // 6
+    assert [plan.step_entries(s) for s in (1, 2)] == [used[:6], used[6:12]]
+    assert plan.last_entry(2) == plan.entry(2, 1, 2) == used[11]
+    # an epoch ends on a whole step: its tail of fewer than 6 micro-batches is left out
+    assert all(len([e for e in plan.entries if e.epoch == epoch]) % 6 == 0 for epoch in (0, 1))
+    # accumulate 1 is the plan as it was: entry (s-1)*G + g
+    assert [plain.entry(s, g) for s in range(1, plain.total_steps + 1) for g in range(2)] == plain.entries

@@ -376,11 +376,11 @@ def non_finite_tensors(checkpoint: Path) -> list[str]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode", ["threaded", "sequential"])
-def test_nonfinite_fault_fails_the_run_at_that_step_and_writes_nothing_non_finite(launch, mode):
-    run = launch(SMALL + f"pipeline: {{mode: {mode}}}\noptim: {{max_steps: 6}}\ncheckpoint: {{every: 2}}\n"
-                 "eval: {num_prompts: 0}\nfaults: [{thread: drafter-1, at: 'step:3', kind: nonfinite}]\n",
-                 run_id=mode)
+@pytest.mark.parametrize("mode, accumulate", [("threaded", 1), ("sequential", 1), ("threaded", 2)])
+def test_nonfinite_fault_fails_the_run_at_that_step_and_writes_nothing_non_finite(launch, mode, accumulate):
+    run = launch(SMALL + f"pipeline: {{mode: {mode}}}\noptim: {{max_steps: 6, accumulate: {accumulate}}}\n"
+                 "checkpoint: {every: 2}\neval: {num_prompts: 0}\n"
+                 "faults: [{thread: drafter-1, at: 'step:3', kind: nonfinite}]\n", run_id=mode)
     assert run.wait(180) == 1, run.log()[-3000:]
     assert "injecting fault: nonfinite in drafter-1 at step 3" in run.log()
     errors = run.errors()
@@ -418,3 +418,133 @@ def test_a_huge_learning_rate_fails_the_run_instead_of_exporting_nan(launch):
     assert not (run.run_dir / "export").exists()
     checkpoints = sorted((run.run_dir / "checkpoints").glob("step_*"))
     assert checkpoints and all(non_finite_tensors(c) == [] for c in checkpoints)
+
+
+# --- optim.accumulate: micro-batches per optimizer step ---------------------------------
+
+ACCUMULATE = SMALL + "optim: {max_steps: 4, accumulate: 2}\ncheckpoint: {every: 2, keep: 3}\neval: {num_prompts: 0}\n"
+
+
+def weights_sha256(checkpoint: Path) -> str:
+    """The model.safetensors line of the checkpoint's SHA256SUMS."""
+    sums = dict(reversed(line.split("  ")) for line in (checkpoint / "SHA256SUMS").read_text().splitlines())
+    return sums["model.safetensors"]
+
+
+def by_hand(run_dir: Path, workspace: Path, steps: int, monkeypatch) -> dict:
+    """The drafter after `steps` steps of the run's config computed here, step by step:
+    each of the step's micro-batches (2 replicas x 2) on zero gradients, the mean of each
+    replica's two, the mean of the replicas', then clipping and AdamW as the trainer does."""
+    from dflash_train.config import load_train_config
+    from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
+    from dflash_train.startup import prepare
+    from dflash_train.threads import StopLatch
+
+    import torch
+
+    monkeypatch.setenv("DFLASH_WORKSPACE", str(workspace))
+    config = load_train_config(run_dir / "config.yaml")
+    here = run_dir.parent / "by-hand"
+    here.mkdir()
+    threads = torch.get_num_threads()
+    try:
+        prepared = prepare(config, here, EventLog(here / "events.jsonl"),
+                           StopLatch(ErrorLog(here / "errors.jsonl"), ThreadNames(here / "threads.json")))
+        run, replica = prepared.run, prepared.make_replica(0)
+        params = list(replica.drafter.parameters())
+        for step in range(1, steps + 1):
+            replica_means = []
+            for index in range(2):
+                micro = []
+                for m in range(2):
+                    inputs = run.features(0, run.host_batch(step, index, m)).to_inputs("cpu")
+                    replica.drafter.zero_grad(set_to_none=True)
+                    replica.objective(inputs)[0].backward()
+                    micro.append([p.grad for p in params])
+                replica_means.append([(a + b) / 2 for a, b in zip(*micro)])
+            mean = [(a + b) / 2 for a, b in zip(*replica_means)]
+            for param, grad in zip(params, mean):
+                param.grad = grad
+            torch.nn.utils.clip_grads_with_norm_(params, config.optim.grad_clip, torch.nn.utils.get_total_norm(mean))
+            replica.optimizer.step()
+            replica.scheduler.step()
+        return {name: t.detach().clone() for name, t in replica.drafter.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(400)
+def test_accumulated_steps_are_the_micro_batches_by_hand_resume_mid_step_count_and_refuse_another_accumulate(
+        launch, workspace, tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import load_file
+
+    full = launch(ACCUMULATE, run_id="full")
+    assert full.wait(200) == 0, full.log()[-3000:]
+    steps = full.events("step")
+    assert [e["step"] for e in steps] == [1, 2, 3, 4] and steps[-1]["total_steps"] == 4
+    # a step event counts the step's 2 replicas x 2 micro-batches
+    assert all(e["micro_batches"] == 4 and e["samples"] > 4 for e in steps)
+    assert json.loads((full.run_dir / "checkpoints" / "step_000002" / "state.json").read_text())["accumulate"] == 2
+
+    expected = by_hand(full.run_dir, workspace, 2, monkeypatch)
+    written = load_file(str(full.run_dir / "checkpoints" / "step_000002" / "model.safetensors"))
+    assert sorted(written) == sorted(expected)
+    assert [name for name in expected if not torch.equal(written[name], expected[name])] == []
+
+    # stopped while hung before step 4 (its newest checkpoint is step 2: the hung lead
+    # writes none on stop, and the exit waits for step 2's write), then a resume: the same
+    # step 4, to the bit. A hang and a stop rather than a crash: a crash could come before
+    # the background write of step 2 is complete.
+    crashed = launch(ACCUMULATE + "faults: [{thread: drafter-0, at: 'step:4', kind: hang}]\n", run_id="crashed")
+    crashed.wait_for("the hang", lambda: "injecting fault: hang" in crashed.log(), 150)
+    crashed.proc.send_signal(signal.SIGTERM)
+    assert crashed.wait(100) == 143
+    assert [e["step"] for e in crashed.events("step")] == [1, 2, 3]
+    assert os.readlink(crashed.run_dir / "checkpoints" / "latest") == "step_000002"
+    resume = ACCUMULATE.replace("keep: 3}", "keep: 3, resume: latest}")
+    resumed = launch(resume, crashed.run_dir)
+    assert resumed.wait(200) == 0, resumed.log()[-3000:]
+    assert [e["step"] for e in resumed.events("step")][-2:] == [3, 4]
+    assert weights_sha256(crashed.run_dir / "checkpoints" / "step_000004") == weights_sha256(
+        full.run_dir / "checkpoints" / "step_000004")
+
+    # another accumulate would make other steps of the same data: refused, naming both
+    refused = launch(resume.replace("accumulate: 2", "accumulate: 3"), crashed.run_dir)
+    assert refused.wait(200) == 1
+    message = refused.errors()[-1]["message"]
+    assert "optim.accumulate 2" in message and "optim.accumulate 3" in message, message
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs CUDA")
+@pytest.mark.timeout(1500)
+def test_the_graphed_optimizer_accumulates_keeps_replicas_identical_and_its_checkpoints_load_both_ways(launch):
+    # pad_multiple 64 in both: two graphed buckets, and the same packing (data cursor) on the CPU
+    cpu = ACCUMULATE.replace("pad_multiple: 16", "pad_multiple: 64")
+    gpu = (cpu.replace("devices: {target: [cpu], drafters: [cpu, cpu]}",
+                       "devices: {target: [cuda:0], drafters: [cuda:0, cuda:0]}")
+           .replace("num_target_features: 2}", "num_target_features: 2, attention: sdpa}") + "compile: cudagraphs\n")
+    graphed = launch(gpu, run_id="graphed")
+    assert graphed.wait(600) == 0, graphed.log()[-3000:]
+    assert [e["step"] for e in graphed.events("step")] == [1, 2, 3, 4]
+    assert all(math.isfinite(e["loss"]) and e["micro_batches"] == 4 for e in graphed.events("step"))
+    (replicas,) = graphed.events("replicas")  # the run fails unless both replicas hold the same bits
+    assert len(replicas["sha256"]) == 2 and len(set(replicas["sha256"])) == 1
+    # the captured optimizer's checkpoint (step counts on the device) goes on on the CPU, eager
+    resume = f"keep: 3, resume: {graphed.run_dir / 'checkpoints' / 'step_000004'}}}"
+    eager = launch(cpu.replace("max_steps: 4", "max_steps: 6").replace("keep: 3}", resume), run_id="eager")
+    assert eager.wait(300) == 0, eager.log()[-3000:]
+    assert [e["step"] for e in eager.events("step")] == [5, 6]
+    # and the eager one's goes on under the captured optimizer
+    resume = f"keep: 3, resume: {eager.run_dir / 'checkpoints' / 'step_000006'}}}"
+    back = launch(gpu.replace("max_steps: 4", "max_steps: 8").replace("keep: 3}", resume), run_id="back")
+    assert back.wait(600) == 0, back.log()[-3000:]
+    assert [e["step"] for e in back.events("step")] == [7, 8]
+    assert all(math.isfinite(e["loss"]) for e in back.events("step"))

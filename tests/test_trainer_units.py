@@ -418,6 +418,35 @@ def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
     assert ckpt.load_checkpoint(ckpt.resolve_resume("latest", tmp_path)).state.losses == [3.0]
 
 
+
+def test_snapshots_reuse_their_buffers_and_hold_the_state_of_their_own_step():
+    """Later checkpoints copy into the first one's CPU buffers (pinned on CUDA: pinning
+    gigabytes again every checkpoint would hold training for seconds)."""
+    from dflash_train.model import NonFiniteWeights
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    buffers = ckpt.SnapshotBuffers()
+    pointers = []
+    for step in (1, 2):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        state = ckpt.TrainingState(step=step, epoch=0, batch_index=step, replicas=1, losses=[1.0] * step)
+        snapshot = ckpt.take_snapshot(state, model, optimizer, scheduler, buffers)
+        assert torch.equal(snapshot.weights["weight"], model.weight.detach())
+        moments = snapshot.optimizer["optimizer"]["state"][0]
+        assert torch.equal(moments["exp_avg"], optimizer.state[model.weight]["exp_avg"])
+        assert int(moments["step"]) == step
+        assert snapshot.weights["weight"].data_ptr() != model.weight.data_ptr()  # a copy, not the live weights
+        pointers.append([snapshot.weights["weight"].data_ptr(), moments["exp_avg"].data_ptr()])
+    assert pointers[0] == pointers[1]
+    with torch.no_grad():
+        model.bias[1] = math.nan
+    with pytest.raises(NonFiniteWeights, match="1 of 2 weight tensors .*first: bias"):
+        ckpt.take_snapshot(state, model, optimizer, scheduler, buffers)
+
+
 def test_replica_check_catches_a_one_ulp_difference_and_names_the_replica():
     from types import SimpleNamespace
 
@@ -561,3 +590,21 @@ def test_checkpoint_and_export_refuse_non_finite_weights(tmp_path, poison):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "export"]
     assert all(t.isfinite().all() for t in load_drafter(tmp_path / "export").state_dict().values())
+
+
+@pytest.mark.parametrize("saved, configured, refused", [(2, 2, False), (None, 1, False), (None, 3, True), (4, 1, True)])
+def test_resume_check_refuses_another_accumulate_naming_both(tmp_path, capsys, saved, configured, refused):
+    from dflash_train import resume_check
+
+    config = write_config(tmp_path, BASE + f"optim: {{accumulate: {configured}}}\n")
+    folder = tmp_path / "step_000004"
+    folder.mkdir()
+    state = {"step": 4, "epoch": 0, "batch_index": 15, "replicas": 2, "losses": [], "world_size": 1}
+    if saved is not None:  # absent in checkpoints written before optim.accumulate: 1
+        state["accumulate"] = saved
+    (folder / "state.json").write_text(json.dumps(state))
+    code = resume_check.main(["--config", str(config), "--checkpoint", str(folder)])
+    out = capsys.readouterr().out
+    assert code == (2 if refused else 0), out
+    if refused:
+        assert f"optim.accumulate {saved or 1}" in out and f"optim.accumulate {configured}" in out

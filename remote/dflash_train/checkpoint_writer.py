@@ -1,10 +1,12 @@
 """Checkpoints written in the background: training is held only while the state is copied
-off the device (`take_snapshot`); a worker thread named `checkpoint-writer` writes it.
+off the device (`take_snapshot`, into CPU buffers made once and reused); a worker thread
+named `checkpoint-writer` writes it.
 
 One write at a time: a checkpoint due while the previous one is still being written
-waits for it (and says so). The run's exit waits for the last one, also on a stop, so
-the on-stop checkpoint is complete before exit 143. The writer is a `JobThread`: a failed
-write (disk full) is its errors.jsonl record and the run's failure, never a silent loss.
+waits for it (and says so) before its copy, which reuses that one's buffers. The run's
+exit waits for the last one, also on a stop, so the on-stop checkpoint is complete before
+exit 143. The writer is a `JobThread`: a failed write (disk full) is its errors.jsonl record
+and the run's failure, never a silent loss.
 A plain thread over a CPU snapshot rather than torch.distributed.checkpoint's async save:
 the checkpoint stays the same files (safetensors, optimizer.pt, SHA256SUMS) that resume,
 export and `dflash pull` read, written by the same atomic replace_dir, with no process
@@ -14,8 +16,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
-from .checkpoint import CheckpointSnapshot, write_checkpoint
+from .checkpoint import CheckpointSnapshot, SnapshotBuffers, write_checkpoint
 from .runlog import EventLog, say
 from .threads import StopLatch, StopRequested, JobThread
 
@@ -27,11 +30,16 @@ class CheckpointWriter:
         self.root, self.keep, self.config_yaml = root, keep, config_yaml
         self.events, self.latch = events, latch
         self._worker: JobThread | None = None
+        self.buffers = SnapshotBuffers()  # where every snapshot of this run is copied
 
-    def submit(self, snapshot: CheckpointSnapshot, held_s: float) -> None:
-        """Write `snapshot` in the background, once the previous write is complete."""
-        step = snapshot.state.step
+    def save(self, take: Callable[[SnapshotBuffers], CheckpointSnapshot]) -> None:
+        """Once the previous write is complete, `take` the snapshot into the buffers (the
+        time training is held), then write it in the background."""
         waited_s = self.wait()
+        start = time.perf_counter()
+        snapshot = take(self.buffers)
+        held_s = time.perf_counter() - start
+        step = snapshot.state.step
         if waited_s >= 0.01:
             say(f"checkpoint at step {step} waited {waited_s:.2f}s for the previous one to be written")
 
@@ -46,6 +54,11 @@ class CheckpointWriter:
 
         self._worker = JobThread(WRITER, self.latch, body)
         self._worker.start()
+
+    @property
+    def writing(self) -> bool:
+        """Whether a checkpoint is being written now."""
+        return self._worker is not None and self._worker.is_alive()
 
     def wait(self) -> float:
         """Block until the checkpoint being written is complete; the seconds waited. A

@@ -9,7 +9,9 @@ lock, so drafters compile one at a time: torch.compile is not thread-safe overal
 CUDA graph captures of two threads break each other.
 
 The train step runs forward and backward only; gradient averaging across replicas and
-the optimizer step follow in the drafter thread.
+the optimizer step follow in the drafter thread. With `optim.accumulate` > 1 it runs once
+per micro-batch: `first` starts from zero gradients, later calls add to them, and after
+the `last` the sum is in every parameter's `.grad`.
 """
 from __future__ import annotations
 
@@ -130,7 +132,9 @@ def _build_eager_or_compiled(mode: str, objective: DraftObjective, example: Draf
     # dynamic=True: micro-batch shapes vary with the data; one graph serves them all.
     forward = objective if mode == "off" else torch.compile(objective, dynamic=True)
 
-    def train_step(inputs: DrafterInputs) -> StepStats:
+    def train_step(inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats:
+        if first:  # backward adds to .grad: a step starts from none
+            objective.drafter.zero_grad(set_to_none=True)
         loss, correct, counted = forward(inputs)
         loss.backward()
         return StepStats(loss.detach(), correct, counted)

@@ -159,6 +159,9 @@ class OptimConfig:
     grad_clip: float = 1.0
     epochs: int = 6
     max_steps: int | None = None  # stop earlier than `epochs` would
+    # Micro-batches per optimizer step, per replica: a step trains on replicas x accumulate
+    # micro-batches, their gradients averaged, then one exchange, clip and AdamW step.
+    accumulate: int = 1
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2:
@@ -167,6 +170,8 @@ class OptimConfig:
             raise ValueError("lr and epochs must be positive, warmup_ratio in [0, 1)")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ValueError("max_steps must be positive")
+        if self.accumulate < 1:
+            raise ValueError(f"accumulate must be at least 1 (micro-batches per optimizer step), not {self.accumulate}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -129,6 +129,7 @@ class Coordinator(JobControl):
                                  replica.drafter.fc.in_features, replica.device)
         built = build_train_step(self.compile_plan, replica.objective, example)
         replica.train_step = built
+        replica.prepare_optimizer()
         say(f"drafter {index}: {built.report.describe()}")
         self.replicas[index] = replica
         say(f"drafter {index} ready on {replica.device} (compile {self.config.compile}, "
@@ -252,13 +253,18 @@ class Coordinator(JobControl):
             self.poll()
             self.latch.check()
             faults.fire("prefetch", step)
-            stats = []
-            for replica in replicas:
-                batch = run.host_batch(step, replica.index)
-                faults.fire(f"target-{replica.index % targets}", step)
-                features = run.features(replica.index % targets, batch)
-                faults.fire(f"drafter-{replica.index}", step)
-                stats.append(replica.run_step(features, poison=faults.poisons(f"drafter-{replica.index}", step)))
+            stats: list = [None] * drafters
+            poisons = [False] * drafters
+            for micro in range(run.plan.accumulate):
+                for replica in replicas:
+                    batch = run.host_batch(step, replica.index, micro)
+                    if micro == 0:
+                        faults.fire(f"target-{replica.index % targets}", step)
+                    features = run.features(replica.index % targets, batch)
+                    if micro == 0:
+                        faults.fire(f"drafter-{replica.index}", step)
+                        poisons[replica.index] = faults.poisons(f"drafter-{replica.index}", step)
+                    stats[replica.index] = replica.run_step(features, poisons[replica.index], stats[replica.index])
             averaged = run.exchange.average([replica.post(s) for replica, s in zip(replicas, stats)])
             try:  # a non-finite step fails in the first, before any replica applied it
                 for replica, mean in zip(replicas, averaged):

@@ -15,10 +15,10 @@ calls for `compile: cudagraphs`):
   bench/RESULTS-h200.md): Inductor compiles the objective once for every shape bucket
   (default mode: fused kernels, no CUDA-graph trees, `fullgraph=True`; the dimensions
   that differ between buckets dynamic, or with `compile_shapes: static` one compile per
-  bucket), then the whole forward+backward -- gradient zeroing and accumulation
-  included -- is captured with `torch.cuda.graph` once per shape bucket, in the
-  drafter's own thread, under a process-wide lock, into a memory pool private to that
-  drafter. A graph holds the sizes it was captured with, so one dynamic compile still
+  bucket), then the whole forward+backward -- gradient accumulation included, the
+  zeroing left outside for optim.accumulate -- is captured with `torch.cuda.graph` once
+  per shape bucket, in the drafter's own thread, under a process-wide lock, into a
+  memory pool private to that drafter. A graph holds the sizes it was captured with, so one dynamic compile still
   gives one graph per bucket. None of the tree machinery runs, so none of its
   thread-safety holes apply.
 * ``upstream`` (torch >= 2.13, which has pytorch PR #184357, thread-aware trees):
@@ -157,7 +157,7 @@ def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs
         else:
             replay, timings = _capture_whole_step(objective, statics, shapes)
 
-    def train_step(inputs: DrafterInputs) -> StepStats:
+    def train_step(inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats:
         # Smallest padded size that holds the batch (statics is sorted largest first).
         bucket = next((b for b in reversed(statics) if b.shape.holds(inputs)), None)
         if bucket is None:
@@ -167,7 +167,7 @@ def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs
                 f"captured bucket ({', '.join(map(str, ordered))}); capturing during training would race "
                 "with the other drafters, so the buckets must cover the data (see bucket_shapes)")
         bucket.load(inputs)
-        return replay(bucket)
+        return replay(bucket, first, last)
 
     compiled_shapes = "static" if chosen == "upstream" else shapes
     return BuiltStep(train_step, BuildReport(chosen, compiled_shapes, tuple(timings)))
@@ -190,16 +190,17 @@ def _hand_out_gradients(params: list[torch.nn.Parameter], grads: list[torch.Tens
 
 def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shapes: CompileShapes):
     params = _trainable(objective)
-    # Gradients live outside any graph pool, allocated once: the graph zeroes them and
-    # backward accumulates into them in place, so every bucket's graph writes the same
-    # tensors and the code after the step (averaging, clipping, AdamW) can read them.
+    # Gradients live outside any graph pool, allocated once: backward accumulates into
+    # them in place, so every bucket's graph writes the same tensors and the code after
+    # the step (averaging, clipping, AdamW) can read them. They are zeroed outside the
+    # graph, before a step's first micro-batch: the micro-batches of optim.accumulate
+    # replay the same graphs and add up.
     grads = [torch.zeros_like(p) for p in params]
     compiled = compile_for_shapes(objective, [bucket.static for bucket in statics], shapes, fullgraph=True)
 
     def body(inputs: DrafterInputs):
         for param, grad in zip(params, grads):
-            param.grad = grad  # Python only; what the graph records is the in-place zero and add
-        torch._foreach_zero_(grads)
+            param.grad = grad  # Python only; what the graph records is the in-place add
         loss, correct, counted = compiled(inputs)
         loss.backward()
         return loss.detach(), correct, counted
@@ -231,10 +232,13 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shape
         timings.append(BucketTiming(bucket.shape, warmup_s, time.perf_counter() - started, compiled_graphs))
     torch.cuda.current_stream().synchronize()
 
-    def replay(bucket: _Bucket) -> StepStats:
+    def replay(bucket: _Bucket, first: bool, last: bool) -> StepStats:
         graph, (loss, correct, counted) = graphs[bucket.shape]
+        if first:
+            torch._foreach_zero_(grads)
         graph.replay()
-        _hand_out_gradients(params, grads)
+        if last:  # earlier micro-batches' sums stay in the graph's own gradients
+            _hand_out_gradients(params, grads)
         # The next replay (any bucket: they share the pool) overwrites the outputs; copy now.
         return StepStats(loss.clone(), correct.clone(), counted.clone())
 
@@ -247,11 +251,14 @@ def _warm_up_upstream(objective: DraftObjective, statics: list[_Bucket]):
 
     params = _trainable(objective)
 
-    def step(inputs: DrafterInputs) -> StepStats:
+    def step(inputs: DrafterInputs, first: bool = True) -> StepStats:
+        if first:
+            objective.drafter.zero_grad(set_to_none=True)
         loss, correct, counted = compiled(inputs)
         loss.backward()
         # Tree outputs (the gradients backward stole among them) are overwritten by the
-        # next replay: copy before handing out.
+        # next replay: copy before handing out (a later micro-batch's backward then adds
+        # its gradients to these copies).
         _hand_out_gradients(params, [p.grad for p in params])
         return StepStats(loss.detach().clone(), correct.clone(), counted.clone())
 
@@ -262,4 +269,4 @@ def _warm_up_upstream(objective: DraftObjective, statics: list[_Bucket]):
     objective.drafter.zero_grad(set_to_none=True)
     torch.cuda.current_stream().synchronize()
     timings = [BucketTiming(bucket.shape, seconds, 0.0, graphs) for bucket, (seconds, graphs) in zip(statics, warmed)]
-    return (lambda bucket: step(bucket.static)), timings
+    return (lambda bucket, first, last: step(bucket.static, first)), timings

@@ -321,9 +321,18 @@ class PlanEntry:
 
 
 class BatchPlan:
+    """Which micro-batch every (step, micro-batch, replica) trains on.
+
+    A step takes replicas x accumulate consecutive micro-batches of the epoch's packed
+    order: micro-batch m of replica g of step s is entry ((s-1)*accumulate + m)*replicas + g,
+    so every entry is used once, none skipped, and with accumulate 1 it is (s-1)*replicas + g.
+    An epoch's tail that cannot fill a whole step is dropped (as before, when a step was
+    `replicas` micro-batches)."""
+
     def __init__(self, samples: Sequence[Sample], data: DataConfig, replicas: int, epochs: int,
-                 max_steps: int | None, seed: int):
-        self.replicas = replicas
+                 max_steps: int | None, seed: int, accumulate: int = 1):
+        self.replicas, self.accumulate = replicas, accumulate
+        per_step = replicas * accumulate
         self.entries: list[PlanEntry] = []
         # A store's lengths plan the batches without reading a token.
         lengths = self.lengths = (samples.lengths.tolist() if isinstance(samples, StoredSamples)
@@ -331,17 +340,22 @@ class BatchPlan:
         for epoch in range(epochs):
             order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
             batches = _pack(order.tolist(), lengths, data)
-            usable = len(batches) - len(batches) % replicas  # every step feeds every replica
+            usable = len(batches) - len(batches) % per_step  # every step feeds every replica every micro-batch
             self.entries += [PlanEntry(epoch, i, batch) for i, batch in enumerate(batches[:usable])]
-        self.total_steps = len(self.entries) // replicas
+        self.total_steps = len(self.entries) // per_step
         if max_steps is not None:
             self.total_steps = min(self.total_steps, max_steps)
         if self.total_steps == 0:
-            raise ValueError(f"{len(samples)} samples make fewer micro-batches than the {replicas} "
-                             "drafters need for one step; add data or lower data.token_budget")
+            raise ValueError(f"{len(samples)} samples make fewer micro-batches than the {replicas} drafters x "
+                             f"{accumulate} accumulated need for one step; add data or lower data.token_budget")
 
-    def entry(self, step: int, replica: int) -> PlanEntry:
-        return self.entries[(step - 1) * self.replicas + replica]
+    def entry(self, step: int, replica: int, micro: int = 0) -> PlanEntry:
+        return self.entries[((step - 1) * self.accumulate + micro) * self.replicas + replica]
+
+    def step_entries(self, step: int) -> list[PlanEntry]:
+        """Every micro-batch of `step`, of every replica of the run."""
+        start = (step - 1) * self.accumulate * self.replicas
+        return self.entries[start:start + self.accumulate * self.replicas]
 
     def tokens(self, entry: PlanEntry) -> int:
         """The real (unpadded) tokens of a micro-batch, as its HostBatch counts them."""
@@ -349,7 +363,7 @@ class BatchPlan:
 
     def last_entry(self, step: int) -> PlanEntry:
         """The last micro-batch `step` uses: the data cursor a checkpoint of that step records."""
-        return self.entry(step, self.replicas - 1)
+        return self.entry(step, self.replicas - 1, self.accumulate - 1)
 
 
 def _pack(order: list[int], lengths: list[int], data: DataConfig) -> list[tuple[int, ...]]:
@@ -380,6 +394,7 @@ class HostBatch:
     weights: torch.Tensor  # (B, N, bs-1) float
     num_tokens: int  # real (unpadded) tokens
     num_samples: int
+    micro: int = 0  # which of the step's optim.accumulate micro-batches of its replica
 
     def pin(self) -> "HostBatch":
         fields = ("input_ids", "anchors", "anchor_valid", "labels", "weights")
@@ -387,7 +402,7 @@ class HostBatch:
 
 
 def collate(samples: Sequence[Sample], entry: PlanEntry, step: int, replica: int, data: DataConfig,
-            drafter: DrafterConfig, pad_id: int, seed: int) -> HostBatch:
+            drafter: DrafterConfig, pad_id: int, seed: int, micro: int = 0) -> HostBatch:
     chosen = [samples[i] for i in entry.samples]
     seq_len = padded_length(max(len(s.ids) for s in chosen), data.pad_multiple)
     input_ids = torch.full((len(chosen), seq_len), pad_id, dtype=torch.long)
@@ -410,4 +425,4 @@ def collate(samples: Sequence[Sample], entry: PlanEntry, step: int, replica: int
                                    position_weights(drafter.block_size, drafter.loss_gamma))
     return HostBatch(step=step, replica=replica, epoch=entry.epoch, input_ids=input_ids,
                      anchors=anchors, anchor_valid=anchor_valid, labels=labels, weights=weights,
-                     num_tokens=sum(len(s.ids) for s in chosen), num_samples=len(chosen))
+                     num_tokens=sum(len(s.ids) for s in chosen), num_samples=len(chosen), micro=micro)

@@ -101,11 +101,16 @@ def finite_cpu_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     where they would be resumed from or deployed (a non-finite step is never applied, but
     finite gradients can still overflow a weight)."""
     weights = cpu_weights(module)
-    bad = [name for name, tensor in weights.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
-    if bad:
-        raise NonFiniteWeights(f"{len(bad)} of {len(weights)} weight tensors hold NaN or infinite values "
-                               f"(first: {', '.join(bad[:8])}); not written")
+    refuse_non_finite([name for name, tensor in weights.items()
+                       if tensor.is_floating_point() and not tensor.isfinite().all()], len(weights))
     return weights
+
+
+def refuse_non_finite(bad: list[str], total: int) -> None:
+    """NonFiniteWeights naming the `bad` of `total` weight tensors, if any."""
+    if bad:
+        raise NonFiniteWeights(f"{len(bad)} of {total} weight tensors hold NaN or infinite values "
+                               f"(first: {', '.join(bad[:8])}); not written")
 
 
 # Shipped in every export, beside config.json: the model class its `auto_map` names.

@@ -6,10 +6,12 @@
     drafter-0: metrics, checkpoints, export, eval requests --eval_queue--> eval
                (schedule.OutputSchedule decides when)
 
-Step s of replica r is plan entry (s-1)*G + g, g = rank*R + r its index in the run (G
-replicas in all, R per process), and goes through target r % T, so each drafter receives
-its micro-batches in order. Rank 0 alone reports steps, evaluates, writes checkpoints
-and the export. All queues are bounded; every blocking call wakes on the stop event.
+Micro-batch m of step s of replica r is plan entry ((s-1)*A + m)*G + g, g = rank*R + r
+its index in the run (G replicas in all, R per process, A = optim.accumulate micro-batches
+a step), and goes through target r % T, so each drafter receives its micro-batches in
+order; the gradients are exchanged and applied once a step, after its A micro-batches.
+Rank 0 alone reports steps, evaluates, writes checkpoints and the export. All queues are
+bounded; every blocking call wakes on the stop event.
 """
 from __future__ import annotations
 
@@ -84,10 +86,10 @@ class Run:
     def layout(self) -> Layout:
         return self.exchange.layout
 
-    def host_batch(self, step: int, replica: int) -> HostBatch:
-        entry = self.plan.entry(step, self.layout.global_index(replica))
+    def host_batch(self, step: int, replica: int, micro: int = 0) -> HostBatch:
+        entry = self.plan.entry(step, self.layout.global_index(replica), micro)
         batch = collate(self.samples, entry, step, replica, self.config.data, self.config.drafter,
-                        self.pad_id, self.config.seed)
+                        self.pad_id, self.config.seed, micro)
         return batch.pin() if is_cuda(self.target_devices[0]) else batch
 
     def features(self, target: int, batch: HostBatch) -> FeatureBatch:
@@ -112,10 +114,11 @@ def prefetch_body(run: Run, channels: Channels):
         for step in range(run.start_step + 1, run.total_steps + 1):
             worker.step = step
             run.faults.fire(worker.name, step)
-            for replica in range(len(channels.drafter_queues)):
-                batch = run.host_batch(step, replica)
-                run.waits.add(worker.name, channels.target_queues[replica % targets].put(batch))
-                run.latch.progressed()
+            for micro in range(run.plan.accumulate):
+                for replica in range(len(channels.drafter_queues)):
+                    batch = run.host_batch(step, replica, micro)
+                    run.waits.add(worker.name, channels.target_queues[replica % targets].put(batch))
+                    run.latch.progressed()
         worker.phase = "shutdown"
         for target_queue in channels.target_queues:
             target_queue.put(None)  # end of data
@@ -133,7 +136,8 @@ def target_body(run: Run, channels: Channels, index: int):
                 if batch is None:
                     break
                 worker.step = batch.step
-                run.faults.fire(worker.name, batch.step)
+                if batch.micro == 0:
+                    run.faults.fire(worker.name, batch.step)
                 run.waits.add(worker.name, channels.drafter_queues[batch.replica].put(run.features(index, batch)))
                 run.latch.progressed()
             worker.phase = "shutdown"
@@ -164,11 +168,16 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
                     run.peers.wait_for_all(READY, run.config.runtime.ready_timeout_s)
             for step in range(run.start_step + 1, run.total_steps + 1):
                 worker.step = step
-                feature_batch, waited = channels.drafter_queues[replica.index].get()
-                run.waits.add(worker.name, waited)
-                assert feature_batch.host.step == step, (feature_batch.host.step, step)
-                run.faults.fire(worker.name, step)
-                stats = replica.run_step(feature_batch, poison=run.faults.poisons(worker.name, step))
+                stats = None
+                for micro in range(run.plan.accumulate):
+                    feature_batch, waited = channels.drafter_queues[replica.index].get()
+                    run.waits.add(worker.name, waited)
+                    assert (feature_batch.host.step, feature_batch.host.micro) == (step, micro), \
+                        (feature_batch.host.step, feature_batch.host.micro, step, micro)
+                    if micro == 0:
+                        run.faults.fire(worker.name, step)
+                        poison = run.faults.poisons(worker.name, step)  # every micro-batch of the step
+                    stats = replica.run_step(feature_batch, poison, stats)
                 started = time.perf_counter()
                 averaged = channels.rendezvous.exchange(replica.index, replica.post(stats), run.exchange.average)
                 run.waits.add(worker.name, time.perf_counter() - started)

@@ -6,7 +6,6 @@ replicas stay identical, in one process or in every process of a run.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import math
@@ -22,7 +21,8 @@ from .devices import Fence, is_cuda
 from .distributed import Layout
 from .gradients import Averaged, Posted, step_facts
 from .model import DFlashDrafter
-from .objective import DraftObjective, DrafterInputs, warmup_cosine
+from .objective import DraftObjective, DrafterInputs
+from .optimizer_step import OptimizerStep, optimizer_form
 
 
 @dataclasses.dataclass
@@ -104,48 +104,61 @@ class Replica:
         self.drafter.to(device).train()
         embed, head = frozen.on(device)
         self.objective = DraftObjective(self.drafter, embed, head, config.uses_flex)
-        optim = config.optim
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=optim.lr, betas=tuple(optim.betas),
-                                           weight_decay=optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_cosine(total_steps, optim.warmup_ratio))
-        self.grad_clip = optim.grad_clip
+        self.optimizer_step = OptimizerStep(list(self.drafter.parameters()), config.optim, total_steps,
+                                            optimizer_form(config.compile, device))
+        self.optimizer, self.scheduler = self.optimizer_step.optimizer, self.optimizer_step.scheduler
+        self.accumulate = config.optim.accumulate  # micro-batches per optimizer step
         self.train_step: TrainStep | None = None  # set by the compile policy during startup
         self.completed_step = 0
 
     def load_training_state(self, optimizer: dict[str, Any], scheduler: dict[str, Any], step: int) -> None:
-        # A copy per replica: Optimizer.load_state_dict keeps tensors that already have the
-        # parameter's device and dtype, so replicas on one device would share (and each
-        # update) the same AdamW moments, and drift apart from the first resumed step.
-        self.optimizer.load_state_dict(copy.deepcopy(optimizer))
-        self.scheduler.load_state_dict(scheduler)
+        self.optimizer_step.load_state_dict(optimizer, scheduler)  # a copy per replica
         self.completed_step = step
 
-    def run_step(self, batch: FeatureBatch, poison: bool = False) -> StepStats:
-        """Forward and backward. `poison` (the `nonfinite` fault) feeds NaN target features,
-        so the loss and the gradients come out NaN as from a forward that diverged."""
+    def prepare_optimizer(self) -> None:
+        """AdamW's state made, and under compile: cudagraphs its graph captured: in the
+        replica's thread at start-up, after its train step (and any checkpoint) is loaded."""
+        if self.optimizer_step.form != "graph":
+            self.optimizer_step.prepare()
+            return
+        from .cudagraphs import CAPTURE_LOCK
+
+        with CAPTURE_LOCK, torch.cuda.device(self.device):
+            self.optimizer_step.prepare()
+
+    def run_step(self, batch: FeatureBatch, poison: bool = False, summed: StepStats | None = None) -> StepStats:
+        """Forward and backward of micro-batch `batch.host.micro` of a step: the first
+        starts from zero gradients, the others add theirs. `summed`: the stats of the
+        step's earlier micro-batches; returned with this one's added. `poison` (the
+        `nonfinite` fault) feeds NaN target features, so the loss and the gradients come
+        out NaN as from a forward that diverged."""
         assert self.train_step is not None, "the train step is built during startup"
+        micro = batch.host.micro
         inputs = batch.to_inputs(self.device)
         if poison:
             inputs.features = torch.full_like(inputs.features, math.nan)
-        return self.train_step(inputs)
+        stats = self.train_step(inputs, first=micro == 0, last=micro == self.accumulate - 1)
+        return stats if summed is None else summed.plus(stats)
 
-    def post(self, stats: StepStats) -> Posted:
-        """This step's gradients and facts, for the gradient exchange."""
+    def post(self, summed: StepStats) -> Posted:
+        """This step's gradients and facts, for the gradient exchange: the mean over the
+        step's micro-batches of their gradients and losses (each micro-batch's loss is
+        already its own weighted mean), the accuracy counts summed."""
         grads = [p.grad for p in self.drafter.parameters()]
-        return Posted(grads, step_facts(stats, grads[0].dtype), Fence(self.device), self.device)
+        if self.accumulate > 1:
+            torch._foreach_div_(grads, self.accumulate)
+            summed = StepStats(summed.loss / self.accumulate, summed.correct, summed.counted)
+        return Posted(grads, step_facts(summed, grads[0].dtype), Fence(self.device), self.device)
 
     def apply(self, averaged: Averaged, step: int) -> AppliedStep:
         """Set the averaged gradients, check them and every replica's loss, clip, step.
 
         The norm and the facts of every replica (loss, accuracy counts) come to the host
-        in one read: the one host sync a step has always taken here. NonFiniteStep if the
+        in one read: the one host sync a step has always taken here (clipping and AdamW
+        after it take none: optimizer_step.py). NonFiniteStep if the
         norm or a loss is NaN or infinite, before the optimizer step, so the weights never
         take a non-finite update."""
         averaged.fence.wait(self.device, averaged.flat)
-        params = list(self.drafter.parameters())
-        for param, grad in zip(params, averaged.grads):
-            param.grad = grad
         norm = torch.nn.utils.get_total_norm(averaged.grads)
         grad_norm, *facts = torch.cat([norm.reshape(1), averaged.facts.reshape(-1).to(norm.dtype)]).tolist()
         width = averaged.facts.shape[1]  # 1 + 2 (bs - 1)
@@ -153,11 +166,7 @@ class Replica:
         losses = [row[0] for row in rows]
         if not all(math.isfinite(value) for value in (grad_norm, *losses)):
             raise self._non_finite(step, grad_norm, losses, averaged.grads)
-        torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer_step.apply(averaged.grads, norm)
         self.completed_step = step
         positions = (width - 1) // 2
         return AppliedStep(lr, grad_norm, losses, [sum(r[1 + k] for r in rows) for k in range(positions)],

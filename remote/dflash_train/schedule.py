@@ -128,20 +128,21 @@ class OutputSchedule:
             evaluate(EvalRequest(self.total_steps, cpu_weights(lead.drafter), final=True))
 
     def report_step(self, step: int, applied: AppliedStep) -> None:
-        """The step event, for every replica of the run (the sizes of the micro-batches of
-        other ranks come from the plan, which every rank has)."""
+        """The step event, for every replica of the run and every micro-batch of the step
+        (the sizes of the micro-batches of other ranks come from the plan, which every rank has)."""
         now = time.perf_counter()
         elapsed, self._last_report = max(now - self._last_report, 1e-9), now
         lr, grad_norm = applied.lr, applied.grad_norm
         loss = sum(applied.losses) / len(applied.losses)
         acc = [round(c / n, 4) if n else None for c, n in zip(applied.correct, applied.counted)]
-        entries = [self.plan.entry(step, g) for g in range(self.plan.replicas)]
+        entries = self.plan.step_entries(step)
         tokens, samples = sum(self.plan.tokens(e) for e in entries), sum(len(e.samples) for e in entries)
         self.losses.append(loss)
         self.events.emit("step", step=step, loss=round(loss, 6), acc=acc, tokens_per_s=round(tokens / elapsed, 2),
                          samples_per_s=round(samples / elapsed, 3), queue_depths={q.name: q.depth() for q in self.queues},
                          wait_s=self.run.waits.take(), lr=lr, grad_norm=round(grad_norm, 4), epoch=entries[0].epoch,
-                         total_steps=self.total_steps, peak_memory_bytes=self.peak_memory())
+                         total_steps=self.total_steps, peak_memory_bytes=self.peak_memory(),
+                         micro_batches=len(entries), samples=samples, tokens=tokens)
         if step % self.config.log_every == 0 or step == self.total_steps:
             say(f"step {step}/{self.total_steps} loss {loss:.4f} acc@1 {acc[0]} lr {lr:.2e} "
                 f"tokens/s {tokens / elapsed:.0f}")
@@ -167,10 +168,10 @@ class OutputSchedule:
         step = replica.completed_step  # >= 1: checkpoints follow steps
         entry = self.plan.last_entry(step)
         state = TrainingState(step=step, epoch=entry.epoch, batch_index=entry.index, replicas=self.plan.replicas,
-                              losses=list(self.losses), world_size=self.run.layout.world_size)
-        start = time.perf_counter()
-        snapshot = take_snapshot(state, replica.drafter, replica.optimizer, replica.scheduler)
-        self.checkpoints.submit(snapshot, held_s=time.perf_counter() - start)
+                              losses=list(self.losses), world_size=self.run.layout.world_size,
+                              accumulate=self.plan.accumulate)
+        self.checkpoints.save(lambda buffers: take_snapshot(state, replica.drafter, replica.optimizer,
+                                                            replica.scheduler, buffers))
         self.last_checkpoint = step
         self._last_checkpoint_at = time.monotonic()
 

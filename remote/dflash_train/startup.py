@@ -161,8 +161,9 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
     # Rank 0 alone evaluates (the replicas are identical).
     prompts = load_prompts(eval_path, tokenizer, config.eval.num_prompts) if eval_path and layout.rank == 0 else []
     plan = BatchPlan(samples, config.data, layout.global_replicas, config.optim.epochs, config.optim.max_steps,
-                     config.seed)
-    say(f"{len(samples)} samples, {len(plan.entries)} micro-batches, {plan.total_steps} steps; "
+                     config.seed, config.optim.accumulate)
+    say(f"{len(samples)} samples, {len(plan.entries)} micro-batches, {plan.total_steps} steps "
+        f"({layout.global_replicas} x {config.optim.accumulate} micro-batches each); "
         f"{len(prompts)} eval prompts; torch threads {torch.get_num_threads()}")
 
     # One target per distinct device, shared by that device's target threads (a tap's capture
@@ -181,7 +182,8 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
     resumed = resume_point(config, run_dir, peers, drafter_devices[0])
     if resumed is not None:
         _check_layout(resumed, layout)
-        if problem := mismatch(config, resumed.folder, resumed.state.step, resumed.state.replicas, layout.world_size):
+        if problem := mismatch(config, resumed.folder, resumed.state.step, resumed.state.replicas, layout.world_size,
+                               resumed.state.accumulate):
             raise ValueError(problem)
         if resumed.state.step > plan.total_steps:
             raise ValueError(f"{resumed.folder} is at step {resumed.state.step}, past this config's "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -29,8 +30,16 @@ class StepStats:
     correct: torch.Tensor  # (bs-1,) hits per block position
     counted: torch.Tensor  # (bs-1,) learnable tokens per block position
 
+    def plus(self, other: StepStats) -> StepStats:
+        """Two micro-batches' stats summed (the loss too: the replica averages it)."""
+        return StepStats(self.loss + other.loss, self.correct + other.correct, self.counted + other.counted)
 
-TrainStep = Callable[[DrafterInputs], StepStats]
+
+class TrainStep(Protocol):
+    """Forward and backward of one micro-batch: `first` starts the gradients from none,
+    `last` is the micro-batch after which the optimizer steps."""
+
+    def __call__(self, inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats: ...
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -101,8 +110,8 @@ class BuiltStep:
     step: TrainStep
     report: BuildReport
 
-    def __call__(self, inputs: DrafterInputs) -> StepStats:
-        return self.step(inputs)
+    def __call__(self, inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats:
+        return self.step(inputs, first, last)
 
 
 def graphs_compiled() -> int:
