@@ -3,14 +3,19 @@ and a second "host" (another workspace on this machine) seeded with the first on
 compile cache folder.
 
     PYTHONPATH=remote python3 bench/startup.py --work /tmp/startup [--threads 1,2,4] [--compile cudagraphs]
+        [--host2 folder|artifacts]
 
 Each run is the trainer itself (`python -m dflash_train`, as the agent starts it) on
 configs/train/tiny-gpu.yaml with its drafters on cuda:0 (`--device cpu` with
 `--compile default` checks the script on a CPU), `optim.max_steps` 3, no evaluation,
 no checkpoint. "cold": a fresh workspace (its cache/compile/<key>/ empty); "warm": the
 same workspace again; "host2": a fresh workspace whose cache/compile/ is a copy of the
-first one's. Printed per run: seconds from the process start to the first step event,
-and the compile-cache line the trainer logged. $WORK/startup.json holds the numbers.
+first one's (--host2 folder: the whole key folder, Inductor's and Triton's caches; --host2
+artifacts: only key.json and the portable artifacts, artifacts.bin + artifacts.json, what
+`dflash cache copy` and a multi-host launch send, which the trainer loads into its cold
+cache). Printed per run: seconds from the process start to the first step event, and the
+compile-cache line the trainer logged. $WORK/startup.json holds the numbers, with each
+run's start-up phases (label -> seconds, from its `startup` events).
 """
 from __future__ import annotations
 
@@ -54,7 +59,22 @@ def first_step_s(workspace: Path, run_dir: Path, config: Path, timeout_s: float)
     steps = [e["ts"] for e in events if e["type"] == "step"]
     cache_line = next((line.split("] ", 1)[1] for line in (run_dir / "train.log").read_text().splitlines()
                        if "compile cache:" in line), "")
-    return {"exit_code": code, "first_step_s": round(steps[0] - started, 1) if steps else None, "cache": cache_line}
+    phases = {e["label"]: e["duration_s"] for e in events if e["type"] == "startup" and e["state"] == "done"}
+    return {"exit_code": code, "first_step_s": round(steps[0] - started, 1) if steps else None, "cache": cache_line,
+            "phases": phases}
+
+
+def seed_host2(host1: Path, host2: Path, what: str) -> None:
+    """What deploying the first host's compile cache to a second one gives it."""
+    if what == "folder":
+        shutil.copytree(host1 / "cache" / "compile", host2 / "cache" / "compile")
+        return
+    for key_folder in (host1 / "cache" / "compile").iterdir():
+        into = host2 / "cache" / "compile" / key_folder.name
+        into.mkdir(parents=True)
+        for name in ("key.json", "artifacts.bin", "artifacts.json"):
+            if (key_folder / name).exists():
+                shutil.copy2(key_folder / name, into / name)
 
 
 def main() -> None:
@@ -64,6 +84,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--compile", default="cudagraphs", choices=["default", "cudagraphs"])
     parser.add_argument("--timeout-s", type=float, default=400)
+    parser.add_argument("--host2", default="folder", choices=["folder", "artifacts"],
+                        help="what the second host gets of the first one's compile cache")
     args = parser.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     results = []
@@ -73,8 +95,8 @@ def main() -> None:
         write_config(config, drafters, args.device, args.compile)
         host1, host2 = args.work / f"workspace-d{drafters}-host1", args.work / f"workspace-d{drafters}-host2"
         for label, workspace in (("cold", host1), ("warm", host1), ("host2", host2)):
-            if label == "host2":  # what deploying the first host's artifacts to a second one gives it
-                shutil.copytree(host1 / "cache" / "compile", host2 / "cache" / "compile")
+            if label == "host2":
+                seed_host2(host1, host2, args.host2)
             row = {"drafters": drafters, "cache": label,
                    **first_step_s(workspace, args.work / f"d{drafters}-{label}", config, args.timeout_s)}
             results.append(row)
