@@ -116,9 +116,12 @@ def load_artifacts(folder: Path, facts: dict[str, str]) -> tuple[str, str]:
         return _set_aside(path, CORRUPT, f"{len(data)} bytes of sha256 {hashlib.sha256(data).hexdigest()[:16]}, "
                                          f"its manifest says {manifest.get('size')} of {str(manifest.get('sha256'))[:16]}")
     try:
-        torch.compiler.load_cache_artifacts(data)
+        # None: torch could not unpickle them (it logs a warning and loads nothing)
+        info = torch.compiler.load_cache_artifacts(data)
     except Exception as exc:  # noqa: BLE001 - whatever torch makes of a bad blob, the run compiles instead
         return _set_aside(path, CORRUPT, f"torch could not load them ({type(exc).__name__}: {exc})")
+    if info is None:
+        return _set_aside(path, CORRUPT, "torch could not load them (not cache artifacts of this torch)")
     return LOADED, f"compile artifacts loaded ({len(data):,} bytes)"
 
 
