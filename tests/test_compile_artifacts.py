@@ -74,6 +74,7 @@ def test_start_up_phases_corrupt_fallback_and_artifacts_copied_to_another_host(p
     assert done[-1]["bytes"] == len(saved)
 
     # dflash cache copy: the bytes arrive whole, once
+    assert pair.dflash("deploy", "ct202").returncode == 0
     copied = pair.dflash("cache", "copy", "ct200", "ct202")
     assert copied.returncode == 0, copied.stderr
     assert f"compile artifacts for {key} copied ct200 → ct202 ({len(saved) / 1e6:.1f} MB)" in copied.stderr
