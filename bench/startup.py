@@ -3,7 +3,7 @@ and a second "host" (another workspace on this machine) seeded with the first on
 compile cache folder; and the train step's build alone at the Qwen3-8B drafter shape.
 
     PYTHONPATH=remote python3 bench/startup.py --work /tmp/startup [--threads 1,2,4] [--compile cudagraphs]
-        [--compile-shapes dynamic,static] [--steps 3]
+        [--compile-shapes dynamic,static] [--steps 3] [--host2 folder|artifacts]
     PYTHONPATH=remote python3 bench/startup.py --work /tmp/startup-8b --drafter-shape 8b \
         [--compile-shapes dynamic,static] [--pad-multiple 768]
 
@@ -12,7 +12,10 @@ configs/train/tiny-gpu.yaml with its drafters on cuda:0 (`--device cpu` with
 `--compile default` checks the script on a CPU), `optim.max_steps` 3, no evaluation,
 no checkpoint. "cold": a fresh workspace (its cache/compile/<key>/ empty); "warm": the
 same workspace again; "host2": a fresh workspace whose cache/compile/ is a copy of the
-first one's. Printed per run: seconds from the process start to the first step event,
+first one's (--host2 folder: the whole key folder, Inductor's and Triton's caches; --host2
+artifacts: only key.json and the portable artifacts, artifacts.bin + artifacts.json, what
+`dflash cache copy` and a multi-host launch send, which the trainer loads into its cold
+cache). Printed per run: seconds from the process start to the first step event,
 the steady ms per step (median interval between step events after the first 10, with
 --steps > 12), the compile-cache line and each drafter's `train step built` line (graphs
 compiled, warm-up and capture seconds per bucket). `--compile-shapes` runs the whole set
@@ -77,7 +80,21 @@ def first_step_s(workspace: Path, run_dir: Path, config: Path, timeout_s: float)
     intervals = [b - a for a, b in zip(steps[10:], steps[11:])]
     return {"exit_code": code, "first_step_s": round(steps[0] - started, 1) if steps else None,
             "steady_ms": round(1000 * statistics.median(intervals), 2) if len(intervals) >= 2 else None,
-            "cache": cache_line, "builds": [line for line in log if "train step built" in line]}
+            "cache": cache_line, "builds": [line for line in log if "train step built" in line],
+            "phases": {e["label"]: e["duration_s"] for e in events if e["type"] == "startup" and e["state"] == "done"}}
+
+
+def seed_host2(host1: Path, host2: Path, what: str) -> None:
+    """What deploying the first host's compile cache to a second one gives it."""
+    if what == "folder":
+        shutil.copytree(host1 / "cache" / "compile", host2 / "cache" / "compile")
+        return
+    for key_folder in (host1 / "cache" / "compile").iterdir():
+        into = host2 / "cache" / "compile" / key_folder.name
+        into.mkdir(parents=True)
+        for name in ("key.json", "artifacts.bin", "artifacts.json"):
+            if (key_folder / name).exists():
+                shutil.copy2(key_folder / name, into / name)
 
 
 def trainer_runs(args: argparse.Namespace) -> list[dict]:
@@ -90,8 +107,8 @@ def trainer_runs(args: argparse.Namespace) -> list[dict]:
             write_config(config, drafters, args.device, args.compile, shapes, args.steps)
             host1, host2 = args.work / f"workspace-{name}-host1", args.work / f"workspace-{name}-host2"
             for label, workspace in (("cold", host1), ("warm", host1), ("host2", host2)):
-                if label == "host2":  # what deploying the first host's artifacts to a second one gives it
-                    shutil.copytree(host1 / "cache" / "compile", host2 / "cache" / "compile")
+                if label == "host2":
+                    seed_host2(host1, host2, args.host2)
                 row = {"drafters": drafters, "compile_shapes": shapes, "cache": label,
                        **first_step_s(workspace, args.work / f"{name}-{label}", config, args.timeout_s)}
                 results.append(row)
@@ -99,6 +116,7 @@ def trainer_runs(args: argparse.Namespace) -> list[dict]:
                       f"steady {row['steady_ms']} ms/step  exit {row['exit_code']}  {row['cache']}", flush=True)
                 for line in row["builds"]:
                     print(f"    {line}", flush=True)
+                print("    phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in row["phases"].items()), flush=True)
     return results
 
 
@@ -186,6 +204,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=10, help="--drafter-shape: timed steps per bucket")
     parser.add_argument("--step-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=float, default=400)
+    parser.add_argument("--host2", default="folder", choices=["folder", "artifacts"],
+                        help="what the second host gets of the first one's compile cache")
     args = parser.parse_args()
     if args.step_child:
         step_child(args)

@@ -420,6 +420,27 @@ def gc_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, keep:
     sys.exit(_verb("gc").run(session, list(host_names), all_hosts, keep, as_json))
 
 
+@main.group("cache", cls=_Group)
+def cache_group() -> None:
+    """The hosts' compile caches (WORKSPACE/cache/compile/<key>/)."""
+
+
+@cache_group.command("copy")
+@click.argument("source", metavar="SOURCE")
+@click.argument("destinations", nargs=-1, metavar="DESTINATION...")
+@click.pass_obj
+def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...]) -> None:
+    """Copy SOURCE's compile artifacts to each DESTINATION, so its runs start warm.
+
+    Every key of SOURCE's compile cache that a DESTINATION has no artifacts of and can use
+    (a GPU of the key's model; for CPU code the same CPU model) is sent, sha256-checked on
+    the way and on arrival, and stored atomically; what is skipped is said with the reason.
+    A run saves the artifacts after its first compile; a run on several hosts copies them
+    between its hosts by itself before it starts.
+    """
+    sys.exit(_verb("cache").run(session, source, list(destinations)))
+
+
 @main.command("hosts")
 @click.option("--check", "do_check", is_flag=True,
               help="Connect to each host: reachable, container running, python/torch/transformers, GPUs, "

@@ -21,6 +21,7 @@ class RunProgress:
         self.acceptance: float | None = None
         self.answered: dict | None = None  # the latest progress event of a regenerate job
         self.gpus: list[dict] = []
+        self.starting: str | None = None  # the start-up phase under way (its `started` event), until a step
         self._first: tuple[float, int] | None = None  # (ts, step) of the first step event seen
 
     def update(self, events: list[dict]) -> None:
@@ -33,6 +34,8 @@ class RunProgress:
                 self.acceptance = event["acceptance_length"]
             elif event.get("type") == "progress":
                 self.answered = event
+            elif event.get("type") == "startup":
+                self.starting = event.get("label") or event.get("phase") if event.get("state") == "started" else None
 
     def eta_s(self) -> float | None:
         """Seconds left at the pace of the steps seen so far (host clock: event times)."""
@@ -52,7 +55,7 @@ class RunProgress:
             if answered.get("eta_s") is not None:
                 parts.append(f"ETA {clock(answered['eta_s'])}")
         elif step is None:
-            parts.append("no step yet")
+            parts.append(f"start-up: {self.starting} …" if self.starting else "no step yet")
         else:
             total = step.get("total_steps")
             parts.append(f"step {step['step']}/{total}" if total else f"step {step['step']}")

@@ -108,6 +108,22 @@ def test_summarize_events_reads_back_to_the_last_heartbeat(tmp_path):
     assert summarize_events(str(tmp_path / "missing")) == EventSummary()
 
 
+def test_summarize_events_names_the_start_up_phase_under_way(tmp_path):
+    path = tmp_path / "events.jsonl"
+    compiling = {"ts": 3.0, "type": "startup", "phase": "build train step", "state": "started",
+                 "label": "build train step drafter 0 (cold)", "drafter": 0}
+    events = [{"ts": 1.0, "type": "phase", "phase": "startup"},
+              {"ts": 2.0, "type": "startup", "phase": "load target", "state": "done", "label": "load target"},
+              compiling]
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert summarize_events(str(path)).startup == "build train step drafter 0 (cold)"
+    ended = {**compiling, "ts": 4.0, "state": "done", "duration_s": 1.0}
+    path.write_text("".join(json.dumps(e) + "\n" for e in events + [ended]))
+    assert summarize_events(str(path)).startup is None  # between phases: none under way
+    path.write_text("".join(json.dumps(e) + "\n" for e in [compiling, {"ts": 5.0, "type": "step", "step": 1}]))
+    assert summarize_events(str(path)).startup is None
+
+
 def test_summarize_events_stops_at_the_latest_attempts_marker(tmp_path):
     # Attempt 0 ran, failed and wrote `done`; attempt 1 has started but reported nothing yet.
     path = tmp_path / "events.jsonl"

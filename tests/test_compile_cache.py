@@ -1,6 +1,7 @@
 """The host's persistent compile cache: where it is and what keys it."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -23,3 +24,18 @@ def test_compile_cache_lives_under_the_workspace_keyed_by_gpu_and_toolchain(tmp_
     for name, other in (("gpu", "NVIDIA H200"), ("torch", "0.0.1"), ("triton", "0.0.1"), ("cuda", "0.1")):
         monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
         assert use_compile_cache(tmp_path / "run", {**facts, name: other}) != folder
+
+
+def test_artifacts_that_match_their_manifest_but_torch_cannot_read_are_moved_aside(tmp_path, monkeypatch):
+    from dflash_train.compile_cache import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, CORRUPT, load_artifacts
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    facts = compile_key_facts("cpu")
+    garbage = b"\x80\x04 not a pickle of cache artifacts"
+    (tmp_path / ARTIFACTS_FILE).write_bytes(garbage)
+    (tmp_path / ARTIFACTS_MANIFEST).write_text(json.dumps(
+        {"facts": facts, "size": len(garbage), "sha256": hashlib.sha256(garbage).hexdigest()}))
+    status, message = load_artifacts(tmp_path, facts)
+    assert status == CORRUPT and "torch could not load them" in message and "compiling as if cold" in message
+    assert not (tmp_path / ARTIFACTS_FILE).exists()
+    assert (tmp_path / f"{ARTIFACTS_FILE}.corrupt").read_bytes() == garbage

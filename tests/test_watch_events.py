@@ -225,3 +225,17 @@ def test_status_line_of_a_regenerate_job_counts_prompts():
     assert progress.render().plain == "no step yet"
     progress.update([{"type": "progress", "answered": 48, "total": 512, "eta_s": 133.2}])
     assert progress.render().plain == "answered 48/512 prompts  ETA 00:02:13"
+
+
+def test_status_line_of_a_starting_run_names_its_start_up_phase():
+    from dflash_cli.status_line import RunProgress
+
+    progress = RunProgress(lambda gpus: "")
+    progress.update([{"type": "startup", "phase": "load target", "state": "started", "label": "load target"}])
+    assert progress.render().plain == "start-up: load target …"
+    progress.update([{"type": "startup", "phase": "load target", "state": "done", "label": "load target"},
+                     {"type": "startup", "phase": "build train step", "state": "started", "drafter": 1,
+                      "cache": "warm", "label": "build train step drafter 1 (warm)"}])
+    assert progress.render().plain == "start-up: build train step drafter 1 (warm) …"
+    progress.update([{"type": "startup", "phase": "build train step", "state": "done", "label": "x"}])
+    assert progress.render().plain == "no step yet"

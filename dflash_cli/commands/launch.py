@@ -14,6 +14,7 @@ from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.layout import MAX_RUN_ID
 
 from .. import console
+from ..compile_artifacts import seed_hosts
 from ..errors import DflashError, ExitCode
 from ..inventory import Host, is_address
 from ..local_state import RunRef, set_latest
@@ -210,6 +211,7 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
 
     checks = session.on_each_host(hosts, lambda host: launch_on(host, master_port or 0, "--check-only"))
     refuse(hosts, checks, "nothing was started on any host")
+    seed_hosts(session, names)  # hosts lacking another's compile artifacts get them: they start warm
     # The first host's agent picked a port free there, in the round trip of its check.
     port = master_port or checks[first.name]["master_port"]
     started = start_together(session, hosts, run_id, lambda host: launch_on(host, port))

@@ -23,13 +23,20 @@ def runs_table(title: str, runs: list[dict], changes: dict[str, dict] | None = N
         table.add_column(column)
     for r in runs:
         cells = [r[first if first == "host" else "run_id"], r.get("state") or multihost.UNKNOWN,
-                 "" if r.get("step") is None else str(r["step"]),
+                 step_cell(r),
                  str(r.get("errors", 0)), console.utc_time(r.get("started_at")),
                  console.utc_time(r.get("ended_at")), r.get("release_id") or r.get("error", "")]
         if changes is not None:
             cells += [source_commit(r.get("source")), changes.get(r["run_id"], {}).get("text", "")]
         table.add_row(*map(Text, cells))  # plain text: run names may hold [brackets]
     return table
+
+
+def step_cell(status: dict) -> str:
+    """The step, or before the first one the start-up phase under way."""
+    if status.get("step") is not None:
+        return str(status["step"])
+    return f"start-up: {status['startup']}" if status.get("startup") else ""
 
 
 def overrides_line(status: dict) -> str | None:

@@ -5,7 +5,7 @@ The CLI runs it as one argv (quoted once by the transport):
 
     <python> <workspace>/current/remote/agent.py --workspace <workspace> VERB [options]
 
-Every verb but `follow` and `send-file` prints exactly one JSON object on stdout and exits 0; on a
+Every verb but `follow`, `send-file` and `send-compile-artifacts` prints exactly one JSON object on stdout and exits 0; on a
 problem it prints {"error": "<message>", "kind": "<usage|not_found|conflict|host|internal>"}
 and exits 2 (usage/conflict/not_found/host) or 1 (internal); an error may carry more keys
 (a lock conflict adds "resource" and "holders": the ids of the runs using it). Kind "host": the
@@ -104,6 +104,8 @@ status   [--run-id ID [--config]]    {"runs": [RunStatus...]} (all runs if no id
                       "last_heartbeat": ts or null, "release_id", "source": run.json's
                       source or null, "overrides": run.json's overrides or [],
                       "step": last step or null (of the latest attempt),
+                      "startup": the start-up phase under way before the first step
+                      (the newest `startup` event's label while it is "started"), or null,
                       "attempt", "attempts": how many, "resume_step": the checkpoint step
                       the latest attempt started from or null, "checkpoint_step": the
                       newest complete checkpoint's step or null}
@@ -210,6 +212,25 @@ send-file --run-id ID --folder F --path P --identity I [--offset N=0]
          The bytes are read through the descriptor opened for the check, so a folder
          replaced while they flow does not mix two versions.
 
+compile-artifacts
+         The portable compile artifacts of the workspace's compile cache
+         (cache/compile/<key>/artifacts.bin + artifacts.json, DESIGN.md "Remote layout"):
+         {"gpus": [the host's GPU names, as `gpus` gives them], "cpu": /proc/cpuinfo's model
+         name or null, "artifacts": [{"key", "facts": {gpu,
+         torch, triton, cuda, python}, "size", "sha256", "torch", "saved_at"}]}, sorted by
+         key; a key folder whose manifest is unreadable or names another size than its
+         artifacts.bin is left out. sha256 is the manifest's (receivers check the bytes).
+send-compile-artifacts --key K --sha256 S
+         Key K's artifacts.bin, raw on stdout, nothing else. Refused before any byte, the
+         error object as the one line on stderr: kind "not_found" when K has no listed
+         artifacts, "conflict" when their manifest names other bytes than S (list again).
+receive-compile-artifacts --key K --manifest-json JSON
+         Stores the bytes on stdin as key K's artifacts, all or nothing: written to a temp
+         file in the key folder, fsynced, checked against the manifest's size and sha256,
+         renamed to artifacts.bin, then the manifest (JSON, as listed) written atomically.
+         Kind "usage" when the manifest's facts do not make K (compile_artifacts.compile_key,
+         the trainer's rule) or the bytes do not match it; "conflict" when K's key.json
+         holds other facts. -> {"key", "size", "sha256", "received": true}
 release-files --release-id ID [--path P]...
          {"release_id", "manifest": releases/ID/MANIFEST's text, "files": {P: base64 of
          its bytes}, "too_large": [P over 8 MiB, not sent]}. Only paths MANIFEST lists

@@ -169,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offset", type=_non_negative_int, default=0)
     p.add_argument("--identity", required=True, help="as `artifacts` listed it")
 
+    verbs.add_parser("compile-artifacts", help="the portable compile artifacts of the workspace's compile cache")
+    p = verbs.add_parser("send-compile-artifacts", help="one key's compile artifacts' raw bytes, on stdout")
+    p.add_argument("--key", required=True)
+    p.add_argument("--sha256", required=True, help="as `compile-artifacts` listed it")
+    p = verbs.add_parser("receive-compile-artifacts", help="store compile artifacts sent on stdin")
+    p.add_argument("--key", required=True)
+    p.add_argument("--manifest-json", type=_json_object, required=True, help="the manifest the sender listed")
+
     p = verbs.add_parser("release-files", help="a release's MANIFEST and the named files' bytes")
     p.add_argument("--release-id", required=True)
     p.add_argument("--path", action="append", default=[], help="a file MANIFEST lists (repeatable)")
@@ -269,6 +277,17 @@ def _gc(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     return gc(ws, args.keep)
 
 
+def _compile_artifacts(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .compile_artifacts import list_artifacts
+    from .gpus import gpus
+    return dict(list_artifacts(ws.root), gpus=[gpu["name"] for gpu in gpus()["gpus"]])
+
+
+def _receive_compile_artifacts(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+    from .compile_artifacts import receive_artifacts
+    return receive_artifacts(ws.root, args.key, args.manifest_json)
+
+
 def _gpus(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     from .gpus import gpus
     return gpus()
@@ -284,6 +303,7 @@ VERBS: Dict[str, Callable[[Workspace, argparse.Namespace], Dict[str, Any]]] = {
     "launch": _launch, "resume": _resume, "status": _status, "stop": _stop, "stacks": _stacks,
     "report": _report, "gpus": _gpus, "info": _info, "artifacts": _artifacts,
     "release-files": _release_files, "run-config": _run_config, "gc": _gc,
+    "compile-artifacts": _compile_artifacts, "receive-compile-artifacts": _receive_compile_artifacts,
 }
 
 
@@ -303,8 +323,12 @@ def _send_file(ws: Workspace, args: argparse.Namespace) -> int:
     """stdout carries the file's bytes: a refusal goes to stderr, as the one JSON line
     there, and nothing is written to stdout before it."""
     from .artifacts import send_file
+    from .compile_artifacts import send_artifacts
     try:
-        send_file(ws.existing_run(args.run_id), args.folder, args.path, args.offset, args.identity)
+        if args.verb == "send-file":
+            send_file(ws.existing_run(args.run_id), args.folder, args.path, args.offset, args.identity)
+        else:
+            send_artifacts(ws.root, args.key, args.sha256)
     except AgentError as exc:
         sys.stderr.write(json.dumps(exc.as_json()) + "\n")
         return exc.exit_code
@@ -324,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ws = Workspace.at(args.workspace)
         if args.verb == "follow":
             return _follow(ws, args)
-        if args.verb == "send-file":
+        if args.verb in ("send-file", "send-compile-artifacts"):
             return _send_file(ws, args)
         emit(VERBS[args.verb](ws, args))
         return 0

@@ -47,6 +47,9 @@ class EventSummary:
     # {"type": "done", "exit_code": n, "ts": ...}. It tells how a run ended whose
     # supervisor died before it could write exit.json.
     done: Optional[Dict[str, Any]] = None
+    # The start-up phase under way (its `startup` event's label, state "started"), when the
+    # newest start-up event says one is; None once it ended or a step happened.
+    startup: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,7 @@ def summarize_events(path: str) -> EventSummary:
     """Read events.jsonl backwards until the newest heartbeat/step event, or the marker
     of the latest attempt (attempts.py): what earlier attempts wrote is not this one's."""
     last_event_ts = last_phase = last_phase_ts = done = None
+    startup = None  # type: Optional[Dict[str, Any]]
     for line in lines_backwards(path):
         event = parse_json_line(line)
         if not isinstance(event, dict):
@@ -111,9 +115,12 @@ def summarize_events(path: str) -> EventSummary:
             last_phase, last_phase_ts = event.get("phase"), ts
         if kind == "done" and done is None:
             done = event
+        if kind == "startup" and startup is None:
+            startup = event
         if kind in PROGRESS_TYPES:
             return EventSummary(last_event_ts, last_phase, last_phase_ts, ts, event.get("step"), done)
-    return EventSummary(last_event_ts, last_phase, last_phase_ts, done=done)
+    under_way = startup.get("label") if startup is not None and startup.get("state") == "started" else None
+    return EventSummary(last_event_ts, last_phase, last_phase_ts, done=done, startup=under_way)
 
 
 def error_records(path: str) -> List[Dict[str, Any]]:
@@ -198,6 +205,7 @@ def run_status(run: RunDir, with_config: bool = False) -> Dict[str, Any]:
         "source": record.get("source"),
         "overrides": record.get("overrides") or [],
         "step": obs.events.step,
+        "startup": obs.events.startup,
         "attempt": int(record.get("attempt") or 0),
         "attempts": len(record.get("attempts") or ()) or 1,
         "resume_step": _resume_step(record),

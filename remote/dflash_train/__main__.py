@@ -13,9 +13,13 @@ import importlib
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 from .runlog import ErrorLog, EventLog, ThreadNames, install_line_writers, say
+from .startup_phases import process_age_s, record, record_to
+
+_LOADED = time.monotonic()  # when /proc cannot tell the process's start
 
 # config.job -> (module, class) of the job's coordinator: built with (config, run_dir, events,
 # latch, fault_log), `run()` returns the exit code, `on_signal` and `alive` as Coordinator's.
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # \r-redrawn bars are not log lines
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     events = EventLog(run_dir / "events.jsonl")
+    record_to(events)
     errors = ErrorLog(run_dir / "errors.jsonl")
     thread_names = ThreadNames(run_dir / "threads.json")
     thread_names.add(threading.main_thread())
@@ -64,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
         from .coordinator import install_signal_handlers
         module, name = JOBS[config.job]
         job_class = getattr(importlib.import_module(module, __package__), name)
+        # From the process's start: the interpreter's own start and torch's and transformers' imports.
+        age = process_age_s()
+        record("import", age if age is not None else time.monotonic() - _LOADED,
+               since="process start" if age is not None else "trainer start")
     except BaseException as exc:  # noqa: BLE001 - a bad config or a broken install is this run's failure too
         latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase="startup", step=None)
         finish(events, writers, fault_log, 1, [])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .compile_cache import compile_key_facts, use_compile_cache
+from .compile_cache import CompileCache, compile_key_facts, is_warm, open_compile_cache, save_after_first_compile
 from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
 from .config import TrainConfig
 from .devices import is_cuda
@@ -30,6 +30,7 @@ from .replica import NonFiniteStep, Replica, ReplicasDiverged, verify_replicas_i
 from .runlog import EventLog, dump_header, say
 from .schedule import EvalRequest, OutputSchedule
 from .startup import Prepared, prepare
+from .startup_phases import phase
 from .threads import JobControl, Rendezvous, StopLatch, StopRequested, StoppableQueue, JobThread
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -52,6 +53,7 @@ class Coordinator(JobControl):
         self.prepared: Prepared | None = None
         self.schedule: OutputSchedule | None = None  # made before the first drafter starts
         self.compile_plan: CompilePlan | None = None  # set before the first drafter starts
+        self.compile_cache: CompileCache | None = None  # with it, unless compile: off
         self.peers: Peers | None = None  # the other processes of a multi-process run
         self.checksums: list[str] | None = None  # of this process's replicas, once they are done
 
@@ -127,10 +129,15 @@ class Coordinator(JobControl):
         run = self.prepared.run
         example = example_inputs(replica.objective, self.config.data.pad_multiple,
                                  replica.drafter.fc.in_features, replica.device)
-        built = build_train_step(self.compile_plan, replica.objective, example)
-        replica.train_step = built
-        replica.prepare_optimizer()
+        cache = self.compile_cache
+        with phase("build train step", drafter=index, compile=self.config.compile,
+                   cache=None if cache is None else "warm" if cache.warm or is_warm(cache.folder) else "cold"):
+            built = build_train_step(self.compile_plan, replica.objective, example)
+            replica.train_step = built
+            replica.prepare_optimizer()  # under cudagraphs, captures the optimizer step too
         say(f"drafter {index}: {built.report.describe()}")
+        if index == 0 and cache is not None:  # the first compile is done: what it made can serve the next run
+            save_after_first_compile(cache)
         self.replicas[index] = replica
         say(f"drafter {index} ready on {replica.device} (compile {self.config.compile}, "
             f"{sum(p.numel() for p in replica.drafter.parameters()):,} parameters, from step {run.start_step})")
@@ -173,7 +180,8 @@ class Coordinator(JobControl):
         thread, before any drafter starts (compiler settings are process-wide)."""
         self.compile_plan = plan = plan_compile(self.config)
         if plan.mode != "off" and self.prepared is not None:
-            use_compile_cache(self.run_dir, compile_key_facts(self.prepared.run.drafter_devices[0]))
+            self.compile_cache = open_compile_cache(self.run_dir,
+                                                    compile_key_facts(self.prepared.run.drafter_devices[0]))
         configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter)
         if plan.buckets:
             say(f"compile: cudagraphs captures {len(plan.buckets)} shape bucket(s) per drafter: "

@@ -26,6 +26,7 @@ from .replica import FrozenTargetWeights, Replica
 from .resume_check import mismatch
 from .runlog import EventLog, say
 from .schedule import Evaluator, OutputSchedule
+from .startup_phases import phase
 from .target import FeatureTap, load_target
 from .threads import StopLatch, StoppableQueue
 from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
@@ -142,17 +143,10 @@ def resume_point(config: TrainConfig, run_dir: Path, peers: Peers | None, device
     return resumed
 
 
-def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch,
-            peers: Peers | None = None) -> Prepared:
+def _build_data(config: TrainConfig, run_dir: Path, events: EventLog, layout: Layout, target_source: str,
+                train_path: Path | None, eval_path: Path | None):
+    """(tokenizer, samples, eval prompts, batch plan)."""
     from transformers import AutoTokenizer
-
-    layout = peers.layout if peers is not None else Layout(local_replicas=len(config.devices.drafters))
-    faults = FaultInjector(config.faults, layout.rank)
-    faults.fire("coordinator")
-    target_source, train_path, eval_path = sources(config, run_dir)  # building tiny assets uses every core
-    torch.set_num_threads(torch_threads(config))
-    target_devices = [canonical(d) for d in config.devices.target]
-    drafter_devices = [canonical(d) for d in config.devices.drafters]
 
     tokenizer = AutoTokenizer.from_pretrained(target_source)
     samples = load_samples(train_path, tokenizer, config.data.max_length, cache_root(run_dir) / "tokenized",
@@ -162,6 +156,24 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
     prompts = load_prompts(eval_path, tokenizer, config.eval.num_prompts) if eval_path and layout.rank == 0 else []
     plan = BatchPlan(samples, config.data, layout.global_replicas, config.optim.epochs, config.optim.max_steps,
                      config.seed, config.optim.accumulate)
+    return tokenizer, samples, prompts, plan
+
+
+def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch,
+            peers: Peers | None = None) -> Prepared:
+    layout = peers.layout if peers is not None else Layout(local_replicas=len(config.devices.drafters))
+    faults = FaultInjector(config.faults, layout.rank)
+    faults.fire("coordinator")
+    with phase("find sources", tiny=config.target.tiny is not None):
+        target_source, train_path, eval_path = sources(config, run_dir)  # building tiny assets uses every core
+    torch.set_num_threads(torch_threads(config))
+    target_devices = [canonical(d) for d in config.devices.target]
+    drafter_devices = [canonical(d) for d in config.devices.drafters]
+
+    with phase("build data") as data_detail:
+        tokenizer, samples, prompts, plan = _build_data(config, run_dir, events, layout, target_source, train_path,
+                                                        eval_path)
+        data_detail.update(samples=len(samples), steps=plan.total_steps)
     say(f"{len(samples)} samples, {len(plan.entries)} micro-batches, {plan.total_steps} steps "
         f"({layout.global_replicas} x {config.optim.accumulate} micro-batches each); "
         f"{len(prompts)} eval prompts; torch threads {torch.get_num_threads()}")
@@ -169,8 +181,9 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
     # One target per distinct device, shared by that device's target threads (a tap's capture
     # is thread-local). Each is loaded where it lives: a copy of another would first double
     # the memory on that one's GPU.
-    targets = {device: load_target(target_source, config.target.dtype, device)
-               for device in dict.fromkeys(target_devices)}
+    with phase("load target", devices=list(dict.fromkeys(target_devices))):
+        targets = {device: load_target(target_source, config.target.dtype, device)
+                   for device in dict.fromkeys(target_devices)}
     target_config = targets[target_devices[0]].config
     mask_id = _mask_token_id(tokenizer, config.drafter.mask_token, target_config.vocab_size)
     layer_ids = config.drafter.target_layer_ids or default_target_layer_ids(

@@ -1,0 +1,40 @@
+"""dflash cache copy: a host's compile artifacts to other hosts, so they start warm."""
+from __future__ import annotations
+
+from .. import console
+from ..compile_artifacts import copy_offer, host_cache, missing
+from ..errors import DflashError, ExitCode
+from ..session import Session
+
+
+def run(session: Session, source_name: str, destination_names: list[str]) -> ExitCode:
+    """Copy SOURCE's compile artifacts (every key of its workspace's compile cache) to each
+    DESTINATION that has none of that key and has its GPU model (for CPU code: the same CPU
+    model); the bytes are checked against their sha256 on the way and on arrival. A key a
+    destination cannot use, or has already, is said and skipped. Exit 3 when a host cannot
+    be reached, 2 when SOURCE offers nothing."""
+    if not destination_names:
+        raise DflashError("name at least one host to copy to", ExitCode.USAGE)
+    if source_name in destination_names:
+        raise DflashError(f"{source_name} is both the source and a destination", ExitCode.USAGE)
+    hosts = [session.host(name) for name in (source_name, *destination_names)]
+    listed = session.on_each_host(hosts, lambda host: host_cache(session, host.name))
+    failures = [outcome for outcome in listed.values() if isinstance(outcome, DflashError)]
+    if failures:
+        raise failures[0]
+    source = listed[source_name]
+    if not source.offers:
+        raise DflashError(f"{source_name} has no compile artifacts (a run saves them after its first compile)",
+                          ExitCode.USAGE)
+    for name in destination_names:
+        destination = listed[name]
+        wanted = missing(source, destination)
+        for key, offer in source.offers.items():
+            if offer not in wanted:
+                reason = ("has them already" if key in destination.offers else
+                          f"has no {offer.facts.get('gpu')}" if offer.facts.get("gpu") != "cpu" else
+                          "has another CPU model")
+                console.say(f"compile artifacts for {key} not copied to {name}: it {reason}")
+        for offer in wanted:
+            copy_offer(session, source, name, offer)
+    return ExitCode.OK
