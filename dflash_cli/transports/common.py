@@ -1,5 +1,5 @@
 """Pieces shared by the transports: argv checks, stdin chunking, line splitting,
-worker threads that forward their exceptions, and the error for a failed stream."""
+threads whose result or exception the caller collects, and the error for a failed stream."""
 from __future__ import annotations
 
 import os
@@ -96,7 +96,7 @@ class LineSplitter:
         return rest
 
 
-class Worker(threading.Thread, Generic[T]):
+class ResultThread(threading.Thread, Generic[T]):
     """A daemon thread running `target`; `result()` joins and re-raises its exception,
     so a failure in a pump thread surfaces in the caller instead of dying silently."""
 

@@ -15,7 +15,7 @@ from typing import BinaryIO, Iterator, Sequence
 from ..errors import UnreachableError
 from ..inventory import Host
 from .base import Completed, Transport
-from .common import CHUNK, CommandFailed, Deadline, Tally, Worker, feed_stdin, normalize_argv
+from .common import CHUNK, CommandFailed, Deadline, Tally, ResultThread, feed_stdin, normalize_argv
 
 #: exit codes a shell reports for a program it cannot start
 _NOT_FOUND, _NOT_EXECUTABLE = 127, 126
@@ -60,8 +60,8 @@ class LocalTransport(Tally, Transport):
         if isinstance(proc, Completed):
             return proc
         assert proc.stdin and proc.stdout and proc.stderr
-        feeder = Worker(f"{self.describe}-stdin", lambda: self._feed(proc, stdin, args))
-        errors = Worker(f"{self.describe}-stderr", proc.stderr.read)
+        feeder = ResultThread(f"{self.describe}-stdin", lambda: self._feed(proc, stdin, args))
+        errors = ResultThread(f"{self.describe}-stderr", proc.stderr.read)
         feeder.start()
         errors.start()
         deadline = Deadline(timeout, lambda: _kill_group(proc, signal.SIGKILL))
@@ -97,7 +97,7 @@ class LocalTransport(Tally, Transport):
         if isinstance(proc, Completed):
             raise CommandFailed(self.describe, args, proc.exit_code, proc.stderr)
         assert proc.stdout and proc.stderr
-        errors = Worker(f"{self.describe}-stderr", proc.stderr.read)
+        errors = ResultThread(f"{self.describe}-stderr", proc.stderr.read)
         errors.start()
         try:
             # os.read returns whatever is available: it is yielded as soon as it arrives

@@ -28,7 +28,7 @@ from paramiko.ssh_exception import NoValidConnectionsError
 from ..errors import ConnectionLost, UnreachableError
 from ..inventory import Host
 from .base import Completed, Transport
-from .common import (CHUNK, CommandFailed, Deadline, Tally, Worker, feed_stdin, normalize_argv,
+from .common import (CHUNK, CommandFailed, Deadline, Tally, ResultThread, feed_stdin, normalize_argv,
                      read_to_end)
 from .known_hosts import HostKeyRefused, KnownHosts, fingerprint
 from .ssh_options import SshOptions, resolve
@@ -340,8 +340,8 @@ class SshTransport(Tally, Transport):
             deadline = Deadline(timeout, chan.close)
             # stdin, stdout and stderr move at once: a command that answers while it
             # reads would otherwise fill the channel window and hang (paramiko #448)
-            feeder = Worker(f"{self._name()}-stdin", lambda: self._feed(chan, stdin, args))
-            errors = Worker(f"{self._name()}-stderr", lambda: read_to_end(chan.recv_stderr))
+            feeder = ResultThread(f"{self._name()}-stdin", lambda: self._feed(chan, stdin, args))
+            errors = ResultThread(f"{self._name()}-stderr", lambda: read_to_end(chan.recv_stderr))
             feeder.start()
             errors.start()
             try:
@@ -364,7 +364,7 @@ class SshTransport(Tally, Transport):
         chan = self._exec(args)
         try:
             self._close_stdin(chan)
-            errors = Worker(f"{self._name()}-stderr", lambda: read_to_end(chan.recv_stderr))
+            errors = ResultThread(f"{self._name()}-stderr", lambda: read_to_end(chan.recv_stderr))
             errors.start()
             while data := chan.recv(CHUNK):
                 self.tally(received=len(data))
