@@ -314,26 +314,26 @@ def test_ssh_config_alias_supplies_address_user_port_and_key(make_inventory, con
 
 
 def test_every_proxyjump_hop_has_its_host_key_checked(make_inventory, connect, ssh_node, tmp_path, monkeypatch):
+    # each hop reads the known_hosts file its own block of the config names
     home = tmp_path / "home"
-    hop = f"    HostName {ssh_node.address}\n    User root\n    IdentityFile {ssh_node.identity_file}\n"
-    _ssh_config(home, f"Host dflash-jump\n{hop}    Port {ssh_node.port}\n"
-                      f"Host dflash-behind\n{hop}    Port {ssh_node.alt_port}\n    ProxyJump dflash-jump\n")
-    monkeypatch.setenv("DFLASH_SSH_CONFIG", str(home / ".ssh" / "config"))
-    key = ssh_node.host_key_line
-    behind_only = tmp_path / "behind_only"
-    behind_only.write_text(f"[{ssh_node.address}]:{ssh_node.alt_port} {key}\n")
-    hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-behind", "identity_file": None,
-                                                          "known_hosts": str(behind_only)}))
-    with pytest.raises(UnreachableError, match="unknown") as refused:
-        connect("node", hosts).run(["true"])
-    assert f"[{ssh_node.address}]:{ssh_node.port}" in refused.value.message  # the jump host's key
-
-    both = tmp_path / "both"
-    both.write_text(behind_only.read_text() + f"{ssh_node.known_hosts_name} {key}\n")
-    hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-behind", "identity_file": None,
-                                                          "known_hosts": str(both)}))
-    done = connect("node", hosts).run(["printenv", "SSH_CONNECTION"])
-    assert done.stdout.split()[3] == str(ssh_node.alt_port).encode()  # reached through the jump
+    behind_only, both = tmp_path / "behind_only", tmp_path / "both"
+    behind_only.write_text(f"[{ssh_node.address}]:{ssh_node.alt_port} {ssh_node.host_key_line}\n")
+    both.write_text(behind_only.read_text() + f"{ssh_node.known_hosts_name} {ssh_node.host_key_line}\n")
+    for jump_known, reached in ((behind_only, False), (both, True)):
+        hop = f"    HostName {ssh_node.address}\n    User root\n    IdentityFile {ssh_node.identity_file}\n"
+        _ssh_config(home, f"Host dflash-jump\n{hop}    Port {ssh_node.port}\n    UserKnownHostsFile {jump_known}\n"
+                          f"Host dflash-behind\n{hop}    Port {ssh_node.alt_port}\n    ProxyJump dflash-jump\n"
+                          f"    UserKnownHostsFile {behind_only}\n")
+        monkeypatch.setenv("DFLASH_SSH_CONFIG", str(home / ".ssh" / "config"))
+        hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-behind", "identity_file": None,
+                                                              "known_hosts": None}))
+        if not reached:
+            with pytest.raises(UnreachableError, match="unknown") as refused:
+                connect("node", hosts).run(["true"])
+            assert "dflash-jump" in refused.value.message  # the hop whose key is not on record
+            continue
+        done = connect("node", hosts).run(["printenv", "SSH_CONNECTION"])
+        assert done.stdout.split()[3] == str(ssh_node.alt_port).encode()  # reached through the jump
 
 
 # -- unreachable hosts ---------------------------------------------------------------------

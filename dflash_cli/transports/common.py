@@ -10,6 +10,14 @@ from ..errors import DflashError, ExitCode
 
 #: bytes per read or write; large enough for throughput, small enough to stay prompt
 CHUNK = 64 * 1024
+#: seconds between keepalive packets, and how many may go unanswered before the
+#: connection counts as lost (OpenSSH's ServerAliveInterval/CountMax, where the
+#: user's config sets none)
+KEEPALIVE_S = 5
+KEEPALIVE_COUNT = 3
+#: the exit code of a command killed by a signal on an SSH host: sshd sends no exit
+#: status then, and the OpenSSH client reports 255 (so does the paramiko transport)
+SIGNALLED_EXIT = 255
 
 T = TypeVar("T")
 

@@ -42,9 +42,18 @@ class LocalTransport(Tally, Transport):
         self.host = host
         self.describe = host.name or "local"
 
+    def _command(self, argv: list[str]) -> list[str]:
+        """What to start for `argv` (a subclass reaches another host through a client)."""
+        return argv
+
+    def _outcome(self, proc: subprocess.Popen[bytes], argv: list[str], code: int, stderr: bytes) -> int:
+        """The exit code of `argv` from that of `proc` (which ran `_command(argv)`); a
+        subclass raises UnreachableError here when the client, not `argv`, failed."""
+        return code
+
     def _start(self, argv: list[str], stdin: int) -> subprocess.Popen[bytes] | Completed:
         try:
-            proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            proc = subprocess.Popen(self._command(argv), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)
         except OSError as exc:
             # Report what a shell would, so callers see the same thing on every transport.
@@ -62,22 +71,27 @@ class LocalTransport(Tally, Transport):
         assert proc.stdin and proc.stdout and proc.stderr
         feeder = ResultThread(f"{self.describe}-stdin", lambda: self._feed(proc, stdin, args))
         errors = ResultThread(f"{self.describe}-stderr", proc.stderr.read)
-        feeder.start()
-        errors.start()
+        output = ResultThread(f"{self.describe}-stdout", proc.stdout.read)
+        for thread in (feeder, errors, output):
+            thread.start()
         deadline = Deadline(timeout, lambda: _kill_group(proc, signal.SIGKILL))
         try:
-            out = proc.stdout.read()
-            err = errors.result()
-            feeder.result()
             code = proc.wait()
         finally:
             deadline.cancel()
+        if deadline.expired:
+            # not waiting for the streams to end: what holds them may outlive the kill
+            # (an ssh master keeps them until the remote command ends)
+            raise UnreachableError(f"{self.describe}: `{args[0]}` did not finish within {timeout:g} s")
+        try:
+            out = output.result()
+            err = errors.result()
+            feeder.result()
+        finally:
             proc.stdout.close()
             proc.stderr.close()
-        if deadline.expired:
-            raise UnreachableError(f"{self.describe}: `{args[0]}` did not finish within {timeout:g} s")
         self.tally(received=len(out) + len(err))
-        return Completed(tuple(args), _exit_code(code), out, err)
+        return Completed(tuple(args), self._outcome(proc, args, _exit_code(code), err), out, err)
 
     def _feed(self, proc: subprocess.Popen[bytes], stdin: bytes | BinaryIO | None, argv: list[str]) -> None:
         assert proc.stdin
@@ -107,6 +121,7 @@ class LocalTransport(Tally, Transport):
             code = _exit_code(proc.wait())
             err = errors.result()
             self.tally(received=len(err))
+            code = self._outcome(proc, args, code, err)
             if code != 0:
                 raise CommandFailed(self.describe, args, code, err)
         finally:

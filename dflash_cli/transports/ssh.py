@@ -1,4 +1,6 @@
-"""The `ssh` transport: one SSH connection per host per invocation, a channel per command.
+"""The `ssh` and `pct` transports through paramiko, where no OpenSSH client is installed
+or the inventory says `ssh_client: paramiko` (openssh.py is the default): one SSH
+connection per host per invocation, a channel per command.
 
 The target (`user@host[:port]` or an alias of the user's ssh config) is resolved as
 the user's OpenSSH client resolves it (ssh_options: `ssh -G`); paramiko then opens
@@ -28,18 +30,12 @@ from paramiko.ssh_exception import NoValidConnectionsError
 from ..errors import ConnectionLost, UnreachableError
 from ..inventory import Host
 from .base import Completed, Transport
-from .common import (CHUNK, CommandFailed, Deadline, Tally, ResultThread, feed_stdin, normalize_argv,
-                     read_to_end)
+from .common import (CHUNK, KEEPALIVE_COUNT, KEEPALIVE_S, SIGNALLED_EXIT, CommandFailed, Deadline,
+                     ResultThread, Tally, feed_stdin, normalize_argv, read_to_end)
 from .known_hosts import HostKeyRefused, KnownHosts, fingerprint
+from .pct import ContainerHop
 from .ssh_options import SshOptions, resolve
 
-#: seconds between keepalive packets; with TCP_USER_TIMEOUT a silent peer is dropped
-#: after KEEPALIVE_S * KEEPALIVE_COUNT seconds (OpenSSH's ServerAliveInterval/CountMax)
-KEEPALIVE_S = 5
-KEEPALIVE_COUNT = 3
-#: the exit code of a command killed by a signal: sshd sends no exit status then, and
-#: OpenSSH's client reports 255 as well
-SIGNALLED_EXIT = 255
 _CONNECTION_LOST = (paramiko.SSHException, OSError, EOFError)
 
 # Paramiko logs failures of its transport thread (with tracebacks) through logging,
@@ -381,3 +377,9 @@ class SshTransport(Tally, Transport):
     def close(self) -> None:
         with self._lock:
             self._close_chain()
+
+
+class PctTransport(ContainerHop, SshTransport):
+    def __init__(self, host: Host, *, accept_new_host_key: bool = False):
+        super().__init__(host, accept_new_host_key=accept_new_host_key)
+        self._enter_container(host)
