@@ -41,7 +41,7 @@ from ..inventory import Host
 from .common import KEEPALIVE_COUNT, KEEPALIVE_S, SIGNALLED_EXIT
 from .local import LocalTransport
 from .pct import ContainerHop
-from .ssh_options import SshOptions, config_file, resolve, split_target
+from .ssh_options import ResolvedTarget, SshOptions, config_file, split_target
 
 #: seconds a master dflash started outlives its last command (a killed dflash leaves
 #: it behind no longer than this)
@@ -62,32 +62,18 @@ def _quoted(path: str) -> str:
     return f'"{path}"'
 
 
-class OpenSshTransport(LocalTransport):
+class OpenSshTransport(ResolvedTarget, LocalTransport):
     def __init__(self, host: Host, *, accept_new_host_key: bool = False):
         assert host.ssh, "Host validation guarantees `ssh` for ssh and pct hosts"
         super().__init__(host)
         self.describe = host.ssh
         self._accept_new = accept_new_host_key
         self._lock = threading.Lock()  # guards the master and the private folder
-        self._options: SshOptions | None = None
         self._folder: str | None = None  # 0700: dflash's ControlPath and the per-command logs
         self._connected = False  # a master was found or started since the folder was made
         self._logs = count()
 
     # -- options -------------------------------------------------------------------------
-
-    def _name(self) -> str:
-        return self.host.name or self.host.ssh or "?"
-
-    def _where(self) -> str:
-        return f"{self.host.name} ({self.describe})" if self.host.name else self.describe
-
-    @property
-    def options(self) -> SshOptions:
-        """The host's resolved options (`ssh -G` runs once per transport)."""
-        if self._options is None:
-            self._options = resolve(self.host.ssh, self.host)
-        return self._options
 
     @property
     def shares_users_master(self) -> bool:

@@ -24,7 +24,7 @@ class ContainerHop:
     """Wraps each argv in `pct exec VMID --` and tells pct's own failures from the command's."""
 
     host: Host
-    _name: Callable[[], str]  # the transport's: the inventory name
+    _name: Callable[[], str]  # ResolvedTarget's: the inventory name
 
     def _enter_container(self, host: Host) -> None:
         assert host.container is not None, "Host validation guarantees `container` for pct hosts"

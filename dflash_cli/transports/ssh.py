@@ -34,7 +34,7 @@ from .common import (CHUNK, KEEPALIVE_COUNT, KEEPALIVE_S, SIGNALLED_EXIT, Comman
                      ResultThread, Tally, feed_stdin, normalize_argv, read_to_end)
 from .known_hosts import HostKeyRefused, KnownHosts, fingerprint
 from .pct import ContainerHop
-from .ssh_options import SshOptions, resolve
+from .ssh_options import ResolvedTarget, SshOptions, resolve
 
 _CONNECTION_LOST = (paramiko.SSHException, OSError, EOFError)
 
@@ -131,7 +131,7 @@ def authenticate(transport: paramiko.Transport, options: SshOptions) -> None:
         f"{', '.join(files) or 'no identity file found'})")
 
 
-class SshTransport(Tally, Transport):
+class SshTransport(ResolvedTarget, Tally, Transport):
     def __init__(self, host: Host, *, accept_new_host_key: bool = False):
         assert host.ssh, "Host validation guarantees `ssh` for ssh and pct hosts"
         super().__init__()
@@ -140,23 +140,8 @@ class SshTransport(Tally, Transport):
         self._accept_new = accept_new_host_key
         self._lock = threading.Lock()  # guards _chain
         self._chain: list[paramiko.Transport] = []  # ProxyJump hops, then the host itself
-        self._options: SshOptions | None = None
 
     # -- the connection ------------------------------------------------------------------
-
-    def _name(self) -> str:
-        return self.host.name or self.host.ssh or "?"
-
-    def _where(self) -> str:
-        """The inventory name and the hop chain, for messages: "ct200 (root@node -> pct 200)"."""
-        return f"{self.host.name} ({self.describe})" if self.host.name else self.describe
-
-    @property
-    def options(self) -> SshOptions:
-        """The host's resolved options (`ssh -G` runs once per transport)."""
-        if self._options is None:
-            self._options = resolve(self.host.ssh, self.host)
-        return self._options
 
     def _session_transport(self, stale: paramiko.Transport | None = None) -> paramiko.Transport:
         """The live connection's paramiko Transport, connecting when there is none, when

@@ -197,3 +197,27 @@ def resolve(target: str, host: Host, *, explain: bool = False) -> SshOptions:
         control_path=None if control_path == "none" else _expand(control_path, options),
         control_persist=(options.get("controlpersist") or ["no"])[0],
         resolved_by=resolved_by, sources=sources)
+
+
+class ResolvedTarget:
+    """What the transports of both SSH clients share: the host's names for messages and
+    its options, resolved once per transport (`ssh -G`)."""
+
+    host: Host
+    describe: str
+    _options: SshOptions | None = None
+
+    def _name(self) -> str:
+        return self.host.name or self.host.ssh or "?"
+
+    def _where(self) -> str:
+        """The inventory name and the hop chain, for messages: "ct200 (root@node -> pct 200)"."""
+        return f"{self.host.name} ({self.describe})" if self.host.name else self.describe
+
+    @property
+    def options(self) -> SshOptions:
+        """The host's resolved options (`ssh -G` runs once per transport)."""
+        if self._options is None:
+            assert self.host.ssh, "Host validation guarantees `ssh` for ssh and pct hosts"
+            self._options = resolve(self.host.ssh, self.host)
+        return self._options
