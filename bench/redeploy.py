@@ -77,6 +77,10 @@ def whole_process(bed, rsh: Path, staged: Path, dest: str, repeat: int) -> None:
             raise SystemExit(f"dflash deploy failed ({done.returncode}): {done.stderr}")
 
     rsync(rsh, staged, dest)  # the copy is current before timing
+    # An installed dflash runs from cached bytecode; PYTHONDONTWRITEBYTECODE (set in some
+    # environments) would compile every module on every start instead.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = str(bed.work / "pycache")
     user_config = bed.work / "ssh_config"
     control = tempfile.mkdtemp(prefix="cm")  # short: a socket path is at most ~100 bytes
     user_config.write_text(f"Host {bed.node.address}\n    ControlMaster auto\n    ControlPath {control}/%C\n"
