@@ -217,3 +217,9 @@ def test_hosts_verbose_says_where_each_option_came_from(make_inventory, ssh_node
     assert found["Port"] == (str(ssh_node.port), f"ssh config ({config})")
     assert found["IdentityFile"] == (str(ssh_node.identity_file), "inventory identity_file")
     assert found["ProxyJump"] == ("none", "OpenSSH default")
+
+    # the inventory picks the other client
+    inventory = make_inventory(tmp_path, node={"ssh": "dflash-t", "ssh_client": "paramiko"})
+    done = CliRunner().invoke(main, ["--hosts", str(inventory), "hosts", "-v", "--json"])
+    node = next(e for e in map(json.loads, done.stdout.splitlines()) if e["host"] == "node")
+    assert node["ssh"]["client"] == node["ssh_client"] == "paramiko"
