@@ -4,7 +4,8 @@
 Measures: an unchanged tree (seconds, round trips) and a tree with one changed file
 (bytes sent against the tree's size); then both as whole processes, what a user waits
 for (interpreter start, imports, SSH handshake included): `dflash deploy ct200` against
-`rsync -a` of the same tree, median of --whole runs each. dflash's figures come from its own transport
+`rsync -a` of the same tree, median of --whole runs each, without and with a
+ControlMaster in the user's ssh config (given to both). dflash's figures come from its own transport
 counters; rsync's from `--stats` ("Total bytes sent"). Prints numbers; asserts nothing.
 
     sudo .venv/bin/python bench/redeploy.py [--repeat 5]     (needs rsync installed)
@@ -12,13 +13,16 @@ counters; rsync's from `--stats` ("Total bytes sent"). Prints numbers; asserts n
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from testbed import test_bed
 
@@ -33,7 +37,8 @@ import os, shlex, sys
 # rsync calls: RSH HOST rsync --server ...; the host is ours to ignore (two fixed hops).
 # rsync has already escaped its arguments for the remote shell: joined as they are.
 remote = shlex.join([{pct!r}, "exec", "200", "--"]) + " " + " ".join(sys.argv[2:])
-os.execvp("ssh", ["ssh", "-p", "{port}", "-i", {key!r}, "-o", "UserKnownHostsFile=" + {known!r},
+config = os.environ.get("DFLASH_SSH_CONFIG")  # the same client config as dflash's
+os.execvp("ssh", ["ssh", *(["-F", config] if config else []), "-p", "{port}", "-i", {key!r}, "-o", "UserKnownHostsFile=" + {known!r},
                   "-o", "BatchMode=yes", "root@{address}", remote])
 """
 
@@ -54,20 +59,46 @@ def rsync(rsh: Path, source: Path, dest: str) -> tuple[float, int]:
     return seconds, int(re.search(r"Total bytes sent: ([\d,]+)", done.stdout).group(1).replace(",", ""))
 
 
-def whole_process(bed, rsh: Path, staged: Path, dest: str, repeat: int) -> None:
-    """Unchanged tree, whole processes: `dflash deploy` as a user runs it beside rsync."""
-    rsync(rsh, staged, dest)  # the copy is current before timing
-    dflash_s = []
+def _median_ms(run: Callable[[], object], repeat: int) -> float:
+    seconds = []
     for _ in range(repeat):
         started = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds) * 1000
+
+
+def whole_process(bed, rsh: Path, staged: Path, dest: str, repeat: int) -> None:
+    """Unchanged tree, whole processes: `dflash deploy` as a user runs it beside rsync,
+    without and with a ControlMaster in the user's ssh config (both clients use it)."""
+    def deploy_process() -> None:
         done = bed.dflash("deploy", "ct200")
-        dflash_s.append(time.perf_counter() - started)
         if done.returncode:
             raise SystemExit(f"dflash deploy failed ({done.returncode}): {done.stderr}")
-    rsync_s = statistics.median(rsync(rsh, staged, dest)[0] for _ in range(repeat))
-    median = statistics.median(dflash_s)
-    print(f"whole process, unchanged tree (median of {repeat}): dflash deploy {median * 1000:.0f} ms, "
-          f"rsync -a {rsync_s * 1000:.0f} ms: {median / rsync_s:.2f}x rsync")
+
+    rsync(rsh, staged, dest)  # the copy is current before timing
+    # An installed dflash runs from cached bytecode; PYTHONDONTWRITEBYTECODE (set in some
+    # environments) would compile every module on every start instead.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = str(bed.work / "pycache")
+    user_config = bed.work / "ssh_config"
+    control = tempfile.mkdtemp(prefix="cm")  # short: a socket path is at most ~100 bytes
+    user_config.write_text(f"Host {bed.node.address}\n    ControlMaster auto\n    ControlPath {control}/%C\n"
+                           f"    ControlPersist 60\n")
+    rows = []
+    for label, config in (("no ControlMaster", None), ("user ControlMaster", user_config)):
+        if config:
+            os.environ["DFLASH_SSH_CONFIG"] = str(config)
+        deploy_process()  # warm: the master (if any) is up, as it is for a user who just used ssh
+        rows.append((label, _median_ms(deploy_process, repeat), _median_ms(lambda: rsync(rsh, staged, dest), repeat)))
+    os.environ.pop("DFLASH_SSH_CONFIG", None)
+    subprocess.run(["ssh", "-F", str(user_config), "-p", str(bed.node.port), "-O", "exit", bed.node.address],
+                   capture_output=True)
+    shutil.rmtree(control, ignore_errors=True)
+    print(f"\nwhole process, unchanged tree, median of {repeat} each:")
+    print(f"{'ssh config':<20} {'dflash deploy':>14} {'rsync -a':>10} {'ratio':>7}")
+    for label, dflash_ms, rsync_ms in rows:
+        print(f"{label:<20} {dflash_ms:>11.0f} ms {rsync_ms:>7.0f} ms {dflash_ms / rsync_ms:>6.2f}x")
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from . import console, retry
-from .commands import watch  # its GPU_INTERVAL_S is an option's default
+from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import latest_host, resolve_run
 from .session import Session
@@ -183,7 +183,7 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
                      master_addr, master_port)
     console.data(ref.run_id + "\n")
     if follow:
-        sys.exit(watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
+        sys.exit(_verb("watch").run(session, ref, tail=None, interval=GPU_INTERVAL_S, as_json=False,
                            retry_for=retry.RETRY_FOR_S))
 
 
@@ -212,7 +212,7 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
     ref = resolve_run(session.logs_dir, run_id, host_name)
     code = _verb("resume").run(session, ref, release == "current", step)
     if follow:
-        code = watch.run(session, ref, tail=None, interval=watch.GPU_INTERVAL_S, as_json=False,
+        code = _verb("watch").run(session, ref, tail=None, interval=GPU_INTERVAL_S, as_json=False,
                          retry_for=retry.RETRY_FOR_S)
     sys.exit(code)
 
@@ -221,7 +221,7 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
 @click.argument("run_id", metavar="[RUN]", required=False)
 @click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
 @click.option("--tail", type=click.IntRange(min=0), help="First show the last N lines of the log.")
-@click.option("--interval", default=watch.GPU_INTERVAL_S, show_default=True, type=click.FloatRange(min=0.5),
+@click.option("--interval", default=GPU_INTERVAL_S, show_default=True, type=click.FloatRange(min=0.5),
               help="Seconds between GPU lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print every message as a JSON line on stdout.")
 @click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
@@ -239,7 +239,7 @@ def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail:
     4 stopped; 3 host unreachable.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(watch.run(session, ref, tail, interval, as_json, retry_for))
+    sys.exit(_verb("watch").run(session, ref, tail, interval, as_json, retry_for))
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:

@@ -33,6 +33,9 @@ class Host:
     identity_file: str | None = None
     known_hosts: str | None = None
     host_key: Literal["strict", "accept-new"] = "strict"  # unknown host keys: refuse or record
+    # which SSH client connects: auto is the OpenSSH client where `ssh` is installed,
+    # else paramiko (DESIGN.md "Which SSH client")
+    ssh_client: Literal["auto", "openssh", "paramiko"] = "auto"
     pct: str = "pct"  # path of pct on the Proxmox node
     connect_timeout: float = 10.0
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # for the trainer

@@ -59,6 +59,9 @@ def test_hosts_check_reports_each_failure_and_exits_3(make_inventory, tmp_path):
     assert "not running" in entries["ct201"]["error"]
     assert "999" in entries["ct999"]["error"] and "does not exist" in entries["ct999"]["error"]
     assert "down" in entries and "error" in entries["down"]
+    # which SSH client reached each host: the OpenSSH one wherever `ssh` is installed
+    assert entries["node"]["ssh_client"] == entries["ct200"]["ssh_client"] == "openssh"
+    assert "ssh_client" not in entries["local"]
 
 
 def test_unknown_ssh_host_key_is_refused_unless_accepted(make_inventory, tmp_path):

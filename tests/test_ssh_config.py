@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -144,8 +145,9 @@ def test_a_passphrase_key_without_agent_is_named_instead_of_prompting(client, ss
 
 @pytest.fixture(scope="module")
 def second_node(tmp_path_factory):
-    """Another sshd (its own host key, its own port) for ProxyJump through `ssh_node`."""
-    node, proc = start_sshd(tmp_path_factory.mktemp("sshd-behind"))
+    """Another sshd (its own host key, its own port) for ProxyJump through `ssh_node`;
+    it also presents a certificate of its host key signed by its host CA."""
+    node, proc = start_sshd(tmp_path_factory.mktemp("sshd-behind"), host_certificate=True)
     yield node
     stop_sshd(proc)
 
@@ -166,6 +168,40 @@ def test_proxyjump_reaches_a_second_sshd_through_the_first(client, ssh_node, sec
     assert openssh_connects(config)
 
 
+def test_a_host_certificate_is_trusted_through_a_cert_authority_line(client, ssh_node, second_node, tmp_path):
+    # known_hosts holds no host key at all, only the CA that signed second_node's certificate
+    known = tmp_path / "known_hosts"
+    known.write_text(f"@cert-authority {second_node.address} {second_node.host_ca_line}\n")
+    transport, config = client(_node_block(second_node, UserKnownHostsFile=str(known)))
+    done = transport.run(["printenv", "SSH_CONNECTION"])
+    assert done.stdout.split()[3] == str(second_node.port).encode()
+    assert openssh_connects(config)
+
+    # ssh_node's host key is not certified, and not on record either: refused
+    transport, config = client(_node_block(ssh_node, UserKnownHostsFile=str(known)))
+    with pytest.raises(UnreachableError, match="host key is unknown"):
+        transport.run(["true"])
+    assert not openssh_connects(config)
+
+
+def test_a_user_control_master_is_joined_and_left_running(client, ssh_node, tmp_path):
+    control = tempfile.mkdtemp(prefix="cm")  # short: a socket path is at most ~100 bytes
+    transport, config = client(_node_block(ssh_node, ControlMaster="auto", ControlPath=f"{control}/%C",
+                                           ControlPersist="60"))
+    ssh = ["ssh", "-F", str(config), "-o", "BatchMode=yes"]
+    assert subprocess.run([*ssh, "dflash-t", "true"], stdin=subprocess.DEVNULL, timeout=30).returncode == 0
+    try:
+        logins = ssh_node.accepted_logins()
+        assert all(transport.run(["true"]).exit_code == 0 for _ in range(3))
+        assert ssh_node.accepted_logins() == logins  # no login of its own: the user's master served
+        transport.close()
+        still = subprocess.run([*ssh, "-O", "check", "dflash-t"], capture_output=True, timeout=30)
+        assert still.returncode == 0, still.stderr  # the user's master is theirs to end
+    finally:
+        subprocess.run([*ssh, "-O", "exit", "dflash-t"], capture_output=True, timeout=30)
+        shutil.rmtree(control)
+
+
 def test_hosts_verbose_says_where_each_option_came_from(make_inventory, ssh_node, tmp_path, monkeypatch):
     config = tmp_path / "ssh_config"
     config.write_text(f"Host dflash-t\n    HostName {ssh_node.address}\n    Port {ssh_node.port}\n")
@@ -175,8 +211,15 @@ def test_hosts_verbose_says_where_each_option_came_from(make_inventory, ssh_node
     assert done.exit_code == 0, done.output
     node = next(e for e in map(json.loads, done.stdout.splitlines()) if e["host"] == "node")
     assert node["ssh"]["resolved_by"] == "ssh -G"
+    assert node["ssh"]["client"] == node["ssh_client"] == "openssh"
     found = {row["option"]: (row["value"], row["source"]) for row in node["ssh"]["options"]}
     assert found["HostName"] == (ssh_node.address, f"ssh config ({config})")
     assert found["Port"] == (str(ssh_node.port), f"ssh config ({config})")
     assert found["IdentityFile"] == (str(ssh_node.identity_file), "inventory identity_file")
     assert found["ProxyJump"] == ("none", "OpenSSH default")
+
+    # the inventory picks the other client
+    inventory = make_inventory(tmp_path, node={"ssh": "dflash-t", "ssh_client": "paramiko"})
+    done = CliRunner().invoke(main, ["--hosts", str(inventory), "hosts", "-v", "--json"])
+    node = next(e for e in map(json.loads, done.stdout.splitlines()) if e["host"] == "node")
+    assert node["ssh"]["client"] == node["ssh_client"] == "paramiko"

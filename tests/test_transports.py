@@ -2,6 +2,7 @@
 and the strict fake pct (tests/support)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.timeout(60)
 PY = sys.executable  # the same interpreter on the node and in the fake containers
 ALL = ["local", "node", "ct200"]
 REMOTE = ["node", "ct200"]
+#: the same hosts through the paramiko client (the fallback without an OpenSSH client)
+PARAMIKO = ["node:paramiko", "ct200:paramiko"]
 
 AWKWARD_ARGS = [
     "two words", "it's", 'say "hi"', "$HOME", "${PATH}", "`id`", "$(id)", "a\nb\n", "tab\there",
@@ -44,7 +47,9 @@ def connect(hosts):
     opened = []
 
     def connect(name, inventory=None, **kwargs):
-        transport = open_transport((inventory or hosts).get(name), **kwargs)
+        name, _, client = name.partition(":")
+        host = (inventory or hosts).get(name)
+        transport = open_transport(dataclasses.replace(host, ssh_client=client) if client else host, **kwargs)
         opened.append(transport)
         return transport
 
@@ -73,7 +78,7 @@ def _wait_until(predicate, seconds: float) -> bool:
 # -- argv, stdin, stdout -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + PARAMIKO)
 def test_awkward_argv_arrives_unchanged(connect, name):
     transport = connect(name)
     echo_argv = "import json, sys; sys.stdout.write(json.dumps(sys.argv[1:]))"
@@ -141,7 +146,8 @@ def test_a_missing_program_is_an_exit_code_not_an_exception(connect, name, expec
     assert b"dflash-no-such-program" in done.stderr
 
 
-@pytest.mark.parametrize("name,expected", [("local", 128 + 9), ("node", 255), ("ct200", 255)])
+@pytest.mark.parametrize("name,expected", [("local", 128 + 9), ("node", 255), ("ct200", 255),
+                                           ("node:paramiko", 255)])
 def test_command_killed_by_a_signal_is_not_a_lost_connection(connect, name, expected):
     # sshd reports a signal instead of an exit status; the connection is still fine
     transport = connect(name)
@@ -193,7 +199,7 @@ def test_closing_a_stream_ends_the_remote_command(connect, name):
     assert _wait_until(lambda: _gone(pid), 5.0), "the remote command outlived the closed stream"
 
 
-@pytest.mark.parametrize("name", REMOTE)
+@pytest.mark.parametrize("name", REMOTE + PARAMIKO[:1])
 def test_connection_dying_mid_stream_raises_then_the_next_call_reconnects(connect, ssh_node, name):
     transport = connect(name)
     assert transport.run(["true"]).exit_code == 0
@@ -232,6 +238,28 @@ def test_many_commands_share_one_connection(connect, ssh_node, name):
         assert seen == {b""}  # pct exec clears the environment, as lxc-attach --clear-env does
 
 
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and text.encode() in Path(entry.path, "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass  # exited meanwhile
+    return found
+
+
+def test_closing_the_transport_ends_its_master_connection(connect, ssh_node):
+    transport = connect("node")
+    assert transport.run(["true"]).exit_code == 0
+    folder = transport._folder  # the master's ControlPath is in it: its command line names it
+    masters = _processes_mentioning(folder)
+    assert masters and all(not _gone(pid) for pid in masters)
+    transport.close()
+    assert _wait_until(lambda: all(_gone(pid) for pid in masters), 10.0), "the master outlived close()"
+    assert not os.path.exists(folder)
+
+
 def test_threads_can_run_commands_on_one_transport_at_once(connect, ssh_node):
     logins = ssh_node.accepted_logins()
     transport = connect("node")
@@ -257,18 +285,19 @@ def _fingerprint_by_ssh_keygen(known_hosts: Path) -> str:
     return out.stdout.split()[1]
 
 
-def test_unknown_host_key_is_refused_unless_accepted(make_inventory, connect, ssh_node, tmp_path):
+@pytest.mark.parametrize("name", ["node", "node:paramiko"])
+def test_unknown_host_key_is_refused_unless_accepted(make_inventory, connect, ssh_node, tmp_path, name):
     known = tmp_path / "fresh ssh" / "known_hosts"
     hosts = load_inventory(make_inventory(tmp_path, node={"known_hosts": str(known)}))
     with pytest.raises(UnreachableError) as refused:
-        connect("node", hosts).run(["true"])
+        connect(name, hosts).run(["true"])
     message = refused.value.message
     assert "host node" in message and "unknown" in message and str(known) in message
     assert _fingerprint_by_ssh_keygen(ssh_node.known_hosts) in message
     assert "--accept-new-host-key" in refused.value.hint and "host_key: accept-new" in refused.value.hint
     assert not known.exists()
 
-    assert connect("node", hosts, accept_new_host_key=True).run(["true"]).exit_code == 0
+    assert connect(name, hosts, accept_new_host_key=True).run(["true"]).exit_code == 0
     assert known.read_text() == f"{ssh_node.known_hosts_name} {ssh_node.host_key_line}\n"
     assert connect("node", hosts).run(["true"]).exit_code == 0  # now known: strict mode connects
 
@@ -314,26 +343,26 @@ def test_ssh_config_alias_supplies_address_user_port_and_key(make_inventory, con
 
 
 def test_every_proxyjump_hop_has_its_host_key_checked(make_inventory, connect, ssh_node, tmp_path, monkeypatch):
+    # each hop reads the known_hosts file its own block of the config names
     home = tmp_path / "home"
-    hop = f"    HostName {ssh_node.address}\n    User root\n    IdentityFile {ssh_node.identity_file}\n"
-    _ssh_config(home, f"Host dflash-jump\n{hop}    Port {ssh_node.port}\n"
-                      f"Host dflash-behind\n{hop}    Port {ssh_node.alt_port}\n    ProxyJump dflash-jump\n")
-    monkeypatch.setenv("DFLASH_SSH_CONFIG", str(home / ".ssh" / "config"))
-    key = ssh_node.host_key_line
-    behind_only = tmp_path / "behind_only"
-    behind_only.write_text(f"[{ssh_node.address}]:{ssh_node.alt_port} {key}\n")
-    hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-behind", "identity_file": None,
-                                                          "known_hosts": str(behind_only)}))
-    with pytest.raises(UnreachableError, match="unknown") as refused:
-        connect("node", hosts).run(["true"])
-    assert f"[{ssh_node.address}]:{ssh_node.port}" in refused.value.message  # the jump host's key
-
-    both = tmp_path / "both"
-    both.write_text(behind_only.read_text() + f"{ssh_node.known_hosts_name} {key}\n")
-    hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-behind", "identity_file": None,
-                                                          "known_hosts": str(both)}))
-    done = connect("node", hosts).run(["printenv", "SSH_CONNECTION"])
-    assert done.stdout.split()[3] == str(ssh_node.alt_port).encode()  # reached through the jump
+    behind_only, both = tmp_path / "behind_only", tmp_path / "both"
+    behind_only.write_text(f"[{ssh_node.address}]:{ssh_node.alt_port} {ssh_node.host_key_line}\n")
+    both.write_text(behind_only.read_text() + f"{ssh_node.known_hosts_name} {ssh_node.host_key_line}\n")
+    for jump_known, reached in ((behind_only, False), (both, True)):
+        hop = f"    HostName {ssh_node.address}\n    User root\n    IdentityFile {ssh_node.identity_file}\n"
+        _ssh_config(home, f"Host dflash-jump\n{hop}    Port {ssh_node.port}\n    UserKnownHostsFile {jump_known}\n"
+                          f"Host dflash-behind\n{hop}    Port {ssh_node.alt_port}\n    ProxyJump dflash-jump\n"
+                          f"    UserKnownHostsFile {behind_only}\n")
+        monkeypatch.setenv("DFLASH_SSH_CONFIG", str(home / ".ssh" / "config"))
+        hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-behind", "identity_file": None,
+                                                              "known_hosts": None}))
+        if not reached:
+            with pytest.raises(UnreachableError, match="unknown") as refused:
+                connect("node", hosts).run(["true"])
+            assert "dflash-jump" in refused.value.message  # the hop whose key is not on record
+            continue
+        done = connect("node", hosts).run(["printenv", "SSH_CONNECTION"])
+        assert done.stdout.split()[3] == str(ssh_node.alt_port).encode()  # reached through the jump
 
 
 # -- unreachable hosts ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ from ..agent_client import check_interpreter, parse_reply, python_argv
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session
+from ..transports import ssh_client
 from . import deploy
 
 # The agent's own host facts (stdlib only, no package imports), sent with `python -c`:
@@ -46,6 +47,16 @@ def _where(host: Host) -> str:
     return host.ssh or "this machine"
 
 
+def _client(host: Host) -> str | None:
+    """The SSH client that reaches `host` ("openssh" or "paramiko"), None for local."""
+    if not host.ssh:
+        return None
+    try:
+        return ssh_client(host)
+    except DflashError as exc:
+        return f"none ({exc.message})"
+
+
 def status(host: Host, facts: dict, needs: requirements.TrainerRequirements) -> str:
     """"ok", "needs setup: ..." with the command that fixes it, or "release modified"."""
     problems = requirements.readiness_problems(facts, needs)
@@ -61,12 +72,13 @@ def ssh_options(session: Session, host: Host) -> dict:
     """How the host's `ssh:` resolves: the effective options and where each came from."""
     from ..transports.ssh_options import resolve  # only -v pays for resolving
     options = resolve(host.ssh, host, explain=True)
-    return {"resolved_by": options.resolved_by,
+    return {"resolved_by": options.resolved_by, "client": _client(host),
             "options": [{"option": o, "value": v, "source": src} for o, v, src in options.explain()]}
 
 
 def _print_options(name: str, resolved: dict) -> None:
-    table = Table(title=f"{name}: ssh options (resolved by {resolved['resolved_by']})", title_justify="left")
+    table = Table(title=f"{name}: ssh options (resolved by {resolved['resolved_by']}; "
+                        f"connects with the {resolved['client']} client)", title_justify="left")
     for column in ("option", "value", "from"):
         table.add_column(column)
     for row in resolved["options"]:
@@ -84,7 +96,10 @@ def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) 
             ["status", "python", "torch", "transformers", "GPUs", "release"] if do_check else []):
         table.add_column(column)
     for host in hosts:
-        row = [host.name, host.transport, _where(host), host.workspace]
+        client = _client(host)
+        # with --check: which SSH client was used to reach it
+        where = f"{_where(host)} ({client})" if do_check and client else _where(host)
+        row = [host.name, host.transport, where, host.workspace]
         result = results.get(host.name)
         if isinstance(result, DflashError):
             row += [f"unreachable: {result.message}" if isinstance(result, UnreachableError)
@@ -99,6 +114,8 @@ def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) 
         if as_json:
             entry = {"host": host.name, "transport": host.transport, "where": _where(host),
                      "workspace": host.workspace}
+            if client:
+                entry["ssh_client"] = client
             entry["groups"] = [name for name, members in groups.items() if host.name in members]
             if isinstance(result, DflashError):
                 entry["error"] = result.message

@@ -32,7 +32,6 @@ from ..tensorboard import RunBoard
 from .fetch_traceback import render_no_record, render_record
 
 CURSOR_SAVE_EVERY_S = 0.5
-GPU_INTERVAL_S = 5.0  # defaults of `watch` and of `launch --follow`
 
 
 def gpu_line(gpus: list[dict]) -> str:

@@ -7,24 +7,39 @@ until the first command. Every instance counts `round_trips` (commands run),
 """
 from __future__ import annotations
 
+import shutil
+
+from ..errors import DflashError, ExitCode
 from ..inventory import Host
 from .base import Completed, Transport
 from .common import CommandFailed
 
-__all__ = ["Completed", "CommandFailed", "Transport", "open_transport"]
+__all__ = ["Completed", "CommandFailed", "Transport", "open_transport", "ssh_client"]
+
+
+def ssh_client(host: Host) -> str:
+    """"openssh" or "paramiko": the client that reaches `host` (an ssh or pct host)."""
+    if host.ssh_client != "auto":
+        if host.ssh_client == "openssh" and not shutil.which("ssh"):
+            raise DflashError(f"host {host.name}: ssh_client is openssh, but no `ssh` is on PATH",
+                              ExitCode.USAGE)
+        return host.ssh_client
+    return "openssh" if shutil.which("ssh") else "paramiko"
 
 
 def open_transport(host: Host, *, accept_new_host_key: bool = False) -> Transport:
     """The transport for `host`. accept_new_host_key records an unknown SSH host key in
     known_hosts instead of refusing it (as `host_key: accept-new` does); a changed key
     is refused either way."""
-    # imported here: paramiko costs a noticeable start-up time that
-    # commands on the local host should not pay
+    # imported here: paramiko costs a noticeable start-up time that only
+    # hosts it reaches should pay
     if host.transport == "local":
         from .local import LocalTransport
         return LocalTransport(host)
-    if host.transport == "ssh":
-        from .ssh import SshTransport
-        return SshTransport(host, accept_new_host_key=accept_new_host_key)
-    from .pct import PctTransport
-    return PctTransport(host, accept_new_host_key=accept_new_host_key)
+    if ssh_client(host) == "openssh":
+        from .openssh import OpenSshPctTransport, OpenSshTransport
+        openssh = OpenSshTransport if host.transport == "ssh" else OpenSshPctTransport
+        return openssh(host, accept_new_host_key=accept_new_host_key)
+    from .ssh import PctTransport, SshTransport
+    paramiko = SshTransport if host.transport == "ssh" else PctTransport
+    return paramiko(host, accept_new_host_key=accept_new_host_key)

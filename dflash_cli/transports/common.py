@@ -1,5 +1,5 @@
 """Pieces shared by the transports: argv checks, stdin chunking, line splitting,
-worker threads that forward their exceptions, and the error for a failed stream."""
+threads whose result or exception the caller collects, and the error for a failed stream."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,14 @@ from ..errors import DflashError, ExitCode
 
 #: bytes per read or write; large enough for throughput, small enough to stay prompt
 CHUNK = 64 * 1024
+#: seconds between keepalive packets, and how many may go unanswered before the
+#: connection counts as lost (OpenSSH's ServerAliveInterval/CountMax, where the
+#: user's config sets none)
+KEEPALIVE_S = 5
+KEEPALIVE_COUNT = 3
+#: the exit code of a command killed by a signal on an SSH host: sshd sends no exit
+#: status then, and the OpenSSH client reports 255 (so does the paramiko transport)
+SIGNALLED_EXIT = 255
 
 T = TypeVar("T")
 
@@ -96,7 +104,7 @@ class LineSplitter:
         return rest
 
 
-class Worker(threading.Thread, Generic[T]):
+class ResultThread(threading.Thread, Generic[T]):
     """A daemon thread running `target`; `result()` joins and re-raises its exception,
     so a failure in a pump thread surfaces in the caller instead of dying silently."""
 

@@ -15,7 +15,7 @@ from typing import BinaryIO, Iterator, Sequence
 from ..errors import UnreachableError
 from ..inventory import Host
 from .base import Completed, Transport
-from .common import CHUNK, CommandFailed, Deadline, Tally, Worker, feed_stdin, normalize_argv
+from .common import CHUNK, CommandFailed, Deadline, Tally, ResultThread, feed_stdin, normalize_argv
 
 #: exit codes a shell reports for a program it cannot start
 _NOT_FOUND, _NOT_EXECUTABLE = 127, 126
@@ -42,9 +42,18 @@ class LocalTransport(Tally, Transport):
         self.host = host
         self.describe = host.name or "local"
 
+    def _command(self, argv: list[str]) -> list[str]:
+        """What to start for `argv` (a subclass reaches another host through a client)."""
+        return argv
+
+    def _outcome(self, proc: subprocess.Popen[bytes], argv: list[str], code: int, stderr: bytes) -> int:
+        """The exit code of `argv` from that of `proc` (which ran `_command(argv)`); a
+        subclass raises UnreachableError here when the client, not `argv`, failed."""
+        return code
+
     def _start(self, argv: list[str], stdin: int) -> subprocess.Popen[bytes] | Completed:
         try:
-            proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            proc = subprocess.Popen(self._command(argv), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)
         except OSError as exc:
             # Report what a shell would, so callers see the same thing on every transport.
@@ -60,24 +69,29 @@ class LocalTransport(Tally, Transport):
         if isinstance(proc, Completed):
             return proc
         assert proc.stdin and proc.stdout and proc.stderr
-        feeder = Worker(f"{self.describe}-stdin", lambda: self._feed(proc, stdin, args))
-        errors = Worker(f"{self.describe}-stderr", proc.stderr.read)
-        feeder.start()
-        errors.start()
+        feeder = ResultThread(f"{self.describe}-stdin", lambda: self._feed(proc, stdin, args))
+        errors = ResultThread(f"{self.describe}-stderr", proc.stderr.read)
+        output = ResultThread(f"{self.describe}-stdout", proc.stdout.read)
+        for thread in (feeder, errors, output):
+            thread.start()
         deadline = Deadline(timeout, lambda: _kill_group(proc, signal.SIGKILL))
         try:
-            out = proc.stdout.read()
-            err = errors.result()
-            feeder.result()
             code = proc.wait()
         finally:
             deadline.cancel()
+        if deadline.expired:
+            # not waiting for the streams to end: what holds them may outlive the kill
+            # (an ssh master keeps them until the remote command ends)
+            raise UnreachableError(f"{self.describe}: `{args[0]}` did not finish within {timeout:g} s")
+        try:
+            out = output.result()
+            err = errors.result()
+            feeder.result()
+        finally:
             proc.stdout.close()
             proc.stderr.close()
-        if deadline.expired:
-            raise UnreachableError(f"{self.describe}: `{args[0]}` did not finish within {timeout:g} s")
         self.tally(received=len(out) + len(err))
-        return Completed(tuple(args), _exit_code(code), out, err)
+        return Completed(tuple(args), self._outcome(proc, args, _exit_code(code), err), out, err)
 
     def _feed(self, proc: subprocess.Popen[bytes], stdin: bytes | BinaryIO | None, argv: list[str]) -> None:
         assert proc.stdin
@@ -97,7 +111,7 @@ class LocalTransport(Tally, Transport):
         if isinstance(proc, Completed):
             raise CommandFailed(self.describe, args, proc.exit_code, proc.stderr)
         assert proc.stdout and proc.stderr
-        errors = Worker(f"{self.describe}-stderr", proc.stderr.read)
+        errors = ResultThread(f"{self.describe}-stderr", proc.stderr.read)
         errors.start()
         try:
             # os.read returns whatever is available: it is yielded as soon as it arrives
@@ -107,6 +121,7 @@ class LocalTransport(Tally, Transport):
             code = _exit_code(proc.wait())
             err = errors.result()
             self.tally(received=len(err))
+            code = self._outcome(proc, args, code, err)
             if code != 0:
                 raise CommandFailed(self.describe, args, code, err)
         finally:

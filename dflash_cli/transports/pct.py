@@ -1,4 +1,5 @@
-"""The `pct` transport: SSH to the Proxmox node, then `pct exec <vmid> -- argv` there.
+"""The `pct` hop: SSH to the Proxmox node, then `pct exec <vmid> -- argv` there, over
+either SSH client (`ContainerHop` is mixed into both: openssh.py and ssh.py).
 
 The argv is quoted once, for the node's login shell; `pct exec` passes everything
 after `--` to the container without another shell. pct exits 255 with its own
@@ -8,10 +9,10 @@ UnreachableError; every other exit code is the command's own.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from ..errors import UnreachableError
 from ..inventory import Host
-from .ssh import SshTransport
 
 #: pct's exit code for its own errors
 _PCT_ERROR = 255
@@ -19,9 +20,13 @@ _PCT_ERROR = 255
 _NOT_FOUND = 127
 
 
-class PctTransport(SshTransport):
-    def __init__(self, host: Host, *, accept_new_host_key: bool = False):
-        super().__init__(host, accept_new_host_key=accept_new_host_key)
+class ContainerHop:
+    """Wraps each argv in `pct exec VMID --` and tells pct's own failures from the command's."""
+
+    host: Host
+    _name: Callable[[], str]  # ResolvedTarget's: the inventory name
+
+    def _enter_container(self, host: Host) -> None:
         assert host.container is not None, "Host validation guarantees `container` for pct hosts"
         self.vmid = host.container
         self.describe = f"{host.ssh} -> pct {self.vmid}"

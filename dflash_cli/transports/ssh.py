@@ -1,4 +1,6 @@
-"""The `ssh` transport: one SSH connection per host per invocation, a channel per command.
+"""The `ssh` and `pct` transports through paramiko, where no OpenSSH client is installed
+or the inventory says `ssh_client: paramiko` (openssh.py is the default): one SSH
+connection per host per invocation, a channel per command.
 
 The target (`user@host[:port]` or an alias of the user's ssh config) is resolved as
 the user's OpenSSH client resolves it (ssh_options: `ssh -G`); paramiko then opens
@@ -28,18 +30,12 @@ from paramiko.ssh_exception import NoValidConnectionsError
 from ..errors import ConnectionLost, UnreachableError
 from ..inventory import Host
 from .base import Completed, Transport
-from .common import (CHUNK, CommandFailed, Deadline, Tally, Worker, feed_stdin, normalize_argv,
-                     read_to_end)
+from .common import (CHUNK, KEEPALIVE_COUNT, KEEPALIVE_S, SIGNALLED_EXIT, CommandFailed, Deadline,
+                     ResultThread, Tally, feed_stdin, normalize_argv, read_to_end)
 from .known_hosts import HostKeyRefused, KnownHosts, fingerprint
-from .ssh_options import SshOptions, resolve
+from .pct import ContainerHop
+from .ssh_options import ResolvedTarget, SshOptions, resolve
 
-#: seconds between keepalive packets; with TCP_USER_TIMEOUT a silent peer is dropped
-#: after KEEPALIVE_S * KEEPALIVE_COUNT seconds (OpenSSH's ServerAliveInterval/CountMax)
-KEEPALIVE_S = 5
-KEEPALIVE_COUNT = 3
-#: the exit code of a command killed by a signal: sshd sends no exit status then, and
-#: OpenSSH's client reports 255 as well
-SIGNALLED_EXIT = 255
 _CONNECTION_LOST = (paramiko.SSHException, OSError, EOFError)
 
 # Paramiko logs failures of its transport thread (with tracebacks) through logging,
@@ -135,7 +131,7 @@ def authenticate(transport: paramiko.Transport, options: SshOptions) -> None:
         f"{', '.join(files) or 'no identity file found'})")
 
 
-class SshTransport(Tally, Transport):
+class SshTransport(ResolvedTarget, Tally, Transport):
     def __init__(self, host: Host, *, accept_new_host_key: bool = False):
         assert host.ssh, "Host validation guarantees `ssh` for ssh and pct hosts"
         super().__init__()
@@ -144,23 +140,8 @@ class SshTransport(Tally, Transport):
         self._accept_new = accept_new_host_key
         self._lock = threading.Lock()  # guards _chain
         self._chain: list[paramiko.Transport] = []  # ProxyJump hops, then the host itself
-        self._options: SshOptions | None = None
 
     # -- the connection ------------------------------------------------------------------
-
-    def _name(self) -> str:
-        return self.host.name or self.host.ssh or "?"
-
-    def _where(self) -> str:
-        """The inventory name and the hop chain, for messages: "ct200 (root@node -> pct 200)"."""
-        return f"{self.host.name} ({self.describe})" if self.host.name else self.describe
-
-    @property
-    def options(self) -> SshOptions:
-        """The host's resolved options (`ssh -G` runs once per transport)."""
-        if self._options is None:
-            self._options = resolve(self.host.ssh, self.host)
-        return self._options
 
     def _session_transport(self, stale: paramiko.Transport | None = None) -> paramiko.Transport:
         """The live connection's paramiko Transport, connecting when there is none, when
@@ -340,8 +321,8 @@ class SshTransport(Tally, Transport):
             deadline = Deadline(timeout, chan.close)
             # stdin, stdout and stderr move at once: a command that answers while it
             # reads would otherwise fill the channel window and hang (paramiko #448)
-            feeder = Worker(f"{self._name()}-stdin", lambda: self._feed(chan, stdin, args))
-            errors = Worker(f"{self._name()}-stderr", lambda: read_to_end(chan.recv_stderr))
+            feeder = ResultThread(f"{self._name()}-stdin", lambda: self._feed(chan, stdin, args))
+            errors = ResultThread(f"{self._name()}-stderr", lambda: read_to_end(chan.recv_stderr))
             feeder.start()
             errors.start()
             try:
@@ -364,7 +345,7 @@ class SshTransport(Tally, Transport):
         chan = self._exec(args)
         try:
             self._close_stdin(chan)
-            errors = Worker(f"{self._name()}-stderr", lambda: read_to_end(chan.recv_stderr))
+            errors = ResultThread(f"{self._name()}-stderr", lambda: read_to_end(chan.recv_stderr))
             errors.start()
             while data := chan.recv(CHUNK):
                 self.tally(received=len(data))
@@ -381,3 +362,9 @@ class SshTransport(Tally, Transport):
     def close(self) -> None:
         with self._lock:
             self._close_chain()
+
+
+class PctTransport(ContainerHop, SshTransport):
+    def __init__(self, host: Host, *, accept_new_host_key: bool = False):
+        super().__init__(host, accept_new_host_key=accept_new_host_key)
+        self._enter_container(host)

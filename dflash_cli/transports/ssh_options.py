@@ -26,7 +26,8 @@ CONFIG_ENV = "DFLASH_SSH_CONFIG"
 #: what `ssh -G` says for the options dflash uses (its keys are lower case)
 USED = ("hostname", "port", "user", "identityfile", "identitiesonly", "identityagent", "certificatefile",
         "userknownhostsfile", "globalknownhostsfile", "stricthostkeychecking", "proxyjump",
-        "proxycommand", "connecttimeout", "serveraliveinterval", "controlmaster", "controlpath")
+        "proxycommand", "connecttimeout", "serveraliveinterval", "controlmaster", "controlpath",
+        "controlpersist")
 _DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 
 
@@ -45,6 +46,13 @@ class SshOptions:
     proxy_jump: str | None
     proxy_command: str | None
     server_alive_interval: int
+    strict_host_key_checking: str  # as ssh -G says it: ask, yes, accept-new, no...
+    connect_timeout: str  # seconds, or "none"
+    # the user's connection sharing (the OpenSSH client reuses it): ControlMaster as
+    # ssh -G says it (false, true, auto, ask, autoask), ControlPath or None, ControlPersist
+    control_master: str
+    control_path: str | None
+    control_persist: str
     resolved_by: str  # "ssh -G" or "paramiko (no OpenSSH client)"
     sources: Mapping[str, str]  # option -> where its value came from
 
@@ -82,7 +90,7 @@ def split_target(target: str) -> tuple[str | None, str, int | None]:
     return user or None, rest.strip("[]"), None
 
 
-def _config_file() -> str | None:
+def config_file() -> str | None:
     return os.environ.get(CONFIG_ENV) or None
 
 
@@ -103,7 +111,7 @@ def _with_openssh(host: str, user: str | None, port: int | None,
     """The options `ssh -G` gives, and with `explain` per option whether the config
     file set it (it differs from what OpenSSH says without any config file) or
     OpenSSH's default (a second `ssh -G`, so only when asked)."""
-    config = _config_file()
+    config = config_file()
     args = [*(["-l", user] if user else []), *(["-p", str(port)] if port else []), host]
     options = _ssh_g(args, config)
     sources: dict[str, str] = {}
@@ -120,7 +128,7 @@ def _with_openssh(host: str, user: str | None, port: int | None,
 
 def _with_paramiko(host: str, user: str | None, port: int | None) -> tuple[dict[str, list[str]], dict[str, str]]:
     import paramiko
-    path = Path(_config_file() or os.path.expanduser("~/.ssh/config"))
+    path = Path(config_file() or os.path.expanduser("~/.ssh/config"))
     found = paramiko.SSHConfig.from_path(str(path)).lookup(host) if path.is_file() else {"hostname": host}
     options = {key: value if isinstance(value, list) else [str(value)] for key, value in found.items()}
     sources = {key: f"ssh config ({path}, read by paramiko)" if key in options else "default" for key in USED}
@@ -170,6 +178,7 @@ def resolve(target: str, host: Host, *, explain: bool = False) -> SshOptions:
     jump = (options.get("proxyjump") or [None])[0]
     command = (options.get("proxycommand") or [None])[0]
     alive = (options.get("serveraliveinterval") or ["0"])[0]
+    control_path = (options.get("controlpath") or ["none"])[0]
     return SshOptions(
         target=target, hostname=options["hostname"][0], port=int(options["port"][0]), user=options["user"][0],
         identity_files=tuple(identity_files),
@@ -183,4 +192,32 @@ def resolve(target: str, host: Host, *, explain: bool = False) -> SshOptions:
         proxy_jump=None if jump in (None, "none") else jump,
         proxy_command=None if command in (None, "none") else command,
         server_alive_interval=int(alive) if alive.isdigit() else 0,
+        strict_host_key_checking=strict, connect_timeout=(options.get("connecttimeout") or ["none"])[0],
+        control_master=(options.get("controlmaster") or ["false"])[0].lower(),
+        control_path=None if control_path == "none" else _expand(control_path, options),
+        control_persist=(options.get("controlpersist") or ["no"])[0],
         resolved_by=resolved_by, sources=sources)
+
+
+class ResolvedTarget:
+    """What the transports of both SSH clients share: the host's names for messages and
+    its options, resolved once per transport (`ssh -G`)."""
+
+    host: Host
+    describe: str
+    _options: SshOptions | None = None
+
+    def _name(self) -> str:
+        return self.host.name or self.host.ssh or "?"
+
+    def _where(self) -> str:
+        """The inventory name and the hop chain, for messages: "ct200 (root@node -> pct 200)"."""
+        return f"{self.host.name} ({self.describe})" if self.host.name else self.describe
+
+    @property
+    def options(self) -> SshOptions:
+        """The host's resolved options (`ssh -G` runs once per transport)."""
+        if self._options is None:
+            assert self.host.ssh, "Host validation guarantees `ssh` for ssh and pct hosts"
+            self._options = resolve(self.host.ssh, self.host)
+        return self._options

@@ -33,6 +33,7 @@ class SshNode:
     pid: int  # the listening sshd, started by the fixture
     log_path: Path  # sshd's own log (-e: everything it says on stderr)
     user_ca: Path | None = None  # a CA private key whose user certificates sshd trusts (TrustedUserCAKeys)
+    host_ca_line: str | None = None  # "ssh-ed25519 AAAA…" of the CA that signed sshd's host certificate
 
     @property
     def target(self) -> str:
@@ -78,8 +79,9 @@ def _sshd_version() -> tuple[int, int]:
 
 
 def _write_config(workdir: Path, ports: tuple[int, int], host_key: Path, authorized: Path,
-                  user_ca_pub: Path) -> Path:
+                  user_ca_pub: Path, host_certificate: Path | None) -> Path:
     lines = [
+        *([f"HostCertificate {host_certificate}"] if host_certificate else []),
         f"TrustedUserCAKeys {user_ca_pub}",
         *(f"Port {port}" for port in ports),
         f"ListenAddress {ADDRESS}",
@@ -103,8 +105,20 @@ def _write_config(workdir: Path, ports: tuple[int, int], host_key: Path, authori
     return config
 
 
-def start_sshd(workdir: Path) -> tuple[SshNode, subprocess.Popen[bytes]]:
-    """Start sshd -D on a free port of 127.0.0.1 and wait until it listens."""
+def _certify_host_key(workdir: Path, host_key: Path) -> tuple[Path, str]:
+    """A host certificate for `host_key` (for 127.0.0.1) signed by a new CA; its path
+    and the CA's public key line."""
+    host_ca = workdir / "host_ca"
+    ca_line = keygen(host_ca, "dflash-test-host-ca")
+    subprocess.run(["ssh-keygen", "-q", "-s", str(host_ca), "-h", "-I", "dflash-test-host", "-n", ADDRESS,
+                    str(host_key.with_name(host_key.name + ".pub"))], check=True, stdin=subprocess.DEVNULL)
+    return host_key.with_name(host_key.name + "-cert.pub"), " ".join(ca_line.split()[:2])
+
+
+def start_sshd(workdir: Path, host_certificate: bool = False) -> tuple[SshNode, subprocess.Popen[bytes]]:
+    """Start sshd -D on a free port of 127.0.0.1 and wait until it listens; with
+    `host_certificate`, sshd also presents a certificate of its host key signed by a CA
+    of its own (SshNode.host_ca_line)."""
     if not SSHD.exists():
         raise SshdMissing(f"{SSHD} is missing: the tests need OpenSSH's server; "
                           "run `apt-get install -y openssh-server`")
@@ -116,10 +130,11 @@ def start_sshd(workdir: Path) -> tuple[SshNode, subprocess.Popen[bytes]]:
     key_type, key_b64 = host_key_line.split()[:2]
     user_ca = workdir / "user_ca"
     keygen(user_ca, "dflash-test-user-ca")
+    certificate, host_ca_line = _certify_host_key(workdir, host_key) if host_certificate else (None, None)
     for _attempt in range(3):  # another process may take the free port before sshd does
         port, alt_port = free_ports(2)
         config = _write_config(workdir, (port, alt_port), host_key, workdir / "authorized_keys",
-                               user_ca.with_name("user_ca.pub"))
+                               user_ca.with_name("user_ca.pub"), certificate)
         log_path = workdir / f"sshd-{port}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
@@ -131,7 +146,7 @@ def start_sshd(workdir: Path) -> tuple[SshNode, subprocess.Popen[bytes]]:
                 known_hosts = workdir / "known_hosts"
                 known_hosts.write_text(f"[{ADDRESS}]:{port} {key_type} {key_b64}\n")
                 node = SshNode(ADDRESS, port, alt_port, "root", client_key, known_hosts, f"{key_type} {key_b64}",
-                               proc.pid, log_path, user_ca)
+                               proc.pid, log_path, user_ca, host_ca_line)
                 return node, proc
             time.sleep(0.02)
         stop_sshd(proc)
