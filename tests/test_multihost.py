@@ -21,7 +21,7 @@ from dflash_run import dflash, dflash_argv, dflash_env
 from support import container_workspace, free_port
 from support.inventory import default_hosts
 from support.train_configs import small_config
-from support_agent.harness import wait_for
+from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -288,9 +288,9 @@ def test_a_drafter_failing_on_the_second_host_stops_the_first_and_is_shown_namin
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dflash_env())
     try:
         errors = pair.on_node(202, f"runs/{run_id}") / "errors.jsonl"
-        wait_for(lambda: errors.exists() and errors.read_text().strip(), 240, "ct202's error record")
+        wait_until(lambda: errors.exists() and errors.read_text().strip(), 240, "ct202's error record")
         # ct200's trainer, not failing itself, is gone within seconds of its peer's failure.
-        wait_for(lambda: not pair.trainer_alive(200, run_id), 30, "ct200's trainer to end")
+        wait_until(lambda: not pair.trainer_alive(200, run_id), 30, "ct200's trainer to end")
         stdout, stderr = watch.communicate(timeout=120)
     finally:
         if watch.poll() is None:
@@ -324,7 +324,7 @@ def test_stop_leaves_no_process_on_either_host(pair, tmp_path):
         return json.loads(pair.dflash("status", run_id, "--json").stdout)["state"]
 
     # Rank 0 reports the steps of the whole run (they are one run's steps).
-    wait_for(lambda: len(events(pair, 200, run_id, "step")) >= 2 and state() == "RUNNING", 240,
+    wait_until(lambda: len(events(pair, 200, run_id, "step")) >= 2 and state() == "RUNNING", 240,
              "both hosts to train")
     stopped = pair.dflash("stop", "--grace", "5")  # the latest run: both hosts
     assert stopped.returncode == 0, stopped.stderr
@@ -350,7 +350,7 @@ def test_a_run_on_two_hosts_resumes_as_one_from_rank_0s_checkpoint(pair, tmp_pat
     checkpoint of, starting nothing; then it resumes both hosts as attempt 1 from one step."""
     hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
     run_id = launch_pair(pair, pair_config(tmp_path / "resumed.yaml", checkpoint={"every": 2}, faults=hang))
-    wait_for(lambda: 3 in [e["step"] for e in events(pair, 200, run_id, "step")], 240, "step 3 on rank 0")
+    wait_until(lambda: 3 in [e["step"] for e in events(pair, 200, run_id, "step")], 240, "step 3 on rank 0")
 
     def attempts() -> list[int]:
         return [pair.run_json(vmid, run_id)["attempt"] for vmid in (200, 202)]
