@@ -17,7 +17,7 @@ from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory
 from dflash_cli.local_state import RunRef, resolve_run, set_latest
 from dflash_cli.multihost import aggregate_state, in_time_order, peer_failed_line, root_cause
-from dflash_run import dflash, dflash_argv, dflash_env
+from dflash_run import dflash, dflash_argv, dflash_env, dflash_in_process
 from support import container_workspace, free_port
 from support.inventory import default_hosts
 from support.train_configs import small_config
@@ -214,20 +214,23 @@ def test_a_host_whose_start_fails_stops_the_others(pair, tmp_path):
     assert not (pair.logs / "latest.json").exists()
 
 
-def test_launch_options_for_several_hosts_only(pair, tmp_path):
+@pytest.mark.parametrize("host_names, options, messages", [
+    (["ct200"], ["--master-port", "29500"], ["--master-addr and --master-port are for a run on several hosts"]),
+    (["ct200", "ct200"], [], ["host 'ct200' is named twice"]),
+    (["ct200", "ct202"], ["--master-addr", "10.0.0.1; rm"],
+     ["--master-addr '10.0.0.1; rm': expected a host name or IP address"]),
+    (["ct202", "ct200"], [],  # rank 0 is a container without address
+     ["ct202 (rank 0) has no address", "set address: in the inventory entry of ct202"]),
+    (["ct200", "ct202"], ["--set", "restart.max=1"],
+     ["cannot restart together without a coordinator", "resume it by hand with `dflash resume RUN`"]),
+], ids=["one host", "named twice", "bad address", "rank 0 without address", "restart"])
+def test_launch_options_for_several_hosts_only(pair, tmp_path, host_names, options, messages):
     config = str(small_config(tmp_path / "one.yaml"))
-    done = pair.dflash("launch", "ct200", "--config", config, "--master-port", "29500")
-    assert done.returncode == 2 and "--master-addr and --master-port are for a run on several hosts" in done.stderr
-    done = pair.dflash("launch", "ct200", "ct200", "--config", config)
-    assert done.returncode == 2 and "host 'ct200' is named twice" in done.stderr
-    done = pair.dflash("launch", "ct200", "ct202", "--config", config, "--master-addr", "10.0.0.1; rm")
-    assert done.returncode == 2 and "--master-addr '10.0.0.1; rm': expected a host name or IP address" in done.stderr
-    done = pair.dflash("launch", "ct202", "ct200", "--config", config)  # rank 0 is a container without address
-    assert done.returncode == 2 and "ct202 (rank 0) has no address" in done.stderr
-    assert "set address: in the inventory entry of ct202" in done.stderr
-    done = pair.dflash("launch", "ct200", "ct202", "--config", config, "--set", "restart.max=1")
-    assert done.returncode == 2 and "cannot restart together without a coordinator" in done.stderr
-    assert "resume it by hand with `dflash resume RUN`" in done.stderr
+    done = dflash_in_process("--logs-dir", str(pair.logs), "launch", *host_names, "--config", config, *options,
+                             hosts=pair.hosts)
+    assert done.returncode == 2, done.stderr
+    for message in messages:
+        assert message in done.stderr
     assert not pair.on_node(200, "runs").exists() and not pair.on_node(202, "runs").exists()
 
 
