@@ -9,8 +9,9 @@ node with a strict `pct`, and an inventory writer for them (tests/support/).
 - ports come from support.free_port(s) (the kernel's choice), never a fixed number;
 - a test finds the processes it must check or end by its own paths or pids (its
   tmp_path in their argv, run.json), never by a name that another worker's process has too.
-A test that cannot follow these gets `@pytest.mark.xdist_group("NAME")` and the suite
-runs with `--dist loadgroup` (no such test today)."""
+The suite runs with `--dist loadgroup`: tests marked `@pytest.mark.xdist_group("NAME")` run
+on one worker. Mark so the tests that share an expensive module fixture (a trained run),
+so that it is made once, and any test that cannot follow the rules above."""
 from __future__ import annotations
 
 import os

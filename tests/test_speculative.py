@@ -15,6 +15,8 @@ import torch
 from dflash_train.config import load_train_config
 from support.wait import wait_until
 
+# On one xdist worker: the module's drafter is trained once (a minute or more), not once per worker.
+pytestmark = pytest.mark.xdist_group("speculative-trained-drafter")
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
 

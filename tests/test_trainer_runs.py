@@ -350,6 +350,7 @@ def threaded_losses(workspace, tmp_path_factory) -> dict[int, float]:
     return step_losses(run)
 
 
+@pytest.mark.xdist_group("threaded-losses")  # one worker: the shared run is made once
 @pytest.mark.timeout(300)
 def test_the_sequential_pipeline_does_the_threaded_ones_work(launch, threaded_losses):
     sequential = launch(FOUR_STEPS + "pipeline: {mode: sequential}\n", run_id="sequential")
@@ -358,6 +359,7 @@ def test_the_sequential_pipeline_does_the_threaded_ones_work(launch, threaded_lo
     assert [e["phase"] for e in sequential.events("phase")][:2] == ["startup", "train"]
 
 
+@pytest.mark.xdist_group("threaded-losses")  # one worker: the shared run is made once
 @pytest.mark.timeout(300)
 def test_two_target_threads_on_one_device_do_the_same_work(launch, threaded_losses):
     # two target threads (one per drafter) on one device share its model and tap
@@ -367,6 +369,7 @@ def test_two_target_threads_on_one_device_do_the_same_work(launch, threaded_loss
     assert step_losses(two_targets) == pytest.approx(threaded_losses, rel=1e-5)
 
 
+@pytest.mark.xdist_group("threaded-losses")  # one worker: the shared run is made once
 @pytest.mark.timeout(600)  # compiling is the slow part, slower still on a loaded machine
 def test_compiled_drafters_do_the_same_work(launch, threaded_losses):
     # torch.compile (no CUDA graphs) in two drafter threads of the same architecture
