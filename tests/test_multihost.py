@@ -161,7 +161,8 @@ class Pair:
         self.workspace = container_workspace(fake_pve, tmp_path)
 
     def dflash(self, *args: str, **kwargs):
-        return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
+        """The CLI in this process: what these tests check is the run on both hosts."""
+        return dflash_in_process("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
 
     def on_node(self, vmid: int, path: str = "") -> Path:
         """`path` under the workspace, as container `vmid` holds it, seen from the node."""
