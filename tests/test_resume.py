@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dflash_agent import attempts, procfs
-from dflash_run import dflash
+from dflash_run import dflash_in_process
 from support.train_configs import small_config
 from support.wait import wait_until
 
@@ -28,7 +28,8 @@ class Bed:
         self.workspace = Path(yaml.safe_load(self.hosts.read_text())["hosts"][HOST]["workspace"])
 
     def dflash(self, *args: str, **kwargs):
-        return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
+        """The CLI in this process: these tests check the run, not the CLI's process."""
+        return dflash_in_process("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
 
     def launch(self, name: str, **changes) -> str:
         config = small_config(self.tmp / f"{name}.yaml", **changes)
