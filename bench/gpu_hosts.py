@@ -216,7 +216,7 @@ def exchange_child(shape_name: str, iters: int) -> None:
     from dflash_train.distributed import join
     from dflash_train.gradients import GradientExchange
     from dflash_train.runlog import ErrorLog, ThreadNames
-    from dflash_train.threads import RunState
+    from dflash_train.threads import StopLatch
 
     shape = {"8b": QWEN3_8B, "micro": MICRO}[shape_name]
     cuda = torch.cuda.is_available()
@@ -224,8 +224,8 @@ def exchange_child(shape_name: str, iters: int) -> None:
     if cuda:
         torch.cuda.set_device(0)
     scratch = Path(tempfile.mkdtemp(prefix="exchange-"))
-    state = RunState(ErrorLog(scratch / "errors.jsonl"), ThreadNames(scratch / "threads.json"))
-    peers = join(DistributedConfig(), 1, cuda, state)
+    latch = StopLatch(ErrorLog(scratch / "errors.jsonl"), ThreadNames(scratch / "threads.json"))
+    peers = join(DistributedConfig(), 1, cuda, latch)
     assert peers is not None, "started without WORLD_SIZE"
     grads = drafter_gradients(shape, device)
     times = time_exchange(GradientExchange(peers.layout, peers), [grads], [device], shape.block, iters)

@@ -28,7 +28,7 @@ class Host:
     container: int | None = None  # the LXC vmid, for transport pct
     # Interpreter on the host (inside the container for pct). Default: the environment
     # `dflash setup` made (<workspace>/env/bin/python) where there is one, else python3
-    # remotely and for `local` the interpreter running dflash (agent.PREFER_SETUP_ENV).
+    # remotely and for `local` the interpreter running dflash (agent_client.PREFER_SETUP_ENV).
     python: str | None = None
     identity_file: str | None = None
     known_hosts: str | None = None

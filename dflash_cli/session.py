@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
-from .agent import AgentClient
+from .agent_client import AgentClient
 from .errors import DflashError
 from .inventory import Host, Inventory, load_inventory
 from .transports import open_transport

@@ -288,18 +288,18 @@ def test_sampling_is_seeded_per_batch_and_the_template_gets_enable_thinking(work
     from dflash_train.config import RegenerateConfig, SamplingConfig, TinyTargetSpec
     from dflash_train.regenerate import Answerer, Batch, read_prompts
     from dflash_train.runlog import ErrorLog, ThreadNames
-    from dflash_train.threads import RunState
+    from dflash_train.threads import StopLatch
     from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
 
     target = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache").target_dir
     tokenizer = AutoTokenizer.from_pretrained(str(target), padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    state = RunState(ErrorLog(tmp_path / "errors.jsonl"), ThreadNames(tmp_path / "threads.json"))
+    latch = StopLatch(ErrorLog(tmp_path / "errors.jsonl"), ThreadNames(tmp_path / "threads.json"))
     prompts = read_prompts(TINY_PROMPTS)[:4]
 
     def answers(sampling: SamplingConfig | None, number: int) -> list[str]:
         settings = RegenerateConfig(prompts="p", output="/o", max_new_tokens=12, sampling=sampling)
-        answerer = Answerer(model, tokenizer, threading.Lock(), settings, "cpu", state)
+        answerer = Answerer(model, tokenizer, threading.Lock(), settings, "cpu", latch)
         torch.manual_seed(12345)  # whatever the generator held before: the batch's seed decides
         return [a.text for a in answerer.answer(Batch(number, tuple(prompts)))]
 
@@ -307,13 +307,13 @@ def test_sampling_is_seeded_per_batch_and_the_template_gets_enable_thinking(work
     assert answers(hot, 3) == answers(hot, 3)
     assert answers(hot, 3) != answers(hot, 4) and answers(hot, 3) != answers(SamplingConfig(2.0, seed=8), 3)
     assert answers(hot, 3) != answers(None, 3)
-    assert state.progress > 0  # every decoding step counted: heartbeats go on during a batch
+    assert latch.progress > 0  # every decoding step counted: heartbeats go on during a batch
 
     tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                                "{% if enable_thinking is defined and not enable_thinking %}w0 w0 {% endif %}")
     for thinking, rendered in ((None, "w1 "), (True, "w1 "), (False, "w1 w0 w0 ")):
         settings = RegenerateConfig(prompts="p", output="/o", enable_thinking=thinking)
-        answerer = Answerer(model, tokenizer, threading.Lock(), settings, "cpu", state)
+        answerer = Answerer(model, tokenizer, threading.Lock(), settings, "cpu", latch)
         assert answerer.render(read_prompts(write_prompt(tmp_path, "w1"))[0]) == rendered
 
 

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console, provenance, release
-from ..agent import check_interpreter, parse_reply
+from ..agent_client import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
 from ..retry import retry_dropped

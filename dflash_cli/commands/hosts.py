@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console, requirements
-from ..agent import check_interpreter, parse_reply, python_argv
+from ..agent_client import check_interpreter, parse_reply, python_argv
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session

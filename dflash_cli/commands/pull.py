@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from rich.progress import Progress
 
 from .. import console
-from ..agent import AgentClient, parse_reply
+from ..agent_client import AgentClient, parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..local_state import RunLogs, RunRef
 from ..retry import RETRY_FOR_S, Reconnects, retry_dropped

@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     say(f"dflash_train pid {os.getpid()} run dir {run_dir} config {args.config}")
 
     from .config import load_train_config
-    from .threads import RunState, install_excepthook
+    from .threads import StopLatch, install_excepthook
 
-    state = RunState(errors, thread_names)
-    install_excepthook(state)
+    latch = StopLatch(errors, thread_names)
+    install_excepthook(latch)
     try:
         config = load_train_config(args.config)
         if args.resume_from is not None:
@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> None:
         module, name = JOBS[config.job]
         job_class = getattr(importlib.import_module(module, __package__), name)
     except BaseException as exc:  # noqa: BLE001 - a bad config or a broken install is this run's failure too
-        state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase="startup", step=None)
+        latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase="startup", step=None)
         finish(events, writers, fault_log, 1, [])
 
     hf_logging.disable_progress_bar()
-    coordinator = job_class(config, run_dir, events, state, fault_log)
+    coordinator = job_class(config, run_dir, events, latch, fault_log)
     install_signal_handlers(coordinator)
     finish(events, writers, fault_log, coordinator.run(), coordinator.alive)
 

@@ -29,7 +29,7 @@ from .pipeline import READY, Channels, EvalRequest, drafter_body, eval_body, pre
 from .replica import NonFiniteStep, Replica, ReplicasDiverged, verify_replicas_identical
 from .runlog import EventLog, dump_header, say
 from .startup import Prepared, prepare
-from .threads import JobControl, Rendezvous, RunState, StopRequested, StoppableQueue, Worker
+from .threads import JobControl, Rendezvous, StopLatch, StopRequested, StoppableQueue, JobThread
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -39,13 +39,13 @@ class ThreadFailed(RuntimeError):
 
 
 class Coordinator(JobControl):
-    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, state: RunState, fault_log):
-        super().__init__(events, state, config.runtime.heartbeat_s)
+    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
+        super().__init__(events, latch, config.runtime.heartbeat_s)
         self.config = config
         self.run_dir = run_dir
         self.fault_log = fault_log
         self.step: int | None = None
-        self.workers: list[Worker] = []
+        self.workers: list[JobThread] = []
         self.alive: list[str] = []  # threads still running at exit
         self.replicas: dict[int, Replica] = {}
         self.prepared: Prepared | None = None
@@ -62,12 +62,12 @@ class Coordinator(JobControl):
         try:
             self._set_phase("startup")
             self.peers = join(self.config.distributed, len(self.config.devices.drafters),
-                              not self.config.devices.cpu_only, self.state)
+                              not self.config.devices.cpu_only, self.latch)
             if self.peers is not None:
                 self.peers.where = lambda: (self.phase, self.step)
                 self.peers.on_stuck = self._end_now
                 self.peers.exit_after_s = self.config.runtime.stop_grace_s + 10.0
-            self.prepared = prepare(self.config, self.run_dir, self.events, self.state, self.peers)
+            self.prepared = prepare(self.config, self.run_dir, self.events, self.latch, self.peers)
             if self.config.pipeline.mode == "sequential":
                 self._run_sequential(self.prepared)
             else:
@@ -80,7 +80,7 @@ class Coordinator(JobControl):
         except (StopRequested, PeerFailed):
             # A peer failed (its PeerFailed record is written), or a worker outside the
             # drafters did (the checkpoint writer): the run fails.
-            if self.state.failure is not None:
+            if self.latch.failure is not None:
                 self._teardown()
                 self._finish_checkpoints()
                 self._leave(ok=False)
@@ -89,7 +89,7 @@ class Coordinator(JobControl):
             self._leave(ok=False)
             return code
         except BaseException as exc:  # noqa: BLE001 - the coordinator's own failure is recorded too
-            self.state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase=self.phase,
+            self.latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase=self.phase,
                                       step=self.step)
             self._teardown()
             self._finish_checkpoints()
@@ -175,14 +175,14 @@ class Coordinator(JobControl):
                 f"{', '.join(f'{b.rows}x{b.length} ({b.blocks} blocks)' for b in plan.buckets)}")
 
     def _run_threaded(self, prepared: Prepared) -> None:
-        run, state, pipe = prepared.run, self.state, self.config.pipeline
+        run, latch, pipe = prepared.run, self.latch, self.config.pipeline
         drafters, targets = len(run.drafter_devices), len(run.target_devices)
         channels = Channels(
-            target_queues=[StoppableQueue(f"target-{t}", pipe.queue_size, state, pipe.poll_s) for t in range(targets)],
-            drafter_queues=[StoppableQueue(f"drafter-{r}", pipe.queue_size, state, pipe.poll_s)
+            target_queues=[StoppableQueue(f"target-{t}", pipe.queue_size, latch, pipe.poll_s) for t in range(targets)],
+            drafter_queues=[StoppableQueue(f"drafter-{r}", pipe.queue_size, latch, pipe.poll_s)
                             for r in range(drafters)],
-            eval_queue=StoppableQueue("eval", 2, state, pipe.poll_s) if run.evaluator else None,
-            rendezvous=Rendezvous(drafters, state))
+            eval_queue=StoppableQueue("eval", 2, latch, pipe.poll_s) if run.evaluator else None,
+            rendezvous=Rendezvous(drafters, latch))
         run.queues = [*channels.target_queues, *channels.drafter_queues]
         self._configure_compiler()
         for index in range(drafters):
@@ -199,12 +199,12 @@ class Coordinator(JobControl):
         drafter_workers = self.workers[:drafters]
         while True:
             self.poll()
-            if state.failure is not None:
-                name, exc = state.failure
+            if latch.failure is not None:
+                name, exc = latch.failure
                 if isinstance(exc, PeerFailed):
                     raise exc  # recorded once, where it was found
                 raise ThreadFailed(f"{name} failed: {type(exc).__name__}: {exc}") from exc
-            state.check()
+            latch.check()
             if all(w.done.is_set() for w in drafter_workers):
                 if self.checksums is None:
                     self._replicas_done()
@@ -214,8 +214,8 @@ class Coordinator(JobControl):
                     self._set_phase("eval")  # training is over; the final evaluation runs
             time.sleep(0.1)
 
-    def _start(self, name: str, body) -> Worker:
-        worker = Worker(name, self.state, body)
+    def _start(self, name: str, body) -> JobThread:
+        worker = JobThread(name, self.latch, body)
         self.workers.append(worker)
         worker.start()
         return worker
@@ -245,7 +245,7 @@ class Coordinator(JobControl):
         for step in range(run.start_step + 1, run.total_steps + 1):
             self.step = step
             self.poll()
-            self.state.check()
+            self.latch.check()
             faults.fire("prefetch", step)
             stats = []
             for replica in replicas:
@@ -263,7 +263,7 @@ class Coordinator(JobControl):
                 if self.peers is not None and reporter_rank != self.peers.rank:  # that rank records the root cause
                     raise self.peers.peer_failed(reporter_rank, type(exc).__name__, str(exc)) from exc
                 raise
-            self.state.progressed()
+            self.latch.progressed()
             run.after_step(step, replicas[0], applied, evaluate)
         self._set_phase("shutdown")
         self._replicas_done()
@@ -271,7 +271,7 @@ class Coordinator(JobControl):
 
     def _teardown(self) -> None:
         """Stop every thread; wait at most stop_grace_s for them to finish their step."""
-        self.state.request_stop(self.state.stop_reason or "run over")
+        self.latch.request_stop(self.latch.stop_reason or "run over")
         deadline = time.monotonic() + self.config.runtime.stop_grace_s
         for worker in self.workers:
             worker.join(max(0.0, deadline - time.monotonic()))

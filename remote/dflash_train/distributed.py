@@ -36,7 +36,7 @@ import torch
 
 from .config import DistributedConfig
 from .runlog import say
-from .threads import RunState, StopRequested
+from .threads import StopLatch, StopRequested
 
 WATCH_S = 0.5  # the watchdog's period: how fast a peer's failure is seen
 ACK_S = 5.0  # how long a failed rank 0 keeps its store up for the others to read why
@@ -97,7 +97,7 @@ def pick_backend(config: DistributedConfig, cuda: bool) -> str:
     return "nccl" if cuda else "gloo"
 
 
-def join(config: DistributedConfig, local_replicas: int, cuda: bool, state: RunState) -> "Peers | None":
+def join(config: DistributedConfig, local_replicas: int, cuda: bool, latch: StopLatch) -> "Peers | None":
     """The process group of this run, or None for a one-process run (WORLD_SIZE unset or 1)."""
     world = requested_world_size()
     if world <= 1:
@@ -127,7 +127,7 @@ def join(config: DistributedConfig, local_replicas: int, cuda: bool, state: RunS
         raise JoinFailed(f"rank {rank} could not join the process group of {world} at {address} within "
                          f"{config.join_timeout_s:.0f}s ({type(exc).__name__}: {_first_line(exc)})") from exc
     peers = Peers(Layout(rank, world, local_replicas), config, backend, group,
-                  dist.PrefixStore(f"dflash/{os.environ.get('DFLASH_RUN_ID', 'run')}/", store), address, state)
+                  dist.PrefixStore(f"dflash/{os.environ.get('DFLASH_RUN_ID', 'run')}/", store), address, latch)
     peers.check_same_replicas()
     peers.start_watchdog()
     say(f"rank {rank} of {world} joined ({local_replicas} drafter replica(s) here, "
@@ -139,9 +139,9 @@ class Peers:
     """This rank's view of the others: the collective group, the shared store and the watchdog."""
 
     def __init__(self, layout: Layout, config: DistributedConfig, backend: str, group, store, address: str,
-                 state: RunState):
+                 latch: StopLatch):
         self.layout, self.config, self.backend = layout, config, backend
-        self.group, self.store, self.address, self.state = group, store, address, state
+        self.group, self.store, self.address, self.latch = group, store, address, latch
         self._closing = threading.Event()
         self._left = False
         self._peer_lock = threading.Lock()
@@ -152,7 +152,7 @@ class Peers:
         self.where: Callable[[], tuple[str, int | None]] = lambda: ("startup", None)
         self.on_stuck: Callable[[int], None] = lambda code: None
         self.exit_after_s = 10.0
-        state.on_stop(self._on_local_stop)
+        latch.on_stop(self._on_local_stop)
 
     @property
     def rank(self) -> int:
@@ -176,7 +176,7 @@ class Peers:
                 work.wait()
         except Exception as exc:  # noqa: BLE001 - gloo and NCCL raise RuntimeError subclasses of their own
             raise self._collective_failed("the gradient all-reduce", exc) from exc
-        self.state.check()  # an abort may have woken the wait: never apply what it left
+        self.latch.check()  # an abort may have woken the wait: never apply what it left
 
     def share_from_rank0(self, value: Any, device: str) -> Any:
         """Rank 0's `value` (any object torch.save takes; ignored on the other ranks), on
@@ -207,7 +207,7 @@ class Peers:
                     received[start:start + count] = piece.cpu().numpy().tobytes()
         except Exception as exc:  # noqa: BLE001 - as in all_reduce_sum
             raise self._collective_failed("receiving rank 0's checkpoint", exc) from exc
-        self.state.check()
+        self.latch.check()
         if self.rank == 0:
             return value
         return torch.load(io.BytesIO(bytes(received)), map_location="cpu", weights_only=False)
@@ -215,14 +215,14 @@ class Peers:
     def _collective_failed(self, what: str, exc: BaseException) -> BaseException:
         """What a broken collective means: a stop under way, a peer's failure, or our own."""
         deadline = time.monotonic() + COLLECTIVE_CAUSE_S
-        while not self.state.stop.is_set() and time.monotonic() < deadline:
+        while not self.latch.stop.is_set() and time.monotonic() < deadline:
             record = self._abort_record()  # the peer writes it before it tears down
             if record is not None:
                 self._on_abort_record(record)
                 break
             time.sleep(0.1)
-        if self.state.stop.is_set():
-            return StopRequested(self.state.stop_reason or "stop requested")
+        if self.latch.stop.is_set():
+            return StopRequested(self.latch.stop_reason or "stop requested")
         return CollectiveFailed(f"{what} with the other {self.layout.world_size - 1} rank(s) failed and no rank "
                                 f"recorded why ({type(exc).__name__}: {_first_line(exc)})")
 
@@ -256,14 +256,14 @@ class Peers:
                     return
             except dist.DistError as exc:  # the store's host is gone: that is rank 0
                 raise self._store_gone(exc) from exc
-            self.state.check()
+            self.latch.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} within {timeout:.0f}s")
             time.sleep(0.05)
 
     def _store_gone(self, exc: BaseException) -> BaseException:
-        if self.rank == 0 or self.state.stop.is_set():
-            return StopRequested(self.state.stop_reason or "stop requested") if self.state.stop.is_set() else exc
+        if self.rank == 0 or self.latch.stop.is_set():
+            return StopRequested(self.latch.stop_reason or "stop requested") if self.latch.stop.is_set() else exc
         return self.peer_failed(0, None, f"the store that rank 0 hosts at {self.address} stopped answering "
                                          f"({_first_line(exc)}): rank 0 is gone")
 
@@ -280,7 +280,7 @@ class Peers:
     def start_watchdog(self) -> None:
         self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._watchdog.start()
-        self.state.thread_names.add(self._watchdog)
+        self.latch.thread_names.add(self._watchdog)
 
     def _watch(self) -> None:
         code = self._watch_until_a_peer_ends()
@@ -326,7 +326,7 @@ class Peers:
     def _on_abort_record(self, record: dict[str, Any]) -> None:
         if record["kind"] == "stopped":
             say(f"rank {record['rank']} stopped ({record['message']}): stopping")
-            self.state.request_stop(f"rank {record['rank']} stopped")
+            self.latch.request_stop(f"rank {record['rank']} stopped")
         else:
             self.peer_failed(record["rank"], record["exc_type"], record["message"])
 
@@ -336,19 +336,19 @@ class Peers:
         with self._peer_lock:
             if self._peer_failure is None:
                 self._peer_failure = PeerFailed(peer_rank, exc_type, message)
-                if not self.state.stop.is_set():
+                if not self.latch.stop.is_set():
                     thread = threading.current_thread()
                     phase, step = self.where()
-                    self.state.record_failure(self._peer_failure, thread=thread.name, thread_ident=thread.ident,
+                    self.latch.record_failure(self._peer_failure, thread=thread.name, thread_ident=thread.ident,
                                               phase=getattr(thread, "phase", phase), step=getattr(thread, "step", step))
             return self._peer_failure
 
     def _on_local_stop(self) -> None:
-        """The run stops (RunState.request_stop): tell the peers why, unless a peer told us,
+        """The run stops (StopLatch.request_stop): tell the peers why, unless a peer told us,
         and free any thread blocked in a collective."""
         if self._left:
             return
-        failure = self.state.failure
+        failure = self.latch.failure
         if failure is None or not isinstance(failure[1], PeerFailed):
             if failure is not None:
                 thread, exc = failure
@@ -356,7 +356,7 @@ class Peers:
                           "exc_type": type(exc).__name__, "message": str(exc)}
             else:
                 record = {"rank": self.rank, "kind": "stopped", "exc_type": None,
-                          "message": self.state.stop_reason or "stop requested"}
+                          "message": self.latch.stop_reason or "stop requested"}
             try:
                 self.store.compare_set("abort", "", json.dumps(record))
             except Exception:  # noqa: BLE001 - rank 0 is gone: the peers see that for themselves

@@ -27,17 +27,17 @@ from .runlog import EventLog, say
 from .speculative import evaluate
 from .startup import sources, stop_ids
 from .target import FeatureTap, load_target
-from .threads import JobControl, RunState, StopRequested
+from .threads import JobControl, StopLatch, StopRequested
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
 class EvaluationJob(JobControl):
-    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, state: RunState, fault_log):
+    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
         """As every job's coordinator is built (__main__.JOBS); one drafter is measured in
         this thread, so no worker thread can outlive a stop (`alive` stays empty)."""
         assert config.evaluate is not None
-        super().__init__(events, state, config.runtime.heartbeat_s)
+        super().__init__(events, latch, config.runtime.heartbeat_s)
         self._heartbeat = (time.monotonic(), -1)  # the first heartbeat after heartbeat_s
         self.alive: list[str] = []
         self.config, self.spec, self.run_dir = config, config.evaluate, run_dir
@@ -46,9 +46,9 @@ class EvaluationJob(JobControl):
     def _stepped(self) -> None:
         """After every verify forward: act on a signal, and send a heartbeat when due."""
         self.verify_steps += 1
-        self.state.progressed()
+        self.latch.progressed()
         self.act_on_signal("stopping")
-        self.state.check()
+        self.latch.check()
         self.heartbeat_if_due(step=None, verify_steps=self.verify_steps)
 
     def run(self) -> int:
@@ -61,7 +61,7 @@ class EvaluationJob(JobControl):
             self._set_phase("shutdown")
             return 128 + int(self._signal or signal.SIGTERM)
         except BaseException as exc:  # noqa: BLE001 - recorded like any run's failure
-            self.state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(),
+            self.latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(),
                                       phase=self.phase, step=None)
             return EXIT_FAILED
 

@@ -34,7 +34,7 @@ from .replica import AppliedStep, FeatureBatch, NonFiniteStep, Replica
 from .runlog import EventLog, say
 from .speculative import evaluate
 from .target import FeatureTap
-from .threads import Rendezvous, RunState, StoppableQueue, StopRequested, Worker
+from .threads import Rendezvous, StopLatch, StoppableQueue, StopRequested, JobThread
 
 
 READY = "ready"  # the store barrier every rank arrives at once all its drafters are ready
@@ -76,8 +76,8 @@ class Evaluator:
         self.baseline: tuple[int, float] | None = None
 
     def _stepped(self) -> None:
-        self.run.state.progressed()
-        self.run.state.check()  # a long evaluation must not hold up a stopping run
+        self.run.latch.progressed()
+        self.run.latch.check()  # a long evaluation must not hold up a stopping run
 
     def measure(self, request: EvalRequest) -> None:
         self.drafter.load_state_dict(request.weights)
@@ -106,7 +106,7 @@ class Run:
     config: TrainConfig
     run_dir: Path
     events: EventLog
-    state: RunState
+    latch: StopLatch
     faults: FaultInjector
     samples: Sequence[Sample]  # a data.StoredSamples in a run
     plan: BatchPlan
@@ -129,7 +129,7 @@ class Run:
 
     def __post_init__(self) -> None:
         self.checkpoints = CheckpointWriter(self.run_dir / "checkpoints", self.config.checkpoint.keep,
-                                            resolved_yaml(self.config), self.events, self.state)
+                                            resolved_yaml(self.config), self.events, self.latch)
 
     def training_started(self) -> None:
         """Throughput and checkpoint.every_minutes count from here, not from the startup."""
@@ -255,7 +255,7 @@ class Channels:
 
 
 def prefetch_body(run: Run, channels: Channels):
-    def body(worker: Worker) -> None:
+    def body(worker: JobThread) -> None:
         run.faults.fire(worker.name)
         worker.phase = "train"
         targets = len(channels.target_queues)
@@ -265,7 +265,7 @@ def prefetch_body(run: Run, channels: Channels):
             for replica in range(len(channels.drafter_queues)):
                 batch = run.host_batch(step, replica)
                 run.waits.add(worker.name, channels.target_queues[replica % targets].put(batch))
-                run.state.progressed()
+                run.latch.progressed()
         worker.phase = "shutdown"
         for target_queue in channels.target_queues:
             target_queue.put(None)  # end of data
@@ -273,7 +273,7 @@ def prefetch_body(run: Run, channels: Channels):
 
 
 def target_body(run: Run, channels: Channels, index: int):
-    def body(worker: Worker) -> None:
+    def body(worker: JobThread) -> None:
         with thread_stream(run.target_devices[index]):
             run.faults.fire(worker.name)
             worker.phase = "train"
@@ -285,7 +285,7 @@ def target_body(run: Run, channels: Channels, index: int):
                 worker.step = batch.step
                 run.faults.fire(worker.name, batch.step)
                 run.waits.add(worker.name, channels.drafter_queues[batch.replica].put(run.features(index, batch)))
-                run.state.progressed()
+                run.latch.progressed()
             worker.phase = "shutdown"
     return body
 
@@ -294,14 +294,14 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
     """`start_replica(index)` builds the replica and its train step (weights on the
     device, compile warm-up): the startup that `wait_until_ready` waits for."""
 
-    def body(worker: Worker) -> None:
+    def body(worker: JobThread) -> None:
         with thread_stream(run.drafter_devices[index]):
             run.faults.fire(worker.name)
             replica = start_replica(index)
             worker.mark_ready()
             run.events.emit("ready", replica=replica.index, device=replica.device, compile=run.config.compile,
                             rank=run.layout.rank, world_size=run.layout.world_size)
-            run.state.progressed()
+            run.latch.progressed()
             worker.phase = "train"
             lead = replica.index == 0
 
@@ -326,7 +326,7 @@ def drafter_body(run: Run, channels: Channels, index: int, start_replica):
                     applied = replica.apply(averaged, step)
                 except NonFiniteStep as exc:
                     raise stop_unless_reporter(run, replica, exc) from None
-                run.state.progressed()
+                run.latch.progressed()
                 if lead:
                     run.after_step(step, replica, applied, evaluate)
             worker.phase = "shutdown"
@@ -348,7 +348,7 @@ def stop_unless_reporter(run: Run, replica: Replica, exc: NonFiniteStep) -> Base
 
 
 def eval_body(run: Run, channels: Channels):
-    def body(worker: Worker) -> None:
+    def body(worker: JobThread) -> None:
         assert run.evaluator is not None and channels.eval_queue is not None
         with thread_stream(run.evaluator.device):
             run.faults.fire(worker.name)

@@ -39,7 +39,7 @@ from .faults import FaultInjector
 from .runlog import EventLog, say
 from .startup import torch_threads
 from .target import load_target
-from .threads import JobControl, RunState, StopRequested, Worker
+from .threads import JobControl, StopLatch, StopRequested, JobThread
 from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
 
 
@@ -192,11 +192,11 @@ class _Pulse:
     """A stopping criterion that stops nothing: called once per decoding step, it counts
     progress, so heartbeats go on during a long batch (the run is not STALLED)."""
 
-    def __init__(self, state: RunState):
-        self._state = state
+    def __init__(self, latch: StopLatch):
+        self._latch = latch
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        self._state.progressed()
+        self._latch.progressed()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -204,7 +204,7 @@ class Answerer:
     """The target on one device, answering one batch at a time."""
 
     def __init__(self, model, tokenizer, tokenizer_lock: threading.Lock, settings: RegenerateConfig,
-                 device: str, state: RunState):
+                 device: str, latch: StopLatch):
         from transformers import GenerationConfig, StoppingCriteriaList
 
         self.model, self.tokenizer, self._tokenizer_lock = model, tokenizer, tokenizer_lock
@@ -218,7 +218,7 @@ class Answerer:
             max_new_tokens=settings.max_new_tokens, do_sample=sampling is not None,
             temperature=sampling.temperature if sampling else None, top_p=sampling.top_p if sampling else None,
             top_k=sampling.top_k if sampling else None, eos_token_id=sorted(self.stop_ids), pad_token_id=pad)
-        self.criteria = StoppingCriteriaList([_Pulse(state)])
+        self.criteria = StoppingCriteriaList([_Pulse(latch)])
 
     def render(self, prompt: Prompt) -> str:
         extra = {} if self.settings.enable_thinking is None else {"enable_thinking": self.settings.enable_thinking}
@@ -253,12 +253,12 @@ class Regeneration(JobControl):
     """The coordinator of job: regenerate (main thread): startup, the workers, the exit code.
     Failures and signals are handled as in training (coordinator.Coordinator)."""
 
-    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, state: RunState, fault_log):
+    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
         assert config.regenerate is not None
-        super().__init__(events, state, config.runtime.heartbeat_s)
+        super().__init__(events, latch, config.runtime.heartbeat_s)
         self.config, self.settings = config, config.regenerate
         self.run_dir, self.fault_log = run_dir, fault_log
-        self.workers: list[Worker] = []
+        self.workers: list[JobThread] = []
         self.alive: list[str] = []
         self.writer: AnswerWriter | None = None
 
@@ -279,13 +279,13 @@ class Regeneration(JobControl):
                 self._start(f"target-{index}", self._body(answerer, faults, queue, queue_lock))
             while not all(w.done.is_set() for w in self.workers):
                 self.poll()
-                if self.state.failure is not None:
-                    name, exc = self.state.failure
+                if self.latch.failure is not None:
+                    name, exc = self.latch.failure
                     raise ThreadFailed(f"{name} failed: {type(exc).__name__}: {exc}") from exc
-                self.state.check()
+                self.latch.check()
                 time.sleep(0.1)
-            if self.state.failure is not None:  # a worker failed as the last batch was taken
-                name, exc = self.state.failure
+            if self.latch.failure is not None:  # a worker failed as the last batch was taken
+                name, exc = self.latch.failure
                 raise ThreadFailed(f"{name} failed: {type(exc).__name__}: {exc}") from exc
             self._set_phase("shutdown")
             self._finish()
@@ -295,7 +295,7 @@ class Regeneration(JobControl):
             self._finish()
             return 128 + int(self._signal or signal.SIGTERM)
         except BaseException as exc:  # noqa: BLE001 - the coordinator's own failure is recorded too
-            self.state.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(),
+            self.latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(),
                                       phase=self.phase, step=None)
             self._finish()
             return EXIT_FAILED
@@ -326,17 +326,17 @@ class Regeneration(JobControl):
         lock = threading.Lock()
         devices = [canonical(d) for d in self.config.devices.target] if batches else []
         answerers = [Answerer(load_target(source, self.config.target.dtype, device), tokenizer, lock, settings,
-                              device, self.state) for device in devices]
+                              device, self.latch) for device in devices]
         return batches, answerers
 
     def _body(self, answerer: Answerer, faults: FaultInjector, queue, queue_lock: threading.Lock):
-        def body(worker: Worker) -> None:
+        def body(worker: JobThread) -> None:
             with thread_stream(answerer.device):
                 faults.fire(worker.name)
                 worker.mark_ready()
                 worker.phase, worker.step = "regenerate", 0
                 while True:
-                    self.state.check()
+                    self.latch.check()
                     with queue_lock:
                         batch = next(queue, None)
                     if batch is None:
@@ -349,8 +349,8 @@ class Regeneration(JobControl):
 
         return body
 
-    def _start(self, name: str, body) -> Worker:
-        worker = Worker(name, self.state, body)
+    def _start(self, name: str, body) -> JobThread:
+        worker = JobThread(name, self.latch, body)
         self.workers.append(worker)
         worker.start()
         return worker
@@ -358,14 +358,14 @@ class Regeneration(JobControl):
     def _finish(self) -> None:
         """Let every worker finish the batch it is answering (it is written), as long as it
         makes progress: a worker with no decoding step for stop_grace_s is left behind."""
-        self.state.request_stop(self.state.stop_reason or "run over")
+        self.latch.request_stop(self.latch.stop_reason or "run over")
         grace = self.config.runtime.stop_grace_s
-        last_progress, since = self.state.progress, time.monotonic()
+        last_progress, since = self.latch.progress, time.monotonic()
         while any(w.is_alive() for w in self.workers) and time.monotonic() - since < grace:
             self.poll()
             time.sleep(0.1)
-            if self.state.progress != last_progress:
-                last_progress, since = self.state.progress, time.monotonic()
+            if self.latch.progress != last_progress:
+                last_progress, since = self.latch.progress, time.monotonic()
         self.alive = [w.name for w in self.workers if w.is_alive()]
         report_threads_still_running(self.alive, grace, self.fault_log)
         if self.writer is not None:

@@ -26,7 +26,7 @@ from .replica import FrozenTargetWeights, Replica
 from .resume_check import mismatch
 from .runlog import EventLog, say
 from .target import FeatureTap, load_target
-from .threads import RunState
+from .threads import StopLatch
 from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
 
 
@@ -133,7 +133,7 @@ def resume_point(config: TrainConfig, run_dir: Path, peers: Peers | None, device
     return resumed
 
 
-def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunState,
+def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch,
             peers: Peers | None = None) -> Prepared:
     from transformers import AutoTokenizer
 
@@ -187,7 +187,7 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, state: RunStat
         weights = fresh.state_dict()
 
     start_step = resumed.state.step if resumed else 0
-    run = Run(config=config, run_dir=run_dir, events=events, state=state, faults=faults, samples=samples,
+    run = Run(config=config, run_dir=run_dir, events=events, latch=latch, faults=faults, samples=samples,
               plan=plan, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
               taps=taps, target_devices=target_devices, drafter_devices=drafter_devices, start_step=start_step,
               losses=list(resumed.state.losses) if resumed else [], exchange=GradientExchange(layout, peers),

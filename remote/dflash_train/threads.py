@@ -1,6 +1,6 @@
 """Threads that never die silently, and the blocking primitives they share.
 
-Every worker body runs inside `Worker.run`: any exception becomes an errors.jsonl
+Every worker body runs inside `JobThread.run`: any exception becomes an errors.jsonl
 record (written, flushed and fsynced by the failing thread itself), a log entry with
 the full traceback, and the run's first failure, which sets the stop event. Blocking
 calls (queues, the gradient barrier) wake up on the stop event, so a failure anywhere
@@ -33,8 +33,8 @@ class JobControl:
     evaluation.EvaluationJob) does alike: it notes a signal in the handler and acts on it
     in its own loop, names its phase, and sends heartbeats while the run makes progress."""
 
-    def __init__(self, events: "EventLog", state: "RunState", heartbeat_s: float):
-        self.events, self.state, self.heartbeat_s = events, state, heartbeat_s
+    def __init__(self, events: "EventLog", latch: "StopLatch", heartbeat_s: float):
+        self.events, self.latch, self.heartbeat_s = events, latch, heartbeat_s
         self.phase = "startup"
         self._signal: int | None = None
         self._heartbeat = (0.0, -1)  # (time, progress) of the last heartbeat
@@ -46,13 +46,13 @@ class JobControl:
 
     def act_on_signal(self, stopping: str) -> None:
         """Stop the run once for a noted signal; `stopping` says how, in the log line."""
-        if self._signal is not None and not self.state.stop.is_set():
+        if self._signal is not None and not self.latch.stop.is_set():
             say(f"received {signal.Signals(self._signal).name}: {stopping}")
-            self.state.request_stop(signal.Signals(self._signal).name)
+            self.latch.request_stop(signal.Signals(self._signal).name)
 
     def heartbeat_if_due(self, **fields: Any) -> None:
         """A heartbeat event with `fields`, at most every heartbeat_s and only after progress."""
-        now, progress = time.monotonic(), self.state.progress
+        now, progress = time.monotonic(), self.latch.progress
         last_time, last_progress = self._heartbeat
         if progress != last_progress and now - last_time >= self.heartbeat_s:
             self.events.emit("heartbeat", **fields)
@@ -63,7 +63,7 @@ class JobControl:
         self.events.emit("phase", phase=phase)
 
 
-class RunState:
+class StopLatch:
     """Shared by all threads: stop event, the first failure, and a progress counter."""
 
     def __init__(self, errors: ErrorLog, thread_names: ThreadNames):
@@ -119,15 +119,15 @@ class RunState:
             raise StopRequested(self.stop_reason or "stop requested")
 
 
-class Worker(threading.Thread):
+class JobThread(threading.Thread):
     """A daemon thread whose body failures are recorded, never lost.
 
     `phase` and `step` are updated by the body and land in the error record.
     """
 
-    def __init__(self, name: str, state: RunState, body: Callable[["Worker"], None]):
+    def __init__(self, name: str, latch: StopLatch, body: Callable[["JobThread"], None]):
         super().__init__(name=name, daemon=True)
-        self.state = state
+        self.latch = latch
         self.body = body
         self.phase = "startup"
         self.step: int | None = None
@@ -140,13 +140,13 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.state.thread_names.add(self)
+            self.latch.thread_names.add(self)
             self.body(self)
         except StopRequested:
             pass
         except BaseException as exc:  # noqa: BLE001 - every failure is recorded, whatever its type
             self.failed = exc
-            self.state.record_failure(exc, thread=self.name, thread_ident=self.ident,
+            self.latch.record_failure(exc, thread=self.name, thread_ident=self.ident,
                                       phase=self.phase, step=self.step)
         finally:
             self.done.set()
@@ -158,8 +158,8 @@ class Worker(threading.Thread):
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.1):
             poll()
-            if self.state.stop.is_set() and self.state.failure is None:
-                raise StopRequested(self.state.stop_reason or "stop requested")
+            if self.latch.stop.is_set() and self.latch.failure is None:
+                raise StopRequested(self.latch.stop_reason or "stop requested")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} was not ready after {timeout:.0f}s (phase {self.phase})")
         if self.failed is not None:
@@ -176,16 +176,16 @@ class StoppableQueue(Generic[T]):
     `get` returns the item and the seconds spent waiting for it (a pipeline metric).
     """
 
-    def __init__(self, name: str, maxsize: int, state: RunState, poll_s: float):
+    def __init__(self, name: str, maxsize: int, latch: StopLatch, poll_s: float):
         self.name = name
         self._queue: queue.Queue[T] = queue.Queue(maxsize)
-        self._state = state
+        self._latch = latch
         self._poll_s = poll_s
 
     def put(self, item: T) -> float:
         start = time.perf_counter()
         while True:
-            self._state.check()
+            self._latch.check()
             try:
                 self._queue.put(item, timeout=self._poll_s)
                 return time.perf_counter() - start
@@ -195,7 +195,7 @@ class StoppableQueue(Generic[T]):
     def get(self) -> tuple[T, float]:
         start = time.perf_counter()
         while True:
-            self._state.check()
+            self._latch.check()
             try:
                 item = self._queue.get(timeout=self._poll_s)
                 return item, time.perf_counter() - start
@@ -215,12 +215,12 @@ class Rendezvous:
     waiting for a dead peer (or for a lead that failed) wakes up instead of hanging.
     """
 
-    def __init__(self, parties: int, state: RunState):
+    def __init__(self, parties: int, latch: StopLatch):
         self._barrier = threading.Barrier(parties)
         self._slots: list[Any] = [None] * parties
         self._result: list[Any] = []
-        state.on_stop(self._barrier.abort)
-        self._state = state
+        latch.on_stop(self._barrier.abort)
+        self._latch = latch
 
     def exchange(self, replica: int, value: T, combine: Callable[[list[T]], list[Any]]) -> Any:
         self._slots[replica] = value
@@ -236,18 +236,18 @@ class Rendezvous:
         try:
             self._barrier.wait()
         except threading.BrokenBarrierError:
-            self._state.check()
+            self._latch.check()
             raise
 
 
-def install_excepthook(state: RunState) -> None:
-    """Safety net for threads not started through Worker (e.g. a library's own threads)."""
+def install_excepthook(latch: StopLatch) -> None:
+    """Safety net for threads not started through JobThread (e.g. a library's own threads)."""
 
     def hook(args: threading.ExceptHookArgs) -> None:
         if args.exc_type is SystemExit or args.exc_value is None:
             return
         thread = args.thread
-        state.record_failure(args.exc_value, thread=thread.name if thread else "unknown",
+        latch.record_failure(args.exc_value, thread=thread.name if thread else "unknown",
                              thread_ident=thread.ident if thread else None,
                              phase=getattr(thread, "phase", "unknown"), step=getattr(thread, "step", None))
 
