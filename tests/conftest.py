@@ -1,5 +1,17 @@
 """Fixtures shared by the whole suite: a real OpenSSH sshd on 127.0.0.1, a fake Proxmox
-node with a strict `pct`, and an inventory writer for them (tests/support/)."""
+node with a strict `pct`, and an inventory writer for them (tests/support/).
+
+`make test` runs the suite on several pytest-xdist workers (processes); what keeps them apart:
+- a session fixture is built once per worker, under that worker's own tmp_path_factory
+  folder: state that must be one per worker goes there, never in a fixed path
+  (~/.ssh, /tmp/NAME, the checkout) unless it is written atomically and means the same to
+  every worker (build/'s transformers 4.57.1);
+- ports come from support.free_port(s) (the kernel's choice), never a fixed number;
+- a test finds the processes it must check or end by its own paths or pids (its
+  tmp_path in their argv, run.json), never by a name that another worker's process has too.
+The suite runs with `--dist loadgroup`: tests marked `@pytest.mark.xdist_group("NAME")` run
+on one worker. Mark so the tests that share an expensive module fixture (a trained run),
+so that it is made once, and any test that cannot follow the rules above."""
 from __future__ import annotations
 
 import os

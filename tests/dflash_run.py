@@ -1,12 +1,20 @@
-"""Running the real `dflash` CLI as a subprocess, the way a user does."""
+"""Running the real `dflash` CLI: as a subprocess, the way a user does, or in this process
+(`dflash_in_process`) where the process boundary is not what a test checks."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
+
+from click.testing import CliRunner
+
+from dflash_cli import cli, console
 
 REPO = Path(__file__).resolve().parent.parent
+WIDE = 200  # columns: tables are never wrapped
 
 
 def dflash_argv(*args: str, hosts: Path | None = None) -> list[str]:
@@ -16,7 +24,7 @@ def dflash_argv(*args: str, hosts: Path | None = None) -> list[str]:
 
 def dflash_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Plain output (no colour, wide tables) for reading and comparing."""
-    return {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(extra or {})}
+    return {**os.environ, "NO_COLOR": "1", "COLUMNS": str(WIDE), **(extra or {})}
 
 
 def dflash(*args: str, hosts: Path | None = None, cwd: Path | None = None, timeout: float = 240,
@@ -30,3 +38,32 @@ def popen_dflash(*args: str, hosts: Path | None = None) -> subprocess.Popen[byte
     """`dflash [--hosts FILE] ARGS…` started, its stdout and stderr as pipes."""
     return subprocess.Popen(dflash_argv(*args, hosts=hosts), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dflash_env())
+
+
+@contextlib.contextmanager
+def _working_directory(path: Path | None) -> Iterator[None]:
+    before = os.getcwd()
+    if path is not None:
+        os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def dflash_in_process(*args: str, hosts: Path | None = None, cwd: Path | None = None,
+                      env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`dflash [--hosts FILE] ARGS…` run by click's CliRunner in this process: the exit code,
+    stdout and stderr that `dflash()` gives, without starting an interpreter. For every check
+    where the process boundary is not what is tested; signals, Ctrl-C, detaching and
+    following a live run need `dflash()` / `popen_dflash()`."""
+    argv = [*(["--hosts", str(hosts)] if hosts is not None else []), *args]
+    previous_width = console.human.width
+    console.human.width = WIDE  # what COLUMNS gives the console of a new process
+    try:
+        with _working_directory(cwd):
+            result = CliRunner().invoke(cli.main, argv, prog_name="python -m dflash_cli", catch_exceptions=False,
+                                        env={"NO_COLOR": "1", "COLUMNS": str(WIDE), **(env or {})})
+    finally:
+        console.human.width = previous_width
+    return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, result.stderr)

@@ -12,7 +12,8 @@ import pytest
 
 from dflash_agent import procfs
 from support.old_python import old_python_problems
-from support_agent.harness import REPO, wait_for
+from support.wait import wait_until
+from support_agent.harness import REPO
 from support_agent.harness import agent  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,11 +22,11 @@ NEVER = {"wait_file": "never"}
 
 
 def ready(agent, run_id):
-    wait_for(lambda: (agent.run_dir(run_id) / "ready").exists(), what="%s to be ready" % run_id)
+    wait_until(lambda: (agent.run_dir(run_id) / "ready").exists(), what="%s to be ready" % run_id)
 
 
 def sleeper_pid(agent, run_id):
-    wait_for(lambda: (agent.run_dir(run_id) / "sleeper.json").exists())
+    wait_until(lambda: (agent.run_dir(run_id) / "sleeper.json").exists())
     return agent.read(run_id, "sleeper.json")["pid"]
 
 

@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import wait_for
+from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,7 +67,7 @@ def test_check_only_refuses_what_the_launch_would(agent):
     assert "data.train: /nonexistent/train.jsonl does not exist" in missing.json["error"]
     assert not (agent.workspace / "runs" / "new").exists()
     agent.touch("holder", "go")
-    wait_for(lambda: agent.status("holder")["state"] == "SUCCEEDED")
+    wait_until(lambda: agent.status("holder")["state"] == "SUCCEEDED")
 
 
 @pytest.mark.parametrize("args, text", [

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import dead_pid, wait_for
+from support_agent.harness import dead_pid
+from support.wait import wait_until
 
 from dflash_agent import jsonio
 
@@ -36,14 +37,22 @@ def is_log(text):
     return lambda m: m["t"] == "log" and text in m["data"]
 
 
+def is_mark(n):
+    return lambda m: m["t"] == "events" and any(e["type"] == "mark" and e.get("n") == n for e in m["events"])
+
+
 def test_whole_lines_only_and_exact_bytes(agent):
     raw = "caf\u00e9 \U0001F600 ".encode() + b"\xff\xfe\x80 not utf-8\n"
-    agent.launch("lines", [{"print": "first"}, {"write": "par"}, {"touch": "wrote"}, {"wait_file": "go"},
+    # After the partial write, two marker events, the second written once the first arrived:
+    # the follow that sent the second read the log at least once after the partial write.
+    agent.launch("lines", [{"print": "first"}, {"write": "par"}, {"event": {"type": "mark", "n": 1}},
+                           {"wait_file": "go1"}, {"event": {"type": "mark", "n": 2}}, {"wait_file": "go"},
                            {"write": "tial\n"}, {"write_hex": raw.hex()}, {"write": "no newline at exit"}])
     stream = agent.follow("lines")
     seen = stream.until(is_log("first"))
-    wait_for(lambda: (agent.run_dir("lines") / "wrote").exists())
-    later = stream.pending(1.0)  # several polls and batching windows
+    later = stream.until(is_mark(1))
+    agent.touch("lines", "go1")
+    later += stream.until(is_mark(2))
     assert not [m for m in later if m["t"] == "log"], "a partial line was sent: %r" % later
     agent.touch("lines", "go")
     rest = stream.rest()
@@ -70,7 +79,7 @@ def test_resume_from_offset_has_no_gap_and_no_duplicate(agent):
     received = []
     offset = inode = None
     for burst in range(3):
-        wait_for(lambda: (agent.run_dir("resume") / ("burst%d" % burst)).exists())
+        wait_until(lambda: (agent.run_dir("resume") / ("burst%d" % burst)).exists())
         extra = [] if offset is None else ["--offset", str(offset), "--inode", str(inode)]
         stream = agent.follow("resume", *extra)
         messages = stream.until(lambda m: m["t"] == "log" and m["data"].endswith(
@@ -164,9 +173,9 @@ def test_events_come_in_batches_without_heartbeats_and_resume_at_their_offset(ag
                         {"write_hex": b'{"type": "step", "st'.hex()}])  # a write cut by a kill
     events_file = agent.run_dir("ev") / "events.jsonl"
     stream = agent.follow("ev")
-    first = stream.until(lambda m: m["t"] == "events")[-1]
-    wait_for(lambda: (agent.run_dir("ev") / "wrote").exists())
-    first_batch = [first] + [m for m in stream.pending(1.5) if m["t"] == "events"]
+    upto_step_3 = stream.until(lambda m: m["t"] == "events" and 3 in [e.get("step") for e in m["events"]])
+    first_batch = [m for m in upto_step_3 if m["t"] == "events"]
+    first = first_batch[0]
     assert [e["step"] for m in first_batch for e in m["events"]] == [1, 2, 3], "one batch or a few, in order"
     assert first["offset"] == 0
     agent.touch("ev", "go")
@@ -327,11 +336,11 @@ def test_resume_after_truncation_neither_replays_nor_splices(agent):
     stream.close()  # the connection drops
     resume = resume_args(run_dir / "train.log", first)
     agent.touch("away", "go1")
-    wait_for(lambda: (run_dir / "b").exists())
+    wait_until(lambda: (run_dir / "b").exists())
     shutil.copyfile(run_dir / "train.log", run_dir / "train.log.1")
     os.truncate(run_dir / "train.log", 0)
     agent.touch("away", "go2")
-    wait_for(lambda: (run_dir / "c").exists())
+    wait_until(lambda: (run_dir / "c").exists())
     assert os.path.getsize(run_dir / "train.log") > int(resume[1])  # past the old offset again
     resumed = agent.follow("away", *resume)
     messages = resumed.until(is_log("line 000299 " + "x" * 12))
@@ -366,7 +375,7 @@ def test_replaced_log_is_followed_to_its_end_then_the_new_file(agent):
     seen += stream.until(is_log("line 000029 " + "x" * 11))  # from the renamed file
     resume = resume_args(run_dir / "train.log.1", seen)
     stream.close()
-    wait_for(lambda: (run_dir / "b").exists())
+    wait_until(lambda: (run_dir / "b").exists())
     with open(run_dir / "train.log", "ab") as new:
         new.write(b"new file line\n")
     # A reconnect finds the old file by its inode, sends its rest, then moves over.

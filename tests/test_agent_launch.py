@@ -15,7 +15,8 @@ import pytest
 from dflash_agent import preflight, procfs
 from support.disk import fill, tmpfs
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import RELEASE_ID, Agent, dead_pid, make_workspace, wait_for
+from support_agent.harness import RELEASE_ID, Agent, dead_pid, make_workspace
+from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,7 +45,7 @@ def test_launch_detaches_and_returns_once_run_json_exists(agent):
     assert procfs.identity_alive(pid, None), "the trainer must outlive the launch verb"
 
     record = agent.read(run_id, "run.json")
-    wait_for(lambda: (run_dir / "standin.json").exists())
+    wait_until(lambda: (run_dir / "standin.json").exists())
     started = agent.read(run_id, "standin.json")
     assert started["run_json_existed"] is True
     assert started["pid"] == pid == record["pid"]
@@ -211,13 +212,13 @@ def test_locks_conflict_force_and_release(agent):
     assert "'a' (STARTING)" in result.json["error"] and "'c' (STARTING)" in result.json["error"]
     agent.touch("a", "go")
     agent.wait_state("a", "SUCCEEDED")
-    wait_for(lambda: lock_holders(agent, "gpu0") == ["c"], what="a's supervisor to drop only its own holder")
+    wait_until(lambda: lock_holders(agent, "gpu0") == ["c"], what="a's supervisor to drop only its own holder")
     result = agent.run(*agent.launch_args("d", WAIT, "--resource", "gpu0"))
     assert (result.rc, result.json["holders"]) == (2, ["c"])
     for run_id in ("b", "c"):
         agent.touch(run_id, "go")
         agent.wait_state(run_id, "SUCCEEDED")
-    wait_for(lambda: lock_holders(agent, "gpu0") == [] and lock_holders(agent, "gpu1") == [],
+    wait_until(lambda: lock_holders(agent, "gpu0") == [] and lock_holders(agent, "gpu1") == [],
              what="the supervisors to drop their locks")
     assert not (agent.workspace / "locks" / "gpu0.json").exists()
 
@@ -319,7 +320,7 @@ def test_oom_kill_is_flagged(agent):
         status = agent.wait_state("oom", "FAILED")
         assert status["exit"]["signal"] == "SIGKILL" and status["exit"]["oom_killed"] is True
     finally:
-        wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), 10, "the cgroup to empty")
+        wait_until(lambda: not (group / "cgroup.procs").read_text().strip(), 10, "the cgroup to empty")
         group.rmdir()
 
 

@@ -15,7 +15,8 @@ from dflash_agent.state import (ALIVE, DEGRADED, ENDING, FAILED, GONE, LOST, RUN
                                 STARTING, STOPPED, SUCCEEDED, EventSummary, Observation,
                                 derive_state, summarize_events)
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import dead_pid, wait_for
+from support_agent.harness import dead_pid
+from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,7 +204,7 @@ def kill_supervisor(agent, run_id):
     supervisor = agent.read(run_id, "run.json")["supervisor"]
     assert procfs.identity_alive(supervisor["pid"], supervisor["start_time"])
     os.kill(supervisor["pid"], signal.SIGKILL)
-    wait_for(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
+    wait_until(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
 
 
 DONE_0 = {"event": {"type": "done", "exit_code": 0}}  # as the real trainer's last act
@@ -217,7 +218,7 @@ def test_a_run_whose_supervisor_died_ends_as_the_trainer_recorded(agent):
     agent.launch("crashed", [{"heartbeat": 1}, {"touch": "beat"}, {"wait_file": "go"},
                              {"error": {"thread": "drafter-0"}}, {"kill_self": "SIGKILL"}])
     for run_id in ("ok", "failed", "crashed"):
-        wait_for(lambda: (agent.run_dir(run_id) / "beat").exists())
+        wait_until(lambda: (agent.run_dir(run_id) / "beat").exists())
         kill_supervisor(agent, run_id)
         assert agent.status(run_id)["state"] == RUNNING  # the trainer goes on
     follow = agent.follow("ok", "--gpu-interval", "0")
@@ -237,7 +238,7 @@ def test_a_run_whose_supervisor_died_ends_as_the_trainer_recorded(agent):
 
 def test_stop_works_when_the_supervisor_is_gone(agent):
     answer = agent.launch("orphan", [{"heartbeat": 1}, {"touch": "beat"}, {"wait_file": "never"}])
-    wait_for(lambda: (agent.run_dir("orphan") / "beat").exists())
+    wait_until(lambda: (agent.run_dir("orphan") / "beat").exists())
     kill_supervisor(agent, "orphan")
     assert agent.ok("stop", "--run-id", "orphan", "--grace", "5") == {
         "run_id": "orphan", "state": STOPPED, "killed": False}
@@ -246,11 +247,11 @@ def test_stop_works_when_the_supervisor_is_gone(agent):
 
 def test_trainer_outliving_its_supervisor_is_running_then_lost(agent):
     agent.launch("orphan", [{"heartbeat": 1}, {"touch": "beat"}, {"wait_file": "go"}])
-    wait_for(lambda: (agent.run_dir("orphan") / "beat").exists())
+    wait_until(lambda: (agent.run_dir("orphan") / "beat").exists())
     supervisor = agent.read("orphan", "run.json")["supervisor"]
     assert procfs.identity_alive(supervisor["pid"], supervisor["start_time"])
     os.kill(supervisor["pid"], signal.SIGKILL)
-    wait_for(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
+    wait_until(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
     assert agent.status("orphan")["state"] == RUNNING
     agent.touch("orphan", "go")  # the trainer ends without a record; nobody writes exit.json
     status = agent.wait_state("orphan", LOST)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dflash_agent import preflight, procfs
-from dflash_run import dflash
+from dflash_run import dflash_in_process
 from support import container_workspace, workspace_on_node
 from support.disk import fill, tmpfs
 from support.train_configs import small_config
@@ -33,7 +33,7 @@ def nothing_started(workspace: Path) -> None:
 
 @pytest.mark.parametrize("name", ["-x", "--force", "n" * 250, ".hidden", "a/b", "tab\there", ""])
 def test_a_bad_run_name_is_refused_before_anything_is_sent(make_inventory, fake_pve, tmp_path, name):
-    done = dflash("launch", "ct200", "--config", str(small_config(tmp_path / "c.yaml")), "--name", name,
+    done = dflash_in_process("launch", "ct200", "--config", str(small_config(tmp_path / "c.yaml")), "--name", name,
                   hosts=make_inventory(tmp_path))
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
@@ -43,12 +43,12 @@ def test_a_bad_run_name_is_refused_before_anything_is_sent(make_inventory, fake_
 
 def test_the_longest_name_makes_the_longest_run_id(make_inventory, tmp_path):
     hosts = make_inventory(tmp_path)
-    done = dflash("launch", "node", "--config", str(small_config(tmp_path / "c.yaml")), "--name", "n" * 179,
+    done = dflash_in_process("launch", "node", "--config", str(small_config(tmp_path / "c.yaml")), "--name", "n" * 179,
                   hosts=hosts)
     assert done.returncode == 0, done.stderr
     (run_id,) = done.stdout.split()
     assert len(run_id) == 200
-    assert dflash("stop", run_id, "--host", "node", hosts=hosts).returncode == 0
+    assert dflash_in_process("stop", run_id, "--host", "node", hosts=hosts).returncode == 0
 
 
 def test_a_train_file_missing_on_the_host_is_refused_before_anything_starts(make_inventory, fake_pve, tmp_path):
@@ -56,7 +56,7 @@ def test_a_train_file_missing_on_the_host_is_refused_before_anything_starts(make
     text = yaml.safe_load(config.read_text())
     text["data"] = {"train": "data/chats.jsonl", "max_length": 128, "token_budget": 1024}
     config.write_text(yaml.safe_dump(text))
-    done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
+    done = dflash_in_process("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
     assert done.returncode == 2, done.stderr
     assert "data.train" in done.stderr and "data/chats.jsonl" in done.stderr
     assert "AssertionError" not in done.stderr
@@ -70,14 +70,14 @@ def test_a_host_named_twice_in_the_inventory_is_refused(tmp_path):
                      "  gpu1: {transport: ssh, ssh: root@10.0.0.1, workspace: /w}\n"
                      "  gpu2: {transport: ssh, ssh: root@10.0.0.2, workspace: /w}\n"
                      "  gpu1: {transport: ssh, ssh: root@10.0.0.3, workspace: /w}\n")
-    done = dflash("hosts", hosts=hosts)
+    done = dflash_in_process("hosts", hosts=hosts)
     assert done.returncode == 2
     assert done.stderr == f"dflash: error: {hosts}: line 4: key 'gpu1' given twice (first at line 2)\n"
 
 
 def test_fetch_traceback_into_a_missing_folder_is_refused_without_asking_the_host(make_inventory, tmp_path):
     # `down` cannot be reached: a refusal that asked it would say so, with exit 3.
-    done = dflash("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "some-run", "--host", "down",
+    done = dflash_in_process("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "some-run", "--host", "down",
                   "-o", "/nonexistent/dir/tb.txt", hosts=make_inventory(tmp_path))
     assert done.returncode == 2, done.stderr
     assert "/nonexistent/dir/tb.txt: the folder /nonexistent/dir does not exist" in done.stderr
@@ -85,7 +85,7 @@ def test_fetch_traceback_into_a_missing_folder_is_refused_without_asking_the_hos
 
 
 def test_a_run_id_that_reads_as_an_option_is_refused(make_inventory, tmp_path):
-    done = dflash("status", "--host", "node", "--", "--force", hosts=make_inventory(tmp_path))
+    done = dflash_in_process("status", "--host", "node", "--", "--force", hosts=make_inventory(tmp_path))
     assert done.returncode == 2
     assert "'--force' is not a run id" in done.stderr
 
@@ -96,7 +96,7 @@ def test_paths_missing_on_the_host_are_named_before_anything_starts(make_invento
     config = tmp_path / "real.yaml"
     config.write_text(yaml.safe_dump({"target": {"path": "/nonexistent/model"},
                                       "data": {"train": "/nonexistent/chats.jsonl", "eval": "data/eval.jsonl"}}))
-    done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
+    done = dflash_in_process("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     release_id = (workspace_on_node(fake_pve, tmp_path) / "current").resolve().name
@@ -112,11 +112,11 @@ def test_paths_missing_on_the_host_are_named_before_anything_starts(make_invento
 
 def test_a_python_without_torch_is_not_ok_and_launches_nothing(make_inventory, bare_python, tmp_path):
     hosts = make_inventory(tmp_path, ct201=None, ct999=None, down=None, node={"python": bare_python})
-    check = dflash("hosts", "--check", hosts=hosts)
+    check = dflash_in_process("hosts", "--check", hosts=hosts)
     assert check.returncode == 2, check.stderr
     (row,) = [line for line in check.stderr.splitlines() if line.startswith("│ node")]
     assert "needs setup: " in row
-    as_json = dflash("hosts", "--check", "--json", hosts=hosts)
+    as_json = dflash_in_process("hosts", "--check", "--json", hosts=hosts)
     assert as_json.returncode == 2
     entries = {e["host"]: e for e in map(json.loads, as_json.stdout.splitlines())}
     assert entries["node"]["missing_packages"] == ["torch", "transformers"]
@@ -126,7 +126,7 @@ def test_a_python_without_torch_is_not_ok_and_launches_nothing(make_inventory, b
     assert entries["ct200"]["status"] == "ok"
     assert entries["ct200"]["missing_packages"] == []
 
-    done = dflash("launch", "node", "--config", str(small_config(tmp_path / "c.yaml")), hosts=hosts)
+    done = dflash_in_process("launch", "node", "--config", str(small_config(tmp_path / "c.yaml")), hosts=hosts)
     assert done.returncode == 2, done.stderr
     assert (f"host node: the trainer's interpreter {bare_python} cannot import torch, transformers, "
             "which the trainer needs") in " ".join(done.stderr.split())
@@ -138,14 +138,14 @@ def test_a_full_disk_is_named_with_its_host_and_path(make_inventory, tmp_path):
     config = small_config(tmp_path / "c.yaml")
     with tmpfs(tmp_path / "node ws", size_mib=16) as workspace:
         filler = fill(workspace)  # before the release is there: the deploy of the launch fails
-        done = dflash("launch", "node", "--config", str(config), hosts=hosts)
+        done = dflash_in_process("launch", "node", "--config", str(config), hosts=hosts)
         assert done.returncode == 2, done.stderr
         assert (f"dflash: error: host node: no space left on device in {workspace}: deploy install failed; "
                 "the previous release stays current") in done.stderr
         filler.unlink()
-        assert dflash("deploy", "node", hosts=hosts).returncode == 0
+        assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
         fill(workspace)  # the release is there: the agent's preflight refuses the run
-        done = dflash("launch", "node", "--config", str(config), hosts=hosts)
+        done = dflash_in_process("launch", "node", "--config", str(config), hosts=hosts)
         assert done.returncode == 2, done.stderr
         assert (f"dflash: error: host node: only 0.0 MiB free on the filesystem of {workspace}; "
                 f"a run needs at least {preflight.MIN_FREE_MIB} MiB") in " ".join(done.stderr.split())
@@ -155,11 +155,11 @@ def test_a_full_disk_is_named_with_its_host_and_path(make_inventory, tmp_path):
 
 def test_fetch_traceback_that_cannot_write_its_file_says_so(make_inventory, tmp_path):
     hosts = make_inventory(tmp_path)
-    assert dflash("deploy", "node", hosts=hosts).returncode == 0
+    assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
     fabricate_run(tmp_path / "node ws", "died-1", 1)
     with tmpfs(tmp_path / "out", size_mib=1) as out:
         fill(out)
-        done = dflash("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "died-1", "--host", "node",
+        done = dflash_in_process("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "died-1", "--host", "node",
                       "-o", str(out / "tb.txt"), hosts=hosts)
     assert done.returncode == 2, done.stderr
     assert f"dflash: error: -o {out}/tb.txt: cannot write it (No space left on device)" in done.stderr
@@ -184,24 +184,24 @@ def fabricate_run(workspace: Path, run_id: str, exit_code: int) -> float:
 
 def test_status_is_titled_for_its_run_and_every_time_is_iso(make_inventory, tmp_path):
     hosts = make_inventory(tmp_path)
-    assert dflash("deploy", "node", hosts=hosts).returncode == 0
+    assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
     fabricate_run(tmp_path / "node ws", "done-1", 0)
     fabricate_run(tmp_path / "node ws", "died-1", 1)
-    status = dflash("status", "done-1", "--host", "node", hosts=hosts)
+    status = dflash_in_process("status", "done-1", "--host", "node", hosts=hosts)
     assert (status.returncode, status.stdout) == (0, "SUCCEEDED\n")
     assert status.stderr.splitlines()[0].rstrip() == "run done-1 on node"
     assert len(re.findall(ISO_UTC, status.stderr)) == 2  # started, ended
-    runs = dflash("runs", "--host", "node", hosts=hosts)
+    runs = dflash_in_process("runs", "--host", "node", hosts=hosts)
     assert runs.stderr.splitlines()[0].rstrip() == "runs on node"
     assert len(re.findall(ISO_UTC, runs.stderr)) == 4
-    fetched = dflash("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "died-1", "--host", "node",
+    fetched = dflash_in_process("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "died-1", "--host", "node",
                      hosts=hosts)
     assert fetched.returncode == 1
     assert re.search(rf"^process ended: exit code 1 at {ISO_UTC}$", fetched.stdout, re.MULTILINE), fetched.stdout
 
 
 def test_hosts_json_is_the_whole_answer(make_inventory, tmp_path):
-    done = dflash("hosts", "--json", hosts=make_inventory(tmp_path))
+    done = dflash_in_process("hosts", "--json", hosts=make_inventory(tmp_path))
     assert done.returncode == 0
     assert [json.loads(line)["host"] for line in done.stdout.splitlines()] == [
         "ct200", "ct201", "ct999", "down", "local", "node"]

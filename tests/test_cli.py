@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from importlib import metadata
 
+import click
 import pytest
 
 from support import workspace_on_node
 
-from dflash_run import REPO, dflash
+from dflash_cli import cli
+from dflash_run import REPO, dflash_in_process
 
 COMMANDS = ["setup", "deploy", "launch", "resume", "diff", "gc", "watch", "fetch-traceback", "stacks", "status", "stop", "runs", "hosts", "plot"]
 
@@ -16,14 +18,21 @@ COMMANDS = ["setup", "deploy", "launch", "resume", "diff", "gc", "watch", "fetch
 def test_help_of_every_command(command, tmp_path):
     broken = tmp_path / "hosts.yaml"
     broken.write_text("hosts: [not, a, mapping]\n")  # --help must not need a good inventory
-    done = dflash(command, "--help", hosts=broken)
+    done = dflash_in_process(command, "--help", hosts=broken)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"Usage: python -m dflash_cli {command}")
-    assert len(done.stdout.split("\n\n")[1].strip()) > 20  # the docstring's summary
+    # the docstring's summary, then every option with its help
+    summary = cli.main.commands[command].help.split("\n\n")[0]
+    assert " ".join(done.stdout.split("\n\n")[1].split()) == " ".join(summary.split())
+    flat = " ".join(done.stdout.split())
+    for option in cli.main.commands[command].params:
+        if isinstance(option, click.Option) and not option.hidden:
+            assert option.opts[-1] in done.stdout, option.opts
+            assert option.help and " ".join(option.help.split()[:4]) in flat, option.opts
 
 
 def test_top_level_help_lists_every_command_and_exit_codes():
-    done = dflash("--help")
+    done = dflash_in_process("--help")
     assert done.returncode == 0
     for command in COMMANDS:
         assert command in done.stdout
@@ -33,21 +42,21 @@ def test_top_level_help_lists_every_command_and_exit_codes():
 def test_bad_inventory_is_a_usage_error_naming_file_host_and_key(tmp_path):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("hosts:\n  ct200: {transport: pct, ssh: root@n, container: 200, workspace: /w, contianer: 3}\n")
-    done = dflash("hosts", hosts=hosts)
+    done = dflash_in_process("hosts", hosts=hosts)
     assert done.returncode == 2
     assert done.stdout == ""
     assert f"{hosts}: hosts.ct200.contianer: unknown key" in done.stderr
 
 
 def test_hosts_lists_names_on_stdout_and_table_on_stderr(make_inventory, tmp_path):
-    done = dflash("hosts", hosts=make_inventory(tmp_path))
+    done = dflash_in_process("hosts", hosts=make_inventory(tmp_path))
     assert done.returncode == 0
     assert done.stdout.split() == ["ct200", "ct201", "ct999", "down", "local", "node"]
     assert "pct 200" in done.stderr
 
 
 def test_hosts_check_reports_each_failure_and_exits_3(make_inventory, tmp_path):
-    done = dflash("hosts", "--check", "--json", hosts=make_inventory(tmp_path))
+    done = dflash_in_process("hosts", "--check", "--json", hosts=make_inventory(tmp_path))
     assert done.returncode == 3
     import json
     entries = {e["host"]: e for e in map(json.loads, done.stdout.splitlines())}
@@ -68,10 +77,10 @@ def test_unknown_ssh_host_key_is_refused_unless_accepted(make_inventory, tmp_pat
     empty = tmp_path / "empty_known_hosts"
     empty.write_text("")
     hosts = make_inventory(tmp_path, node={"known_hosts": str(empty)})
-    done = dflash("deploy", "node", hosts=hosts)
+    done = dflash_in_process("deploy", "node", hosts=hosts)
     assert done.returncode == 3
     assert "accept-new-host-key" in done.stderr
-    accepted = dflash("--accept-new-host-key", "deploy", "node", hosts=hosts)
+    accepted = dflash_in_process("--accept-new-host-key", "deploy", "node", hosts=hosts)
     assert accepted.returncode == 0, accepted.stderr
     assert "127.0.0.1" in empty.read_text()
 
@@ -80,7 +89,7 @@ def test_launch_with_a_bad_training_config_sends_nothing(make_inventory, fake_pv
     config = tmp_path / "bad.yaml"
     good = (REPO / "configs" / "train" / "tiny-cpu.yaml").read_text()
     config.write_text(good.replace("optim:\n", "optim:\n  lr: fast\n", 1).replace("  lr: 3.0e-3\n", ""))
-    done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
+    done = dflash_in_process("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
     assert done.returncode == 2
     assert done.stdout == ""
     assert f"{config}: optim.lr: expected a number, got a string 'fast'" in done.stderr
@@ -94,7 +103,7 @@ def test_launch_refuses_a_non_finite_float_before_deploying(spelling, tmp_path):
     assert "  lr: 3.0e-3\n" in good
     config.write_text(good.replace("  lr: 3.0e-3\n", f"  lr: {spelling}\n"))
     home = tmp_path / "home"  # the built-in `local` host's workspace lives under ~
-    done = dflash("launch", "local", "--config", str(config), cwd=tmp_path, env={"HOME": str(home)})
+    done = dflash_in_process("launch", "local", "--config", str(config), cwd=tmp_path, env={"HOME": str(home)})
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     assert f"{config}: optim.lr: expected a finite number, got {spelling}" in done.stderr
@@ -104,13 +113,13 @@ def test_launch_refuses_a_non_finite_float_before_deploying(spelling, tmp_path):
 @pytest.mark.parametrize("host, message", [("ct201", "not running"), ("ct999", "does not exist"),
                                            ("down", "down")])
 def test_launch_on_unreachable_targets_exits_3(make_inventory, tmp_path, host, message):
-    done = dflash("launch", host, "--config", "configs/train/tiny-cpu.yaml", hosts=make_inventory(tmp_path))
+    done = dflash_in_process("launch", host, "--config", "configs/train/tiny-cpu.yaml", hosts=make_inventory(tmp_path))
     assert done.returncode == 3, done.stderr
     assert message in done.stderr and done.stdout == ""
 
 
 def test_watch_without_any_run_is_a_usage_error(tmp_path):
-    done = dflash("--logs-dir", str(tmp_path / "logs"), "watch")
+    done = dflash_in_process("--logs-dir", str(tmp_path / "logs"), "watch")
     assert done.returncode == 2
     assert "no latest run" in done.stderr
 

@@ -18,7 +18,7 @@ from dflash_agent import procfs
 from dflash_run import dflash, popen_dflash
 from support import kill_ssh_sessions, workspace_on_node
 from support.train_configs import small_config as write_small_config
-from support_agent.harness import wait_for
+from support.wait import wait_until
 from test_watch_events import tensorboard_scalars
 
 from dflash_cli.commands import plot
@@ -167,7 +167,7 @@ def kill_supervisor(bed: Bed, run_id: str) -> None:
     supervisor = json.loads((bed.run_dir(run_id) / "run.json").read_text())["supervisor"]
     assert procfs.identity_alive(supervisor["pid"], supervisor["start_time"])
     os.kill(supervisor["pid"], signal.SIGKILL)
-    wait_for(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
+    wait_until(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
 
 
 def test_stop_ends_every_process_of_the_run_and_watch_says_stopped(bed, tmp_path):
@@ -187,7 +187,7 @@ def test_stop_ends_every_process_of_the_run_and_watch_says_stopped(bed, tmp_path
     kill_supervisor(bed, run_id)
     # A RUNNING run (stall_after is 300 s) shows its stacks on request, supervisor or not.
     train_log = bed.run_dir(run_id) / "train.log"
-    wait_for(lambda: b"injecting fault: hang in drafter-0" in train_log.read_bytes(), 180, "the hang")
+    wait_until(lambda: b"injecting fault: hang in drafter-0" in train_log.read_bytes(), 180, "the hang")
     stacks = bed.dflash("fetch-traceback", run_id, "--host", "ct200", "--stacks")
     assert stacks.returncode == 0, stacks.stderr
     assert "dumped now (state RUNNING)" in stacks.stdout
@@ -236,14 +236,14 @@ def test_a_hung_run_is_stalled_and_its_stacks_show_the_hanging_thread_by_name(be
                           faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
     run_id = bed.launch(config)
     train_log = bed.run_dir(run_id) / "train.log"
-    wait_for(lambda: b"injecting fault: hang in drafter-0 at step 2" in train_log.read_bytes(), 180,
+    wait_until(lambda: b"injecting fault: hang in drafter-0 at step 2" in train_log.read_bytes(), 180,
              "the hang fault to fire")
 
     def stalled():
         done = bed.dflash("status", run_id, "--host", "ct200", "--json")
         return done if json.loads(done.stdout)["state"] == "STALLED" else None
 
-    status = wait_for(stalled, 120, "the run to be STALLED")
+    status = wait_until(stalled, 120, "the run to be STALLED")
     assert status.returncode == 1  # not fine
 
     stacks = bed.dflash("stacks", run_id, "--host", "ct200")

@@ -17,11 +17,11 @@ from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory
 from dflash_cli.local_state import RunRef, resolve_run, set_latest
 from dflash_cli.multihost import aggregate_state, in_time_order, peer_failed_line, root_cause
-from dflash_run import dflash, dflash_argv, dflash_env
+from dflash_run import dflash, dflash_argv, dflash_env, dflash_in_process
 from support import container_workspace, free_port
 from support.inventory import default_hosts
 from support.train_configs import small_config
-from support_agent.harness import wait_for
+from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -161,7 +161,8 @@ class Pair:
         self.workspace = container_workspace(fake_pve, tmp_path)
 
     def dflash(self, *args: str, **kwargs):
-        return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
+        """The CLI in this process: what these tests check is the run on both hosts."""
+        return dflash_in_process("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
 
     def on_node(self, vmid: int, path: str = "") -> Path:
         """`path` under the workspace, as container `vmid` holds it, seen from the node."""
@@ -214,20 +215,23 @@ def test_a_host_whose_start_fails_stops_the_others(pair, tmp_path):
     assert not (pair.logs / "latest.json").exists()
 
 
-def test_launch_options_for_several_hosts_only(pair, tmp_path):
+@pytest.mark.parametrize("host_names, options, messages", [
+    (["ct200"], ["--master-port", "29500"], ["--master-addr and --master-port are for a run on several hosts"]),
+    (["ct200", "ct200"], [], ["host 'ct200' is named twice"]),
+    (["ct200", "ct202"], ["--master-addr", "10.0.0.1; rm"],
+     ["--master-addr '10.0.0.1; rm': expected a host name or IP address"]),
+    (["ct202", "ct200"], [],  # rank 0 is a container without address
+     ["ct202 (rank 0) has no address", "set address: in the inventory entry of ct202"]),
+    (["ct200", "ct202"], ["--set", "restart.max=1"],
+     ["cannot restart together without a coordinator", "resume it by hand with `dflash resume RUN`"]),
+], ids=["one host", "named twice", "bad address", "rank 0 without address", "restart"])
+def test_launch_options_for_several_hosts_only(pair, tmp_path, host_names, options, messages):
     config = str(small_config(tmp_path / "one.yaml"))
-    done = pair.dflash("launch", "ct200", "--config", config, "--master-port", "29500")
-    assert done.returncode == 2 and "--master-addr and --master-port are for a run on several hosts" in done.stderr
-    done = pair.dflash("launch", "ct200", "ct200", "--config", config)
-    assert done.returncode == 2 and "host 'ct200' is named twice" in done.stderr
-    done = pair.dflash("launch", "ct200", "ct202", "--config", config, "--master-addr", "10.0.0.1; rm")
-    assert done.returncode == 2 and "--master-addr '10.0.0.1; rm': expected a host name or IP address" in done.stderr
-    done = pair.dflash("launch", "ct202", "ct200", "--config", config)  # rank 0 is a container without address
-    assert done.returncode == 2 and "ct202 (rank 0) has no address" in done.stderr
-    assert "set address: in the inventory entry of ct202" in done.stderr
-    done = pair.dflash("launch", "ct200", "ct202", "--config", config, "--set", "restart.max=1")
-    assert done.returncode == 2 and "cannot restart together without a coordinator" in done.stderr
-    assert "resume it by hand with `dflash resume RUN`" in done.stderr
+    done = dflash_in_process("--logs-dir", str(pair.logs), "launch", *host_names, "--config", config, *options,
+                             hosts=pair.hosts)
+    assert done.returncode == 2, done.stderr
+    for message in messages:
+        assert message in done.stderr
     assert not pair.on_node(200, "runs").exists() and not pair.on_node(202, "runs").exists()
 
 
@@ -288,9 +292,9 @@ def test_a_drafter_failing_on_the_second_host_stops_the_first_and_is_shown_namin
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dflash_env())
     try:
         errors = pair.on_node(202, f"runs/{run_id}") / "errors.jsonl"
-        wait_for(lambda: errors.exists() and errors.read_text().strip(), 240, "ct202's error record")
+        wait_until(lambda: errors.exists() and errors.read_text().strip(), 240, "ct202's error record")
         # ct200's trainer, not failing itself, is gone within seconds of its peer's failure.
-        wait_for(lambda: not pair.trainer_alive(200, run_id), 30, "ct200's trainer to end")
+        wait_until(lambda: not pair.trainer_alive(200, run_id), 30, "ct200's trainer to end")
         stdout, stderr = watch.communicate(timeout=120)
     finally:
         if watch.poll() is None:
@@ -324,7 +328,7 @@ def test_stop_leaves_no_process_on_either_host(pair, tmp_path):
         return json.loads(pair.dflash("status", run_id, "--json").stdout)["state"]
 
     # Rank 0 reports the steps of the whole run (they are one run's steps).
-    wait_for(lambda: len(events(pair, 200, run_id, "step")) >= 2 and state() == "RUNNING", 240,
+    wait_until(lambda: len(events(pair, 200, run_id, "step")) >= 2 and state() == "RUNNING", 240,
              "both hosts to train")
     stopped = pair.dflash("stop", "--grace", "5")  # the latest run: both hosts
     assert stopped.returncode == 0, stopped.stderr
@@ -350,7 +354,7 @@ def test_a_run_on_two_hosts_resumes_as_one_from_rank_0s_checkpoint(pair, tmp_pat
     checkpoint of, starting nothing; then it resumes both hosts as attempt 1 from one step."""
     hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
     run_id = launch_pair(pair, pair_config(tmp_path / "resumed.yaml", checkpoint={"every": 2}, faults=hang))
-    wait_for(lambda: 3 in [e["step"] for e in events(pair, 200, run_id, "step")], 240, "step 3 on rank 0")
+    wait_until(lambda: 3 in [e["step"] for e in events(pair, 200, run_id, "step")], 240, "step 3 on rank 0")
 
     def attempts() -> list[int]:
         return [pair.run_json(vmid, run_id)["attempt"] for vmid in (200, 202)]

@@ -24,7 +24,8 @@ from dflash_run import dflash
 from support import kill_ssh_sessions, workspace_on_node, write_inventory
 from support.train_configs import small_config
 
-pytestmark = pytest.mark.timeout(300)
+# On one xdist worker: the module's trained run is made once, not once per worker.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("pull-trained-run")]
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "ct200"

@@ -8,7 +8,6 @@ import os
 import py_compile
 import stat
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from dflash_cli import release
 from dflash_cli.commands import deploy
 from dflash_cli.session import Session
 from dflash_run import dflash
-from support import copy_release_dirs, workspace_on_node
+from support import copy_release_dirs, wait_until, workspace_on_node
 from support.train_configs import small_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -170,10 +169,8 @@ def test_repairing_the_release_of_a_running_run_leaves_the_run_alone(make_invent
     assert launched.returncode == 0, launched.stderr
     run_id = launched.stdout.strip()
     run_dir = workspace_on_node(fake_pve, tmp_path) / "runs" / run_id
-    deadline = time.monotonic() + 240
-    while state(dflash(*logs, "status", "--json", hosts=hosts)) != "RUNNING":  # past its imports
-        assert time.monotonic() < deadline, "the run never got to RUNNING"
-        time.sleep(0.5)
+    wait_until(lambda: state(dflash(*logs, "status", "--json", hosts=hosts)) == "RUNNING", 240,
+               "the run to get to RUNNING (past its imports)", interval=0.5)
     folder = releases_on_node(fake_pve, tmp_path) / release.scan().release_id
     with open(folder / "configs" / "hosts.yaml", "a") as fh:
         fh.write("# edited on the host\n")

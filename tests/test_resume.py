@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 from dflash_agent import attempts, procfs
-from dflash_run import dflash
+from dflash_run import dflash_in_process
 from support.train_configs import small_config
-from support_agent.harness import wait_for
+from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 HOST = "local"
@@ -28,7 +28,8 @@ class Bed:
         self.workspace = Path(yaml.safe_load(self.hosts.read_text())["hosts"][HOST]["workspace"])
 
     def dflash(self, *args: str, **kwargs):
-        return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
+        """The CLI in this process: these tests check the run, not the CLI's process."""
+        return dflash_in_process("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
 
     def launch(self, name: str, **changes) -> str:
         config = small_config(self.tmp / f"{name}.yaml", **changes)
@@ -69,7 +70,7 @@ def test_a_stopped_run_resumes_as_attempt_1_with_every_step_once_and_its_loss_cu
     # Attempt 0 hangs before step 4's batch; the stop's checkpoint is at step 3.
     hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
     run_id = bed.launch("stopped", faults=hang)
-    wait_for(lambda: 3 in steps_of(bed.events(run_id)), 240, "step 3, the last before the hang")
+    wait_until(lambda: 3 in steps_of(bed.events(run_id)), 240, "step 3, the last before the hang")
     stopped = bed.dflash("stop", run_id, "--host", HOST, "--grace", "20")
     assert stopped.stdout.strip() == "STOPPED", stopped.stderr
     status = bed.dflash("status", run_id, "--host", HOST)
@@ -132,7 +133,7 @@ def test_a_raise_in_attempt_0_is_restarted_once_from_the_timed_checkpoint_and_it
 def test_a_lost_run_resumes_by_hand_and_resume_refuses_a_live_run_and_a_mismatched_config(bed):
     hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
     run_id = bed.launch("lost", checkpoint={"every": 2}, faults=hang)
-    wait_for(lambda: 3 in steps_of(bed.events(run_id)), 240, "step 3, the last before the hang")
+    wait_until(lambda: 3 in steps_of(bed.events(run_id)), 240, "step 3, the last before the hang")
     live = bed.dflash("resume", run_id, "--host", HOST)
     assert live.returncode == 2
     assert f"run '{run_id}' is still live (RUNNING): stop it first" in live.stderr
@@ -140,10 +141,10 @@ def test_a_lost_run_resumes_by_hand_and_resume_refuses_a_live_run_and_a_mismatch
     # The host's agent goes (the supervisor killed), then the trainer: nobody records an end.
     record = bed.run_json(run_id)
     os.kill(record["supervisor"]["pid"], signal.SIGKILL)
-    wait_for(lambda: not procfs.identity_alive(record["supervisor"]["pid"], record["supervisor"]["start_time"]),
+    wait_until(lambda: not procfs.identity_alive(record["supervisor"]["pid"], record["supervisor"]["start_time"]),
              30, "the supervisor's end")
     os.killpg(record["pgid"], signal.SIGKILL)
-    wait_for(lambda: not procfs.identity_alive(record["pid"], record["start_time"]), 30, "the trainer's end")
+    wait_until(lambda: not procfs.identity_alive(record["pid"], record["start_time"]), 30, "the trainer's end")
     status = bed.dflash("status", run_id, "--host", HOST)
     assert status.stdout.strip() == "LOST" and status.returncode == 1, status.stderr
     assert "newest checkpoint at step 2: a resume would redo 1 step" in status.stderr
@@ -182,7 +183,7 @@ def test_resume_refuses_a_run_without_a_checkpoint(bed):
 def test_a_stop_during_the_restart_back_off_ends_the_run_stopped_with_no_new_attempt(bed):
     run_id = bed.launch("backoff", restart={"max": 3, "backoff_s": 600},
                         faults=[{"thread": "coordinator", "at": "startup", "kind": "raise", "attempt": 0}])
-    wait_for(lambda: bed.log_has(run_id, "attempt 0 ended (failure); restarting in 600.0 s"), 240, "the back-off")
+    wait_until(lambda: bed.log_has(run_id, "attempt 0 ended (failure); restarting in 600.0 s"), 240, "the back-off")
     assert bed.dflash("status", run_id, "--host", HOST).stdout.strip() == "DEGRADED"  # not ended: restarting
     stopped = bed.dflash("stop", run_id, "--host", HOST)
     assert stopped.returncode == 0 and stopped.stdout.strip() == "STOPPED", stopped.stderr
@@ -190,7 +191,7 @@ def test_a_stop_during_the_restart_back_off_ends_the_run_stopped_with_no_new_att
     assert record["attempt"] == 0 and len(record["attempts"]) == 1
     assert json.loads((bed.run_dir(run_id) / "exit.json").read_text())["exit_code"] == 1
     assert bed.log_has(run_id, "attempt 0 ended (failure): not restarting: it was stopped")
-    wait_for(lambda: not procfs.identity_alive(record["supervisor"]["pid"], record["supervisor"]["start_time"]),
+    wait_until(lambda: not procfs.identity_alive(record["supervisor"]["pid"], record["supervisor"]["start_time"]),
              30, "the supervisor's end")
     assert bed.run_json(run_id)["attempt"] == 0
 

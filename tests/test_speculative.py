@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from dflash_train.config import load_train_config
+from support.wait import wait_until
 
+# On one xdist worker: the module's drafter is trained once (a minute or more), not once per worker.
+pytestmark = pytest.mark.xdist_group("speculative-trained-drafter")
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
 
@@ -215,7 +218,6 @@ def test_the_config_says_what_an_evaluate_job_lacks(tmp_path):
 def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path):
     """A stopped evaluation exits 128+SIGTERM at its next verify step, with no eval.json."""
     import signal
-    import time
 
     from transformers import AutoConfig
 
@@ -240,11 +242,9 @@ def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path)
                              "--run-dir", str(run_dir)], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 200
         events = run_dir / "events.jsonl"
-        while not (events.exists() and '"type": "heartbeat"' in events.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, "the job never started decoding"
-            time.sleep(0.2)
+        wait_until(lambda: events.exists() and '"type": "heartbeat"' in events.read_text(), 200,
+                   "the job to start decoding", give_up=lambda: None if proc.poll() is None else "it exited")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM
     finally:

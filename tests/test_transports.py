@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from dflash_cli.errors import DflashError, UnreachableError
 from dflash_cli.inventory import load_inventory
 from dflash_cli.transports import CommandFailed, open_transport
-from support import keygen, kill_ssh_sessions
+from support import keygen, kill_ssh_sessions, wait_until
 from support.pve import BARE_CONTAINER, CONTAINERS
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,15 +63,6 @@ def _gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return state == "Z"
-
-
-def _wait_until(predicate, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 # -- argv, stdin, stdout -----------------------------------------------------------------
@@ -158,10 +148,9 @@ def test_command_killed_by_a_signal_is_not_a_lost_connection(connect, name, expe
 @pytest.mark.parametrize("name", ["local", "node"])
 def test_run_timeout_gives_up_and_the_transport_stays_usable(connect, name):
     transport = connect(name)
-    started = time.monotonic()
+    # Had the timeout been ignored, the call would return sleep's exit status 0 instead.
     with pytest.raises(UnreachableError, match="did not finish within 0.5 s"):
         transport.run(["sleep", "3"], timeout=0.5)
-    assert time.monotonic() - started < 2.0
     assert transport.run(["echo", "still here"]).stdout == b"still here\n"
 
 
@@ -169,15 +158,19 @@ def test_run_timeout_gives_up_and_the_transport_stays_usable(connect, name):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_stream_yields_each_line_as_it_is_printed(connect, name):
-    program = "import time; print(time.time(), flush=True); time.sleep(1.5); print('done', end='')"
-    lines = connect(name).stream([PY, "-c", program])
-    first = next(lines)
-    received = time.time()
-    assert received - float(first) < 0.75  # same clock: the line was not held back
-    rest = list(lines)
-    assert rest == [b"done"]  # a last line without a newline still arrives
-    assert time.time() - received > 1.0  # the first line came while the command still ran
+def test_stream_yields_each_line_as_it_is_printed(connect, name, tmp_path):
+    # The command prints its last line only once the test has received the first: a stream
+    # that held lines back would get "given up" (after the command's own minute) instead.
+    # tmp_path is outside the containers' mount point: they see it as the node does.
+    go = tmp_path / "first line received"
+    program = ("import os, sys, time\nprint('first', flush=True)\ndeadline = time.monotonic() + 60\n"
+               "while not os.path.exists(sys.argv[1]):\n"
+               "    if time.monotonic() > deadline: print('given up', end=''); sys.exit()\n"
+               "    time.sleep(0.02)\nprint('done', end='')")
+    lines = connect(name).stream([PY, "-c", program, str(go)])
+    assert next(lines) == b"first\n"
+    go.touch()
+    assert list(lines) == [b"done"]  # a last line without a newline still arrives
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -196,7 +189,7 @@ def test_closing_a_stream_ends_the_remote_command(connect, name):
     pid = int(next(lines))
     assert not _gone(pid)
     lines.close()
-    assert _wait_until(lambda: _gone(pid), 5.0), "the remote command outlived the closed stream"
+    wait_until(lambda: _gone(pid), what="the remote command to end with its closed stream")
 
 
 @pytest.mark.parametrize("name", REMOTE + PARAMIKO[:1])
@@ -204,18 +197,27 @@ def test_connection_dying_mid_stream_raises_then_the_next_call_reconnects(connec
     transport = connect(name)
     assert transport.run(["true"]).exit_code == 0
     logins = ssh_node.accepted_logins()
-    # a whole line, then half of one; it writes again (and dies of EPIPE) after 3 s
-    program = "import sys, time\nprint(0, flush=True)\nsys.stdout.write('half'); sys.stdout.flush()\ntime.sleep(3); print()"
+    channels = []
+    real_exec = transport._exec
+
+    def exec_keeping_the_channel(argv):  # the real call; the test only keeps its channel
+        channels.append(real_exec(argv))
+        return channels[-1]
+
+    transport._exec = exec_keeping_the_channel
+    # a whole line, then half of one; it writes again (and dies of EPIPE) after 30 s
+    program = "import sys, time\nprint(0, flush=True)\nsys.stdout.write('half'); sys.stdout.flush()\ntime.sleep(30); print()"
+    received_before = transport.bytes_received
     lines = transport.stream([PY, "-c", program])
     assert next(lines) == b"0\n"
-    time.sleep(0.3)  # let "half" arrive
+    # "half" is on this side: read with the first line, or waiting in the channel
+    wait_until(lambda: transport.bytes_received - received_before >= len(b"0\nhalf") or channels[0].recv_ready(),
+               what="the half line to reach the client")
     assert kill_ssh_sessions(ssh_node) > 0
-    started = time.monotonic()
     after_the_drop = []
     with pytest.raises(UnreachableError, match="connection lost"):
         for line in lines:
             after_the_drop.append(line)
-    assert time.monotonic() - started < 5.0
     assert after_the_drop == []  # the cut-off half line is not passed on as if it were whole
     assert transport.run(["echo", "back"]).stdout == b"back\n"
     assert ssh_node.accepted_logins() == logins + 1
@@ -369,10 +371,8 @@ def test_every_proxyjump_hop_has_its_host_key_checked(make_inventory, connect, s
 
 
 def test_closed_port_is_unreachable_at_once(connect):
-    started = time.monotonic()
     with pytest.raises(UnreachableError, match="host down .* connection refused") as refused:
         connect("down").run(["true"])
-    assert time.monotonic() - started < 2.0
     assert refused.value.exit_code == 3
 
 
@@ -382,10 +382,10 @@ def test_silent_server_times_out_after_connect_timeout(make_inventory, connect, 
         silent.listen()
         port = silent.getsockname()[1]
         hosts = load_inventory(make_inventory(tmp_path, down={"ssh": f"root@127.0.0.1:{port}", "connect_timeout": 0.5}))
-        started = time.monotonic()
+        # Had connect_timeout been ignored, the call would wait for the silent server forever
+        # (until pytest's timeout) instead of raising this.
         with pytest.raises(UnreachableError, match=r"host down .* no SSH answer within 0.5 s"):
             connect("down", hosts).run(["true"])
-        assert time.monotonic() - started < 3.0
 
 
 def test_key_the_server_does_not_know_fails_authentication(make_inventory, connect, tmp_path):

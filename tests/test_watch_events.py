@@ -21,7 +21,7 @@ import pytest
 from dflash_run import dflash_argv, dflash_env
 from support import kill_ssh_sessions
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import wait_for
+from support.wait import wait_until
 from test_watch_log import Watch
 
 pytestmark = pytest.mark.timeout(180)
@@ -75,7 +75,7 @@ def test_events_reach_the_mirror_and_tensorboard_once_across_drops_and_a_lost_cu
     mirror = logs / "node" / "ev"
     watch = Watch(hosts, logs, "ev", "--host", "node", "--retry-for", "60")
     watch.wait_out(b"step 3\n")
-    wait_for(lambda: (mirror / "events.jsonl").exists() and (mirror / "events.jsonl").read_text().count("\n") == 3,
+    wait_until(lambda: (mirror / "events.jsonl").exists() and (mirror / "events.jsonl").read_text().count("\n") == 3,
              60, "the first three step events mirrored")
     assert kill_ssh_sessions(ssh_node)
     agent.touch("ev", "go")
@@ -138,7 +138,7 @@ def test_on_a_terminal_a_status_line_stays_below_the_scrolling_log(agent, hosts,
     earlier = Watch(hosts, logs, "tty", "--host", "local")  # not on a terminal: no status line
     earlier.wait_out(b"four steps done")
     mirrored = logs / "local" / "tty" / "events.jsonl"
-    wait_for(lambda: mirrored.exists() and "acceptance_length" in mirrored.read_text(), 60, "the eval mirrored")
+    wait_until(lambda: mirrored.exists() and "acceptance_length" in mirrored.read_text(), 60, "the eval mirrored")
     agent.touch("tty", "go0")
     earlier.wait_out(b"waiting")  # shown after the events before it were handled whole
     earlier.proc.send_signal(signal.SIGINT)

@@ -17,7 +17,7 @@ import pytest
 from dflash_run import dflash_argv, dflash_env
 from support import kill_ssh_sessions
 from support_agent.harness import agent  # noqa: F401  (fixture)
-from support_agent.harness import wait_for
+from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,11 +41,11 @@ class Watch:
             setattr(self, name, getattr(self, name) + chunk)
 
     def wait_out(self, text: bytes, count: int = 1) -> None:
-        wait_for(lambda: self.stdout.count(text) >= count or self.proc.poll() is not None, 60, f"{text!r} on stdout")
+        wait_until(lambda: self.stdout.count(text) >= count or self.proc.poll() is not None, 60, f"{text!r} on stdout")
         assert self.stdout.count(text) >= count, (self.stdout[-2000:], self.stderr.decode())
 
     def wait_err(self, text: bytes, count: int = 1) -> None:
-        wait_for(lambda: self.stderr.count(text) >= count or self.proc.poll() is not None, 60, f"{text!r} on stderr")
+        wait_until(lambda: self.stderr.count(text) >= count or self.proc.poll() is not None, 60, f"{text!r} on stderr")
         assert self.stderr.count(text) >= count, self.stderr.decode()
 
     def finish(self) -> int:
@@ -116,13 +116,13 @@ def test_watch_across_copytruncate_and_a_dropped_connection(agent, hosts, ssh_no
     agent.touch("cut", "go1")
     watch.wait_out(last_line(40, 11))
     watch.wait_err(b"was truncated")
-    wait_for(lambda: (run_dir / "b").exists())
+    wait_until(lambda: (run_dir / "b").exists())
     # The connection drops; while it is down the log is cut again, after a last line
     # without newline, and grows past the offset the watch stopped at.
     assert kill_ssh_sessions(ssh_node)
     copytruncate(run_dir)
     agent.touch("cut", "go2")
-    wait_for(lambda: (run_dir / "c").exists())
+    wait_until(lambda: (run_dir / "c").exists())
     agent.touch("cut", "go3")
     assert watch.finish() == 0, watch.stderr.decode()
     stderr = watch.stderr.decode()
@@ -203,10 +203,10 @@ def test_watch_started_again_after_a_truncation_resumes_in_the_new_content(agent
     first.proc.send_signal(signal.SIGINT)  # detached: cursor.json says where it stopped
     assert first.finish() == 130, first.stderr.decode()
     agent.touch("again", "go1")  # lines the watch never saw, then the cut
-    wait_for(lambda: (run_dir / "b").exists())
+    wait_until(lambda: (run_dir / "b").exists())
     copytruncate(run_dir)
     agent.touch("again", "go2")
-    wait_for(lambda: (run_dir / "c").exists())  # grown past the offset the watch stopped at
+    wait_until(lambda: (run_dir / "c").exists())  # grown past the offset the watch stopped at
     agent.touch("again", "go3")
     second = Watch(hosts, logs, "again", "--host", "local")
     assert second.finish() == 0, second.stderr.decode()

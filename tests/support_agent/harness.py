@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import pytest
 
 from dflash_agent import procfs
+from support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).resolve().parent / "dflash_train"
@@ -39,17 +40,6 @@ def make_workspace(base: Path, release_id: str = RELEASE_ID) -> Path:
     (workspace / "configs").mkdir()
     os.symlink(os.path.join("releases", release_id), workspace / "current")
     return workspace
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out after %.1f s waiting for %s" % (timeout, what))
-        time.sleep(0.02)
 
 
 class AgentResult:
@@ -96,18 +86,6 @@ class FollowStream:
             seen.append(message)
             if predicate(message):
                 return seen
-
-    def pending(self, wait: float) -> List[Dict[str, Any]]:
-        """Whatever arrives within `wait` seconds."""
-        time.sleep(wait)
-        out = []
-        while True:
-            try:
-                message = self._queue.get_nowait()
-            except queue.Empty:
-                return out
-            if message is not None:
-                out.append(message)
 
     def rest(self, timeout: float = 20.0) -> List[Dict[str, Any]]:
         """All remaining messages; the process must exit 0 after them."""
@@ -210,7 +188,7 @@ class Agent:
             found.update(self.status(run_id))
             return found["state"] in states
 
-        wait_for(reached, timeout, "run %r to reach %s (last: %s)" % (run_id, states, found.get("state")))
+        wait_until(reached, timeout, "run %r to reach %s (last: %s)" % (run_id, states, found.get("state")))
         return found
 
     def touch(self, run_id: str, name: str) -> None:
@@ -253,7 +231,7 @@ def kill_run(run_dir: Path) -> None:
         except ProcessLookupError:
             pass
     if ours:
-        wait_for(lambda: not procfs.group_members(pgid), 10.0, "run processes to exit")
+        wait_until(lambda: not procfs.group_members(pgid), 10.0, "run processes to exit")
 
 
 @pytest.fixture
