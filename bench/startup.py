@@ -159,7 +159,7 @@ def step_child(args: argparse.Namespace) -> None:
     data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len, token_budget=shape.seq_len,
                       pad_multiple=args.pad_multiple)
     buckets = bucket_shapes(data, DrafterConfig(block_size=shape.block, num_anchors=shape.anchors))
-    configure_compiler("cudagraphs", 1, max(2, len(buckets)))
+    configure_compiler("cudagraphs", 1, max(2, len(buckets)), dynamic_shapes=args.compile_shapes == "dynamic")
     cuda = args.device.startswith("cuda")
     objective = make_objective(shape, Frozen(shape, args.device), args.device, use_flex=cuda)
     like = example_inputs(objective, 16, objective.drafter.fc.in_features, args.device)

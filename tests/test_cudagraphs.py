@@ -221,18 +221,25 @@ def test_recompile_limit_covers_every_drafter_and_bucket(tmp_path):
 
     # configure_compiler changes process-wide settings: restore them for the other tests,
     # by assignment (pytest's monkeypatch undo leaves torch's config module broken).
-    saved = (torch._dynamo.config.recompile_limit, torch._inductor.config.triton.coalesce_tiling_analysis)
+    triton_options = torch._inductor.config.triton
+    saved = (torch._dynamo.config.recompile_limit, triton_options.coalesce_tiling_analysis,
+             getattr(triton_options, "mix_order_reduction", None))
     try:
         drafters = ", ".join(f"cuda:{i}" for i in range(8))
         plan = plan_compile(load_train_config(_write_config(tmp_path, "cudagraphs", drafters,
                                                             data="pad_multiple: 768")))
-        configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter)
+        configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
         # 8 GPUs x 4 buckets: each is a cache entry of DraftObjective.forward at worst.
         assert torch._dynamo.config.recompile_limit >= 8 * 4
-        configure_compiler("default", 1)
+        configure_compiler("default", 1, dynamic_shapes=plan_compile(load_train_config(
+            _write_config(tmp_path, "default", "cpu"))).dynamic_shapes)
         assert torch._dynamo.config.recompile_limit == 8
+        if saved[2] is not None:  # symbolic sizes turn off what breaks on them
+            assert triton_options.mix_order_reduction is False
     finally:
-        torch._dynamo.config.recompile_limit, torch._inductor.config.triton.coalesce_tiling_analysis = saved
+        torch._dynamo.config.recompile_limit, triton_options.coalesce_tiling_analysis = saved[:2]
+        if saved[2] is not None:
+            triton_options.mix_order_reduction = saved[2]
 
 
 def _loss_and_grads(objective: DraftObjective, inputs: DrafterInputs):

@@ -55,6 +55,12 @@ class CompilePlan:
         graph and its re-specializations otherwise."""
         return max(len(self.buckets), DYNAMIC_SHAPE_VARIANTS)
 
+    @property
+    def dynamic_shapes(self) -> bool:
+        """Whether Inductor compiles with symbolic sizes: compile: default always,
+        cudagraphs with compile_shapes: dynamic."""
+        return self.mode == "default" or (self.mode == "cudagraphs" and self.shapes == "dynamic")
+
     def build(self, objective: DraftObjective, example: DrafterInputs) -> BuiltStep:
         """One replica's train step for this plan, compiled and warmed up (not locked)."""
         if self.mode == "cudagraphs":
@@ -79,9 +85,11 @@ def recompile_limit(num_drafters: int, shapes_per_drafter: int) -> int:
     return max(8, 2 * num_drafters * shapes_per_drafter)
 
 
-def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = DYNAMIC_SHAPE_VARIANTS) -> None:
+def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = DYNAMIC_SHAPE_VARIANTS,
+                       dynamic_shapes: bool = False) -> None:
     """Process-wide compiler settings, set once before any drafter thread starts (never
-    patched inside a worker)."""
+    patched inside a worker). `dynamic_shapes`: whether any graph compiles with symbolic
+    sizes (CompilePlan.dynamic_shapes); it turns off what is unsafe only for those."""
     if mode == "off":
         return
     import torch._dynamo
@@ -96,6 +104,11 @@ def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = D
     # Inductor's coalescing analysis "does not yet apply to dynamic shapes" (its own config
     # comment) yet runs on them, and asserts in get_pw_red_splits on this step (torch 2.11, CUDA).
     torch._inductor.config.triton.coalesce_tiling_analysis = False
+    if dynamic_shapes and hasattr(torch._inductor.config.triton, "mix_order_reduction"):
+        # Its workspace is sized from one shape's hints and reshaped for another: at the
+        # Qwen3-8B drafter shape with rows and length dynamic the compiled backward fails
+        # "shape '[1728, 128]' is invalid for input of size 1536" (torch 2.11, H200).
+        torch._inductor.config.triton.mix_order_reduction = False
     # A relaunch finds the compiled graphs, autotuning results and AOTAutograd's joint
     # graphs of earlier runs in the host's compile cache (compile_cache.py) instead of
     # compiling again: on by default in the torch releases we run, set here so an

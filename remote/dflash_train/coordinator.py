@@ -182,7 +182,7 @@ class Coordinator(JobControl):
         if plan.mode != "off" and self.prepared is not None:
             self.compile_cache = open_compile_cache(self.run_dir,
                                                     compile_key_facts(self.prepared.run.drafter_devices[0]))
-        configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter)
+        configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
         if plan.buckets:
             say(f"compile: cudagraphs captures {len(plan.buckets)} shape bucket(s) per drafter: "
                 f"{', '.join(f'{b.rows}x{b.length} ({b.blocks} blocks)' for b in plan.buckets)}")
