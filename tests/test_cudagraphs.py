@@ -215,31 +215,33 @@ def test_plans_without_graphs_build_a_working_step(tmp_path):
     assert float(stats.loss) == pytest.approx(float(expected[0]), rel=1e-6)
 
 
-def test_recompile_limit_covers_every_drafter_and_bucket(tmp_path):
+@pytest.fixture
+def compiler_settings():
+    """configure_compiler changes process-wide settings: put them back for the other tests,
+    by assignment (pytest's monkeypatch undo leaves torch's config module broken)."""
     import torch._dynamo
     import torch._inductor.config
 
-    # configure_compiler changes process-wide settings: restore them for the other tests,
-    # by assignment (pytest's monkeypatch undo leaves torch's config module broken).
     triton_options = torch._inductor.config.triton
     saved = (torch._dynamo.config.recompile_limit, triton_options.coalesce_tiling_analysis,
              getattr(triton_options, "mix_order_reduction", None))
-    try:
-        drafters = ", ".join(f"cuda:{i}" for i in range(8))
-        plan = plan_compile(load_train_config(_write_config(tmp_path, "cudagraphs", drafters,
-                                                            data="pad_multiple: 768")))
-        configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
-        # 8 GPUs x 4 buckets: each is a cache entry of DraftObjective.forward at worst.
-        assert torch._dynamo.config.recompile_limit >= 8 * 4
-        configure_compiler("default", 1, dynamic_shapes=plan_compile(load_train_config(
-            _write_config(tmp_path, "default", "cpu"))).dynamic_shapes)
-        assert torch._dynamo.config.recompile_limit == 8
-        if saved[2] is not None:  # symbolic sizes turn off what breaks on them
-            assert triton_options.mix_order_reduction is False
-    finally:
-        torch._dynamo.config.recompile_limit, triton_options.coalesce_tiling_analysis = saved[:2]
-        if saved[2] is not None:
-            triton_options.mix_order_reduction = saved[2]
+    yield triton_options
+    torch._dynamo.config.recompile_limit, triton_options.coalesce_tiling_analysis = saved[:2]
+    if saved[2] is not None:
+        triton_options.mix_order_reduction = saved[2]
+
+
+def test_recompile_limit_covers_every_drafter_and_bucket(tmp_path, compiler_settings):
+    drafters = ", ".join(f"cuda:{i}" for i in range(8))
+    plan = plan_compile(load_train_config(_write_config(tmp_path, "cudagraphs", drafters, data="pad_multiple: 768")))
+    configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
+    # 8 GPUs x 4 buckets: each is a cache entry of DraftObjective.forward at worst.
+    assert torch._dynamo.config.recompile_limit >= 8 * 4
+    configure_compiler("default", 1, dynamic_shapes=plan_compile(load_train_config(
+        _write_config(tmp_path, "default", "cpu"))).dynamic_shapes)
+    assert torch._dynamo.config.recompile_limit == 8
+    if hasattr(compiler_settings, "mix_order_reduction"):  # symbolic sizes turn off what breaks on them
+        assert compiler_settings.mix_order_reduction is False
 
 
 def _loss_and_grads(objective: DraftObjective, inputs: DrafterInputs):
@@ -530,13 +532,14 @@ def test_replayed_steps_mask_each_batch_by_its_own_anchors(attention, strategy):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_dynamic_whole_step_compiles_once_and_captures_every_bucket(attention):
+def test_dynamic_whole_step_compiles_once_and_captures_every_bucket(attention, compiler_settings):
     """compile_shapes: dynamic on a GPU: one compile serves the four buckets, each bucket
     gets a graph of its own, and every replay gives eager's loss for its batch."""
     torch._dynamo.reset()
     device = "cuda:0"
     objective = tiny_objective(device, use_flex=attention == "flex", head_dim=16)
     buckets = cudagraphs.bucket_shapes(FOUR_BUCKETS, DrafterConfig(block_size=BLOCK, num_anchors=8))
+    configure_compiler("cudagraphs", 1, len(buckets), dynamic_shapes=True)  # as the trainer sets it up
     like = example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, device)
     step = cudagraphs.build_cudagraph_train_step(objective, like, buckets, shapes="dynamic", strategy="whole_step")
     assert step.report.shapes == "dynamic" and len(step.report.buckets) == 4

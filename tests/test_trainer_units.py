@@ -447,6 +447,28 @@ def test_snapshots_reuse_their_buffers_and_hold_the_state_of_their_own_step():
         ckpt.take_snapshot(state, model, optimizer, scheduler, buffers)
 
 
+def test_buffers_made_ahead_from_the_layout_are_the_ones_the_first_snapshot_fills():
+    """snapshot_layout names every tensor take_snapshot copies: buffers made from it ahead
+    (the writer's background reserve) leave the first snapshot nothing to allocate."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    buffers = ckpt.SnapshotBuffers()
+    layout = ckpt.snapshot_layout(model, optimizer, scheduler)
+    # weight (6 floats) and bias (2): themselves, exp_avg and exp_avg_sq; a float step each
+    assert buffers.reserve(layout) == 4 * (6 + 2) * 3 + 4 * 2
+    made = dict(buffers._buffers)
+    state = ckpt.TrainingState(step=1, epoch=0, batch_index=1, replicas=1, losses=[1.0])
+    snapshot = ckpt.take_snapshot(state, model, optimizer, scheduler, buffers)
+    assert snapshot.weights["weight"].data_ptr() == made["weights/weight"].data_ptr()
+    moments = snapshot.optimizer["optimizer"]["state"][0]
+    assert moments["exp_avg"].data_ptr() == made["optimizer/optimizer/state/0/exp_avg"].data_ptr()
+    assert set(buffers._buffers) - set(made) == {"finite"}  # made at the snapshot: one flag a tensor
+    assert buffers.reserve(layout) == 0  # nothing left to make
+
+
 def test_replica_check_catches_a_one_ulp_difference_and_names_the_replica():
     from types import SimpleNamespace
 

@@ -26,7 +26,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -120,6 +120,17 @@ class SnapshotBuffers:
             buffer = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
         return buffer.copy_(tensor.detach(), non_blocking=True)
 
+    def reserve(self, layout: list[tuple[str, torch.Size, torch.dtype, bool]]) -> int:
+        """Make the buffers of `layout` (snapshot_layout's) ahead of the first snapshot: a
+        background thread pays the seconds of pinning, not training. The bytes made."""
+        made = 0
+        for key, shape, dtype, pinned in layout:
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+                self._buffers[key] = buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+                made += buffer.numel() * buffer.element_size()
+        return made
+
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream the copies from `device` run on, made once."""
         if device not in self._streams:
@@ -138,6 +149,26 @@ def _cpu_copy(value: Any, buffers: SnapshotBuffers | None = None, key: str = "")
     if isinstance(value, (list, tuple)):
         return type(value)(_cpu_copy(v, buffers, f"{key}/{i}") for i, v in enumerate(value))
     return value  # numbers, strings, None: immutable
+
+
+def _leaves(value: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a state_dict by the buffer keys _cpu_copy gives them."""
+    if isinstance(value, torch.Tensor):
+        yield key, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{key}/{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{key}/{i}")
+
+
+def snapshot_layout(model: torch.nn.Module, optimizer, scheduler) -> list[tuple[str, torch.Size, torch.dtype, bool]]:
+    """(buffer key, shape, dtype, pinned) of every tensor take_snapshot copies, read
+    without copying anything; the optimizer's state must exist (after its first step)."""
+    tensors = [*((f"weights/{name}", t) for name, t in model.state_dict().items()),
+               *_leaves({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, "optimizer")]
+    return [(key, t.shape, t.dtype, t.is_cuda) for key, t in tensors]
 
 
 def take_snapshot(state: TrainingState, model: torch.nn.Module, optimizer, scheduler,

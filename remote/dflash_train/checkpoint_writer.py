@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .checkpoint import CheckpointSnapshot, SnapshotBuffers, write_checkpoint
 from .runlog import EventLog, say
 from .threads import StopLatch, StopRequested, JobThread
+
+if TYPE_CHECKING:
+    import torch
 
 WRITER = "checkpoint-writer"
 
@@ -51,6 +54,23 @@ class CheckpointWriter:
             self.events.emit("checkpoint", step=step, path=str(path), held_s=round(held_s, 4),
                              write_s=round(write_s, 4), waited_s=round(waited_s, 4))
             say(f"checkpoint at step {step}: {path} (training held {held_s:.2f}s, written in {write_s:.2f}s)")
+
+        self._worker = JobThread(WRITER, self.latch, body)
+        self._worker.start()
+
+    def reserve(self, layout: list[tuple[str, torch.Size, torch.dtype, bool]]) -> None:
+        """Make the snapshot buffers of `layout` in the background, in the writer's slot:
+        the first checkpoint waits for them instead of pinning them itself while
+        training is held."""
+        self.wait()
+
+        def body(worker: JobThread) -> None:
+            worker.phase = "checkpoint buffers"
+            start = time.perf_counter()
+            made = self.buffers.reserve(layout)
+            if made:
+                say(f"checkpoint buffers: {made / 1e9:.2f} GB made in {time.perf_counter() - start:.2f}s, "
+                    "while training")
 
         self._worker = JobThread(WRITER, self.latch, body)
         self._worker.start()

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpoint import TrainingState, replace_dir, take_snapshot
+from .checkpoint import TrainingState, replace_dir, snapshot_layout, take_snapshot
 from .checkpoint_writer import CheckpointWriter
 from .config import resolved_yaml
 from .devices import is_cuda
@@ -112,6 +112,8 @@ class OutputSchedule:
         if not self.writes_outputs:
             return
         self.report_step(step, applied)
+        if step == self.run.start_step + 1:  # the optimizer's state exists from here
+            self.checkpoints.reserve(snapshot_layout(lead.drafter, lead.optimizer, lead.scheduler))
         if self.checkpoint_due(step):
             self.save_checkpoint(lead)
         if self.eval_due(step):
