@@ -50,6 +50,8 @@ class Session:
         """`work(host)` for all hosts at once; a host's DflashError is its result, so one
         failing host does not hide the others'."""
         results: dict[str, T | DflashError] = {}
+        if not hosts:
+            return results
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
             futures = {pool.submit(work, host): host.name for host in hosts}
             for future in concurrent.futures.as_completed(futures):

@@ -11,7 +11,7 @@ from typing import Iterator
 
 from click.testing import CliRunner
 
-from dflash_cli import cli, console
+from dflash_cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
 WIDE = 200  # columns: tables are never wrapped
@@ -58,12 +58,9 @@ def dflash_in_process(*args: str, hosts: Path | None = None, cwd: Path | None = 
     where the process boundary is not what is tested; signals, Ctrl-C, detaching and
     following a live run need `dflash()` / `popen_dflash()`."""
     argv = [*(["--hosts", str(hosts)] if hosts is not None else []), *args]
-    previous_width = console.human.width
-    console.human.width = WIDE  # what COLUMNS gives the console of a new process
-    try:
-        with _working_directory(cwd):
-            result = CliRunner().invoke(cli.main, argv, prog_name="python -m dflash_cli", catch_exceptions=False,
-                                        env={"NO_COLOR": "1", "COLUMNS": str(WIDE), **(env or {})})
-    finally:
-        console.human.width = previous_width
+    # COLUMNS is read at each print: the console made at import is as wide as a new
+    # process's (setting its width instead would pin it for every later test).
+    with _working_directory(cwd):
+        result = CliRunner().invoke(cli.main, argv, prog_name="python -m dflash_cli", catch_exceptions=False,
+                                    env={"NO_COLOR": "1", "COLUMNS": str(WIDE), **(env or {})})
     return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, result.stderr)

@@ -137,7 +137,7 @@ def test_status_lists_runs_newest_first(agent):
     assert [r["run_id"] for r in runs] == ["third", "second", "first"]
     assert set(runs[0]) == {"run_id", "name", "state", "pid", "started_at", "ended_at", "exit", "errors",
                             "last_heartbeat", "release_id", "source", "overrides", "step", "attempt", "attempts",
-                            "resume_step", "checkpoint_step"}
+                            "resume_step", "checkpoint_step", "startup"}
     assert runs[0]["name"] == "name of third"
     result = agent.run("status", "--run-id", "missing")
     assert (result.rc, result.json["kind"]) == (2, "not_found")
