@@ -26,6 +26,12 @@ import pytest
 # The suite never touches the network: no model or tokenizer downloads, ever.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# xdist's workers inherit COLUMNS=80 and LINES=24 from execnet; rich fixes a console's width
+# from COLUMNS when the console is made, so whichever test imported dflash_cli.console first
+# would pin every later in-process CLI call of that worker to 80 columns. Without them, as
+# in a plain pytest run, a test's own COLUMNS applies to its call.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 from support import FakePve, SshNode, make_fake_pve, start_sshd, stop_sshd, write_inventory  # noqa: E402
 from support.pve import NeedsRoot  # noqa: E402
