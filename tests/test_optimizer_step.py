@@ -6,11 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.checkpoint import _cpu_copy
+from dflash_train.checkpoint import SnapshotBuffers, _map_tensors
 from dflash_train.config import OptimConfig
 from dflash_train.optimizer_step import OptimizerStep
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, warmup_ratio=0.25, grad_clip=0.5)
+
+
+def cpu_copy(state: dict) -> dict:
+    """A state_dict copied to the CPU as take_snapshot copies one (into fresh buffers;
+    from CUDA asynchronously: the caller synchronizes)."""
+    return _map_tensors(state, "", SnapshotBuffers().copy)
 
 
 def params_of(seed: int = 0, device: str = "cpu") -> list[torch.nn.Parameter]:
@@ -54,7 +60,7 @@ def test_prepare_makes_the_state_without_changing_weights_or_moments(trained_ste
     optimizer = OptimizerStep(params, OPTIM, total_steps=8, form="device")
     take(optimizer, range(trained_steps), params)
     weights = [p.detach().clone() for p in params]
-    state = _cpu_copy(optimizer.optimizer.state_dict())
+    state = cpu_copy(optimizer.optimizer.state_dict())
     optimizer.prepare()
     assert all(torch.equal(a, b) for a, b in zip(params, weights))
     after = optimizer.optimizer.state_dict()["state"]
@@ -77,7 +83,7 @@ def test_a_checkpointed_state_loads_into_the_other_form_and_trains_on_alike(writ
     written = OptimizerStep(params, OPTIM, total_steps=8, form=writer)
     written.prepare()
     take(written, range(3), params)
-    saved = _cpu_copy({"optimizer": written.optimizer.state_dict(), "scheduler": written.scheduler.state_dict()})
+    saved = cpu_copy({"optimizer": written.optimizer.state_dict(), "scheduler": written.scheduler.state_dict()})
     assert all(t.device.type == "cpu" for m in saved["optimizer"]["state"].values() for t in m.values())
 
     loaded_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -112,7 +118,7 @@ def test_the_captured_optimizer_replays_as_the_device_form_to_the_bit():
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(graphed_params, device_params))
     # a checkpoint of the graphed optimizer loads on the CPU into the eager form
-    saved = _cpu_copy(graphed.optimizer.state_dict())
+    saved = cpu_copy(graphed.optimizer.state_dict())
     torch.cuda.synchronize()
     eager = OptimizerStep(params_of(), OPTIM, total_steps=8, form="eager")
     eager.load_state_dict(saved, graphed.scheduler.state_dict())

@@ -26,7 +26,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -102,34 +102,34 @@ class CheckpointSnapshot:
 
 
 class SnapshotBuffers:
-    """The CPU tensors snapshots are copied into: made at the first checkpoint, reused by
-    every later one (a tensor of another shape or dtype gets a new one). Pinned where
-    the source is on CUDA: pinning the 12.6 GB of an 8B-shape drafter with its AdamW state
-    takes seconds, a copy into pinned memory runs at the bus's speed. They hold one
-    snapshot at a time: the next may be taken only once the previous one is written
-    (CheckpointWriter.save waits for it first)."""
+    """The CPU tensors snapshots are copied into: made once (ahead of the first snapshot by
+    `reserve`, else by it), reused by every later one (a tensor of another shape or dtype
+    gets a new one). Pinned where the source is on CUDA: pinning the 12.6 GB of an 8B-shape
+    drafter with its AdamW state takes seconds, a copy into pinned memory runs at the bus's
+    speed. They hold one snapshot at a time: the next may be taken only once the previous
+    one is written (CheckpointWriter.save waits for it first)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
+    def _buffer(self, key: str, shape: torch.Size, dtype: torch.dtype, pinned: bool) -> tuple[torch.Tensor, int]:
+        """The buffer `key` for that shape and dtype, and the bytes made for it (0: reused)."""
+        buffer = self._buffers.get(key)
+        if buffer is not None and buffer.shape == shape and buffer.dtype == dtype:
+            return buffer, 0
+        buffer = self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        return buffer, buffer.numel() * buffer.element_size()
+
     def copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` copied into the buffer `key`, asynchronously from CUDA (the caller syncs)."""
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        buffer, _ = self._buffer(key, tensor.shape, tensor.dtype, tensor.is_cuda)
         return buffer.copy_(tensor.detach(), non_blocking=True)
 
     def reserve(self, layout: list[tuple[str, torch.Size, torch.dtype, bool]]) -> int:
         """Make the buffers of `layout` (snapshot_layout's) ahead of the first snapshot: a
         background thread pays the seconds of pinning, not training. The bytes made."""
-        made = 0
-        for key, shape, dtype, pinned in layout:
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
-                self._buffers[key] = buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
-                made += buffer.numel() * buffer.element_size()
-        return made
+        return sum(self._buffer(*entry)[1] for entry in layout)
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream the copies from `device` run on, made once."""
@@ -138,37 +138,29 @@ class SnapshotBuffers:
         return self._streams[device]
 
 
-def _cpu_copy(value: Any, buffers: SnapshotBuffers | None = None, key: str = "") -> Any:
-    """A deep copy of a state_dict with every tensor on the CPU, in `buffers` (fresh ones
-    if None); from CUDA asynchronously: the caller synchronizes."""
-    buffers = buffers if buffers is not None else SnapshotBuffers()
+def _map_tensors(value: Any, key: str, each: Callable[[str, torch.Tensor], Any]) -> Any:
+    """A state_dict with `each(key, tensor)` in place of every tensor; the key names the
+    tensor's path in it (the buffer key of SnapshotBuffers)."""
     if isinstance(value, torch.Tensor):
-        return buffers.copy(key, value)
+        return each(key, value)
     if isinstance(value, dict):
-        return {k: _cpu_copy(v, buffers, f"{key}/{k}") for k, v in value.items()}
+        return {k: _map_tensors(v, f"{key}/{k}", each) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v, buffers, f"{key}/{i}") for i, v in enumerate(value))
+        return type(value)(_map_tensors(v, f"{key}/{i}", each) for i, v in enumerate(value))
     return value  # numbers, strings, None: immutable
 
 
-def _leaves(value: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a state_dict by the buffer keys _cpu_copy gives them."""
-    if isinstance(value, torch.Tensor):
-        yield key, value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _leaves(v, f"{key}/{k}")
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _leaves(v, f"{key}/{i}")
+def _optimizer_states(optimizer, scheduler) -> dict[str, Any]:
+    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
 
 
 def snapshot_layout(model: torch.nn.Module, optimizer, scheduler) -> list[tuple[str, torch.Size, torch.dtype, bool]]:
     """(buffer key, shape, dtype, pinned) of every tensor take_snapshot copies, read
     without copying anything; the optimizer's state must exist (after its first step)."""
-    tensors = [*((f"weights/{name}", t) for name, t in model.state_dict().items()),
-               *_leaves({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, "optimizer")]
-    return [(key, t.shape, t.dtype, t.is_cuda) for key, t in tensors]
+    layout = [(f"weights/{name}", t.shape, t.dtype, t.is_cuda) for name, t in model.state_dict().items()]
+    _map_tensors(_optimizer_states(optimizer, scheduler), "optimizer",
+                 lambda key, t: layout.append((key, t.shape, t.dtype, t.is_cuda)))
+    return layout
 
 
 def take_snapshot(state: TrainingState, model: torch.nn.Module, optimizer, scheduler,
@@ -191,8 +183,7 @@ def take_snapshot(state: TrainingState, model: torch.nn.Module, optimizer, sched
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         finite = buffers.copy("finite", torch.stack([weights[name].isfinite().all() for name in floating]))
         copies = {name: buffers.copy(f"weights/{name}", tensor) for name, tensor in weights.items()}
-        optimizer_states = _cpu_copy({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                                     buffers, "optimizer")
+        optimizer_states = _map_tensors(_optimizer_states(optimizer, scheduler), "optimizer", buffers.copy)
     if side is not None:
         side.synchronize()  # the one wait: every copy above is done
     refuse_non_finite([name for name, ok in zip(floating, finite.tolist()) if not ok], len(weights))
