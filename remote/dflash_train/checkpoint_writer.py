@@ -33,18 +33,20 @@ class CheckpointWriter:
         self.root, self.keep, self.config_yaml = root, keep, config_yaml
         self.events, self.latch = events, latch
         self._worker: JobThread | None = None
+        self._work = ""  # what the writer thread does or did last, for a checkpoint that waits for it
         self.buffers = SnapshotBuffers()  # where every snapshot of this run is copied
 
     def save(self, take: Callable[[SnapshotBuffers], CheckpointSnapshot]) -> None:
         """Once the previous write is complete, `take` the snapshot into the buffers (the
         time training is held), then write it in the background."""
+        waited_for = self._work
         waited_s = self.wait()
         start = time.perf_counter()
         snapshot = take(self.buffers)
         held_s = time.perf_counter() - start
         step = snapshot.state.step
         if waited_s >= 0.01:
-            say(f"checkpoint at step {step} waited {waited_s:.2f}s for the previous one to be written")
+            say(f"checkpoint at step {step} waited {waited_s:.2f}s for {waited_for}")
 
         def body(worker: JobThread) -> None:
             worker.phase, worker.step = "checkpoint", step
@@ -55,8 +57,7 @@ class CheckpointWriter:
                              write_s=round(write_s, 4), waited_s=round(waited_s, 4))
             say(f"checkpoint at step {step}: {path} (training held {held_s:.2f}s, written in {write_s:.2f}s)")
 
-        self._worker = JobThread(WRITER, self.latch, body)
-        self._worker.start()
+        self._in_background("the previous one to be written", body)
 
     def reserve(self, layout: list[tuple[str, torch.Size, torch.dtype, bool]]) -> None:
         """Make the snapshot buffers of `layout` in the background, in the writer's slot:
@@ -72,6 +73,11 @@ class CheckpointWriter:
                 say(f"checkpoint buffers: {made / 1e9:.2f} GB pinned in {time.perf_counter() - start:.2f}s, "
                     "while training")
 
+        self._in_background("the checkpoint buffers to be made", body)
+
+    def _in_background(self, work: str, body: Callable[[JobThread], None]) -> None:
+        """Start `body` as the writer thread (the slot is free: the callers waited)."""
+        self._work = work
         self._worker = JobThread(WRITER, self.latch, body)
         self._worker.start()
 
