@@ -20,6 +20,7 @@ from dflash_cli.multihost import aggregate_state, in_time_order, peer_failed_lin
 from dflash_run import dflash, dflash_argv, dflash_env, dflash_in_process
 from support import container_workspace, free_port
 from support.inventory import default_hosts
+from support.events import read_events
 from support.train_configs import small_config
 from support.wait import wait_until
 
@@ -251,11 +252,8 @@ def launch_pair(pair: Pair, config: Path) -> str:
 
 
 def events(pair: Pair, vmid: int, run_id: str, kind: str) -> list[dict]:
-    """The run's events of `kind` on a host so far: none before the trainer made the file,
-    and not a line it is still writing."""
-    path = pair.on_node(vmid, f"runs/{run_id}") / "events.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []
-    return [e for e in map(json.loads, lines) if e.get("type") == kind]
+    """The run's events of `kind` on a host so far."""
+    return read_events(pair.on_node(vmid, f"runs/{run_id}") / "events.jsonl", kind)
 
 
 def test_a_run_on_two_hosts_is_one_run(pair, tmp_path):

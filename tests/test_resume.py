@@ -12,6 +12,7 @@ import pytest
 import yaml
 from dflash_agent import attempts, procfs
 from dflash_run import dflash_in_process
+from support.events import read_events
 from support.train_configs import small_config
 from support.wait import wait_until
 
@@ -44,10 +45,7 @@ class Bed:
         return json.loads((self.run_dir(run_id) / "run.json").read_text())
 
     def events(self, run_id: str) -> list[dict]:
-        """The whole lines of events.jsonl (none before the trainer made it)."""
-        path = self.run_dir(run_id) / "events.jsonl"
-        text = path.read_text() if path.exists() else ""
-        return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+        return read_events(self.run_dir(run_id) / "events.jsonl")
 
     def log_has(self, run_id: str, text: str) -> bool:
         return text.encode() in (self.run_dir(run_id) / "train.log").read_bytes()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from dflash_train.config import load_train_config, resolved_yaml
+from support.events import read_events
 from support.wait import DEFAULT_TIMEOUT_S, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,11 +41,7 @@ class Launched:
         self.run_dir, self.proc = run_dir, proc
 
     def events(self, type_: str | None = None) -> list[dict]:
-        path = self.run_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-        return [r for r in rows if type_ is None or r["type"] == type_]
+        return read_events(self.run_dir / "events.jsonl", type_)
 
     def errors(self) -> list[dict]:
         return [json.loads(line) for line in (self.run_dir / "errors.jsonl").read_text().splitlines()]
