@@ -311,8 +311,15 @@ def test_exit_fault_sets_the_exit_code(launch):
 def test_resume_continues_step_count_and_loss_curve(launch, tmp_path):
     base = SMALL + "optim: {max_steps: 8}\ncheckpoint: {every: 3}\neval: {num_prompts: 0}\n"
     run_dir = tmp_path / "resumed"
-    first = launch(base + "faults: [{thread: drafter-0, at: 'step:5', kind: exit, code: 3}]\n", run_dir)
-    assert first.wait(100) == 3  # crashed after completing step 4; the newest checkpoint is step 3
+    # Crashed (SIGKILL) after completing step 4; the newest checkpoint is step 3. Drafter-0
+    # hangs before step 5 until then: a crash does not wait for the background write of
+    # step 3's checkpoint, so the test waits for it, or the crash could come first.
+    first = launch(base + "faults: [{thread: drafter-0, at: 'step:5', kind: hang}]\n", run_dir)
+    first.wait_for("step 4 and step 3's checkpoint", lambda: "injecting fault: hang" in first.log()
+                   and any(e["step"] == 4 for e in first.events("step"))
+                   and any(e["step"] == 3 for e in first.events("checkpoint")), 90)
+    first.proc.kill()
+    assert first.wait(100) == -signal.SIGKILL
     first_losses = step_losses(first)
     assert sorted(first_losses) == [1, 2, 3, 4]
     assert os.readlink(run_dir / "checkpoints" / "latest") == "step_000003"
