@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test sshd
+.PHONY: setup demo test test-fast sshd
 
 $(BIN)/dflash: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,8 @@ sshd:
 TEST_WORKERS ?= 3
 test: setup sshd
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+
+# The suite less the tests marked slow (trainer processes, compiles, installs: each one
+# states its cost and why in its @pytest.mark.slow): the loop to run while changing code.
+test-fast: setup sshd
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m 'not slow' tests

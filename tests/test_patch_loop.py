@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from dflash_cli import release
@@ -46,6 +47,7 @@ def _releases(workspace) -> list[str]:
     return sorted(name for name in os.listdir(workspace / "releases") if not name.startswith("."))
 
 
+@pytest.mark.slow(seconds=43, why="two trainer runs over pct, launched one edit apart")
 def test_two_launches_one_line_apart_diff_runs_and_gc(make_inventory, tmp_path):
     make_inventory(tmp_path)
     workspace = tmp_path / "node ws"

@@ -98,6 +98,7 @@ def test_deploy_sends_the_project_tree_holding_the_current_directory(hosts, tmp_
     assert source_line(again) == f"source: {project} (git {git(project, 'rev-parse', 'HEAD').decode()[:7]}, clean)"
 
 
+@pytest.mark.slow(seconds=10, why="a patched trainer launched over pct")
 def test_launch_records_the_source_in_run_json_and_status_shows_it(make_inventory, fake_pve, tmp_path):
     """Over the pct hop, from a project whose path holds a space and a quote: the
     source travels to the agent as one argument, intact."""
@@ -216,6 +217,7 @@ def installed_wheel(tmp_path) -> Path:
     return venv / "bin" / "dflash"
 
 
+@pytest.mark.slow(seconds=12, why="builds a wheel of the project and installs it into a virtualenv")
 def test_a_wheel_install_deploys_its_bundled_copy_or_the_project_tree(installed_wheel, hosts, tmp_path):
     env = {k: v for k, v in dflash_env().items() if k != "PYTHONPATH"}  # the installed dflash, nothing else
 

@@ -94,8 +94,9 @@ def result_row(stderr: str, host: str) -> list[str]:
     return [cell.strip() for cell in row.strip("│").split("│")]
 
 
-@pytest.mark.slow_install
 @pytest.mark.timeout(1800)
+@pytest.mark.slow(seconds=193,
+                  why="installs torch and transformers into a fresh virtualenv in a bare container, then trains")
 def test_a_bare_container_is_set_up_then_ready_then_trains_and_a_failed_install_keeps_its_env(
         make_inventory, ssh_node, fake_pve, bare_container, bare_python, tmp_path):
     hosts = bare_inventory(make_inventory, ssh_node, fake_pve, tmp_path, bare_python)
@@ -153,6 +154,7 @@ def test_a_bare_container_is_set_up_then_ready_then_trains_and_a_failed_install_
     assert check(hosts)["ct203"]["status"] == "ok"
 
 
+@pytest.mark.slow(seconds=11, why="starts pip installing torch on a host, then interrupts it")
 def test_ctrl_c_ends_the_install_on_the_host_and_leaves_no_environment(make_inventory, bare_python, tmp_path):
     workspace = tmp_path / "local ws"
     hosts = make_inventory(tmp_path, node=None, ct200=None, ct201=None, ct999=None, down=None,
