@@ -36,6 +36,7 @@ os.environ.pop("LINES", None)
 from support import FakePve, SshNode, make_fake_pve, start_sshd, stop_sshd, write_inventory  # noqa: E402
 from support.pve import NeedsRoot  # noqa: E402
 from support.sshd import SshdMissing  # noqa: E402
+from support.trainer import TINY_CPU_CONFIG, Launched, end, start_trainer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +45,21 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.getbasetemp() / "dflash-workspace"
     path.mkdir(exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_cpu_run(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
+    """configs/train/tiny-cpu.yaml as shipped, run to its end by the real trainer (started as
+    the agent starts it): what `make demo` runs. test_trainer_runs checks the run and
+    test_speculative decodes with its drafter; their tests that use it are in xdist group
+    "tiny-cpu-run", so it is made once. The caller checks its exit status."""
+    run = start_trainer(workspace, tmp_path_factory.mktemp("tiny-cpu") / "run", TINY_CPU_CONFIG.read_text(),
+                        "tiny-cpu")
+    try:
+        run.wait(400)
+        yield run
+    finally:
+        end(run)
 
 
 @pytest.fixture(scope="session")

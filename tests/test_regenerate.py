@@ -17,7 +17,7 @@ import torch
 import dflash_schema
 from dflash_cli.commands.launch import host_paths
 from dflash_train.config import load_train_config
-from test_trainer_runs import Launched, launch  # noqa: F401 - `launch` is a fixture
+from test_trainer_runs import launch  # noqa: F401 - `launch` is a fixture
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_PROMPTS = REPO / "configs" / "data" / "tiny-prompts.jsonl"

@@ -15,8 +15,9 @@ import torch
 from dflash_train.config import load_train_config
 from support.wait import wait_until
 
-# On one xdist worker: the module's drafter is trained once (a minute or more), not once per worker.
-pytestmark = pytest.mark.xdist_group("speculative-trained-drafter")
+# On one xdist worker with test_tiny_cpu_config_end_to_end: the shipped config's run whose
+# drafter these tests decode with is made once, not once per worker.
+pytestmark = pytest.mark.xdist_group("tiny-cpu-run")
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
 
@@ -38,9 +39,10 @@ def _tiny_sections() -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(workspace, tmp_path_factory):
-    """A drafter trained by the real trainer on the tiny CPU path (one drafter, sequential,
-    no evaluation): its export, and the tiny target and prompts it was trained for."""
+def trained(tiny_cpu_run, workspace):
+    """The drafter the real trainer trained on the shipped tiny CPU config (the suite's
+    one run of it, tests/conftest.py): its export, and the tiny target and prompts it was
+    trained for."""
     from transformers import AutoTokenizer
 
     from dflash_train.data import load_prompts
@@ -49,18 +51,8 @@ def trained(workspace, tmp_path_factory):
     from dflash_train.target import FeatureTap, load_target
     from dflash_train.tiny import ensure_tiny_assets
 
-    run_dir = tmp_path_factory.mktemp("train") / "run"
-    config = _tiny_sections() + """
-drafter: {num_layers: 1, block_size: 8, num_anchors: 32, num_target_features: 2}
-optim: {lr: 3.0e-3, epochs: 6, max_steps: 60}
-devices: {target: [cpu], drafters: [cpu]}
-pipeline: {mode: sequential}
-eval: {num_prompts: 0}
-checkpoint: {every: 0}
-"""
-    done = _trainer(config, run_dir, workspace, timeout=1200)
-    assert done.returncode == 0, (run_dir / "train.log").read_text()[-3000:] if (run_dir / "train.log").exists() \
-        else done.stderr[-3000:]
+    assert tiny_cpu_run.proc.returncode == 0, tiny_cpu_run.log()[-3000:]
+    run_dir = tiny_cpu_run.run_dir
     spec = load_train_config(TINY_CONFIG)
     assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, workspace / "cache")  # cached: built above
     target = load_target(str(assets.target_dir), "float32", "cpu")
@@ -85,9 +77,8 @@ def _greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.timeout(1800)  # the module's drafter is trained in its setup
-@pytest.mark.slow(seconds=170,
-                  why="the first of the module's tests to run trains its drafter on CPU (60 steps)")
+@pytest.mark.timeout(1800)  # the shipped config's run may be made in its setup
+@pytest.mark.slow(seconds=170, why="the first test to use the shipped tiny config's run makes it (on CPU)")
 def test_kv_cached_verification_is_lossless_and_accepts_as_the_uncached_one(trained):
     """The cached path's output is the target's greedy decode token for token, on several
     prompts, and its acceptance per verify step is the uncached path's, step for step."""

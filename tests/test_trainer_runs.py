@@ -8,15 +8,12 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from dflash_train.config import load_train_config, resolved_yaml
-from support.events import read_events
-from support.wait import DEFAULT_TIMEOUT_S, wait_until
+from support.trainer import Launched, end, start_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
@@ -34,57 +31,6 @@ drafter: {num_layers: 1, block_size: 4, num_anchors: 8, num_target_features: 2}
 devices: {target: [cpu], drafters: [cpu, cpu]}
 runtime: {heartbeat_s: 0.5, torch_threads: 1}
 """
-
-
-class Launched:
-    def __init__(self, run_dir: Path, proc: subprocess.Popen):
-        self.run_dir, self.proc = run_dir, proc
-
-    def events(self, type_: str | None = None) -> list[dict]:
-        return read_events(self.run_dir / "events.jsonl", type_)
-
-    def errors(self) -> list[dict]:
-        return [json.loads(line) for line in (self.run_dir / "errors.jsonl").read_text().splitlines()]
-
-    def log(self) -> str:
-        return (self.run_dir / "train.log").read_text()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail(f"the trainer did not exit within {timeout}s; log tail:\n{self.log()[-3000:]}")
-
-    def wait_for(self, what: str, predicate, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        try:
-            wait_until(predicate, timeout, what,
-                       give_up=lambda: None if self.proc.poll() is None else f"exit {self.proc.returncode}")
-        except AssertionError as exc:
-            pytest.fail(f"{exc}; log tail:\n{self.log()[-3000:]}")
-
-
-def start_trainer(workspace: Path, run_dir: Path, config_text: str, run_id: str,
-                  env: dict[str, str] | None = None) -> Launched:
-    """`python -m dflash_train` on `config_text` in `run_dir`, as the agent starts it.
-    `env`: more variables (e.g. a rank's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_text)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "DFLASH_RUN_ID": run_id, "DFLASH_RELEASE_ID": "rel-test", "DFLASH_RELEASE_DIR": str(REPO),
-           "DFLASH_WORKSPACE": str(workspace), **(env or {})}
-    with open(run_dir / "train.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
-                                 "--run-dir", str(run_dir)], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return Launched(run_dir, proc)
-
-
-def end(launched: Launched) -> None:
-    if launched.proc.poll() is None:
-        launched.proc.kill()
-        launched.proc.wait()
 
 
 @pytest.fixture
@@ -105,10 +51,11 @@ def step_losses(run: Launched) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in run.events("step")}
 
 
-@pytest.mark.timeout(240)
-def test_tiny_cpu_config_end_to_end(launch, workspace):
-    run = launch(TINY_CONFIG.read_text())
-    assert run.wait(220) == 0, run.log()[-3000:]
+@pytest.mark.xdist_group("tiny-cpu-run")  # with test_speculative: the run is made once
+@pytest.mark.timeout(480)
+def test_tiny_cpu_config_end_to_end(tiny_cpu_run, workspace):
+    run = tiny_cpu_run
+    assert run.proc.returncode == 0, run.log()[-3000:]
     # train.log: every line carries time and thread name
     lines = run.log().splitlines()
     assert lines and all(LOG_LINE.match(line) for line in lines), [l for l in lines if not LOG_LINE.match(l)][:5]
@@ -160,35 +107,26 @@ def test_tiny_cpu_config_end_to_end(launch, workspace):
 
 
 def check_export(export: Path, workspace: Path) -> None:
-    code = f"""
-import json, sys, torch
-sys.path.insert(0, {str(REPO / 'remote')!r})
-from pathlib import Path
-from dflash_train.model import load_drafter
-from dflash_train.speculative import speculative_decode
-from dflash_train.target import FeatureTap, load_target
-from dflash_train.config import load_train_config
-from dflash_train.tiny import ensure_tiny_assets
-export = Path({str(export)!r})
-config = json.loads((export / 'config.json').read_text())
-drafter = load_drafter(export).eval()
-train = load_train_config({str(TINY_CONFIG)!r})  # its cache entry exists: this finds it, builds nothing
-assets = ensure_tiny_assets(train.target.tiny, train.data.synthetic, Path({str(workspace / "cache")!r}))
-target = load_target(str(assets.target_dir), 'float32', 'cpu')
-tap = FeatureTap(target, tuple(config['dflash_config']['target_layer_ids']))
-prompt = [2, 6] + [10 + i for i in range(12)] + [3, 2, 7]
-decoded = speculative_decode(drafter, tap, target.get_input_embeddings().weight,
-                             target.get_output_embeddings().weight, prompt, 24, set())
-greedy = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)[0, len(prompt):].tolist()
-print(json.dumps({{"same": decoded.tokens == greedy, "accepted": decoded.accepted}}))
-"""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                         cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["same"] and max(result["accepted"]) > 1, result
+    """The export loads back as a drafter that drafts losslessly against the target."""
+    import torch
+
+    from dflash_train.model import load_drafter
+    from dflash_train.speculative import speculative_decode
+    from dflash_train.target import FeatureTap, load_target
+    from dflash_train.tiny import ensure_tiny_assets
+
+    config = json.loads((export / "config.json").read_text())
+    drafter = load_drafter(export).eval()
+    train = load_train_config(TINY_CONFIG)  # its cache entry exists: this finds it, builds nothing
+    assets = ensure_tiny_assets(train.target.tiny, train.data.synthetic, workspace / "cache")
+    target = load_target(str(assets.target_dir), "float32", "cpu")
+    tap = FeatureTap(target, tuple(config["dflash_config"]["target_layer_ids"]))
+    prompt = [2, 6] + [10 + i for i in range(12)] + [3, 2, 7]
+    decoded = speculative_decode(drafter, tap, target.get_input_embeddings().weight,
+                                 target.get_output_embeddings().weight, prompt, 24, set())
+    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    assert decoded.tokens == greedy and max(decoded.accepted) > 1, (decoded.tokens, greedy, decoded.accepted)
 
 
 @pytest.mark.timeout(120)
@@ -369,7 +307,6 @@ def test_the_sequential_pipeline_does_the_threaded_ones_work(launch, threaded_lo
 
 @pytest.mark.xdist_group("threaded-losses")  # one worker: the shared run is made once
 @pytest.mark.timeout(300)
-@pytest.mark.slow(seconds=9, why="a trainer run on CPU")
 def test_two_target_threads_on_one_device_do_the_same_work(launch, threaded_losses):
     # two target threads (one per drafter) on one device share its model and tap
     two_targets = launch(FOUR_STEPS.replace("target: [cpu]", "target: [cpu, cpu]"), run_id="two-targets")
