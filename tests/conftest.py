@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -141,10 +141,7 @@ def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test marked slow says what it costs and why: @pytest.mark.slow(seconds=N, why="...")
-    (`make test-fast` leaves them out). The modules holding the costliest tests are collected
-    first, each module's tests kept together and in order (module fixtures are made once):
-    with --dist loadgroup the workers start on the long tests, and the short ones fill in
-    around them instead of one long test starting last and the run waiting on it."""
+    (`make test-fast` leaves them out)."""
     for item in items:
         for mark in item.iter_markers("slow"):
             seconds, why = mark.kwargs.get("seconds"), mark.kwargs.get("why")
@@ -152,17 +149,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     or not isinstance(why, str) or not why:
                 raise pytest.UsageError(f"{item.nodeid}: a slow test states its cost and why: "
                                         "@pytest.mark.slow(seconds=N, why='...')")
-    items[:] = by_costliest_module(items)
-
-
-def slow_seconds(item: pytest.Item) -> float:
-    mark = item.get_closest_marker("slow")
-    return mark.kwargs["seconds"] if mark else 0.0
-
-
-def by_costliest_module(items: Sequence[pytest.Item]) -> list[pytest.Item]:
-    modules: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    ordered = sorted(modules.values(), key=lambda tests: -max(slow_seconds(t) for t in tests))  # stable
-    return [item for tests in ordered for item in tests]
