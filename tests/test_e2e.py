@@ -293,7 +293,12 @@ def test_ctrl_c_detaches_and_the_run_keeps_going(bed, tmp_path):
     watch = bed.popen_dflash("watch")
     assert watch.stdout.readline()  # attached: the log is flowing
     watch.send_signal(signal.SIGINT)
-    _, stderr = watch.communicate(timeout=30)
+    try:
+        _, stderr = watch.communicate(timeout=30)
+    finally:  # a watch that did not detach must not outlive the test: it reconnects to the worker's sshd
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
     assert watch.returncode == 130, stderr
     assert b"keeps running" in stderr
     status = bed.dflash("status", "--json")

@@ -49,7 +49,12 @@ class Watch:
         assert self.stderr.count(text) >= count, self.stderr.decode()
 
     def finish(self) -> int:
-        code = self.proc.wait(timeout=60)
+        try:
+            code = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # a watch that did not end must not outlive the test
+            self.proc.wait()
+            pytest.fail(f"watch did not end within 60 s; its stderr:\n{self.stderr.decode()[-2000:]}")
         for reader in self._readers:
             reader.join(timeout=10)
         return code
