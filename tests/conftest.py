@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,12 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # in a plain pytest run, a test's own COLUMNS applies to its call.
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
+# A suite started as a background job of a shell without job control (`make test &` in a
+# script) inherits SIGINT ignored, and so would every process it starts: the tests that
+# press Ctrl-C on `dflash watch` would wait for an exit that never comes. Python's handler
+# is put back; exec gives a handled signal its default action in the children.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from support import FakePve, SshNode, make_fake_pve, start_sshd, stop_sshd, write_inventory  # noqa: E402
 from support.pve import NeedsRoot  # noqa: E402
