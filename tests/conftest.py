@@ -43,7 +43,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 from support import FakePve, SshNode, make_fake_pve, start_sshd, stop_sshd, write_inventory  # noqa: E402
 from support.pve import NeedsRoot  # noqa: E402
 from support.sshd import SshdMissing  # noqa: E402
-from support.trainer import TINY_CPU_CONFIG, Launched, end, start_trainer  # noqa: E402
+from support.train_configs import TINY_CPU  # noqa: E402
+from support.trainer import Launched, end, start_trainer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +61,7 @@ def tiny_cpu_run(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     the agent starts it): what `make demo` runs. test_trainer_runs checks the run and
     test_speculative decodes with its drafter; their tests that use it are in xdist group
     "tiny-cpu-run", so it is made once. The caller checks its exit status."""
-    run = start_trainer(workspace, tmp_path_factory.mktemp("tiny-cpu") / "run", TINY_CPU_CONFIG.read_text(),
+    run = start_trainer(workspace, tmp_path_factory.mktemp("tiny-cpu") / "run", TINY_CPU.read_text(),
                         "tiny-cpu")
     try:
         run.wait(400)

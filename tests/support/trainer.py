@@ -14,7 +14,6 @@ from .events import read_events
 from .wait import DEFAULT_TIMEOUT_S, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_CPU_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
 
 
 class Launched:
