@@ -18,7 +18,7 @@ import yaml
 from dflash_cli import provenance, release
 from dflash_run import REPO, dflash, dflash_env
 from support import copy_release_dirs, workspace_on_node
-from support.inventory import OFFLINE_ENV
+from support.inventory import HOST_ENV
 from support.train_configs import small_config
 
 PATCHED = "remote/dflash_train/__init__.py"
@@ -34,7 +34,7 @@ def hosts(tmp_path) -> Path:
     path = tmp_path / "hosts.yaml"
     path.write_text(yaml.safe_dump({"hosts": {"local": {
         "transport": "local", "workspace": str(tmp_path / "ws"), "python": sys.executable,
-        "env": dict(OFFLINE_ENV)}}}))
+        "env": dict(HOST_ENV)}}}))
     return path
 
 

@@ -4,37 +4,23 @@ real trainer trains once for this module."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dflash_train.config import load_train_config
-from support.wait import wait_until
+from support.train_configs import TINY_CPU
+from support.trainer import end, start_trainer
 
 # On one xdist worker with test_tiny_cpu_config_end_to_end: the shipped config's run whose
 # drafter these tests decode with is made once, not once per worker.
 pytestmark = pytest.mark.xdist_group("tiny-cpu-run")
-REPO = Path(__file__).resolve().parents[1]
-TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
-
-
-def _trainer(config_text: str, run_dir: Path, workspace: Path, timeout: float) -> subprocess.CompletedProcess:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_text)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "HF_HUB_OFFLINE": "1", "DFLASH_RUN_ID": run_dir.name,
-           "DFLASH_RELEASE_DIR": str(REPO), "DFLASH_WORKSPACE": str(workspace)}
-    return subprocess.run([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
-                           "--run-dir", str(run_dir)], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _tiny_sections() -> str:
     """tiny-cpu.yaml's target and synthetic data (so its cached assets are shared)."""
-    text = TINY_CONFIG.read_text()
+    text = TINY_CPU.read_text()
     return text[text.index("target:"):text.index("drafter:")]
 
 
@@ -53,7 +39,7 @@ def trained(tiny_cpu_run, workspace):
 
     assert tiny_cpu_run.proc.returncode == 0, tiny_cpu_run.log()[-3000:]
     run_dir = tiny_cpu_run.run_dir
-    spec = load_train_config(TINY_CONFIG)
+    spec = load_train_config(TINY_CPU)
     assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, workspace / "cache")  # cached: built above
     target = load_target(str(assets.target_dir), "float32", "cpu")
     drafter = load_drafter(run_dir / "export").eval()
@@ -154,9 +140,9 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
 
     for drafter_dir in (trained["export"], foreign):
         run_dir = tmp_path / f"eval-{drafter_dir.name}"
-        done = _trainer(_evaluate_config(drafter_dir), run_dir, workspace, timeout=400)
-        log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else done.stdout
-        assert done.returncode == 0, log[-3000:] + done.stderr[-2000:]
+        done = start_trainer(workspace, run_dir, _evaluate_config(drafter_dir), run_dir.name)
+        assert done.wait(400) == 0, done.log()[-3000:]
+        log = done.log()
         written = json.loads((run_dir / "eval.json").read_text())
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
         [event] = [e for e in events if e["type"] == "eval"]
@@ -180,9 +166,9 @@ def test_evaluate_job_names_a_folder_that_is_no_drafter(workspace, tmp_path):
     not_a_drafter.mkdir()
     (not_a_drafter / "config.json").write_text("{}")
     run_dir = tmp_path / "run"
-    done = _trainer(_evaluate_config(not_a_drafter), run_dir, workspace, timeout=250)
-    assert done.returncode == 1
-    [error] = [json.loads(line) for line in (run_dir / "errors.jsonl").read_text().splitlines()]
+    done = start_trainer(workspace, run_dir, _evaluate_config(not_a_drafter), run_dir.name)
+    assert done.wait(250) == 1, done.log()[-3000:]
+    [error] = done.errors()
     assert "evaluate.drafter" in error["message"] and str(not_a_drafter) in error["message"]
     assert not (run_dir / "eval.json").exists()
 
@@ -223,32 +209,24 @@ def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path)
     from dflash_train.model import DFlashDrafter, drafter_hf_config, export_drafter
     from dflash_train.tiny import ensure_tiny_assets
 
-    spec = load_train_config(TINY_CONFIG)
+    spec = load_train_config(TINY_CPU)
     assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, workspace / "cache")
     target_config = AutoConfig.from_pretrained(str(assets.target_dir))
     drafter = DFlashDrafter(drafter_hf_config(target_config, DrafterConfig(num_layers=1, block_size=4), (1, 3), 4))
     drafter.reset_parameters(torch.Generator().manual_seed(0))
     export_drafter(drafter, tmp_path / "drafter")
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(_tiny_sections() + "job: evaluate\nevaluate: {drafter: %s, "
-                                         "max_new_tokens: 100000}\nruntime: {heartbeat_s: 0.2}\n"
-                                         % json.dumps(str(tmp_path / "drafter")))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "HF_HUB_OFFLINE": "1", "DFLASH_RELEASE_DIR": str(REPO),
-           "DFLASH_WORKSPACE": str(workspace)}
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
-                             "--run-dir", str(run_dir)], cwd=run_dir, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = start_trainer(workspace, run_dir, _tiny_sections() + "job: evaluate\nevaluate: {drafter: %s, "
+                        "max_new_tokens: 100000}\nruntime: {heartbeat_s: 0.2}\n" % json.dumps(str(tmp_path / "drafter")),
+                        "run")
+    events = run_dir / "events.jsonl"
     try:
-        events = run_dir / "events.jsonl"
-        wait_until(lambda: events.exists() and '"type": "heartbeat"' in events.read_text(), 200,
-                   "the job to start decoding", give_up=lambda: None if proc.poll() is None else "it exited")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 128 + signal.SIGTERM
+        job.wait_for("the job to start decoding", lambda: events.exists() and '"type": "heartbeat"' in events.read_text(),
+                     200)
+        job.proc.send_signal(signal.SIGTERM)
+        assert job.wait(60) == 128 + signal.SIGTERM
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        end(job)
     rows = [json.loads(line) for line in events.read_text().splitlines()]
     assert rows[-1]["type"] == "done" and rows[-1]["exit_code"] == 128 + signal.SIGTERM
     assert not [r for r in rows if r["type"] == "eval"] and not (run_dir / "eval.json").exists()

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 from dflash_train.config import load_train_config, resolved_yaml
+from support.train_configs import TINY_CPU
 from support.trainer import Launched, end, start_trainer
 
-REPO = Path(__file__).resolve().parents[1]
-TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} \[[\w-]+\] ")
 
 # Small enough to start fast; every fault test shares its cache entry.
@@ -89,7 +88,7 @@ def test_tiny_cpu_config_end_to_end(tiny_cpu_run, workspace):
     assert {p.name for p in latest.resolve().iterdir()} == {"model.safetensors", "optimizer.pt", "state.json",
                                                               "config.yaml", "SHA256SUMS"}
     # the config it ran, resolved (the agent was given the file as written here)
-    assert (latest / "config.yaml").read_text() == resolved_yaml(load_train_config(TINY_CONFIG))
+    assert (latest / "config.yaml").read_text() == resolved_yaml(load_train_config(TINY_CPU))
     checkpoints = run.events("checkpoint")
     assert checkpoints[-1]["step"] == len(steps) and checkpoints[-1]["thread"] == "checkpoint-writer"
     # training is held only for the copy off the device; the write is timed apart
@@ -117,7 +116,7 @@ def check_export(export: Path, workspace: Path) -> None:
 
     config = json.loads((export / "config.json").read_text())
     drafter = load_drafter(export).eval()
-    train = load_train_config(TINY_CONFIG)  # its cache entry exists: this finds it, builds nothing
+    train = load_train_config(TINY_CPU)  # its cache entry exists: this finds it, builds nothing
     assets = ensure_tiny_assets(train.target.tiny, train.data.synthetic, workspace / "cache")
     target = load_target(str(assets.target_dir), "float32", "cpu")
     tap = FeatureTap(target, tuple(config["dflash_config"]["target_layer_ids"]))

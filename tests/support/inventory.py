@@ -11,8 +11,10 @@ import yaml
 from .pve import UNKNOWN_CONTAINER, FakePve
 from .sshd import SshNode, free_port
 
-#: passed to the trainer on every host: the tests never touch the network
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+#: passed to the trainer on every host: the tests never touch the network, and compile and
+#: wait for cores as the suite does (tests/conftest.py says why)
+HOST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0",
+            "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def container_workspace(pve: FakePve, tmp_path: Path) -> Path:
@@ -28,7 +30,7 @@ def workspace_on_node(pve: FakePve, tmp_path: Path) -> Path:
 def default_hosts(tmp_path: Path, node: SshNode, pve: FakePve) -> dict[str, dict[str, Any]]:
     remote = {"ssh": node.target, "identity_file": str(node.identity_file),
               "known_hosts": str(node.known_hosts), "python": sys.executable,
-              "connect_timeout": 5.0, "env": dict(OFFLINE_ENV)}
+              "connect_timeout": 5.0, "env": dict(HOST_ENV)}
     ct_workspace = str(container_workspace(pve, tmp_path))
 
     def container(vmid: int) -> dict[str, Any]:
@@ -36,7 +38,7 @@ def default_hosts(tmp_path: Path, node: SshNode, pve: FakePve) -> dict[str, dict
 
     return {
         "local": {"transport": "local", "workspace": str(tmp_path / "local ws"), "python": sys.executable,
-                  "env": dict(OFFLINE_ENV)},
+                  "env": dict(HOST_ENV)},
         "node": {"transport": "ssh", **remote, "workspace": str(tmp_path / "node ws")},
         "ct200": container(200),
         "ct201": container(201),
