@@ -1,5 +1,6 @@
 """End to end over the `pct` transport with the real trainer: deploy, launch, watch,
-fetch-traceback, status, stop — as a user runs them, through sshd and the fake pct."""
+fetch-traceback, status, stop — as a user runs them, through sshd and the fake pct. The CLI
+runs in the test's process, and as a process of its own where that is what is checked."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflash_agent import procfs
-from dflash_run import dflash, popen_dflash
+from dflash_run import dflash_in_process, popen_dflash
 from support import kill_ssh_sessions, workspace_on_node
 from support.train_configs import small_config as write_small_config
 from support.wait import wait_until
@@ -40,7 +41,9 @@ class Bed:
         self.workspace_on_node = workspace_on_node(fake_pve, tmp_path)
 
     def dflash(self, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-        return dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
+        """The CLI in this process; `popen_dflash` where the process is what a test checks
+        (a Ctrl-C, a watch that outlives a dropped connection)."""
+        return dflash_in_process("--logs-dir", str(self.logs), *args, hosts=self.hosts, **kwargs)
 
     def popen_dflash(self, *args: str) -> subprocess.Popen[bytes]:
         return popen_dflash("--logs-dir", str(self.logs), *args, hosts=self.hosts)
