@@ -140,9 +140,9 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
 
     for drafter_dir in (trained["export"], foreign):
         run_dir = tmp_path / f"eval-{drafter_dir.name}"
-        done = start_trainer(workspace, run_dir, _evaluate_config(drafter_dir), run_dir.name)
-        assert done.wait(400) == 0, done.log()[-3000:]
-        log = done.log()
+        job = start_trainer(workspace, run_dir, _evaluate_config(drafter_dir), run_dir.name)
+        assert job.wait(400) == 0, job.log()[-3000:]
+        log = job.log()
         written = json.loads((run_dir / "eval.json").read_text())
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
         [event] = [e for e in events if e["type"] == "eval"]
@@ -166,9 +166,9 @@ def test_evaluate_job_names_a_folder_that_is_no_drafter(workspace, tmp_path):
     not_a_drafter.mkdir()
     (not_a_drafter / "config.json").write_text("{}")
     run_dir = tmp_path / "run"
-    done = start_trainer(workspace, run_dir, _evaluate_config(not_a_drafter), run_dir.name)
-    assert done.wait(250) == 1, done.log()[-3000:]
-    [error] = done.errors()
+    job = start_trainer(workspace, run_dir, _evaluate_config(not_a_drafter), run_dir.name)
+    assert job.wait(250) == 1, job.log()[-3000:]
+    [error] = job.errors()
     assert "evaluate.drafter" in error["message"] and str(not_a_drafter) in error["message"]
     assert not (run_dir / "eval.json").exists()
 

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 from support import free_port
-from test_trainer_runs import REPO, SMALL, launch, step_losses  # noqa: F401 - launch is a fixture
+from support.trainer import REPO
+from test_trainer_runs import SMALL, launch, step_losses  # noqa: F401 - launch is a fixture
 
 ONE_DRAFTER = SMALL.replace("drafters: [cpu, cpu]", "drafters: [cpu]")
 BASE = "optim: {max_steps: 4}\neval: {num_prompts: 0}\ncheckpoint: {every: 2}\n"
