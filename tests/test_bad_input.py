@@ -110,7 +110,7 @@ def test_paths_missing_on_the_host_are_named_before_anything_starts(make_invento
     nothing_started(workspace_on_node(fake_pve, tmp_path))
 
 
-@pytest.mark.slow(seconds=22, why="makes a bare virtualenv, then checks and launches against it over SSH")
+@pytest.mark.slow(seconds=23, why="makes a bare virtualenv, then checks and launches against it over SSH")
 def test_a_python_without_torch_is_not_ok_and_launches_nothing(make_inventory, bare_python, tmp_path):
     hosts = make_inventory(tmp_path, ct201=None, ct999=None, down=None, node={"python": bare_python})
     check = dflash_in_process("hosts", "--check", hosts=hosts)

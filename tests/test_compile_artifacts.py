@@ -47,7 +47,7 @@ def startup_events(path: Path) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["type"] == "startup"]
 
 
-@pytest.mark.slow(seconds=169, why="compiles the train step with Inductor on CPU, then a run on two hosts")
+@pytest.mark.slow(seconds=122, why="compiles the train step with Inductor on CPU, then a run on two hosts")
 def test_start_up_phases_corrupt_fallback_and_artifacts_copied_to_another_host(pair, tmp_path, monkeypatch):
     facts = compile_key_facts("cpu")
     key = compile_key(facts)

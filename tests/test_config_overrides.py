@@ -141,7 +141,7 @@ def test_strings_that_read_as_numbers_stay_strings_through_the_resolved_config(t
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow(seconds=18, why="launches the real trainer on CPU")
+@pytest.mark.slow(seconds=13, why="launches the real trainer on CPU")
 def test_set_changes_what_the_trainer_runs_and_every_record_of_it(home, tmp_path):
     config = small_config(tmp_path / "small.yaml", devices={"target": ["cpu"], "drafters": ["cpu"]})
     overrides = ["optim.lr=1e-4", "drafter.num_layers=2", "optim.max_steps=3", "checkpoint.every=2",

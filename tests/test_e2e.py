@@ -213,7 +213,7 @@ def test_stop_ends_every_process_of_the_run_and_watch_says_stopped(bed, tmp_path
     assert bed.dflash("watch", third_id, "--host", "ct200").returncode == 0
 
 
-@pytest.mark.slow(seconds=20, why="a whole trainer run over pct")
+@pytest.mark.slow(seconds=13, why="a whole trainer run over pct")
 def test_a_run_that_outlives_its_supervisor_and_succeeds_is_succeeded(bed, tmp_path):
     run_id = bed.launch(small_config(tmp_path))
     kill_supervisor(bed, run_id)
@@ -235,7 +235,7 @@ def thread_block(stacks: str, name: str) -> str:
     return blocks[0]
 
 
-@pytest.mark.slow(seconds=46, why="a trainer run over pct left hanging until it is STALLED")
+@pytest.mark.slow(seconds=29, why="a trainer run over pct left hanging until it is STALLED")
 def test_a_hung_run_is_stalled_and_its_stacks_show_the_hanging_thread_by_name(bed, tmp_path):
     config = small_config(tmp_path, stall_after=3,
                           faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])

@@ -129,7 +129,7 @@ def trainer_logits(drafter: DFlashDrafter, inputs: dict[str, torch.Tensor]) -> t
 
 @pytest.mark.parametrize("rope_name", sorted(ROPES))
 @pytest.mark.parametrize("reader", ["current", LEGACY_TRANSFORMERS])
-@pytest.mark.slow(seconds=21,
+@pytest.mark.slow(seconds=14,
                   why="loads the export in another interpreter per case (the first installs transformers 4.57.1)")
 def test_every_transformers_loads_the_export_as_the_drafter_that_was_trained(
         reader, rope_name, request, tmp_path):
@@ -240,7 +240,7 @@ runtime: {{torch_threads: 1}}
                                                                           reason="needs CUDA")]),
     ("cpu", "export: {dtype: bfloat16}"),  # on CPU the default is fp32: bf16 must be asked for
 ])
-@pytest.mark.slow(seconds=30, why="a trainer run per case that exports")
+@pytest.mark.slow(seconds=42, why="a trainer run per case that exports")
 def test_a_run_exports_bf16_that_loads_as_the_drafter_it_trained(device, export, workspace, tmp_path):
     from dflash_train.model import load_drafter
 

@@ -200,7 +200,7 @@ def test_a_host_that_refuses_starts_nothing_anywhere(pair, tmp_path):
     assert not (pair.logs / "latest.json").exists()
 
 
-@pytest.mark.slow(seconds=11, why="starts the trainer on one host of two")
+@pytest.mark.slow(seconds=6, why="starts the trainer on one host of two")
 def test_a_host_whose_start_fails_stops_the_others(pair, tmp_path):
     """ct202 passes the check but cannot create its run (its runs/ is a file): ct200's
     part, already started, is stopped; no process is left and no run is the latest."""
@@ -257,7 +257,7 @@ def events(pair: Pair, vmid: int, run_id: str, kind: str) -> list[dict]:
     return read_events(pair.on_node(vmid, f"runs/{run_id}") / "events.jsonl", kind)
 
 
-@pytest.mark.slow(seconds=50, why="a run on two hosts: two trainer processes joined by torch.distributed")
+@pytest.mark.slow(seconds=38, why="a run on two hosts: two trainer processes joined by torch.distributed")
 def test_a_run_on_two_hosts_is_one_run(pair, tmp_path):
     run_id = launch_pair(pair, pair_config(tmp_path / "pair.yaml"))
     layouts = [pair.run_json(vmid, run_id)["distributed"] for vmid in (200, 202)]
@@ -287,7 +287,7 @@ def test_a_run_on_two_hosts_is_one_run(pair, tmp_path):
     assert not (pair.on_node(202, f"runs/{run_id}") / "export").exists()
 
 
-@pytest.mark.slow(seconds=36, why="a run on two hosts: two trainer processes joined by torch.distributed")
+@pytest.mark.slow(seconds=37, why="a run on two hosts: two trainer processes joined by torch.distributed")
 def test_a_drafter_failing_on_the_second_host_stops_the_first_and_is_shown_naming_it(pair, tmp_path):
     fault = {"thread": "drafter-1", "at": "step:2", "kind": "raise", "depth": 30, "rank": 1}
     config = pair_config(tmp_path / "fault.yaml", optim={"max_steps": 200, "epochs": 50}, faults=[fault])
@@ -324,7 +324,7 @@ def test_a_drafter_failing_on_the_second_host_stops_the_first_and_is_shown_namin
     assert status.returncode == 1 and json.loads(status.stdout)["state"] == "FAILED"
 
 
-@pytest.mark.slow(seconds=49, why="a run on two hosts: two trainer processes joined by torch.distributed")
+@pytest.mark.slow(seconds=26, why="a run on two hosts: two trainer processes joined by torch.distributed")
 def test_stop_leaves_no_process_on_either_host(pair, tmp_path):
     config = pair_config(tmp_path / "long.yaml", optim={"max_steps": 100000, "epochs": 5000})
     run_id = launch_pair(pair, config)
@@ -353,7 +353,7 @@ def test_stop_leaves_no_process_on_either_host(pair, tmp_path):
     assert found["hosts"][1]["error"].startswith("host ct202 (") and "unreachable" in found["hosts"][1]["error"]
 
 
-@pytest.mark.slow(seconds=74,
+@pytest.mark.slow(seconds=57,
                   why="a run on two hosts (two trainer processes joined by torch.distributed), then its resume")
 def test_a_run_on_two_hosts_resumes_as_one_from_rank_0s_checkpoint(pair, tmp_path):
     """Stopped after its checkpoint at step 2 (both hosts hang before step 4 in attempt

@@ -47,7 +47,7 @@ def _releases(workspace) -> list[str]:
     return sorted(name for name in os.listdir(workspace / "releases") if not name.startswith("."))
 
 
-@pytest.mark.slow(seconds=43, why="two trainer runs over pct, launched one edit apart")
+@pytest.mark.slow(seconds=32, why="two trainer runs over pct, launched one edit apart")
 def test_two_launches_one_line_apart_diff_runs_and_gc(make_inventory, tmp_path):
     make_inventory(tmp_path)
     workspace = tmp_path / "node ws"

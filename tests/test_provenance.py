@@ -217,7 +217,7 @@ def installed_wheel(tmp_path) -> Path:
     return venv / "bin" / "dflash"
 
 
-@pytest.mark.slow(seconds=12, why="builds a wheel of the project and installs it into a virtualenv")
+@pytest.mark.slow(seconds=9, why="builds a wheel of the project and installs it into a virtualenv")
 def test_a_wheel_install_deploys_its_bundled_copy_or_the_project_tree(installed_wheel, hosts, tmp_path):
     env = {k: v for k, v in dflash_env().items() if k != "PYTHONPATH"}  # the installed dflash, nothing else
 

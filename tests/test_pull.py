@@ -80,7 +80,7 @@ def trained(tmp_path_factory, ssh_node, fake_pve) -> Trained:
     return Trained(hosts, ids[0], ids[1], run_dir)
 
 
-@pytest.mark.slow(seconds=63,
+@pytest.mark.slow(seconds=21,
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_the_trainer_lists_every_file_of_its_export_and_checkpoints_in_sha256sums(trained):
     for folder in ("export", "checkpoints/latest"):
@@ -91,7 +91,7 @@ def test_the_trainer_lists_every_file_of_its_export_and_checkpoints_in_sha256sum
         assert listed == on_disk and "model.safetensors" in listed, folder
 
 
-@pytest.mark.slow(seconds=9,
+@pytest.mark.slow(seconds=6,
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_pull_brings_the_export_verified_and_a_second_pull_sends_nothing(trained, tmp_path):
     logs = tmp_path / "logs"
@@ -135,7 +135,7 @@ def in_process_pull(trained: Trained, logs: Path, **kwargs) -> tuple[pull.PullRe
         session.close()
 
 
-@pytest.mark.slow(seconds=9,
+@pytest.mark.slow(seconds=7,
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_a_part_left_by_an_earlier_pull_is_completed_from_its_length(trained, tmp_path):
     logs = tmp_path / "logs"
@@ -156,7 +156,7 @@ def test_a_part_left_by_an_earlier_pull_is_completed_from_its_length(trained, tm
     assert (export / EXTRA).read_bytes() == data and not part.exists()
 
 
-@pytest.mark.slow(seconds=9,
+@pytest.mark.slow(seconds=6,
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_a_dropped_connection_mid_file_resumes_at_the_bytes_already_received(trained, ssh_node, tmp_path):
     logs = tmp_path / "logs"
@@ -190,7 +190,7 @@ def test_a_dropped_connection_mid_file_resumes_at_the_bytes_already_received(tra
     assert carried["round_trips"] >= 1 + len(host) + 1
 
 
-@pytest.mark.slow(seconds=9,
+@pytest.mark.slow(seconds=10,
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_a_spoiled_local_copy_is_fetched_again(trained, tmp_path):
     logs = tmp_path / "logs"
@@ -211,7 +211,7 @@ def test_a_spoiled_local_copy_is_fetched_again(trained, tmp_path):
     assert local_files(export) == host
 
 
-@pytest.mark.slow(seconds=9,
+@pytest.mark.slow(seconds=7,
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_a_file_replaced_on_the_host_after_the_listing_is_listed_again(trained, tmp_path):
     """The host refuses a file whose identity changed since the listing before sending a
@@ -237,7 +237,7 @@ def test_a_file_replaced_on_the_host_after_the_listing_is_listed_again(trained, 
     assert result.pulled == len(trained.host_files("export"))
 
 
-@pytest.mark.slow(seconds=9,
+@pytest.mark.slow(seconds=1,
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_the_agent_refuses_a_stale_identity_or_a_path_out_of_the_folder_on_stderr(trained):
     workspace = trained.run_dir.parent.parent
@@ -258,7 +258,7 @@ def test_the_agent_refuses_a_stale_identity_or_a_path_out_of_the_folder_on_stder
         assert json.loads(refused.stderr)["kind"] == kind
 
 
-@pytest.mark.slow(seconds=9,
+@pytest.mark.slow(seconds=4,
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_a_run_without_export_is_refused_with_exit_2_naming_its_state(trained, tmp_path):
     logs = tmp_path / "logs"

@@ -27,7 +27,7 @@ def sha256(path: Path) -> str:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.slow(seconds=86, why="the whole recipe on CPU: regenerate, train, evaluate, pull")
+@pytest.mark.slow(seconds=57, why="the whole recipe on CPU: regenerate, train, evaluate, pull")
 def test_prompts_to_a_regenerated_trained_evaluated_and_pulled_drafter(make_inventory, tmp_path):
     hosts, logs = make_inventory(tmp_path), tmp_path / "logs"
     workspace = Path(yaml.safe_load(hosts.read_text())["hosts"][HOST]["workspace"])

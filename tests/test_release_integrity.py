@@ -63,7 +63,7 @@ def test_releases_are_read_only_and_share_no_inode(session, fake_pve, tmp_path):
     assert (old / "remote" / "agent.py").read_bytes() == (changed_root / "remote" / "agent.py").read_bytes()
 
 
-@pytest.mark.slow(seconds=44, why="deploys, and a trainer run over pct")
+@pytest.mark.slow(seconds=41, why="deploys, and a trainer run over pct")
 def test_an_edited_release_is_reported_then_replaced_by_a_fresh_copy(make_inventory, fake_pve, tmp_path):
     hosts = make_inventory(tmp_path, ct201=None, ct999=None, down=None)
     tree_id = release.scan().release_id
@@ -144,7 +144,7 @@ def test_a_truncated_pyc_in_a_release_is_repaired_by_deploy(make_inventory, fake
     assert works.returncode == 0, works.stderr
 
 
-@pytest.mark.slow(seconds=37, why="deploy, launch and a whole trainer run over pct")
+@pytest.mark.slow(seconds=33, why="deploy, launch and a whole trainer run over pct")
 def test_no_bytecode_is_written_into_a_release_by_deploy_launch_and_a_run(make_inventory, fake_pve, tmp_path):
     hosts = make_inventory(tmp_path)
     config = small_config(tmp_path / "small.yaml")
@@ -163,7 +163,7 @@ def state(status) -> str:
     return json.loads(status.stdout)["state"]
 
 
-@pytest.mark.slow(seconds=36, why="a trainer run over pct kept running while its release is repaired")
+@pytest.mark.slow(seconds=24, why="a trainer run over pct kept running while its release is repaired")
 def test_repairing_the_release_of_a_running_run_leaves_the_run_alone(make_inventory, fake_pve, tmp_path):
     hosts = make_inventory(tmp_path)
     logs = ("--logs-dir", str(tmp_path / "logs"))

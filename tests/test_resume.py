@@ -64,7 +64,7 @@ def losses_of(events: list[dict]) -> list[float]:
     return [e["loss"] for e in events if e["type"] == "step"]
 
 
-@pytest.mark.slow(seconds=33, why="trainer runs over pct: a stopped attempt and its resume")
+@pytest.mark.slow(seconds=23, why="trainer runs over pct: a stopped attempt and its resume")
 def test_a_stopped_run_resumes_as_attempt_1_with_every_step_once_and_its_loss_curve_continued(bed):
     # Attempt 0 hangs before step 4's batch; the stop's checkpoint is at step 3.
     hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
@@ -99,7 +99,7 @@ def test_a_stopped_run_resumes_as_attempt_1_with_every_step_once_and_its_loss_cu
 
 
 
-@pytest.mark.slow(seconds=48, why="trainer runs over pct: a failed attempt and its restart")
+@pytest.mark.slow(seconds=27, why="trainer runs over pct: a failed attempt and its restart")
 def test_a_raise_in_attempt_0_is_restarted_once_from_the_timed_checkpoint_and_its_traceback_kept(bed):
     # No checkpoint by steps (every: 0); every_minutes makes one after each step here.
     run_id = bed.launch("restarted", checkpoint={"every": 0, "every_minutes": 0.0001},
@@ -130,7 +130,7 @@ def test_a_raise_in_attempt_0_is_restarted_once_from_the_timed_checkpoint_and_it
     assert "InjectedRootCause: injected root cause in drafter-1 at step 3" in every.stdout
 
 
-@pytest.mark.slow(seconds=26, why="trainer runs over pct: a lost attempt and its resume")
+@pytest.mark.slow(seconds=24, why="trainer runs over pct: a lost attempt and its resume")
 def test_a_lost_run_resumes_by_hand_and_resume_refuses_a_live_run_and_a_mismatched_config(bed):
     hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
     run_id = bed.launch("lost", checkpoint={"every": 2}, faults=hang)
@@ -172,7 +172,7 @@ def test_a_lost_run_resumes_by_hand_and_resume_refuses_a_live_run_and_a_mismatch
     assert bed.run_json(run_id)["attempts"][0]["state"] == "LOST"
 
 
-@pytest.mark.slow(seconds=9, why="a trainer run over pct that fails at start-up")
+@pytest.mark.slow(seconds=8, why="a trainer run over pct that fails at start-up")
 def test_resume_refuses_a_run_without_a_checkpoint(bed):
     run_id = bed.launch("early", faults=[{"thread": "coordinator", "at": "startup", "kind": "raise"}])
     assert bed.dflash("watch", run_id, "--host", HOST).returncode == 1
@@ -182,7 +182,7 @@ def test_resume_refuses_a_run_without_a_checkpoint(bed):
     assert bed.run_json(run_id)["attempt"] == 0 and len(bed.run_json(run_id)["attempts"]) == 1  # untouched
 
 
-@pytest.mark.slow(seconds=10, why="a trainer run over pct that fails, then a stop")
+@pytest.mark.slow(seconds=7, why="a trainer run over pct that fails, then a stop")
 def test_a_stop_during_the_restart_back_off_ends_the_run_stopped_with_no_new_attempt(bed):
     run_id = bed.launch("backoff", restart={"max": 3, "backoff_s": 600},
                         faults=[{"thread": "coordinator", "at": "startup", "kind": "raise", "attempt": 0}])

@@ -95,7 +95,7 @@ def result_row(stderr: str, host: str) -> list[str]:
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.slow(seconds=193,
+@pytest.mark.slow(seconds=133,
                   why="installs torch and transformers into a fresh virtualenv in a bare container, then trains")
 def test_a_bare_container_is_set_up_then_ready_then_trains_and_a_failed_install_keeps_its_env(
         make_inventory, ssh_node, fake_pve, bare_container, bare_python, tmp_path):
@@ -154,7 +154,7 @@ def test_a_bare_container_is_set_up_then_ready_then_trains_and_a_failed_install_
     assert check(hosts)["ct203"]["status"] == "ok"
 
 
-@pytest.mark.slow(seconds=11, why="starts pip installing torch on a host, then interrupts it")
+@pytest.mark.slow(seconds=5, why="starts pip installing torch on a host, then interrupts it")
 def test_ctrl_c_ends_the_install_on_the_host_and_leaves_no_environment(make_inventory, bare_python, tmp_path):
     workspace = tmp_path / "local ws"
     hosts = make_inventory(tmp_path, node=None, ct200=None, ct201=None, ct999=None, down=None,
