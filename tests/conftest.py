@@ -24,23 +24,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-# The suite never touches the network: no model or tokenizer downloads, ever.
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-# Inductor on CPU writes scalar C++ instead of vectorized: a cold compile of the drafter's
-# train step (one compile thread) costs 59 CPU-seconds instead of 77, mostly g++'s, and the
-# suite compiles several. What the compile tests check is ours (threads,
-# caches, artifacts, the losses); the vector code is Inductor's, and a GPU runs Triton.
-# Set before anything imports torch._inductor (its config reads the variable then); every
-# process the suite starts inherits it, and hosts get it from support.inventory.HOST_ENV.
-os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
-# The suite's processes always outnumber the cores (`make test`: 3 workers on 2 cores, and
-# the trainers and jobs they start). torch's OpenMP threads spin at each barrier while they
-# wait for a core another process holds; passive, they sleep. The in-process torch tests
-# then take 39 CPU-seconds instead of 78, and jobs that use every core (evaluate,
-# regenerate) stop burning the cores the rest of the suite needs. Read when torch loads
-# libgomp, so set before any import of torch; inherited, and sent to hosts in HOST_ENV.
-os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# Every process of the suite, here or on a test host, runs with support.inventory.HOST_ENV
+# (it says why each variable is set); set before anything imports torch, which reads them.
+from support.inventory import HOST_ENV  # noqa: E402
+
+os.environ.update(HOST_ENV)
 # xdist's workers inherit COLUMNS=80 and LINES=24 from execnet; rich fixes a console's width
 # from COLUMNS when the console is made, so whichever test imported dflash_cli.console first
 # would pin every later in-process CLI call of that worker to 80 columns. Without them, as

@@ -11,8 +11,18 @@ import yaml
 from .pve import UNKNOWN_CONTAINER, FakePve
 from .sshd import SshNode, free_port
 
-#: passed to the trainer on every host: the tests never touch the network, and compile and
-#: wait for cores as the suite does (tests/conftest.py says why)
+#: The environment of every process of the suite (tests/conftest.py sets it) and of the
+#: trainer on every test host:
+#: - no model or tokenizer downloads, ever;
+#: - Inductor on CPU writes scalar C++ instead of vectorized: a cold compile of the drafter's
+#:   train step (one compile thread) costs 59 CPU-seconds instead of 77, mostly g++'s, and the
+#:   suite compiles several. What the compile tests check is ours (threads, caches,
+#:   artifacts, the losses); the vector code is Inductor's, and a GPU runs Triton;
+#: - the suite's processes always outnumber the cores (`make test`: 3 workers on 2 cores, and
+#:   the trainers and jobs they start). torch's OpenMP threads spin at each barrier while they
+#:   wait for a core another process holds; passive, they sleep. The in-process torch tests
+#:   then take 39 CPU-seconds instead of 78, and jobs that use every core (evaluate,
+#:   regenerate) stop burning the cores the rest of the suite needs.
 HOST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0",
             "OMP_WAIT_POLICY": "PASSIVE"}
 
