@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -163,68 +162,102 @@ def _receivers_in(workspace: Path) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("when", ["2 s in", "once both uploads run"])
+def interrupt_with_receivers_stopped(proc: subprocess.Popen, err: Path, workspaces: list[Path]) -> None:
+    """Ctrl-C to the CLI while every receiver working on `workspaces` is stopped (SIGSTOP),
+    resumed only once the CLI says it is stopping the uploads: however fast the machine, no
+    upload can complete before the interrupt takes effect."""
+    stopped = [pid for workspace in workspaces for pid in _receivers_in(workspace)]
+    assert stopped, "no receiver to stop"
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "interrupting: stopping" in err.read_text(), what="the CLI to take the interrupt")
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+
+
+def checkout_with_a_big_file(tmp_path: Path) -> Path:
+    """A copy of the release's folders with a new 96 MiB file."""
+    checkout = copy_release_dirs(tmp_path / "checkout")
+    with open(checkout / "configs" / "big.bin", "wb") as fh:
+        for _ in range(96):
+            fh.write(os.urandom(1 << 20))
+    return checkout
+
+
+@pytest.mark.parametrize("when", ["as soon as it names its source", "with both uploads midway"])
 def test_ctrl_c_during_a_big_deploy_stops_it_and_keeps_the_current_release(make_inventory, fake_pve, tmp_path,
                                                                            when):
     hosts = make_inventory(tmp_path)
     tree_id = release.scan().release_id
     assert dflash("deploy", "ct200", "node", hosts=hosts).returncode == 0
-    # A checkout of its own (the CLI deploys the tree it runs from) with a big new file.
-    checkout = copy_release_dirs(tmp_path / "checkout")
+    checkout = checkout_with_a_big_file(tmp_path)  # and the CLI: it deploys the tree it runs from
     shutil.copytree(REPO / "dflash_cli", checkout / "dflash_cli", ignore=shutil.ignore_patterns("__pycache__"))
-    with open(checkout / "configs" / "big.bin", "wb") as fh:
-        for _ in range(96):  # uploading it to both hosts takes over 30 s here
-            fh.write(os.urandom(1 << 20))
+    new_id = release.scan(checkout).release_id
     workspaces = {"ct200": node_path(fake_pve, tmp_path), "node": tmp_path / "node ws"}
+    receiving = {"ct200": container_workspace(fake_pve, tmp_path), "node": workspaces["node"]}
 
     def uploading(host: str) -> bool:
         return any(p.name == "big.bin" and p.stat().st_size > 0
                    for p in (workspaces[host] / "releases").glob(".incoming-*/configs/big.bin"))
 
-    proc = subprocess.Popen(dflash_argv("deploy", "ct200", "node", "--allow-large", hosts=hosts), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=checkout,
-                            env=dflash_env({"PYTHONPATH": f"{checkout}{os.pathsep}{checkout / 'remote'}"}))
+    err_path = tmp_path / "deploy.err"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(dflash_argv("deploy", "ct200", "node", "--allow-large", hosts=hosts),
+                                stdout=subprocess.PIPE, stderr=err_file, text=True, cwd=checkout,
+                                env=dflash_env({"PYTHONPATH": f"{checkout}{os.pathsep}{checkout / 'remote'}"}))
     try:
-        if when == "2 s in":  # the files are still being hashed or sent then
-            time.sleep(2)
+        if when == "as soon as it names its source":  # hashed; the hosts are being reached
+            wait_until(lambda: "source:" in err_path.read_text(), what="the CLI to name its source")
+            proc.send_signal(signal.SIGINT)
         else:
             wait_until(lambda: uploading("ct200") and uploading("node"), what="both uploads to start")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+            interrupt_with_receivers_stopped(proc, err_path, list(receiving.values()))
+        out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
+    err = err_path.read_text()
     assert proc.returncode == 130, err
     for host, workspace in workspaces.items():
-        assert os.readlink(workspace / "current") == f"releases/{tree_id}", host
-    assert "interrupted" in err and "is live" not in err, err
-    assert out == ""
-    # Stopped before the upload could finish: no second release on either host (below).
+        wait_until(lambda: not _receivers_in(receiving[host]), what=f"{host}'s receiver to exit")
+    # What the CLI says of each host is what the host has. An upload stopped midway leaves no
+    # second release; one that completed before the interrupt took effect (possible only
+    # in the first case: nothing holds the receivers there) is said to be live.
+    went_live = {host for host in workspaces if f"{host}: release {new_id} is live" in err}
     for host, workspace in workspaces.items():
-        wait_until(lambda: not _receivers_in(container_workspace(fake_pve, tmp_path) if host == "ct200"
-                                            else workspace), what=f"{host}'s receiver to exit")
-        assert sorted(os.listdir(workspace / "releases")) == [tree_id], host
+        if host in went_live:
+            assert os.readlink(workspace / "current") == f"releases/{new_id}", host
+            assert f"{host}\t{new_id}\t" in out
+        else:
+            assert f"host {host}: upload interrupted" in err, err
+            assert os.readlink(workspace / "current") == f"releases/{tree_id}", host
+            assert sorted(os.listdir(workspace / "releases")) == [tree_id], host
+            assert host not in out
+    if when == "with both uploads midway":
+        assert went_live == set() and out == ""
 
 
 def test_ctrl_c_during_launchs_deploy_starts_no_run_and_keeps_the_current_release(make_inventory, tmp_path):
     hosts = make_inventory(tmp_path)
     tree_id = release.scan().release_id
     assert dflash("deploy", "node", hosts=hosts).returncode == 0
-    checkout = copy_release_dirs(tmp_path / "checkout")  # launch deploys the tree it runs in
-    with open(checkout / "configs" / "big.bin", "wb") as fh:
-        for _ in range(96):
-            fh.write(os.urandom(1 << 20))
+    checkout = checkout_with_a_big_file(tmp_path)  # launch deploys the tree it runs in
     workspace = tmp_path / "node ws"
-    proc = subprocess.Popen(dflash_argv("launch", "node", "--config", "configs/train/tiny-cpu.yaml", "--allow-large",
-                                        hosts=hosts),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=checkout,
-                            env=dflash_env())
+    err_path = tmp_path / "launch.err"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(dflash_argv("launch", "node", "--config", "configs/train/tiny-cpu.yaml",
+                                            "--allow-large", hosts=hosts),
+                                stdout=subprocess.PIPE, stderr=err_file, text=True, cwd=checkout, env=dflash_env())
     try:
         wait_until(lambda: any(p.stat().st_size > 0 for p in (workspace / "releases").glob(".incoming-*/configs/big.bin")),
                    what="the upload to start")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        interrupt_with_receivers_stopped(proc, err_path, [workspace])
+        out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
+    err = err_path.read_text()
     assert proc.returncode == 130, err
     assert "interrupted" in err and "is live" not in err, err
     assert out == "", "no run id: no run was started"
