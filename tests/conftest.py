@@ -60,11 +60,11 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_cpu_run(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
     """configs/train/tiny-cpu.yaml as shipped, run to its end by the real trainer (started as
-    the agent starts it): what `make demo` runs. test_trainer_runs checks the run and
-    test_speculative decodes with its drafter; their tests that use it are in xdist group
-    "tiny-cpu-run", so it is made once. The caller checks its exit status."""
+    the agent starts it, in a new interpreter): what `make demo` runs. test_trainer_runs
+    checks the run and test_speculative decodes with its drafter; their tests that use it are
+    in xdist group "tiny-cpu-run", so it is made once. The caller checks its exit status."""
     run = start_trainer(workspace, tmp_path_factory.mktemp("tiny-cpu") / "run", TINY_CPU.read_text(),
-                        "tiny-cpu")
+                        "tiny-cpu", fresh=True)
     try:
         run.wait(400)
         yield run
