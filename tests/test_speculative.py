@@ -64,7 +64,7 @@ def _greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 @pytest.mark.timeout(1800)  # the shipped config's run may be made in its setup
-@pytest.mark.slow(seconds=57, why="the first test to use the shipped tiny config's run makes it (on CPU)")
+@pytest.mark.slow(seconds=34, why="the first test to use the shipped tiny config's run makes it (on CPU)")
 def test_kv_cached_verification_is_lossless_and_accepts_as_the_uncached_one(trained):
     """The cached path's output is the target's greedy decode token for token, on several
     prompts, and its acceptance per verify step is the uncached path's, step for step."""
@@ -119,7 +119,7 @@ def _evaluate_config(drafter: Path) -> str:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.slow(seconds=23, why="evaluate jobs on CPU, after the module's drafter is trained")
+@pytest.mark.slow(seconds=7, why="evaluate jobs on CPU, after the module's drafter is trained")
 def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, workspace, tmp_path):
     """`job: evaluate` on our export and on a copy written the way the reference
     checkpoints are (bf16 weights, block_size only at the top level, dflash_config with
@@ -160,7 +160,7 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow(seconds=8, why="an evaluate job on CPU")
+@pytest.mark.slow(seconds=1, why="an evaluate job on CPU")
 def test_evaluate_job_names_a_folder_that_is_no_drafter(workspace, tmp_path):
     not_a_drafter = tmp_path / "empty"
     not_a_drafter.mkdir()
@@ -198,7 +198,7 @@ def test_the_config_says_what_an_evaluate_job_lacks(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow(seconds=8, why="an evaluate job on CPU, stopped")
+@pytest.mark.slow(seconds=1, why="an evaluate job on CPU, stopped")
 def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path):
     """A stopped evaluation exits 128+SIGTERM at its next verify step, with no eval.json."""
     import signal

@@ -42,7 +42,7 @@ def launch_ranks(launch, tmp_path, config: str, run_id: str = "pair") -> list:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow(seconds=35, why="two trainer processes joined by torch.distributed, and a one-process run")
+@pytest.mark.slow(seconds=5, why="two trainer processes joined by torch.distributed, and a one-process run")
 def test_two_ranks_train_as_one_process_with_both_replicas(launch, tmp_path, tiny_cache):
     one = launch(SMALL + BASE, run_id="one")  # one process, two drafter replicas
     rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + BASE)  # two processes, one replica each
@@ -96,7 +96,7 @@ def failed_ranks(launch, tmp_path, fault: str, run_id: str) -> list:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.slow(seconds=13, why="two trainer processes joined by torch.distributed")
+@pytest.mark.slow(seconds=2, why="two trainer processes joined by torch.distributed")
 def test_a_drafter_failing_on_rank_1_stops_rank_0_with_peer_failed(launch, tmp_path, tiny_cache):
     rank0, rank1 = failed_ranks(launch, tmp_path, "{thread: drafter-0, at: 'step:3', kind: raise, depth: 5, rank: 1}",
                                 "fails")
@@ -115,7 +115,7 @@ def test_a_drafter_failing_on_rank_1_stops_rank_0_with_peer_failed(launch, tmp_p
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.slow(seconds=16, why="a trainer process waiting for its peers until the rendezvous times out")
+@pytest.mark.slow(seconds=5, why="a trainer process waiting for its peers until the rendezvous times out")
 def test_a_rank_that_finds_no_peers_fails_naming_the_rendezvous(launch, tmp_path, tiny_cache):
     env = rank_envs(2)[1]  # rank 1 alone: rank 0 never comes
     run = launch(ONE_DRAFTER + "distributed: {join_timeout_s: 3}\n", run_id="alone", env=env)
@@ -127,7 +127,7 @@ def test_a_rank_that_finds_no_peers_fails_naming_the_rendezvous(launch, tmp_path
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.slow(seconds=59, why="two trainer processes joined by torch.distributed")
+@pytest.mark.slow(seconds=15, why="two trainer processes joined by torch.distributed")
 def test_a_non_finite_step_on_rank_1_is_found_by_every_rank_at_that_step(launch, tmp_path, tiny_cache):
     rank0, rank1 = failed_ranks(launch, tmp_path, "{thread: drafter-0, at: 'step:3', kind: nonfinite, rank: 1}",
                                 "nonfinite")
@@ -143,7 +143,7 @@ def test_a_non_finite_step_on_rank_1_is_found_by_every_rank_at_that_step(launch,
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.slow(seconds=15, why="two trainer processes joined by torch.distributed")
+@pytest.mark.slow(seconds=9, why="two trainer processes joined by torch.distributed")
 def test_sigterm_on_one_rank_stops_both(launch, tmp_path, tiny_cache):
     rank0, rank1 = launch_ranks(launch, tmp_path, ONE_DRAFTER + "optim: {epochs: 100}\neval: {num_prompts: 0}\n",
                                 run_id="stopped")

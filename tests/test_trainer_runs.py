@@ -226,7 +226,7 @@ def test_abort_leaves_every_stack_in_faulthandler_log(launch):
 @pytest.mark.timeout(120)
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["threaded", "sequential"])
-@pytest.mark.slow(seconds=8, why="a trainer run on CPU per case")
+@pytest.mark.slow(seconds=3, why="a trainer run on CPU per case")
 def test_a_checkpoint_that_cannot_be_written_fails_the_run(launch, mode):
     # `checkpoints` is a file: the background writer's mkdir fails, as a full or read-only disk would.
     run = launch(SMALL + f"pipeline: {{mode: {mode}}}\noptim: {{max_steps: 6}}\ncheckpoint: {{every: 2}}\n"
@@ -349,7 +349,7 @@ def non_finite_tensors(checkpoint: Path) -> list[str]:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode, accumulate", [("threaded", 1), ("sequential", 1), ("threaded", 2)])
-@pytest.mark.slow(seconds=10, why="a trainer run on CPU per case")
+@pytest.mark.slow(seconds=1, why="a trainer run on CPU per case")
 def test_nonfinite_fault_fails_the_run_at_that_step_and_writes_nothing_non_finite(launch, mode, accumulate):
     run = launch(SMALL + f"pipeline: {{mode: {mode}}}\noptim: {{max_steps: 6, accumulate: {accumulate}}}\n"
                  "checkpoint: {every: 2}\neval: {num_prompts: 0}\n"
@@ -380,7 +380,7 @@ def test_nonfinite_fault_fails_the_run_at_that_step_and_writes_nothing_non_finit
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.slow(seconds=9, why="a trainer run on CPU")
+@pytest.mark.slow(seconds=1, why="a trainer run on CPU")
 def test_a_huge_learning_rate_fails_the_run_instead_of_exporting_nan(launch):
     # Finite, so the loader takes it; the first update throws the weights far enough for a NaN loss.
     run = launch(SMALL + "optim: {lr: 1.0e+30, max_steps: 16}\ncheckpoint: {every: 1}\neval: {num_prompts: 0}\n")
@@ -448,7 +448,7 @@ def by_hand(run_dir: Path, workspace: Path, steps: int, monkeypatch) -> dict:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.slow(seconds=37, why="three trainer runs on CPU")
+@pytest.mark.slow(seconds=6, why="three trainer runs on CPU")
 def test_accumulated_steps_are_the_micro_batches_by_hand_resume_mid_step_count_and_refuse_another_accumulate(
         launch, workspace, tmp_path, monkeypatch):
     import torch
