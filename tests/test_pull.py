@@ -45,6 +45,16 @@ class Trained:
     def dflash(self, logs: Path, *args: str) -> subprocess.CompletedProcess[str]:
         return dflash("--logs-dir", str(logs), *args, hosts=self.hosts)
 
+    def pull(self, logs: Path, *options: str) -> subprocess.CompletedProcess[str]:
+        """`dflash pull` of this run into `logs`, which must succeed."""
+        done = self.dflash(logs, "pull", self.run_id, "--host", HOST, *options)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    def local_export(self, logs: Path) -> Path:
+        """Where `dflash pull` puts this run's export under `logs`."""
+        return logs / HOST / self.run_id / "export"
+
     def host_files(self, folder: str) -> dict[str, str]:
         """{path: sha256} of every file of the host's `folder` (export, or the checkpoint
         `latest` names)."""
@@ -95,17 +105,15 @@ def test_the_trainer_lists_every_file_of_its_export_and_checkpoints_in_sha256sum
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_pull_brings_the_export_verified_and_a_second_pull_sends_nothing(trained, tmp_path):
     logs = tmp_path / "logs"
-    first = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
-    assert first.returncode == 0, first.stderr
-    export = logs / HOST / trained.run_id / "export"
+    first = trained.pull(logs)
+    export = trained.local_export(logs)
     assert first.stdout == f"{export}\n"
     host = trained.host_files("export")
     assert local_files(export) == host  # every file, byte for byte, and no part left over
     total = sum((trained.run_dir / "export" / name).stat().st_size for name in host)
     assert f"pulled {len(host)} files, {total} bytes, 0 skipped" in first.stderr
 
-    again = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
-    assert again.returncode == 0, again.stderr
+    again = trained.pull(logs)
     assert f"pulled 0 files, 0 bytes, {len(host)} skipped" in again.stderr
     assert local_files(export) == host
 
@@ -114,11 +122,10 @@ def test_pull_brings_the_export_verified_and_a_second_pull_sends_nothing(trained
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_pull_checkpoint_brings_the_newest_checkpoint_too(trained, tmp_path):
     logs = tmp_path / "logs"
-    done = trained.dflash(logs, "pull", trained.run_id, "--host", HOST, "--checkpoint")
-    assert done.returncode == 0, done.stderr
+    done = trained.pull(logs, "--checkpoint")
     step = (trained.run_dir / "checkpoints" / "latest").resolve().name
     checkpoint = logs / HOST / trained.run_id / "checkpoint" / step
-    assert done.stdout.splitlines() == [str(logs / HOST / trained.run_id / "export"), str(checkpoint)]
+    assert done.stdout.splitlines() == [str(trained.local_export(logs)), str(checkpoint)]
     assert local_files(checkpoint) == trained.host_files("checkpoints/latest")
     assert {"model.safetensors", "optimizer.pt", "state.json", "SHA256SUMS"} <= set(local_files(checkpoint))
     assert step == f"step_{json.loads((checkpoint / 'state.json').read_text())['step']:06d}"
@@ -140,7 +147,7 @@ def in_process_pull(trained: Trained, logs: Path, **kwargs) -> tuple[pull.PullRe
 def test_a_part_left_by_an_earlier_pull_is_completed_from_its_length(trained, tmp_path):
     logs = tmp_path / "logs"
     full, _ = in_process_pull(trained, logs)
-    export = logs / HOST / trained.run_id / "export"
+    export = trained.local_export(logs)
     data = (export / EXTRA).read_bytes()
     # As if the pull before had been cut off after 5 MiB of the file.
     (export / EXTRA).unlink()
@@ -160,7 +167,7 @@ def test_a_part_left_by_an_earlier_pull_is_completed_from_its_length(trained, tm
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_a_dropped_connection_mid_file_resumes_at_the_bytes_already_received(trained, ssh_node, tmp_path):
     logs = tmp_path / "logs"
-    export = logs / HOST / trained.run_id / "export"
+    export = trained.local_export(logs)
     part = pull.part_path(export / EXTRA, trained.host_files("export")[EXTRA])
     dropped, finished = threading.Event(), threading.Event()
 
@@ -194,17 +201,15 @@ def test_a_dropped_connection_mid_file_resumes_at_the_bytes_already_received(tra
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_a_spoiled_local_copy_is_fetched_again(trained, tmp_path):
     logs = tmp_path / "logs"
-    first = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
-    assert first.returncode == 0, first.stderr
-    export = logs / HOST / trained.run_id / "export"
+    trained.pull(logs)
+    export = trained.local_export(logs)
     weights = export / "model.safetensors"
     spoiled = bytearray(weights.read_bytes())
     spoiled[len(spoiled) // 2] ^= 0xFF  # same size, one byte off
     weights.write_bytes(bytes(spoiled))
     (export / "left over from an older export.json").write_text("{}")
 
-    again = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
-    assert again.returncode == 0, again.stderr
+    again = trained.pull(logs)
     host = trained.host_files("export")
     assert f"pulled 1 files, {weights.stat().st_size} bytes, {len(host) - 1} skipped" in again.stderr
     assert "1 removed" in again.stderr
@@ -233,7 +238,7 @@ def test_a_file_replaced_on_the_host_after_the_listing_is_listed_again(trained, 
         result = puller.sync(checkpoint=False)
     finally:
         session.close()
-    assert local_files(logs / HOST / trained.run_id / "export") == trained.host_files("export")
+    assert local_files(trained.local_export(logs)) == trained.host_files("export")
     assert result.pulled == len(trained.host_files("export"))
 
 
