@@ -134,7 +134,13 @@ def test_a_raise_in_attempt_0_is_restarted_once_from_the_timed_checkpoint_and_it
 def test_a_lost_run_resumes_by_hand_and_resume_refuses_a_live_run_and_a_mismatched_config(bed):
     hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
     run_id = bed.launch("lost", checkpoint={"every": 2}, faults=hang)
-    wait_until(lambda: 3 in steps_of(bed.events(run_id)), 240, "step 3, the last before the hang")
+
+    def step_3_done_and_checkpoint_2_written() -> bool:
+        # step 3's event can come before the step-2 checkpoint, written in the background, is
+        events = bed.events(run_id)
+        return 3 in steps_of(events) and 2 in [e["step"] for e in events if e["type"] == "checkpoint"]
+
+    wait_until(step_3_done_and_checkpoint_2_written, 240, "step 3, the last before the hang, and step 2's checkpoint")
     live = bed.dflash("resume", run_id, "--host", HOST)
     assert live.returncode == 2
     assert f"run '{run_id}' is still live (RUNNING): stop it first" in live.stderr
