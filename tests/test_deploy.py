@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -162,20 +163,30 @@ def _receivers_in(workspace: Path) -> list[int]:
     return pids
 
 
-def interrupt_with_receivers_stopped(proc: subprocess.Popen, err: Path, workspaces: list[Path]) -> None:
-    """Ctrl-C to the CLI while every receiver working on `workspaces` is stopped (SIGSTOP),
-    resumed only once the CLI says it is stopping the uploads: however fast the machine, no
-    upload can complete before the interrupt takes effect."""
-    stopped = [pid for workspace in workspaces for pid in _receivers_in(workspace)]
-    assert stopped, "no receiver to stop"
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
+def interrupt_midway(proc: subprocess.Popen, err: Path, uploads: list[tuple[Callable[[], bool], Path]]) -> None:
+    """Ctrl-C to the CLI with every upload midway: for each (under way?, receiver's workspace)
+    in turn, once that upload is under way its receivers are stopped (SIGSTOP); they resume
+    only once the CLI says it is stopping the uploads. However fast the machine, no upload
+    can complete before the interrupt takes effect."""
+    stopped: list[int] = []
     try:
+        for under_way, workspace in uploads:
+            wait_until(under_way, what=f"the upload to {workspace} to start")
+            receivers = _receivers_in(workspace)
+            assert receivers, f"no receiver working on {workspace}"
+            for pid in receivers:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
         proc.send_signal(signal.SIGINT)
         wait_until(lambda: "interrupting: stopping" in err.read_text(), what="the CLI to take the interrupt")
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
+
+
+def uploading_big_bin(workspace: Path) -> bool:
+    """Whether some of checkout_with_a_big_file's big.bin has reached `workspace` (as the node sees it)."""
+    return any(p.stat().st_size > 0 for p in (workspace / "releases").glob(".incoming-*/configs/big.bin"))
 
 
 def checkout_with_a_big_file(tmp_path: Path) -> Path:
@@ -199,10 +210,6 @@ def test_ctrl_c_during_a_big_deploy_stops_it_and_keeps_the_current_release(make_
     workspaces = {"ct200": node_path(fake_pve, tmp_path), "node": tmp_path / "node ws"}
     receiving = {"ct200": container_workspace(fake_pve, tmp_path), "node": workspaces["node"]}
 
-    def uploading(host: str) -> bool:
-        return any(p.name == "big.bin" and p.stat().st_size > 0
-                   for p in (workspaces[host] / "releases").glob(".incoming-*/configs/big.bin"))
-
     err_path = tmp_path / "deploy.err"
     with open(err_path, "w") as err_file:
         proc = subprocess.Popen(dflash_argv("deploy", "ct200", "node", "--allow-large", hosts=hosts),
@@ -213,8 +220,8 @@ def test_ctrl_c_during_a_big_deploy_stops_it_and_keeps_the_current_release(make_
             wait_until(lambda: "source:" in err_path.read_text(), what="the CLI to name its source")
             proc.send_signal(signal.SIGINT)
         else:
-            wait_until(lambda: uploading("ct200") and uploading("node"), what="both uploads to start")
-            interrupt_with_receivers_stopped(proc, err_path, list(receiving.values()))
+            interrupt_midway(proc, err_path, [(lambda host=host: uploading_big_bin(workspaces[host]), receiving[host])
+                                              for host in workspaces])
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -251,9 +258,7 @@ def test_ctrl_c_during_launchs_deploy_starts_no_run_and_keeps_the_current_releas
                                             "--allow-large", hosts=hosts),
                                 stdout=subprocess.PIPE, stderr=err_file, text=True, cwd=checkout, env=dflash_env())
     try:
-        wait_until(lambda: any(p.stat().st_size > 0 for p in (workspace / "releases").glob(".incoming-*/configs/big.bin")),
-                   what="the upload to start")
-        interrupt_with_receivers_stopped(proc, err_path, [workspace])
+        interrupt_midway(proc, err_path, [(lambda: uploading_big_bin(workspace), workspace)])
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
