@@ -64,6 +64,11 @@ def losses_of(events: list[dict]) -> list[float]:
     return [e["loss"] for e in events if e["type"] == "step"]
 
 
+def checkpoints_of(events: list[dict]) -> list[int]:
+    """The steps of the checkpoints written (each event is sent once its write is complete)."""
+    return [e["step"] for e in events if e["type"] == "checkpoint"]
+
+
 @pytest.mark.slow(seconds=23, why="trainer runs over pct: a stopped attempt and its resume")
 def test_a_stopped_run_resumes_as_attempt_1_with_every_step_once_and_its_loss_curve_continued(bed):
     # Attempt 0 hangs before step 4's batch; the stop's checkpoint is at step 3.
@@ -111,7 +116,7 @@ def test_a_raise_in_attempt_0_is_restarted_once_from_the_timed_checkpoint_and_it
     assert "=== attempt 1 (restart): from its checkpoint at step 2" in watch.stdout
 
     events = bed.events(run_id)
-    checkpoints = [e["step"] for e in events if e["type"] == "checkpoint"]
+    checkpoints = checkpoints_of(events)
     assert checkpoints[:2] == [1, 2] and checkpoints[-1] == STEPS
     marker = next(i for i, e in enumerate(events) if e["type"] == "attempt")
     assert steps_of(events[marker:]) == list(range(3, STEPS + 1))
@@ -138,7 +143,7 @@ def test_a_lost_run_resumes_by_hand_and_resume_refuses_a_live_run_and_a_mismatch
     def step_3_done_and_checkpoint_2_written() -> bool:
         # step 3's event can come before the step-2 checkpoint, written in the background, is
         events = bed.events(run_id)
-        return 3 in steps_of(events) and 2 in [e["step"] for e in events if e["type"] == "checkpoint"]
+        return 3 in steps_of(events) and 2 in checkpoints_of(events)
 
     wait_until(step_3_done_and_checkpoint_2_written, 240, "step 3, the last before the hang, and step 2's checkpoint")
     live = bed.dflash("resume", run_id, "--host", HOST)

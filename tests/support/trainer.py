@@ -171,7 +171,8 @@ def start_trainer(workspace: Path, run_dir: Path, config_text: str, run_id: str,
     (run_dir / "config.yaml").write_text(config_text)
     base = {**{k: v for k, v in os.environ.items() if k not in RUN_TIME_VARIABLES},
             "PYTHONPATH": str(REPO / "remote"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    run = {**{k: v for k, v in os.environ.items() if k in RUN_TIME_VARIABLES}, "DFLASH_RUN_ID": run_id, "DFLASH_RELEASE_ID": "rel-test", "DFLASH_RELEASE_DIR": str(REPO),
+    run = {**{k: v for k, v in os.environ.items() if k in RUN_TIME_VARIABLES},
+           "DFLASH_RUN_ID": run_id, "DFLASH_RELEASE_ID": "rel-test", "DFLASH_RELEASE_DIR": str(REPO),
            "DFLASH_WORKSPACE": str(workspace), **(env or {})}
     argv = ["--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir)]
     (run_dir / "train.log").touch()  # there when this returns, however the run starts
