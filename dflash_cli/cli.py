@@ -153,10 +153,13 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
               help="Several hosts: where the others reach the first (default: its inventory address).")
 @click.option("--master-port", type=click.IntRange(1, 65535), metavar="PORT",
               help="Several hosts: the first host's rendezvous port (default: one free there).")
+@click.option("--dry-run", is_flag=True,
+              help="Print the GPU memory estimate of every device against the host's GPUs; deploy and "
+                   "start nothing (exit 2 if it does not fit).")
 @click.pass_obj
 def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path, name: str | None,
                follow: bool, force: bool, source_dir: Path | None, overrides: tuple[str, ...],
-               allow_large: bool, master_addr: str | None, master_port: int | None) -> None:
+               allow_large: bool, master_addr: str | None, master_port: int | None, dry_run: bool) -> None:
     """Start a training run on HOST, detached; print its run id on stdout.
 
     Deploys first if the host's current release differs from the source tree (chosen
@@ -178,7 +181,14 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
     first being rank 0: every host is deployed and checked before any starts, and a
     start that fails stops the others. watch, status, stop and fetch-traceback then
     take the run id alone and cover every host.
+
+    Before anything is deployed, the peak GPU memory of every device is estimated from
+    the config and the target's config.json on the host, and a run that will not fit a
+    GPU is refused (exit 2), naming the device, the estimate, its largest terms and
+    what to change. --dry-run prints the estimate, term by term, and stops there.
     """
+    if dry_run:
+        sys.exit(_verb("launch").dry_run(session, list(host_names), config_path, name, source_dir, overrides))
     ref = _verb("launch").run(session, list(host_names), config_path, name, force, source_dir, overrides, allow_large,
                      master_addr, master_port)
     console.data(ref.run_id + "\n")
@@ -232,11 +242,12 @@ def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail:
     """Follow RUN live (default: the latest run): log lines, GPU line, failures.
 
     When a thread records an error its full traceback is printed at once and saved
-    under logs/<host>/<run>/. A dropped connection resumes where it stopped, with no
-    gap and no duplicate. Ctrl-C detaches; the run keeps going. A STALLED run is
-    followed on (a stall may end: a slow compile, a long checkpoint; `dflash stacks`
-    shows where it hangs). Exits when the run ends: 0 succeeded, 1 failed or lost,
-    4 stopped; 3 host unreachable.
+    under logs/<host>/<run>/; a run that ends FAILED of a failure dflash knows ends
+    with one `diagnosis:` line and the setting to change. A dropped connection
+    resumes where it stopped, with no gap and no duplicate. Ctrl-C detaches; the run
+    keeps going. A STALLED run is followed on (a stall may end: a slow compile, a long
+    checkpoint; `dflash stacks` shows where it hangs). Exits when the run ends: 0
+    succeeded, 1 failed or lost, 4 stopped; 3 host unreachable.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
     sys.exit(_verb("watch").run(session, ref, tail, interval, as_json, retry_for))
@@ -265,10 +276,12 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
     """Print the complete traceback of the run's root cause (its earliest error record).
 
     The text is exactly what the failing thread formatted, chained causes included,
-    under a one-line header. A run that died with no record (killed, OOM, segfault,
-    abort) gets its exit.json, the last faulthandler dump and last log lines by thread
-    instead. A hang records no error: for a STALLED run the host dumps every thread's
-    stack now, and a STOPPED run shows its last dump, threads named (drafter-1, ...).
+    under a one-line header; a failure dflash knows is followed by one `diagnosis:`
+    line (stderr) and the setting to change. A run that died with no record (killed,
+    OOM, segfault, abort) gets its exit.json, the last faulthandler dump and last log
+    lines by thread instead. A hang records no error: for a STALLED run the host dumps
+    every thread's stack now, and a STOPPED run shows its last dump, threads named
+    (drafter-1, ...).
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
     sys.exit(_verb("fetch_traceback").run(session, ref, thread, all_records, output, show_stacks))

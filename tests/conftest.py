@@ -111,6 +111,13 @@ def bare_container(fake_pve: FakePve, bare_python: str) -> int:
     return fake_pve.add_bare_container(Path(bare_python).parent)
 
 
+@pytest.fixture(scope="session")
+def gpu_container(fake_pve: FakePve, tmp_path_factory: pytest.TempPathFactory) -> int:
+    """Container 204 of the fake node: running, with a fake nvidia-smi on its PATH that
+    answers the agent's query with four H200s of 143771 MiB."""
+    return fake_pve.add_gpu_container(tmp_path_factory.mktemp("gpu bin"))
+
+
 @pytest.fixture
 def make_inventory(ssh_node: SshNode, fake_pve: FakePve) -> Iterator[Callable[..., Path]]:
     """make_inventory(tmp_path, **overrides) -> path of a hosts.yaml with hosts local,

@@ -22,7 +22,7 @@ from test_multihost import Pair, pair_config
 
 pytestmark = pytest.mark.timeout(1200)
 
-PHASES = ["import", "find sources", "build data", "load target", "compile cache", "build train step",
+PHASES = ["import", "find sources", "build data", "load target", "plan shapes", "compile cache", "build train step",
           "save compile artifacts"]
 
 

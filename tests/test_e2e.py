@@ -103,6 +103,45 @@ def test_startup_fault_in_drafter_1_is_shown_whole_by_watch_and_fetch_traceback(
     assert json.loads(status.stdout)["state"] == "FAILED"
 
 
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 34.80 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+            "7.12 GiB is free. Including non-PyTorch memory, this process has 131.50 GiB memory in use. Of the "
+            "allocated memory 126.31 GiB is allocated by PyTorch, and 4.02 GiB is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+            "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+
+
+@pytest.mark.slow(seconds=17, why="a trainer run over pct that fails at a drafter's start-up")
+def test_a_known_failure_ends_watch_and_fetch_traceback_with_its_diagnosis(bed, tmp_path):
+    config = small_config(tmp_path, faults=[{"thread": "drafter-0", "at": "startup", "kind": "raise",
+                                             "exception": "torch.OutOfMemoryError", "message": CUDA_OOM}])
+    run_id = bed.launch(config)
+    diagnosis = ("diagnosis: CUDA out of memory on GPU 0 (cuda:0) allocating 34.80 GiB: 131.50 GiB of its 139.81 GiB "
+                 "in use by this process, 7.12 GiB free; lower data.token_budget (the step's activations grow with "
+                 "it); `dflash launch --dry-run` prints the memory estimate")
+
+    watch = bed.dflash("watch", run_id, "--host", "ct200")
+    assert watch.returncode == 1, watch.stderr
+    root_cause = bed.error_records(run_id)[0]
+    assert root_cause["exc_type"] == "OutOfMemoryError" and root_cause["message"] == CUDA_OOM
+    assert root_cause["memory"] == {"devices": {}, "parts": []}  # a CPU run: nothing held on a GPU
+    assert root_cause["traceback"] in watch.stdout and "diagnosis" not in watch.stdout
+    assert watch.stderr.splitlines()[-2:] == [f"run {run_id} on ct200 ended: FAILED", diagnosis]
+
+    for mode in ([], ["--all"], ["--thread", "coordinator"]):  # the coordinator's record is chained from it
+        fetched = bed.dflash("fetch-traceback", run_id, "--host", "ct200", *mode)
+        assert fetched.returncode == 0, fetched.stderr
+        assert fetched.stderr.splitlines()[-1] == diagnosis and "diagnosis" not in fetched.stdout
+    to_file = bed.dflash("fetch-traceback", run_id, "--host", "ct200", "-o", str(tmp_path / "tb.txt"))
+    assert to_file.stderr.splitlines()[-1] == diagnosis and "diagnosis" not in (tmp_path / "tb.txt").read_text()
+
+    elsewhere = dflash_in_process("--logs-dir", str(tmp_path / "other-logs"), "watch", run_id, "--host", "ct200",
+                                  "--json", hosts=bed.hosts)  # another checkout's watch: every message again
+    errors = [m for m in map(json.loads, elsewhere.stdout.splitlines()) if m["t"] == "error"]
+    assert errors[0]["diagnosis"] == diagnosis.removeprefix("diagnosis: ")
+    assert all(m["diagnosis"] == errors[0]["diagnosis"] for m in errors)  # each record chained from the OOM
+
+
 def test_watch_resumes_after_the_ssh_connection_dies_with_no_gap_and_no_duplicate(bed, ssh_node, tmp_path):
     config = small_config(tmp_path, optim={"max_steps": 40}, data={"synthetic": {
         "num_train": 256, "num_eval": 2, "prompt_words": 12, "response_tokens": 24}})  # ~40 steps

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import textwrap
 from pathlib import Path
@@ -320,6 +321,11 @@ def test_a_drafter_failing_on_the_second_host_stops_the_first_and_is_shown_namin
     assert fetched.stdout == f"{fetched.stdout.splitlines()[0]}\n{root['traceback']}"
     assert fetched.stdout.startswith(f"==> run {run_id} on ct202: thread drafter-1 failed")
     assert "root cause on ct202 (rank 1 of 2)" in fetched.stderr
+    assert "diagnosis" not in stderr + fetched.stderr  # an injected fault is no failure the CLI knows
+    # ct200's part alone holds only ct200 stopping for ct202: its line points at ct202's record.
+    stopped = pair.dflash("fetch-traceback", run_id, "--host", "ct200").stderr.splitlines()[-1]
+    assert stopped.startswith("diagnosis: rank 1 (ct202) failed first (InjectedFault: injected fault in drafter-1")
+    assert stopped.endswith(f"its traceback: `dflash fetch-traceback {shlex.quote(run_id)} --host ct202`")
     status = pair.dflash("status", run_id, "--json")
     assert status.returncode == 1 and json.loads(status.stdout)["state"] == "FAILED"
 

@@ -1,6 +1,7 @@
 """Every source the CLI runs on a host with `python -c` runs on an unprepared host: deploy's
-receiver, setup's script, `hosts --check`'s probe and the agent's bootstrap, each as sent
-(the probe and the bootstrap after the prelude that prefers setup's environment)."""
+receiver, setup's script, `hosts --check`'s probe, launch's fit probe and the agent's
+bootstrap, each as sent (the probes and the bootstrap after the prelude that prefers
+setup's environment)."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cli import agent_client
+from dflash_cli import agent_client, fit_check
 from dflash_cli.commands import deploy, hosts, setup
 from dflash_cli.inventory import Host
 from support.old_python import old_python_problems
@@ -19,6 +20,7 @@ SENT = {
     "deploy_receiver.py": deploy.RECEIVER_SOURCE,
     "host_setup.py": setup.SETUP_SOURCE,
     "hosts --check probe": agent_client.python_argv(HOST, hosts._PROBE, HOST.workspace)[2],
+    "launch fit probe": agent_client.python_argv(HOST, fit_check.PROBE, HOST.workspace)[2],
     "agent bootstrap": agent_client.python_argv(HOST, agent_client._BOOTSTRAP, HOST.workspace)[2],
 }
 
@@ -46,7 +48,7 @@ def test_the_guard_knows_every_source_sent_with_python_c():
     # A new `python -c` in the CLI fails here until its source is added to SENT.
     assert _python_c_argvs() == {
         ("agent_client.py", "python_argv"), ("agent_client.py", "_BOOTSTRAP"), ("commands/hosts.py", "_PROBE"),
-        ("commands/deploy.py", "_receiver"), ("commands/setup.py", "setup_host")}
+        ("fit_check.py", "PROBE"), ("commands/deploy.py", "_receiver"), ("commands/setup.py", "setup_host")}
 
 
 @pytest.mark.parametrize("name", sorted(SENT))

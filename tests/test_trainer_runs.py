@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import signal
 import time
@@ -322,6 +323,44 @@ def test_compiled_drafters_do_the_same_work(launch, threaded_losses):
     assert compiled.wait(450) == 0, compiled.log()[-3000:]
     assert [e["compile"] for e in compiled.events("ready")] == ["default", "default"]
     assert step_losses(compiled) == pytest.approx(threaded_losses, rel=1e-3)
+
+
+def varied_text(path: Path, rows: int, seed: int) -> Path:
+    """Text rows of the tiny target's words, 6 to 120 tokens long: packed to a token budget of
+    max_length they make micro-batches of 1 to 8 rows and of several lengths and block counts."""
+    generator = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            words = generator.choice([6, 10, 14, 20, 28, 40, 60, 90, 120])
+            f.write(json.dumps({"text": " ".join(f"w{generator.randrange(200)}" for _ in range(words))}) + "\n")
+    return path
+
+
+@pytest.mark.xdist_group("threaded-losses")  # beside the other compile: default run, whose compiles it may reuse
+@pytest.mark.timeout(900)
+@pytest.mark.slow(seconds=200, why="compile: default of a tiny drafter on CPU: a compile per shape class")
+def test_compile_default_in_four_drafter_threads_compiles_nothing_once_they_are_ready(launch, tmp_path):
+    data = varied_text(tmp_path / "varied.jsonl", 96, seed=0)
+    run = launch(f"""
+target: {{tiny: {{}}}}
+data: {{train: {data}, max_length: 128, token_budget: 128, pad_multiple: 16}}
+drafter: {{num_layers: 1, block_size: 4, num_anchors: 16, num_target_features: 2}}
+devices: {{target: [cpu], drafters: [cpu, cpu, cpu, cpu]}}
+runtime: {{heartbeat_s: 0.5, torch_threads: 1}}
+optim: {{max_steps: 8}}
+eval: {{num_prompts: 0}}
+compile: default
+""", env={"TORCH_LOGS": "recompiles"})
+    assert run.wait(850) == 0, run.log()[-3000:]
+    lines = run.log().splitlines()
+    ready = [i for i, line in enumerate(lines) if re.search(r"drafter \d ready on cpu", line)]
+    compiles = [i for i, line in enumerate(lines) if "Recompiling function" in line]
+    assert len(ready) == 4
+    assert compiles and max(compiles) < min(ready), "\n".join(lines[i] for i in compiles)  # all during the build
+    shapes = int(re.search(r"(\d+) micro-batch shape\(s\) to train on", run.log()).group(1))
+    trained = {(e["micro_batches"], e["samples"]) for e in run.events("step")}
+    assert shapes > 4 and len(trained) > 1  # mixed rows and lengths, not one shape
+    assert all("other shape(s) of the data run them" in line for line in lines if "train step built" in line)
 
 
 @pytest.mark.timeout(60)

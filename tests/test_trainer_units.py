@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -64,7 +65,8 @@ def test_shipped_gpu_configs_load(name, gpus):
         from dflash_train.compile_policy import plan_compile
 
         plan = plan_compile(config)
-        assert len(plan.buckets) <= 4 and not plan.drafters_share_a_device and config.uses_flex
+        # one GPU: the drafters share it with the target; more: a GPU each
+        assert len(plan.buckets) <= 4 and plan.drafters_share_a_device == (gpus == 1) and config.uses_flex
 
 
 def test_config_module_does_not_import_torch():
@@ -121,6 +123,37 @@ def test_nonfinite_fault_is_only_for_a_drafter_step(tmp_path, thread, at):
     fault = "faults: [{thread: drafter-1, at: 'step:2', kind: nonfinite}]\n"
     config = load_train_config(write_config(tmp_path, BASE + fault))
     assert config.faults[0].kind == "nonfinite" and config.faults[0].step == 2
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("{thread: drafter-1, at: startup, kind: hang, exception: torch.OutOfMemoryError}",
+     "exception and message are for kind raise, not hang"),
+    ("{thread: drafter-1, at: startup, kind: raise, exception: OutOfMemoryError}",
+     "exception must name a class as module.Name"),
+    ("{thread: drafter-1, at: startup, kind: raise, message: out of memory}", "message is the message of `exception`"),
+])
+def test_a_fault_naming_an_exception_is_checked(tmp_path, fault, message):
+    with pytest.raises(SchemaError, match=rf"faults\[0\]: {re.escape(message)}"):
+        load_train_config(write_config(tmp_path, BASE + f"faults: [{fault}]\n"))
+
+
+def test_a_fault_raises_the_exception_it_names_deep_and_an_unknown_one_fails_the_start():
+    from dflash_train.config import FaultSpec
+    from dflash_train.faults import FaultInjector
+
+    spec = FaultSpec(thread="drafter-1", at="step:2", kind="raise", depth=5, exception="torch.OutOfMemoryError",
+                     message="CUDA out of memory. Tried to allocate 2.00 GiB.")
+    with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 2\.00 GiB\.$") as info:
+        FaultInjector((spec,)).fire("drafter-1", 2)
+    assert info.value.__cause__ is None  # raised as torch would, not wrapped
+    assert [f.name for f in traceback.extract_tb(info.value.__traceback__)].count("_descend_even") == 3
+    bare = FaultSpec(thread="drafter-1", at="startup", kind="raise", exception="torch.distributed.DistNetworkError")
+    with pytest.raises(torch.distributed.DistNetworkError):
+        FaultInjector((bare,)).fire("drafter-1")
+    for name, why in [("torch.NoSuchError", "cannot be found (AttributeError"), ("no_such_module.Error", "cannot be "
+                      "found (ModuleNotFoundError"), ("torch.Tensor", "is not an exception class")]:
+        with pytest.raises(ValueError, match=re.escape(f"faults: exception {name!r} {why}")):
+            FaultInjector((FaultSpec(thread="drafter-1", at="startup", kind="raise", exception=name),))
 
 
 def test_gpu_resources(tmp_path):
@@ -489,7 +522,7 @@ def test_replica_check_catches_a_one_ulp_difference_and_names_the_replica():
 
 @pytest.mark.parametrize("compile_mode, attention, flex", [
     ("cudagraphs", "auto", True), ("default", "auto", False), ("off", "auto", False),
-    ("cudagraphs", "sdpa", False), ("off", "flex", True)])
+    ("cudagraphs", "sdpa", False), ("default", "flex", True)])  # off with flex is refused (test_compile_coverage)
 def test_attention_auto_is_flex_only_under_cudagraphs(tmp_path, compile_mode, attention, flex):
     gpu = BASE.replace("cpu", "cuda:0")
     config = load_train_config(write_config(tmp_path, gpu + f"compile: {compile_mode}\n"
@@ -587,6 +620,31 @@ def test_error_record_carries_the_detail_of_its_root_cause():
     assert record["detail"] == {"quantity": "loss", "value": "nan"}
     assert json.loads(json.dumps(record, allow_nan=False))["detail"]["value"] == "nan"  # strict JSON
     assert "detail" not in error_record(ValueError("x"), thread="t", thread_ident=1, phase="train", step=1)
+
+
+def test_the_memory_ledger_keeps_every_threads_notes_and_an_oom_record_carries_them():
+    from dflash_train import memory_ledger
+
+    # Parts of a device no test diagnoses: the ledger is the process's, other tests read it too.
+    def drafter(index: int) -> None:
+        for size in range(200):
+            memory_ledger.note(f"ledger-test-{index}", "test:0", size)
+
+    threads = [threading.Thread(target=drafter, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    memory_ledger.note("ledger-test-0 CUDA graphs", "test:0", 7)
+    for index in range(4):
+        own = memory_ledger.snapshot(f"ledger-test-{index}")
+        assert [held["bytes"] for held in own] == list(range(200)) + ([7] if index == 0 else [])
+    assert memory_ledger.mark("cpu") is None and memory_ledger.note_since(None, "drafter-0") == []
+    oom = error_record(torch.OutOfMemoryError("CUDA out of memory."), thread="t", thread_ident=1, phase="train",
+                       step=1)
+    assert oom["memory"] == {"devices": {}, "parts": memory_ledger.snapshot()}  # CPU torch: no CUDA device ran
+    assert "memory" not in error_record(RuntimeError("CUDA out of memory."), thread="t", thread_ident=1,
+                                        phase="train", step=1)
 
 
 @pytest.mark.parametrize("poison", [math.nan, math.inf])

@@ -20,7 +20,7 @@ from dflash_cli.inventory import load_inventory
 from dflash_cli.transports import CommandFailed, open_transport
 from dflash_cli.transports.ssh import SshTransport
 from support import keygen, kill_ssh_sessions, wait_until
-from support.pve import BARE_CONTAINER, CONTAINERS
+from support.pve import BARE_CONTAINER, CONTAINERS, GPU_CONTAINER
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -451,8 +451,9 @@ def test_fake_pct_accepts_only_proxmox_forms(fake_pve):
     listed = pct("list").stdout.splitlines()
     assert listed[0].split() == ["VMID", "Status", "Lock", "Name"]
     expected = dict(CONTAINERS)
-    if (fake_pve.root / "lxc" / f"{BARE_CONTAINER}.conf").exists():  # added by a test that used it
-        expected[BARE_CONTAINER] = "running"
+    for added in (BARE_CONTAINER, GPU_CONTAINER):  # added by a test that used it
+        if (fake_pve.root / "lxc" / f"{added}.conf").exists():
+            expected[added] = "running"
     assert [line.split() for line in listed[1:]] == [[str(vmid), status, f"ct{vmid}"]
                                                      for vmid, status in sorted(expected.items())]
     unknown = pct("status", "999")

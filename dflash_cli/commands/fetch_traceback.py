@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from .. import console, multihost
+from .. import console, diagnosis, multihost
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef
 from ..session import Session
@@ -30,6 +30,13 @@ def render_record(record: dict, ref: RunRef, several_attempts: bool = False) -> 
     a line of errors.jsonl that is not JSON, that line as it is)."""
     text = record.get("traceback", record.get("raw", ""))
     return header(record, ref, several_attempts) + text + ("" if text.endswith("\n") else "\n")
+
+
+def say_diagnosis(record: dict, ref: RunRef, hosts: tuple[str, ...]) -> None:
+    """The diagnosis line of a known failure, on stderr after its traceback (none for another)."""
+    line = diagnosis.diagnose(diagnosis.Failure(record, ref.run_id, ref.host, hosts))
+    if line is not None:
+        console.say(console.printable(f"diagnosis: {line}"))
 
 
 def render_no_record(report: dict, ref: RunRef) -> str:
@@ -122,6 +129,7 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
                               ExitCode.USAGE)
     state = multihost.aggregate_state({host: report.get("state") for host, report in reports.items()})
     code = ExitCode.OK
+    diagnosed = None  # the record whose diagnosis follows the output: the latest attempt's root cause shown
     if stacks or (not records and state in ("STALLED", "STOPPED")):
         # A hang records no error: where every thread is (now, or at the last dump) is the
         # diagnosis.
@@ -133,6 +141,8 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
             console.say(f"root cause on {cause[0]} (rank {ref.hosts.index(cause[0])} of {len(ref.hosts)})")
         text = "".join(render_record(r, RunRef(host, ref.run_id), several_attempts)
                        for host, r in (records if all_records else [cause]))
+        diagnosed = multihost.root_cause([(host, r) for host, r in records
+                                          if int(r.get("attempt") or 0) == attempts[host]]) or cause
     elif state in ("FAILED", "LOST"):
         text = "".join(render_no_record(report, RunRef(host, ref.run_id)) for host, report in reports.items()
                        if report.get("state") in ("FAILED", "LOST"))
@@ -152,4 +162,16 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         console.say(f"written to {output}")
     else:
         console.remote_text(text)
+    if diagnosed is not None:
+        say_diagnosis(diagnosed[1], RunRef(diagnosed[0], ref.run_id), _run_hosts(ref, reports))
     return code
+
+
+def _run_hosts(ref: RunRef, reports: dict[str, dict]) -> tuple[str, ...]:
+    """The run's hosts in rank order, also when asked for one host's part (--host): from
+    the run.json of a host of a run on several (its `distributed`)."""
+    for report in reports.values():
+        hosts = ((report.get("run") or {}).get("distributed") or {}).get("hosts")
+        if hosts:
+            return tuple(hosts)
+    return ref.hosts

@@ -13,12 +13,12 @@ import dflash_schema
 from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.layout import MAX_RUN_ID
 
-from .. import console
+from .. import console, fit_check
 from ..compile_artifacts import seed_hosts
 from ..errors import DflashError, ExitCode
 from ..inventory import Host, is_address
 from ..local_state import RunRef, set_latest
-from ..release import Release
+from ..release import Release, find_source
 from ..release_store import ReleaseStore
 from ..session import Session
 from . import deploy, status
@@ -135,13 +135,53 @@ def _agent_args(host: Host, config: TrainConfig, run_id: str, name: str, source:
     return args
 
 
+def check_fit(session: Session, hosts: list[Host], config: TrainConfig,
+              source_dir: Path | None) -> list[fit_check.HostFit]:
+    """Every host's part of the run planned against its GPUs, in parallel, one round trip
+    each (none for a config the check does not cover); a host that cannot be asked
+    stops the launch here, before anything is deployed."""
+    if fit_check.unchecked(config) is not None:
+        return []
+    root = find_source(source_dir).root
+    names = [host.name for host in hosts]
+    fits = session.on_each_host(hosts, lambda host: fit_check.assess(session, host, config, root, len(hosts),
+                                                                     names.index(host.name)))
+    refuse(hosts, fits, "nothing was deployed or started")
+    return [fits[name] for name in names]
+
+
+def _refuse_unless_fits(session: Session, hosts: list[Host], config: TrainConfig, source_dir: Path | None) -> None:
+    fits = check_fit(session, hosts, config, source_dir)
+    fit_check.refuse_unless_fits(fits, "nothing was deployed or started",
+                                 hint="`dflash launch … --dry-run` prints every term of the estimate")
+    fit_check.report(fits)
+
+
+def dry_run(session: Session, host_names: list[str], config_path: Path, name: str | None,
+            source_dir: Path | None, overrides: tuple[str, ...] = ()) -> ExitCode:
+    """`run`'s fit check with its estimate printed, and nothing deployed or started: OK when
+    the run fits every GPU (or is not checked, the output says why), else a DflashError
+    (exit 2) naming the devices it does not fit."""
+    check_name(config_path.stem if name is None else name)
+    hosts = session.inventory.expand(host_names)
+    config = load_config(config_path, overrides)
+    if (reason := fit_check.unchecked(config)) is not None:
+        console.say(f"{config_path}: {reason}")
+        return ExitCode.OK
+    fits = check_fit(session, hosts, config, source_dir)
+    fit_check.show(fits)
+    fit_check.refuse_unless_fits(fits, "a dry run: nothing was deployed or started")
+    return ExitCode.OK
+
+
 def run(session: Session, host_names: list[str], config_path: Path, name: str | None,
         force: bool, source_dir: Path | None, overrides: tuple[str, ...] = (), allow_large: bool = False,
         master_addr: str | None = None, master_port: int | None = None) -> RunRef:
     """Start a run on one host, or one run on several (a group names several); returns
     its reference (the CLI prints the run id on stdout). The hosts get the resolved
     config (every default filled in, `overrides` applied), which the trainer loads
-    through the same schema again."""
+    through the same schema again. A run the GPUs cannot hold (fit_check) is refused
+    before anything is deployed."""
     name = config_path.stem if name is None else name
     check_name(name)
     hosts = session.inventory.expand(host_names)
@@ -153,6 +193,7 @@ def run(session: Session, host_names: list[str], config_path: Path, name: str | 
         raise DflashError("--master-addr and --master-port are for a run on several hosts; "
                           f"{hosts[0].name} is one", ExitCode.USAGE)
     (host,) = hosts
+    _refuse_unless_fits(session, hosts, config, source_dir)
     source = _deploy(session, hosts, source_dir, allow_large)
     run_id = new_run_id(name)
     reply = session.agent(host.name).call("launch", *_agent_args(host, config, run_id, name, source, force, overrides),
@@ -197,6 +238,7 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
         raise DflashError(f"{first.name} (rank 0) has no address the other hosts can reach it at",
                           ExitCode.USAGE, hint=f"set address: in the inventory entry of {first.name} "
                           "(a container's own, not its node's), or pass --master-addr")
+    _refuse_unless_fits(session, hosts, config, source_dir)
     source = _deploy(session, hosts, source_dir, allow_large)
     run_id = new_run_id(name)
     config_bytes = _resolved(config)

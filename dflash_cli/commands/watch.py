@@ -22,14 +22,14 @@ from rich.text import Text
 
 from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
 
-from .. import console, multihost
+from .. import console, diagnosis, multihost
 from ..errors import DflashError, ExitCode, UnreachableError, exit_code_for_state
 from ..local_state import Cursor, RunLogs, RunRef
 from ..retry import Reconnects
 from ..session import Session
 from ..status_line import RunProgress
 from ..tensorboard import RunBoard
-from .fetch_traceback import render_no_record, render_record
+from .fetch_traceback import render_no_record, render_record, say_diagnosis
 
 CURSOR_SAVE_EVERY_S = 0.5
 
@@ -103,7 +103,11 @@ class Watcher:
         kind = message.get("t")
         self.messages += 1
         if self.as_json:
-            console.data(json.dumps({**message, "host": self.ref.host} if self.label else message) + "\n")
+            shown = {**message, "host": self.ref.host} if self.label else message
+            if kind == "error" and message.get("record") is not None:  # a known failure's line, else null
+                shown = {**shown, "diagnosis": diagnosis.diagnose(diagnosis.Failure(
+                    message["record"], self.ref.run_id, self.ref.host, self.hosts))}
+            console.data(json.dumps(shown) + "\n")
         if kind == "log":
             self.on_log(message)
         elif kind == "rotated":
@@ -279,6 +283,9 @@ class Watcher:
             with _PRINTING:
                 console.remote_text(render_no_record(report, self.ref))
         console.say(f"run {self.ref.run_id} on {self.ref.host} ended: {state}")
+        if code == ExitCode.RUN_FAILED and self.records and not self.as_json and not self.label:
+            # One host's part: its root cause's line ends the output (several: the run's, in _watch_hosts).
+            say_diagnosis(multihost.root_cause([(self.ref.host, r) for r in self.records])[1], self.ref, self.hosts)
         return code
 
     def follow_to_end(self, tail: int | None, retry_for: float) -> ExitCode:
@@ -365,6 +372,8 @@ def _watch_hosts(session: Session, ref: RunRef, tail: int | None, interval: floa
                                       f"{record.get('message', '')}".rstrip()))
     console.say(f"run {ref.run_id} ended: {state} "
                 f"({', '.join(f'{host} {s or multihost.UNKNOWN}' for host, s in states.items())})")
+    if cause is not None and not as_json and state == "FAILED":
+        say_diagnosis(cause[1], RunRef(cause[0], ref.run_id), ref.hosts)
     if state == multihost.UNKNOWN:
         return max((o.exit_code for o in outcomes.values() if isinstance(o, DflashError)), default=ExitCode.UNREACHABLE)
     return exit_code_for_state(state)

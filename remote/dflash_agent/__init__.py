@@ -137,6 +137,18 @@ gpus     {"gpus": [{"index", "name", "memory_used_mib", "memory_total_mib",
 info     {"python", "platform", "hostname", "boot_id", "packages": {"torch": v|null,
           "transformers": v|null}, "gpus": [...], "current_release": id|null,
           "python_executable"} (+ "gpus_problem" as for gpus)
+gpus.py --fit-facts [--model=PATH] [--env=KEY=VALUE]...
+         Not a verb: gpus.py's source run with `python -c SOURCE WORKSPACE --fit-facts ...`
+         (it imports nothing of this package), so `dflash launch` asks it before the
+         deploy, on a host with no release or an older one (DESIGN.md "The fit check").
+         The --env pairs (the inventory's env) are applied first, as the trainer gets
+         them. -> {"gpus": [... as `gpus`] (+ "problem"), "target": the fields of PATH's
+         config.json or null, "target_source": the file read | "target_problem": why
+         none} ("target" null, nothing else, without --model). PATH: an absolute or ~
+         model folder, or a hub id found in the Hugging Face cache (HF_HUB_CACHE,
+         HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub, in that
+         order) at refs/main's snapshot, else its newest snapshot holding config.json;
+         a hub id not cached is a target_problem (the trainer would download it).
 follow   --run-id ID [--offset N] [--inode I] [--segment K=0] [--fingerprint LEN:SHA256]
          [--errors-seen K] [--events-offset N=0] [--tail-lines N] [--gpu-interval S=5 (0: none)]
          [--poll S=0.1]

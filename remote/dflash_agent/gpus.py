@@ -1,15 +1,17 @@
 """What a host has: GPUs (the `gpus` verb) and Python, package versions, GPUs and the
-current release (`host_facts`, the `info` verb).
+current release (`host_facts`, the `info` verb), and what `dflash launch` plans a run's
+GPU memory with: the GPUs and the target model's config.json (`fit_facts`).
 
-Standard library only and no imports from this package: `dflash hosts --check` sends this
-file's source with `python -c SOURCE WORKSPACE` to hosts where nothing is deployed yet,
-and prints what it answers. No torch import here: it must stay fast and must work where
-torch is broken; package versions come from importlib.metadata. Run as a script, it also
-reports `imports` (`import_check`): what a child interpreter importing torch and
-transformers finds.
+Standard library only and no imports from this package: `dflash hosts --check` and
+`dflash launch` send this file's source with `python -c SOURCE WORKSPACE [--fit-facts
+...]` to hosts where nothing may be deployed yet, and read what it answers. No torch
+import here: it must stay fast and must work where torch is broken; package versions
+come from importlib.metadata. Run as a script, it also reports `imports`
+(`import_check`): what a child interpreter importing torch and transformers finds.
 """
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -31,6 +33,9 @@ IMPORT_CHECK = ("import json, torch, transformers\n"
                 "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, "
                 "'cuda_devices': torch.cuda.device_count()}))")
 IMPORT_TIMEOUT_S = 180.0
+# A Hugging Face hub id ("Qwen/Qwen3-8B"): dflash_train loads target.path as one when no
+# such folder exists on the host, from the host's HF cache or the hub.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 def _value(text: str, kind: type) -> Any:
@@ -132,7 +137,87 @@ def import_check() -> Dict[str, Any]:
     return json.loads(lines[-1])
 
 
-if __name__ == "__main__":  # as `dflash hosts --check` runs it
-    facts = host_facts(os.path.abspath(os.path.expanduser(sys.argv[1])))
-    facts["imports"] = import_check()
-    print(json.dumps(facts))
+def is_hub_id(path: str) -> bool:
+    return bool(_HUB_ID.match(path)) and ".." not in path
+
+
+def hub_cache() -> str:
+    """The folder huggingface_hub caches hub models in, by its own precedence:
+    HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = os.environ.get("HF_HOME") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+        cache = os.path.join(home, "hub")
+    return os.path.expandvars(os.path.expanduser(cache))
+
+
+def hub_file(repo_id: str, name: str) -> Optional[str]:
+    """`name` of hub model `repo_id` in the cache, at the revision `main` resolves to
+    offline (refs/main), else in its newest snapshot holding it; None when not cached."""
+    repo = os.path.join(hub_cache(), "models--" + repo_id.replace("/", "--"))
+    snapshots = os.path.join(repo, "snapshots")
+    try:
+        with open(os.path.join(repo, "refs", "main")) as handle:
+            pinned = os.path.join(snapshots, handle.read().strip(), name)
+        if os.path.isfile(pinned):
+            return pinned
+    except OSError:
+        pass  # no refs/main: downloaded by revision
+    try:
+        found = [os.path.join(snapshots, s, name) for s in os.listdir(snapshots)]
+    except OSError:
+        return None
+    found = [path for path in found if os.path.isfile(path)]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def model_config(path: str) -> Tuple[Optional[Dict[str, Any]], str]:
+    """(config.json's fields, the file read) of the model `path` names as the trainer
+    loads it: an absolute (or ~) folder, else a hub id found in the HF cache; or (None,
+    why not). Relative folders are the release's: the CLI reads them from its tree."""
+    folder = os.path.expanduser(path)
+    if os.path.isabs(folder):
+        where = os.path.join(folder, "config.json")  # type: Optional[str]
+    elif is_hub_id(path):
+        where = hub_file(path, "config.json")
+        if where is None:
+            return None, ("%s is not in the Hugging Face cache %s (the trainer would download it)"
+                          % (path, hub_cache()))
+    else:
+        return None, "%s is neither a folder nor a Hugging Face hub id" % path
+    try:
+        with open(where, "rb") as handle:
+            fields = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        return None, "cannot read %s: %s" % (where, getattr(exc, "strerror", None) or exc)
+    if not isinstance(fields, dict):
+        return None, "%s holds no JSON object" % where
+    return fields, where
+
+
+def fit_facts(model: Optional[str]) -> Dict[str, Any]:
+    """{"gpus": as `gpus` gives them (+ "problem"), "target": config.json's fields or null,
+    "target_source": the file read, "target_problem": why it was not} for `model`
+    (none: "target" null, nothing else)."""
+    answer = gpus()
+    answer["target"] = None
+    if model is not None:
+        fields, where = model_config(model)
+        answer["target"] = fields
+        answer["target_source" if fields is not None else "target_problem"] = where
+    return answer
+
+
+if __name__ == "__main__":  # as `dflash hosts --check` runs it, or `dflash launch` with --fit-facts
+    if sys.argv[2:3] == ["--fit-facts"]:
+        # argv: --fit-facts [--model=PATH] [--env=KEY=VALUE]...: the host's environment
+        # for the trainer (the inventory's `env`), where the HF cache is found
+        options = sys.argv[3:]
+        os.environ.update(o[len("--env="):].split("=", 1) for o in options if o.startswith("--env="))
+        models = [o[len("--model="):] for o in options if o.startswith("--model=")]
+        print(json.dumps(fit_facts(models[0] if models else None)))
+    else:
+        facts = host_facts(os.path.abspath(os.path.expanduser(sys.argv[1])))
+        facts["imports"] = import_check()
+        print(json.dumps(facts))

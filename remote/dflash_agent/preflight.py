@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 from typing import Optional, Sequence, Tuple
 
+from .gpus import is_hub_id
 from .jsonio import AgentError
 
 # Below this a run cannot even be sure to write its logs and a tiny model's checkpoint;
@@ -22,9 +22,6 @@ from .jsonio import AgentError
 MIN_FREE_MIB = 64
 PATH_KINDS = ("file", "model", "checkpoint")
 MODULE_CHECK_TIMEOUT_S = 60.0
-# A Hugging Face hub id ("Qwen/Qwen3-8B"): dflash_train loads target.path as one when no
-# such folder exists on the host, from the host's HF cache or the hub.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # Run by the trainer's interpreter: which of argv's top-level modules it cannot find.
 # find_spec locates a package without importing it, so this stays fast.
 _FIND_MODULES = ("import importlib.util, json, sys\n"
@@ -66,7 +63,7 @@ def _path_problem(kind: str, key: str, path: str, release_root: str) -> Optional
         if os.path.isfile(os.path.join(where, "config.json")):
             return None
         return "%s: %s is not a Hugging Face model folder (no config.json)" % (key, where)
-    if _HUB_ID.match(path) and ".." not in path:
+    if is_hub_id(path):
         return None
     return "%s: %s does not exist (and %r is not a Hugging Face hub id)" % (key, where, path)
 

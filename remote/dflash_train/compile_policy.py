@@ -1,12 +1,18 @@
 """How a drafter thread gets its train step: `compile: off | default | cudagraphs`.
 
-The coordinator decides once, from the config, what every drafter builds (`plan_compile`:
-the mode, and for cudagraphs the shape buckets to capture and whether drafters share a
-GPU), sets the process-wide compiler options from that plan (`configure_compiler`), then
+The coordinator decides once, from the config and the shapes of the run's micro-batches,
+what every drafter builds (`plan_compile`: the mode, the shapes to build for, and for
+cudagraphs the shape buckets to capture and whether drafters share a GPU), sets the process-wide compiler options from that plan (`configure_compiler`), then
 each drafter calls `build_train_step` once, during its startup and before it signals
 ready. Building (compiling, warming up, capturing graphs) happens under one process-wide
 lock, so drafters compile one at a time: torch.compile is not thread-safe overall, and
 CUDA graph captures of two threads break each other.
+
+Once every drafter is ready nothing may compile (`forbid_compiles`): a compile in one
+drafter thread while the others run compiled code races on Dynamo's caches. So the
+build covers every shape the run's data makes (`CompilePlan.data_shapes`, from the batch
+plan, or the cudagraphs buckets that hold them all), and a step that would compile
+after that fails with StrayCompile naming the shape and the guard that failed.
 
 The train step runs forward and backward only; gradient averaging across replicas and
 the optimizer step follow in the drafter thread. With `optim.accumulate` > 1 it runs once
@@ -24,12 +30,12 @@ from .config import TrainConfig
 from .cudagraphs import bucket_shapes, build_cudagraph_train_step
 from .devices import canonical
 from .objective import DraftObjective, DrafterInputs
-from .train_step import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats, random_inputs,
-                         shape_of, warm_up)
+from .train_step import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
+                         inputs_of_shape, is_compile_refusal, random_inputs, shape_of, warm_up)
 
 _BUILD_LOCK = threading.Lock()
 # compile: default compiles with dynamic shapes: one graph per drafter, plus the
-# re-specializations Dynamo still makes (a size of 1, sizes equal at the first trace).
+# re-specializations Dynamo still makes (a size of 1).
 DYNAMIC_SHAPE_VARIANTS = 2
 
 
@@ -42,6 +48,9 @@ class CompilePlan:
     buckets: tuple[BatchShape, ...] = ()  # cudagraphs: every shape a batch can have, captured at start-up
     drafters_share_a_device: bool = True  # cudagraphs: picks the capture strategy
     shapes: CompileShapes = "static"  # cudagraphs: one compile per bucket, or one for every bucket
+    # default and off: every (rows, length, blocks) this process's drafters will train on,
+    # largest first (data.micro_batch_shapes); empty for a step built outside a run
+    data_shapes: tuple[BatchShape, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode == "cudagraphs" and not self.buckets:
@@ -53,7 +62,7 @@ class CompilePlan:
         """Graphs Dynamo may compile per drafter, at most: one per bucket for cudagraphs
         (static shapes, or dynamic ones re-specialized per bucket at worst), a dynamic
         graph and its re-specializations otherwise."""
-        return max(len(self.buckets), DYNAMIC_SHAPE_VARIANTS)
+        return max(len(self.buckets), DYNAMIC_SHAPE_VARIANTS, len(specialization_classes(self.data_shapes)))
 
     @property
     def dynamic_shapes(self) -> bool:
@@ -66,16 +75,20 @@ class CompilePlan:
         if self.mode == "cudagraphs":
             return build_cudagraph_train_step(objective, example, self.buckets, shapes=self.shapes,
                                               drafters_share_a_device=self.drafters_share_a_device)
-        return _build_eager_or_compiled(self.mode, objective, example)
+        if self.mode == "default":
+            return _build_compiled(objective, self.data_shapes or (shape_of(example),), example)
+        return _build_eager(objective, self.data_shapes[0] if self.data_shapes else shape_of(example), example)
 
 
-def plan_compile(config: TrainConfig) -> CompilePlan:
-    """The run's compile plan. Devices compare canonically ("cuda" is "cuda:0"), so two
-    drafters written as cuda and cuda:0 count as sharing a GPU."""
+def plan_compile(config: TrainConfig, data_shapes: tuple[BatchShape, ...] = ()) -> CompilePlan:
+    """The run's compile plan, for the micro-batch shapes its data makes. Devices compare
+    canonically ("cuda" is "cuda:0"), so two drafters written as cuda and cuda:0 count as
+    sharing a GPU."""
     drafters = [canonical(d) for d in config.devices.drafters]
     buckets = bucket_shapes(config.data, config.drafter) if config.compile == "cudagraphs" else ()
     return CompilePlan(mode=config.compile, num_drafters=len(drafters), buckets=buckets,
-                       drafters_share_a_device=len(set(drafters)) < len(drafters), shapes=config.compiled_shapes)
+                       drafters_share_a_device=len(set(drafters)) < len(drafters), shapes=config.compiled_shapes,
+                       data_shapes=() if config.compile == "cudagraphs" else data_shapes)
 
 
 def recompile_limit(num_drafters: int, shapes_per_drafter: int) -> int:
@@ -96,6 +109,8 @@ def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = D
     import torch._functorch.config
     import torch._inductor.config
 
+    # Past the limit Dynamo would run the step eagerly without a word: fail instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     limit = recompile_limit(num_drafters, shapes_per_drafter)
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = limit
@@ -114,16 +129,19 @@ def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = D
     # compiling again: on by default in the torch releases we run, set here so an
     # environment variable (TORCHINDUCTOR_FX_GRAPH_CACHE=0, ...) cannot turn a warm start
     # cold unnoticed. Dynamo still traces every graph in every process.
+    if dynamic_shapes:
+        # Duck sizing gives dimensions equal at the first trace one symbol, and a later batch
+        # where they differ a recompile: sizes of a micro-batch coincide by chance.
+        torch.fx.experimental._config.use_duck_shape = False
     torch._inductor.config.fx_graph_cache = True
     torch._inductor.config.autotune_local_cache = True
     torch._functorch.config.enable_autograd_cache = True
 
 
 def example_inputs(objective: DraftObjective, seq_len: int, num_features: int, device: str) -> DrafterInputs:
-    """A small, valid micro-batch to warm a step up with: 2 rows, at least 16 tokens, 8 blocks.
-
-    No dimension is 1: torch.compile specializes sizes 0 and 1, so a warm-up with one
-    sequence would be recompiled by the first real batch, in every thread at once."""
+    """A small, valid micro-batch: 2 rows, at least 16 tokens, 8 blocks. The shapes a step
+    is built for are made like it (feature width, dtypes, device); it is the shape itself
+    only for a step built outside a run, which has no data shapes (benchmarks)."""
     return random_inputs(2, max(seq_len, 16), 8, block_size=objective.drafter.block_size,
                          vocab=objective.embed_weight.shape[0], num_features=num_features,
                          features_dtype=objective.embed_weight.dtype, device=device, seed=0)
@@ -141,19 +159,68 @@ def build_train_step(plan: CompilePlan | str, objective: DraftObjective, example
         return plan.build(objective, example)
 
 
-def _build_eager_or_compiled(mode: str, objective: DraftObjective, example: DrafterInputs) -> BuiltStep:
-    # dynamic=True: micro-batch shapes vary with the data; one graph serves them all.
-    forward = objective if mode == "off" else torch.compile(objective, dynamic=True)
+def forbid_compiles() -> None:
+    """From now on, in every thread of the process, a call that would make Dynamo compile
+    fails instead (BuiltStep turns that into StrayCompile): once the drafters are ready."""
+    torch.compiler.set_stance("fail_on_recompile")
 
+
+def _steps_from(forward, objective: DraftObjective):
     def train_step(inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats:
         if first:  # backward adds to .grad: a step starts from none
             objective.drafter.zero_grad(set_to_none=True)
         loss, correct, counted = forward(inputs)
         loss.backward()
         return StepStats(loss.detach(), correct, counted)
+    return train_step
 
-    # Compiles now, not in the first training step.
-    [(seconds, graphs)] = warm_up(train_step, [example], steps=1)
+
+def _build_eager(objective: DraftObjective, largest: BatchShape, like: DrafterInputs) -> BuiltStep:
+    """compile: off: one step at the largest shape, so the allocator holds the run's peak
+    from the start (an out-of-memory shows at start-up, not hours in)."""
+    train_step = _steps_from(objective, objective)
+    [(seconds, graphs)] = warm_up(train_step, [inputs_of_shape(objective, largest, like, seed=0)], steps=1)
     objective.drafter.zero_grad(set_to_none=True)
-    report = BuildReport(mode, "dynamic", (BucketTiming(shape_of(example), seconds, 0.0, graphs),))
-    return BuiltStep(train_step, report)
+    return BuiltStep(train_step, BuildReport("off", "dynamic", (BucketTiming(largest, seconds, 0.0, graphs),)))
+
+
+def specialization_classes(shapes: tuple[BatchShape, ...]) -> tuple[BatchShape, ...]:
+    """The largest of `shapes` (given largest first) in each class Dynamo compiles apart
+    under dynamic shapes: a dimension of size 1 is specialized (rows of 1, one block)."""
+    classes: dict[tuple[bool, ...], BatchShape] = {}
+    for shape in shapes:
+        classes.setdefault((shape.rows == 1, shape.length == 1, shape.blocks == 1), shape)
+    return tuple(classes.values())
+
+
+def _build_compiled(objective: DraftObjective, data_shapes: tuple[BatchShape, ...], like: DrafterInputs) -> BuiltStep:
+    """compile: default, dynamic shapes, built for every shape of the data.
+
+    First a step at the largest shape of each specialization class compiles the graphs
+    (forward and backward). Then every other shape the data makes runs a forward under
+    Dynamo's fail_on_recompile stance: one that the graphs' guards refuse (a guard that
+    the classes did not foresee, such as one Inductor put on a size) gets a step of its
+    own, which compiles it now. So the drafter trains on shapes that are all compiled."""
+    forward = torch.compile(objective, dynamic=True)
+    train_step = _steps_from(forward, objective)
+    timings = []
+    for shape in specialization_classes(data_shapes):
+        [(seconds, graphs)] = warm_up(train_step, [inputs_of_shape(objective, shape, like, seed=0)], steps=1)
+        timings.append(BucketTiming(shape, seconds, 0.0, graphs))
+    warmed = {timing.shape for timing in timings}
+    checked = 0
+    for shape in data_shapes:
+        if shape in warmed:
+            continue
+        inputs = inputs_of_shape(objective, shape, like, seed=0)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                forward(inputs)  # the guards pass: this shape runs the compiled graphs
+            checked += 1
+        except RuntimeError as exc:
+            if not is_compile_refusal(exc):
+                raise
+            [(seconds, graphs)] = warm_up(train_step, [inputs], steps=1)
+            timings.append(BucketTiming(shape, seconds, 0.0, graphs))
+    objective.drafter.zero_grad(set_to_none=True)
+    return BuiltStep(train_step, BuildReport("default", "dynamic", tuple(timings), checked=checked))

@@ -31,6 +31,23 @@ def padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
+def blocks_per_row(most_anchors: int, num_anchors: int) -> int:
+    """Blocks every row of a micro-batch gets: the most anchors a row has, rounded up to 8
+    so few distinct shapes occur, never past drafter.num_anchors."""
+    return min(num_anchors, padded_length(most_anchors, 8))
+
+
+def rows_per_micro_batch(data: DataConfig, drafter: DrafterConfig, length: int) -> int:
+    """The most sequences a micro-batch of padded `length` holds: `data.token_budget` of
+    padded tokens, and, with `data.block_token_budget`, that many drafter block tokens at
+    the most blocks a row of that length can have (a row of n tokens has at most n - 2
+    anchors). At least one: a sequence of max_length always makes a micro-batch."""
+    rows = data.token_budget // length
+    if data.block_token_budget is not None:
+        rows = min(rows, data.block_token_budget // (drafter.block_size * blocks_per_row(length - 2, drafter.num_anchors)))
+    return max(1, rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class TinyTargetSpec:
     """A Qwen3-architecture target with random weights, built at run time (no download)."""
@@ -120,6 +137,11 @@ class DataConfig:
     synthetic: SyntheticDataSpec | None = None  # only with target.tiny
     max_length: int = 3072
     token_budget: int = 16384  # padded tokens per micro-batch (one drafter, one step)
+    # Drafter block tokens (rows x blocks x block_size) per micro-batch; null: token_budget
+    # alone bounds one. Every row brings up to num_anchors blocks whatever its length, so
+    # short rows packed to a token budget make the drafter's activations many times those
+    # of one long row: this bounds them (rows_per_micro_batch).
+    block_token_budget: int | None = None
     pad_multiple: int = 64  # sequence lengths are padded up to this, to bound the shapes compiled
 
     def __post_init__(self) -> None:
@@ -132,6 +154,8 @@ class DataConfig:
         if self.token_budget < self.max_length:
             raise ValueError(f"token_budget ({self.token_budget}) must hold one sequence "
                              f"of max_length ({self.max_length})")
+        if self.block_token_budget is not None and self.block_token_budget <= 0:
+            raise ValueError(f"block_token_budget must be positive, not {self.block_token_budget}")
 
     def padded_lengths(self) -> tuple[int, ...]:
         """Every sequence length a micro-batch can have: the multiples of pad_multiple up to
@@ -252,6 +276,7 @@ class CheckpointConfig:
 
 
 _FAULT_AT = re.compile(r"^(startup|step:(\d+))$")
+_DOTTED_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,8 +297,20 @@ class FaultSpec:
     code: int = 3  # exit: the exit status
     attempt: int | None = None  # fire only in this attempt of the run (0: the launch); None: in every one
     rank: int | None = None  # only in the process of this rank (a host of a multi-host run); None: every rank
+    # raise: an exception of this class ("module.Name", imported when the trainer starts)
+    # made with `message`, in place of the InjectedFault chain: a failure exactly as torch,
+    # NCCL or a library would raise it, type and text, for the paths that read them
+    exception: str | None = None
+    message: str | None = None  # with exception: its message (none: the class's default)
 
     def __post_init__(self) -> None:
+        if self.kind != "raise" and (self.exception is not None or self.message is not None):
+            raise ValueError(f"exception and message are for kind raise, not {self.kind}")
+        if self.exception is not None and not _DOTTED_NAME.match(self.exception):
+            raise ValueError(f"exception must name a class as module.Name (e.g. torch.OutOfMemoryError), "
+                             f"got {self.exception!r}")
+        if self.message is not None and self.exception is None:
+            raise ValueError("message is the message of `exception`: name the exception too")
         match = _FAULT_AT.match(self.at)
         if not match:
             raise ValueError(f"at must be 'startup' or 'step:N', got {self.at!r}")
@@ -481,9 +518,21 @@ class TrainConfig:
                              "use compile: off or default")
         if self.compile == "cudagraphs" and (problem := self.data.too_many_cudagraph_buckets()):
             raise ValueError(problem)
+        if self.compile == "off" and self.drafter.attention == "flex":
+            # Uncompiled, FlexAttention compiles a wrapper of its own for every new shape, in
+            # whichever drafter thread meets it first: a compile in a worker thread.
+            raise ValueError("drafter.attention: flex needs compile: default or cudagraphs (uncompiled, FlexAttention "
+                             "compiles a kernel wrapper per shape inside the drafter threads); use sdpa or auto")
         if self.compile_shapes is not None and self.compile != "cudagraphs":
             raise ValueError(f"compile_shapes applies to compile: cudagraphs (its shape buckets); compile: "
                              f"{self.compile} {'compiles nothing' if self.compile == 'off' else 'is always dynamic'}")
+        if self.data.block_token_budget is not None:
+            longest = padded_length(self.data.max_length, self.data.pad_multiple)
+            one_row = self.drafter.block_size * blocks_per_row(longest - 2, self.drafter.num_anchors)
+            if self.data.block_token_budget < one_row:
+                raise ValueError(f"data.block_token_budget ({self.data.block_token_budget}) must hold one sequence "
+                                 f"of max_length: {one_row} block tokens (drafter.num_anchors "
+                                 f"{self.drafter.num_anchors} blocks of drafter.block_size {self.drafter.block_size})")
         if self.data.synthetic is not None and self.target.tiny is None:
             raise ValueError("data.synthetic needs target.tiny (responses come from the tiny target)")
         if self.target.tiny is not None and self.drafter.target_layer_ids is not None and (

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+from . import memory_ledger
 from .compile_cache import CompileCache, compile_key_facts, is_warm, open_compile_cache, save_after_first_compile
-from .compile_policy import CompilePlan, build_train_step, configure_compiler, example_inputs, plan_compile
+from .compile_policy import (CompilePlan, build_train_step, configure_compiler, example_inputs, forbid_compiles,
+                             plan_compile)
 from .config import TrainConfig
 from .devices import is_cuda
 from .distributed import PeerFailed, Peers, join
@@ -125,6 +127,7 @@ class Coordinator(JobControl):
     def _start_replica(self, index: int) -> Replica:
         """Runs in the drafter's thread (or the main thread when sequential)."""
         assert self.prepared is not None and self.compile_plan is not None
+        before = memory_ledger.mark(self.prepared.run.drafter_devices[index])  # what the drafter holds, from here
         replica = self.prepared.make_replica(index)
         run = self.prepared.run
         example = example_inputs(replica.objective, self.config.data.pad_multiple,
@@ -135,6 +138,7 @@ class Coordinator(JobControl):
             built = build_train_step(self.compile_plan, replica.objective, example)
             replica.train_step = built
             replica.prepare_optimizer()  # under cudagraphs, captures the optimizer step too
+        memory_ledger.note_since(before, f"drafter-{index}")
         say(f"drafter {index}: {built.report.describe()}")
         if index == 0 and cache is not None:  # the first compile is done: what it made can serve the next run
             save_after_first_compile(cache)
@@ -178,8 +182,9 @@ class Coordinator(JobControl):
     def _configure_compiler(self) -> None:
         """Decide what every drafter compiles and set the compiler up for it, in the main
         thread, before any drafter starts (compiler settings are process-wide)."""
-        self.compile_plan = plan = plan_compile(self.config)
-        if plan.mode != "off" and self.prepared is not None:
+        assert self.prepared is not None
+        self.compile_plan = plan = plan_compile(self.config, self.prepared.shapes)
+        if plan.mode != "off":
             self.compile_cache = open_compile_cache(self.run_dir,
                                                     compile_key_facts(self.prepared.run.drafter_devices[0]))
         configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
@@ -201,6 +206,7 @@ class Coordinator(JobControl):
         for index in range(drafters):
             worker = self._start(f"drafter-{index}", drafter_body(run, schedule, channels, index, self._start_replica))
             worker.wait_until_ready(self.config.runtime.ready_timeout_s, poll=self.poll)
+        forbid_compiles()  # before any drafter trains: every shape of the data is built
         if self.peers is not None:
             self.peers.arrive(READY)
         for index in range(targets):
@@ -242,6 +248,7 @@ class Coordinator(JobControl):
             faults.fire(name)
         self._configure_compiler()
         replicas = [self._start_replica(index) for index in range(drafters)]
+        forbid_compiles()
         if self.peers is not None:
             self.peers.arrive(READY)
             self.peers.wait_for_all(READY, self.config.runtime.ready_timeout_s)

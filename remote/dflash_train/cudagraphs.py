@@ -46,8 +46,7 @@ from typing import Literal
 
 import torch
 
-from .config import DataConfig, DrafterConfig
-from .data import blocks_per_row
+from .config import DataConfig, DrafterConfig, blocks_per_row, rows_per_micro_batch
 from .objective import DraftObjective, DrafterInputs
 from .train_step import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
                          compile_for_shapes, inputs_of_shape, shape_of, warm_up)
@@ -94,16 +93,16 @@ def resolve_strategy(requested: Strategy, *, drafters_share_a_device: bool,
 def bucket_shapes(data: DataConfig, drafter: DrafterConfig) -> tuple[BatchShape, ...]:
     """The buckets that hold every micro-batch data.py can make from this config.
 
-    The packer pads lengths to multiples of `pad_multiple` (up to `max_length`) and keeps
-    rows x length within `token_budget`, with at most `num_anchors` blocks a row: one
-    bucket per possible length covers all of them exactly.
+    The packer pads lengths to multiples of `pad_multiple` (up to `max_length`) and puts
+    at most `rows_per_micro_batch` rows of that length in a micro-batch, with at most
+    `num_anchors` blocks a row: one bucket per possible length covers all of them exactly.
     """
     problem = data.too_many_cudagraph_buckets()
     if problem:  # a loaded TrainConfig never gets here; a DataConfig built in code may
         raise CudaGraphsUnavailable(problem)
     lengths = data.padded_lengths()
     # A row of n tokens has at most n - 2 anchors (a token before and after each).
-    return tuple(BatchShape(max(1, data.token_budget // n), n, blocks_per_row(n - 2, drafter.num_anchors))
+    return tuple(BatchShape(rows_per_micro_batch(data, drafter, n), n, blocks_per_row(n - 2, drafter.num_anchors))
                  for n in lengths)
 
 

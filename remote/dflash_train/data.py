@@ -32,9 +32,10 @@ import tokenizers
 import torch
 import transformers
 
-from .config import DataConfig, DrafterConfig, padded_length
+from .config import DataConfig, DrafterConfig, blocks_per_row, padded_length, rows_per_micro_batch
 from .objective import NO_TURN, anchor_candidates, anchor_seed, block_labels, position_weights, sample_anchors
 from .runlog import say
+from .train_step import BatchShape
 from .tokstore import StoreWriter, TokenStore, file_sha256, open_or_build, sha256_hex
 
 # jsonl bytes per tokenizing task: about a thousand conversations of the recipe's length,
@@ -78,6 +79,13 @@ def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool) 
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
+def _check_template(tokenizer, where: str) -> None:
+    """transformers' own error for a tokenizer without a chat template names no row."""
+    if tokenizer.chat_template is None:
+        raise ValueError(f"{where}: a 'messages' row needs the tokenizer's chat template, and "
+                         "tokenizer.chat_template is not set")
+
+
 def _answer_end(tokenizer, messages: list[dict[str, Any]], text: str, where: str) -> int:
     """Character offset in `text` (the rendered conversation) where the final assistant
     message's content ends: what the template appends from there on (its end-of-turn
@@ -108,6 +116,7 @@ def tokenize_chat(tokenizer, messages: list[dict[str, Any]], where: str,
     the generation prompt) to the end of the conversation including it -- or, for the
     final answer when `truncated`, to the end of its content; tokens are assigned to
     spans by their character offsets."""
+    _check_template(tokenizer, where)
     text = _render(tokenizer, messages, False)
     if truncated and (not messages or messages[-1].get("role") != "assistant"):
         raise ValueError(f"{where}: 'truncated' is true but the last message is not the assistant's")
@@ -298,6 +307,7 @@ def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
             messages = row["messages"]
             if messages and messages[-1].get("role") == "assistant":
                 messages = messages[:-1]
+            _check_template(tokenizer, f"{path}:{number}")
             text = _render(tokenizer, messages, True)
         elif "text" in row:
             text = row["text"]
@@ -307,10 +317,43 @@ def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
     return prompts
 
 
-def blocks_per_row(most_anchors: int, num_anchors: int) -> int:
-    """Blocks every row of a micro-batch gets: the most anchors a row has, rounded up to 8
-    so few distinct shapes occur, never past drafter.num_anchors."""
-    return min(num_anchors, padded_length(most_anchors, 8))
+# Tokens a pass of anchor_counts reads from the store at once: its masks stay small.
+_COUNT_CHUNK_TOKENS = 16 << 20
+
+
+def anchor_counts(samples: Sequence[Sample]) -> np.ndarray:
+    """(num samples,) int64: how many positions of each sample may anchor a block
+    (objective.anchor_candidates), before drafter.num_anchors caps them. From a store,
+    whole runs of samples at a time: the flat turn ids are read once, never sample by sample."""
+    if not isinstance(samples, StoredSamples):
+        return np.array([anchor_candidates(sample.turn_ids).numel() for sample in samples], dtype=np.int64)
+    offsets, turn_ids = samples.store.offsets, samples.store.arrays["turn_ids"]
+    counts = np.zeros(len(samples), dtype=np.int64)
+    first = 0
+    while first < len(samples):
+        last = max(first + 1, int(np.searchsorted(offsets, offsets[first] + _COUNT_CHUNK_TOKENS, side="right")) - 1)
+        last = min(last, len(samples))
+        start = int(offsets[first])
+        turns = np.asarray(turn_ids[start:int(offsets[last])])
+        # pairs[p]: token p may anchor (learnt, and the next token is of its turn); the first
+        # token of a sample and its last two never do (no context before, nothing after).
+        pairs = (turns[:-1] != NO_TURN) & (turns[:-1] == turns[1:])
+        running = np.concatenate([[0], np.cumsum(pairs, dtype=np.int64)])
+        lo, hi = offsets[first:last] - start + 1, offsets[first + 1:last + 1] - start - 1
+        counts[first:last] = np.where(hi > lo, running[np.maximum(hi, lo)] - running[lo], 0)
+        first = last
+    return counts
+
+
+def micro_batch_shapes(plan: BatchPlan, entries: Iterator[PlanEntry], counts: np.ndarray, data: DataConfig,
+                       drafter: DrafterConfig) -> tuple[BatchShape, ...]:
+    """Every distinct (rows, padded length, blocks) that `collate` makes of `entries`,
+    largest first: what a drafter's step must be ready for before it trains."""
+    shapes = {BatchShape(len(entry.samples), padded_length(max(plan.lengths[i] for i in entry.samples), data.pad_multiple),
+                         blocks_per_row(min(drafter.num_anchors, int(max(counts[i] for i in entry.samples))),
+                                        drafter.num_anchors))
+              for entry in entries}
+    return tuple(sorted(shapes, key=lambda shape: (shape.tokens, shape), reverse=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +373,7 @@ class BatchPlan:
     `replicas` micro-batches)."""
 
     def __init__(self, samples: Sequence[Sample], data: DataConfig, replicas: int, epochs: int,
-                 max_steps: int | None, seed: int, accumulate: int = 1):
+                 max_steps: int | None, seed: int, accumulate: int = 1, drafter: DrafterConfig = DrafterConfig()):
         self.replicas, self.accumulate = replicas, accumulate
         per_step = replicas * accumulate
         self.entries: list[PlanEntry] = []
@@ -339,7 +382,7 @@ class BatchPlan:
                                   else [len(sample.ids) for sample in samples])
         for epoch in range(epochs):
             order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-            batches = _pack(order.tolist(), lengths, data)
+            batches = _pack(order.tolist(), lengths, data, drafter)
             usable = len(batches) - len(batches) % per_step  # every step feeds every replica every micro-batch
             self.entries += [PlanEntry(epoch, i, batch) for i, batch in enumerate(batches[:usable])]
         self.total_steps = len(self.entries) // per_step
@@ -366,11 +409,11 @@ class BatchPlan:
         return self.entry(step, self.replicas - 1, self.accumulate - 1)
 
 
-def _pack(order: list[int], lengths: list[int], data: DataConfig) -> list[tuple[int, ...]]:
+def _pack(order: list[int], lengths: list[int], data: DataConfig, drafter: DrafterConfig) -> list[tuple[int, ...]]:
     batches, current, widest = [], [], 0
     for index in order:
         width = padded_length(lengths[index], data.pad_multiple)
-        if current and (len(current) + 1) * max(widest, width) > data.token_budget:
+        if current and len(current) + 1 > rows_per_micro_batch(data, drafter, max(widest, width)):
             batches.append(tuple(current))
             current, widest = [], 0
         current.append(index)

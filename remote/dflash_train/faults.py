@@ -9,11 +9,15 @@ logical thread name, so the sequential pipeline (one thread doing every part) ta
 same faults. A fault with `attempt: N` fires only in attempt N of the run (DFLASH_ATTEMPT),
 so a test can fail the launch and let its restart or resume succeed; one with `rank: N`
 only in the process of that rank (a host of a multi-host run). Without them, everywhere.
+A `raise` with `exception: module.Name` raises that class with `message` instead of the
+InjectedFault chain: the type and text a real failure has (torch.OutOfMemoryError, say).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import threading
+from typing import Callable
 
 from .config import FaultSpec
 from .runlog import attempt_number, say
@@ -32,6 +36,9 @@ class FaultInjector:
         attempt = attempt_number() if attempt is None else attempt
         self._faults = tuple(f for f in faults if (f.attempt is None or f.attempt == attempt)
                              and (f.rank is None or f.rank == rank))
+        for fault in self._faults:  # a name that imports nothing fails the start, not the step it names
+            if fault.exception is not None:
+                exception_class(fault.exception)
 
     def fire(self, thread: str, step: int | None = None) -> None:
         for fault in self._matching(thread, step, poison=False):
@@ -55,25 +62,40 @@ class FaultInjector:
         return where
 
 
-def _raise(fault: FaultSpec, where: str) -> None:
+def exception_class(name: str) -> type[BaseException]:
+    """The exception class a fault's `exception` names ("module.Name")."""
+    module, _, attribute = name.rpartition(".")
     try:
-        _descend_even(fault.depth, where)
+        found = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"faults: exception {name!r} cannot be found ({type(exc).__name__}: {exc})") from exc
+    if not (isinstance(found, type) and issubclass(found, BaseException)):
+        raise ValueError(f"faults: exception {name!r} is not an exception class")
+    return found
+
+
+def _raise(fault: FaultSpec, where: str) -> None:
+    if fault.exception is not None:  # as torch or a library raises it: alone, no wrapper
+        named = exception_class(fault.exception)
+        _descend_even(fault.depth, lambda: named() if fault.message is None else named(fault.message))
+    try:
+        _descend_even(fault.depth, lambda: InjectedRootCause(f"injected root cause in {where}"))
     except InjectedRootCause as exc:
         raise InjectedFault(f"injected fault in {where} (the cause is {fault.depth} frames deep)") from exc
 
 
 # Two functions calling each other: a traceback collapses runs of identical frames
 # ("[Previous line repeated N more times]"), and alternating frames keep all `depth` visible.
-def _descend_even(remaining: int, where: str) -> None:
+def _descend_even(remaining: int, make: Callable[[], BaseException]) -> None:
     if remaining <= 1:
-        raise InjectedRootCause(f"injected root cause in {where}")
-    _descend_odd(remaining - 1, where)
+        raise make()
+    _descend_odd(remaining - 1, make)
 
 
-def _descend_odd(remaining: int, where: str) -> None:
+def _descend_odd(remaining: int, make: Callable[[], BaseException]) -> None:
     if remaining <= 1:
-        raise InjectedRootCause(f"injected root cause in {where}")
-    _descend_even(remaining - 1, where)
+        raise make()
+    _descend_even(remaining - 1, make)
 
 
 def _hang(fault: FaultSpec, where: str) -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .head_loss import chunk_rows, head_cross_entropy
 from .model import DFlashDrafter
 
 NO_TURN = -1  # the turn id of a token no assistant turn learns
@@ -129,15 +130,30 @@ class DraftObjective(nn.Module):
     tensors shared with the target (not parameters of this module)."""
 
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 use_flex: bool):
+                 use_flex: bool, loss_chunk_rows: int | None = None):
         super().__init__()
         self.drafter = drafter
         self.embed_weight = embed_weight  # (V, H)
         self.lm_head_weight = lm_head_weight  # (V, H)
         self.use_flex = use_flex
+        # Block positions whose logits are computed at once (head_loss.LOSS_CHUNK_BYTES).
+        self.loss_chunk_rows = loss_chunk_rows or chunk_rows(lm_head_weight.shape[0])
 
     def forward(self, inputs: DrafterInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> loss (), correct (bs-1,), counted (bs-1,): weighted CE and per-position hits."""
+        hidden = self.block_hidden(inputs)  # (B, N, bs-1, H)
+        # The logits (B, N, bs-1, V) never exist whole: head_loss.py, chunk by chunk.
+        token_loss, hit, _ = head_cross_entropy(hidden.flatten(0, 2), self.lm_head_weight, inputs.labels.flatten(),
+                                                self.loss_chunk_rows)
+        weights = inputs.weights.flatten()
+        loss = (token_loss * weights).sum() / weights.sum().clamp_min(1e-6)
+        with torch.no_grad():
+            counted = inputs.weights > 0
+            correct = (hit.view_as(counted) & counted).sum(dim=(0, 1))
+        return loss, correct, counted.sum(dim=(0, 1))
+
+    def block_hidden(self, inputs: DrafterInputs) -> torch.Tensor:
+        """The drafter's last hidden states at every block position k >= 1: (B, N, bs-1, H)."""
         block_size = self.drafter.block_size
         batch, seq_len = inputs.input_ids.shape
         num_blocks = inputs.anchors.shape[1]
@@ -154,17 +170,7 @@ class DraftObjective(nn.Module):
         # fp32 master weights; bf16 compute on CUDA, plain fp32 on CPU.
         with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
             hidden = self.drafter(block_embeds, inputs.features, context_positions, block_positions, mask)
-            hidden = hidden.view(batch, num_blocks, block_size, -1)[:, :, 1:]  # the anchor predicts nothing
-            # Cast the activations, never the (V, H) head: it may be the size of a layer or more.
-            logits = F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight)
-        logits = logits.float()  # (B, N, bs-1, V)
-        token_loss = F.cross_entropy(logits.flatten(0, 2), inputs.labels.flatten(), reduction="none")
-        weights = inputs.weights.flatten()
-        loss = (token_loss * weights).sum() / weights.sum().clamp_min(1e-6)
-        with torch.no_grad():
-            counted = inputs.weights > 0
-            correct = ((logits.argmax(-1) == inputs.labels) & counted).sum(dim=(0, 1))
-        return loss, correct, counted.sum(dim=(0, 1))
+        return hidden.view(batch, num_blocks, block_size, -1)[:, :, 1:]  # the anchor predicts nothing
 
 
 def warmup_cosine(total_steps: int, warmup_ratio: float):

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import memory_ledger
 from .config import TrainConfig
 from .data import BatchPlan, HostBatch, Sample, collate
 from .devices import Fence, handoff, is_cuda, thread_stream
@@ -154,7 +155,8 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
             replica = start_replica(index)
             worker.mark_ready()
             run.events.emit("ready", replica=replica.index, device=replica.device, compile=run.config.compile,
-                            rank=run.layout.rank, world_size=run.layout.world_size)
+                            rank=run.layout.rank, world_size=run.layout.world_size,
+                            memory=memory_ledger.snapshot(worker.name))
             run.latch.progressed()
             worker.phase = "train"
             lead = replica.index == 0

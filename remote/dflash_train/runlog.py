@@ -22,6 +22,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from . import memory_ledger
+
 _WRITE_LOCK = threading.Lock()  # one lock for stdout and stderr: both usually land in train.log
 
 
@@ -160,7 +162,8 @@ def attempt_number() -> int:
 def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
                  phase: str, step: int | None) -> dict[str, Any]:
     """DESIGN.md's errors.jsonl record for `exc`; `detail` when the root cause carries one
-    (a dict of facts beyond the message, e.g. the values of a non-finite step)."""
+    (a dict of facts beyond the message, e.g. the values of a non-finite step); `memory`
+    for a CUDA out-of-memory error (who held what, memory_ledger)."""
     cause = root_cause(exc)
     frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": f.line or ""}
               for f in traceback.extract_tb(cause.__traceback__)]
@@ -181,6 +184,9 @@ def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
     }
     if isinstance(detail, dict):
         record["detail"] = detail
+    memory = memory_ledger.after_oom(exc)
+    if memory is not None:
+        record["memory"] = memory
     return record
 
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import memory_ledger
 from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume
 from .config import TrainConfig, resolve_path
-from .data import BatchPlan, load_prompts, load_samples
+from .data import BatchPlan, PlanEntry, anchor_counts, load_prompts, load_samples, micro_batch_shapes
 from .devices import canonical
 from .distributed import Layout, Peers
 from .faults import FaultInjector
@@ -30,6 +32,7 @@ from .startup_phases import phase
 from .target import FeatureTap, load_target
 from .threads import StopLatch, StoppableQueue
 from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
+from .train_step import BatchShape
 
 
 @dataclasses.dataclass
@@ -40,6 +43,7 @@ class Prepared:
     resumed: LoadedCheckpoint | None
     frozen: FrozenTargetWeights
     evaluator: Evaluator | None  # None without eval prompts, and on ranks other than 0
+    shapes: tuple[BatchShape, ...]  # every micro-batch shape this process's drafters train on, largest first
 
     def output_schedule(self, queues: list[StoppableQueue]) -> OutputSchedule:
         """`queues`: the pipeline's, reported in step events (none in a sequential run)."""
@@ -155,7 +159,7 @@ def _build_data(config: TrainConfig, run_dir: Path, events: EventLog, layout: La
     # Rank 0 alone evaluates (the replicas are identical).
     prompts = load_prompts(eval_path, tokenizer, config.eval.num_prompts) if eval_path and layout.rank == 0 else []
     plan = BatchPlan(samples, config.data, layout.global_replicas, config.optim.epochs, config.optim.max_steps,
-                     config.seed, config.optim.accumulate)
+                     config.seed, config.optim.accumulate, config.drafter)
     return tokenizer, samples, prompts, plan
 
 
@@ -181,9 +185,12 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
     # One target per distinct device, shared by that device's target threads (a tap's capture
     # is thread-local). Each is loaded where it lives: a copy of another would first double
     # the memory on that one's GPU.
-    with phase("load target", devices=list(dict.fromkeys(target_devices))):
-        targets = {device: load_target(target_source, config.target.dtype, device)
-                   for device in dict.fromkeys(target_devices)}
+    with phase("load target", devices=list(dict.fromkeys(target_devices))) as target_detail:
+        targets, target_detail["memory"] = {}, []
+        for device in dict.fromkeys(target_devices):
+            before = memory_ledger.mark(device)
+            targets[device] = load_target(target_source, config.target.dtype, device)
+            target_detail["memory"] += memory_ledger.note_since(before, "target")
     target_config = targets[target_devices[0]].config
     mask_id = _mask_token_id(tokenizer, config.drafter.mask_token, target_config.vocab_size)
     layer_ids = config.drafter.target_layer_ids or default_target_layer_ids(
@@ -211,6 +218,10 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
         weights = fresh.state_dict()
 
     start_step = resumed.state.step if resumed else 0
+    with phase("plan shapes") as shape_detail:
+        shapes = micro_batch_shapes(plan, _entries_of(plan, layout, start_step), anchor_counts(samples),
+                                    config.data, config.drafter)
+        shape_detail.update(shapes=len(shapes))
     run = Run(config=config, run_dir=run_dir, events=events, latch=latch, faults=faults, samples=samples,
               plan=plan, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
               taps=taps, target_devices=target_devices, drafter_devices=drafter_devices, start_step=start_step,
@@ -224,4 +235,14 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
     say(f"target layers {list(layer_ids)} -> drafter ({config.drafter.num_layers} layers, block "
         f"{config.drafter.block_size}, mask token id {mask_id}); compile {config.compile}; "
         f"attention {'flex' if config.uses_flex else 'sdpa'}")
-    return Prepared(run, hf_config, weights, resumed, frozen, evaluator)
+    if shapes:
+        say(f"{len(shapes)} micro-batch shape(s) to train on, the largest {shapes[0]}")
+    return Prepared(run, hf_config, weights, resumed, frozen, evaluator, shapes)
+
+
+def _entries_of(plan: BatchPlan, layout: Layout, start_step: int) -> Iterator[PlanEntry]:
+    """The micro-batches this process's drafters train on from `start_step` on."""
+    for step in range(start_step + 1, plan.total_steps + 1):
+        for micro in range(plan.accumulate):
+            for replica in range(layout.local_replicas):
+                yield plan.entry(step, layout.global_index(replica), micro)

@@ -9,6 +9,7 @@ from here, and nothing here imports either of them.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -84,7 +85,8 @@ class BuildReport:
 
     mode: str  # off | default | whole_step | upstream
     shapes: CompileShapes
-    buckets: tuple[BucketTiming, ...]
+    buckets: tuple[BucketTiming, ...]  # the shapes a step was run at to build it
+    checked: int = 0  # compile: default: other shapes of the data found to run the compiled graphs
 
     @property
     def graphs_compiled(self) -> int:
@@ -99,8 +101,34 @@ class BuildReport:
                                + (f" + capture {b.capture_s:.1f} s" if b.capture_s else "")
                                + (f" ({b.graphs_compiled} graph(s) compiled)" if b.graphs_compiled else "")
                                for b in self.buckets)
+        checked = f"; {self.checked} other shape(s) of the data run them" if self.checked else ""
         return (f"train step built ({self.mode}, {self.shapes} shapes) in {self.seconds:.1f} s, "
-                f"{self.graphs_compiled} graph(s) compiled for {len(self.buckets)} shape(s): {per_bucket}")
+                f"{self.graphs_compiled} graph(s) compiled for {len(self.buckets)} shape(s): {per_bucket}{checked}")
+
+
+class StrayCompile(RuntimeError):
+    """A drafter's step would have compiled after the drafter said ready (the stance that
+    compile_policy.forbid_compiles sets refused it): a shape its build did not cover."""
+
+
+# How Dynamo's fail_on_recompile stance words its refusal, and the guards that failed.
+_REFUSAL = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+_GUARDS = "triggered by the following guard failure(s):"
+
+
+def is_compile_refusal(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc).startswith(_REFUSAL)
+
+
+def stray_compile(exc: BaseException, inputs: DrafterInputs) -> StrayCompile:
+    """StrayCompile naming the thread, the micro-batch's shape and the failed guards."""
+    text = str(exc)
+    guards = text.split(_GUARDS, 1)[1] if _GUARDS in text else text[len(_REFUSAL):]
+    guard = "; ".join(line.strip().removeprefix("- ") for line in guards.strip(" .\n").splitlines() if line.strip())
+    rows, length = inputs.input_ids.shape
+    return StrayCompile(f"{threading.current_thread().name}: torch.compile would compile again after ready, for a "
+                        f"micro-batch of {rows} x {length} tokens with {inputs.anchors.shape[1]} blocks (guard: "
+                        f"{guard}); every shape the data makes must be compiled at start-up")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +139,12 @@ class BuiltStep:
     report: BuildReport
 
     def __call__(self, inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats:
-        return self.step(inputs, first, last)
+        try:
+            return self.step(inputs, first, last)
+        except RuntimeError as exc:
+            if is_compile_refusal(exc):
+                raise stray_compile(exc, inputs) from exc
+            raise
 
 
 def graphs_compiled() -> int:

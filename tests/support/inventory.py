@@ -37,22 +37,27 @@ def workspace_on_node(pve: FakePve, tmp_path: Path) -> Path:
     return pve.on_node(200, container_workspace(pve, tmp_path))
 
 
+def _remote(node: SshNode) -> dict[str, Any]:
+    return {"ssh": node.target, "identity_file": str(node.identity_file), "known_hosts": str(node.known_hosts),
+            "python": sys.executable, "connect_timeout": 5.0, "env": dict(HOST_ENV)}
+
+
+def container_host(tmp_path: Path, node: SshNode, pve: FakePve, vmid: int) -> dict[str, Any]:
+    """The inventory entry of container `vmid` of the fake node, as ct200's, for the test
+    owning `tmp_path` (an override adding a host: `make_inventory(tmp_path, name=entry)`)."""
+    return {"transport": "pct", **_remote(node), "container": vmid, "pct": str(pve.pct),
+            "workspace": str(container_workspace(pve, tmp_path))}
+
+
 def default_hosts(tmp_path: Path, node: SshNode, pve: FakePve) -> dict[str, dict[str, Any]]:
-    remote = {"ssh": node.target, "identity_file": str(node.identity_file),
-              "known_hosts": str(node.known_hosts), "python": sys.executable,
-              "connect_timeout": 5.0, "env": dict(HOST_ENV)}
-    ct_workspace = str(container_workspace(pve, tmp_path))
-
-    def container(vmid: int) -> dict[str, Any]:
-        return {"transport": "pct", **remote, "container": vmid, "pct": str(pve.pct), "workspace": ct_workspace}
-
+    remote = _remote(node)
     return {
         "local": {"transport": "local", "workspace": str(tmp_path / "local ws"), "python": sys.executable,
                   "env": dict(HOST_ENV)},
         "node": {"transport": "ssh", **remote, "workspace": str(tmp_path / "node ws")},
-        "ct200": container(200),
-        "ct201": container(201),
-        "ct999": container(UNKNOWN_CONTAINER),
+        "ct200": container_host(tmp_path, node, pve, 200),
+        "ct201": container_host(tmp_path, node, pve, 201),
+        "ct999": container_host(tmp_path, node, pve, UNKNOWN_CONTAINER),
         "down": {"transport": "ssh", **remote, "ssh": f"root@{node.address}:{free_port()}",
                  "connect_timeout": 1.0, "workspace": "/nonexistent/dflash"},
     }

@@ -17,6 +17,10 @@ UNKNOWN_CONTAINER = 999
 #: added by FakePve.add_bare_container: a running container whose `python3` is a bare
 #: interpreter (a fresh container's system Python, without torch or transformers)
 BARE_CONTAINER = 203
+#: added by FakePve.add_gpu_container: a running container whose PATH has a fake
+#: nvidia-smi (support/fake_nvidia_smi): a GPU host, as far as the agent can tell
+GPU_CONTAINER = 204
+FAKE_NVIDIA_SMI = Path(__file__).with_name("fake_nvidia_smi")
 
 
 class NeedsRoot(RuntimeError):
@@ -44,6 +48,16 @@ class FakePve:
         _write_conf(self.root, BARE_CONTAINER, "running", self.mount_point,
                     f"path: {bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n")
         return BARE_CONTAINER
+
+    def add_gpu_container(self, bin_dir: Path) -> int:
+        """Container GPU_CONTAINER, running, with the fake nvidia-smi put in `bin_dir`,
+        first on its PATH."""
+        fake = bin_dir / "nvidia-smi"
+        fake.write_text(FAKE_NVIDIA_SMI.read_text())
+        fake.chmod(0o755)
+        _write_conf(self.root, GPU_CONTAINER, "running", self.mount_point,
+                    f"path: {bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n")
+        return GPU_CONTAINER
 
     def node_leaks(self) -> list[str]:
         """What the node's side of mount_point holds: empty unless something wrote a file

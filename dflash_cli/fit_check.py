@@ -1,0 +1,183 @@
+"""`dflash launch`'s fit check: the GPU memory a training config needs on every device of
+a host (dflash_train.memory_plan) against that host's GPUs, before anything is deployed
+or started (DESIGN.md "The fit check").
+
+The host's facts come in one round trip: the agent's gpus.py, sent with `python -c` (it
+imports nothing of its package, so it runs on a fresh host and whatever release is
+current there), answers nvidia-smi's GPUs and the target's config.json (an absolute
+folder, or a hub id in the host's HF cache). A relative target.path is the release's,
+which is this tree's: its config.json is read here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dflash_agent import gpus
+from dflash_train.memory_plan import GIB, DevicePlan, MemoryPlan, TargetShape, estimate, usable_bytes
+from rich.table import Table
+
+from . import console
+from .agent_client import check_interpreter, parse_reply, python_argv
+from .errors import DflashError, ExitCode
+from .inventory import Host
+from .session import Session
+
+if TYPE_CHECKING:
+    from dflash_train.config import TrainConfig
+
+PROBE = Path(gpus.__file__).read_text()
+PROBE_TIMEOUT_S = gpus.NVIDIA_SMI_TIMEOUT_S + 45
+
+
+def unchecked(config: TrainConfig) -> str | None:
+    """Why a config needs no fit check, or None when it does."""
+    if config.job != "train":
+        return f"job: {config.job}: no GPU memory estimate (the fit check plans training runs)"
+    if config.devices.cpu_only:
+        return "the config runs on the CPU only: no GPU memory check"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class HostFit:
+    """One host's part of a run against its GPUs."""
+
+    host: str
+    plan: MemoryPlan | None  # None: not checked, `note` says why
+    gpus: dict[int, dict]  # nvidia-smi's rows by index
+    note: str | None = None
+
+    def problems(self) -> list[str]:
+        """A sentence for every device the plan puts where the host cannot hold it."""
+        if self.plan is None:
+            return []
+        return [problem for device in self.plan.devices if (problem := self._problem(device))]
+
+    def _problem(self, device: DevicePlan) -> str | None:
+        gpu = self.gpus.get(device.index)
+        if gpu is None:
+            has = (f"{len(self.gpus)} GPU(s): {', '.join(f'cuda:{i}' for i in sorted(self.gpus))}" if self.gpus
+                   else "no GPU (nvidia-smi lists none)")
+            return f"{self.host}: {device.device} ({', '.join(device.roles)}) is not there: the host has {has}"
+        usable = usable_bytes(gpu["memory_total_mib"])
+        if device.total <= usable:
+            return None
+        largest = ", ".join(f"{term.name}{_times(term.count)} {_gib(term.bytes)}" for term in device.largest(3))
+        drafters = sum(role.startswith("drafter-") for role in device.roles)
+        knob = next((term.knob for term in device.largest() if term.knob), "")
+        fewer = f"put fewer drafters on {device.device} (devices.drafters: {drafters} there)" if drafters > 1 else ""
+        change = "; or ".join(part for part in (f"change {knob}" if knob else "", fewer) if part)
+        return (f"{self.host}: {device.device} ({', '.join(device.roles)}) needs an estimated {_gib(device.total)}, "
+                f"more than the {_gib(usable)} usable of its {gpu['name']} ({gpu['memory_total_mib']:.0f} MiB); "
+                f"largest terms: {largest}" + (f"; {change}" if change else ""))
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.1f} GiB"
+
+
+def _times(count: int) -> str:
+    return f" x{count}" if count > 1 else ""
+
+
+def probe(session: Session, host: Host, model: str | None) -> dict:
+    """The host's GPUs and, for `model`, the target's config.json (gpus.fit_facts)."""
+    args = ["--fit-facts", *([f"--model={model}"] if model is not None else []),
+            *(f"--env={key}={value}" for key, value in host.env.items())]
+    done = session.transport(host).run(python_argv(host, PROBE, host.workspace, *args), timeout=PROBE_TIMEOUT_S)
+    check_interpreter(host, done)
+    facts = parse_reply(done.stdout)
+    if done.exit_code != 0 or facts is None:
+        raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}) reading its GPUs: "
+                          f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
+    return facts
+
+
+def assess(session: Session, host: Host, config: TrainConfig, tree_root: Path, world_size: int = 1,
+           rank: int = 0) -> HostFit:
+    """`host`'s part of the run (rank `rank` of `world_size`) planned against its GPUs."""
+    local = _local_target(config, tree_root)
+    remote_model = None if config.target.tiny is not None or local is not None else config.target.path
+    facts = probe(session, host, remote_model)
+    found = {gpu["index"]: gpu for gpu in facts["gpus"]}
+    if facts.get("problem"):
+        return HostFit(host.name, None, found, f"not checked: {facts['problem']}")
+    if any(gpu["memory_total_mib"] is None for gpu in found.values()):
+        return HostFit(host.name, None, found, "not checked: nvidia-smi does not report memory.total")
+    if config.target.tiny is not None:
+        target = TargetShape.from_tiny(config.target.tiny)
+    else:
+        fields, where = local or (facts["target"], facts.get("target_source") or facts.get("target_problem"))
+        if fields is None:
+            return HostFit(host.name, None, found, f"not checked: target.path: {where}")
+        try:
+            target = TargetShape.from_config_json(fields)
+        except ValueError as exc:
+            return HostFit(host.name, None, found, f"not checked: {where}: {exc}")
+    return HostFit(host.name, estimate(config, target, world_size=world_size, rank=rank), found)
+
+
+def _local_target(config: TrainConfig, tree_root: Path) -> tuple[dict, str] | None:
+    """(config.json's fields, its path) of a relative target.path that is a folder of the
+    tree being deployed (the trainer resolves relative paths from the release root)."""
+    path = config.target.path
+    if path is None or path.startswith(("/", "~")):
+        return None
+    config_json = tree_root / path / "config.json"
+    if not config_json.is_file():
+        return None  # a hub id: the host's HF cache has it
+    try:
+        return json.loads(config_json.read_text()), str(config_json)
+    except (OSError, ValueError) as exc:
+        raise DflashError(f"target.path: cannot read {config_json}: {exc}", ExitCode.USAGE) from exc
+
+
+def report(fits: list[HostFit]) -> None:
+    """A line per host that fits: every device's estimate against what it may use; a
+    warning per host not checked, saying why."""
+    for fit in fits:
+        if fit.plan is None:
+            console.warn(f"{fit.host}: GPU memory {fit.note}")
+            continue
+        console.say(f"{fit.host}: GPU memory fits (estimated peak of usable): " + ", ".join(
+            f"{device.device} {_gib(device.total)} of {_gib(usable_bytes(fit.gpus[device.index]['memory_total_mib']))}"
+            for device in fit.plan.devices))
+
+
+def refuse_unless_fits(fits: list[HostFit], consequence: str, hint: str | None = None) -> None:
+    """DflashError (exit 2) naming every device that cannot hold its part."""
+    problems = [problem for fit in fits for problem in fit.problems()]
+    if problems:
+        raise DflashError("; ".join(problems) + f" ({consequence})", ExitCode.USAGE, hint=hint)
+
+
+def show(fits: list[HostFit]) -> None:
+    """A table per device (its terms, the total against the GPU) on stderr."""
+    for fit in fits:
+        if fit.plan is None:
+            console.say(f"{fit.host}: GPU memory {fit.note}")
+            continue
+        console.say(f"{fit.host}: drafter {fit.plan.drafter_parameters:,} parameters, target "
+                    f"{fit.plan.target_parameters:,}; largest micro-batch {fit.plan.worst}")
+        for device in fit.plan.devices:
+            gpu = fit.gpus.get(device.index)
+            table = Table(title=f"{fit.host} {device.device}: {', '.join(device.roles)}", title_justify="left")
+            table.add_column("term")
+            table.add_column("x", justify="right")
+            table.add_column("GiB", justify="right")
+            table.add_column("what changes it")
+            rows = device.terms + device.overhead
+            for i, term in enumerate(rows, 1):
+                table.add_row(term.name, str(term.count), f"{term.bytes / GIB:.2f}", term.knob,
+                              end_section=i == len(rows))
+            if gpu is None:
+                verdict = "no such GPU on the host"
+            else:
+                usable = usable_bytes(gpu["memory_total_mib"])
+                verdict = (f"{'fits' if device.total <= usable else 'DOES NOT FIT'}: {_gib(usable)} usable of "
+                           f"{gpu['name']} ({gpu['memory_total_mib']:.0f} MiB)")
+            table.add_row("total", "", f"{device.total / GIB:.2f}", verdict)
+            console.human.print(table)

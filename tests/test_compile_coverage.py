@@ -1,0 +1,130 @@
+"""Nothing compiles once a drafter is ready: the shapes a run's data makes (read from the
+batch plan and the token store, not from an example), the bound on drafter block tokens
+that keeps short rows from multiplying a micro-batch's size, the build of `compile:
+default` over every one of those shapes, and the refusal (StrayCompile, naming the shape
+and the guard) of a step that would compile afterwards. On CPU, real torch.compile."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from dflash_schema import SchemaError
+from dflash_train import cudagraphs
+from dflash_train.compile_policy import CompilePlan, build_train_step, example_inputs, specialization_classes
+from dflash_train.config import (DataConfig, DrafterConfig, TinyTargetSpec, load_train_config, padded_length,
+                                 rows_per_micro_batch)
+from dflash_train.data import BatchPlan, Sample, StoredSamples, anchor_counts, collate, load_samples, micro_batch_shapes
+from dflash_train.objective import NO_TURN, anchor_candidates
+from dflash_train.tiny import _build_tokenizer
+from dflash_train.train_step import BatchShape, StrayCompile, graphs_compiled, inputs_of_shape, shape_of
+
+from test_head_loss import objective
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def random_samples(count: int, seed: int) -> list[Sample]:
+    """Samples of 3 to 90 tokens, each a prompt (no turn) then one or two assistant turns."""
+    generator = random.Random(seed)
+    samples = []
+    for _ in range(count):
+        prompt, answers = generator.randrange(1, 20), [generator.randrange(2, 40) for _ in range(generator.randrange(1, 3))]
+        turns = [NO_TURN] * prompt + [t for i, n in enumerate(answers) for t in [i] * n]
+        samples.append(Sample(torch.randint(0, 50, (len(turns),), dtype=torch.int32),
+                              torch.tensor(turns, dtype=torch.int32)))
+    return samples
+
+
+def test_anchor_counts_from_a_store_are_those_of_each_sample(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    generator = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(40):
+            messages = [{"role": "user", "content": " ".join(f"w{generator.randrange(200)}" for _ in range(generator.randrange(1, 30)))},
+                        {"role": "assistant", "content": " ".join(f"w{generator.randrange(200)}" for _ in range(generator.randrange(1, 30)))}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    tokenizer = _build_tokenizer(TinyTargetSpec())
+    stored = load_samples(path, tokenizer, 48, tmp_path / "cache", workers=1)
+    assert isinstance(stored, StoredSamples)
+    one_by_one = [anchor_candidates(stored[i].turn_ids).numel() for i in range(len(stored))]
+    assert anchor_counts(stored).tolist() == one_by_one
+    assert len(set(one_by_one)) > 5  # the lengths vary: a constant count could hide an offset error
+
+
+def test_the_shapes_of_a_plan_are_the_shapes_collate_makes():
+    samples = random_samples(200, seed=1)
+    data = DataConfig(synthetic={}, max_length=96, token_budget=96, pad_multiple=16)  # rows of 1 to 6
+    drafter = DrafterConfig(num_layers=1, block_size=4, num_anchors=24)
+    plan = BatchPlan(samples, data, replicas=2, epochs=2, max_steps=None, seed=0, drafter=drafter)
+    shapes = micro_batch_shapes(plan, iter(plan.entries), anchor_counts(samples), data, drafter)
+    collated = {BatchShape(b.input_ids.shape[0], b.input_ids.shape[1], b.anchors.shape[1])
+                for b in (collate(samples, entry, 1, 0, data, drafter, 0, 0) for entry in plan.entries)}
+    assert set(shapes) == collated
+    assert list(shapes) == sorted(shapes, key=lambda s: (s.tokens, s), reverse=True)
+    assert {s.rows for s in shapes} >= {1, 2, 3}  # mixed row counts
+    assert len({s.blocks for s in shapes}) > 1
+
+
+def test_a_block_token_budget_bounds_the_rows_of_short_sequences_and_the_buckets_follow():
+    drafter = DrafterConfig(num_layers=1, block_size=16, num_anchors=512)
+    data = DataConfig(synthetic={}, max_length=3072, token_budget=12288, pad_multiple=768, block_token_budget=32768)
+    # a row of 768 tokens may bring 512 blocks of 16: 8192 block tokens, so 4 rows, not 16
+    assert [rows_per_micro_batch(data, drafter, n) for n in (768, 1536, 2304, 3072)] == [4, 4, 4, 4]
+    unbounded = DataConfig(synthetic={}, max_length=3072, token_budget=12288, pad_multiple=768)
+    assert [rows_per_micro_batch(unbounded, drafter, n) for n in (768, 1536, 2304, 3072)] == [16, 8, 5, 4]
+    assert [b.rows for b in cudagraphs.bucket_shapes(data, drafter)] == [4, 4, 4, 4]
+    # the packer keeps to it: every micro-batch fits its length's rows
+    samples = random_samples(300, seed=2)
+    small = DataConfig(synthetic={}, max_length=96, token_budget=96, pad_multiple=16, block_token_budget=64)
+    tiny_drafter = DrafterConfig(num_layers=1, block_size=4, num_anchors=8)
+    plan = BatchPlan(samples, small, replicas=1, epochs=1, max_steps=None, seed=0, drafter=tiny_drafter)
+    for entry in plan.entries:
+        length = padded_length(max(len(samples[i].ids) for i in entry.samples), 16)
+        assert len(entry.samples) <= rows_per_micro_batch(small, tiny_drafter, length)
+    assert max(len(e.samples) for e in plan.entries) == 2  # 64 block tokens: two rows of 8 blocks of 4
+
+
+@pytest.mark.parametrize("sections, refusal", [
+    ("data: {synthetic: {}, max_length: 128, token_budget: 512, block_token_budget: 64}\n"
+     "drafter: {block_size: 8, num_anchors: 32}\n",
+     "block_token_budget .64. must hold one sequence of max_length: 256"),  # 32 blocks of 8
+    ("data: {synthetic: {}, max_length: 128, token_budget: 512}\ndrafter: {attention: flex}\ncompile: off\n",
+     "attention: flex needs compile: default or cudagraphs")])  # uncompiled flex compiles in the threads
+def test_configs_that_cannot_hold_a_row_or_would_compile_in_threads_are_refused(tmp_path, sections, refusal):
+    path = tmp_path / "train.yaml"
+    path.write_text("target: {tiny: {}}\n" + sections)
+    with pytest.raises(SchemaError, match=refusal):
+        load_train_config(path)
+
+
+def test_specialization_classes_keep_the_largest_shape_of_each():
+    shapes = (BatchShape(4, 32, 8), BatchShape(1, 128, 16), BatchShape(2, 48, 8), BatchShape(1, 64, 8))
+    assert specialization_classes(shapes) == (BatchShape(4, 32, 8), BatchShape(1, 128, 16))
+
+
+@pytest.mark.slow(seconds=60, why="torch.compile of a tiny drafter on CPU, twice (rows of 2, rows of 1)")
+def test_compile_default_is_built_for_every_data_shape_and_a_shape_it_was_not_built_for_is_refused():
+    drafter_objective = objective(None)
+    example = example_inputs(drafter_objective, 16, drafter_objective.drafter.fc.in_features, "cpu")
+    data_shapes = (BatchShape(3, 40, 8), BatchShape(2, 32, 8), BatchShape(1, 40, 8), BatchShape(2, 24, 8))
+    built = build_train_step(CompilePlan("default", data_shapes=data_shapes), drafter_objective, example)
+    warmed = {timing.shape for timing in built.report.buckets}
+    assert warmed >= {BatchShape(3, 40, 8), BatchShape(1, 40, 8)}  # one per class, the largest
+    assert built.report.checked + len(warmed) == len(data_shapes)
+    compiled = graphs_compiled()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for shape in data_shapes:  # every shape of the data trains without a compile
+            built(inputs_of_shape(drafter_objective, shape, example, seed=7))
+        stray = inputs_of_shape(drafter_objective, BatchShape(2, 24, 1), example, seed=8)  # one block: specialized
+        with pytest.raises(StrayCompile) as refused:
+            built(stray)
+    assert graphs_compiled() == compiled
+    message = str(refused.value)
+    assert "MainThread: torch.compile would compile again after ready, for a micro-batch of 2 x 24 tokens " \
+           "with 1 blocks" in message
+    assert "size mismatch" in message  # the guard that failed, from Dynamo's own words
+    assert shape_of(stray) == BatchShape(2, 24, 1)
+

@@ -1,0 +1,162 @@
+"""`dflash launch`'s fit check end to end: the real CLI against container 204 of the fake
+node, whose PATH has a fake nvidia-smi reporting four H200s and whose Hugging Face cache
+holds Qwen3-8B's config.json. A run that cannot fit is refused before anything reaches
+the host; --dry-run prints the estimate and starts nothing; a run that fits starts. The
+estimate's own terms are tested in test_memory_plan.py."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dflash_agent import gpus
+from dflash_run import dflash_in_process
+from support import container_workspace
+from support.inventory import HOST_ENV, container_host
+from test_memory_plan import CONFIGS, H200_MIB, QWEN3_8B, one_gpu_config, write_model_folder
+
+from dflash_train.config import load_train_config
+from dflash_train.memory_plan import GIB, TargetShape, estimate, usable_bytes
+
+pytestmark = pytest.mark.timeout(300)
+SNAPSHOT = "b968826d9c46dd6066d109eabc6255188de91218"  # a commit id, as the hub names snapshots
+
+
+def cache_hub_model(hf_home: Path, repo_id: str, fields: dict) -> Path:
+    """`repo_id`'s config.json in a Hugging Face cache, laid out as huggingface_hub does."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    write_model_folder(repo / "snapshots" / SNAPSHOT, fields)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SNAPSHOT)
+    return repo / "snapshots" / SNAPSHOT / "config.json"
+
+
+class GpuHost:
+    """Host `gpu` (container 204) in this test's inventory, its HF_HOME holding Qwen3-8B."""
+
+    def __init__(self, make_inventory, ssh_node, fake_pve, vmid: int, tmp_path: Path):
+        self.hf_home = tmp_path / "hf home"
+        cache_hub_model(self.hf_home, "Qwen/Qwen3-8B", QWEN3_8B)
+        entry = container_host(tmp_path, ssh_node, fake_pve, vmid)
+        entry["env"] = {**HOST_ENV, "HF_HOME": str(self.hf_home)}
+        self.hosts = make_inventory(tmp_path, gpu=entry)
+        self.logs = tmp_path / "logs"
+        self.workspace = fake_pve.on_node(vmid, container_workspace(fake_pve, tmp_path))  # as the node sees it
+
+    def dflash(self, *args: str):
+        return dflash_in_process("--logs-dir", str(self.logs), *args, hosts=self.hosts)
+
+
+@pytest.fixture
+def gpu_host(make_inventory, ssh_node, fake_pve, gpu_container, tmp_path) -> GpuHost:
+    return GpuHost(make_inventory, ssh_node, fake_pve, gpu_container, tmp_path)
+
+
+def qwen3_8b_plan(config: Path):
+    return estimate(load_train_config(config), TargetShape.from_config_json(QWEN3_8B))
+
+
+def test_a_run_that_cannot_fit_is_refused_before_anything_reaches_the_host(gpu_host, tmp_path):
+    config = one_gpu_config(tmp_path)
+    done = gpu_host.dflash("launch", "gpu", "--config", str(config))
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    (device,) = qwen3_8b_plan(config).devices
+    largest = device.largest(1)[0]
+    message = " ".join(done.stderr.split())  # as one line, whatever the terminal's width
+    assert (f"gpu: cuda:0 (target-0, eval, drafter-0, drafter-1) needs an estimated {device.total / GIB:.1f} GiB, "
+            f"more than the {usable_bytes(H200_MIB) / GIB:.1f} GiB usable of its NVIDIA H200 ({H200_MIB} MiB); "
+            f"largest terms: {largest.name} x2 {largest.bytes / GIB:.1f} GiB, ") in message
+    assert ("change data.token_budget (12288), data.block_token_budget (null), drafter.num_anchors (512); "
+            "or put fewer drafters on cuda:0 (devices.drafters: 2 there) (nothing was deployed or started)") in message
+    assert "--dry-run" in message
+    assert not gpu_host.workspace.exists()  # no release, no run, not even the workspace
+
+
+def test_dry_run_prints_every_device_against_its_gpu_and_starts_nothing(gpu_host, tmp_path):
+    done = gpu_host.dflash("launch", "gpu", "--config", str(CONFIGS / "qwen3-8b-4gpu.yaml"), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    plan = qwen3_8b_plan(CONFIGS / "qwen3-8b-4gpu.yaml")
+    assert f"largest micro-batch {plan.worst}" in done.stderr
+    tables = re.split(r"^gpu (?=cuda:\d: )", done.stderr, flags=re.M)[1:]
+    assert [table[:len("cuda:0")] for table in tables] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    for table, device in zip(tables, plan.devices):
+        assert table.startswith(f"{device.device}: {', '.join(device.roles)}")
+        for term in device.terms + device.overhead:
+            assert re.search(rf"{re.escape(term.name)}\s*│\s*{term.count}\s*│\s*{term.bytes / GIB:.2f}", table), term
+        assert re.search(rf"total\s*│\s*│\s*{device.total / GIB:.2f}\s*│ fits: {usable_bytes(H200_MIB) / GIB:.1f} GiB "
+                         rf"usable of NVIDIA H200 "
+                         rf"\({H200_MIB} MiB\)", table)
+    assert not gpu_host.workspace.exists()
+
+    refused = gpu_host.dflash("launch", "gpu", "--config", str(one_gpu_config(tmp_path)), "--dry-run")
+    assert refused.returncode == 2
+    assert f"DOES NOT FIT: {usable_bytes(H200_MIB) / GIB:.1f} GiB usable" in refused.stderr
+    assert "(a dry run: nothing was deployed or started)" in " ".join(refused.stderr.split())
+    assert not gpu_host.workspace.exists()
+
+
+def test_a_device_the_host_lacks_is_refused(gpu_host):
+    done = gpu_host.dflash("launch", "gpu", "--config", str(CONFIGS / "qwen3-8b-4gpu.yaml"),
+                           "--set", "devices.drafters=[cuda:1, cuda:4]")
+    assert done.returncode == 2
+    assert ("gpu: cuda:4 (drafter-1) is not there: the host has 4 GPU(s): cuda:0, cuda:1, cuda:2, cuda:3 "
+            "(nothing was deployed or started)") in " ".join(done.stderr.split())
+    assert not gpu_host.workspace.exists()
+
+
+def test_a_target_the_host_has_not_cached_is_not_checked(gpu_host):
+    done = gpu_host.dflash("launch", "gpu", "--config", str(CONFIGS / "qwen3-8b-4gpu.yaml"), "--dry-run",
+                           "--set", "target.path=Qwen/Qwen3-32B")
+    assert done.returncode == 0, done.stderr
+    assert (f"gpu: GPU memory not checked: target.path: Qwen/Qwen3-32B is not in the Hugging Face cache "
+            f"{gpu_host.hf_home / 'hub'} (the trainer would download it)") in " ".join(done.stderr.split())
+
+
+@pytest.mark.slow(seconds=6, why="deploys over pct and starts the trainer, which is stopped at once")
+def test_a_run_that_fits_passes_the_check_and_starts(gpu_host):
+    done = gpu_host.dflash("launch", "gpu", "--config", str(CONFIGS / "tiny-gpu.yaml"))
+    assert done.returncode == 0, done.stderr
+    (run_id,) = done.stdout.splitlines()
+    config = load_train_config(CONFIGS / "tiny-gpu.yaml")
+    (device,) = estimate(config, TargetShape.from_tiny(config.target.tiny)).devices
+    assert (f"gpu: GPU memory fits (estimated peak of usable): cuda:0 {device.total / GIB:.1f} GiB of "
+            f"{usable_bytes(H200_MIB) / GIB:.1f} GiB") in done.stderr
+    run_json = json.loads((gpu_host.workspace / "runs" / run_id / "run.json").read_text())
+    assert run_json["resources"] == ["gpu0"]
+    # The host has no GPU for the trainer to use: it is stopped before it finds out.
+    stopped = gpu_host.dflash("stop", run_id, "--grace", "1")
+    assert stopped.returncode == 0, stopped.stderr
+
+
+def test_cpu_only_configs_are_not_checked_and_need_no_round_trip(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    done = dflash_in_process("launch", "local", "--config", str(CONFIGS / "tiny-cpu.yaml"), "--dry-run", hosts=hosts)
+    assert done.returncode == 0, done.stderr
+    assert "the config runs on the CPU only: no GPU memory check" in done.stderr
+    assert not (tmp_path / "local ws").exists()
+
+
+# --- the host's side: gpus.py --fit-facts ------------------------------------------------
+
+def test_the_probe_finds_a_hub_id_in_the_cache_the_environment_names(tmp_path, monkeypatch):
+    expected = cache_hub_model(tmp_path / "hf", "Qwen/Qwen3-8B", QWEN3_8B)
+    for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert gpus.model_config("Qwen/Qwen3-8B") == (QWEN3_8B, str(expected))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # before HF_HOME
+    fields, problem = gpus.model_config("Qwen/Qwen3-8B")
+    assert fields is None and problem == (f"Qwen/Qwen3-8B is not in the Hugging Face cache {tmp_path / 'elsewhere'} "
+                                          "(the trainer would download it)")
+
+
+def test_the_probe_reads_a_model_folder_and_names_what_it_cannot(tmp_path):
+    folder = write_model_folder(tmp_path / "model", QWEN3_8B)
+    assert gpus.model_config(str(folder)) == (QWEN3_8B, str(folder / "config.json"))
+    fields, problem = gpus.model_config(str(tmp_path / "missing"))
+    assert fields is None and problem.startswith(f"cannot read {tmp_path / 'missing' / 'config.json'}: ")
+    assert gpus.model_config("../up") == (None, "../up is neither a folder nor a Hugging Face hub id")
