@@ -22,7 +22,7 @@ _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*)(?::|$)", re
 _SIZE = r"[\d.]+ (?:bytes|KiB|MiB|GiB|TiB)"
 _UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 DRY_RUN = "`dflash launch --dry-run` prints the memory estimate"
-LOWER_BUDGET = "lower data.token_budget (the step's activations grow with it)"
+LOWER_BUDGET = "lower data.token_budget or data.block_token_budget (the step's activations grow with them)"
 GRAPHS_HOLD_MOST = "the CUDA graphs' pools hold most: `compile: default` captures none"
 COMPILE_BUG = ("start-up missed a shape the data makes, a trainer bug: please report it with this traceback; "
                "meanwhile `compile: cudagraphs` or `compile: off` avoid it")
@@ -130,7 +130,7 @@ def _cuda_oom(match: re.Match[str], failure: Failure) -> str:
         advice = GRAPHS_HOLD_MOST
     elif held > target and len(drafters) > 1:
         advice = (f"its {len(drafters)} drafters hold most: put fewer drafters on each GPU (devices.drafters), "
-                  "or lower data.token_budget")
+                  "or lower data.token_budget or data.block_token_budget")
     else:
         advice = LOWER_BUDGET
     return f"{line}; {advice}; {DRY_RUN}"

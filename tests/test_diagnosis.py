@@ -138,7 +138,8 @@ def test_cuda_oom_says_the_gpu_and_the_sizes_and_without_a_ledger_the_token_budg
     assert record["memory"]["devices"] == {}  # CPU torch: no CUDA device ran
     assert line(record) == (
         "CUDA out of memory on GPU 0 (cuda:0) allocating 34.80 GiB: 131.50 GiB of its 139.81 GiB in use by this "
-        "process, 7.12 GiB free; lower data.token_budget (the step's activations grow with it); "
+        "process, 7.12 GiB free; lower data.token_budget or data.block_token_budget (the step's activations grow "
+        "with them); "
         "`dflash launch --dry-run` prints the memory estimate")
 
 
@@ -146,7 +147,8 @@ def test_a_real_cuda_oom_record_lists_the_parts_held():
     assert line(H200_OOM) == (
         "CUDA out of memory on GPU 0 (cuda:0) allocating 200.00 GiB: 5.61 GiB of its 139.80 GiB in use by this "
         "process, 134.18 GiB free; this run held there: target 4.0 GiB, drafter-0 640 MiB, drafter-0 CUDA graphs "
-        "258 MiB; lower data.token_budget (the step's activations grow with it); `dflash launch --dry-run` prints the "
+        "258 MiB; lower data.token_budget or data.block_token_budget (the step's activations grow with them); "
+        "`dflash launch --dry-run` prints the "
         "memory estimate")
 
 
@@ -164,10 +166,12 @@ def held(part: str, gib: float, device: str = "cuda:0") -> dict:
 
 @pytest.mark.parametrize("parts, advice", [
     ([held("target", 16), held("drafter-0", 40), held("drafter-1", 40)],
-     "its 2 drafters hold most: put fewer drafters on each GPU (devices.drafters), or lower data.token_budget"),
+     "its 2 drafters hold most: put fewer drafters on each GPU (devices.drafters), or lower data.token_budget "
+     "or data.block_token_budget"),
     ([held("target", 16), held("drafter-0", 10), held("drafter-0 CUDA graphs", 60)],
      "the CUDA graphs' pools hold most: `compile: default` captures none"),
-    ([held("target", 60), held("drafter-0", 20)], "lower data.token_budget (the step's activations grow with it)"),
+    ([held("target", 60), held("drafter-0", 20)],
+     "lower data.token_budget or data.block_token_budget (the step's activations grow with them)"),
     ([held("drafter-0", 50), held("drafter-1", 50, "cuda:1")], "lower data.token_budget"),  # one drafter here
 ])
 def test_cuda_oom_names_what_the_run_held_on_that_gpu_and_the_knob_of_what_held_most(parts, advice):

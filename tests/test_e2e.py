@@ -117,8 +117,8 @@ def test_a_known_failure_ends_watch_and_fetch_traceback_with_its_diagnosis(bed, 
                                              "exception": "torch.OutOfMemoryError", "message": CUDA_OOM}])
     run_id = bed.launch(config)
     diagnosis = ("diagnosis: CUDA out of memory on GPU 0 (cuda:0) allocating 34.80 GiB: 131.50 GiB of its 139.81 GiB "
-                 "in use by this process, 7.12 GiB free; lower data.token_budget (the step's activations grow with "
-                 "it); `dflash launch --dry-run` prints the memory estimate")
+                 "in use by this process, 7.12 GiB free; lower data.token_budget or data.block_token_budget (the "
+                 "step's activations grow with them); `dflash launch --dry-run` prints the memory estimate")
 
     watch = bed.dflash("watch", run_id, "--host", "ct200")
     assert watch.returncode == 1, watch.stderr
