@@ -34,6 +34,12 @@ from .train_step import (BatchShape, BucketTiming, BuildReport, BuiltStep, Compi
                          inputs_of_shape, is_compile_refusal, random_inputs, shape_of, warm_up)
 
 _BUILD_LOCK = threading.Lock()
+# compile: default's DraftObjective.forward, compiled once for the process (under the
+# build lock) and called with each replica's objective: one backend serves them all.
+# Dynamo guards on the backend too, and with a torch.compile per replica (a backend each)
+# a replica failed that guard on a graph another replica had compiled, once ready (torch
+# 2.11, 4 drafters on an H200).
+_SHARED_FORWARD: dict[str, object] = {}  # by backend
 # compile: default compiles with dynamic shapes: one graph per drafter, plus the
 # re-specializations Dynamo still makes (a size of 1).
 DYNAMIC_SHAPE_VARIANTS = 2
@@ -51,6 +57,9 @@ class CompilePlan:
     # default and off: every (rows, length, blocks) this process's drafters will train on,
     # largest first (data.micro_batch_shapes); empty for a step built outside a run
     data_shapes: tuple[BatchShape, ...] = ()
+    # compile: default: what compiles the graphs, Inductor in a run; where only Dynamo's
+    # guards are in question (the tests of the build), a cheaper backend of torch's
+    backend: str = "inductor"
 
     def __post_init__(self) -> None:
         if self.mode == "cudagraphs" and not self.buckets:
@@ -76,7 +85,7 @@ class CompilePlan:
             return build_cudagraph_train_step(objective, example, self.buckets, shapes=self.shapes,
                                               drafters_share_a_device=self.drafters_share_a_device)
         if self.mode == "default":
-            return _build_compiled(objective, self.data_shapes or (shape_of(example),), example)
+            return _build_compiled(objective, self.data_shapes or (shape_of(example),), example, self.backend)
         return _build_eager(objective, self.data_shapes[0] if self.data_shapes else shape_of(example), example)
 
 
@@ -160,9 +169,15 @@ def build_train_step(plan: CompilePlan | str, objective: DraftObjective, example
 
 
 def forbid_compiles() -> None:
-    """From now on, in every thread of the process, a call that would make Dynamo compile
-    fails instead (BuiltStep turns that into StrayCompile): once the drafters are ready."""
-    torch.compiler.set_stance("fail_on_recompile")
+    """From now on, in every thread of the process, a call that would make Dynamo compile a
+    compiled function again fails instead (BuiltStep turns that into StrayCompile): once
+    the drafters are ready.
+
+    Dynamo's `error_on_recompile`, not the `fail_on_recompile` stance: on torch 2.11 the
+    stance replaces the compile callback, and every graph but a function's first then
+    fails its backend guard (BACKEND_MATCH): 4 drafters on an H200 were refused a 1-row
+    graph they had been built with."""
+    torch._dynamo.config.error_on_recompile = True
 
 
 def _steps_from(forward, objective: DraftObjective):
@@ -193,15 +208,22 @@ def specialization_classes(shapes: tuple[BatchShape, ...]) -> tuple[BatchShape, 
     return tuple(classes.values())
 
 
-def _build_compiled(objective: DraftObjective, data_shapes: tuple[BatchShape, ...], like: DrafterInputs) -> BuiltStep:
+def _build_compiled(objective: DraftObjective, data_shapes: tuple[BatchShape, ...], like: DrafterInputs,
+                    backend: str) -> BuiltStep:
     """compile: default, dynamic shapes, built for every shape of the data.
 
     First a step at the largest shape of each specialization class compiles the graphs
-    (forward and backward). Then every other shape the data makes runs a forward under
-    Dynamo's fail_on_recompile stance: one that the graphs' guards refuse (a guard that
+    (forward and backward). Then every other shape the data makes runs a forward with
+    Dynamo's error_on_recompile: one that the graphs' guards refuse (a guard that
     the classes did not foresee, such as one Inductor put on a size) gets a step of its
     own, which compiles it now. So the drafter trains on shapes that are all compiled."""
-    forward = torch.compile(objective, dynamic=True)
+    if backend not in _SHARED_FORWARD:
+        _SHARED_FORWARD[backend] = torch.compile(DraftObjective.forward, dynamic=True, backend=backend)
+    shared = _SHARED_FORWARD[backend]
+
+    def forward(inputs: DrafterInputs):
+        return shared(objective, inputs)
+
     train_step = _steps_from(forward, objective)
     timings = []
     for shape in specialization_classes(data_shapes):
@@ -214,7 +236,7 @@ def _build_compiled(objective: DraftObjective, data_shapes: tuple[BatchShape, ..
             continue
         inputs = inputs_of_shape(objective, shape, like, seed=0)
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):
+            with torch._dynamo.config.patch(error_on_recompile=True):
                 forward(inputs)  # the guards pass: this shape runs the compiled graphs
             checked += 1
         except RuntimeError as exc:

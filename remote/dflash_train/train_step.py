@@ -107,23 +107,24 @@ class BuildReport:
 
 
 class StrayCompile(RuntimeError):
-    """A drafter's step would have compiled after the drafter said ready (the stance that
-    compile_policy.forbid_compiles sets refused it): a shape its build did not cover."""
+    """A drafter's step would have compiled after the drafter said ready (Dynamo refused it:
+    compile_policy.forbid_compiles): a shape its build did not cover."""
 
 
-# How Dynamo's fail_on_recompile stance words its refusal, and the guards that failed.
-_REFUSAL = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
-_GUARDS = "triggered by the following guard failure(s):"
+_GUARDS = "triggered by the following guard failure(s):"  # in Dynamo's RecompileError, before the guards
 
 
 def is_compile_refusal(exc: BaseException) -> bool:
-    return isinstance(exc, RuntimeError) and str(exc).startswith(_REFUSAL)
+    """Dynamo refused to compile again (error_on_recompile, compile_policy.forbid_compiles)."""
+    from torch._dynamo.exc import RecompileError
+
+    return isinstance(exc, RecompileError)
 
 
 def stray_compile(exc: BaseException, inputs: DrafterInputs) -> StrayCompile:
     """StrayCompile naming the thread, the micro-batch's shape and the failed guards."""
     text = str(exc)
-    guards = text.split(_GUARDS, 1)[1] if _GUARDS in text else text[len(_REFUSAL):]
+    guards = text.split(_GUARDS, 1)[1] if _GUARDS in text else text
     guard = "; ".join(line.strip().removeprefix("- ") for line in guards.strip(" .\n").splitlines() if line.strip())
     rows, length = inputs.input_ids.shape
     return StrayCompile(f"{threading.current_thread().name}: torch.compile would compile again after ready, for a "
