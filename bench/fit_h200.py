@@ -181,7 +181,7 @@ def summarize(run_dir: Path, config_path: Path) -> dict:
             except ValueError:
                 pass
     steps = [e for e in events if e.get("type") == "step"]
-    record = {"part": "train" if steps or "train" in run_dir.name else "job", "config": str(config_path),
+    record = {"part": "train" if steps else "job", "config": str(config_path),
               "run": run_dir.name, "exit_code": result["exit_code"], "wall_s": round(result["ended"] - result["started"], 1),
               "steps": len(steps), "nvidia_smi": result["nvidia_smi"]}
     if steps:

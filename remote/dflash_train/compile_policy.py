@@ -2,8 +2,9 @@
 
 The coordinator decides once, from the config and the shapes of the run's micro-batches,
 what every drafter builds (`plan_compile`: the mode, the shapes to build for, and for
-cudagraphs the shape buckets to capture and whether drafters share a GPU), sets the process-wide compiler options from that plan (`configure_compiler`), then
-each drafter calls `build_train_step` once, during its startup and before it signals
+cudagraphs the shape buckets to capture and whether drafters share a GPU), sets the
+process-wide compiler options from that plan (`configure_compiler`), then each drafter
+calls `build_train_step` once, during its startup and before it signals
 ready. Building (compiling, warming up, capturing graphs) happens under one process-wide
 lock, so drafters compile one at a time: torch.compile is not thread-safe overall, and
 CUDA graph captures of two threads break each other.
