@@ -225,7 +225,8 @@ def exchange_child(shape_name: str, iters: int) -> None:
         torch.cuda.set_device(0)
     scratch = Path(tempfile.mkdtemp(prefix="exchange-"))
     latch = StopLatch(ErrorLog(scratch / "errors.jsonl"), ThreadNames(scratch / "threads.json"))
-    peers = join(DistributedConfig(), 1, cuda, latch)
+    peers = join(DistributedConfig(), 1, cuda, latch, where=lambda: ("exchange", None), on_stuck=os._exit,
+                 exit_after_s=10.0)
     assert peers is not None, "started without WORLD_SIZE"
     grads = drafter_gradients(shape, device)
     times = time_exchange(GradientExchange(peers.layout, peers), [grads], [device], shape.block, iters)

@@ -26,6 +26,27 @@ def aggregate_state(states: Mapping[str, str | None]) -> str:
     return sorted(present)[0]  # a state this CLI does not know: shown as it is (exit 3)
 
 
+# Where a host says its trainer lives: a peer that found it silent is believed over it.
+_LIVE = ("STARTING", "RUNNING", "DEGRADED", "STALLED")
+
+
+def mark_silent_ranks(statuses: list[dict]) -> list[dict]:
+    """Every host's RunStatus (in rank order, each with "host" and "rank"), with a rank
+    that another found silent (its PeerFailed without the peer's own record: no sign of
+    life for peer_timeout_s, or a collective it broke) STALLED, and "silent" saying who
+    found it so, however alive its own host sees it: it can no longer train with the run."""
+    marked = [dict(s) for s in statuses]
+    for witness in statuses:
+        detail = witness.get("peer_failure") or {}
+        rank = detail.get("peer_rank")
+        if detail.get("peer_exc_type") or not isinstance(rank, int) or not 0 <= rank < len(marked):
+            continue
+        if marked[rank].get("state") in _LIVE:
+            marked[rank].update(state="STALLED", silent=f"{witness['host']} (rank {witness['rank']}) stopped "
+                                                        f"hearing from it: {detail.get('peer_message', '')}")
+    return marked
+
+
 def in_time_order(records_by_host: Mapping[str, Sequence[dict]]) -> list[tuple[str, dict]]:
     """(host, record) of every host's error records. One host's keep their file order
     (appended as threads failed); several hosts' are merged by their time stamps."""
@@ -40,11 +61,48 @@ def in_time_order(records_by_host: Mapping[str, Sequence[dict]]) -> list[tuple[s
 
 def root_cause(records: Sequence[tuple[str, dict]]) -> tuple[str, dict] | None:
     """The run's root cause: the earliest record that is not a rank stopping because a
-    peer failed, else the earliest (a peer that failed without a record of its own)."""
+    peer failed, else the earliest (a peer that failed without a record of its own:
+    `blamed_host` names it)."""
     for item in records:
         if item[1].get("exc_type") != PEER_FAILED:
             return item
     return records[0] if records else None
+
+
+def latest_attempt(records: Sequence[dict], attempt: int) -> list[dict]:
+    """The records of the run's latest attempt (a record without one is attempt 0's)."""
+    return [r for r in records if int(r.get("attempt") or 0) == attempt]
+
+
+def blamed_host(cause: tuple[str, dict], hosts: Sequence[str]) -> str | None:
+    """For a root cause that is a PeerFailed record (no rank recorded a failure of its
+    own: the peer was killed, or went silent), the host of the peer it names; else None."""
+    record = cause[1]
+    rank = (record.get("detail") or {}).get("peer_rank")
+    if record.get("exc_type") != PEER_FAILED or not isinstance(rank, int) or not 0 <= rank < len(hosts):
+        return None
+    return hosts[rank] if hosts[rank] != cause[0] else None
+
+
+def ended_by(exit_info: dict | None) -> str | None:
+    """How a trainer process ended, from its exit.json: "killed by SIGKILL (the kernel's
+    OOM killer)", "exit code 1"; None without one."""
+    if not exit_info:
+        return None
+    cause = (f"killed by {exit_info['signal']}" if exit_info.get("signal")
+             else f"exit code {exit_info.get('exit_code')}")
+    return cause + (" (the kernel's OOM killer)" if exit_info.get("oom_killed") else "")
+
+
+def blamed_line(hosts: Sequence[str], exit_info: dict | None, cause: tuple[str, dict]) -> str:
+    """What is known of a failing rank that left no record of its own (`blamed_host`):
+    what the rank that noticed saw, and how its process ended (or that it still runs)."""
+    witness, record = cause
+    detail = record.get("detail") or {}
+    how = ended_by(exit_info)
+    ended = "still runs" if how is None else f"was {how}" if how.startswith("killed") else f"ended with {how}"
+    return (f"{detail.get('peer_message') or record.get('message', '')} (seen by {witness}, rank "
+            f"{hosts.index(witness)}); its trainer {ended}, with no error record of its own")
 
 
 def peer_failed_line(record: dict, hosts: Sequence[str]) -> str:

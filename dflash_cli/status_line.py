@@ -35,7 +35,8 @@ class RunProgress:
             elif event.get("type") == "progress":
                 self.answered = event
             elif event.get("type") == "startup":
-                self.starting = event.get("label") or event.get("phase") if event.get("state") == "started" else None
+                under_way = event.get("state") in ("started", "alive")  # alive: still working at it
+                self.starting = event.get("label") or event.get("phase") if under_way else None
 
     def eta_s(self) -> float | None:
         """Seconds left at the pace of the steps seen so far (host clock: event times)."""

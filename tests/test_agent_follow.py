@@ -160,7 +160,7 @@ def test_error_records_arrive_while_the_run_lives(agent):
     agent.touch("err", "go")
     rest = stream.rest()
     assert [m["index"] for m in rest if m["t"] == "error"] == [1]
-    assert rest[-1] == {"t": "end", "state": "FAILED", "exit": agent.read("err", "exit.json"),
+    assert rest[-1] == {"t": "end", "state": "FAILED", "exit": agent.read("err", "exit.json"), "attempt": 0,
                         "offset": len("before the failure\n"), "segment": 0}
     again = agent.follow("err", "--errors-seen", "1").rest()
     assert [(m["index"], m["record"]["thread"]) for m in again if m["t"] == "error"] == [(1, "coordinator")]

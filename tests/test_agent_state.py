@@ -24,7 +24,7 @@ NOW = 1_000_000.0
 
 
 def obs(**kw):
-    base = dict(started_at=NOW - 10, stall_after=60.0, now=NOW, trainer=ALIVE)
+    base = dict(started_at=NOW - 10, stall_after=60.0, startup_stall_after=90.0, now=NOW, trainer=ALIVE)
     base.update(kw)
     return Observation(**base)
 
@@ -55,8 +55,10 @@ def beat(age, step=5, **kw):
     (obs(events=beat(1, done={"type": "done", "exit_code": 0})), RUNNING),  # about to exit
     (obs(), STARTING),
     (obs(events=EventSummary(last_event_ts=NOW - 1, last_phase="startup", last_phase_ts=NOW - 1)), STARTING),
-    (obs(started_at=NOW - 100), STALLED),  # start-up silent for longer than stall_after
-    (obs(started_at=NOW - 100, events=EventSummary(last_event_ts=NOW - 5)), STARTING),  # a "ready" event
+    # Start-up has a limit of its own (a working one says so with its `alive` events).
+    (obs(started_at=NOW - 100), STALLED),  # start-up silent for longer than startup_stall_after
+    (obs(started_at=NOW - 80), STARTING),  # longer than stall_after, not than startup_stall_after
+    (obs(started_at=NOW - 100, events=EventSummary(last_event_ts=NOW - 5)), STARTING),  # a "ready" or "alive" event
     (obs(events=EventSummary(last_event_ts=NOW - 2, last_phase="train", last_phase_ts=NOW - 2)), RUNNING),
     (obs(events=beat(1)), RUNNING),
     (obs(events=beat(61)), STALLED),
@@ -65,6 +67,11 @@ def beat(age, step=5, **kw):
     (obs(events=beat(1), stop_requested=True), RUNNING),  # stop in progress
     (obs(trainer=ENDING, events=beat(1)), RUNNING),  # exit.json is being written
     (obs(trainer=ENDING, events=beat(1), error_count=1), DEGRADED),
+    # A process stopped by a signal (SIGSTOP) or a debugger makes no progress, however
+    # fresh its last heartbeat; a failure recorded meanwhile is still seen once it ends.
+    (obs(events=beat(1), frozen=True), STALLED),
+    (obs(frozen=True), STALLED),
+    (obs(events=beat(1), frozen=True, error_count=1), STALLED),
 ])
 def test_derive_state(observation, expected):
     assert derive_state(observation) == expected
@@ -171,14 +178,14 @@ def test_lost_when_pid_is_gone_or_reused_or_the_host_rebooted(agent):
 
 
 def test_starting_running_stalled_and_back(agent):
-    # stall_after 2 s: each state outlasts a few `status` polls (a Python start each) on a
-    # loaded machine, so none is missed.
+    # stall_after 2 s (startup_stall_after 3 s): each state outlasts a few `status` polls
+    # (a Python start each) on a loaded machine, so none is missed.
     agent.launch("s", [{"wait_file": "go1"}, {"event": {"type": "phase", "phase": "startup"}},
                        {"wait_file": "go2"}, {"heartbeat": 1}, {"wait_file": "go3"},
-                       {"heartbeat": 2}, {"wait_file": "go4"}], "--stall-after", "2")
+                       {"heartbeat": 2}, {"wait_file": "go4"}], "--stall-after", "2", "--startup-stall-after", "3")
     assert agent.status("s")["state"] == STARTING  # no event yet
     agent.touch("s", "go1")
-    # Start-up silent beyond stall_after counts as stalled (a hang at start-up).
+    # Start-up silent beyond startup_stall_after counts as stalled (a hang at start-up).
     agent.wait_state("s", STALLED)
     agent.touch("s", "go2")
     status = agent.wait_state("s", RUNNING)

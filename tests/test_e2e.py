@@ -18,6 +18,7 @@ import pytest
 from dflash_agent import procfs
 from dflash_run import dflash_in_process, popen_dflash
 from support import kill_ssh_sessions, workspace_on_node
+from support.events import read_events
 from support.train_configs import small_config as write_small_config
 from support.wait import wait_until
 from test_watch_events import tensorboard_scalars
@@ -312,6 +313,35 @@ def test_a_hung_run_is_stalled_and_its_stacks_show_the_hanging_thread_by_name(be
     assert "the last dump in faulthandler.log (state STOPPED)" in after.stdout
     assert "threads still running after the stop: drafter-0" in after.stdout
     assert "in _hang" in thread_block(after.stdout, "drafter-0")
+
+
+@pytest.mark.slow(seconds=45, why="a trainer run over pct whose start-up works 20 s, then hangs until STALLED")
+def test_a_long_start_up_that_works_is_starting_and_one_that_hangs_is_stalled(bed, tmp_path):
+    """stall_after 3 s would call any start-up longer than that stalled; start-up has its
+    own limit (startup_stall_after), which a start-up at work never reaches: 20 s of CPU
+    work at start-up stay STARTING, then a hang (no work, no event) turns STALLED."""
+    faults = [{"thread": "coordinator", "at": "startup", "kind": "busy", "seconds": 20},
+              {"thread": "coordinator", "at": "startup", "kind": "hang"}]
+    run_id = bed.launch(small_config(tmp_path, stall_after=3, startup_stall_after=15, faults=faults))
+    train_log = bed.run_dir(run_id) / "train.log"
+    wait_until(lambda: b"injecting fault: busy in coordinator" in train_log.read_bytes(), 120, "the busy fault")
+    seen = []
+    while b"injecting fault: hang in coordinator" not in train_log.read_bytes():
+        status = json.loads(bed.dflash("status", run_id, "--host", "ct200", "--json").stdout)
+        seen.append((status["state"], status["startup"], status["startup_elapsed_s"]))
+    assert len(seen) >= 5 and {state for state, _, _ in seen} == {"STARTING"}, seen
+    assert seen[-1][1] == "start-up" and seen[-1][2] >= 10, seen  # the phase and how long, from its `alive` events
+
+    def stalled():
+        done = bed.dflash("status", run_id, "--host", "ct200", "--json")
+        return done if json.loads(done.stdout)["state"] == "STALLED" else None
+
+    status = wait_until(stalled, 60, "the hung start-up to be STALLED")
+    assert status.returncode == 1
+    assert json.loads(status.stdout)["startup"] == "start-up"  # the phase it stopped in
+    alive = [e for e in read_events(bed.run_dir(run_id) / "events.jsonl", "startup") if e["state"] == "alive"]
+    assert len(alive) >= 3 and all(e["cpu_s"] > 0 or e["io_bytes"] > 0 for e in alive)
+    assert bed.dflash("stop", run_id, "--host", "ct200", "--grace", "5").stdout.strip() == "STOPPED"
 
 
 def test_a_run_that_dies_without_a_record_is_explained(bed, tmp_path):

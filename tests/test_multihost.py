@@ -5,10 +5,13 @@ every host before it starts any and leaves no half-started run."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -404,3 +407,99 @@ def test_a_run_on_two_hosts_resumes_as_one_from_rank_0s_checkpoint(pair, tmp_pat
     status = pair.dflash("status", run_id, "--json")
     assert [(s["host"], s["state"]) for s in json.loads(status.stdout)["hosts"]] == [
         ("ct200", "SUCCEEDED"), ("ct202", "SUCCEEDED")]
+
+
+# -- a rank killed, or frozen: the root cause is that rank, never a survivor ---------------
+
+def error_records(pair: Pair, vmid: int, run_id: str) -> list[dict]:
+    path = pair.on_node(vmid, f"runs/{run_id}") / "errors.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow(seconds=60, why="a run on two hosts, one rank SIGKILLed mid-run, then the run resumed")
+def test_a_rank_killed_mid_run_is_the_root_cause_until_a_resume_succeeds(pair, tmp_path):
+    config = pair_config(tmp_path / "killed.yaml", optim={"max_steps": 40, "epochs": 50}, checkpoint={"every": 2})
+    run_id = launch_pair(pair, config)
+    wait_until(lambda: len(events(pair, 200, run_id, "step")) >= 3, 240, "rank 0's third step")
+    os.kill(pair.run_json(202, run_id)["pid"], signal.SIGKILL)
+
+    watch = pair.dflash("watch", run_id)
+    assert watch.returncode == 1, watch.stderr
+    # ct200 broke its all-reduce on the dead peer: it names that peer, whose alive count stopped.
+    [noticed] = error_records(pair, 200, run_id)
+    assert noticed["exc_type"] == "PeerFailed" and noticed["detail"]["peer_rank"] == 1, noticed
+    assert error_records(pair, 202, run_id) == []
+    cause = [line for line in watch.stderr.splitlines() if line.startswith("root cause on ")]
+    assert len(cause) == 1 and cause[0].startswith("root cause on ct202 (rank 1): ")
+    assert cause[0].endswith("(seen by ct200, rank 0); its trainer was killed by SIGKILL, with no error record of "
+                             "its own"), cause
+    assert f"==> run {run_id} on ct202: no error record; state FAILED <==" in watch.stdout
+
+    fetched = pair.dflash("fetch-traceback", run_id)
+    assert fetched.returncode == 1, fetched.stderr
+    assert "root cause on ct202 (rank 1 of 2): " in fetched.stderr
+    assert fetched.stdout.startswith(f"==> run {run_id} on ct202: no error record; state FAILED <==")
+    assert "process ended: killed by SIGKILL" in fetched.stdout
+    every = pair.dflash("fetch-traceback", run_id, "--all")  # every host: ct202's end too
+    assert f"on ct200: thread {noticed['thread']} failed" in every.stdout
+    assert "process ended: killed by SIGKILL" in every.stdout and f"on ct202: no error record" in every.stdout
+
+    resumed = pair.dflash("resume", run_id)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    watch = pair.dflash("watch", run_id)
+    assert watch.returncode == 0, watch.stderr[-3000:]
+    assert f"run {run_id} ended: SUCCEEDED (ct200 SUCCEEDED, ct202 SUCCEEDED)" in watch.stderr
+    assert "root cause" not in watch.stderr  # the first attempt's is history
+
+
+@pytest.mark.slow(seconds=30, why="a run on two hosts whose rank 1 is SIGKILLed during start-up")
+def test_a_rank_killed_during_start_up_ends_its_peer_within_seconds(pair, tmp_path):
+    """Rank 0 waits in the join for a rank that will never come (join_timeout_s: 600 s):
+    the dead rank's supervisor tells it on the store, and it ends naming that rank."""
+    run_id = launch_pair(pair, pair_config(tmp_path / "early.yaml"))
+    os.kill(pair.run_json(202, run_id)["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: not pair.trainer_alive(200, run_id), 90, "rank 0's trainer to end")
+    assert time.monotonic() - killed < 60
+    [noticed] = error_records(pair, 200, run_id)
+    assert noticed["exc_type"] == "PeerFailed" and noticed["phase"] == "startup"
+    assert noticed["detail"]["peer_rank"] == 1 and noticed["detail"]["peer_exc_type"] is None
+    assert noticed["detail"]["peer_message"].endswith("was killed by SIGKILL"), noticed
+    status = pair.dflash("status", run_id, "--json")
+    assert status.returncode == 1
+    assert [h["state"] for h in json.loads(status.stdout)["hosts"]] == ["FAILED", "FAILED"]
+    fetched = pair.dflash("fetch-traceback", run_id)
+    assert "root cause on ct202 (rank 1 of 2): the trainer on " in fetched.stderr
+    assert "its trainer was killed by SIGKILL, with no error record of its own" in fetched.stderr
+
+
+@pytest.mark.slow(seconds=45, why="a run on two hosts whose rank 1 is frozen (SIGSTOP) until its peer gives up")
+def test_a_frozen_rank_is_stalled_on_its_row_and_the_silence_is_the_root_cause(pair, tmp_path):
+    config = pair_config(tmp_path / "frozen.yaml", optim={"max_steps": 100000, "epochs": 5000},
+                         distributed={"peer_timeout_s": 6})
+    run_id = launch_pair(pair, config)
+    wait_until(lambda: len(events(pair, 200, run_id, "step")) >= 2, 240, "both hosts to train")
+    frozen = pair.run_json(202, run_id)["pid"]
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        # Its own host sees it stopped at once, before any peer timeout.
+        status = json.loads(pair.dflash("status", run_id, "--json").stdout)
+        assert [(h["host"], h["state"]) for h in status["hosts"]] == [("ct200", "RUNNING"), ("ct202", "STALLED")]
+        wait_until(lambda: not pair.trainer_alive(200, run_id), 60, "rank 0 to give up on rank 1")
+        [noticed] = error_records(pair, 200, run_id)
+        assert noticed["exc_type"] == "PeerFailed" and noticed["detail"]["peer_rank"] == 1
+        assert "no sign of life from rank 1 for 6s" in noticed["detail"]["peer_message"]
+        done = pair.dflash("status", run_id, "--json")
+        found = json.loads(done.stdout)
+        assert done.returncode == 1 and [h["state"] for h in found["hosts"]] == ["FAILED", "STALLED"]
+        assert found["hosts"][1]["silent"].startswith("ct200 (rank 0) stopped hearing from it: no sign of life")
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    # Woken, it finds rank 0 (and its store) gone: a PeerFailed of its own, never a raw c10d error.
+    wait_until(lambda: not pair.trainer_alive(202, run_id), 60, "rank 1 to end once woken")
+    woken = error_records(pair, 202, run_id)
+    assert woken and {r["exc_type"] for r in woken} == {"PeerFailed"}, woken
+    watch = pair.dflash("watch", run_id)
+    assert watch.returncode == 1
+    assert ("root cause on ct202 (rank 1): no sign of life from rank 1 for 6s (killed, or frozen) (seen by ct200, "
+            "rank 0); its trainer ended with exit code 1, with no error record of its own") in watch.stderr

@@ -39,16 +39,14 @@ def say_diagnosis(record: dict, ref: RunRef, hosts: tuple[str, ...]) -> None:
         console.say(console.printable(f"diagnosis: {line}"))
 
 
-def render_no_record(report: dict, ref: RunRef) -> str:
-    """What is known about a run that died without writing an error record."""
-    out = [f"==> run {ref.run_id} on {ref.host}: no error record; state {report.get('state')} <==\n"]
+def render_no_record(report: dict, ref: RunRef, of_its_own: bool = False) -> str:
+    """What is known about a run that died without writing an error record (`of_its_own`:
+    none but records of stopping for a peer)."""
+    out = [f"==> run {ref.run_id} on {ref.host}: no error record{' of its own' if of_its_own else ''}; "
+           f"state {report.get('state')} <==\n"]
     exit_info = report.get("exit")
     if exit_info:
-        cause = (f"killed by {exit_info['signal']}" if exit_info.get("signal")
-                 else f"exit code {exit_info.get('exit_code')}")
-        if exit_info.get("oom_killed"):
-            cause += " (the kernel's OOM killer)"
-        out.append(f"process ended: {cause} at {console.utc_time(exit_info.get('ended_at'))}\n")
+        out.append(f"process ended: {multihost.ended_by(exit_info)} at {console.utc_time(exit_info.get('ended_at'))}\n")
         out.append("exit.json: " + json.dumps(exit_info, sort_keys=True) + "\n")
     else:
         out.append("exit.json: absent (the supervisor did not record an exit)\n")
@@ -137,12 +135,25 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         text = "".join(t for t in texts if t) or None
     elif records:
         cause = multihost.root_cause(records)
-        if ref.multihost and not all_records:
-            console.say(f"root cause on {cause[0]} (rank {ref.hosts.index(cause[0])} of {len(ref.hosts)})")
-        text = "".join(render_record(r, RunRef(host, ref.run_id), several_attempts)
-                       for host, r in (records if all_records else [cause]))
-        diagnosed = multihost.root_cause([(host, r) for host, r in records
-                                          if int(r.get("attempt") or 0) == attempts[host]]) or cause
+        latest_cause = multihost.root_cause(multihost.in_time_order(latest))
+        # No rank recorded its own failure: the one that died or went silent is the cause.
+        blamed = multihost.blamed_host(latest_cause, ref.hosts) if ref.multihost and latest_cause else None
+        if blamed in reports and not all_records:
+            console.say(console.printable(
+                f"root cause on {blamed} (rank {ref.hosts.index(blamed)} of {len(ref.hosts)}): "
+                + multihost.blamed_line(ref.hosts, reports[blamed].get("exit"), latest_cause)))
+            text = render_no_record(reports[blamed], RunRef(blamed, ref.run_id), of_its_own=bool(latest[blamed]))
+            code = ExitCode.RUN_FAILED  # as for a run without a record: no traceback says why
+        else:
+            if ref.multihost and not all_records:
+                console.say(f"root cause on {cause[0]} (rank {ref.hosts.index(cause[0])} of {len(ref.hosts)})")
+            text = "".join(render_record(r, RunRef(host, ref.run_id), several_attempts)
+                           for host, r in (records if all_records else [cause]))
+        if all_records:  # and what is known of each host whose latest attempt failed without a record
+            text += "".join(render_no_record(report, RunRef(host, ref.run_id), of_its_own=bool(latest[host]))
+                            for host, report in reports.items()
+                            if report.get("state") in ("FAILED", "LOST") and (not latest[host] or host == blamed))
+        diagnosed = latest_cause or cause
     elif state in ("FAILED", "LOST"):
         text = "".join(render_no_record(report, RunRef(host, ref.run_id)) for host, report in reports.items()
                        if report.get("state") in ("FAILED", "LOST"))

@@ -123,6 +123,7 @@ def _agent_args(host: Host, config: TrainConfig, run_id: str, name: str, source:
     checkpoint.resume (it sends the checkpoint to the others), so only its host must
     hold it."""
     args = [f"--run-id={run_id}", "--config=-", f"--name={name}", f"--stall-after={config.stall_after}",
+            f"--startup-stall-after={config.startup_stall_after}",
             f"--source-json={json.dumps(source)}", f"--restart-json={json.dumps(config.restart.as_json())}"]
     args += [f"--resource={resource}" for resource in config.resources()]
     args += [f"--env={key}={value}" for key, value in host.env.items()]

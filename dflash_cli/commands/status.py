@@ -36,7 +36,10 @@ def step_cell(status: dict) -> str:
     """The step, or before the first one the start-up phase under way."""
     if status.get("step") is not None:
         return str(status["step"])
-    return f"start-up: {status['startup']}" if status.get("startup") else ""
+    if not status.get("startup"):
+        return ""
+    elapsed = status.get("startup_elapsed_s")
+    return f"start-up: {status['startup']}" + (f", {elapsed:.0f} s" if isinstance(elapsed, (int, float)) else "")
 
 
 def overrides_line(status: dict) -> str | None:
@@ -101,7 +104,7 @@ def host_statuses(session: Session, ref: RunRef) -> list[dict]:
 
 
 def _status_of_hosts(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
-    statuses = host_statuses(session, ref)
+    statuses = multihost.mark_silent_ranks(host_statuses(session, ref))
     state = multihost.aggregate_state({s["host"]: s["state"] for s in statuses})
     if as_json:
         console.data(json.dumps({"run_id": ref.run_id, "state": state, "hosts": statuses}) + "\n")
@@ -111,6 +114,8 @@ def _status_of_hosts(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
         for s in statuses:
             if s.get("error"):
                 console.warn(s["error"])
+            if s.get("silent"):
+                console.warn(f"{s['host']} (rank {s['rank']}) is {s['state']}: {s['silent']}")
         source = next((s["source"] for s in statuses if s.get("source")), None)
         if source:
             console.say(f"source: {provenance.summary(source)}")

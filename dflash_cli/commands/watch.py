@@ -274,18 +274,24 @@ class Watcher:
             self.claim.close()
 
     # -- the outcome -----------------------------------------------------------------
+    @property
+    def latest_records(self) -> list[dict]:
+        """The error records of the attempt that ended (earlier attempts' are history)."""
+        return multihost.latest_attempt(self.records, int((self.end or {}).get("attempt") or 0))
+
     def finish(self) -> ExitCode:
         self.stop_status_line()
         state = self.end.get("state", "LOST")
         code = exit_code_for_state(state)
-        if code == ExitCode.RUN_FAILED and not self.records and not self.as_json:
+        if code == ExitCode.RUN_FAILED and not self.latest_records and not self.as_json:
             report = self.agent.call("report", "--run-id", self.ref.run_id)
             with _PRINTING:
                 console.remote_text(render_no_record(report, self.ref))
         console.say(f"run {self.ref.run_id} on {self.ref.host} ended: {state}")
-        if code == ExitCode.RUN_FAILED and self.records and not self.as_json and not self.label:
+        if code == ExitCode.RUN_FAILED and self.latest_records and not self.as_json and not self.label:
             # One host's part: its root cause's line ends the output (several: the run's, in _watch_hosts).
-            say_diagnosis(multihost.root_cause([(self.ref.host, r) for r in self.records])[1], self.ref, self.hosts)
+            say_diagnosis(multihost.root_cause([(self.ref.host, r) for r in self.latest_records])[1], self.ref,
+                          self.hosts)
         return code
 
     def follow_to_end(self, tail: int | None, retry_for: float) -> ExitCode:
@@ -364,12 +370,18 @@ def _watch_hosts(session: Session, ref: RunRef, tail: int | None, interval: floa
         return ExitCode.INTERRUPTED
     states = {w.ref.host: (w.end or {}).get("state") for w in watchers}
     state = multihost.aggregate_state(states)
-    cause = multihost.root_cause(multihost.in_time_order({w.ref.host: w.records for w in watchers}))
+    cause = multihost.root_cause(multihost.in_time_order({w.ref.host: w.latest_records for w in watchers}))
     if cause is not None and not as_json:
         host, record = cause
-        console.say(console.printable(f"root cause on {host} (rank {ref.hosts.index(host)}): thread "
-                                      f"{record.get('thread')} {record.get('exc_type')}: "
-                                      f"{record.get('message', '')}".rstrip()))
+        blamed = multihost.blamed_host(cause, ref.hosts)
+        if blamed is not None:  # no rank recorded its own failure: the one that died or went silent
+            ends = {w.ref.host: (w.end or {}).get("exit") for w in watchers}
+            line = f"root cause on {blamed} (rank {ref.hosts.index(blamed)}): " + multihost.blamed_line(
+                ref.hosts, ends.get(blamed), cause)
+        else:
+            line = (f"root cause on {host} (rank {ref.hosts.index(host)}): thread {record.get('thread')} "
+                    f"{record.get('exc_type')}: {record.get('message', '')}".rstrip())
+        console.say(console.printable(line))
     console.say(f"run {ref.run_id} ended: {state} "
                 f"({', '.join(f'{host} {s or multihost.UNKNOWN}' for host, s in states.items())})")
     if cause is not None and not as_json and state == "FAILED":

@@ -18,8 +18,8 @@ of space, in any verb, adds "path", the file it could not write). stderr is free
 Verbs
 -----
 launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
-         [--env KEY=VALUE]... [--python EXE] [--stall-after S=300] [--source-json JSON]
-         [--require-module NAME]... [--require-path KIND:KEY=PATH]... [--override KEY=VALUE]...
+         [--env KEY=VALUE]... [--python EXE] [--stall-after S=300] [--startup-stall-after S=300]
+         [--source-json JSON] [--require-module NAME]... [--require-path KIND:KEY=PATH]... [--override KEY=VALUE]...
          [--restart-json JSON]
          [--rank I --world-size N --master-addr A [--master-port P] [--host-names H0,H1,...]]
          [--check-only]
@@ -41,7 +41,8 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          a new session (setsid; stdin /dev/null;
          its own stderr to runs/ID/agent.log). The supervisor forks the trainer in
          another new session, writes run.json (run id, release id, config, argv, pid,
-         pgid, process start time, boot id, host, started_at, stall_after) *before*
+         pgid, process start time, boot id, host, started_at, stall_after,
+         startup_stall_after) *before*
          letting the child exec `python -m dflash_train --config runs/ID/config.yaml
          --run-dir runs/ID` with cwd runs/ID, PYTHONPATH=<release>/remote,
          PYTHONUNBUFFERED=1, PYTHONDONTWRITEBYTECODE=1, DFLASH_RUN_ID, DFLASH_RELEASE_ID, DFLASH_RELEASE_DIR (the
@@ -105,10 +106,14 @@ status   [--run-id ID [--config]]    {"runs": [RunStatus...]} (all runs if no id
                       source or null, "overrides": run.json's overrides or [],
                       "step": last step or null (of the latest attempt),
                       "startup": the start-up phase under way before the first step
-                      (the newest `startup` event's label while it is "started"), or null,
+                      (the newest `startup` event's label while it is "started" or
+                      "alive"), or null, "startup_elapsed_s": how long it has been under way,
                       "attempt", "attempts": how many, "resume_step": the checkpoint step
                       the latest attempt started from or null, "checkpoint_step": the
-                      newest complete checkpoint's step or null}
+                      newest complete checkpoint's step or null, "peer_failure": the
+                      detail {peer_rank, peer_exc_type, peer_message} of the latest
+                      attempt's first PeerFailed record (this rank stopped for that
+                      peer) or null}
          --config (with --run-id only, else kind "usage") adds "config": run.json's
          config, the text of config.yaml as launched.
          ended_at comes from exit.json, or from the trainer's `done` event when no
@@ -186,7 +191,8 @@ follow   --run-id ID [--offset N] [--inode I] [--segment K=0] [--fingerprint LEN
                that is not JSON (a write cut by a kill) is skipped.
            {"t": "gpu", "ts": ..., "gpus": [...]}          (none without nvidia-smi)
            {"t": "state", "state": "RUNNING", "ts": ...}    on every state change
-           {"t": "end", "state": "FAILED", "exit": exit.json|null, "offset": N, "segment": K}
+           {"t": "end", "state": "FAILED", "exit": exit.json|null, "attempt": the latest
+            attempt (whose error records the outcome is), "offset": N, "segment": K}
          An error line that is not JSON comes as {"t": "error", "index", "record":
          null, "raw": text}.
          When the reader goes away (EPIPE, or its pipe reports an error even while

@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE")
     p.add_argument("--python", default=sys.executable or "python3")
     p.add_argument("--stall-after", type=_positive, default=300.0)
+    p.add_argument("--startup-stall-after", type=_positive, default=300.0)
     p.add_argument("--source-json", type=_json_object, help="where the release came from (run.json's source)")
     p.add_argument("--restart-json", type=_restart_policy,
                    help='the restart policy: {"max": N, "on": ["failure", "killed"], "backoff_s": S}')
@@ -222,6 +223,7 @@ def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
     return launch(ws, LaunchRequest(
         run_id=args.run_id, config=args.config, name=args.name, resources=tuple(args.resource),
         force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after,
+        startup_stall_after=args.startup_stall_after,
         source=args.source_json, modules=tuple(args.require_module), paths=tuple(args.require_path),
         overrides=tuple(args.override), restart=args.restart_json,
         distributed=distributed, check_only=args.check_only))

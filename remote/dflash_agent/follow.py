@@ -438,8 +438,8 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
                 out.send({"t": "state", "state": state, "ts": time.time()})
                 last_state = state
             if terminal:
-                out.send({"t": "end", "state": state, "exit": obs.exit, "offset": logs.sent,
-                          "segment": logs.segment})
+                out.send({"t": "end", "state": state, "exit": obs.exit, "attempt": int(record.get("attempt") or 0),
+                          "offset": logs.sent, "segment": logs.segment})
                 return 0
             time.sleep(request.poll)
     finally:

@@ -74,6 +74,7 @@ class LaunchRequest:
     env: Tuple[Tuple[str, str], ...] = ()
     python: str = sys.executable
     stall_after: float = 300.0
+    startup_stall_after: float = 300.0
     source: Optional[Dict[str, Any]] = None  # where the release came from; names its release_id
     modules: Tuple[str, ...] = ()  # the trainer's interpreter must find these
     paths: Tuple[PathRequirement, ...] = ()  # the config's host paths that must exist
@@ -140,8 +141,8 @@ def _check_only(ws: Workspace, request: LaunchRequest, run: RunDir, release_id: 
 def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
     for resource in request.resources:
         locks.check_resource(resource)
-    if request.stall_after <= 0:
-        raise AgentError("--stall-after must be positive", "usage")
+    if request.stall_after <= 0 or request.startup_stall_after <= 0:
+        raise AgentError("--stall-after and --startup-stall-after must be positive", "usage")
     if request.distributed is not None:
         request.distributed.check(request.check_only)
     release_id, release_root = ws.current_release()
@@ -171,7 +172,8 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
             release_root=release_root, config_source=request.config, python=request.python,
             env=env,
             env_keys=tuple(key for key, _ in request.env), resources=request.resources,
-            stall_after=request.stall_after, source=request.source, overrides=request.overrides,
+            stall_after=request.stall_after, startup_stall_after=request.startup_stall_after,
+            source=request.source, overrides=request.overrides,
             restart=request.restart, distributed=request.distributed.record() if request.distributed else None)
         report = start_supervisor(plan)
     except BaseException:

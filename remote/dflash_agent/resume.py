@@ -101,6 +101,7 @@ def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[s
         config_source=record.get("config_source") or run.config, python=python, env=env,
         env_keys=tuple(key for key, _ in request.env), resources=resources,
         stall_after=float(record.get("stall_after") or 300.0),
+        startup_stall_after=float(record.get("startup_stall_after") or 300.0),
         source=record.get("source") if release_id == record.get("release_id") else None,
         overrides=tuple(record.get("overrides") or ()), restart=record.get("restart"), attempt=attempt + 1, reason="resume", resume_from=checkpoint,
         history=tuple(history[:-1]) + (ended,), distributed=distributed.record() if distributed else None)

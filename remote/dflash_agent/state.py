@@ -47,9 +47,11 @@ class EventSummary:
     # {"type": "done", "exit_code": n, "ts": ...}. It tells how a run ended whose
     # supervisor died before it could write exit.json.
     done: Optional[Dict[str, Any]] = None
-    # The start-up phase under way (its `startup` event's label, state "started"), when the
-    # newest start-up event says one is; None once it ended or a step happened.
+    # The start-up phase under way (its `startup` event's label, state "started" or
+    # "alive"), when the newest start-up event says one is; None once it ended or a step
+    # happened.
     startup: Optional[str] = None
+    startup_since: Optional[float] = None  # when that phase began (ts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +60,17 @@ class Observation:
     stall_after: float
     now: float
     trainer: str  # ALIVE | ENDING | GONE
+    startup_stall_after: float = 300.0
     exit: Optional[Dict[str, Any]] = None
     error_count: int = 0
     stop_requested: bool = False
     events: EventSummary = EventSummary()
+    # The trainer process is stopped (SIGSTOP, a debugger): alive, and certainly not
+    # making progress, whatever its last heartbeat says.
+    frozen: bool = False
+    # The detail of the attempt's first PeerFailed record {peer_rank, peer_exc_type,
+    # peer_message}: this rank stopped because of that one (RunStatus `peer_failure`).
+    peer_failure: Optional[Dict[str, Any]] = None
 
 
 def derive_state(obs: Observation) -> str:
@@ -81,17 +90,20 @@ def derive_state(obs: Observation) -> str:
         if done is not None:
             return SUCCEEDED if done.get("exit_code") == 0 and obs.error_count == 0 else FAILED
         return FAILED if obs.error_count else LOST
+    if obs.frozen:
+        return STALLED
     if obs.error_count:
         return DEGRADED
     ev = obs.events
     starting = ev.last_heartbeat is None and ev.last_phase in (None, "startup")
     if starting:
-        # Start-up (compile warm-up, graph capture) emits no heartbeats; it counts as
-        # stalled once neither the launch nor any event is recent.
-        clock = max(obs.started_at, ev.last_event_ts or 0.0)
+        # Start-up emits no heartbeats, but its phases' events and, while its threads
+        # work (a long compile, a slow load), an `alive` event every few seconds: it
+        # counts as stalled once neither the launch nor any event is recent.
+        clock, limit = max(obs.started_at, ev.last_event_ts or 0.0), obs.startup_stall_after
     else:
-        clock = max(ev.last_heartbeat or 0.0, ev.last_phase_ts or 0.0)
-    if obs.now - clock > obs.stall_after:
+        clock, limit = max(ev.last_heartbeat or 0.0, ev.last_phase_ts or 0.0), obs.stall_after
+    if obs.now - clock > limit:
         return STALLED
     return STARTING if starting else RUNNING
 
@@ -119,8 +131,11 @@ def summarize_events(path: str) -> EventSummary:
             startup = event
         if kind in PROGRESS_TYPES:
             return EventSummary(last_event_ts, last_phase, last_phase_ts, ts, event.get("step"), done)
-    under_way = startup.get("label") if startup is not None and startup.get("state") == "started" else None
-    return EventSummary(last_event_ts, last_phase, last_phase_ts, done=done, startup=under_way)
+    if startup is None or startup.get("state") not in ("started", "alive"):  # alive: still at it
+        return EventSummary(last_event_ts, last_phase, last_phase_ts, done=done)
+    since = startup.get("ts", 0.0) - (startup.get("elapsed_s") or 0.0)
+    return EventSummary(last_event_ts, last_phase, last_phase_ts, done=done, startup=startup.get("label"),
+                        startup_since=since)
 
 
 def error_records(path: str) -> List[Dict[str, Any]]:
@@ -159,6 +174,12 @@ def trainer_liveness(record: Dict[str, Any]) -> str:
     return GONE
 
 
+def is_frozen(record: Dict[str, Any]) -> bool:
+    """Whether the trainer process is stopped by a signal or a tracer (state T or t)."""
+    stat = procfs.read_stat(record.get("pid") or 0)
+    return stat is not None and stat.start_time == record.get("start_time") and stat.state in ("T", "t")
+
+
 def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
     """The facts about a started run's latest attempt (record = its run.json)."""
     exit_record = read_json(run.exit_json)
@@ -168,15 +189,19 @@ def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
         if trainer == GONE:
             # The supervisor may have written exit.json and exited between our two looks.
             exit_record = read_json(run.exit_json)
+    errors = attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))
     return Observation(
         started_at=float(record.get("started_at") or 0.0),
         stall_after=float(record.get("stall_after") or 300.0),
+        startup_stall_after=float(record.get("startup_stall_after") or 300.0),
         now=time.time(),
         trainer=trainer,
         exit=exit_record,
-        error_count=len(attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))),
+        error_count=len(errors),
         stop_requested=os.path.exists(run.stop_requested),
         events=summarize_events(run.events),
+        frozen=trainer == ALIVE and is_frozen(record),
+        peer_failure=next((r.get("detail") for r in errors if r.get("exc_type") == "PeerFailed"), None),
     )
 
 
@@ -206,6 +231,9 @@ def run_status(run: RunDir, with_config: bool = False) -> Dict[str, Any]:
         "overrides": record.get("overrides") or [],
         "step": obs.events.step,
         "startup": obs.events.startup,
+        "startup_elapsed_s": (None if obs.events.startup_since is None
+                              else round(obs.now - obs.events.startup_since, 1)),
+        "peer_failure": obs.peer_failure,
         "attempt": int(record.get("attempt") or 0),
         "attempts": len(record.get("attempts") or ()) or 1,
         "resume_step": _resume_step(record),

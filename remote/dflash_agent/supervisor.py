@@ -11,6 +11,7 @@ import dataclasses
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from typing import Any, Dict, Optional, Tuple
@@ -21,6 +22,9 @@ from .layout import RunDir, Workspace
 from .state import GONE, Observation, attempt_errors, derive_state, error_records, summarize_events
 
 STOP_POLL_S = 0.2  # during a restart's back-off, how often stop_requested.json is looked for
+# How long the notice of a killed trainer tries to reach its peers' store: a rank 0 still
+# importing torch has not opened it yet.
+PEER_NOTICE_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,7 @@ class TrainerPlan:
     env_keys: Tuple[str, ...]  # the --env keys (values may be secrets: not recorded)
     resources: Tuple[str, ...]
     stall_after: float
+    startup_stall_after: float
     source: Optional[Dict[str, Any]] = None  # where the release came from, as the CLI saw it
     overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE applied to the user's file
     restart: Optional[Dict[str, Any]] = None  # the config's restart policy (attempts.py)
@@ -125,7 +130,30 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
             break
         plan = plan_next
     locks.release(plan.workspace, plan.resources, plan.run.run_id)
+    _tell_peers(plan, exit_record)
     return 0
+
+
+def _tell_peers(plan: TrainerPlan, exit_record: Dict[str, Any]) -> None:
+    """A trainer of a run on several hosts killed by a signal told its peers nothing:
+    say it for it on their store (dflash_train.peer_notice, in the trainer's own
+    environment), so they end in seconds, also while they wait in the join. After
+    exit.json and the locks: this host's state is already known; the notice only
+    spares the peers their timeouts."""
+    if plan.distributed is None or not exit_record.get("signal") or os.path.exists(plan.run.stop_requested):
+        return
+    if plan.distributed.get("rank") == 0:  # the store lived in this trainer: the peers see it gone
+        return
+    message = "the trainer on %s was killed by %s%s" % (
+        socket.gethostname(), exit_record["signal"], " (the kernel's OOM killer)" if exit_record.get("oom_killed") else "")
+    argv = [plan.python, "-m", "dflash_train.peer_notice", "--message", message,
+            "--timeout-s", str(PEER_NOTICE_TIMEOUT_S)]
+    log("telling the peers: %s" % message)
+    try:  # its output goes where ours does: agent.log
+        subprocess.run(argv, env=dict(plan.env), cwd=plan.run.path, stdin=subprocess.DEVNULL,
+                       timeout=PEER_NOTICE_TIMEOUT_S + 30.0, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log("could not tell the peers: %s: %s" % (type(exc).__name__, exc))
 
 
 def _report(fd: Optional[int], message: Dict[str, Any]) -> None:
@@ -171,7 +199,8 @@ def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str,
             "argv": list(plan.argv), "cwd": run.path, "env_keys": list(plan.env_keys),
             "pid": pid, "pgid": pid, "start_time": start_ticks, "boot_id": procfs.boot_id(),
             "host": socket.gethostname(), "started_at": started_at,
-            "stall_after": plan.stall_after, "resources": list(plan.resources),
+            "stall_after": plan.stall_after, "startup_stall_after": plan.startup_stall_after,
+            "resources": list(plan.resources),
             "supervisor": {"pid": os.getpid(), "start_time": procfs.start_time(os.getpid())},
             "source": plan.source, "restart": plan.restart, "distributed": plan.distributed,
             "attempt": plan.attempt, "attempts": list(plan.history) + [entry],

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .runlog import ErrorLog, EventLog, ThreadNames, install_line_writers, say
-from .startup_phases import process_age_s, record, record_to
+from .startup_phases import process_age_s, record, record_to, start_pulse
 
 _LOADED = time.monotonic()  # when /proc cannot tell the process's start
 
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     events = EventLog(run_dir / "events.jsonl")
     record_to(events)
+    start_pulse()
     errors = ErrorLog(run_dir / "errors.jsonl")
     thread_names = ThreadNames(run_dir / "threads.json")
     thread_names.add(threading.main_thread())

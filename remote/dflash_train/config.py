@@ -24,6 +24,7 @@ _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # compile: cudagraphs captures one graph per padded length, per drafter; each costs a
 # compile and a capture at start-up and a graph's worth of memory (see cudagraphs.py).
 CUDAGRAPH_MAX_BUCKETS = 4
+STARTUP_PULSE_S = 5.0  # how often a working start-up says so (startup_phases.start_pulse)
 
 
 def padded_length(length: int, multiple: int) -> int:
@@ -292,9 +293,11 @@ class FaultSpec:
 
     thread: str
     at: str  # "startup" or "step:N" (for the eval thread: the evaluation of step N)
-    kind: Literal["raise", "hang", "abort", "exit", "nonfinite"]  # nonfinite: a drafter's step:N only
+    # nonfinite: a drafter's step:N only; busy: `seconds` of CPU work (a long phase that is working)
+    kind: Literal["raise", "hang", "abort", "exit", "nonfinite", "busy"]
     depth: int = 10  # raise: frames between the thread body and the raise
     code: int = 3  # exit: the exit status
+    seconds: float = 10.0  # busy: how long
     attempt: int | None = None  # fire only in this attempt of the run (0: the launch); None: in every one
     rank: int | None = None  # only in the process of this rank (a host of a multi-host run); None: every rank
     # raise: an exception of this class ("module.Name", imported when the trainer starts)
@@ -316,8 +319,8 @@ class FaultSpec:
             raise ValueError(f"at must be 'startup' or 'step:N', got {self.at!r}")
         if match.group(2) is not None and int(match.group(2)) <= 0:
             raise ValueError("at: steps count from 1")
-        if self.depth < 1 or not 0 < self.code < 256:
-            raise ValueError("depth must be >= 1 and code in 1..255")
+        if self.depth < 1 or not 0 < self.code < 256 or self.seconds < 0:
+            raise ValueError("depth must be >= 1, code in 1..255 and seconds >= 0")
         if self.attempt is not None and self.attempt < 0:
             raise ValueError("attempt counts from 0 (the launch)")
         if self.rank is not None and self.rank < 0:
@@ -461,6 +464,9 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     stall_after: float = 300.0  # seconds without a heartbeat before the run counts as STALLED
+    # seconds of start-up without an event or any work of the process (startup_phases'
+    # pulse: CPU or bytes moved) before it counts as STALLED
+    startup_stall_after: float = 300.0
 
     def __post_init__(self) -> None:
         if self.compile is False:
@@ -489,6 +495,9 @@ class TrainConfig:
                                  f"thread drafter-N and at step:N, got {fault.thread} at {fault.at}")
         if self.log_every <= 0 or self.stall_after <= 0:
             raise ValueError("log_every and stall_after must be positive")
+        if self.startup_stall_after < 3 * STARTUP_PULSE_S:
+            raise ValueError(f"startup_stall_after must be at least {3 * STARTUP_PULSE_S:.0f} s: a working "
+                             f"start-up says so every {STARTUP_PULSE_S:.0f} s")
 
     def _check_job_sections(self) -> None:
         reads = JOB_SECTIONS[self.job]

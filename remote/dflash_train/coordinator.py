@@ -68,11 +68,8 @@ class Coordinator(JobControl):
         try:
             self._set_phase("startup")
             self.peers = join(self.config.distributed, len(self.config.devices.drafters),
-                              not self.config.devices.cpu_only, self.latch)
-            if self.peers is not None:
-                self.peers.where = lambda: (self.phase, self.step)
-                self.peers.on_stuck = self._end_now
-                self.peers.exit_after_s = self.config.runtime.stop_grace_s + 10.0
+                              not self.config.devices.cpu_only, self.latch, where=lambda: (self.phase, self.step),
+                              on_stuck=self._end_now, exit_after_s=self.config.runtime.stop_grace_s + 10.0)
             self.prepared = prepare(self.config, self.run_dir, self.events, self.latch, self.peers)
             if self.config.pipeline.mode == "sequential":
                 self._run_sequential(self.prepared)

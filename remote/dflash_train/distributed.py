@@ -14,12 +14,17 @@ On the store, under dflash/<run id>/:
     left/<r>   rank r ended its part normally (its count stops for a good reason)
     acked      peers that saw `abort` (the failed rank 0 waits for them before leaving)
 
-Every rank runs a watchdog thread that reads them: a peer's `failed` record, a peer
-silent for peer_timeout_s, or the store gone (rank 0 gone) make this rank's run stop
-with ONE errors.jsonl record, PeerFailed, whose detail names the peer and its root cause;
-a peer's `stopped` record stops this rank as a signal would (exit 143). A rank that has
-not ended its part `exit_after_s` later (busy in a startup step that does not look at
-the stop event, say loading a target) is ended by the watchdog (`Peers.on_stuck`).
+Every rank runs a watchdog thread that reads them, from before the process group forms:
+a peer's `failed` record, a peer silent for peer_timeout_s once it has been heard, or the
+store gone (rank 0 gone) make this rank's run stop with ONE errors.jsonl record,
+PeerFailed, whose detail names the peer and its root cause; a peer's `stopped` record
+stops this rank as a signal would (exit 143). A rank that has not ended its part
+`exit_after_s` later (busy in a startup step that does not look at the stop event, say
+loading a target; or still in the join, which nothing can wake: then JOIN_EXIT_S) is
+ended by the watchdog (`on_stuck`). A trainer killed outright writes no `abort`: its
+supervisor does (peer_notice.py), so its peers end in seconds even while they wait in
+the join; a collective broken by a peer that died names the peer whose `alive` count
+stopped.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from .threads import StopLatch, StopRequested
 WATCH_S = 0.5  # the watchdog's period: how fast a peer's failure is seen
 ACK_S = 5.0  # how long a failed rank 0 keeps its store up for the others to read why
 COLLECTIVE_CAUSE_S = 2.0  # after a broken collective, how long to look for the peer's abort record
+JOIN_EXIT_S = 1.0  # a peer failed while this rank waits in the join: no call of ours can end that wait
 
 
 class JoinFailed(RuntimeError):
@@ -60,7 +66,7 @@ class PeerFailed(RuntimeError):
         self.detail = {"peer_rank": peer_rank, "peer_exc_type": peer_exc_type, "peer_message": peer_message}
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """c10d errors carry a C++ backtrace after their first line."""
     return str(exc).strip().split("\n")[0]
 
@@ -91,14 +97,23 @@ def requested_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or "1")
 
 
+def run_store_prefix() -> str:
+    """Where this run's keys live on the rendezvous store (the module docstring's)."""
+    return f"dflash/{os.environ.get('DFLASH_RUN_ID', 'run')}/"
+
+
 def pick_backend(config: DistributedConfig, cuda: bool) -> str:
     if config.backend != "auto":
         return config.backend
     return "nccl" if cuda else "gloo"
 
 
-def join(config: DistributedConfig, local_replicas: int, cuda: bool, latch: StopLatch) -> "Peers | None":
-    """The process group of this run, or None for a one-process run (WORLD_SIZE unset or 1)."""
+def join(config: DistributedConfig, local_replicas: int, cuda: bool, latch: StopLatch,
+         where: Callable[[], tuple[str, int | None]], on_stuck: Callable[[int], None],
+         exit_after_s: float) -> "Peers | None":
+    """The process group of this run, or None for a one-process run (WORLD_SIZE unset or 1).
+    `where` gives the (phase, step) of a PeerFailed record the watchdog writes, and
+    `on_stuck(code)` ends the process when it does not end by itself after a peer's end."""
     world = requested_world_size()
     if world <= 1:
         return None
@@ -106,8 +121,8 @@ def join(config: DistributedConfig, local_replicas: int, cuda: bool, latch: Stop
     if missing:
         raise JoinFailed(f"WORLD_SIZE is {world} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                          "not set (a multi-process run needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
-    rank, address = int(os.environ["RANK"]), f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    backend = pick_backend(config, cuda)
+    rank, host, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    address, backend = f"{host}:{port}", pick_backend(config, cuda)
     if backend == "nccl":
         # wait() then blocks on the CPU and raises at the timeout instead of leaving a hung
         # kernel on the stream, and an abort (a peer failed) wakes it.
@@ -115,21 +130,34 @@ def join(config: DistributedConfig, local_replicas: int, cuda: bool, latch: Stop
     import torch.distributed as dist
 
     say(f"joining the process group at {address} as rank {rank} of {world} ({backend})")
+    joining = datetime.timedelta(seconds=config.join_timeout_s)
     try:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=config.join_timeout_s))
-        # The collectives' own group: the join may wait long for a slow host, a step may not.
-        group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=config.timeout_s),
-                               backend=backend)
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
-                              datetime.timedelta(seconds=max(config.timeout_s, 30.0)))
+        # The store is made here rather than by init_process_group's env://, so the
+        # watchdog reads it while the group forms. Two connections: the group's rendezvous
+        # holds its own in a blocking wait, which would hold up the watchdog's.
+        group_store = dist.TCPStore(host, port, world, rank == 0, joining, wait_for_workers=False)
+        store = dist.TCPStore(host, port, None, False, joining)
     except Exception as exc:  # noqa: BLE001 - c10d raises several types for the same thing
         raise JoinFailed(f"rank {rank} could not join the process group of {world} at {address} within "
-                         f"{config.join_timeout_s:.0f}s ({type(exc).__name__}: {_first_line(exc)})") from exc
-    peers = Peers(Layout(rank, world, local_replicas), config, backend, group,
-                  dist.PrefixStore(f"dflash/{os.environ.get('DFLASH_RUN_ID', 'run')}/", store), address, latch)
-    peers.check_same_replicas()
+                         f"{config.join_timeout_s:.0f}s: its store did not answer "
+                         f"({type(exc).__name__}: {first_line(exc)})") from exc
+    peers = Peers(Layout(rank, world, local_replicas), config, backend,
+                  dist.PrefixStore(run_store_prefix(), store), address, latch,
+                  where, on_stuck, exit_after_s)
     peers.start_watchdog()
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore("group/", group_store), rank=rank,
+                                world_size=world, timeout=joining)
+        # The collectives' own group: the join may wait long for a slow host, a step may not.
+        peers.group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=config.timeout_s),
+                                     backend=backend)
+    except Exception as exc:  # noqa: BLE001 - as above
+        if peers.peer_failure is not None:  # a peer's end broke the join: that is on record
+            raise peers.peer_failure from exc
+        raise JoinFailed(f"rank {rank} could not join the process group of {world} at {address} within "
+                         f"{config.join_timeout_s:.0f}s ({type(exc).__name__}: {first_line(exc)})") from exc
+    peers.joined.set()
+    peers.check_same_replicas()
     say(f"rank {rank} of {world} joined ({local_replicas} drafter replica(s) here, "
         f"{peers.layout.global_replicas} in the run)")
     return peers
@@ -138,21 +166,25 @@ def join(config: DistributedConfig, local_replicas: int, cuda: bool, latch: Stop
 class Peers:
     """This rank's view of the others: the collective group, the shared store and the watchdog."""
 
-    def __init__(self, layout: Layout, config: DistributedConfig, backend: str, group, store, address: str,
-                 latch: StopLatch):
+    def __init__(self, layout: Layout, config: DistributedConfig, backend: str, store, address: str,
+                 latch: StopLatch, where: Callable[[], tuple[str, int | None]], on_stuck: Callable[[int], None],
+                 exit_after_s: float):
         self.layout, self.config, self.backend = layout, config, backend
-        self.group, self.store, self.address, self.latch = group, store, address, latch
+        self.store, self.address, self.latch = store, address, latch
+        self.where, self.on_stuck, self.exit_after_s = where, on_stuck, exit_after_s
+        self.group = None  # the collectives' group, once the process group is formed (join)
+        self.joined = threading.Event()
         self._closing = threading.Event()
         self._left = False
         self._peer_lock = threading.Lock()
         self._peer_failure: PeerFailed | None = None
         self._watchdog: threading.Thread | None = None
-        # Set by the job: its (phase, step) for a PeerFailed record the watchdog writes, and
-        # what ends the process when it does not end by itself after a peer's failure.
-        self.where: Callable[[], tuple[str, int | None]] = lambda: ("startup", None)
-        self.on_stuck: Callable[[int], None] = lambda code: None
-        self.exit_after_s = 10.0
         latch.on_stop(self._on_local_stop)
+
+    @property
+    def peer_failure(self) -> "PeerFailed | None":
+        """The PeerFailed this rank recorded, if a peer ended its run."""
+        return self._peer_failure
 
     @property
     def rank(self) -> int:
@@ -213,22 +245,55 @@ class Peers:
         return torch.load(io.BytesIO(bytes(received)), map_location="cpu", weights_only=True)
 
     def _collective_failed(self, what: str, exc: BaseException) -> BaseException:
-        """What a broken collective means: a stop under way, a peer's failure, or our own."""
-        deadline = time.monotonic() + COLLECTIVE_CAUSE_S
-        while not self.latch.stop.is_set() and time.monotonic() < deadline:
-            record = self._abort_record()  # the peer writes it before it tears down
-            if record is not None:
-                self._on_abort_record(record)
-                break
-            time.sleep(0.1)
+        """What a broken collective means: a stop under way, a peer's failure (its own
+        record, or a peer whose `alive` count stopped: it died or froze), or our own."""
+        import torch.distributed as dist
+
+        try:
+            before = self._alive_counts()
+            deadline = time.monotonic() + COLLECTIVE_CAUSE_S
+            while not self.latch.stop.is_set() and time.monotonic() < deadline:
+                record = self._abort_record()  # the peer writes it before it tears down
+                if record is not None:
+                    self._on_abort_record(record)
+                    break
+                time.sleep(0.1)
+            if not self.latch.stop.is_set():
+                # A live peer's watchdog counts every WATCH_S: one that did not in all this
+                # time is the one that broke the collective.
+                silent = [peer for peer, count in self._alive_counts().items() if count == before[peer]]
+                if silent:
+                    self.peer_failed(silent[0], None, f"rank {silent[0]} stopped answering in {what} "
+                                                      f"({type(exc).__name__}: {first_line(exc)}); no sign "
+                                                      f"of life from it for {COLLECTIVE_CAUSE_S:.0f}s "
+                                                      "(killed, or frozen)")
+        except dist.DistError as store_exc:  # the store's host is gone: that is rank 0
+            return self._store_gone(store_exc)
         if self.latch.stop.is_set():
             return StopRequested(self.latch.stop_reason or "stop requested")
         return CollectiveFailed(f"{what} with the other {self.layout.world_size - 1} rank(s) failed and no rank "
-                                f"recorded why ({type(exc).__name__}: {_first_line(exc)})")
+                                f"recorded why ({type(exc).__name__}: {first_line(exc)})")
+
+    def _alive_counts(self) -> dict[int, int]:
+        """Each peer's `alive` count, but for those that ended their part (they stop counting)."""
+        return {peer: self.store.add(f"alive/{peer}", 0) for peer in self.others
+                if not self.store.check([f"left/{peer}"])}
+
+    def _on_store(self, operation: Callable[[], Any]) -> Any:
+        """A store operation; the store's host gone (rank 0) is a peer's failure, not ours."""
+        import torch.distributed as dist
+
+        try:
+            return operation()
+        except dist.DistError as exc:
+            gone = self._store_gone(exc)
+            if gone is exc:  # rank 0's own store failed: its own error
+                raise
+            raise gone from exc
 
     def arrive(self, name: str) -> None:
         """Count this rank into the store barrier `name` (see wait_for_all)."""
-        self.store.add(name, 1)
+        self._on_store(lambda: self.store.add(name, 1))
 
     def wait_for_all(self, name: str, timeout: float) -> None:
         """A barrier on the store (no collective): wait until every rank arrived at `name`;
@@ -238,24 +303,19 @@ class Peers:
 
     def publish(self, name: str, value: Any) -> None:
         """This rank's `value` (JSON) under `name`, for every rank to collect."""
-        self.store.set(f"{name}/{self.rank}", json.dumps(value))
+        self._on_store(lambda: self.store.set(f"{name}/{self.rank}", json.dumps(value)))
 
     def collect(self, name: str, timeout: float, ranks: list[int] | None = None) -> list[Any]:
         """The `value` every rank (or those of `ranks`) published under `name`, by rank."""
         keys = [f"{name}/{r}" for r in (range(self.layout.world_size) if ranks is None else ranks)]
         self._poll(lambda: self.store.check(keys), timeout, f"not every rank sent {name!r}")
-        return [json.loads(self.store.get(key)) for key in keys]
+        return [json.loads(self._on_store(lambda: self.store.get(key))) for key in keys]
 
     def _poll(self, done, timeout: float, what: str) -> None:
-        import torch.distributed as dist
-
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                if done():
-                    return
-            except dist.DistError as exc:  # the store's host is gone: that is rank 0
-                raise self._store_gone(exc) from exc
+            if self._on_store(done):
+                return
             self.latch.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} within {timeout:.0f}s")
@@ -265,7 +325,7 @@ class Peers:
         if self.rank == 0 or self.latch.stop.is_set():
             return StopRequested(self.latch.stop_reason or "stop requested") if self.latch.stop.is_set() else exc
         return self.peer_failed(0, None, f"the store that rank 0 hosts at {self.address} stopped answering "
-                                         f"({_first_line(exc)}): rank 0 is gone")
+                                         f"({first_line(exc)}): rank 0 is gone")
 
     def check_same_replicas(self) -> None:
         """Every rank must run as many replicas: the data plan numbers them rank * local + i."""
@@ -284,13 +344,17 @@ class Peers:
 
     def _watch(self) -> None:
         code = self._watch_until_a_peer_ends()
-        if code is not None and not self._closing.wait(self.exit_after_s):
-            say(f"this rank has not ended {self.exit_after_s:.0f}s after its peer did: ending it")
+        if code is None:
+            return
+        # In the join the main thread waits in c10d, which only its own timeout ends.
+        grace = self.exit_after_s if self.joined.is_set() else JOIN_EXIT_S
+        if not self._closing.wait(grace):
+            say(f"this rank has not ended {grace:.0f}s after its peer did: ending it")
             self.on_stuck(code)
 
     def _watch_until_a_peer_ends(self) -> int | None:
         """None once this rank leaves; else the exit code this rank ends with (a peer failed or stopped)."""
-        heard = {peer: (-1, time.monotonic()) for peer in self.others}  # peer -> (count, when it moved)
+        heard = {peer: (0, time.monotonic()) for peer in self.others}  # peer -> (count, when it moved)
         while not self._closing.wait(WATCH_S):
             try:
                 self.store.add(f"alive/{self.rank}", 1)
@@ -300,13 +364,12 @@ class Peers:
                     self._on_abort_record(record)
                     return 128 + signal.SIGTERM if record["kind"] == "stopped" else 1
                 now = time.monotonic()
-                for peer in self.others:
-                    if self.store.check([f"left/{peer}"]):
-                        continue
-                    count = self.store.add(f"alive/{peer}", 0)
+                for peer, count in self._alive_counts().items():
                     if count != heard[peer][0]:
                         heard[peer] = (count, now)
-                    elif now - heard[peer][1] > self.config.peer_timeout_s:
+                    elif count > 0 and now - heard[peer][1] > self.config.peer_timeout_s:
+                        # (A peer never heard has not reached the store yet: the join's own
+                        # timeout waits for it.)
                         self.peer_failed(peer, None, f"no sign of life from rank {peer} for "
                                                      f"{self.config.peer_timeout_s:.0f}s (killed, or frozen)")
                         return 1

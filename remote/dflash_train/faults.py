@@ -2,7 +2,8 @@
 
 Each thread calls `FaultInjector.fire(name, step=...)` at startup (step None) and at
 every step; a matching fault then raises a chained exception `depth` frames deep,
-hangs, aborts the process or exits it with a code. A drafter also asks
+hangs, works the CPU for `seconds` (busy: a slow phase that is working), aborts the
+process or exits it with a code. A drafter also asks
 `poisons(name, step)` before its forward: `nonfinite` makes that step's loss and
 gradients NaN (Replica.run_step), the failure a diverging run meets. Matching is by the
 logical thread name, so the sequential pipeline (one thread doing every part) takes the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import time
 from typing import Callable
 
 from .config import FaultSpec
@@ -104,6 +106,12 @@ def _hang(fault: FaultSpec, where: str) -> None:
         never.wait(3600)
 
 
+def _busy(fault: FaultSpec, where: str) -> None:
+    deadline = time.monotonic() + fault.seconds
+    while time.monotonic() < deadline:  # work, not a wait: the CPU time is what shows it
+        sum(i * i for i in range(10_000))
+
+
 def _abort(fault: FaultSpec, where: str) -> None:
     os.abort()
 
@@ -112,4 +120,4 @@ def _exit(fault: FaultSpec, where: str) -> None:
     os._exit(fault.code)
 
 
-_FIRE = {"raise": _raise, "hang": _hang, "abort": _abort, "exit": _exit}
+_FIRE = {"raise": _raise, "hang": _hang, "abort": _abort, "exit": _exit, "busy": _busy}

@@ -10,18 +10,34 @@ line in train.log, so `watch` shows where a starting run is instead of a silent 
 Any module calls `phase` without being handed the event log: the coordinator names the
 run's log once (`record_to`); before that, and in code run outside a trainer (benchmarks,
 tests), phases only time their body. Event fields are listed in DESIGN.md ("events.jsonl").
+
+A phase can be long and still working (a cold compile, a target read from a network
+disk): `start_pulse` adds, until the job leaves its start-up (`end_pulse`), an `alive`
+event every STARTUP_PULSE_S while the process's own threads used the CPU or moved bytes,
+so the agent tells a long start-up from a stuck one (DESIGN.md "Run states").
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from typing import Any, Iterator
 
+from .config import STARTUP_PULSE_S
 from .runlog import EventLog, say
 
 EVENT = "startup"
+# Threads whose activity is no start-up work: the pulse itself, and the peer watchdog's
+# store traffic (distributed.py), which goes on while the main thread is stuck.
+_NOT_WORK = ("startup-pulse", "watchdog")
 _events: EventLog | None = None
+_lock = threading.Lock()
+# The phases begun and not ended, oldest first: (name, label, monotonic start). Before the
+# first one, the process is importing torch and transformers ("import" has no started event).
+_under_way: list[tuple[str, str, float]] = [("import", "import", time.monotonic())]
+_between_since = time.monotonic()  # when the last phase under way ended: the work between phases
+_pulse_stop = threading.Event()
 
 
 def record_to(events: EventLog | None) -> None:
@@ -38,7 +54,13 @@ def label(name: str, detail: dict[str, Any]) -> str:
 
 def record(name: str, duration_s: float, state: str = "done", **detail: Any) -> None:
     """A phase measured by its caller: one `startup` event and one log line."""
+    global _between_since
     duration_s = max(0.0, duration_s)
+    with _lock:
+        ended = [entry for entry in _under_way if entry[:2] == (name, label(name, detail))]
+        if ended:
+            _under_way.remove(ended[-1])
+            _between_since = time.monotonic()
     if _events is not None:
         _events.emit(EVENT, phase=name, state=state, label=label(name, detail), duration_s=round(duration_s, 3),
                      **detail)
@@ -53,6 +75,8 @@ def phase(name: str, **detail: Any) -> Iterator[dict[str, Any]]:
     if _events is not None:
         _events.emit(EVENT, phase=name, state="started", label=label(name, detail), **detail)
     began = time.monotonic()
+    with _lock:
+        _under_way.append((name, label(name, detail), began))
     try:
         yield detail
     except BaseException:
@@ -74,3 +98,57 @@ def process_age_s() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def start_pulse() -> None:
+    """Emit `startup` events with state `alive` ({phase, label, elapsed_s: in that phase,
+    cpu_s and io_bytes: the work since the last pulse}) every STARTUP_PULSE_S while
+    this process's threads (but the pulse's and the peer watchdog's) used the CPU or
+    read or wrote bytes (a network disk, a pipe from the tokenizing workers), until
+    `end_pulse`."""
+    threading.Thread(target=_pulse, name="startup-pulse", daemon=True).start()
+
+
+def end_pulse() -> None:
+    """The start-up is over (the job's phase leaves "startup"): no more pulses."""
+    _pulse_stop.set()
+
+
+def _pulse() -> None:
+    last = _work_by_thread()
+    while not _pulse_stop.wait(STARTUP_PULSE_S):
+        now = _work_by_thread()
+        # Per thread: one that ended takes its counts along, which is no work undone.
+        ticks = sum(max(0, t - last.get(tid, (0, 0))[0]) for tid, (t, _) in now.items())
+        moved = sum(max(0, b - last.get(tid, (0, 0))[1]) for tid, (_, b) in now.items())
+        last = now
+        if not (ticks or moved) or _events is None or _pulse_stop.is_set():
+            continue
+        with _lock:
+            name, text, began = _under_way[-1] if _under_way else ("startup", "start-up", _between_since)
+        _events.emit(EVENT, phase=name, state="alive", label=text, elapsed_s=round(time.monotonic() - began, 1),
+                     cpu_s=round(ticks / os.sysconf("SC_CLK_TCK"), 2), io_bytes=moved)
+
+
+def _work_by_thread() -> dict[int, tuple[int, int]]:
+    """thread id -> (CPU clock ticks, bytes read + written) of this process's threads but
+    those of _NOT_WORK, from /proc/self/task (empty without it: no pulse)."""
+    idle = {t.native_id for t in threading.enumerate() if t.name in _NOT_WORK}
+    work = {}
+    try:
+        tasks = [int(task) for task in os.listdir("/proc/self/task")]
+    except OSError:
+        return work
+    for task in tasks:
+        if task in idle:
+            continue
+        try:
+            with open(f"/proc/self/task/{task}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/self/task/{task}/io", "rb") as handle:
+                counters = dict(line.split(b": ", 1) for line in handle.read().splitlines() if b": " in line)
+            work[task] = (int(fields[11]) + int(fields[12]),  # utime + stime
+                          int(counters.get(b"rchar", 0)) + int(counters.get(b"wchar", 0)))
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended while we read
+    return work

@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Any, Callable, Generic, TypeVar
 
+from . import startup_phases
 from .runlog import ErrorLog, EventLog, ThreadNames, error_record, say
 
 T = TypeVar("T")
@@ -61,6 +62,8 @@ class JobControl:
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
         self.events.emit("phase", phase=phase)
+        if phase != "startup":
+            startup_phases.end_pulse()
 
 
 class StopLatch:
