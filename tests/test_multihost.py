@@ -20,7 +20,8 @@ from dflash_agent import procfs
 from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory
 from dflash_cli.local_state import RunRef, resolve_run, set_latest
-from dflash_cli.multihost import aggregate_state, in_time_order, peer_failed_line, root_cause
+from dflash_cli.multihost import (aggregate_state, blamed_host, blamed_line, in_time_order, mark_silent_ranks,
+                                  peer_failed_line, root_cause)
 from dflash_run import dflash, dflash_argv, dflash_env, dflash_in_process
 from support import container_workspace, free_port
 from support.inventory import default_hosts
@@ -148,6 +149,27 @@ def test_the_run_id_alone_finds_every_host_of_the_run(tmp_path):
     assert resolve_run(logs, None, None) == ref
     assert resolve_run(logs, None, "ct202") == RunRef("ct202", "pair-1")
     assert json.loads((logs / "ct202" / "pair-1" / "hosts.json").read_text()) == {"hosts": ["ct200", "ct202"]}
+
+
+def test_a_rank_without_a_record_of_its_own_is_blamed_and_shown_silent():
+    gone = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": None,
+                                                 "peer_message": "no sign of life from rank 1 for 30s"}}
+    failed = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": "KeyError", "peer_message": "x"}}
+    hosts = ["ct200", "ct202"]
+    assert blamed_host(("ct200", gone), hosts) == "ct202"
+    assert blamed_host(("ct202", record(1.0, "RuntimeError")), hosts) is None  # a record of its own
+    assert blamed_line(hosts, {"exit_code": None, "signal": "SIGKILL"}, ("ct200", gone)) == (
+        "no sign of life from rank 1 for 30s (seen by ct200, rank 0); its trainer was killed by SIGKILL, "
+        "with no error record of its own")
+    assert blamed_line(hosts, None, ("ct200", gone)).endswith("its trainer still runs, with no error record of its own")
+    rows = [{"host": "ct200", "rank": 0, "state": "FAILED", "peer_failure": gone["detail"]},
+            {"host": "ct202", "rank": 1, "state": "RUNNING", "peer_failure": None}]
+    marked = mark_silent_ranks(rows)
+    assert [r["state"] for r in marked] == ["FAILED", "STALLED"] and rows[1]["state"] == "RUNNING"
+    assert marked[1]["silent"] == "ct200 (rank 0) stopped hearing from it: no sign of life from rank 1 for 30s"
+    # A peer that failed with a record of its own is not silent; a row that ended stays as it ended.
+    assert mark_silent_ranks([{**rows[0], "peer_failure": failed["detail"]}, rows[1]])[1]["state"] == "RUNNING"
+    assert mark_silent_ranks([rows[0], {**rows[1], "state": "FAILED"}])[1]["state"] == "FAILED"
 
 
 # -- launch on ct200 + ct202 ---------------------------------------------------------------
