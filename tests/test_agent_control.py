@@ -116,7 +116,7 @@ def test_report_has_everything_fetch_traceback_needs(agent):
                             {"error": {"thread": "drafter-1", "message": "boom"}},
                             {"error": {"thread": "coordinator", "message": "drafter-1 failed"}},
                             {"kill_self": "SIGABRT"}], "--name", "rep")
-    agent.wait_state("failed", "FAILED")
+    assert agent.wait_state("failed", "FAILED")["reason"] == "RuntimeError: boom"  # the root cause's
     report = agent.ok("report", "--run-id", "failed", "--log-lines", "3")
     assert report["run_id"] == "failed" and report["state"] == "FAILED"
     assert report["run"] == agent.read("failed", "run.json")
@@ -127,6 +127,7 @@ def test_report_has_everything_fetch_traceback_needs(agent):
     assert "Fatal Python error: Aborted" in report["faulthandler"]
     assert report["last_stacks"].startswith("Fatal Python error: Aborted")  # the crash's own dump
     assert report["log_tail"] == "".join("line %06d xxxxx\n" % i for i in (47, 48, 49))
+    assert report["agent_error"] is None  # the supervisor had none
 
 
 def test_status_lists_runs_newest_first(agent):
@@ -135,9 +136,10 @@ def test_status_lists_runs_newest_first(agent):
         agent.wait_state(run_id, "SUCCEEDED")
     runs = agent.ok("status")["runs"]
     assert [r["run_id"] for r in runs] == ["third", "second", "first"]
-    assert set(runs[0]) == {"run_id", "name", "state", "pid", "started_at", "ended_at", "exit", "errors",
+    assert set(runs[0]) == {"run_id", "name", "state", "reason", "pid", "started_at", "ended_at", "exit", "errors",
                             "last_heartbeat", "release_id", "source", "overrides", "step", "attempt", "attempts",
-                            "resume_step", "checkpoint_step", "startup"}
+                            "resume_step", "checkpoint_step", "startup", "startup_elapsed_s", "peer_failure"}
+    assert runs[0]["reason"] is None  # a success has none
     assert runs[0]["name"] == "name of third"
     result = agent.run("status", "--run-id", "missing")
     assert (result.rc, result.json["kind"]) == (2, "not_found")

@@ -425,6 +425,24 @@ def test_a_disk_that_fills_up_during_the_launch_names_the_file(tmp_path, config_
             agent.cleanup()
 
 
+def test_exit_json_is_written_on_a_disk_full_to_its_last_byte_and_says_so(tmp_path):
+    with tmpfs(tmp_path / "disk", size_mib=80) as disk:
+        agent = Agent(make_workspace(disk))
+        try:
+            agent.launch("full", [{"wait_file": "go"}, {"exit": 3}], "--resource=cpu")
+            wait_until(lambda: (agent.run_dir("full") / "standin.json").exists())  # the stand-in's own write
+            fill(disk)
+            agent.touch("full", "go")  # an empty file: an inode, no block
+            status = agent.wait_state("full", "FAILED", "LOST")
+            exit_json = agent.run_dir("full") / "exit.json"
+            assert (status["state"], status["exit"]["exit_code"]) == ("FAILED", 3)
+            assert status["reason"] == status["exit"]["error"] == (
+                f"no space left on device writing {exit_json} (0 bytes free on {disk})")
+            assert not (agent.run_dir("full") / "exit.json.reserve").exists()  # given back
+        finally:
+            agent.cleanup()
+
+
 def test_launch_records_the_overrides_and_status_gives_the_config(agent):
     overrides = ["optim.lr=1e-4", "devices.target=[cuda:0, 'cuda:1']", "data.eval="]
     agent.launch("set", [], *[f"--override={o}" for o in overrides])

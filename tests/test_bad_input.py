@@ -169,17 +169,20 @@ def test_fetch_traceback_that_cannot_write_its_file_says_so(make_inventory, tmp_
 
 # --- what the CLI shows ------------------------------------------------------------------
 
-def fabricate_run(workspace: Path, run_id: str, exit_code: int) -> float:
-    """A finished run as the agent leaves one (run.json, exit.json); returns its end time."""
+def fabricate_run(workspace: Path, run_id: str, exit_code: int | None, supervisor: int | None = None) -> float:
+    """A finished run as the agent leaves one (run.json, exit.json: none for exit_code
+    None, a supervisor that died first); returns its end time. Its pids are above the
+    kernel's largest: no process has them."""
     run_dir = workspace / "runs" / run_id
     run_dir.mkdir(parents=True)
     ended = time.time()
     (run_dir / "run.json").write_text(json.dumps({
         "run_id": run_id, "pid": 2 ** 22 + 1, "pgid": 2 ** 22 + 1, "start_time": 1,
         "boot_id": procfs.boot_id(), "started_at": ended - 60, "stall_after": 300.0,
-        "release_id": "r", "supervisor": {"pid": None, "start_time": None}}))
-    (run_dir / "exit.json").write_text(json.dumps({"exit_code": exit_code, "signal": None, "oom_killed": False,
-                                                   "ended_at": ended, "exec_error": None}))
+        "release_id": "r", "supervisor": {"pid": supervisor, "start_time": None if supervisor is None else 1}}))
+    if exit_code is not None:
+        (run_dir / "exit.json").write_text(json.dumps({"exit_code": exit_code, "signal": None, "oom_killed": False,
+                                                       "ended_at": ended, "exec_error": None}))
     return ended
 
 
@@ -199,6 +202,26 @@ def test_status_is_titled_for_its_run_and_every_time_is_iso(make_inventory, tmp_
                      hosts=hosts)
     assert fetched.returncode == 1
     assert re.search(rf"^process ended: exit code 1 at {ISO_UTC}$", fetched.stdout, re.MULTILINE), fetched.stdout
+
+
+def test_the_supervisors_last_error_is_shown_when_nothing_else_says_why_the_run_ended(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
+    supervisor = 2 ** 22 + 2
+    fabricate_run(tmp_path / "node ws", "lost-1", None, supervisor)  # it died before it wrote exit.json
+    (tmp_path / "node ws" / "runs" / "lost-1" / "agent.log").write_text(
+        f"2026-01-01T00:00:00 supervisor[{supervisor - 1}]: error: an earlier attempt's supervisor\n"
+        f"2026-01-01T00:00:01 supervisor[{supervisor}]: trainer pid 7 started (attempt 0): [...]\n"
+        f"2026-01-01T00:00:02 supervisor[{supervisor}]: error: RuntimeError: first\n"
+        f"2026-01-01T00:00:03 supervisor[{supervisor}]: error: OSError: [Errno 5] Input/output error\n"
+        "Traceback (most recent call last):\n  ...\nOSError: [Errno 5] Input/output error\n")
+    status = dflash_in_process("status", "lost-1", "--host", "node", hosts=hosts)
+    assert (status.returncode, status.stdout) == (1, "LOST\n")
+    assert "reason: OSError: [Errno 5] Input/output error" in status.stderr
+    fetched = dflash_in_process("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "lost-1", "--host", "node",
+                                hosts=hosts)
+    assert fetched.returncode == 1
+    assert "agent.log, the supervisor's last error: OSError: [Errno 5] Input/output error\n" in fetched.stdout
 
 
 def test_hosts_json_is_the_whole_answer(make_inventory, tmp_path):

@@ -50,6 +50,8 @@ def render_no_record(report: dict, ref: RunRef, of_its_own: bool = False) -> str
         out.append("exit.json: " + json.dumps(exit_info, sort_keys=True) + "\n")
     else:
         out.append("exit.json: absent (the supervisor did not record an exit)\n")
+    if report.get("agent_error"):
+        out.append(f"agent.log, the supervisor's last error: {report['agent_error']}\n")
     fault = (report.get("last_stacks") or "").strip()
     if fault:
         out.append("--- faulthandler.log, the last dump ---\n" + fault + "\n")

@@ -116,6 +116,8 @@ def _status_of_hosts(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
                 console.warn(s["error"])
             if s.get("silent"):
                 console.warn(f"{s['host']} (rank {s['rank']}) is {s['state']}: {s['silent']}")
+            if s.get("reason"):
+                console.say(console.printable(f"{s['host']}: reason: {s['reason']}"))
         source = next((s["source"] for s in statuses if s.get("source")), None)
         if source:
             console.say(f"source: {provenance.summary(source)}")
@@ -139,6 +141,8 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
             console.say(f"source: {provenance.summary(status['source'])}")
         if line := overrides_line(status):
             console.say(line)
+        if status.get("reason"):
+            console.say(console.printable(f"reason: {status['reason']}"))
         if status["state"] != "SUCCEEDED":
             console.say(resume_point(status))
     return exit_code_for_state(status["state"])

@@ -50,8 +50,11 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          runs/ID/train.log. The release is the one `current` points to at launch,
          resolved (runs keep their release even when `current` moves on). When the
          trainer ends it writes exit.json {exit_code, signal, oom_killed, ended_at,
-         exec_error, attempt} atomically (exec_error: null, or why the exec failed;
-         exit_code is then 127 and train.log holds the reason). With --restart-json
+         exec_error, attempt, error} atomically (exec_error: null, or why the exec failed;
+         exit_code is then 127 and train.log holds the reason; error: null, or that the
+         disk had no room for exit.json, which then went into runs/ID/exit.json.reserve's
+         room). The supervisor's own failures are `supervisor[PID]: error: …` lines in
+         agent.log. With --restart-json
          {"max", "on", "backoff_s"} (run.json's "restart") the supervisor starts the
          next attempt from the newest checkpoint instead, as DESIGN.md "The restart
          policy" says; run.json's "attempt" and "attempts" list the attempts. run.json also records name,
@@ -100,7 +103,10 @@ resume   --run-id ID [--release run|current] [--step N] [--env KEY=VALUE]... [--
          nothing: -> {"run_id", "checked": true, "attempt", "previous_state", "step",
          "checkpoint"}, plus "master_port" (free here now) when --master-port is 0.
 status   [--run-id ID [--config]]    {"runs": [RunStatus...]} (all runs if no id; newest first)
-         RunStatus = {"run_id", "name", "state", "pid", "started_at", "ended_at",
+         RunStatus = {"run_id", "name", "state", "reason": why a FAILED, LOST or
+                      DEGRADED run failed, one line (the latest attempt's first error
+                      record "EXC_TYPE: message", else exit.json's error, else the latest
+                      supervisor's last error in agent.log) or null, "pid", "started_at", "ended_at",
                       "exit": exit.json or null, "errors": n_records,
                       "last_heartbeat": ts or null, "release_id", "source": run.json's
                       source or null, "overrides": run.json's overrides or [],
@@ -134,7 +140,8 @@ report   --run-id ID [--log-lines N=200]
          Everything fetch-traceback needs: {"run_id", "state", "run": run.json,
          "exit": exit.json|null, "errors": [records...], "faulthandler": text (its
          last 4 MiB), "last_stacks": its newest dump, "log_tail": last N lines of
-         train.log}; both stack texts have their threads named. A record line that
+         train.log, "agent_error": the latest supervisor's last error in agent.log or
+         null}; both stack texts have their threads named. A record line that
          is not JSON is given as {"raw": text}.
 gpus     {"gpus": [{"index", "name", "memory_used_mib", "memory_total_mib",
           "utilization_pct", "temperature_c", "power_w"}]} ([] without nvidia-smi;

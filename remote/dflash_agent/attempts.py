@@ -16,7 +16,7 @@ import re
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from .jsonio import encode_line
+from .jsonio import NO_SPACE, encode_line
 from .layout import RunDir
 
 CHECKPOINTS = "checkpoints"
@@ -95,9 +95,14 @@ def append_markers(run: RunDir, attempt: int, reason: str, resume_step: Optional
 
 
 def log_line(run: RunDir, text: str) -> None:
-    """One supervisor line in train.log, where `watch` shows it."""
+    """One supervisor line in train.log, where `watch` shows it; none on a full disk,
+    which must not keep the supervisor from writing exit.json."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
-    _append(run.train_log, ("%s.000 [supervisor] %s\n" % (stamp, text)).encode("utf-8"))
+    try:
+        _append(run.train_log, ("%s.000 [supervisor] %s\n" % (stamp, text)).encode("utf-8"))
+    except OSError as exc:
+        if exc.errno not in NO_SPACE:
+            raise
 
 
 def _append(path: str, data: bytes) -> None:

@@ -23,7 +23,7 @@ from . import locks, preflight
 from .jsonio import NO_SPACE, AgentError, no_space, read_tail_text, write_atomic
 from .layout import RunDir, Workspace
 from .preflight import PathRequirement
-from .supervisor import TrainerPlan, supervise
+from .supervisor import TrainerPlan, log_error, supervise
 
 REPORT_TIMEOUT_S = 60.0
 # The torch.distributed variables a trainer joins its process group by (init_method
@@ -218,7 +218,8 @@ def start_supervisor(plan: TrainerPlan) -> Dict[str, Any]:
             # Grandchild: not a session leader, so it can never regain a terminal.
             _daemonize(plan.run.agent_log, report_w)
             code = supervise(plan, report_w)
-        except BaseException:
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the supervisor is said in agent.log
+            log_error("%s: %s" % (type(exc).__name__, exc))
             traceback.print_exc()
         finally:
             os._exit(code)

@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 from . import stackdump
 from .jsonio import decode_bytes, read_tail_text
 from .layout import RunDir, Workspace
-from .state import derive_state, error_records, observe, read_record, run_status
+from .state import agent_error, derive_state, error_records, observe, read_record, run_status
 
 FAULTHANDLER_MAX_BYTES = 4 * 1024 * 1024
 
@@ -49,5 +49,6 @@ def report(run: RunDir, log_lines: int) -> Dict[str, Any]:
         "faulthandler": faulthandler,
         "last_stacks": stackdump.last_dump(faulthandler),
         "log_tail": read_tail_text(run.train_log, log_lines),
+        "agent_error": agent_error(run, record),
     }
 

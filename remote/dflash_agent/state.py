@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any, Dict, List, Optional
 
 from . import procfs
 from .attempts import newest_checkpoint
-from .jsonio import decode_bytes, lines_backwards, parse_json_line, read_json
+from .jsonio import decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
 from .layout import RunDir
 
 STARTING = "STARTING"
@@ -33,6 +34,9 @@ GONE = "gone"  # exited (or pid reused, or host rebooted) and no supervisor will
 
 # Event types that show the pipeline moving (events.jsonl, written by the trainer).
 PROGRESS_TYPES = ("heartbeat", "step")
+# A supervisor's own error in agent.log (supervisor.log_error): its pid, then the message.
+_AGENT_ERROR = re.compile(r"^\S+ supervisor\[(\d+)\]: error: (.*)$")
+AGENT_LOG_TAIL_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,14 +216,42 @@ def read_record(run: RunDir) -> Dict[str, Any]:
     return record
 
 
+def agent_error(run: RunDir, record: Dict[str, Any]) -> Optional[str]:
+    """The last error the latest attempt's supervisor wrote in agent.log, or None; read
+    from the log's end (an earlier attempt's supervisor has another pid)."""
+    pid = str((record.get("supervisor") or {}).get("pid"))
+    text = read_tail_text(run.agent_log, 1000, AGENT_LOG_TAIL_BYTES)
+    for line in reversed(text.splitlines()):
+        match = _AGENT_ERROR.match(line)
+        if match and match.group(1) == pid:
+            return match.group(2)
+    return None
+
+
+def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state: str) -> Optional[str]:
+    """Why a FAILED, LOST or DEGRADED run's latest attempt failed, in one line: its first
+    error record (`exc_type: message`), else what its supervisor said (exit.json's
+    `error`, else its last error in agent.log); None when nothing says, or for another state."""
+    if state not in (FAILED, LOST, DEGRADED):
+        return None
+    errors = attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))
+    if errors:
+        first = errors[0]
+        text = first["raw"] if "raw" in first else "%s: %s" % (first.get("exc_type"), first.get("message"))
+        return text.splitlines()[0]  # never empty: error_records skips blank lines
+    return (obs.exit or {}).get("error") or agent_error(run, record)
+
+
 def run_status(run: RunDir, with_config: bool = False) -> Dict[str, Any]:
     """The RunStatus object of the protocol; `with_config` adds run.json's config text."""
     record = read_record(run)
     obs = observe(run, record)
+    state = derive_state(obs)
     status = {
         "run_id": run.run_id,
         "name": record.get("name"),
-        "state": derive_state(obs),
+        "state": state,
+        "reason": failure_reason(run, record, obs, state),
         "pid": record.get("pid"),
         "started_at": record.get("started_at"),
         "ended_at": _ended_at(obs),

@@ -3,7 +3,10 @@ after it ends, then releases the run's locks. Under the run's restart policy it 
 the next attempt from the newest checkpoint instead of writing exit.json (attempts.py).
 
 It runs detached (launch.py daemonizes it): stdin /dev/null, stdout+stderr appended to
-runs/ID/agent.log, no descriptor of the caller left open.
+runs/ID/agent.log, no descriptor of the caller left open. Its own failures are lines
+`supervisor[PID]: error: …` there (`log_error`), which `status` shows when nothing else
+says why a run ended. exit.json has a reserve (diskspace.py), so that it is written on a
+disk full to its last byte too.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from . import attempts, locks, oom, procfs
-from .jsonio import encode_line, write_json_atomic
+from .diskspace import DiskFull, Reserve
+from .jsonio import NO_SPACE, encode_line, write_json_atomic
 from .layout import RunDir, Workspace
 from .state import GONE, Observation, attempt_errors, derive_state, error_records, summarize_events
 
@@ -59,9 +63,19 @@ class TrainerPlan:
 
 
 def log(message: str) -> None:
+    """One line in agent.log, written whole or not at all: a full disk must not end the
+    supervisor, which has exit.json still to write."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
-    sys.stderr.write("%s supervisor[%d]: %s\n" % (stamp, os.getpid(), message))
-    sys.stderr.flush()
+    try:
+        os.write(2, ("%s supervisor[%d]: %s\n" % (stamp, os.getpid(), message)).encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def log_error(message: str) -> None:
+    """The supervisor's own failure, in one line (its newlines escaped), the form
+    state.agent_error reads for `status`."""
+    log("error: " + message.replace("\n", "\\n"))
 
 
 def signal_name(signum: int) -> str:
@@ -122,11 +136,14 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
     {"ok": ...} on `report_fd` once the first attempt's run.json exists (or why it could
     not start) and closes it."""
     report: Optional[int] = report_fd
+    reserve = Reserve(plan.run.file("exit.json.reserve"))
+    reserve.make()
     while True:
         entry, exit_record = _run_attempt(plan, report)
         report = None
         plan_next = _next_attempt(plan, entry, exit_record)
         if plan_next is None:
+            _write_exit(plan.run, exit_record, reserve)
             break
         plan = plan_next
     locks.release(plan.workspace, plan.resources, plan.run.run_id)
@@ -248,8 +265,8 @@ def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str,
 
 
 def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: Dict[str, Any]) -> Optional[TrainerPlan]:
-    """The plan of the restart the policy calls for, after its back-off; None (with
-    exit.json written) when the run ends here."""
+    """The plan of the restart the policy calls for, after its back-off; None when the
+    run ends here."""
     run = plan.run
     errors = attempt_errors(error_records(run.errors), plan.attempt)
     step = attempts.failed_step(errors, summarize_events(run.events).step)
@@ -267,7 +284,6 @@ def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: Dict[st
     if refusal is not None:
         if cause is not None and plan.restart and plan.restart.get("max"):
             attempts.log_line(run, "attempt %d ended (%s): not restarting: %s" % (plan.attempt, cause, refusal))
-        write_json_atomic(run.exit_json, exit_record)
         return None
     state = derive_state(Observation(started_at=entry["started_at"], stall_after=plan.stall_after, now=time.time(),
                                      trainer=GONE, exit=exit_record, error_count=len(errors)))
@@ -275,6 +291,24 @@ def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: Dict[st
     return dataclasses.replace(
         plan, attempt=plan.attempt + 1, reason="restart", resume_from=newest or plan.resume_from,
         history=tuple(plan.history) + (attempts.closed(entry, exit_record, state, step),))
+
+
+def _write_exit(run: RunDir, exit_record: Dict[str, Any], reserve: Reserve) -> None:
+    """exit.json, then the reserve given back; on a disk with no room for it, into the
+    reserve's room, with `error` saying so (null otherwise)."""
+    exit_record = dict(exit_record, error=None)
+    try:
+        write_json_atomic(run.exit_json, exit_record)
+    except OSError as exc:
+        if exc.errno not in NO_SPACE:
+            raise
+        full = DiskFull(run.exit_json)  # made first: what is free without the reserve
+        if not reserve.release():
+            raise full from exc
+        exit_record["error"] = str(full)
+        write_json_atomic(run.exit_json, exit_record)
+        log_error(exit_record["error"])  # after: the line would take the room exit.json needs
+    reserve.release()
 
 
 def _stopped_within(run: RunDir, seconds: float) -> bool:

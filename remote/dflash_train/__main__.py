@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from .runlog import ErrorLog, EventLog, ThreadNames, install_line_writers, say
+from .runlog import ErrorLog, EventLog, ThreadNames, emit_done, install_line_writers, say
 from .startup_phases import process_age_s, record, record_to, start_pulse
 
 _LOADED = time.monotonic()  # when /proc cannot tell the process's start
@@ -76,22 +76,27 @@ def main(argv: list[str] | None = None) -> None:
                since="process start" if age is not None else "trainer start")
     except BaseException as exc:  # noqa: BLE001 - a bad config or a broken install is this run's failure too
         latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase="startup", step=None)
-        finish(events, writers, fault_log, 1, [])
+        finish(events, errors, writers, fault_log, 1, [])
 
     hf_logging.disable_progress_bar()
     coordinator = job_class(config, run_dir, events, latch, fault_log)
     install_signal_handlers(coordinator)
-    finish(events, writers, fault_log, coordinator.run(), coordinator.alive)
+    finish(events, errors, writers, fault_log, coordinator.run(), coordinator.alive)
 
 
-def finish(events: EventLog, writers, fault_log, code: int, alive: list[str]) -> None:
+def finish(events: EventLog, errors: ErrorLog, writers, fault_log, code: int, alive: list[str]) -> None:
     """Report and leave at once: os._exit, because a hung daemon thread must not be able to
-    delay or crash interpreter shutdown."""
-    events.emit("done", exit_code=code, threads_alive=alive)
+    delay or crash interpreter shutdown. Nothing written here may keep it from exiting
+    with `code`: on a full disk the `done` event is said to be missing, in the log."""
+    emit_done(events, code, alive)
     say(f"exit code {code}")
     for writer in writers:
         writer.flush_all()
-    fault_log.flush()
+    try:
+        fault_log.flush()
+    except OSError:
+        pass  # faulthandler.log is best effort; its dumps are written past this buffer anyway
+    errors.reserve.release()  # the process is done with it
     os._exit(code)
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from dflash_agent.diskspace import DiskFull, free_bytes, is_no_space
 from dflash_agent.jsonio import fsync_path
 
 from .config import resolve_path
@@ -73,11 +74,17 @@ def write_sha256sums(folder: Path) -> None:
     (folder / SHA256SUMS).write_text("".join(lines))
 
 
-def replace_dir(final: Path, fill: Callable[[Path], None]) -> None:
+def replace_dir(final: Path, fill: Callable[[Path], None], needed: int = 0) -> None:
     """Fill a staging folder beside `final` with `fill(staging)`, fsync it, then move it
     into place. A previous `final` stays whole until the new one is; it is missing only
     between two renames (a folder cannot be renamed over a non-empty one), never while
-    one is being deleted."""
+    one is being deleted. A failure for want of space raises DiskFull naming `final`:
+    told by ENOSPC in the exception's chain, or, as the writers do not all say it
+    (torch.save: `[enforce fail at inline_container.cc:…] . unexpected pos …`;
+    safetensors: a SafetensorError quoting the OS error), by less free at the start
+    than the `needed` bytes. (Free space after the failure tells nothing: the failed
+    writer, which the exception's frames hold, keeps its unlinked file's blocks.)"""
+    free = free_bytes(str(final.parent))
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; these folders are for others to read
     old = final.parent / f".old-{final.name}-{os.getpid()}"
@@ -88,6 +95,12 @@ def replace_dir(final: Path, fill: Callable[[Path], None]) -> None:
         if final.exists():  # written again (a resumed run re-saving a step, a re-export)
             final.rename(old)
         os.replace(staging, final)
+    except Exception as exc:
+        if free < needed:
+            raise DiskFull(str(final), needed, free) from exc
+        if is_no_space(exc):
+            raise DiskFull(str(final)) from exc
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)  # only once the new one is in place
@@ -99,6 +112,12 @@ class CheckpointSnapshot:
     state: TrainingState
     weights: dict[str, torch.Tensor]
     optimizer: dict[str, Any]  # {"optimizer": state_dict, "scheduler": state_dict}, tensors on the CPU
+
+    def nbytes(self) -> int:
+        """The bytes of its tensors: the least its files take on disk."""
+        sizes = [t.numel() * t.element_size() for t in self.weights.values()]
+        _map_tensors(self.optimizer, "optimizer", lambda _, t: sizes.append(t.numel() * t.element_size()))
+        return sum(sizes)
 
 
 class SnapshotBuffers:
@@ -202,7 +221,7 @@ def write_checkpoint(root: Path, snapshot: CheckpointSnapshot, keep: int, config
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{snapshot.state.step:06d}"
-    replace_dir(final, fill)
+    replace_dir(final, fill, snapshot.nbytes())
     link = root / f".{LATEST}-{os.getpid()}"
     link.unlink(missing_ok=True)
     link.symlink_to(final.name)

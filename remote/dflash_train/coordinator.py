@@ -29,7 +29,7 @@ from .distributed import PeerFailed, Peers, join
 from .model import NonFiniteWeights
 from .pipeline import READY, Channels, drafter_body, eval_body, prefetch_body, target_body
 from .replica import NonFiniteStep, Replica, ReplicasDiverged, verify_replicas_identical
-from .runlog import EventLog, dump_header, say
+from .runlog import EventLog, dump_header, emit_done, say
 from .schedule import EvalRequest, OutputSchedule
 from .startup import Prepared, prepare
 from .startup_phases import phase
@@ -114,7 +114,7 @@ class Coordinator(JobControl):
         startup step that does not look at the stop event): stacks, the done event, exit."""
         alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
         report_threads_still_running(alive, self.config.runtime.stop_grace_s + 10.0, self.fault_log)
-        self.events.emit("done", exit_code=code, threads_alive=alive)
+        emit_done(self.events, code, alive)
         os._exit(code)
 
     def _leave(self, ok: bool) -> None:
@@ -330,8 +330,11 @@ def report_threads_still_running(alive: list[str], grace_s: float, fault_log) ->
     if not alive:
         return
     say(f"threads still running after {grace_s:.0f}s: {', '.join(alive)}; their stacks are in faulthandler.log")
-    fault_log.write(dump_header(f"threads still running after the stop: {', '.join(alive)}"))
-    fault_log.flush()  # faulthandler writes to the descriptor, past this buffer
+    try:
+        fault_log.write(dump_header(f"threads still running after the stop: {', '.join(alive)}"))
+        fault_log.flush()  # faulthandler writes to the descriptor, past this buffer
+    except OSError:
+        pass  # a full disk: the dump below is written (or not) all the same, the exit must not wait
     faulthandler.dump_traceback(file=fault_log, all_threads=True)
 
 

@@ -22,9 +22,17 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from dflash_agent.diskspace import DiskFull, Reserve
+from dflash_agent.jsonio import NO_SPACE
+
 from . import memory_ledger
 
 _WRITE_LOCK = threading.Lock()  # one lock for stdout and stderr: both usually land in train.log
+# A record's longest text fields, in characters: a record always fits its reserve
+# (diskspace.RESERVE_BYTES), at up to 4 bytes a character.
+MAX_TRACEBACK_CHARS = 32 * 1024
+MAX_MESSAGE_CHARS = 8 * 1024
+MAX_FRAMES = 64
 
 
 def utc_stamp() -> str:
@@ -36,6 +44,19 @@ def prefix_lines(text: str, thread_name: str) -> str:
     """Prefix every line of `text` (which ends with a newline) with time and thread name."""
     stamp = utc_stamp()
     return "".join(f"{stamp} [{thread_name}] {line}\n" for line in text[:-1].split("\n"))
+
+
+class _LostLines:
+    """train.log lines dropped for want of space, shared by both writers (one file,
+    guarded by _WRITE_LOCK): how many since the last line that fit, and whether a
+    failed write cut the file's last line."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.torn = False
+
+
+_LOST = _LostLines()
 
 
 class LineWriter(io.TextIOBase):
@@ -88,10 +109,32 @@ class LineWriter(io.TextIOBase):
             self._emit(prefix_lines(text + "\n", name))
 
     def _emit(self, text: str) -> None:
-        data = text.encode("utf-8", "replace")
         with _WRITE_LOCK:
-            while data:
-                data = data[os.write(self._fd, data):]
+            if _LOST.lines:
+                cut = "\n" if _LOST.torn else ""  # ends the line a failed write cut
+                note = prefix_lines(f"({_LOST.lines} log line(s) lost here: no space left on device)\n",
+                                    threading.current_thread().name)
+                if not self._write_whole((cut + note).encode("utf-8")):
+                    _LOST.lines += text.count("\n")
+                    return
+                _LOST.lines = 0
+            if not self._write_whole(text.encode("utf-8", "replace")):
+                _LOST.lines += text.count("\n")
+
+    def _write_whole(self, data: bytes) -> bool:
+        """Write all of `data` (under _WRITE_LOCK); False when the disk is full, with
+        _LOST.torn saying whether the file now ends inside a line."""
+        written = 0
+        while written < len(data):
+            try:
+                written += os.write(self._fd, data[written:])
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise
+                _LOST.torn = _LOST.torn or written > 0
+                return False
+        _LOST.torn = False
+        return True
 
 
 def install_line_writers() -> tuple[LineWriter, LineWriter]:
@@ -117,20 +160,31 @@ def say(text: str) -> None:
 
 
 class JsonLines:
-    """Append-only JSON-lines file; every record is one whole line, flushed."""
+    """Append-only JSON-lines file; every record is one whole line, written at once. A
+    write the disk has no room for is undone (the file cut back to where the line
+    began, so no torn line is glued to the next) and raised as DiskFull."""
 
     def __init__(self, path: Path, fsync: bool):
+        self.path = path
         self._fsync = fsync
         self._lock = threading.Lock()
-        self._file = open(path, "a", encoding="utf-8")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, ensure_ascii=False, default=str) + "\n"
+        data = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8")
         with self._lock:
-            self._file.write(line)
-            self._file.flush()
-            if self._fsync:
-                os.fsync(self._file.fileno())
+            start = os.fstat(self._fd).st_size  # the one writer of this file: its lock held
+            try:
+                written = 0
+                while written < len(data):
+                    written += os.write(self._fd, data[written:])
+                if self._fsync:
+                    os.fsync(self._fd)
+            except OSError as exc:
+                os.ftruncate(self._fd, start)  # frees blocks, needs none
+                if exc.errno in NO_SPACE:
+                    raise DiskFull(str(self.path)) from exc
+                raise
 
 
 class EventLog(JsonLines):
@@ -140,6 +194,15 @@ class EventLog(JsonLines):
     def emit(self, type_: str, **fields: Any) -> None:
         self.append({"ts": time.time(), "type": type_,
                      "thread": threading.current_thread().name, **fields})
+
+
+def emit_done(events: EventLog, code: int, alive: list[str]) -> None:
+    """The trainer's last event, `done`: how it ended. A disk with no room for it does not
+    keep the process from exiting with `code` (exit.json says it too)."""
+    try:
+        events.emit("done", exit_code=code, threads_alive=alive)
+    except DiskFull as exc:
+        say(f"no done event: {exc}")
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -159,15 +222,36 @@ def attempt_number() -> int:
     return int(os.environ.get("DFLASH_ATTEMPT") or 0)
 
 
+def _innermost_detail(exc: BaseException) -> dict[str, Any] | None:
+    """The `detail` dict of the innermost exception of the chain that has one: the root
+    cause's (a non-finite step's values), or a DiskFull's raised from an OSError."""
+    found, seen = None, set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(getattr(current, "detail", None), dict):
+            found = current.detail
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    return found
+
+
+def _bounded(text: str, limit: int) -> str:
+    """`text`, its middle left out when it is longer than `limit` characters."""
+    if len(text) <= limit:
+        return text
+    keep = limit // 2
+    return f"{text[:keep]}\n[... {len(text) - 2 * keep} characters left out ...]\n{text[-keep:]}"
+
+
 def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
                  phase: str, step: int | None) -> dict[str, Any]:
-    """DESIGN.md's errors.jsonl record for `exc`; `detail` when the root cause carries one
-    (a dict of facts beyond the message, e.g. the values of a non-finite step); `memory`
+    """DESIGN.md's errors.jsonl record for `exc`, its message and traceback bounded;
+    `detail` when an exception of its chain carries one (a dict of facts beyond the
+    message: a non-finite step's values, a full disk's path and free bytes); `memory`
     for a CUDA out-of-memory error (who held what, memory_ledger)."""
     cause = root_cause(exc)
     frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": f.line or ""}
-              for f in traceback.extract_tb(cause.__traceback__)]
-    detail = getattr(cause, "detail", None)
+              for f in traceback.extract_tb(cause.__traceback__)][-MAX_FRAMES:]
     record = {
         "ts": time.time(),
         "run_id": os.environ.get("DFLASH_RUN_ID"),
@@ -176,13 +260,15 @@ def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
         "phase": phase,
         "step": step,
         "exc_type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "message": _bounded(str(exc), MAX_MESSAGE_CHARS),
+        "traceback": _bounded("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                              MAX_TRACEBACK_CHARS),
         "frames": frames,
         "release_id": os.environ.get("DFLASH_RELEASE_ID"),
         "attempt": attempt_number(),
     }
-    if isinstance(detail, dict):
+    detail = _innermost_detail(exc)
+    if detail is not None:
         record["detail"] = detail
     memory = memory_ledger.after_oom(exc)
     if memory is not None:
@@ -205,8 +291,14 @@ class ThreadNames:
         with self._lock:
             self._names[str(thread.ident)] = thread.name
             tmp = self._path.with_name(f".{self._path.name}.tmp")  # one writer at a time: the lock
-            tmp.write_text(json.dumps(self._names, ensure_ascii=False), encoding="utf-8")
-            os.replace(tmp, self._path)
+            try:
+                tmp.write_text(json.dumps(self._names, ensure_ascii=False), encoding="utf-8")
+                os.replace(tmp, self._path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                if exc.errno in NO_SPACE:
+                    raise DiskFull(str(self._path)) from exc
+                raise
 
 
 def dump_header(reason: str) -> str:
@@ -215,5 +307,19 @@ def dump_header(reason: str) -> str:
 
 
 class ErrorLog(JsonLines):
+    """errors.jsonl, with its reserve (`errors.jsonl.reserve` beside it) made at start:
+    a record the disk has no room for is written again once the reserve is given back,
+    so the first failure of a run on a full disk is recorded all the same."""
+
     def __init__(self, path: Path):
         super().__init__(path, fsync=True)
+        self.reserve = Reserve(f"{path}.reserve")
+        self.reserve.make()
+
+    def append(self, record: dict[str, Any]) -> None:
+        try:
+            super().append(record)
+        except DiskFull:
+            if not self.reserve.release():
+                raise
+            super().append(record)

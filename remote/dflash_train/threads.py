@@ -109,9 +109,14 @@ class StopLatch:
     def record_failure(self, exc: BaseException, *, thread: str, thread_ident: int | None,
                        phase: str, step: int | None) -> None:
         """Write the errors.jsonl record first (the root cause must survive whatever
-        happens next), then log it, then stop the run."""
-        self.errors.append(error_record(exc, thread=thread, thread_ident=thread_ident,
-                                        phase=phase, step=step))
+        happens next), then log it, then stop the run. A record that cannot be written
+        (the disk full even after the reserve went to an earlier one) is said in the
+        log: the run stops all the same."""
+        try:
+            self.errors.append(error_record(exc, thread=thread, thread_ident=thread_ident,
+                                            phase=phase, step=step))
+        except OSError as write_error:
+            say(f"the error record of thread {thread} could not be written: {write_error}")
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         say(f"thread {thread} failed in phase {phase} at step {step}:\n{text}")
         with self._lock:
