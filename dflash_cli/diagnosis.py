@@ -205,6 +205,12 @@ def _store_gone(match: re.Match[str], failure: Failure) -> str:
             f"how it ended: {failure.look(0)}; distributed.peer_timeout_s is how long a silent rank is waited for")
 
 
+def _disk_full(match: re.Match[str], failure: Failure) -> str:
+    return (f"the disk of {match['mount']} is full ({int(match['free']):,} bytes free while writing {match['path']}); "
+            f"the last complete checkpoint is intact: free space there (old runs' checkpoints; unused releases: "
+            f"`dflash gc {shlex.quote(failure.host)}`), then `dflash resume {shlex.quote(failure.run_id)}`")
+
+
 # -- CUDA-graph trees in threads ------------------------------------------------------------
 
 def _cudagraph_trees_tls(match: re.Match[str], failure: Failure) -> str:
@@ -273,6 +279,9 @@ SIGNATURES: tuple[Signature, ...] = (
               re.compile(r"Failed to recv, got 0 bytes\. Connection was likely closed\. Did the remote server "
                          r"shutdown or crash\?|The client socket has timed out after \d+ms while trying to connect "
                          r"to \([^)]*\)\.|Connection reset by peer|Broken pipe"), _store_gone),
+    Signature("disk full", ("DiskFull",),
+              re.compile(r"no space left on device writing (?P<path>.+?) \((?P<free>\d+) bytes free on "
+                         r"(?P<mount>[^;)]+)"), _disk_full),
     Signature("CUDA-graph trees in threads", ("AssertionError",),
               re.compile(r"cudagraph_trees\.py\", line \d+, in get_obj\n\s*assert torch\._C\._is_key_in_tls\("),
               _cudagraph_trees_tls),

@@ -130,6 +130,16 @@ def test_an_unknown_failure_gets_no_line():
     assert line(recorded(caught(lambda: injector.fire("drafter-1")))) is None
 
 
+def test_a_full_disk_names_its_mount_and_the_resume(tmp_path):
+    from dflash_agent.diskspace import DiskFull
+
+    exc = DiskFull(str(tmp_path / "checkpoints" / "step_5"), needed=1 << 20, free=4096)
+    said = line(recorded(caught(raising(exc, OSError(28, "No space left on device")))))
+    assert said.startswith(f"the disk of {exc.detail['mount']} is full (4,096 bytes free while writing "
+                           f"{tmp_path / 'checkpoints' / 'step_5'});"), said
+    assert said.endswith("then `dflash resume 'my run-1'`")
+
+
 # -- CUDA out of memory -------------------------------------------------------------------
 
 def test_cuda_oom_says_the_gpu_and_the_sizes_and_without_a_ledger_the_token_budget():
