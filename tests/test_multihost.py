@@ -285,7 +285,8 @@ def events(pair: Pair, vmid: int, run_id: str, kind: str) -> list[dict]:
 
 @pytest.mark.slow(seconds=38, why="a run on two hosts: two trainer processes joined by torch.distributed")
 def test_a_run_on_two_hosts_is_one_run(pair, tmp_path):
-    run_id = launch_pair(pair, pair_config(tmp_path / "pair.yaml"))
+    # A heartbeat a minute at most: rank 1, which reports no steps, says its own in them.
+    run_id = launch_pair(pair, pair_config(tmp_path / "pair.yaml", runtime={"heartbeat_s": 60}))
     layouts = [pair.run_json(vmid, run_id)["distributed"] for vmid in (200, 202)]
     port = layouts[0]["master_port"]
     assert layouts == [{"rank": rank, "world_size": 2, "master_addr": "127.0.0.1", "master_port": port,
@@ -306,6 +307,8 @@ def test_a_run_on_two_hosts_is_one_run(pair, tmp_path):
     assert found["state"] == "SUCCEEDED"
     assert [(s["host"], s["rank"], s["state"]) for s in found["hosts"]] == [
         ("ct200", 0, "SUCCEEDED"), ("ct202", 1, "SUCCEEDED")]
+    last = events(pair, 200, run_id, "step")[-1]["step"]
+    assert [s["step"] for s in found["hosts"]] == [last, last]  # the step each rank reached: the run's last
     # Rank 0 writes the export; `pull RUN` fetches it from there.
     pulled = pair.dflash("pull", run_id)
     assert pulled.returncode == 0, pulled.stderr

@@ -149,6 +149,10 @@ class Coordinator(JobControl):
         their checksums go to the other ranks (before rank 0's final evaluation, which the
         others need not wait for)."""
         replicas = [self.replicas[i] for i in sorted(self.replicas)]
+        # The step this process reached, in its events now: heartbeats come at most every
+        # heartbeat_s, and only rank 0 reports steps, so another rank's status would show
+        # an older one for good.
+        self.heartbeat(step=replicas[0].completed_step)
         self.checksums = verify_replicas_identical(replicas)
         if self.peers is not None:
             self.peers.publish("sha256", self.checksums)

@@ -56,8 +56,12 @@ class JobControl:
         now, progress = time.monotonic(), self.latch.progress
         last_time, last_progress = self._heartbeat
         if progress != last_progress and now - last_time >= self.heartbeat_s:
-            self.events.emit("heartbeat", **fields)
-            self._heartbeat = (now, progress)
+            self.heartbeat(**fields)
+
+    def heartbeat(self, **fields: Any) -> None:
+        """A heartbeat event now, whenever the last one was."""
+        self.events.emit("heartbeat", **fields)
+        self._heartbeat = (time.monotonic(), self.latch.progress)
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
