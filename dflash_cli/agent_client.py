@@ -82,7 +82,8 @@ class AgentClient:
                               f"(exit {done.exit_code}): {stderr[-2000:]}", ExitCode.UNREACHABLE)
         if "error" in reply:
             kind = reply.get("kind", "internal")
-            hint = f"run: dflash deploy {self.host.name}" if kind == "not_deployed" else None
+            # The agent may say what to do instead (its "hint"), as a refusal of resume does.
+            hint = f"run: dflash deploy {self.host.name}" if kind == "not_deployed" else reply.get("hint")
             raise DflashError(f"host {self.host.name}: {reply['error']}",
                               _EXIT_FOR_KIND.get(kind, ExitCode.UNREACHABLE), hint=hint)
         return reply

@@ -432,6 +432,12 @@ def test_a_run_on_two_hosts_resumes_as_one_from_rank_0s_checkpoint(pair, tmp_pat
     status = pair.dflash("status", run_id, "--json")
     assert [(s["host"], s["state"]) for s in json.loads(status.stdout)["hosts"]] == [
         ("ct200", "SUCCEEDED"), ("ct202", "SUCCEEDED")]
+    # Succeeded: rank 0 refuses a resume without --step, so no host starts one.
+    finished = pair.dflash("resume", run_id)
+    assert finished.returncode == 2, finished.stderr
+    assert f"run '{run_id}' succeeded at step {steps[-1]}; nothing to resume" in finished.stderr
+    assert "nothing was started on any host" in finished.stderr and attempts() == [1, 1]
+    assert f"dflash resume {run_id} --step N" in finished.stderr
 
 
 # -- a rank killed, or frozen: the root cause is that rank, never a survivor ---------------

@@ -69,7 +69,7 @@ def checkpoints_of(events: list[dict]) -> list[int]:
     return [e["step"] for e in events if e["type"] == "checkpoint"]
 
 
-@pytest.mark.slow(seconds=23, why="trainer runs over pct: a stopped attempt and its resume")
+@pytest.mark.slow(seconds=33, why="trainer runs over pct: a stopped attempt, its resume and one at its end")
 def test_a_stopped_run_resumes_as_attempt_1_with_every_step_once_and_its_loss_curve_continued(bed):
     # Attempt 0 hangs before step 4's batch; the stop's checkpoint is at step 3.
     hang = [{"thread": "prefetch", "at": "step:4", "kind": "hang", "attempt": 0}]
@@ -101,6 +101,27 @@ def test_a_stopped_run_resumes_as_attempt_1_with_every_step_once_and_its_loss_cu
     # The checkpoint carried the loss curve on: the final one is the curve of the events.
     final = json.loads((bed.run_dir(run_id) / "checkpoints" / f"step_{STEPS:06d}" / "state.json").read_text())
     assert final["losses"] == pytest.approx(losses_of(events), abs=1e-6)
+
+    # Succeeded: nothing to resume, and nothing changes; `--step` names a checkpoint to train again from.
+    export = bed.run_dir(run_id) / "export"
+    exported = {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in export.iterdir()}
+    finished = bed.dflash("resume", run_id, "--host", HOST)
+    assert finished.returncode == 2, finished.stderr
+    assert f"run '{run_id}' succeeded at step {STEPS}; nothing to resume" in finished.stderr
+    assert f"hint: to train again from one of its checkpoints (steps 3, {STEPS}): dflash resume {run_id} --step N" \
+        in finished.stderr
+    assert bed.run_json(run_id) == record
+    # From the last step's checkpoint an attempt has nothing left to do: it succeeds (not 143,
+    # as if stopped), and the finished export stays as it was.
+    at_end = bed.dflash("resume", run_id, "--host", HOST, "--step", str(STEPS), "--follow")
+    assert at_end.returncode == 0, at_end.stderr[-3000:]
+    assert f"(SUCCEEDED) resumed as attempt 2 from its checkpoint at step {STEPS}" in at_end.stderr
+    assert "ended: SUCCEEDED" in at_end.stderr
+    assert json.loads((bed.run_dir(run_id) / "exit.json").read_text())["exit_code"] == 0
+    assert {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in export.iterdir()} == exported
+    assert bed.log_has(run_id, f"nothing left to train after step {STEPS}: the export in {export} is kept")
+    status = bed.dflash("status", run_id, "--host", HOST, "--json")
+    assert (status.returncode, json.loads(status.stdout)["step"]) == (0, STEPS), status.stderr
 
 
 

@@ -688,3 +688,22 @@ def test_resume_check_refuses_another_accumulate_naming_both(tmp_path, capsys, s
     assert code == (2 if refused else 0), out
     if refused:
         assert f"optim.accumulate {saved or 1}" in out and f"optim.accumulate {configured}" in out
+
+
+def test_a_thread_that_ends_once_ready_was_ready_and_one_that_ends_before_was_not(tmp_path):
+    """A drafter with nothing left to train (a resume at the last step) ends as soon as it
+    is ready, maybe before the coordinator looks: that is a start, not a stop (exit 143)."""
+    from dflash_train.runlog import ErrorLog, ThreadNames
+    from dflash_train.threads import JobThread, StopLatch, StopRequested
+
+    latch = StopLatch(ErrorLog(tmp_path / "errors.jsonl"), ThreadNames(tmp_path / "threads.json"))
+    ready_then_done = JobThread("drafter-1", latch, lambda worker: worker.mark_ready())
+    ready_then_done.start()
+    ready_then_done.join()
+    ready_then_done.wait_until_ready(5.0)  # returns: the thread was ready
+    never_ready = JobThread("drafter-2", latch, lambda worker: None)
+    never_ready.start()
+    never_ready.join()
+    with pytest.raises(StopRequested, match="drafter-2 ended before it was ready"):
+        never_ready.wait_until_ready(5.0)
+    assert not latch.stop.is_set() and not (tmp_path / "errors.jsonl").read_text()

@@ -8,7 +8,8 @@ The CLI runs it as one argv (quoted once by the transport):
 Every verb but `follow`, `send-file` and `send-compile-artifacts` prints exactly one JSON object on stdout and exits 0; on a
 problem it prints {"error": "<message>", "kind": "<usage|not_found|conflict|host|internal>"}
 and exits 2 (usage/conflict/not_found/host) or 1 (internal); an error may carry more keys
-(a lock conflict adds "resource" and "holders": the ids of the runs using it). Kind "host": the
+(a lock conflict adds "resource" and "holders": the ids of the runs using it; "hint": what
+to do instead, which the CLI shows under the message). Kind "host": the
 host was reached but cannot take the request (the trainer's interpreter lacks a
 package, a path of the config is missing, no space left: a write that failed for want
 of space, in any verb, adds "path", the file it could not write). stderr is free-form;
@@ -84,7 +85,9 @@ resume   --run-id ID [--release run|current] [--step N] [--env KEY=VALUE]... [--
          The next attempt of a run that ended (DESIGN.md "Attempts"), from its complete
          checkpoint of step N (default: the newest), with its config and its release
          (--release run) or the current one: under a per-run lock, refused (kind
-         "conflict") while the run is live (not terminal) or when the chosen release's
+         "conflict") while the run is live (not terminal), when it SUCCEEDED and no --step
+         is given ("run ID succeeded at step N; nothing to resume", with a "hint" naming
+         `dflash resume ID --step N` and the checkpoints' steps), or when the chosen release's
          `python -m dflash_train.resume_check` says the checkpoint does not fit the config;
          kind "not_found" without a complete checkpoint (or none at N) or when the run's
          release is gone. Then the --require-module check, the run's resources taken as by

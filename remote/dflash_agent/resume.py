@@ -2,7 +2,8 @@
 a complete checkpoint of its own, with its config and its release (or the host's current
 one), under the same run id (attempts.py).
 
-Refused, with nothing changed, while the run is live, when it has no complete checkpoint
+Refused, with nothing changed, while the run is live, when it succeeded (unless --step
+names the checkpoint to train again from), when it has no complete checkpoint
 (or not the --step asked for), or when the checkpoint does not fit the config as the
 chosen release's trainer reads it (`python -m dflash_train.resume_check`). The step is
 explicit in the request, so several hosts' runs can be resumed from one common step.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+import shlex
 import subprocess
 from typing import Any, Dict, Optional, Tuple
 
@@ -25,7 +27,8 @@ from . import attempts, locks, preflight
 from .jsonio import AgentError, read_json
 from .launch import Distributed, free_port, start_supervisor, trainer_env
 from .layout import RunDir, Workspace
-from .state import TERMINAL, attempt_errors, derive_state, error_records, observe, read_record, summarize_events
+from .state import (SUCCEEDED, TERMINAL, attempt_errors, derive_state, error_records, observe, read_record,
+                    summarize_events)
 from .supervisor import TrainerPlan
 
 CHECK_TIMEOUT_S = 120.0
@@ -70,6 +73,8 @@ def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[s
         raise AgentError("run %r is still live (%s): stop it first (dflash stop), or wait for it to end"
                          % (run.run_id, state), "conflict", state=state)
     distributed = _place(run, record, request)
+    if state == SUCCEEDED and request.step is None:
+        raise _finished(run, obs.events.step)
     if distributed is None or distributed.rank == 0:
         checkpoint = _checkpoint(run, request.step, state)
     elif request.step is None:
@@ -141,6 +146,18 @@ def _place(run: RunDir, record: Dict[str, Any], request: ResumeRequest) -> Optio
         raise AgentError("run %r is rank %s of %s here, not rank %d of %d" % (
             run.run_id, recorded.get("rank"), recorded.get("world_size"), given.rank, given.world_size), "conflict")
     return given
+
+
+def _finished(run: RunDir, step: Optional[int]) -> AgentError:
+    """A run that succeeded has nothing to resume: a new attempt would train nothing.
+    Training again from an earlier checkpoint is asked for by its step."""
+    steps = [found for found, _ in attempts.checkpoint_folders(run)]
+    at = "" if step is None else " at step %d" % step
+    error = AgentError("run %r succeeded%s; nothing to resume" % (run.run_id, at), "conflict", state=SUCCEEDED)
+    if steps:
+        error.extra["hint"] = ("to train again from one of its checkpoints (steps %s): dflash resume %s --step N"
+                               % (", ".join(map(str, steps)), shlex.quote(run.run_id)))
+    return error
 
 
 def _checkpoint(run: RunDir, step: Optional[int], state: str) -> Tuple[int, str]:

@@ -101,9 +101,15 @@ class OutputSchedule:
         self._last_report = time.perf_counter()
         self._last_checkpoint_at = time.monotonic()
 
+    @property
+    def nothing_to_train(self) -> bool:
+        """An attempt resumed from the last step's checkpoint: it only finishes the run."""
+        return self.run.start_step == self.total_steps
+
     def before_training(self, lead: Replica, evaluate: Callable[[EvalRequest], None]) -> None:
-        """The untrained drafter's acceptance length, the baseline of the final one."""
-        if self.evaluator is not None and self.config.eval.at_start:
+        """The untrained drafter's acceptance length, the baseline of the final one (none
+        when nothing is left to train: the drafter as found is the final one)."""
+        if self.evaluator is not None and self.config.eval.at_start and not self.nothing_to_train:
             evaluate(EvalRequest(self.run.start_step, cpu_weights(lead.drafter), baseline=True))
 
     def after_step(self, step: int, lead: Replica, applied: AppliedStep,
@@ -124,7 +130,13 @@ class OutputSchedule:
         checkpoint is complete before this returns."""
         if not self.writes_outputs:
             return
-        self.export(lead)
+        final = self.run_dir / "export"
+        if self.nothing_to_train and final.is_dir():
+            # Written whole (replace_dir) from these weights by the attempt that trained
+            # the last step: a finished export is not touched again.
+            say(f"nothing left to train after step {self.total_steps}: the export in {final} is kept")
+        else:
+            self.export(lead)
         self.checkpoints.wait()
         if self.evaluator is not None:
             evaluate(EvalRequest(self.total_steps, cpu_weights(lead.drafter), final=True))

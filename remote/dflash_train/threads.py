@@ -147,10 +147,15 @@ class JobThread(threading.Thread):
         self.step: int | None = None
         self.done = threading.Event()  # set however the body ends
         self.failed: BaseException | None = None
-        self._ready = threading.Event()
+        self._ready = threading.Event()  # set by the body only
+        # Ready or ended, whichever comes first: what wait_until_ready wakes on. A body
+        # with nothing left to do (a resume at the last step) may end as soon as it is
+        # ready, before the waiter looks: that is no failure to start.
+        self._settled = threading.Event()
 
     def mark_ready(self) -> None:
         self._ready.set()
+        self._settled.set()
 
     def run(self) -> None:
         try:
@@ -164,13 +169,13 @@ class JobThread(threading.Thread):
                                       phase=self.phase, step=self.step)
         finally:
             self.done.set()
-            self._ready.set()  # wake wait_until_ready, which then reports the failure
+            self._settled.set()  # wake wait_until_ready, which then reports how it ended
 
     def wait_until_ready(self, timeout: float, poll: Callable[[], None] = lambda: None) -> None:
         """Block until the thread signalled ready; re-raise its own failure, chained.
         `poll` runs every 0.1 s meanwhile (the coordinator's signals and heartbeats)."""
         deadline = time.monotonic() + timeout
-        while not self._ready.wait(0.1):
+        while not self._settled.wait(0.1):
             poll()
             if self.latch.stop.is_set() and self.latch.failure is None:
                 raise StopRequested(self.latch.stop_reason or "stop requested")
@@ -180,7 +185,7 @@ class JobThread(threading.Thread):
             raise DrafterStartupError(
                 f"{self.name} failed during {self.phase}: "
                 f"{type(self.failed).__name__}: {self.failed}") from self.failed
-        if self.done.is_set():
+        if not self._ready.is_set():
             raise StopRequested(f"{self.name} ended before it was ready")
 
 
