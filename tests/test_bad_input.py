@@ -64,6 +64,26 @@ def test_a_train_file_missing_on_the_host_is_refused_before_anything_starts(make
     assert not runs.exists() or not any(runs.iterdir())
 
 
+
+@pytest.mark.parametrize("content, problem", [
+    ("", " is empty: it holds no conversation to train on"),
+    ("\n  \n", " is empty: it holds no conversation to train on"),
+    ('\n{"messages": [}\n', ":2: not JSON (Expecting value: line 1 column 15 (char 14))"),
+    ('{"prompt": "hi"}\n', ":1: expected a 'text' or a 'messages' key"),
+], ids=["empty", "blank lines", "not JSON", "no text or messages"])
+def test_training_data_that_holds_nothing_to_train_on_is_refused_before_the_run_starts(make_inventory, fake_pve,
+                                                                                        tmp_path, content, problem):
+    data = container_workspace(fake_pve, tmp_path).parent / f"data {tmp_path.name}" / "train.jsonl"
+    on_node = fake_pve.on_node(200, data)
+    on_node.parent.mkdir(parents=True)
+    on_node.write_text(content)
+    config = small_config(tmp_path / "c.yaml", data={"synthetic": None, "train": str(data)})
+    done = dflash_in_process("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert f"host ct200: data.train: {data}{problem}" in done.stderr.replace("\n", " ")
+    assert done.stdout == ""
+    nothing_started(workspace_on_node(fake_pve, tmp_path))
+
 def test_a_host_named_twice_in_the_inventory_is_refused(tmp_path):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("hosts:\n"

@@ -80,17 +80,17 @@ def builds(output: str) -> tuple[int, int]:
 
 
 class CountingTokenizeRow:
-    """Counts the per-sample tokenizations (the in-process build calls data.tokenize_sample)."""
+    """Counts the per-sample tokenizations (the in-process build calls data.tokenize_row)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = data_module.tokenize_sample
+        real = data_module.tokenize_row
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(data_module, "tokenize_sample", counted)
+        monkeypatch.setattr(data_module, "tokenize_row", counted)
 
 
 def test_a_second_load_is_a_cache_hit_that_tokenizes_nothing(tmp_path, tokenizer, monkeypatch, capsys):

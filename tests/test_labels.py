@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash_train.config import DataConfig, DrafterConfig, load_train_config
-from dflash_train.data import BatchPlan, Sample, collate, load_samples, tokenize_sample
+from dflash_train.data import BatchPlan, Sample, collate, load_samples, tokenize_chat, tokenize_sample
 from dflash_train.objective import NO_TURN, anchor_candidates, block_labels, position_weights
 from dflash_train.tiny import ensure_tiny_assets
 
@@ -98,6 +98,29 @@ def test_load_samples_reads_the_truncated_field(tokenizer, tmp_path):
     [sample] = load_samples(path, tokenizer, 128, tmp_path / "cache")
     assert learnt(tokenizer, sample) == [("w3", 0), ("w4", 0)]
 
+
+
+def test_a_file_that_gives_no_sample_says_whether_it_is_empty_or_too_long_for_max_length(tokenizer, tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(ValueError) as empty:
+        load_samples(path, tokenizer, 32, tmp_path / "cache")
+    assert str(empty.value) == f"{path}: the file holds no conversation (it is empty)"
+    # Each answer starts past token 32: cut at max_length, no conversation keeps one.
+    rows = [{"messages": [{"role": "user", "content": " ".join(f"w{i}" for i in range(words))},
+                          {"role": "assistant", "content": "w1 w2 w3"}]} for words in (40, 45, 50)]
+    longest = max(len(tokenize_chat(tokenizer, row["messages"], "test")[0]) for row in rows)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError) as over:
+        load_samples(path, tokenizer, 32, tmp_path / "cache")
+    assert str(over.value) == (f"{path}: 3 of 3 conversations are longer than data.max_length 32 (the longest "
+                               f"{longest} tokens): cut there, none keeps a learnable token; raise data.max_length "
+                               "or shorten them")
+    # Not every one too long: the others have nothing to learn at any length.
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"messages": rows[0]["messages"][:1]}) + "\n")
+    with pytest.raises(ValueError, match=r": no sample has a learnable .*; 1 of 2 conversations are longer than "
+                                         r"data.max_length 32 \(the longest \d+ tokens\)$"):
+        load_samples(path, tokenizer, 32, tmp_path / "cache")
 
 def test_synthetic_data_marks_truncated_answers_and_none_is_closed_inside_the_loss(tiny_cpu_assets, tokenizer):
     """The shipped tiny config: most synthetic answers run to response_tokens without the

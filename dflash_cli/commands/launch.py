@@ -59,13 +59,14 @@ def check_name(name: str) -> None:
 
 def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
     """(kind, key, path) of every path in the config, for the agent to check on the host
-    (the agent's --require-path: a file, a model folder or hub id, a checkpoint)."""
+    (the agent's --require-path: a file, the training data, a model folder or hub id, a
+    checkpoint)."""
     paths = []
     if config.target.path is not None:
         paths.append(("model", "target.path", config.target.path))
-    for key in ("train", "eval"):
+    for key, kind in (("train", "jsonl"), ("eval", "file")):
         if config.data is not None and getattr(config.data, key) is not None:
-            paths.append(("file", f"data.{key}", getattr(config.data, key)))
+            paths.append((kind, f"data.{key}", getattr(config.data, key)))
     if config.regenerate is not None:
         paths.append(("file", "regenerate.prompts", config.regenerate.prompts))
     if config.evaluate is not None:

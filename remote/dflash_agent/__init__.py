@@ -29,7 +29,9 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          --require-module found by the trainer's interpreter (--python, run with the
          trainer's environment); each --require-path, PATH as the trainer resolves it
          (~ expanded, relative to the release root), KEY the config key it came from:
-         KIND file (an existing file), checkpoint (a folder holding state.json) or
+         KIND file (an existing file), jsonl (a file that is not empty or blank and
+         whose first row is a JSON object with "text" or "messages": the training
+         data), checkpoint (a folder holding state.json) or
          model (a folder holding config.json, or, when no such path exists, a Hugging
          Face hub id such as org/name). Problems -> kind "host" naming each key or
          package and host path. Then creates runs/ID/, copies the config to

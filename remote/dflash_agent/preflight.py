@@ -1,6 +1,7 @@
 """What only the host can check before a run starts, in the `launch` verb itself (so it
 costs no extra round trip): the trainer's interpreter finds the packages it needs,
-the config's paths exist here, and the workspace has room.
+the config's paths exist here (the training data is not empty, and its first row is
+one), and the workspace has room.
 
 The CLI validates everything it can locally; the config's paths are host paths and
 the interpreter is the host's, so these checks happen here, before anything of the run
@@ -20,7 +21,10 @@ from .jsonio import AgentError
 # Below this a run cannot even be sure to write its logs and a tiny model's checkpoint;
 # a run that needs more fails on its own when it writes (and says where).
 MIN_FREE_MIB = 64
-PATH_KINDS = ("file", "model", "checkpoint")
+PATH_KINDS = ("file", "jsonl", "model", "checkpoint")
+# A jsonl's first row is read to see that it is training data at all (the trainer reads
+# every row); a first line longer than this is left for the trainer to judge.
+FIRST_ROW_MAX_BYTES = 64 << 20
 MODULE_CHECK_TIMEOUT_S = 60.0
 # Run by the trainer's interpreter: which of argv's top-level modules it cannot find.
 # find_spec locates a package without importing it, so this stays fast.
@@ -50,10 +54,10 @@ def resolve(path: str, release_root: str) -> str:
 
 def _path_problem(kind: str, key: str, path: str, release_root: str) -> Optional[str]:
     where = resolve(path, release_root)
-    if kind == "file":
-        if os.path.isfile(where):
-            return None
-        return "%s: %s %s" % (key, where, "is not a file" if os.path.exists(where) else "does not exist")
+    if kind in ("file", "jsonl"):
+        if not os.path.isfile(where):
+            return "%s: %s %s" % (key, where, "is not a file" if os.path.exists(where) else "does not exist")
+        return _rows_problem(key, where) if kind == "jsonl" else None
     if kind == "checkpoint":
         if os.path.isfile(os.path.join(where, "state.json")):
             return None
@@ -66,6 +70,36 @@ def _path_problem(kind: str, key: str, path: str, release_root: str) -> Optional
     if is_hub_id(path):
         return None
     return "%s: %s does not exist (and %r is not a Hugging Face hub id)" % (key, where, path)
+
+
+def _rows_problem(key: str, where: str) -> Optional[str]:
+    """An empty file, or a first row the trainer would refuse, in the trainer's words
+    (dflash_train.data): the run would fail on it after its start-up."""
+    try:
+        with open(where, "rb") as handle:
+            for number, line in enumerate(iter(lambda: handle.readline(FIRST_ROW_MAX_BYTES), b""), 1):
+                if len(line) == FIRST_ROW_MAX_BYTES and not line.endswith(b"\n"):
+                    return None
+                if line.strip():
+                    problem = _row_problem(line)
+                    return None if problem is None else "%s: %s:%d: %s" % (key, where, number, problem)
+    except OSError as exc:
+        return "%s: %s cannot be read: %s" % (key, where, exc.strerror or exc)
+    return "%s: %s is empty: it holds no conversation to train on" % (key, where)
+
+
+def _row_problem(line: bytes) -> Optional[str]:
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return "not UTF-8 (%s)" % exc
+    except ValueError as exc:
+        return "not JSON (%s)" % exc
+    if not isinstance(row, dict):
+        return "expected a JSON object, got %s" % type(row).__name__
+    if "text" not in row and "messages" not in row:
+        return "expected a 'text' or a 'messages' key"
+    return None
 
 
 def _module_problem(python: str, env: Sequence[Tuple[str, str]], modules: Sequence[str]) -> Optional[str]:

@@ -138,23 +138,55 @@ def tokenize_chat(tokenizer, messages: list[dict[str, Any]], where: str,
 
 def tokenize_sample(row: dict[str, Any], tokenizer, max_length: int, where: str) -> Sample | None:
     """One jsonl row as a training sample, cut to `max_length` tokens; None when it has
-    no anchor (nothing it could teach).
+    no anchor (nothing it could teach)."""
+    return _learnable(*tokenize_row(row, tokenizer, where), max_length)
 
-    A cut at max_length drops the end-of-turn with the rest, so nothing closes the
-    answer inside the loss either way."""
+
+def tokenize_row(row: dict[str, Any], tokenizer, where: str) -> tuple[list[int], list[int]]:
+    """The row's token ids and their turns (tokenize_chat), before the cut at max_length."""
     truncated = row.get("truncated", False)
     if not isinstance(truncated, bool):
         raise ValueError(f"{where}: 'truncated' must be true or false, not {truncated!r}")
     if "messages" in row:
-        ids, turn_ids = tokenize_chat(tokenizer, row["messages"], where, truncated)
-    elif "text" in row:  # no template closes a text, truncated or not
+        return tokenize_chat(tokenizer, row["messages"], where, truncated)
+    if "text" in row:  # no template closes a text, truncated or not
         ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
-        turn_ids = [0] * len(ids)
-    else:
-        raise ValueError(f"{where}: expected a 'text' or a 'messages' key")
+        return ids, [0] * len(ids)
+    raise ValueError(f"{where}: expected a 'text' or a 'messages' key")
+
+
+def _learnable(ids: list[int], turn_ids: list[int], max_length: int) -> Sample | None:
+    """The sample cut to `max_length` tokens, or None when what is left has no anchor.
+
+    A cut at max_length drops the end-of-turn with the rest, so nothing closes the
+    answer inside the loss either way."""
     sample = Sample(torch.tensor(ids[:max_length], dtype=torch.int32),
                     torch.tensor(turn_ids[:max_length], dtype=torch.int32))
     return sample if anchor_candidates(sample.turn_ids).numel() else None
+
+
+@dataclasses.dataclass
+class RowCounts:
+    """What the rows of a file were, for the message of a file that gives no sample."""
+    rows: int = 0  # non-blank lines
+    cut_out: int = 0  # rows with a learnable token only beyond max_length
+    longest: int = 0  # tokens of the longest row, before the cut
+
+    def add(self, other: RowCounts) -> None:
+        self.rows += other.rows
+        self.cut_out += other.cut_out
+        self.longest = max(self.longest, other.longest)
+
+    def nothing_learnable(self, path: Path, max_length: int) -> ValueError:
+        if not self.rows:
+            return ValueError(f"{path}: the file holds no conversation (it is empty)")
+        over = (f"{self.cut_out} of {self.rows} conversations are longer than data.max_length {max_length} "
+                f"(the longest {self.longest} tokens)")
+        if self.cut_out == self.rows:
+            return ValueError(f"{path}: {over}: cut there, none keeps a learnable token; raise "
+                              "data.max_length or shorten them")
+        return ValueError(f"{path}: no sample has a learnable (assistant or text) token followed by another of "
+                          f"its turn, to anchor a block on" + (f"; {over}" if self.cut_out else ""))
 
 
 class StoredSamples(Sequence):
@@ -211,9 +243,13 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
     workers = max(1, min(workers or len(os.sched_getaffinity(0)), -(-size // chunk_bytes)))
     say(f"tokenizing {path} ({size / 2**20:.1f} MiB) with {workers} process{'es' if workers > 1 else ''}")
 
-    def write(result: tuple[dict[str, np.ndarray], np.ndarray], chunk_size: int) -> None:
+    counts = RowCounts()
+
+    def write(result: tuple[dict[str, np.ndarray], np.ndarray, RowCounts], chunk_size: int) -> None:
         nonlocal done, last_report
-        writer.append(*result)
+        arrays, lengths, chunk_counts = result
+        writer.append(arrays, lengths)
+        counts.add(chunk_counts)
         done += chunk_size
         if time.perf_counter() - last_report >= PROGRESS_EVERY_S:
             last_report = time.perf_counter()
@@ -244,8 +280,7 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
     if writer.num_samples == 0:
-        raise ValueError(f"{path}: no sample has a learnable (assistant or text) token followed by "
-                         "another of its turn, to anchor a block on")
+        raise counts.nothing_learnable(path, max_length)
     say(f"tokenized {writer.num_samples} samples ({writer.num_tokens} tokens) in {time.perf_counter() - started:.1f}s")
 
 
@@ -268,22 +303,31 @@ class _ChunkTokenizer:
     max_length: int
     path: str  # for messages
 
-    def __call__(self, chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def __call__(self, chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray], np.ndarray, RowCounts]:
         data, first_line = chunk
         names = [field.name for field in dataclasses.fields(Sample)]
         parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
         lengths = []
+        counts = RowCounts()
         for number, line in enumerate(data.split(b"\n"), first_line):
             where = f"{self.path}:{number}"
             row = _parse_line(line, where)
-            sample = None if row is None else tokenize_sample(row, self.tokenizer, self.max_length, where)
-            if sample is not None:
-                for name in names:
-                    parts[name].append(getattr(sample, name).numpy())
-                lengths.append(len(sample.ids))
+            if row is None:
+                continue
+            ids, turn_ids = tokenize_row(row, self.tokenizer, where)
+            counts.rows, counts.longest = counts.rows + 1, max(counts.longest, len(ids))
+            sample = _learnable(ids, turn_ids, self.max_length)
+            if sample is None:
+                if len(ids) > self.max_length and anchor_candidates(torch.tensor(turn_ids, dtype=torch.int32)).numel():
+                    counts.cut_out += 1  # it had something to teach, past the cut
+                continue
+            for name in names:
+                parts[name].append(getattr(sample, name).numpy())
+            lengths.append(len(sample.ids))
         if not lengths:
-            return {}, np.zeros(0, dtype=np.int64)
-        return {name: np.concatenate(values) for name, values in parts.items()}, np.array(lengths, dtype=np.int64)
+            return {}, np.zeros(0, dtype=np.int64), counts
+        return ({name: np.concatenate(values) for name, values in parts.items()}, np.array(lengths, dtype=np.int64),
+                counts)
 
 
 _worker_tokenize: _ChunkTokenizer | None = None  # set in each tokenizing process by _start_worker
@@ -294,7 +338,7 @@ def _start_worker(tokenize: _ChunkTokenizer) -> None:
     _worker_tokenize = tokenize
 
 
-def _tokenize_in_worker(chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def _tokenize_in_worker(chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray], np.ndarray, RowCounts]:
     assert _worker_tokenize is not None
     return _worker_tokenize(chunk)
 
