@@ -1,9 +1,11 @@
-"""Calling the agent of a host's current release, through its transport.
+"""Calling the agent of a host's current release (or of another installed one), through
+its transport.
 
 The agent answers every verb with one JSON object (remote/dflash_agent/__init__.py);
 `follow` streams JSON lines, `send-file` a file's raw bytes. A tiny bootstrap passed
 with `python -c` expands `~` in the workspace on the host itself (no shell expands it:
-argv is quoted once) and runs remote/agent.py of the release `current` points to.
+argv is quoted once) and runs remote/agent.py of the release `current` points to, or of
+releases/<id> (launch's, installed but not yet current).
 """
 from __future__ import annotations
 
@@ -20,16 +22,19 @@ from .transports.base import Completed, Transport
 # elsewhere either, since a cache anywhere can be cut short the same way. Compiling the
 # agent's modules costs tens of ms per call. The environment variable reaches the
 # supervisor and the trainer; setting it here also covers releases older than this rule.
+# argv: the workspace, the release's folder in it (`current` or releases/<id>), the verb
+# and its options.
 _BOOTSTRAP = (
-    "import os, runpy, sys\n"
+    "import json, os, runpy, sys\n"
     "sys.dont_write_bytecode = True\n"
     "os.environ['PYTHONDONTWRITEBYTECODE'] = '1'\n"
     "workspace = os.path.expanduser(sys.argv[1])\n"
-    "script = os.path.join(workspace, 'current', 'remote', 'agent.py')\n"
+    "script = os.path.join(workspace, sys.argv[2], 'remote', 'agent.py')\n"
     "if not os.path.isfile(script):\n"
-    "    print('{\"error\": \"no release deployed in %s\", \"kind\": \"not_deployed\"}' % workspace)\n"
+    "    print(json.dumps({'error': 'no release deployed in %s (no %s)' % (workspace, sys.argv[2]),\n"
+    "                      'kind': 'not_deployed'}))\n"
     "    sys.exit(2)\n"
-    "sys.argv = [script, '--workspace', workspace] + sys.argv[2:]\n"
+    "sys.argv = [script, '--workspace', workspace] + sys.argv[3:]\n"
     "runpy.run_path(script, run_name='__main__')\n"
 )
 
@@ -52,12 +57,14 @@ _EXIT_FOR_KIND = {"usage": ExitCode.USAGE, "conflict": ExitCode.USAGE, "not_foun
 
 
 class AgentClient:
-    def __init__(self, host: Host, transport: Transport):
+    def __init__(self, host: Host, transport: Transport, release_id: str | None = None):
+        """`release_id`: the installed release whose agent answers; None: the current one's."""
         self.host = host
         self.transport = transport
+        self.folder = "current" if release_id is None else f"releases/{release_id}"
 
     def argv(self, verb: str, args: Sequence[str]) -> list[str]:
-        return python_argv(self.host, _BOOTSTRAP, self.host.workspace, verb, *args)
+        return python_argv(self.host, _BOOTSTRAP, self.host.workspace, self.folder, verb, *args)
 
     @contextlib.contextmanager
     def _naming(self, verb: str) -> Iterator[None]:

@@ -1,8 +1,8 @@
 """The host side of `dflash deploy`. Standard library only.
 
 This file is not imported on the host: the CLI sends its source as `python3 -c SOURCE
-VERB WORKSPACE RELEASE_ID [ARG]`, so deploy works before anything is installed there.
-It prints one JSON object on stdout.
+VERB WORKSPACE RELEASE_ID [ARG] [SWITCH]`, so deploy works before anything is installed
+there. It prints one JSON object on stdout.
 
 A release folder is never written after it is installed: its files are 0444 (0555 if
 executable), its folders 0555, and INSTALLED (written before the folder is renamed
@@ -29,6 +29,11 @@ install  ARG: the byte length of the payload. Installs take turns (.deploy.lock 
          "installed" | "repaired", ...}.
 check    ARG: "cheap" or "verify". The current release's problems, read-only:
          {"current": id or null, "modified": [...]}.
+
+SWITCH, for probe and install: "switch" (the default) points `current` at the release
+as said above; "keep" leaves `current` as it is (`dflash launch`, whose run's start
+makes its release current): probe answers {"status": "present"} for an intact release
+that is not current, install installs without the switch.
 """
 import ctypes
 import fcntl
@@ -248,7 +253,13 @@ def _receive(incoming, expected_bytes):
     return received
 
 
-def probe(workspace, release_id, mode):
+def _switching(switch):
+    if switch not in ("switch", "keep"):
+        raise ValueError("SWITCH is switch or keep, not %r" % switch)
+    return switch == "switch"
+
+
+def probe(workspace, release_id, mode, switch="switch"):
     verify = mode == "verify"
     target = os.path.join(workspace, "releases", release_id)
     current = _current_id(workspace)
@@ -257,6 +268,8 @@ def probe(workspace, release_id, mode):
     if files is not None and not modified:
         if current == release_id:
             return {"status": "unchanged", "release_id": release_id}
+        if not _switching(switch):
+            return {"status": "present", "release_id": release_id, "current": current}
         _switch(workspace, release_id)
         return {"status": "switched", "release_id": release_id, "previous": current}
     current_files = _intact_files(os.path.join(workspace, "current"), current, verify) if current else {}
@@ -275,7 +288,8 @@ def check(workspace, mode):
     return {"current": current, "modified": _problems(folder, files, mode == "verify")}
 
 
-def install(workspace, release_id, expected_bytes):
+def install(workspace, release_id, expected_bytes, switch="switch"):
+    switching = _switching(switch)
     releases = os.path.join(workspace, "releases")
     os.makedirs(releases, exist_ok=True)
     lock = _deploy_lock(workspace)
@@ -328,7 +342,8 @@ def install(workspace, release_id, expected_bytes):
         else:
             aside = _put_in_place(incoming, target, release_id)
         previous = _current_id(workspace)
-        _switch(workspace, release_id)
+        if switching:
+            _switch(workspace, release_id)
         result = {"status": "repaired" if aside else "installed", "release_id": release_id,
                   "previous": previous, "files_received": received - 1, "files_reused": reused}
         if aside:

@@ -24,6 +24,9 @@ class Session:
     accept_new_host_key: bool = False
     _transports: dict[str, Transport] = dataclasses.field(default_factory=dict)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # host name -> the release whose agent answers there instead of the current one's
+    # (use_release): launch installs its release first and makes it current as its run starts.
+    _releases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def inventory(self) -> Inventory:
@@ -42,9 +45,14 @@ class Session:
             return self._transports[host.name]
 
     def agent(self, host_name: str) -> AgentClient:
-        """The agent of `host_name`'s current release, over that host's one connection."""
+        """The agent of `host_name`'s current release (or of the one `use_release` named),
+        over that host's one connection."""
         host = self.host(host_name)
-        return AgentClient(host, self.transport(host))
+        return AgentClient(host, self.transport(host), self._releases.get(host_name))
+
+    def use_release(self, host_name: str, release_id: str) -> None:
+        """From now on, `agent(host_name)` is the agent of this installed release."""
+        self._releases[host_name] = release_id
 
     def on_each_host(self, hosts: Sequence[Host], work: Callable[[Host], T]) -> dict[str, T | DflashError]:
         """`work(host)` for all hosts at once; a host's DflashError is its result, so one

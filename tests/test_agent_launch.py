@@ -158,7 +158,7 @@ def test_runs_keep_their_release_when_current_moves(agent):
     (["--config", "c.yaml"], "usage", "--run-id"),
     (["--run-id", "x", "--source-json", "[1]"], "usage", "expected a JSON object"),
     # the source describes another release than the one `current` names (a deploy in between)
-    (["--run-id", "x", "--source-json", '{"release_id": "rel-0002"}'], "conflict", "current release is rel-0001"),
+    (["--run-id", "x", "--source-json", '{"release_id": "rel-0002"}'], "conflict", "release to run is rel-0001"),
 ])
 def test_launch_argument_errors_are_json(agent, args, kind, text):
     config = str(agent.config([]))

@@ -18,8 +18,9 @@ from dflash_cli import release
 from dflash_cli.commands import deploy
 from dflash_cli.errors import DflashError
 from dflash_cli.session import Session
-from dflash_run import REPO, dflash, dflash_argv, dflash_env
+from dflash_run import REPO, dflash, dflash_argv, dflash_env, dflash_in_process
 from support import container_workspace, copy_release_dirs, kill_ssh_sessions, wait_until, workspace_on_node
+from support.train_configs import small_config
 
 
 @pytest.fixture
@@ -271,6 +272,37 @@ def test_ctrl_c_during_launchs_deploy_starts_no_run_and_keeps_the_current_releas
     wait_until(lambda: not _receivers_in(workspace), what="the receiver to exit")
     assert sorted(os.listdir(workspace / "releases")) == [tree_id]
 
+
+
+@pytest.mark.slow(seconds=12, why="starts two trainers that hang at start-up, then stops them")
+def test_a_launch_refused_for_a_busy_resource_leaves_current_where_it_was(make_inventory, tmp_path):
+    """launch installs its release beside the current one; `current` moves only with a run
+    that starts, so a launch the host refuses (the CPU is another run's) leaves it as it was."""
+    hosts = make_inventory(tmp_path)
+    current = tmp_path / "node ws" / "current"
+    hang = small_config(tmp_path / "hang.yaml", faults=[{"thread": "coordinator", "at": "startup", "kind": "hang"}])
+    first = dflash_in_process("launch", "node", "--config", str(hang), hosts=hosts)
+    assert first.returncode == 0, first.stderr
+    run_ids = first.stdout.split()
+    tree_id = release.scan().release_id
+    checkout = copy_release_dirs(tmp_path / "checkout")
+    (checkout / "configs" / "another.yaml").write_text("another: release\n")
+    new_id = release.scan(checkout).release_id
+    try:
+        assert os.readlink(current) == f"releases/{tree_id}"
+        busy = dflash_in_process("launch", "node", "--config", str(hang), "--source", str(checkout), hosts=hosts)
+        assert busy.returncode == 2, busy.stderr
+        assert f"cpu is in use by run '{run_ids[0]}' (" in busy.stderr and busy.stdout == ""
+        assert os.readlink(current) == f"releases/{tree_id}"
+        assert (current.parent / "releases" / new_id / "MANIFEST").is_file()  # installed beside it
+        forced = dflash_in_process("launch", "node", "--config", str(hang), "--source", str(checkout), "--force",
+                                   hosts=hosts)
+        assert forced.returncode == 0, forced.stderr
+        run_ids += forced.stdout.split()
+        assert os.readlink(current) == f"releases/{new_id}"  # with the run that started
+    finally:
+        for run_id in run_ids:
+            dflash_in_process("stop", run_id, "--host", "node", "--grace", "2", hosts=hosts)
 
 def test_probe_is_made_again_after_a_dropped_connection(make_inventory, ssh_node, tmp_path):
     # The first interpreter started on the node marks that it runs, then hangs: the

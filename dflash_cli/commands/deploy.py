@@ -30,7 +30,7 @@ PROGRESS_ABOVE_BYTES = 1 << 20
 class DeployResult:
     host: str
     release_id: str
-    status: str  # unchanged | switched | installed | repaired
+    status: str  # unchanged | switched | present (intact, left as it was: switch=False) | installed | repaired
     files_sent: int
     files_reused: int
     bytes_sent: int
@@ -48,17 +48,19 @@ class DeployInterrupted(DflashError):
 
 
 def deploy_host(session: Session, host: Host, tree: release.Release, bars: Progress | None = None,
-                verify: bool = False, cancel: threading.Event | None = None) -> DeployResult:
+                verify: bool = False, cancel: threading.Event | None = None, switch: bool = True) -> DeployResult:
     """Make `tree` the current release of `host`; one round trip when it already is intact.
     `bars`: where to draw the upload's progress (see `upload_bars`), if anywhere;
     `verify`: re-hash the host's files instead of comparing size, mtime and ctime;
-    `cancel`: set by Ctrl-C (see `cancel_on_ctrl_c`), stops the upload."""
+    `cancel`: set by Ctrl-C (see `cancel_on_ctrl_c`), stops the upload;
+    `switch`: False installs the release and leaves `current` as it is (launch's deploy)."""
     started = time.monotonic()
     transport = session.transport(host)
     trips_before = transport.round_trips
     release_id = tree.release_id
     check = "verify" if verify else "cheap"
-    reply = retry_dropped(lambda: _receiver(session, host, "probe", release_id, check))
+    switching = "switch" if switch else "keep"
+    reply = retry_dropped(lambda: _receiver(session, host, "probe", release_id, check, switching))
     files_sent = bytes_sent = files_reused = 0
     modified = tuple(reply.get("modified", ()))
     if reply["status"] == "missing":
@@ -74,7 +76,7 @@ def deploy_host(session: Session, host: Host, tree: release.Release, bars: Progr
         stop_if_cancelled()
         payload = tree.tar_stream(changed, stop_if_cancelled)
         upload = _Upload(host.name, payload, bars, cancel)
-        reply = _receiver(session, host, "install", release_id, str(payload.length), stdin=upload)
+        reply = _receiver(session, host, "install", release_id, str(payload.length), switching, stdin=upload)
         files_sent, bytes_sent = len(changed), payload.length
         files_reused = reply.get("files_reused", 0)
     return DeployResult(host.name, release_id, reply["status"], files_sent, files_reused,

@@ -95,23 +95,26 @@ def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
 
 
 def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_large: bool) -> dict:
-    """The source tree made the current release of every host, in parallel; its
-    provenance record for run.json. Any host that failed (or a Ctrl-C) starts nothing.
-    Then each host says what the release changed since its newest run."""
+    """The source tree installed on every host, in parallel, and its agent the one this
+    launch asks there from now on; its provenance record for run.json. `current` is left
+    as it is: the agent makes the release current as the run starts, so a launch refused
+    or interrupted before that leaves it where it was. Any host that failed (or a Ctrl-C)
+    starts nothing. Then each host says what the release changed since its newest run."""
     tree, source = deploy.source_tree(source_dir, allow_large)
     with deploy.upload_bars() as bars, deploy.cancel_on_ctrl_c() as cancel:
         results = session.on_each_host(hosts, lambda host: deploy.deploy_host(session, host, tree, bars,
-                                                                               cancel=cancel))
+                                                                               cancel=cancel, switch=False))
     for host in hosts:
         result = results[host.name]
         if isinstance(result, DflashError):
             raise result
-        if cancel.is_set():  # Ctrl-C came after the host had switched: say so, start nothing
-            raise DflashError(f"{host.name}: interrupted; release {result.release_id} is live ({result.status} "
-                              "before the interrupt took effect); no run was started", ExitCode.INTERRUPTED)
-        if result.status != "unchanged":
+        if cancel.is_set():  # Ctrl-C came after the host had the release: start nothing
+            raise DflashError(f"{host.name}: interrupted; no run was started (release {result.release_id} is on "
+                              "the host; `current` was not moved)", ExitCode.INTERRUPTED)
+        if result.status in ("installed", "repaired"):
             console.say(f"{host.name}: release {result.release_id} {result.status} "
                         f"({result.files_sent} files sent)")
+        session.use_release(host.name, tree.release_id)
     for host in hosts:
         say_what_is_new(session, host.name, tree)
     return source
@@ -132,6 +135,7 @@ def _agent_args(host: Host, config: TrainConfig, run_id: str, name: str, source:
     args += [f"--require-path={kind}:{key}={path}" for kind, key, path in host_paths(config)
              if rank == 0 or key != "checkpoint.resume"]
     args += [f"--override={override}" for override in overrides]
+    args.append(f"--release={source['release_id']}")  # installed by _deploy; current once the run starts
     if force:
         args.append("--force")
     return args

@@ -5,6 +5,8 @@ The CLI runs it as one argv (quoted once by the transport):
 
     <python> <workspace>/current/remote/agent.py --workspace <workspace> VERB [options]
 
+(or releases/<id>/remote/agent.py: the release a launch installed, not yet current).
+
 Every verb but `follow`, `send-file` and `send-compile-artifacts` prints exactly one JSON object on stdout and exits 0; on a
 problem it prints {"error": "<message>", "kind": "<usage|not_found|conflict|host|internal>"}
 and exits 2 (usage/conflict/not_found/host) or 1 (internal); an error may carry more keys
@@ -21,7 +23,7 @@ Verbs
 launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          [--env KEY=VALUE]... [--python EXE] [--stall-after S=300] [--startup-stall-after S=300]
          [--source-json JSON] [--require-module NAME]... [--require-path KIND:KEY=PATH]... [--override KEY=VALUE]...
-         [--restart-json JSON]
+         [--restart-json JSON] [--release ID]
          [--rank I --world-size N --master-addr A [--master-port P] [--host-names H0,H1,...]]
          [--check-only]
          First checks what only the host can (preflight.py), all at once, before
@@ -50,7 +52,10 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          --run-dir runs/ID` with cwd runs/ID, PYTHONPATH=<release>/remote,
          PYTHONUNBUFFERED=1, PYTHONDONTWRITEBYTECODE=1, DFLASH_RUN_ID, DFLASH_RELEASE_ID, DFLASH_RELEASE_DIR (the
          release root), DFLASH_WORKSPACE, the --env pairs, stdout+stderr appended to
-         runs/ID/train.log. The release is the one `current` points to at launch,
+         runs/ID/train.log. The release is --release ID (installed in releases/ID,
+         else kind "not_found"), which `current` is switched to just before the
+         supervisor starts (and put back if it does not: a refused launch leaves
+         `current` as it was), or without it the one `current` points to at launch,
          resolved (runs keep their release even when `current` moves on). When the
          trainer ends it writes exit.json {exit_code, signal, oom_killed, ended_at,
          exec_error, attempt, error} atomically (exec_error: null, or why the exec failed;

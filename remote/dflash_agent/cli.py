@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="KIND:KEY=PATH", help="a path of the config that must exist on this host")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a --set the config was resolved with (recorded in run.json as given)")
+    p.add_argument("--release", metavar="ID",
+                   help="the installed release to run (default: the current one); made current as the run starts")
     _distributed_options(p, "launch")
 
     p = verbs.add_parser("resume", help="start the next attempt of an ended run from a checkpoint")
@@ -225,7 +227,7 @@ def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
         force=args.force, env=tuple(args.env), python=args.python, stall_after=args.stall_after,
         startup_stall_after=args.startup_stall_after,
         source=args.source_json, modules=tuple(args.require_module), paths=tuple(args.require_path),
-        overrides=tuple(args.override), restart=args.restart_json,
+        overrides=tuple(args.override), restart=args.restart_json, release=args.release,
         distributed=distributed, check_only=args.check_only))
 
 

@@ -23,6 +23,7 @@ from . import locks, preflight
 from .jsonio import NO_SPACE, AgentError, no_space, read_tail_text, write_atomic
 from .layout import RunDir, Workspace
 from .preflight import PathRequirement
+from .releases import release_dir
 from .supervisor import TrainerPlan, log_error, supervise
 
 REPORT_TIMEOUT_S = 60.0
@@ -80,6 +81,7 @@ class LaunchRequest:
     paths: Tuple[PathRequirement, ...] = ()  # the config's host paths that must exist
     overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE the CLI resolved the config with
     restart: Optional[Dict[str, Any]] = None  # the config's restart policy (attempts.py)
+    release: Optional[str] = None  # the installed release to run; None: the current one
     distributed: Optional[Distributed] = None  # None: a run on this host alone
     check_only: bool = False  # check what a launch would, start nothing (several hosts)
 
@@ -145,9 +147,12 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
         raise AgentError("--stall-after and --startup-stall-after must be positive", "usage")
     if request.distributed is not None:
         request.distributed.check(request.check_only)
-    release_id, release_root = ws.current_release()
+    if request.release is None:
+        release_id, release_root = ws.current_release()
+    else:
+        release_id, release_root = request.release, release_dir(ws, request.release)
     if request.source is not None and request.source.get("release_id") != release_id:
-        raise AgentError("the current release is %s, not %s whose source was given (another deploy "
+        raise AgentError("the release to run is %s, not %s whose source was given (another deploy "
                          "ran in between?)" % (release_id, request.source.get("release_id")), "conflict")
     config = _read_config(request, release_root)
     run = ws.run(request.run_id)
@@ -165,6 +170,7 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
     except BaseException:
         os.rmdir(run.path)
         raise
+    switched = False
     try:
         write_atomic(run.config, config)
         plan = TrainerPlan(
@@ -175,11 +181,16 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
             stall_after=request.stall_after, startup_stall_after=request.startup_stall_after,
             source=request.source, overrides=request.overrides,
             restart=request.restart, distributed=request.distributed.record() if request.distributed else None)
+        # `current` moves with a run that starts, never with a launch refused before it.
+        previous = ws.switch_current(release_id)
+        switched = True
         report = start_supervisor(plan)
     except BaseException:
         if not os.path.exists(run.run_json):  # nothing started: the locks are ours to drop
             locks.release(ws, request.resources, run.run_id)
             shutil.rmtree(run.path, ignore_errors=True)  # and the run id: it never became a run
+            if switched:  # and `current` is put back
+                ws.switch_current(previous)
         raise
     return {"run_id": run.run_id, "run_dir": run.path, "pid": report["pid"],
             "pgid": report["pgid"], "release_id": release_id}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from .jsonio import AgentError
 
@@ -58,6 +58,22 @@ class Workspace:
         if not os.path.isdir(root):
             raise AgentError("%s points to a missing release %s" % (self.current, root), "not_found")
         return os.path.basename(root), root
+
+    def switch_current(self, release_id: Optional[str]) -> Optional[str]:
+        """Point `current` at releases/<release_id> in one rename (None: remove it), as a
+        deploy does; the id it named before (None: there was none)."""
+        before = os.path.basename(os.readlink(self.current)) if os.path.islink(self.current) else None
+        if release_id == before:
+            return before
+        if release_id is None:
+            os.unlink(self.current)
+            return before
+        staging = os.path.join(self.root, ".current.%d" % os.getpid())
+        if os.path.lexists(staging):
+            os.unlink(staging)
+        os.symlink(os.path.join("releases", release_id), staging)
+        os.replace(staging, self.current)
+        return before
 
 
 @dataclasses.dataclass(frozen=True)

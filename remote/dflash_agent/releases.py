@@ -19,7 +19,8 @@ INLINE_MAX_BYTES = 8 * 1024 * 1024
 _RELEASE_ID = re.compile(r"^[0-9a-f]{16}$")
 
 
-def _release_dir(ws: Workspace, release_id: str) -> str:
+def release_dir(ws: Workspace, release_id: str) -> str:
+    """releases/<release_id>, which must be installed (its MANIFEST there)."""
     if not _RELEASE_ID.match(release_id):
         raise AgentError("invalid release id %r: 16 hex digits" % release_id, "usage")
     folder = os.path.join(ws.root, "releases", release_id)
@@ -41,7 +42,7 @@ def _manifest_paths(text: str) -> Dict[str, int]:
 def release_files(ws: Workspace, release_id: str, paths: Sequence[str]) -> Dict[str, Any]:
     """The release's MANIFEST and the named files' bytes (base64); files above
     INLINE_MAX_BYTES are listed in "too_large" instead. Only paths MANIFEST lists."""
-    folder = _release_dir(ws, release_id)
+    folder = release_dir(ws, release_id)
     with open(os.path.join(folder, "MANIFEST"), "rb") as fh:
         manifest = fh.read().decode()
     listed = _manifest_paths(manifest)
