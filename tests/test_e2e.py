@@ -323,25 +323,27 @@ def test_a_long_start_up_that_works_is_starting_and_one_that_hangs_is_stalled(be
     faults = [{"thread": "coordinator", "at": "startup", "kind": "busy", "seconds": 20},
               {"thread": "coordinator", "at": "startup", "kind": "hang"}]
     run_id = bed.launch(small_config(tmp_path, stall_after=3, startup_stall_after=15, faults=faults))
-    train_log = bed.run_dir(run_id) / "train.log"
-    wait_until(lambda: b"injecting fault: busy in coordinator" in train_log.read_bytes(), 120, "the busy fault")
-    seen = []
-    while b"injecting fault: hang in coordinator" not in train_log.read_bytes():
-        status = json.loads(bed.dflash("status", run_id, "--host", "ct200", "--json").stdout)
-        seen.append((status["state"], status["startup"], status["startup_elapsed_s"]))
-    assert len(seen) >= 5 and {state for state, _, _ in seen} == {"STARTING"}, seen
-    assert seen[-1][1] == "start-up" and seen[-1][2] >= 10, seen  # the phase and how long, from its `alive` events
+    try:
+        train_log = bed.run_dir(run_id) / "train.log"
+        wait_until(lambda: b"injecting fault: busy in coordinator" in train_log.read_bytes(), 120, "the busy fault")
+        seen = []
+        while b"injecting fault: hang in coordinator" not in train_log.read_bytes():
+            status = json.loads(bed.dflash("status", run_id, "--host", "ct200", "--json").stdout)
+            seen.append((status["state"], status["startup"], status["startup_elapsed_s"]))
+        assert len(seen) >= 5 and {state for state, _, _ in seen} == {"STARTING"}, seen
+        assert seen[-1][1] == "start-up" and seen[-1][2] >= 10, seen  # the phase and how long, from its `alive` events
 
-    def stalled():
-        done = bed.dflash("status", run_id, "--host", "ct200", "--json")
-        return done if json.loads(done.stdout)["state"] == "STALLED" else None
+        def stalled():
+            done = bed.dflash("status", run_id, "--host", "ct200", "--json")
+            return done if json.loads(done.stdout)["state"] == "STALLED" else None
 
-    status = wait_until(stalled, 60, "the hung start-up to be STALLED")
-    assert status.returncode == 1
-    assert json.loads(status.stdout)["startup"] == "start-up"  # the phase it stopped in
-    alive = [e for e in read_events(bed.run_dir(run_id) / "events.jsonl", "startup") if e["state"] == "alive"]
-    assert len(alive) >= 3 and all(e["cpu_s"] > 0 or e["io_bytes"] > 0 for e in alive)
-    assert bed.dflash("stop", run_id, "--host", "ct200", "--grace", "5").stdout.strip() == "STOPPED"
+        status = wait_until(stalled, 60, "the hung start-up to be STALLED")
+        assert status.returncode == 1
+        assert json.loads(status.stdout)["startup"] == "start-up"  # the phase it stopped in
+        alive = [e for e in read_events(bed.run_dir(run_id) / "events.jsonl", "startup") if e["state"] == "alive"]
+        assert len(alive) >= 3 and all(e["cpu_s"] > 0 or e["io_bytes"] > 0 for e in alive)
+    finally:  # the hang never ends by itself
+        assert bed.dflash("stop", run_id, "--host", "ct200", "--grace", "5").stdout.strip() == "STOPPED"
 
 
 def test_a_run_that_dies_without_a_record_is_explained(bed, tmp_path):
