@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from dflash_agent import preflight, procfs
+from dflash_cli import release as release_tree
 from dflash_run import dflash_in_process
 from support import container_workspace, workspace_on_node
 from support.disk import fill, tmpfs
@@ -119,7 +120,9 @@ def test_paths_missing_on_the_host_are_named_before_anything_starts(make_invento
     done = dflash_in_process("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
-    release_id = (workspace_on_node(fake_pve, tmp_path) / "current").resolve().name
+    # Relative paths are the release's, the one this launch installed: `current` stays where it was.
+    release_id = release_tree.scan().release_id
+    assert not (workspace_on_node(fake_pve, tmp_path) / "current").exists()
     release = container_workspace(fake_pve, tmp_path) / "releases" / release_id  # as the container sees it
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
     assert error == (

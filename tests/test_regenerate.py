@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import dflash_schema
+from dflash_cli import release as release_tree
 from dflash_cli.commands.launch import host_paths
 from dflash_train.config import load_train_config
 from test_trainer_runs import launch  # noqa: F401 - `launch` is a fixture
@@ -337,7 +338,9 @@ def test_launch_names_a_prompts_file_missing_on_the_host_before_anything_starts(
                       "regenerate: {prompts: data/prompts.jsonl, output: /tmp/answers.jsonl}\n")
     done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
     assert done.returncode == 2, done.stderr
-    release_id = (workspace_on_node(fake_pve, tmp_path) / "current").resolve().name
+    # Relative paths are the release's, the one this launch installed: `current` stays where it was.
+    release_id = release_tree.scan().release_id
+    assert not (workspace_on_node(fake_pve, tmp_path) / "current").exists()
     release = container_workspace(fake_pve, tmp_path) / "releases" / release_id  # as the container sees it
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
     assert error == f"dflash: error: host ct200: regenerate.prompts: {release}/data/prompts.jsonl does not exist"
