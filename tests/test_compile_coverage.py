@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import sys
+import threading
 
 import pytest
 import torch
@@ -131,3 +133,60 @@ def test_compile_default_is_built_for_every_data_shape_and_a_shape_it_was_not_bu
     assert "size mismatch" in message  # the guard that failed, from Dynamo's own words
     assert shape_of(stray) == BatchShape(2, 24, 1)
 
+
+@pytest.mark.slow(seconds=40, why="torch.compile of a tiny drafter on CPU (aot_eager), once per shape class")
+def test_compile_default_drafters_stepping_at_once_enter_the_compiled_forward_one_at_a_time():
+    # torch 2.11's Dynamo walks a code object's cache entries live, and another thread's
+    # hit reorders them: drafters that overlapped in the one compiled forward missed the
+    # graphs they were built with (StrayCompile, "BACKEND_MATCH failure") within steps.
+    # torch 2.13 did not miss so here, so there the overlap itself is what would fail.
+    inside, most, count = [0], [0], threading.Lock()
+
+    def counting(graph, example):  # aot_eager's graphs, counting the threads inside one
+        from torch._dynamo.backends.registry import lookup_backend
+
+        compiled = lookup_backend("aot_eager")(graph, example)
+
+        def run(*args):
+            with count:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            try:
+                return compiled(*args)
+            finally:
+                with count:
+                    inside[0] -= 1
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # called as aot_eager's would be
+        return run
+
+    objectives = [objective(None) for _ in range(4)]
+    example = example_inputs(objectives[0], 16, objectives[0].drafter.fc.in_features, "cpu")
+    data_shapes = (BatchShape(2, 32, 8), BatchShape(1, 32, 8), BatchShape(2, 16, 8), BatchShape(1, 16, 8))
+    torch._dynamo.reset()  # what other tests of this process compiled is not this build's
+    plan = CompilePlan("default", num_drafters=4, data_shapes=data_shapes, backend=counting)
+    with torch.fx.experimental._config.patch(use_duck_shape=False):  # as compile_policy.configure_compiler sets
+        steps = [build_train_step(plan, o, example) for o in objectives]
+    batches = [[inputs_of_shape(o, shape, example, seed=i) for shape in data_shapes] for i, o in enumerate(objectives)]
+    compiled, failures, most[0] = graphs_compiled(), [], 0
+
+    def drafter(index: int) -> None:
+        try:
+            for step in range(48):  # 1-row and 2-row micro-batches in turn: each hit moves its graph to the front
+                steps[index](batches[index][step % len(data_shapes)])
+        except StrayCompile as exc:
+            failures.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads trade the GIL often, inside Dynamo's guards too
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):  # what compile_policy.forbid_compiles sets
+            threads = [threading.Thread(target=drafter, args=(i,), name=f"drafter-{i}") for i in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures, failures[0]
+    assert graphs_compiled() == compiled
+    assert most[0] == 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -36,11 +37,16 @@ from .train_step import (BatchShape, BucketTiming, BuildReport, BuiltStep, Compi
 
 _BUILD_LOCK = threading.Lock()
 # compile: default's DraftObjective.forward, compiled once for the process (under the
-# build lock) and called with each replica's objective: one backend serves them all.
-# Dynamo guards on the backend too, and with a torch.compile per replica (a backend each)
-# a replica failed that guard on a graph another replica had compiled, once ready (torch
-# 2.11, 4 drafters on an H200).
-_SHARED_FORWARD: dict[str, object] = {}  # by backend
+# build lock) and called with each replica's objective: the first drafter's build
+# compiles the graphs of every shape, the others' find them.
+_SHARED_FORWARD: dict[str | Callable, object] = {}  # by backend
+# Held around every call of a shared forward once built. Dynamo keeps one list of cache
+# entries per code object and, on torch 2.11, walks it live while a Python guard can
+# hand the GIL to another thread, whose hit moves its entry to the front: the walk then
+# skips the entry that would have matched, and the step compiles again (refused once
+# ready). 4 drafters on an H200 and on CPU failed so within steps, reported as
+# "BACKEND_MATCH failure", which 2.11 says for any miss whose guards pass on re-check.
+_FORWARD_LOCK = threading.Lock()
 # compile: default compiles with dynamic shapes: one graph per drafter, plus the
 # re-specializations Dynamo still makes (a size of 1).
 DYNAMIC_SHAPE_VARIANTS = 2
@@ -59,8 +65,9 @@ class CompilePlan:
     # largest first (data.micro_batch_shapes); empty for a step built outside a run
     data_shapes: tuple[BatchShape, ...] = ()
     # compile: default: what compiles the graphs, Inductor in a run; where only Dynamo's
-    # guards are in question (the tests of the build), a cheaper backend of torch's
-    backend: str = "inductor"
+    # guards are in question (the tests of the build), a cheaper backend of torch's, or a
+    # test's own callable
+    backend: str | Callable = "inductor"
 
     def __post_init__(self) -> None:
         if self.mode == "cudagraphs" and not self.buckets:
@@ -174,10 +181,7 @@ def forbid_compiles() -> None:
     compiled function again fails instead (BuiltStep turns that into StrayCompile): once
     the drafters are ready.
 
-    Dynamo's `error_on_recompile`, not the `fail_on_recompile` stance: on torch 2.11 the
-    stance replaces the compile callback, and every graph but a function's first then
-    fails its backend guard (BACKEND_MATCH): 4 drafters on an H200 were refused a 1-row
-    graph they had been built with."""
+    Dynamo's `error_on_recompile`: its RecompileError is told from other errors by type."""
     torch._dynamo.config.error_on_recompile = True
 
 
@@ -210,7 +214,7 @@ def specialization_classes(shapes: tuple[BatchShape, ...]) -> tuple[BatchShape, 
 
 
 def _build_compiled(objective: DraftObjective, data_shapes: tuple[BatchShape, ...], like: DrafterInputs,
-                    backend: str) -> BuiltStep:
+                    backend: str | Callable) -> BuiltStep:
     """compile: default, dynamic shapes, built for every shape of the data.
 
     First a step at the largest shape of each specialization class compiles the graphs
@@ -223,7 +227,8 @@ def _build_compiled(objective: DraftObjective, data_shapes: tuple[BatchShape, ..
     shared = _SHARED_FORWARD[backend]
 
     def forward(inputs: DrafterInputs):
-        return shared(objective, inputs)
+        with _FORWARD_LOCK:
+            return shared(objective, inputs)
 
     train_step = _steps_from(forward, objective)
     timings = []
