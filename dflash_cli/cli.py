@@ -393,7 +393,14 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
     what its release changed since the run before it on that host: `2 files (+14 −3)`,
     or `same release as RUN`.
     """
-    sys.exit(_verb("status").list_runs(session, list(host_names) or [latest_host(session.logs_dir)], as_json))
+    if not host_names:
+        latest = latest_host(session.logs_dir)
+        if latest not in session.inventory.hosts:  # the inventory changed since that run
+            console.warn(f"the latest run's host {latest!r} is not in {session.inventory.source}: skipped; "
+                         "the runs on local follow (--host HOST for another)")
+            latest = "local"
+        host_names = (latest,)
+    sys.exit(_verb("status").list_runs(session, list(host_names), as_json))
 
 
 @main.command("diff")

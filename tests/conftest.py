@@ -140,6 +140,14 @@ def make_inventory(ssh_node: SshNode, fake_pve: FakePve) -> Iterator[Callable[..
     assert not leaks, f"written on the node instead of inside the container: {fake_pve.mount_point}/{leaks}"
 
 
+@pytest.fixture(autouse=True)
+def logs_outside_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's default logs folder is `logs` in the working directory, the checkout when
+    the suite runs: every test gets its own instead (DFLASH_LOGS is --logs-dir's
+    variable), so no test writes into the checkout."""
+    monkeypatch.setenv("DFLASH_LOGS", str(tmp_path / "logs"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """An empty client config made for the tests: dflash (and its subprocesses) resolve

@@ -134,3 +134,15 @@ def test_gpu_line_is_compact_and_survives_missing_readings():
          "utilization_pct": None, "temperature_c": None, "power_w": None},
     ])
     assert line == "gpu0 40.0/140GiB 97% 61C 512W  gpu1 ?/140GiB ?% ?C ?W"
+
+
+def test_runs_lists_local_when_the_latest_runs_host_left_the_inventory(make_inventory, tmp_path):
+    from dflash_cli.local_state import RunRef, set_latest
+
+    logs = tmp_path / "logs"
+    set_latest(logs, RunRef("ct203", "gone-20260101-000000-0000"))  # launched when ct203 was in hosts.yaml
+    done = dflash_in_process("--logs-dir", str(logs), "runs", hosts=make_inventory(tmp_path))
+    assert "the latest run's host 'ct203' is not in " in done.stderr and "skipped" in done.stderr
+    assert "unknown host" not in done.stderr
+    # It goes on to local, which this test never deployed to: that is what it says next.
+    assert done.returncode == 2 and "host local: no release deployed" in done.stderr, done.stderr

@@ -224,7 +224,6 @@ def test_abort_leaves_every_stack_in_faulthandler_log(launch):
     assert text.count("Thread 0x") + text.count("Current thread 0x") >= 5
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["threaded", "sequential"])
 @pytest.mark.slow(seconds=3, why="a trainer run on CPU per case")
