@@ -69,11 +69,6 @@ def root_cause(records: Sequence[tuple[str, dict]]) -> tuple[str, dict] | None:
     return records[0] if records else None
 
 
-def latest_attempt(records: Sequence[dict], attempt: int) -> list[dict]:
-    """The records of the run's latest attempt (a record without one is attempt 0's)."""
-    return [r for r in records if int(r.get("attempt") or 0) == attempt]
-
-
 def blamed_host(cause: tuple[str, dict], hosts: Sequence[str]) -> str | None:
     """For a root cause that is a PeerFailed record (no rank recorded a failure of its
     own: the peer was killed, or went silent), the host of the peer it names; else None."""

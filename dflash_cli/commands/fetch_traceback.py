@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+from dflash_agent.state import attempt_errors
+
 from .. import console, diagnosis, multihost
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef
@@ -112,8 +114,7 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
     every = {host: report.get("errors", []) for host, report in reports.items()}  # file order, attempt after attempt
     # The state is the latest attempt's, and so is the root cause; --all shows earlier attempts' too.
     attempts = {host: int((report.get("run") or {}).get("attempt") or 0) for host, report in reports.items()}
-    latest = {host: [r for r in records if int(r.get("attempt") or 0) == attempts[host]]
-              for host, records in every.items()}
+    latest = {host: attempt_errors(records, attempts[host]) for host, records in every.items()}
     for host, records in every.items():
         logs = RunLogs(session.logs_dir, RunRef(host, ref.run_id))
         if records:

@@ -21,6 +21,7 @@ from rich.live import Live
 from rich.text import Text
 
 from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
+from dflash_agent.state import attempt_errors
 
 from .. import console, diagnosis, multihost
 from ..errors import DflashError, ExitCode, UnreachableError, exit_code_for_state
@@ -277,7 +278,7 @@ class Watcher:
     @property
     def latest_records(self) -> list[dict]:
         """The error records of the attempt that ended (earlier attempts' are history)."""
-        return multihost.latest_attempt(self.records, int((self.end or {}).get("attempt") or 0))
+        return attempt_errors(self.records, int((self.end or {}).get("attempt") or 0))
 
     def finish(self) -> ExitCode:
         self.stop_status_line()
