@@ -10,9 +10,10 @@ processes, into a memory-mapped store cached on the host (tokstore.py); later ru
 resumes open it in seconds and read samples as batches need them. The store holds
 whatever `tokenize_sample` returns, array by array. The batch plan is fixed by
 the seed: every epoch shuffles the samples with its own seed and packs them greedily into
-micro-batches of at most `token_budget` padded tokens. Step s of replica g uses plan entry
-(s-1)*replicas + g (g: its index among every replica of every process of the run), so a
-resumed run reads exactly what the uninterrupted one would.
+micro-batches of at most `config.rows_per_micro_batch` rows (`token_budget` padded tokens,
+and `block_token_budget` drafter block tokens). `BatchPlan` maps each (step, micro-batch,
+replica) to one plan entry (docs/trainer.md, "Gradient accumulation"), so a resumed run
+reads exactly what the uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -413,8 +414,7 @@ class BatchPlan:
     A step takes replicas x accumulate consecutive micro-batches of the epoch's packed
     order: micro-batch m of replica g of step s is entry ((s-1)*accumulate + m)*replicas + g,
     so every entry is used once, none skipped, and with accumulate 1 it is (s-1)*replicas + g.
-    An epoch's tail that cannot fill a whole step is dropped (as before, when a step was
-    `replicas` micro-batches)."""
+    An epoch's tail that cannot fill a whole step (replicas x accumulate entries) is dropped."""
 
     def __init__(self, samples: Sequence[Sample], data: DataConfig, replicas: int, epochs: int,
                  max_steps: int | None, seed: int, accumulate: int = 1, drafter: DrafterConfig = DrafterConfig()):
