@@ -1,7 +1,7 @@
 """Compile artifacts between hosts: what each host's compile cache offers (the agent's
 `compile-artifacts`), which hosts can use which (same GPU model; for CPU code, the same CPU
 model), and copying one key's artifacts from a host to another, sha256-checked on both
-ends. `dflash cache copy` and a multi-host `dflash launch` use it (DESIGN.md "Remote layout",
+ends. `dflash cache copy` and a multi-host `dflash launch` use it (docs/layout.md,
 cache/compile/<key>/)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where output goes: data on stdout, everything for humans on stderr (DESIGN.md).
+"""Where output goes: data on stdout, everything for humans on stderr (docs/cli.md).
 
 rich renders tables and progress on stderr; it honours NO_COLOR by itself.
 """

@@ -1,5 +1,5 @@
 """One line under a failure's traceback, for the failures we know: what happened, in the
-run's terms, and the setting to change (DESIGN.md "Diagnosis").
+run's terms, and the setting to change (docs/errors.md "Diagnosis").
 
 Each `Signature` matches an errors.jsonl record by the exception it raised (the record's
 `exc_type`, or an exception line of its chained traceback: the trainer often wraps what

@@ -1,4 +1,4 @@
-"""The one error type of the core and the CLI's exit codes (DESIGN.md).
+"""The one error type of the core and the CLI's exit codes (docs/cli.md "CLI exit codes").
 
 The core raises `DflashError` with the exit code that fits; only `cli.py` turns it
 into a message on stderr and a process exit status.
@@ -17,7 +17,7 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130  # the user pressed Ctrl-C; the run keeps going
 
 
-# DESIGN.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
+# docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
 # well (no progress for stall_after seconds), and `dflash stacks` shows where it hangs.
 _EXIT_FOR_STATE = {
     "STARTING": ExitCode.OK, "RUNNING": ExitCode.OK, "SUCCEEDED": ExitCode.OK,

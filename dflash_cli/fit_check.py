@@ -1,6 +1,6 @@
 """`dflash launch`'s fit check: the GPU memory a training config needs on every device of
 a host (dflash_train.memory_plan) against that host's GPUs, before anything is deployed
-or started (DESIGN.md "The fit check").
+or started (docs/fit-check.md).
 
 The host's facts come in one round trip: the agent's gpus.py, sent with `python -c` (it
 imports nothing of its package, so it runs on a fresh host and whatever release is

@@ -1,4 +1,4 @@
-"""The host inventory (configs/hosts.yaml, DESIGN.md "Inventory").
+"""The host inventory (configs/hosts.yaml, docs/hosts.md "Inventory").
 
 `local` always exists, even without the file. `--hosts FILE` or DFLASH_HOSTS picks
 another inventory; otherwise ./configs/hosts.yaml is read when present.
@@ -34,7 +34,7 @@ class Host:
     known_hosts: str | None = None
     host_key: Literal["strict", "accept-new"] = "strict"  # unknown host keys: refuse or record
     # which SSH client connects: auto is the OpenSSH client where `ssh` is installed,
-    # else paramiko (DESIGN.md "Which SSH client")
+    # else paramiko (docs/hosts.md "Which SSH client")
     ssh_client: Literal["auto", "openssh", "paramiko"] = "auto"
     pct: str = "pct"  # path of pct on the Proxmox node
     connect_timeout: float = 10.0

@@ -1,4 +1,4 @@
-"""logs/: what the CLI fetched, per host and run (DESIGN.md "Local state").
+"""logs/: what the CLI fetched, per host and run (docs/cli.md "Local state").
 
 logs/<host>/<run-id>/ holds train.log (as streamed; train.log.seg1, .seg2, ... for the
 content after each truncation or replacement on the host), events.jsonl (the run's

@@ -1,4 +1,4 @@
-"""One run across several hosts, seen as one (DESIGN.md "Several hosts"): its state from
+"""One run across several hosts, seen as one (docs/multihost.md): its state from
 each host's, and its root cause among every host's error records."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Users deploy patched training code, so a run records the patch, not only the commit:
 `deploy` and `launch` print one `source:` line, and `launch` stores the same facts in
-run.json as `source` (DESIGN.md), which `status` shows. The release id already names
+run.json as `source` (docs/releases.md), which `status` shows. The release id already names
 the code exactly; this says where it came from.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ MANIFEST has one line per file, `sha256  size  mode  path`, sorted by path. The 
 id is the first 16 hex digits of the MANIFEST's own sha256, so the same tree always
 gives the same id and any change of content, path or executable bit gives a new one.
 
-Which files (DESIGN.md "What a release holds"): those of remote/ and configs/ that git
+Which files (docs/releases.md "What a release holds"): those of remote/ and configs/ that git
 would commit (tracked, or untracked and not ignored: `git ls-files --cached --others
 --exclude-standard`) in a git checkout, else those no `.gitignore` of the tree ignores;
 then minus what the tree's `.dflashignore` (gitignore syntax) names, and never caches or

@@ -1,5 +1,5 @@
 """What the trainer needs on a host (remote/requirements.txt of the release) and whether
-a host's interpreter has it: the readiness rule of `dflash hosts --check` (DESIGN.md
+a host's interpreter has it: the readiness rule of `dflash hosts --check` (docs/hosts.md
 "Host environments")."""
 from __future__ import annotations
 

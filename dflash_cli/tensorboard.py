@@ -1,5 +1,5 @@
 """TensorBoard event files of a run, written here from the events `watch` receives
-(DESIGN.md "Local state"): the hosts need nothing new, and `tensorboard --logdir logs`
+(docs/cli.md "Local state"): the hosts need nothing new, and `tensorboard --logdir logs`
 shows every run of every host, one run per logs/<host>/<run-id>/.
 
 The writer is TensorBoard's own EventFileWriter (the one torch.utils.tensorboard uses),

@@ -11,7 +11,7 @@ import sys
 # The script's folder is normally sys.path[0] already, but not under -P/-I
 # (PYTHONSAFEPATH); the agent must find its package either way.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# Nothing is ever written into a release, bytecode included (DESIGN.md "Remote layout");
+# Nothing is ever written into a release, bytecode included (docs/layout.md);
 # the environment carries this to the supervisor and the trainer.
 sys.dont_write_bytecode = True
 os.environ["PYTHONDONTWRITEBYTECODE"] = "1"

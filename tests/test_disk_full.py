@@ -1,4 +1,4 @@
-"""A disk that fills up under a run (DESIGN.md "Remote layout": the reserves; errors.jsonl:
+"""A disk that fills up under a run (docs/layout.md: the reserves; errors.jsonl:
 DiskFull): the run is FAILED with a record naming the full disk, not LOST; what it had
 checkpointed stays whole and resumes once space is freed. On real tmpfs filesystems, with
 the real trainer and torch's own writers."""

@@ -57,8 +57,8 @@ def patched_project(dest: Path) -> tuple[Path, str]:
 
 
 def expected_diff_sha256(project: Path) -> str:
-    """The documented recipe (DESIGN.md): `git diff HEAD --binary -- remote configs`,
-    then NUL path NUL sha256 of each deployed file git does not track."""
+    """The documented recipe (docs/releases.md, "Source tree and provenance"): `git diff HEAD
+    --binary -- remote configs`, then NUL path NUL sha256 of each deployed file git does not track."""
     digest = hashlib.sha256(git(project, "diff", "HEAD", "--binary", "--", "remote", "configs"))
     untracked_sha = hashlib.sha256((project / UNTRACKED).read_bytes()).hexdigest()
     digest.update(b"\0" + UNTRACKED.encode() + b"\0" + untracked_sha.encode())

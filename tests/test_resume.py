@@ -1,6 +1,6 @@
 """Runs that survive: `dflash resume` continues a stopped, failed or lost run as a new
 attempt of the same run id, and the supervisor restarts a failed run under the config's
-`restart` policy (DESIGN.md "Attempts"). On the `local` host, with the real trainer."""
+`restart` policy (docs/runs.md "Attempts"). On the `local` host, with the real trainer."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """dflash hosts: the inventory, and with --check what each host really has and whether
-it is ready to train (DESIGN.md "Host environments")."""
+it is ready to train (docs/hosts.md "Host environments")."""
 from __future__ import annotations
 
 import json

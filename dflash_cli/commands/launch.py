@@ -1,5 +1,5 @@
 """dflash launch: validate a training config here, deploy if needed, start the run there
-(on several hosts: one run, one trainer per host, DESIGN.md "Several hosts")."""
+(on several hosts: one run, one trainer per host, docs/multihost.md)."""
 from __future__ import annotations
 
 import datetime
@@ -233,7 +233,7 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
         raise DflashError(f"--master-addr {master_addr!r}: expected a host name or IP address", ExitCode.USAGE)
     if config.restart.max > 0:
         # Each host's supervisor restarts only its own trainer, which would wait for peers
-        # that ended: restarting together needs a coordinator (DESIGN.md "Attempts").
+        # that ended: restarting together needs a coordinator (docs/multihost.md "Resume and restart").
         raise DflashError(f"restart.max {config.restart.max}: a run on several hosts is not restarted "
                           "automatically (the hosts' supervisors cannot restart together without a "
                           "coordinator); set restart.max: 0 and resume it by hand with `dflash resume RUN`",

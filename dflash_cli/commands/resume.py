@@ -1,5 +1,5 @@
 """dflash resume: the next attempt of a run that ended, from its newest complete checkpoint
-(on several hosts: every host's part, from rank 0's checkpoint, DESIGN.md "Attempts")."""
+(on several hosts: every host's part, from rank 0's checkpoint, docs/runs.md "Attempts")."""
 from __future__ import annotations
 
 from dflash_agent.gpus import TRAINER_PACKAGES

@@ -1,5 +1,5 @@
 """dflash setup: on each host, a virtualenv under the workspace with what the trainer
-needs (remote/requirements.txt), made the host's interpreter (DESIGN.md "Host environments").
+needs (remote/requirements.txt), made the host's interpreter (docs/hosts.md "Host environments").
 
 The work happens on the host (dflash_cli/host_setup.py, sent with `python -c`), in one
 command: one round trip when nothing changed. pip's output comes back line by line.

@@ -1,4 +1,4 @@
-"""Transports: how commands reach a host (DESIGN.md "Hosts and hops").
+"""Transports: how commands reach a host (docs/hosts.md).
 
 `open_transport(host)` returns the one Transport for that host; make one per host per
 CLI invocation and close it when done (it is a context manager). Nothing connects

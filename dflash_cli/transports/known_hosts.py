@@ -3,7 +3,7 @@ hashed names), `@revoked` keys refused wherever they appear, and new keys append
 the first file (OpenSSH's first UserKnownHostsFile).
 
 `@cert-authority` lines are read but cannot vouch for a host here: paramiko does not
-negotiate host certificates (DESIGN.md "Hosts and hops"); such a host needs its plain
+negotiate host certificates (docs/hosts.md); such a host needs its plain
 key on record, and the refusal says so.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The `ssh` and `pct` transports through the user's own OpenSSH client, the default
-wherever `ssh` is installed (DESIGN.md "Hosts and hops").
+wherever `ssh` is installed (docs/hosts.md).
 
 Each command is `ssh -T TARGET -- QUOTED-ARGV`, a subprocess run as the local
 transport runs one (streaming, stdin, process-group kill), so the user's config

@@ -64,18 +64,18 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          room). The supervisor's own failures are `supervisor[PID]: error: …` lines in
          agent.log. With --restart-json
          {"max", "on", "backoff_s"} (run.json's "restart") the supervisor starts the
-         next attempt from the newest checkpoint instead, as DESIGN.md "The restart
+         next attempt from the newest checkpoint instead, as docs/runs.md "The restart
          policy" says; run.json's "attempt" and "attempts" list the attempts. run.json also records name,
          release_dir, workspace, config_source, cwd, env_keys (the --env keys; values
          are not recorded), resources, start_time (/proc stat field 22) and
          supervisor {pid, start_time} and source: the --source-json object (where the
-         release came from, DESIGN.md; null without it), whose "release_id" must name
+         release came from, docs/releases.md; null without it), whose "release_id" must name
          the current release, else kind "conflict", and overrides: the --override
          strings in order ([] without any), the `--set KEY=VALUE` the CLI resolved
          the config with, recorded as given (the agent neither reads nor applies them). `launch` returns after run.json exists:
          {"run_id", "run_dir", "pid", "pgid", "release_id"}. A launch that fails before
          run.json exists leaves no run directory and no lock.
-         One host's part of a run on several hosts (DESIGN.md "Several hosts"): --rank,
+         One host's part of a run on several hosts (docs/multihost.md): --rank,
          --world-size and --master-addr go together; the trainer's environment then
          holds RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK=0 and
          LOCAL_WORLD_SIZE=1 (torch.distributed's env://; they override --env and the
@@ -89,7 +89,7 @@ launch   --run-id ID --config PATH [--name NAME] [--resource R]... [--force]
          checks every host this way before it starts any.
 resume   --run-id ID [--release run|current] [--step N] [--env KEY=VALUE]... [--require-module NAME]...
          [--rank R --world-size W [--master-addr A] [--master-port P] [--host-names H0,H1,...]] [--check-only]
-         The next attempt of a run that ended (DESIGN.md "Attempts"), from its complete
+         The next attempt of a run that ended (docs/runs.md "Attempts"), from its complete
          checkpoint of step N (default: the newest), with its config and its release
          (--release run) or the current one: under a per-run lock, refused (kind
          "conflict") while the run is live (not terminal), when it SUCCEEDED and no --step
@@ -162,7 +162,7 @@ info     {"python", "platform", "hostname", "boot_id", "packages": {"torch": v|n
 gpus.py --fit-facts [--model=PATH] [--env=KEY=VALUE]...
          Not a verb: gpus.py's source run with `python -c SOURCE WORKSPACE --fit-facts ...`
          (it imports nothing of this package), so `dflash launch` asks it before the
-         deploy, on a host with no release or an older one (DESIGN.md "The fit check").
+         deploy, on a host with no release or an older one (docs/fit-check.md).
          The --env pairs (the inventory's env) are applied first, as the trainer gets
          them. -> {"gpus": [... as `gpus`] (+ "problem"), "target": the fields of PATH's
          config.json or null, "target_source": the file read | "target_problem": why
@@ -249,7 +249,7 @@ send-file --run-id ID --folder F --path P --identity I [--offset N=0]
 
 compile-artifacts
          The portable compile artifacts of the workspace's compile cache
-         (cache/compile/<key>/artifacts.bin + artifacts.json, DESIGN.md "Remote layout"):
+         (cache/compile/<key>/artifacts.bin + artifacts.json, docs/layout.md):
          {"gpus": [the host's GPU names, as `gpus` gives them], "cpu": /proc/cpuinfo's model
          name or null, "artifacts": [{"key", "facts": {gpu,
          torch, triton, cuda, python}, "size", "sha256", "torch", "saved_at"}]}, sorted by
@@ -279,7 +279,7 @@ gc       [--keep N=0]
          kind "conflict". {"removed": [{"release_id", "bytes"}], "kept": [{"release_id",
          "reason"}], "freed_bytes"}.
 
-Run states (DESIGN.md): STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED, DEGRADED,
+Run states (docs/runs.md "Run states"): STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED, DEGRADED,
 STALLED, LOST, derived from run.json + exit.json + errors.jsonl + stop_requested.json
 + events.jsonl (heartbeats, and the trainer's `done` when no exit.json was written)
 + /proc, never from the end of a stream. LOST only when no process is left and nobody

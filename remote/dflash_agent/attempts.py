@@ -1,4 +1,4 @@
-"""Attempts of a run (DESIGN.md "Attempts"): one run id, several trainer processes in turn.
+"""Attempts of a run (docs/runs.md "Attempts"): one run id, several trainer processes in turn.
 
 A run's first attempt (0) is its launch; each `resume` verb (by hand) or restart (by the
 supervisor, under the run's `restart` policy) starts the next one from a checkpoint of

@@ -1,5 +1,5 @@
 """The `compile-artifacts`, `send-compile-artifacts` and `receive-compile-artifacts` verbs:
-a host's portable compile artifacts (DESIGN.md "Remote layout", cache/compile/<key>/), listed
+a host's portable compile artifacts (docs/layout.md, cache/compile/<key>/), listed
 and moved to another host of the same GPU model and toolchain, so it starts warm.
 
 The trainer (dflash_train/compile_cache.py) writes artifacts.bin and then artifacts.json

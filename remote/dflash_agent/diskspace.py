@@ -3,7 +3,7 @@
 A run's failure path writes files (errors.jsonl, exit.json) on the disk that may be full
 to its last byte. Each writer keeps a reserve there, a file of real bytes made when it
 starts, and gives it back to the filesystem just before the one write that must not fail
-for want of space (DESIGN.md "Remote layout": the `*.reserve` files). The trainer imports
+for want of space (docs/layout.md: the `*.reserve` files). The trainer imports
 this module too.
 """
 from __future__ import annotations

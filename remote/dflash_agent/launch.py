@@ -35,7 +35,7 @@ DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RA
 
 @dataclasses.dataclass(frozen=True)
 class Distributed:
-    """This host's place in a run across several hosts (DESIGN.md "Several hosts"):
+    """This host's place in a run across several hosts (docs/multihost.md):
     one trainer process per host, rank = the host's position in the launch."""
     rank: int
     world_size: int
@@ -121,7 +121,7 @@ def trainer_env(ws: Workspace, run: RunDir, release_id: str, release_root: str,
 
 def free_port() -> int:
     """A TCP port nothing listens on here now, as the kernel hands one out for port 0.
-    Free when asked: rank 0's trainer binds it moments later (DESIGN.md)."""
+    Free when asked: rank 0's trainer binds it moments later (docs/multihost.md)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]

@@ -1,4 +1,4 @@
-"""Where things live under a workspace (DESIGN.md "Remote layout")."""
+"""Where things live under a workspace (docs/layout.md)."""
 from __future__ import annotations
 
 import dataclasses

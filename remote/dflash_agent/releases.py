@@ -1,5 +1,5 @@
 """The `release-files`, `run-config` and `gc` verbs: what `dflash diff`, `dflash runs` and
-`dflash gc` read from and remove in <workspace>/releases/ (DESIGN.md "Releases on a host")."""
+`dflash gc` read from and remove in <workspace>/releases/ (docs/releases.md "Releases on a host")."""
 from __future__ import annotations
 
 import base64

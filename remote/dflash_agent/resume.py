@@ -11,7 +11,7 @@ explicit in the request, so several hosts' runs can be resumed from one common s
 A part of a run on several hosts resumes only with its place in the run (`distributed`,
 as launch's options; the CLI's `dflash resume` sends every host's): rank 0 must hold the
 checkpoint at --step and checks that it fits; a host of rank > 0 needs none, its trainer
-takes rank 0's (DESIGN.md "Attempts: resume and restart"). --check-only checks all of
+takes rank 0's (docs/runs.md "Attempts"). --check-only checks all of
 that and starts nothing; on rank 0 it also picks a free rendezvous port, as launch does.
 """
 from __future__ import annotations

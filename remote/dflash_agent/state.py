@@ -1,4 +1,4 @@
-"""Run states (DESIGN.md "Run states").
+"""Run states (docs/runs.md "Run states").
 
 `observe` gathers the facts from the run directory and /proc; `derive_state` is the one
 pure function that turns them into a state. Nothing here reads a whole log: the last

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dflash_train",
                                      description="Run the job of a config: train a DFlash drafter, regenerate data, or evaluate a drafter.")
     parser.add_argument("--config", required=True, help="the job's config (YAML)")
-    parser.add_argument("--run-dir", required=True, help="the run directory (DESIGN.md layout)")
+    parser.add_argument("--run-dir", required=True, help="the run directory (docs/layout.md)")
     parser.add_argument("--resume-from", metavar="CHECKPOINT",
                         help="resume from this checkpoint folder instead of the config's checkpoint.resume "
                              "(the agent passes it to a resumed or restarted attempt; on rank > 0 of a run on several "

@@ -1,5 +1,5 @@
 """What each part of the run holds on each GPU, noted as it is built, so that a CUDA
-out-of-memory error can say who held the memory (errors.jsonl `memory`, DESIGN.md).
+out-of-memory error can say who held the memory (errors.jsonl `memory`, docs/errors.md).
 
     mark = memory_ledger.mark("cuda:0")          # before building a part
     ...                                          # load the target, build a drafter

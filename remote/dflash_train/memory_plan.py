@@ -1,7 +1,7 @@
 """Peak GPU memory of a training run, per device, from its config and the target's shape.
 
 `dflash launch` calls `estimate` before anything is deployed and refuses a run whose
-estimate exceeds a GPU (DESIGN.md "The fit check"); `launch --dry-run` prints the terms.
+estimate exceeds a GPU (docs/fit-check.md); `launch --dry-run` prints the terms.
 Torch-free, like config.py: the CLI imports it, and the trainer may too.
 
 What a device holds at its peak, as the trainer places it (startup.py, replica.py):

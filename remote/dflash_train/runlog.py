@@ -7,7 +7,7 @@ held until its newline, and whole lines go out in one os.write under one lock, s
 of different threads never mix inside a line, and library prints and warnings get the
 prefix too.
 
-events.jsonl and errors.jsonl follow DESIGN.md; an error record is flushed and fsynced
+events.jsonl and errors.jsonl follow docs/layout.md and docs/errors.md; an error record is flushed and fsynced
 by the failing thread before anything is torn down.
 """
 from __future__ import annotations
@@ -245,7 +245,7 @@ def _bounded(text: str, limit: int) -> str:
 
 def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
                  phase: str, step: int | None) -> dict[str, Any]:
-    """DESIGN.md's errors.jsonl record for `exc`, its message and traceback bounded;
+    """docs/errors.md's errors.jsonl record for `exc`, its message and traceback bounded;
     `detail` when an exception of its chain carries one (a dict of facts beyond the
     message: a non-finite step's values, a full disk's path and free bytes); `memory`
     for a CUDA out-of-memory error (who held what, memory_ledger)."""
@@ -302,7 +302,7 @@ class ThreadNames:
 
 
 def dump_header(reason: str) -> str:
-    """The line that starts a stack dump in faulthandler.log (DESIGN.md "Remote layout")."""
+    """The line that starts a stack dump in faulthandler.log (docs/layout.md)."""
     return f"=== stacks of every thread: {reason} at {utc_stamp()}Z ===\n"
 
 

@@ -9,12 +9,12 @@ line in train.log, so `watch` shows where a starting run is instead of a silent 
 
 Any module calls `phase` without being handed the event log: the coordinator names the
 run's log once (`record_to`); before that, and in code run outside a trainer (benchmarks,
-tests), phases only time their body. Event fields are listed in DESIGN.md ("events.jsonl").
+tests), phases only time their body. Event fields are listed in docs/layout.md (events.jsonl).
 
 A phase can be long and still working (a cold compile, a target read from a network
 disk): `start_pulse` adds, until the job leaves its start-up (`end_pulse`), an `alive`
 event every STARTUP_PULSE_S while the process's own threads used the CPU or moved bytes,
-so the agent tells a long start-up from a stuck one (DESIGN.md "Run states").
+so the agent tells a long start-up from a stuck one (docs/runs.md "Run states").
 """
 from __future__ import annotations
 
