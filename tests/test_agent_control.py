@@ -181,10 +181,12 @@ def test_usage_errors_are_json_on_stdout(agent, args, text):
 
 
 def test_agent_is_stdlib_only_and_python38_syntax():
-    agent_dir = REPO / "remote" / "dflash_agent"
-    sources = sorted(agent_dir.glob("*.py")) + [REPO / "remote" / "agent.py"]
+    """The agent and the event schema it imports (remote/dflash_events)."""
+    sources = [path for package in ("dflash_agent", "dflash_events")
+               for path in sorted((REPO / "remote" / package).glob("*.py"))] + [REPO / "remote" / "agent.py"]
     problems = [problem for path in sources for problem in old_python_problems(
-        path.read_text(), path.name, packages=frozenset({"dflash_agent"}), relative_imports=True)]
+        path.read_text(), f"{path.parent.name}/{path.name}", packages=frozenset({"dflash_agent", "dflash_events"}),
+        relative_imports=True)]
     assert problems == []
 
 

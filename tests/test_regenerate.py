@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import dflash_events
 import dflash_schema
 from dflash_cli import release as release_tree
 from dflash_cli.commands.launch import host_paths
@@ -210,6 +211,8 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
     assert last["truncated"] == sum(a["truncated"] for a in answers)
     assert f"answered {len(rows)}/{len(rows)} prompts" in run.log()
     assert [e["phase"] for e in run.events("phase")] == ["startup", "regenerate", "shutdown"]
+    for event in run.events():
+        dflash_events.check(event)
     assert (run.run_dir / "errors.jsonl").read_text() == ""
     # the output is a training file: the trainer's own reader takes every line
     from dflash_train.data import load_samples

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import dflash_events
 import pytest
 import torch
 
@@ -147,6 +148,8 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
         [event] = [e for e in events if e["type"] == "eval"]
         assert {k: event[k] for k in written} == written
+        for each in events:
+            dflash_events.check(each)
         assert events[-1]["type"] == "done" and events[-1]["exit_code"] == 0
         drafter = load_drafter(drafter_dir).eval()
         expected = evaluate(drafter, trained["tap"], trained["embed"], trained["head"], trained["prompts"][:4], 32,

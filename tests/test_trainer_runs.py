@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import dflash_events
 import pytest
 from dflash_train.config import load_train_config, resolved_yaml
 from support.train_configs import TINY_CPU
@@ -104,6 +105,22 @@ def test_tiny_cpu_config_end_to_end(tiny_cpu_run, workspace):
     assert f"acceptance length {trained['acceptance_length']:.3f}" in run.log()
     # the export loads back and drafts losslessly against the target
     check_export(run.run_dir / "export", workspace)
+
+
+@pytest.mark.xdist_group("tiny-cpu-run")
+@pytest.mark.timeout(480)
+def test_every_event_of_a_trained_run_fits_the_event_schema(tiny_cpu_run):
+    """The trainer checks each event as it emits it, so a field renamed at the emitter or
+    in the schema alone fails this run; what reads the renamed name (dflash_events's
+    names) fails in its own tests."""
+    assert tiny_cpu_run.proc.returncode == 0, tiny_cpu_run.log()[-3000:]
+    events = tiny_cpu_run.events()
+    for event in events:
+        dflash_events.check(event)
+    assert {"phase", "startup", "ready", "heartbeat", "step", "eval", "checkpoint", "export", "replicas",
+            "done"} <= {e["type"] for e in events}
+    assert {"import", "find sources", "build data", "load target", "plan shapes", "build train step"} <= {
+        e["phase"] for e in tiny_cpu_run.events("startup")}
 
 
 def check_export(export: Path, workspace: Path) -> None:

@@ -16,6 +16,8 @@ import re
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from dflash_events import ATTEMPT
+
 from .jsonio import NO_SPACE, encode_line
 from .layout import RunDir
 
@@ -85,8 +87,8 @@ def append_markers(run: RunDir, attempt: int, reason: str, resume_step: Optional
     rewritten. state.summarize_events stops at the events marker, so nothing an earlier
     attempt wrote (its `done`, its heartbeats) counts for the new one."""
     now = time.time()
-    event = {"ts": now, "type": "attempt", "attempt": attempt, "reason": reason,
-             "resume_step": resume_step, "release_id": release_id}
+    event = ATTEMPT.record(now, {"attempt": attempt, "reason": reason, "resume_step": resume_step,
+                                 "release_id": release_id})
     _append(run.events, encode_line(event))
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + ".%03d" % (int(now * 1000) % 1000)
     start = "from its checkpoint at step %d" % resume_step if resume_step is not None else "from the start"

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from dflash_events import CHECKPOINT
+
 from .checkpoint import CheckpointSnapshot, SnapshotBuffers, write_checkpoint
 from .runlog import EventLog, say
 from .threads import StopLatch, StopRequested, JobThread
@@ -53,7 +55,7 @@ class CheckpointWriter:
             start = time.perf_counter()
             path = write_checkpoint(self.root, snapshot, self.keep, self.config_yaml)
             write_s = time.perf_counter() - start
-            self.events.emit("checkpoint", step=step, path=str(path), held_s=round(held_s, 4),
+            self.events.emit(CHECKPOINT, step=step, path=str(path), held_s=round(held_s, 4),
                              write_s=round(write_s, 4), waited_s=round(waited_s, 4))
             say(f"checkpoint at step {step}: {path} (training held {held_s:.2f}s, written in {write_s:.2f}s)")
 

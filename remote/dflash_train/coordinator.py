@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from dflash_events import REPLICAS
 
 from . import memory_ledger
 from .compile_cache import CompileCache, compile_key_facts, is_warm, open_compile_cache, save_after_first_compile
@@ -176,7 +177,7 @@ class Coordinator(JobControl):
                 raise ReplicasDiverged(
                     f"drafter replicas differ across ranks after step {step}: {', '.join(differing)} differ from rank 0 "
                     f"drafter-0 (sha256 by rank: {'; '.join(', '.join(c[:16] for c in sums) for sums in by_rank)})")
-        self.events.emit("replicas", step=step, devices=[r.device for r in replicas], sha256=self.checksums, **fields)
+        self.events.emit(REPLICAS, step=step, devices=[r.device for r in replicas], sha256=self.checksums, **fields)
         count = sum(len(sums) for sums in by_rank)
         say(f"{count} drafter replica(s) identical after step {step}: weights sha256 {self.checksums[0]}")
 

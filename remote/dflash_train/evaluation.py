@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from dflash_events import EVAL
 
 from .config import TrainConfig, resolve_path
 from .data import load_prompts
@@ -99,7 +100,7 @@ class EvaluationJob(JobControl):
         tmp = self.run_dir / ".eval.json.tmp"
         tmp.write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, self.run_dir / "eval.json")
-        self.events.emit("eval", step=None, final=True, baseline=False, **fields)
+        self.events.emit(EVAL, step=None, final=True, baseline=False, **fields)
         say(f"eval of {drafter_dir}: {result.summary()}; {result.new_tokens} tokens in {result.verify_steps} "
             f"verify steps, {fields['seconds']:.1f}s; written to {self.run_dir / 'eval.json'}")
 

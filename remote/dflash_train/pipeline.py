@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import dflash_events
+
 from . import memory_ledger
 from .config import TrainConfig
 from .data import BatchPlan, HostBatch, Sample, collate
@@ -154,8 +156,8 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
             run.faults.fire(worker.name)
             replica = start_replica(index)
             worker.mark_ready()
-            run.events.emit("ready", replica=replica.index, device=replica.device, compile=run.config.compile,
-                            rank=run.layout.rank, world_size=run.layout.world_size,
+            run.events.emit(dflash_events.READY, replica=replica.index, device=replica.device,
+                            compile=run.config.compile, rank=run.layout.rank, world_size=run.layout.world_size,
                             memory=memory_ledger.snapshot(worker.name))
             run.latch.progressed()
             worker.phase = "train"

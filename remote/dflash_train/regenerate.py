@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash_events import PROGRESS
 
 from .config import RegenerateConfig, TrainConfig, resolve_path
 from .coordinator import EXIT_FAILED, EXIT_OK, ThreadFailed, report_threads_still_running
@@ -177,7 +178,7 @@ class AnswerWriter:
         elapsed = max(time.monotonic() - self._started, 1e-9)
         rate = (self.answered - self._already) / elapsed  # prompts per second in this launch
         eta = (self.total - self.answered) / rate if rate > 0 else None
-        self._events.emit("progress", answered=self.answered, total=self.total, truncated=self.truncated,
+        self._events.emit(PROGRESS, answered=self.answered, total=self.total, truncated=self.truncated,
                           new_tokens=self.tokens, tokens_per_s=self.tokens / elapsed, eta_s=eta)
         if self._written_batches % self._log_every == 0 or self.answered == self.total:
             eta_text = "--:--:--" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))

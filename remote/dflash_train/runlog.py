@@ -7,8 +7,8 @@ held until its newline, and whole lines go out in one os.write under one lock, s
 of different threads never mix inside a line, and library prints and warnings get the
 prefix too.
 
-events.jsonl and errors.jsonl follow docs/layout.md and docs/errors.md; an error record is flushed and fsynced
-by the failing thread before anything is torn down.
+events.jsonl follows dflash_events (docs/events.md), errors.jsonl docs/errors.md; an
+error record is flushed and fsynced by the failing thread before anything is torn down.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Any
 
 from dflash_agent.diskspace import DiskFull, Reserve
 from dflash_agent.jsonio import NO_SPACE
+from dflash_events import DONE, EventType
 
 from . import memory_ledger
 
@@ -188,19 +189,22 @@ class JsonLines:
 
 
 class EventLog(JsonLines):
+    """events.jsonl: every event is checked against its type in dflash_events before it is
+    written (an EventError names the type and the field); the check costs about what the
+    JSON encoding does, so it is always on."""
+
     def __init__(self, path: Path):
         super().__init__(path, fsync=False)
 
-    def emit(self, type_: str, **fields: Any) -> None:
-        self.append({"ts": time.time(), "type": type_,
-                     "thread": threading.current_thread().name, **fields})
+    def emit(self, kind: EventType, **fields: Any) -> None:
+        self.append(kind.record(time.time(), fields, thread=threading.current_thread().name))
 
 
 def emit_done(events: EventLog, code: int, alive: list[str]) -> None:
     """The trainer's last event, `done`: how it ended. A disk with no room for it does not
     keep the process from exiting with `code` (exit.json says it too)."""
     try:
-        events.emit("done", exit_code=code, threads_alive=alive)
+        events.emit(DONE, exit_code=code, threads_alive=alive)
     except DiskFull as exc:
         say(f"no done event: {exc}")
 

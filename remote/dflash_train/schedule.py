@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from dflash_events import EVAL, EXPORT, STEP
 
 from .checkpoint import TrainingState, replace_dir, snapshot_layout, take_snapshot
 from .checkpoint_writer import CheckpointWriter
@@ -61,7 +62,7 @@ class Evaluator:
             "baseline": request.baseline, "final": request.final}
         if self.baseline is not None:
             fields.update(baseline_step=self.baseline[0], baseline_acceptance_length=round(self.baseline[1], 4))
-        self.events.emit("eval", **fields)
+        self.events.emit(EVAL, **fields)
         text = f"eval at step {request.step}: {result.summary()}"
         if request.final and self.baseline is not None:
             text += (f" (at step {self.baseline[0]}, before this run trained: {self.baseline[1]:.3f}; "
@@ -152,7 +153,7 @@ class OutputSchedule:
         entries = self.plan.step_entries(step)
         tokens, samples = sum(self.plan.tokens(e) for e in entries), sum(len(e.samples) for e in entries)
         self.losses.append(loss)
-        self.events.emit("step", step=step, loss=round(loss, 6), acc=acc, tokens_per_s=round(tokens / elapsed, 2),
+        self.events.emit(STEP, step=step, loss=round(loss, 6), acc=acc, tokens_per_s=round(tokens / elapsed, 2),
                          samples_per_s=round(samples / elapsed, 3), queue_depths={q.name: q.depth() for q in self.queues},
                          wait_s=self.run.waits.take(), lr=lr, grad_norm=round(grad_norm, 4), epoch=entries[0].epoch,
                          total_steps=self.total_steps, peak_memory_bytes=self.peak_memory(),
@@ -195,5 +196,5 @@ class OutputSchedule:
         final = self.run_dir / "export"
         dtype = getattr(torch, self.config.export_dtype)
         replace_dir(final, lambda staging: export_drafter(replica.drafter, staging, dtype))
-        self.events.emit("export", step=replica.completed_step, path=str(final))
+        self.events.emit(EXPORT, step=replica.completed_step, path=str(final))
         say(f"exported the drafter to {final}")

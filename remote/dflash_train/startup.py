@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash_events import TOKENIZING
 
 from . import memory_ledger
 from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume
@@ -154,7 +155,7 @@ def _build_data(config: TrainConfig, run_dir: Path, events: EventLog, layout: La
 
     tokenizer = AutoTokenizer.from_pretrained(target_source)
     samples = load_samples(train_path, tokenizer, config.data.max_length, cache_root(run_dir) / "tokenized",
-                           progress=lambda fraction, count: events.emit("tokenizing", fraction=round(fraction, 4),
+                           progress=lambda fraction, count: events.emit(TOKENIZING, fraction=round(fraction, 4),
                                                                         samples=count))
     # Rank 0 alone evaluates (the replicas are identical).
     prompts = load_prompts(eval_path, tokenizer, config.eval.num_prompts) if eval_path and layout.rank == 0 else []

@@ -2,14 +2,15 @@
 compile cache, each drafter's train step, ...) as `startup` events in events.jsonl and a
 line in train.log, so `watch` shows where a starting run is instead of a silent minute.
 
-    with phase("load target", device="cuda:0"):
+    with phase("load target", devices=["cuda:0"]):
         ...
-    with phase("build train step", drafter=0, cache="cold") as detail:
-        detail["buckets"] = 4          # facts known only at the end go into the done event
+    with phase("build data") as detail:
+        detail["samples"] = 512        # facts known only at the end go into the done event
 
 Any module calls `phase` without being handed the event log: the coordinator names the
 run's log once (`record_to`); before that, and in code run outside a trainer (benchmarks,
-tests), phases only time their body. Event fields are listed in docs/layout.md (events.jsonl).
+tests), phases only time their body. A phase and its detail fields are declared in
+dflash_events (STARTUP), which every event is checked against.
 
 A phase can be long and still working (a cold compile, a target read from a network
 disk): `start_pulse` adds, until the job leaves its start-up (`end_pulse`), an `alive`
@@ -24,10 +25,11 @@ import threading
 import time
 from typing import Any, Iterator
 
+from dflash_events import STARTUP, StartupState
+
 from .config import STARTUP_PULSE_S
 from .runlog import EventLog, say
 
-EVENT = "startup"
 # Threads whose activity is no start-up work: the pulse itself, and the peer watchdog's
 # store traffic (distributed.py), which goes on while the main thread is stuck.
 _NOT_WORK = ("startup-pulse", "watchdog")
@@ -52,7 +54,7 @@ def label(name: str, detail: dict[str, Any]) -> str:
     return f"{text} ({detail['cache']})" if detail.get("cache") else text
 
 
-def record(name: str, duration_s: float, state: str = "done", **detail: Any) -> None:
+def record(name: str, duration_s: float, state: str = StartupState.DONE, **detail: Any) -> None:
     """A phase measured by its caller: one `startup` event and one log line."""
     global _between_since
     duration_s = max(0.0, duration_s)
@@ -62,9 +64,10 @@ def record(name: str, duration_s: float, state: str = "done", **detail: Any) -> 
             _under_way.remove(ended[-1])
             _between_since = time.monotonic()
     if _events is not None:
-        _events.emit(EVENT, phase=name, state=state, label=label(name, detail), duration_s=round(duration_s, 3),
+        _events.emit(STARTUP, phase=name, state=state, label=label(name, detail), duration_s=round(duration_s, 3),
                      **detail)
-    say(f"start-up: {label(name, detail)} {'failed after ' if state == 'failed' else ''}{duration_s:.1f} s")
+    failed = "failed after " if state == StartupState.FAILED else ""
+    say(f"start-up: {label(name, detail)} {failed}{duration_s:.1f} s")
 
 
 @contextlib.contextmanager
@@ -73,14 +76,14 @@ def phase(name: str, **detail: Any) -> Iterator[dict[str, Any]]:
     `failed`, then the exception goes on) event with its duration at the end. The
     yielded dict is the event's detail: the body may add to it."""
     if _events is not None:
-        _events.emit(EVENT, phase=name, state="started", label=label(name, detail), **detail)
+        _events.emit(STARTUP, phase=name, state=StartupState.STARTED, label=label(name, detail), **detail)
     began = time.monotonic()
     with _lock:
         _under_way.append((name, label(name, detail), began))
     try:
         yield detail
     except BaseException:
-        record(name, time.monotonic() - began, state="failed", **detail)
+        record(name, time.monotonic() - began, state=StartupState.FAILED, **detail)
         raise
     record(name, time.monotonic() - began, **detail)
 
@@ -126,8 +129,9 @@ def _pulse() -> None:
             continue
         with _lock:
             name, text, began = _under_way[-1] if _under_way else ("startup", "start-up", _between_since)
-        _events.emit(EVENT, phase=name, state="alive", label=text, elapsed_s=round(time.monotonic() - began, 1),
-                     cpu_s=round(ticks / os.sysconf("SC_CLK_TCK"), 2), io_bytes=moved)
+        _events.emit(STARTUP, phase=name, state=StartupState.ALIVE, label=text,
+                     elapsed_s=round(time.monotonic() - began, 1), cpu_s=round(ticks / os.sysconf("SC_CLK_TCK"), 2),
+                     io_bytes=moved)
 
 
 def _work_by_thread() -> dict[int, tuple[int, int]]:

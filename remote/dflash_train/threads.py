@@ -15,6 +15,8 @@ import time
 import traceback
 from typing import Any, Callable, Generic, TypeVar
 
+from dflash_events import HEARTBEAT, PHASE
+
 from . import startup_phases
 from .runlog import ErrorLog, EventLog, ThreadNames, error_record, say
 
@@ -60,12 +62,12 @@ class JobControl:
 
     def heartbeat(self, **fields: Any) -> None:
         """A heartbeat event now, whenever the last one was."""
-        self.events.emit("heartbeat", **fields)
+        self.events.emit(HEARTBEAT, **fields)
         self._heartbeat = (time.monotonic(), self.latch.progress)
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
-        self.events.emit("phase", phase=phase)
+        self.events.emit(PHASE, phase=phase)
         if phase != "startup":
             startup_phases.end_pulse()
 
