@@ -3,6 +3,7 @@ loss, accuracy, acceptance length, throughput, ETA) and its GPUs, from the event
 GPU samples the agent's `follow` sends."""
 from __future__ import annotations
 
+from dflash_events import EVAL, PROGRESS, STARTUP, STEP, TS, StartupState
 from rich.text import Text
 
 
@@ -26,51 +27,51 @@ class RunProgress:
 
     def update(self, events: list[dict]) -> None:
         for event in events:
-            if event.get("type") == "step" and isinstance(event.get("step"), int):
+            if STEP.matches(event) and isinstance(event.get(STEP.step), int):
                 self.step = event
                 if self._first is None:
-                    self._first = (event.get("ts", 0.0), event["step"])
-            elif event.get("type") == "eval" and event.get("acceptance_length") is not None:
-                self.acceptance = event["acceptance_length"]
-            elif event.get("type") == "progress":
+                    self._first = (event.get(TS, 0.0), event[STEP.step])
+            elif EVAL.matches(event) and event.get(EVAL.acceptance_length) is not None:
+                self.acceptance = event[EVAL.acceptance_length]
+            elif PROGRESS.matches(event):
                 self.answered = event
-            elif event.get("type") == "startup":
-                under_way = event.get("state") in ("started", "alive")  # alive: still working at it
-                self.starting = event.get("label") or event.get("phase") if under_way else None
+            elif STARTUP.matches(event):
+                under_way = event.get(STARTUP.state) in StartupState.UNDER_WAY  # alive: still working at it
+                self.starting = event.get(STARTUP.label) or event.get(STARTUP.phase) if under_way else None
 
     def eta_s(self) -> float | None:
         """Seconds left at the pace of the steps seen so far (host clock: event times)."""
-        if self.step is None or self._first is None or not self.step.get("total_steps"):
+        if self.step is None or self._first is None or not self.step.get(STEP.total_steps):
             return None
-        done = self.step["step"] - self._first[1]
-        elapsed = self.step.get("ts", 0.0) - self._first[0]
+        done = self.step[STEP.step] - self._first[1]
+        elapsed = self.step.get(TS, 0.0) - self._first[0]
         if done <= 0 or elapsed <= 0:
             return None
-        return (self.step["total_steps"] - self.step["step"]) * elapsed / done
+        return (self.step[STEP.total_steps] - self.step[STEP.step]) * elapsed / done
 
     def render(self) -> Text:
         parts = []
         step, answered = self.step, self.answered
         if step is None and answered is not None:
-            parts.append(f"answered {answered.get('answered')}/{answered.get('total')} prompts")
-            if answered.get("eta_s") is not None:
-                parts.append(f"ETA {clock(answered['eta_s'])}")
+            parts.append(f"answered {answered.get(PROGRESS.answered)}/{answered.get(PROGRESS.total)} prompts")
+            if answered.get(PROGRESS.eta_s) is not None:
+                parts.append(f"ETA {clock(answered[PROGRESS.eta_s])}")
         elif step is None:
             parts.append(f"start-up: {self.starting} …" if self.starting else "no step yet")
         else:
-            total = step.get("total_steps")
-            parts.append(f"step {step['step']}/{total}" if total else f"step {step['step']}")
-            if step.get("epoch") is not None:
-                parts.append(f"epoch {step['epoch']}")
-            if isinstance(step.get("loss"), (int, float)):
-                parts.append(f"loss {step['loss']:.4f}")
-            accuracy = step.get("acc") or [None]
+            total, done = step.get(STEP.total_steps), step[STEP.step]
+            parts.append(f"step {done}/{total}" if total else f"step {done}")
+            if step.get(STEP.epoch) is not None:
+                parts.append(f"epoch {step[STEP.epoch]}")
+            if isinstance(step.get(STEP.loss), (int, float)):
+                parts.append(f"loss {step[STEP.loss]:.4f}")
+            accuracy = step.get(STEP.acc) or [None]
             if accuracy[0] is not None:
                 parts.append(f"acc@1 {accuracy[0]:.3f}")
         if self.acceptance is not None:
             parts.append(f"accept {self.acceptance:.2f}")
-        if step is not None and step.get("samples_per_s") is not None:
-            parts.append(f"{step['samples_per_s']:.1f} samples/s")
+        if step is not None and step.get(STEP.samples_per_s) is not None:
+            parts.append(f"{step[STEP.samples_per_s]:.1f} samples/s")
         eta = self.eta_s()
         if step is not None:
             parts.append(f"ETA {clock(eta)}" if eta is not None else "ETA ?")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
+from dflash_events import EVAL, STEP, TS
+
 GIB = 1024 ** 3
 
 
@@ -20,23 +22,22 @@ def _number(value: Any) -> bool:
 
 def scalars(event: dict) -> list[tuple[str, float]]:
     """(tag, value) of every figure of a step or eval event that TensorBoard can draw."""
-    kind = event.get("type")
     found: list[tuple[str, Any]] = []
-    if kind == "step":
-        found += [("train/loss", event.get("loss")), ("train/lr", event.get("lr")),
-                  ("train/grad_norm", event.get("grad_norm")), ("train/epoch", event.get("epoch")),
-                  ("throughput/samples_per_s", event.get("samples_per_s")),
-                  ("throughput/tokens_per_s", event.get("tokens_per_s"))]
-        accuracy = event.get("acc") or []
+    if STEP.matches(event):
+        found += [("train/loss", event.get(STEP.loss)), ("train/lr", event.get(STEP.lr)),
+                  ("train/grad_norm", event.get(STEP.grad_norm)), ("train/epoch", event.get(STEP.epoch)),
+                  ("throughput/samples_per_s", event.get(STEP.samples_per_s)),
+                  ("throughput/tokens_per_s", event.get(STEP.tokens_per_s))]
+        accuracy = event.get(STEP.acc) or []
         if accuracy:
             found.append(("train/acc@1", accuracy[0]))
         # acc[k-1]: the accuracy of block position k (1 = the first drafted token).
         found += [(f"train/acc_by_position/{k}", value) for k, value in enumerate(accuracy, 1)]
         found += [(f"memory/peak_gib/drafter-{i}", peak / GIB if _number(peak) else None)
-                  for i, peak in enumerate(event.get("peak_memory_bytes") or [])]
-    elif kind == "eval":
-        found += [("eval/acceptance_length", event.get("acceptance_length")),
-                  ("eval/mean_per_prompt", event.get("mean_per_prompt"))]
+                  for i, peak in enumerate(event.get(STEP.peak_memory_bytes) or [])]
+    elif EVAL.matches(event):
+        found += [("eval/acceptance_length", event.get(EVAL.acceptance_length)),
+                  ("eval/mean_per_prompt", event.get(EVAL.mean_per_prompt))]
     return [(tag, float(value)) for tag, value in found if _number(value)]
 
 
@@ -60,8 +61,8 @@ class RunBoard:
             values = scalars(event)
             if not values:
                 continue
-            step = int(event.get("step") or 0)  # an evaluate job's eval has no step
-            wall_time = float(event.get("ts") or 0.0)
+            step = int(event.get(STEP.step) or 0)  # an evaluate job's eval has no step (both name it alike)
+            wall_time = float(event.get(TS) or 0.0)
             if self._writer is None:
                 self._open(step, wall_time)
             summary = self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(tag=tag, simple_value=value)

@@ -7,19 +7,21 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from dflash_events import EVAL, STEP, EventType
+
 from .. import console
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef, write_atomic
 
 # (title, event type, field) of each panel, top to bottom.
-PANELS = [("loss", "step", "loss"), ("acceptance length", "eval", "acceptance_length"),
-          ("throughput (tokens/s)", "step", "tokens_per_s")]
+PANELS = [("loss", STEP, STEP.loss), ("acceptance length", EVAL, EVAL.acceptance_length),
+          ("throughput (tokens/s)", STEP, STEP.tokens_per_s)]
 
 
-def series(events: list[dict], kind: str, field: str) -> tuple[list[int], list[float]]:
+def series(events: list[dict], kind: EventType, field: str) -> tuple[list[int], list[float]]:
     """(steps, values) of one figure: the events of that type that have both."""
-    points = [(e["step"], e[field]) for e in events if e.get("type") == kind
-              and isinstance(e.get("step"), int) and isinstance(e.get(field), (int, float))]
+    points = [(e[kind.step], e[field]) for e in events if kind.matches(e)
+              and isinstance(e.get(kind.step), int) and isinstance(e.get(field), (int, float))]
     return [step for step, _ in points], [value for _, value in points]
 
 
@@ -52,7 +54,7 @@ def figure(runs: dict[str, list[dict]]):
     for ax, (title, kind, field) in zip(axes, PANELS):
         for label, events in runs.items():
             steps, values = series(events, kind, field)
-            ax.plot(steps, values, label=label, marker="o" if kind == "eval" else None)
+            ax.plot(steps, values, label=label, marker="o" if kind is EVAL else None)
         ax.set_ylabel(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")

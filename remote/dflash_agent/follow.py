@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from dflash_events import HEARTBEAT
+
 from .gpus import query_gpus
 from .jsonio import FINGERPRINT_BYTES, decode_bytes, encode_line, fingerprint, parse_json_line, read_json, tail_start
 from .layout import Workspace
@@ -352,7 +354,7 @@ class EventsFollower:
 
     def _flush(self) -> Iterator[Dict[str, Any]]:
         records = [record for record in map(parse_json_line, self._buffer.split(b"\n"))
-                   if isinstance(record, dict) and record.get("type") != "heartbeat"]
+                   if isinstance(record, dict) and not HEARTBEAT.matches(record)]
         start, self.sent = self.sent, self.sent + len(self._buffer)
         self._buffer = b""
         self._last_flush = time.monotonic()

@@ -12,6 +12,8 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
+from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
+
 from . import procfs
 from .attempts import newest_checkpoint
 from .jsonio import decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
@@ -32,8 +34,9 @@ ALIVE = "alive"
 ENDING = "ending"  # the trainer exited; its supervisor lives and is about to write exit.json
 GONE = "gone"  # exited (or pid reused, or host rebooted) and no supervisor will report it
 
-# Event types that show the pipeline moving (events.jsonl, written by the trainer).
-PROGRESS_TYPES = ("heartbeat", "step")
+# Event types that show the pipeline moving (events.jsonl, written by the trainer); both
+# carry the step reached.
+PROGRESS_TYPES = (HEARTBEAT.name, STEP.name)
 # A supervisor's own error in agent.log (supervisor.log_error): its pid, then the message.
 _AGENT_ERROR = re.compile(r"^\S+ supervisor\[(\d+)\]: error: (.*)$")
 AGENT_LOG_TAIL_BYTES = 64 * 1024
@@ -47,9 +50,9 @@ class EventSummary:
     last_phase_ts: Optional[float] = None
     last_heartbeat: Optional[float] = None  # ts of the newest heartbeat or step event
     step: Optional[int] = None  # its step
-    # The trainer's own record of its outcome, the last thing it writes before exiting:
-    # {"type": "done", "exit_code": n, "ts": ...}. It tells how a run ended whose
-    # supervisor died before it could write exit.json.
+    # The trainer's own record of its outcome, the last thing it writes before exiting
+    # (a DONE event). It tells how a run ended whose supervisor died before it could
+    # write exit.json.
     done: Optional[Dict[str, Any]] = None
     # The start-up phase under way (its `startup` event's label, state "started" or
     # "alive"), when the newest start-up event says one is; None once it ended or a step
@@ -92,14 +95,14 @@ def derive_state(obs: Observation) -> str:
             return STOPPED
         done = obs.events.done
         if done is not None:
-            return SUCCEEDED if done.get("exit_code") == 0 and obs.error_count == 0 else FAILED
+            return SUCCEEDED if done.get(DONE.exit_code) == 0 and obs.error_count == 0 else FAILED
         return FAILED if obs.error_count else LOST
     if obs.frozen:
         return STALLED
     if obs.error_count:
         return DEGRADED
     ev = obs.events
-    starting = ev.last_heartbeat is None and ev.last_phase in (None, "startup")
+    starting = ev.last_heartbeat is None and ev.last_phase in (None, JobPhase.STARTUP)
     if starting:
         # Start-up emits no heartbeats, but its phases' events and, while its threads
         # work (a long compile, a slow load), an `alive` event every few seconds: it
@@ -121,24 +124,24 @@ def summarize_events(path: str) -> EventSummary:
         event = parse_json_line(line)
         if not isinstance(event, dict):
             continue
-        ts = event.get("ts")
+        ts = event.get(TS)
         if last_event_ts is None:
             last_event_ts = ts
-        kind = event.get("type")
-        if kind == "attempt":
+        kind = event.get(TYPE)
+        if kind == ATTEMPT.name:
             break
-        if kind == "phase" and last_phase is None:
-            last_phase, last_phase_ts = event.get("phase"), ts
-        if kind == "done" and done is None:
+        if kind == PHASE.name and last_phase is None:
+            last_phase, last_phase_ts = event.get(PHASE.phase), ts
+        if kind == DONE.name and done is None:
             done = event
-        if kind == "startup" and startup is None:
+        if kind == STARTUP.name and startup is None:
             startup = event
         if kind in PROGRESS_TYPES:
-            return EventSummary(last_event_ts, last_phase, last_phase_ts, ts, event.get("step"), done)
-    if startup is None or startup.get("state") not in ("started", "alive"):  # alive: still at it
+            return EventSummary(last_event_ts, last_phase, last_phase_ts, ts, event.get(TYPES[kind].step), done)
+    if startup is None or startup.get(STARTUP.state) not in StartupState.UNDER_WAY:  # alive: still at it
         return EventSummary(last_event_ts, last_phase, last_phase_ts, done=done)
-    since = startup.get("ts", 0.0) - (startup.get("elapsed_s") or 0.0)
-    return EventSummary(last_event_ts, last_phase, last_phase_ts, done=done, startup=startup.get("label"),
+    since = startup.get(TS, 0.0) - (startup.get(STARTUP.elapsed_s) or 0.0)
+    return EventSummary(last_event_ts, last_phase, last_phase_ts, done=done, startup=startup.get(STARTUP.label),
                         startup_since=since)
 
 
