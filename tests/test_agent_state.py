@@ -11,9 +11,8 @@ import pytest
 
 from dflash_agent import attempts, jsonio, procfs
 from dflash_agent.layout import RunDir
-from dflash_agent.state import (ALIVE, DEGRADED, ENDING, FAILED, GONE, LOST, RUNNING, STALLED,
-                                STARTING, STOPPED, SUCCEEDED, EventSummary, Observation,
-                                derive_state, summarize_events)
+from dflash_agent.protocol import RunState
+from dflash_agent.state import ALIVE, ENDING, GONE, EventSummary, Observation, derive_state, summarize_events
 from support_agent.harness import agent  # noqa: F401  (fixture)
 from support_agent.harness import dead_pid
 from support.wait import wait_until
@@ -34,44 +33,45 @@ def beat(age, step=5, **kw):
 
 
 @pytest.mark.parametrize("observation, expected", [
-    (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}), SUCCEEDED),
-    (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}, error_count=1), FAILED),
-    (obs(trainer=GONE, exit={"exit_code": 3, "signal": None}), FAILED),
-    (obs(trainer=GONE, exit={"exit_code": None, "signal": "SIGKILL"}), FAILED),
-    (obs(trainer=GONE, exit={"exit_code": None, "signal": "SIGTERM"}, stop_requested=True), STOPPED),
-    (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}, stop_requested=True), STOPPED),
-    (obs(trainer=GONE), LOST),
-    (obs(trainer=GONE, stop_requested=True), STOPPED),
+    (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}), RunState.SUCCEEDED),
+    (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}, error_count=1), RunState.FAILED),
+    (obs(trainer=GONE, exit={"exit_code": 3, "signal": None}), RunState.FAILED),
+    (obs(trainer=GONE, exit={"exit_code": None, "signal": "SIGKILL"}), RunState.FAILED),
+    (obs(trainer=GONE, exit={"exit_code": None, "signal": "SIGTERM"}, stop_requested=True), RunState.STOPPED),
+    (obs(trainer=GONE, exit={"exit_code": 0, "signal": None}, stop_requested=True), RunState.STOPPED),
+    (obs(trainer=GONE), RunState.LOST),
+    (obs(trainer=GONE, stop_requested=True), RunState.STOPPED),
     # No exit.json and no process left (the supervisor was killed): what the run itself
     # recorded decides; LOST only when nothing was recorded.
-    (obs(trainer=GONE, error_count=2), FAILED),
-    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 0})), SUCCEEDED),
-    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 1})), FAILED),
-    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 0}), error_count=1), FAILED),
-    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 143}), stop_requested=True), STOPPED),
+    (obs(trainer=GONE, error_count=2), RunState.FAILED),
+    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 0})), RunState.SUCCEEDED),
+    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 1})), RunState.FAILED),
+    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 0}), error_count=1), RunState.FAILED),
+    (obs(trainer=GONE, events=beat(5, done={"type": "done", "exit_code": 143}), stop_requested=True), RunState.STOPPED),
     # exit.json, when there, wins over the trainer's own record.
     (obs(trainer=GONE, exit={"exit_code": None, "signal": "SIGKILL"},
-         events=beat(5, done={"type": "done", "exit_code": 0})), FAILED),
-    (obs(events=beat(1, done={"type": "done", "exit_code": 0})), RUNNING),  # about to exit
-    (obs(), STARTING),
-    (obs(events=EventSummary(last_event_ts=NOW - 1, last_phase="startup", last_phase_ts=NOW - 1)), STARTING),
+         events=beat(5, done={"type": "done", "exit_code": 0})), RunState.FAILED),
+    (obs(events=beat(1, done={"type": "done", "exit_code": 0})), RunState.RUNNING),  # about to exit
+    (obs(), RunState.STARTING),
+    (obs(events=EventSummary(last_event_ts=NOW - 1, last_phase="startup", last_phase_ts=NOW - 1)), RunState.STARTING),
     # Start-up has a limit of its own (a working one says so with its `alive` events).
-    (obs(started_at=NOW - 100), STALLED),  # start-up silent for longer than startup_stall_after
-    (obs(started_at=NOW - 80), STARTING),  # longer than stall_after, not than startup_stall_after
-    (obs(started_at=NOW - 100, events=EventSummary(last_event_ts=NOW - 5)), STARTING),  # a "ready" or "alive" event
-    (obs(events=EventSummary(last_event_ts=NOW - 2, last_phase="train", last_phase_ts=NOW - 2)), RUNNING),
-    (obs(events=beat(1)), RUNNING),
-    (obs(events=beat(61)), STALLED),
-    (obs(events=beat(61), error_count=1), DEGRADED),
-    (obs(events=beat(1), error_count=1), DEGRADED),
-    (obs(events=beat(1), stop_requested=True), RUNNING),  # stop in progress
-    (obs(trainer=ENDING, events=beat(1)), RUNNING),  # exit.json is being written
-    (obs(trainer=ENDING, events=beat(1), error_count=1), DEGRADED),
+    (obs(started_at=NOW - 100), RunState.STALLED),  # start-up silent for longer than startup_stall_after
+    (obs(started_at=NOW - 80), RunState.STARTING),  # longer than stall_after, not than startup_stall_after
+    # a "ready" or "alive" event
+    (obs(started_at=NOW - 100, events=EventSummary(last_event_ts=NOW - 5)), RunState.STARTING),
+    (obs(events=EventSummary(last_event_ts=NOW - 2, last_phase="train", last_phase_ts=NOW - 2)), RunState.RUNNING),
+    (obs(events=beat(1)), RunState.RUNNING),
+    (obs(events=beat(61)), RunState.STALLED),
+    (obs(events=beat(61), error_count=1), RunState.DEGRADED),
+    (obs(events=beat(1), error_count=1), RunState.DEGRADED),
+    (obs(events=beat(1), stop_requested=True), RunState.RUNNING),  # stop in progress
+    (obs(trainer=ENDING, events=beat(1)), RunState.RUNNING),  # exit.json is being written
+    (obs(trainer=ENDING, events=beat(1), error_count=1), RunState.DEGRADED),
     # A process stopped by a signal (SIGSTOP) or a debugger makes no progress, however
     # fresh its last heartbeat; a failure recorded meanwhile is still seen once it ends.
-    (obs(events=beat(1), frozen=True), STALLED),
-    (obs(frozen=True), STALLED),
-    (obs(events=beat(1), frozen=True, error_count=1), STALLED),
+    (obs(events=beat(1), frozen=True), RunState.STALLED),
+    (obs(frozen=True), RunState.STALLED),
+    (obs(events=beat(1), frozen=True, error_count=1), RunState.STALLED),
 ])
 def test_derive_state(observation, expected):
     assert derive_state(observation) == expected
@@ -174,7 +174,8 @@ def test_lost_when_pid_is_gone_or_reused_or_the_host_rebooted(agent):
     agent.fabricate_run("rebooted", boot_id="00000000-0000-0000-0000-000000000000")
     agent.fabricate_run("alive")  # control: the very process, same boot
     states = {r["run_id"]: r["state"] for r in agent.ok("status")["runs"]}
-    assert states == {"gone": LOST, "reused": LOST, "rebooted": LOST, "alive": STARTING}
+    assert states == {"gone": RunState.LOST, "reused": RunState.LOST, "rebooted": RunState.LOST,
+                      "alive": RunState.STARTING}
 
 
 def test_starting_running_stalled_and_back(agent):
@@ -183,27 +184,27 @@ def test_starting_running_stalled_and_back(agent):
     agent.launch("s", [{"wait_file": "go1"}, {"event": {"type": "phase", "phase": "startup"}},
                        {"wait_file": "go2"}, {"heartbeat": 1}, {"wait_file": "go3"},
                        {"heartbeat": 2}, {"wait_file": "go4"}], "--stall-after", "2", "--startup-stall-after", "3")
-    assert agent.status("s")["state"] == STARTING  # no event yet
+    assert agent.status("s")["state"] == RunState.STARTING  # no event yet
     agent.touch("s", "go1")
     # Start-up silent beyond startup_stall_after counts as stalled (a hang at start-up).
-    agent.wait_state("s", STALLED)
+    agent.wait_state("s", RunState.STALLED)
     agent.touch("s", "go2")
-    status = agent.wait_state("s", RUNNING)
+    status = agent.wait_state("s", RunState.RUNNING)
     assert status["step"] == 1 and status["last_heartbeat"] is not None
-    status = agent.wait_state("s", STALLED)
+    status = agent.wait_state("s", RunState.STALLED)
     assert status["step"] == 1
     agent.touch("s", "go3")
-    assert agent.wait_state("s", RUNNING)["step"] == 2
+    assert agent.wait_state("s", RunState.RUNNING)["step"] == 2
     agent.touch("s", "go4")
-    assert agent.wait_state("s", SUCCEEDED)["exit"]["exit_code"] == 0
+    assert agent.wait_state("s", RunState.SUCCEEDED)["exit"]["exit_code"] == 0
 
 
 def test_degraded_then_failed_although_the_process_exited_0(agent):
     agent.launch("d", [{"heartbeat": 1}, {"error": {"thread": "drafter-1"}}, {"wait_file": "go"}])
-    status = agent.wait_state("d", DEGRADED)
+    status = agent.wait_state("d", RunState.DEGRADED)
     assert status["errors"] == 1 and status["exit"] is None
     agent.touch("d", "go")
-    status = agent.wait_state("d", FAILED)
+    status = agent.wait_state("d", RunState.FAILED)
     assert status["exit"]["exit_code"] == 0 and status["errors"] == 1
 
 
@@ -227,19 +228,20 @@ def test_a_run_whose_supervisor_died_ends_as_the_trainer_recorded(agent):
     for run_id in ("ok", "failed", "crashed"):
         wait_until(lambda: (agent.run_dir(run_id) / "beat").exists())
         kill_supervisor(agent, run_id)
-        assert agent.status(run_id)["state"] == RUNNING  # the trainer goes on
+        assert agent.status(run_id)["state"] == RunState.RUNNING  # the trainer goes on
     follow = agent.follow("ok", "--gpu-interval", "0")
     for run_id in ("ok", "failed", "crashed"):
         agent.touch(run_id, "go")
-    status = agent.wait_state("ok", SUCCEEDED, FAILED, LOST)
-    assert (status["state"], status["exit"]) == (SUCCEEDED, None)
+    status = agent.wait_state("ok", RunState.SUCCEEDED, RunState.FAILED, RunState.LOST)
+    assert (status["state"], status["exit"]) == (RunState.SUCCEEDED, None)
     assert status["ended_at"] is not None  # from the trainer's own record
-    assert agent.wait_state("failed", SUCCEEDED, FAILED, LOST)["state"] == FAILED
+    ended = (RunState.SUCCEEDED, RunState.FAILED, RunState.LOST)
+    assert agent.wait_state("failed", *ended)["state"] == RunState.FAILED
     # Killed without a word of its own, but a thread had recorded its failure.
-    assert agent.wait_state("crashed", SUCCEEDED, FAILED, LOST)["state"] == FAILED
+    assert agent.wait_state("crashed", *ended)["state"] == RunState.FAILED
     # follow ends although no supervisor is left to write exit.json.
     end = follow.rest()[-1]
-    assert (end["t"], end["state"], end["exit"]) == ("end", SUCCEEDED, None)
+    assert (end["t"], end["state"], end["exit"]) == ("end", RunState.SUCCEEDED, None)
     assert not any((agent.run_dir(r) / "exit.json").exists() for r in ("ok", "failed", "crashed"))
 
 
@@ -248,7 +250,7 @@ def test_stop_works_when_the_supervisor_is_gone(agent):
     wait_until(lambda: (agent.run_dir("orphan") / "beat").exists())
     kill_supervisor(agent, "orphan")
     assert agent.ok("stop", "--run-id", "orphan", "--grace", "5") == {
-        "run_id": "orphan", "state": STOPPED, "killed": False}
+        "run_id": "orphan", "state": RunState.STOPPED, "killed": False}
     assert procfs.group_members(answer["pgid"]) == []
 
 
@@ -259,8 +261,8 @@ def test_trainer_outliving_its_supervisor_is_running_then_lost(agent):
     assert procfs.identity_alive(supervisor["pid"], supervisor["start_time"])
     os.kill(supervisor["pid"], signal.SIGKILL)
     wait_until(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
-    assert agent.status("orphan")["state"] == RUNNING
+    assert agent.status("orphan")["state"] == RunState.RUNNING
     agent.touch("orphan", "go")  # the trainer ends without a record; nobody writes exit.json
-    status = agent.wait_state("orphan", LOST)
+    status = agent.wait_state("orphan", RunState.LOST)
     assert status["exit"] is None
     assert not (agent.run_dir("orphan") / "exit.json").exists()

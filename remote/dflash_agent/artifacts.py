@@ -15,10 +15,11 @@ import os
 import re
 import stat
 import sys
-from typing import Any, Dict, List
+from typing import Dict, List
 
 from .jsonio import AgentError
 from .layout import RunDir
+from .protocol import ArtifactFile, ArtifactFolder, ArtifactsReply, RunState
 from .state import derive_state, observe, read_record
 
 EXPORT = "export"
@@ -28,15 +29,15 @@ CHUNK = 1 << 20
 _SUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 
-def artifacts(run: RunDir, checkpoint: bool) -> Dict[str, Any]:
+def artifacts(run: RunDir, checkpoint: bool) -> ArtifactsReply:
     state = derive_state(observe(run, read_record(run)))
     folders = [_listing(run, EXPORT, state)]
     if checkpoint:
         folders.append(_listing(run, _latest_checkpoint(run, state), state))
-    return {"run_id": run.run_id, "state": state, "folders": folders}
+    return ArtifactsReply(run_id=run.run_id, state=state, folders=tuple(folders))
 
 
-def _latest_checkpoint(run: RunDir, state: str) -> str:
+def _latest_checkpoint(run: RunDir, state: RunState) -> str:
     """checkpoints/<step folder> that `latest` names now."""
     try:
         name = os.readlink(run.file(os.path.join(CHECKPOINTS, "latest")))
@@ -45,7 +46,7 @@ def _latest_checkpoint(run: RunDir, state: str) -> str:
     return CHECKPOINTS + "/" + os.path.basename(name)
 
 
-def _listing(run: RunDir, folder: str, state: str) -> Dict[str, Any]:
+def _listing(run: RunDir, folder: str, state: RunState) -> ArtifactFolder:
     try:
         fd = os.open(run.file(folder), os.O_RDONLY | os.O_DIRECTORY)
     except (FileNotFoundError, NotADirectoryError):
@@ -54,7 +55,7 @@ def _listing(run: RunDir, folder: str, state: str) -> Dict[str, Any]:
         raise AgentError("run %r %s (state %s)" % (run.run_id, missing, state), "not_found")
     try:
         sums = _read_sums(fd)
-        files: List[Dict[str, Any]] = []
+        files: List[ArtifactFile] = []
         hashed: List[str] = []
         for top, dirs, names, dir_fd in os.fwalk(".", dir_fd=fd):
             dirs.sort()
@@ -68,11 +69,10 @@ def _listing(run: RunDir, folder: str, state: str) -> Dict[str, Any]:
                     digest = _hash(name, dir_fd)
                     if path != SHA256SUMS:
                         hashed.append(path)
-                files.append({"path": path, "size": info.st_size, "sha256": digest,
-                              "identity": identity(info)})
+                files.append(ArtifactFile(path=path, size=info.st_size, sha256=digest, identity=identity(info)))
     finally:
         os.close(fd)
-    return {"folder": folder, "files": files, "hashed_on_host": hashed}
+    return ArtifactFolder(folder=folder, files=tuple(files), hashed_on_host=tuple(hashed))
 
 
 def _read_sums(dir_fd: int) -> Dict[str, str]:

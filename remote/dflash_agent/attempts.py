@@ -20,6 +20,7 @@ from dflash_events import ATTEMPT
 
 from .jsonio import NO_SPACE, encode_line
 from .layout import RunDir
+from .protocol import RunState
 
 CHECKPOINTS = "checkpoints"
 # What save_checkpoint writes into a step folder before renaming it into place: a folder
@@ -73,7 +74,7 @@ def failed_step(errors: List[Dict[str, Any]], last_step: Optional[int]) -> Optio
     return last_step
 
 
-def closed(entry: Dict[str, Any], exit_record: Optional[Dict[str, Any]], state: str,
+def closed(entry: Dict[str, Any], exit_record: Optional[Dict[str, Any]], state: RunState,
            step: Optional[int]) -> Dict[str, Any]:
     """An attempt's entry once it ended: how (exit.json or null), its state, and the step
     it ended at (for a failure: its root cause's step, `failed_step`)."""
@@ -178,7 +179,7 @@ def restart_refusal(policy: Optional[Dict[str, Any]], attempts: List[Dict[str, A
     if restarts >= int(policy["max"]):
         return "restart.max (%d) reached" % int(policy["max"])
     previous = attempts[-2] if len(attempts) > 1 else None
-    if (previous is not None and step is not None and previous.get("state") in ("FAILED", "LOST")
+    if (previous is not None and step is not None and previous.get("state") in (RunState.FAILED, RunState.LOST)
             and previous.get("step") == step):
         return "it failed at step %d twice in a row: a restart would fail there again" % step
     return None

@@ -1,5 +1,6 @@
-"""Argument parsing and the JSON envelope of every verb (the protocol is documented in
-the package docstring). stdout carries JSON only: help and usage text go to stderr."""
+"""Argument parsing and the JSON envelope of every verb (the package docstring lists the
+verbs, protocol.py their replies). stdout carries JSON only: help and usage text go to
+stderr."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from .jsonio import FINGERPRINT_BYTES, NO_SPACE, AgentError, emit, no_space
 from .layout import Workspace
+from .protocol import CompileArtifactsReply, ErrorKind, ErrorReply, GpusReply, InfoReply, Reply
 
 
 class _Parser(argparse.ArgumentParser):
@@ -219,7 +221,7 @@ def _distributed(args: argparse.Namespace, address_required: bool = True):
 
 # Each verb imports only what it needs: the agent starts afresh for every CLI call.
 
-def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _launch(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .launch import LaunchRequest, launch
     distributed = _distributed(args)
     return launch(ws, LaunchRequest(
@@ -231,7 +233,7 @@ def _launch(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
         distributed=distributed, check_only=args.check_only))
 
 
-def _resume(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _resume(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .resume import ResumeRequest, resume
     return resume(ws, ResumeRequest(run_id=args.run_id, release=args.release, step=args.step,
                                     env=tuple(args.env), modules=tuple(args.require_module),
@@ -239,71 +241,75 @@ def _resume(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
                                     check_only=args.check_only))
 
 
-def _status(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _status(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .report import status
     if args.config and args.run_id is None:
         raise AgentError("status --config needs --run-id", "usage")
     return status(ws, args.run_id, args.config)
 
 
-def _stop(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _stop(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .control import stop
     return stop(ws.existing_run(args.run_id), args.grace)
 
 
-def _stacks(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _stacks(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .control import stacks
     return stacks(ws.existing_run(args.run_id), args.timeout)
 
 
-def _report(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _report(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .report import report
     return report(ws.existing_run(args.run_id), args.log_lines)
 
 
-def _artifacts(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _artifacts(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .artifacts import artifacts
     return artifacts(ws.existing_run(args.run_id), args.checkpoint)
 
 
-def _release_files(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _release_files(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .releases import release_files
     return release_files(ws, args.release_id, args.path)
 
 
-def _run_config(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _run_config(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .releases import run_config
     return run_config(ws.existing_run(args.run_id))
 
 
-def _gc(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _gc(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .releases import gc
     return gc(ws, args.keep)
 
 
-def _compile_artifacts(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
-    from .compile_artifacts import list_artifacts
+def _compile_artifacts(ws: Workspace, args: argparse.Namespace) -> Reply:
+    from .compile_artifacts import cpu_model, list_artifacts
     from .gpus import gpus
-    return dict(list_artifacts(ws.root), gpus=[gpu["name"] for gpu in gpus()["gpus"]])
+    return CompileArtifactsReply(cpu=cpu_model(), artifacts=list_artifacts(ws.root),
+                                 gpus=tuple(gpu["name"] for gpu in gpus()["gpus"]))
 
 
-def _receive_compile_artifacts(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _receive_compile_artifacts(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .compile_artifacts import receive_artifacts
     return receive_artifacts(ws.root, args.key, args.manifest_json)
 
 
-def _gpus(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+# gpus.py imports nothing of this package (it is also sent alone, with `python -c`): its
+# answers become replies by being read as them.
+
+def _gpus(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .gpus import gpus
-    return gpus()
+    return GpusReply.from_json(gpus())
 
 
-def _info(ws: Workspace, args: argparse.Namespace) -> Dict[str, Any]:
+def _info(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .gpus import host_facts
     from .procfs import boot_id
-    return dict(host_facts(ws.root), boot_id=boot_id())
+    return InfoReply.from_json(dict(host_facts(ws.root), boot_id=boot_id()))
 
 
-VERBS: Dict[str, Callable[[Workspace, argparse.Namespace], Dict[str, Any]]] = {
+VERBS: Dict[str, Callable[[Workspace, argparse.Namespace], Reply]] = {
     "launch": _launch, "resume": _resume, "status": _status, "stop": _stop, "stacks": _stacks,
     "report": _report, "gpus": _gpus, "info": _info, "artifacts": _artifacts,
     "release-files": _release_files, "run-config": _run_config, "gc": _gc,
@@ -334,7 +340,7 @@ def _send_file(ws: Workspace, args: argparse.Namespace) -> int:
         else:
             send_artifacts(ws.root, args.key, args.sha256)
     except AgentError as exc:
-        sys.stderr.write(json.dumps(exc.as_json()) + "\n")
+        sys.stderr.write(json.dumps(error_reply(exc).to_json()) + "\n")
         return exc.exit_code
     return 0
 
@@ -354,10 +360,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _follow(ws, args)
         if args.verb in ("send-file", "send-compile-artifacts"):
             return _send_file(ws, args)
-        emit(VERBS[args.verb](ws, args))
+        emit(VERBS[args.verb](ws, args).to_json())
         return 0
     except AgentError as exc:
-        emit(exc.as_json())
+        emit(error_reply(exc).to_json())
         return exc.exit_code
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
@@ -367,14 +373,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if exc.errno not in NO_SPACE:
             return _internal_error(exc)
         error = no_space(exc.filename)
-        emit(error.as_json())
+        emit(error_reply(error).to_json())
         return error.exit_code
     except BaseException as exc:  # noqa: BLE001 - the caller must get JSON whatever happens
         return _internal_error(exc)
 
 
+def error_reply(exc: AgentError) -> ErrorReply:
+    return ErrorReply(error=exc.message, kind=ErrorKind(exc.kind), **exc.extra)
+
+
 def _internal_error(exc: BaseException) -> int:
     traceback.print_exc()
-    emit({"error": "%s: %s" % (type(exc).__name__, exc), "kind": "internal"})
+    emit(ErrorReply(error="%s: %s" % (type(exc).__name__, exc), kind=ErrorKind.INTERNAL).to_json())
     return 1
 

@@ -15,9 +15,10 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .jsonio import AgentError, write_json_atomic
+from .protocol import CompileArtifact, ReceiveCompileArtifactsReply
 
 COMPILE_DIR = os.path.join("cache", "compile")
 KEY_FILE = "key.json"
@@ -67,19 +68,18 @@ def _manifest(folder: str) -> Optional[Dict[str, Any]]:
     return manifest
 
 
-def list_artifacts(root: str) -> Dict[str, Any]:
-    """{"cpu": model name, "artifacts": [{key, facts, size, sha256, torch, saved_at}]}: the
-    key folders holding artifacts whose manifest matches their size (sha256 as the manifest
-    says; a receiver checks the bytes)."""
-    found: List[Dict[str, Any]] = []
+def list_artifacts(root: str) -> Tuple[CompileArtifact, ...]:
+    """The key folders holding artifacts whose manifest matches their size (sha256 as the
+    manifest says; a receiver checks the bytes), sorted by key."""
+    found: List[CompileArtifact] = []
     base = os.path.join(root, COMPILE_DIR)
     for key in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         manifest = _manifest(os.path.join(base, key)) if _KEY.match(key) else None
         if manifest is not None:
-            found.append({"key": key, "facts": manifest.get("facts"), "size": manifest["size"],
-                          "sha256": manifest.get("sha256"), "torch": manifest.get("torch"),
-                          "saved_at": manifest.get("saved_at")})
-    return {"cpu": cpu_model(), "artifacts": found}
+            found.append(CompileArtifact(key=key, facts=manifest.get("facts"), size=manifest["size"],
+                                         sha256=manifest.get("sha256"), torch=manifest.get("torch"),
+                                         saved_at=manifest.get("saved_at")))
+    return tuple(found)
 
 
 def send_artifacts(root: str, key: str, sha256: str) -> None:
@@ -102,7 +102,7 @@ def send_artifacts(root: str, key: str, sha256: str) -> None:
     out.flush()
 
 
-def receive_artifacts(root: str, key: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
+def receive_artifacts(root: str, key: str, manifest: Dict[str, Any]) -> ReceiveCompileArtifactsReply:
     """Store the artifacts arriving on stdin in key folder `key`, all or nothing: refused
     (kind "usage") when the manifest's facts do not make `key` or the bytes are not its
     size and sha256; kind "conflict" when the folder's key.json holds other facts."""
@@ -141,4 +141,4 @@ def receive_artifacts(root: str, key: str, manifest: Dict[str, Any]) -> Dict[str
         raise
     # The manifest last: until it names the new bytes, a trainer finds a mismatch and compiles.
     write_json_atomic(os.path.join(folder, ARTIFACTS_MANIFEST), manifest)
-    return {"key": key, "size": size, "sha256": digest.hexdigest(), "received": True}
+    return ReceiveCompileArtifactsReply(key=key, size=size, sha256=digest.hexdigest(), received=True)

@@ -10,7 +10,8 @@ from typing import Any, Dict
 from . import procfs, stackdump
 from .jsonio import AgentError, decode_bytes, write_json_atomic
 from .layout import RunDir
-from .state import ALIVE, TERMINAL, derive_state, observe, read_record, trainer_liveness
+from .protocol import StacksReply, StopReply
+from .state import ALIVE, derive_state, observe, read_record, trainer_liveness
 
 POLL_S = 0.05
 KILL_WAIT_S = 30.0  # after SIGKILL: only uninterruptible sleep (D state) can delay exit
@@ -34,11 +35,11 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass  # the group emptied meanwhile
 
 
-def stop(run: RunDir, grace: float) -> Dict[str, Any]:
+def stop(run: RunDir, grace: float) -> StopReply:
     record = read_record(run)
     state = derive_state(observe(run, record))
-    if state in TERMINAL:
-        return {"run_id": run.run_id, "state": state, "killed": False}
+    if state.terminal:
+        return StopReply(run_id=run.run_id, state=state, killed=False)
     write_json_atomic(run.stop_requested, {"requested_at": time.time(), "grace_s": grace})
     killed = False
     signalled = set()
@@ -54,7 +55,7 @@ def stop(run: RunDir, grace: float) -> Dict[str, Any]:
     _wait(lambda: os.path.exists(run.exit_json)
           or not procfs.identity_alive(supervisor.get("pid"), supervisor.get("start_time")),
           EXIT_JSON_WAIT_S)
-    return {"run_id": run.run_id, "state": derive_state(observe(run, record)), "killed": killed}
+    return StopReply(run_id=run.run_id, state=derive_state(observe(run, record)), killed=killed)
 
 
 def _end_group(run: RunDir, record: Dict[str, Any], grace: float) -> bool:
@@ -76,7 +77,7 @@ def _end_group(run: RunDir, record: Dict[str, Any], grace: float) -> bool:
     return True
 
 
-def stacks(run: RunDir, timeout: float) -> Dict[str, Any]:
+def stacks(run: RunDir, timeout: float) -> StacksReply:
     record = read_record(run)
     pid = record["pid"]
     if trainer_liveness(record) != ALIVE:
@@ -109,7 +110,7 @@ def stacks(run: RunDir, timeout: float) -> Dict[str, Any]:
     with open(run.faulthandler, "rb") as handle:
         handle.seek(before)
         text = decode_bytes(handle.read(size - before))
-    return {"run_id": run.run_id, "text": stackdump.name_threads(text, stackdump.thread_names(run))}
+    return StacksReply(run_id=run.run_id, text=stackdump.name_threads(text, stackdump.thread_names(run)))
 
 
 def _size(path: str) -> int:

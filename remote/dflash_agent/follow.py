@@ -18,14 +18,16 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from dflash_events import HEARTBEAT
 
 from .gpus import query_gpus
 from .jsonio import FINGERPRINT_BYTES, decode_bytes, encode_line, fingerprint, parse_json_line, read_json, tail_start
 from .layout import Workspace
-from .state import TERMINAL, derive_state, observe, read_record
+from .protocol import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage, LogMessage,
+                       RotatedMessage, StateMessage)
+from .state import derive_state, observe, read_record
 
 READ_CHUNK = 256 * 1024
 # At most one log message per LOG_FLUSH_S (or per LOG_FLUSH_BYTES): every message
@@ -67,8 +69,8 @@ class Output:
         self._poller = select.poll()
         self._poller.register(fd, 0)  # POLLERR/POLLHUP are always reported
 
-    def send(self, obj: Dict[str, Any]) -> None:
-        data = encode_line(obj)
+    def send(self, message: FollowMessage) -> None:
+        data = encode_line(message.to_json())
         with self._lock:
             if self._closed:
                 return  # a GPU sample racing the final "end": the stream is over
@@ -147,7 +149,7 @@ class LogFollower:
         tail, self._tail_lines = self._tail_lines, None  # once per stream
         self._start(fd, offset if tail is None else tail_start(path, tail))
 
-    def _open(self) -> Iterator[Dict[str, Any]]:
+    def _open(self) -> Iterator[FollowMessage]:
         """Opens the log on the first poll that finds it. A resume whose content is gone
         first sends what a copy still holds of it, then "rotated"."""
         request = self._request
@@ -197,7 +199,7 @@ class LogFollower:
         return [os.path.join(folder, entry) for entry in sorted(os.listdir(folder))
                 if entry.startswith(name + ".")]
 
-    def _drain_copy(self, mark: Optional[str]) -> Iterator[Dict[str, Any]]:
+    def _drain_copy(self, mark: Optional[str]) -> Iterator[FollowMessage]:
         """Sends what a copy of the old content (a file next to train.log holding the bytes
         `mark` names right before the read position) has past that position. Returns
         whether one was found; without a mark nothing can be matched."""
@@ -215,7 +217,7 @@ class LogFollower:
                 os.close(fd)
         return False
 
-    def _rotate(self, fd: int, reason: str, complete: bool) -> Iterator[Dict[str, Any]]:
+    def _rotate(self, fd: int, reason: str, complete: bool) -> Iterator[FollowMessage]:
         """Ends the old segment (its last bytes, even a partial line) and starts the next
         at byte 0 of `fd` (or at its --tail-lines start)."""
         yield from self._flush(final=True)
@@ -226,10 +228,11 @@ class LogFollower:
         self._start_at(fd, self._path, 0)
         self.segment += 1
         self._announce = True
-        yield {"t": "rotated", "reason": reason, "segment": self.segment, "inode": self.inode,
-               "offset": self.sent, "previous_end": previous_end, "complete": complete}
+        assert self.inode is not None  # _start_at read it from the new file
+        yield RotatedMessage(reason=reason, segment=self.segment, inode=self.inode, offset=self.sent,
+                             previous_end=previous_end, complete=complete)
 
-    def _follow_rotation(self) -> Iterator[Dict[str, Any]]:
+    def _follow_rotation(self) -> Iterator[FollowMessage]:
         assert self._fd is not None
         size = os.fstat(self._fd).st_size
         rewritten = size > self._read_pos and self._recent and os.pread(
@@ -248,7 +251,7 @@ class LogFollower:
                 yield from self._read(self._fd, until_end=True)
                 yield from self._rotate(new, "replaced", complete=True)
 
-    def _read(self, fd: int, until_end: bool = False) -> Iterator[Dict[str, Any]]:
+    def _read(self, fd: int, until_end: bool = False) -> Iterator[FollowMessage]:
         """Reads what `fd` holds past the read position into the buffer (up to the size
         seen now, or `until_end`: up to its end), sending full batches on the way."""
         size = None if until_end else os.fstat(fd).st_size
@@ -261,7 +264,7 @@ class LogFollower:
             if len(self._buffer) >= LOG_FLUSH_BYTES:
                 yield from self._flush(final=False)
 
-    def poll(self, final: bool, urgent: bool = False) -> Iterator[Dict[str, Any]]:
+    def poll(self, final: bool, urgent: bool = False) -> Iterator[FollowMessage]:
         """Messages for what is new. `final` (the run ended): also a last partial line.
         `urgent`: send complete lines now rather than batching them."""
         if self._fd is None:
@@ -273,7 +276,7 @@ class LogFollower:
         if final or urgent or time.monotonic() - self._last_flush >= LOG_FLUSH_S:
             yield from self._flush(final)
 
-    def _flush(self, final: bool) -> Iterator[Dict[str, Any]]:
+    def _flush(self, final: bool) -> Iterator[FollowMessage]:
         cut = len(self._buffer) if final else self._buffer.rfind(b"\n") + 1
         if not cut and len(self._buffer) >= MAX_PARTIAL_LINE:
             cut = len(self._buffer)
@@ -281,11 +284,10 @@ class LogFollower:
             data, self._buffer = self._buffer[:cut], self._buffer[cut:]
             start, self.sent = self.sent, self.sent + cut
             self._last_flush = time.monotonic()
-            message = {"t": "log", "offset": start, "data": decode_bytes(data)}
-            if self._announce:  # a stream's and a segment's first message names the file
-                message.update(inode=self.inode, segment=self.segment)
-                self._announce = False
-            yield message
+            # A stream's and a segment's first message names the file.
+            announce, self._announce = self._announce, False
+            yield LogMessage(offset=start, data=decode_bytes(data), inode=self.inode if announce else None,
+                             segment=self.segment if announce else None)
 
 
 class ErrorsFollower:
@@ -297,7 +299,7 @@ class ErrorsFollower:
         self._pos = 0
         self._index = 0  # index of the next record
 
-    def poll(self, final: bool) -> Iterator[Dict[str, Any]]:
+    def poll(self, final: bool) -> Iterator[FollowMessage]:
         try:
             with open(self._path, "rb") as handle:
                 handle.seek(self._pos)
@@ -314,9 +316,9 @@ class ErrorsFollower:
                 continue
             record = parse_json_line(line)
             if isinstance(record, dict):
-                yield {"t": "error", "index": index, "record": record}
+                yield ErrorMessage(index=index, record=record)
             else:
-                yield {"t": "error", "index": index, "record": None, "raw": decode_bytes(line)}
+                yield ErrorMessage(index=index, record=None, raw=decode_bytes(line))
 
 
 class EventsFollower:
@@ -334,7 +336,7 @@ class EventsFollower:
         self._buffer = b""  # complete lines read past self.sent, not yet sent
         self._last_flush = float("-inf")
 
-    def poll(self, final: bool) -> Iterator[Dict[str, Any]]:
+    def poll(self, final: bool) -> Iterator[FollowMessage]:
         if self._fd is None:
             self._fd = _open_if_exists(self._path)
             if self._fd is None:
@@ -352,14 +354,14 @@ class EventsFollower:
         if self._buffer and (final or time.monotonic() - self._last_flush >= LOG_FLUSH_S):
             yield from self._flush()
 
-    def _flush(self) -> Iterator[Dict[str, Any]]:
+    def _flush(self) -> Iterator[FollowMessage]:
         records = [record for record in map(parse_json_line, self._buffer.split(b"\n"))
                    if isinstance(record, dict) and not HEARTBEAT.matches(record)]
         start, self.sent = self.sent, self.sent + len(self._buffer)
         self._buffer = b""
         self._last_flush = time.monotonic()
         if records:  # a stretch of heartbeats alone is not worth a message
-            yield {"t": "events", "offset": start, "next": self.sent, "events": records}
+            yield EventsMessage(offset=start, next=self.sent, events=tuple(records))
 
     def close(self) -> None:
         if self._fd is not None:
@@ -384,7 +386,7 @@ class GpuSampler(threading.Thread):
             while not self._halt.is_set():
                 found, problem = query_gpus()
                 if found:
-                    self._out.send({"t": "gpu", "ts": time.time(), "gpus": found})
+                    self._out.send(GpuMessage(ts=time.time(), gpus=tuple(map(Gpu.from_json, found))))
                 elif problem and not self._warned:
                     sys.stderr.write("dflash-agent follow: %s\n" % problem)
                     self._warned = True
@@ -427,7 +429,7 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
             record = read_json(run.run_json) or record
             obs = observe(run, record)
             state = derive_state(obs)
-            terminal = state in TERMINAL
+            terminal = state.terminal
             new_errors = list(errors.poll(final=terminal))
             # The log's last lines are the context of an error: they go out first, at once.
             for message in logs.poll(final=terminal, urgent=bool(new_errors)):
@@ -437,11 +439,11 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
             for message in events.poll(final=terminal):
                 out.send(message)
             if state != last_state:
-                out.send({"t": "state", "state": state, "ts": time.time()})
+                out.send(StateMessage(state=state, ts=time.time()))
                 last_state = state
             if terminal:
-                out.send({"t": "end", "state": state, "exit": obs.exit, "attempt": int(record.get("attempt") or 0),
-                          "offset": logs.sent, "segment": logs.segment})
+                out.send(EndMessage(state=state, exit=obs.exit, attempt=int(record.get("attempt") or 0),
+                                    offset=logs.sent, segment=logs.segment))
                 return 0
             time.sleep(request.poll)
     finally:

@@ -11,7 +11,7 @@ import itertools
 import json
 import os
 import sys
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 BLOCK = 64 * 1024
 # How many bytes before a log offset its fingerprint covers: enough that a log rewritten
@@ -21,7 +21,8 @@ _TMP_COUNTER = itertools.count()
 
 
 class AgentError(Exception):
-    """A problem reported to the caller as {"error", "kind", ...extra} with exit 2 or 1."""
+    """A problem reported to the caller as a protocol.ErrorReply (`extra`: its optional
+    keys), with exit 2 or 1."""
 
     EXIT_CODES = {"usage": 2, "not_found": 2, "conflict": 2, "host": 2, "internal": 1}
 
@@ -34,11 +35,6 @@ class AgentError(Exception):
     @property
     def exit_code(self) -> int:
         return self.EXIT_CODES[self.kind]
-
-    def as_json(self) -> Dict[str, Any]:
-        out = {"error": self.message, "kind": self.kind}
-        out.update(self.extra)
-        return out
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, no inodes left, or a quota reached

@@ -17,12 +17,13 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from . import locks, preflight
 from .jsonio import NO_SPACE, AgentError, no_space, read_tail_text, write_atomic
 from .layout import RunDir, Workspace
 from .preflight import PathRequirement
+from .protocol import LaunchCheckReply, LaunchReply
 from .releases import release_dir
 from .supervisor import TrainerPlan, log_error, supervise
 
@@ -127,20 +128,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _check_only(ws: Workspace, request: LaunchRequest, run: RunDir, release_id: str) -> Dict[str, Any]:
+def _check_only(ws: Workspace, request: LaunchRequest, run: RunDir, release_id: str) -> LaunchCheckReply:
     """A launch's checks without its effects: the run id is free and no live run holds
     the resources (unless --force). The first host of a run on several hosts also picks
     the rendezvous port here when none was given, in the round trip the check costs."""
     if os.path.lexists(run.path):
         raise AgentError("run %r already exists in %s" % (run.run_id, ws.runs), "conflict")
     locks.check_free(ws, request.resources, request.force)
-    reply = {"run_id": run.run_id, "checked": True, "release_id": release_id}  # type: Dict[str, Any]
-    if request.distributed is not None and request.distributed.master_port == 0:
-        reply["master_port"] = free_port()
-    return reply
+    picks_port = request.distributed is not None and request.distributed.master_port == 0
+    return LaunchCheckReply(run_id=run.run_id, checked=True, release_id=release_id,
+                            master_port=free_port() if picks_port else None)
 
 
-def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
+def launch(ws: Workspace, request: LaunchRequest) -> Union[LaunchReply, LaunchCheckReply]:
     for resource in request.resources:
         locks.check_resource(resource)
     if request.stall_after <= 0 or request.startup_stall_after <= 0:
@@ -192,8 +192,8 @@ def launch(ws: Workspace, request: LaunchRequest) -> Dict[str, Any]:
             if switched:  # and `current` is put back
                 ws.switch_current(previous)
         raise
-    return {"run_id": run.run_id, "run_dir": run.path, "pid": report["pid"],
-            "pgid": report["pgid"], "release_id": release_id}
+    return LaunchReply(run_id=run.run_id, run_dir=run.path, pid=report["pid"], pgid=report["pgid"],
+                       release_id=release_id)
 
 
 def _daemonize(log_path: str, keep_fd: int) -> None:

@@ -24,7 +24,8 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 from . import procfs
 from .jsonio import AgentError, read_json, write_json_atomic
 from .layout import Workspace
-from .state import LOST, STARTING, TERMINAL, derive_state, observe, read_record
+from .protocol import RunState
+from .state import derive_state, observe, read_record
 
 _RESOURCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -72,27 +73,27 @@ def _write_holders(ws: Workspace, resource: str, holders: List[Dict[str, Any]]) 
         os.unlink(path)
 
 
-def holder_state(ws: Workspace, holder: Dict[str, Any]) -> str:
+def holder_state(ws: Workspace, holder: Dict[str, Any]) -> RunState:
     """The state of the run holding a lock; a run still being launched (no run.json yet)
     is STARTING while the launching process lives."""
     try:
         run = ws.run(str(holder.get("run_id") or ""))
         record = read_record(run)
     except AgentError:
-        return LOST
+        return RunState.LOST
     except FileNotFoundError:
         same_boot = holder.get("boot_id") == procfs.boot_id()
         launching = procfs.identity_alive(holder.get("launcher_pid"), holder.get("launcher_start_time"))
-        return STARTING if same_boot and launching else LOST
+        return RunState.STARTING if same_boot and launching else RunState.LOST
     return derive_state(observe(run, record))
 
 
-def _live_holders(ws: Workspace, resource: str) -> List[Tuple[Dict[str, Any], str]]:
+def _live_holders(ws: Workspace, resource: str) -> List[Tuple[Dict[str, Any], RunState]]:
     """(holder, state) of every holder whose run has not ended."""
     live = []
     for holder in read_holders(_path(ws, resource)):
         state = holder_state(ws, holder)
-        if state not in TERMINAL:
+        if not state.terminal:
             live.append((holder, state))
     return live
 
@@ -120,7 +121,7 @@ def check_free(ws: Workspace, resources: Sequence[str], force: bool) -> None:
         _refuse_if_in_use({resource: _live_holders(ws, resource) for resource in resources})
 
 
-def _refuse_if_in_use(live: Dict[str, List[Tuple[Dict[str, Any], str]]]) -> None:
+def _refuse_if_in_use(live: Dict[str, List[Tuple[Dict[str, Any], RunState]]]) -> None:
     """AgentError(kind="conflict") naming every live holder of the first resource in use."""
     for resource, holders in live.items():
         if holders:

@@ -9,10 +9,11 @@ import os
 import re
 import shutil
 import stat
-from typing import Any, Dict, List, Sequence
+from typing import Dict, List, Sequence
 
 from .jsonio import AgentError, decode_bytes, read_json
 from .layout import RunDir, Workspace
+from .protocol import GcReply, KeptRelease, ReleaseFilesReply, RemovedRelease, RunConfigReply
 
 #: A file above this is named in "too_large" instead of being sent inline in the JSON reply.
 INLINE_MAX_BYTES = 8 * 1024 * 1024
@@ -39,7 +40,7 @@ def _manifest_paths(text: str) -> Dict[str, int]:
     return paths
 
 
-def release_files(ws: Workspace, release_id: str, paths: Sequence[str]) -> Dict[str, Any]:
+def release_files(ws: Workspace, release_id: str, paths: Sequence[str]) -> ReleaseFilesReply:
     """The release's MANIFEST and the named files' bytes (base64); files above
     INLINE_MAX_BYTES are listed in "too_large" instead. Only paths MANIFEST lists."""
     folder = release_dir(ws, release_id)
@@ -55,14 +56,14 @@ def release_files(ws: Workspace, release_id: str, paths: Sequence[str]) -> Dict[
             continue
         with open(os.path.join(folder, path), "rb") as fh:
             files[path] = base64.b64encode(fh.read()).decode("ascii")
-    return {"release_id": release_id, "manifest": manifest, "files": files, "too_large": too_large}
+    return ReleaseFilesReply(release_id=release_id, manifest=manifest, files=files, too_large=tuple(too_large))
 
 
-def run_config(run: RunDir) -> Dict[str, Any]:
+def run_config(run: RunDir) -> RunConfigReply:
     """The run's config.yaml as the trainer read it."""
     try:
         with open(run.config, "rb") as fh:
-            return {"run_id": run.run_id, "config": decode_bytes(fh.read())}
+            return RunConfigReply(run_id=run.run_id, config=decode_bytes(fh.read()))
     except FileNotFoundError:
         raise AgentError("run %s has no config.yaml" % run.run_id, "not_found")
 
@@ -98,7 +99,7 @@ def _remove_read_only(folder: str) -> None:
     shutil.rmtree(folder)
 
 
-def gc(ws: Workspace, keep: int) -> Dict[str, Any]:
+def gc(ws: Workspace, keep: int) -> GcReply:
     """Remove the releases no recorded run uses, that are not `current`, beyond the
     `keep` newest of them. Refused (kind "conflict") while a deploy holds .deploy.lock;
     the lock is held meanwhile, so no deploy reuses a release being removed."""
@@ -118,24 +119,24 @@ def gc(ws: Workspace, keep: int) -> Dict[str, Any]:
             names = [n for n in os.listdir(releases) if _RELEASE_ID.match(n)]
         except FileNotFoundError:
             names = []
-        kept: List[Dict[str, Any]] = []
+        kept: List[KeptRelease] = []
         unused = []
         for name in names:
             if name == current:
-                kept.append({"release_id": name, "reason": "current"})
+                kept.append(KeptRelease(release_id=name, reason="current"))
             elif name in used:
-                kept.append({"release_id": name, "reason": "used by run %s" % ", ".join(used[name])})
+                kept.append(KeptRelease(release_id=name, reason="used by run %s" % ", ".join(used[name])))
             else:
                 unused.append(name)
         unused.sort(key=lambda n: os.stat(os.path.join(releases, n)).st_mtime, reverse=True)
-        kept += [{"release_id": name, "reason": "among the %d newest unused" % keep} for name in unused[:keep]]
+        kept += [KeptRelease(release_id=name, reason="among the %d newest unused" % keep) for name in unused[:keep]]
         removed = []
         for name in unused[keep:]:
             folder = os.path.join(releases, name)
             size = _size(folder)
             _remove_read_only(folder)
-            removed.append({"release_id": name, "bytes": size})
-        return {"removed": removed, "kept": sorted(kept, key=lambda k: k["release_id"]),
-                "freed_bytes": sum(r["bytes"] for r in removed)}
+            removed.append(RemovedRelease(release_id=name, bytes=size))
+        return GcReply(removed=tuple(removed), kept=tuple(sorted(kept, key=lambda k: k.release_id)),
+                       freed_bytes=sum(r.bytes for r in removed))
     finally:
         os.close(lock)

@@ -2,27 +2,28 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Optional
 
 from . import stackdump
 from .jsonio import decode_bytes, read_tail_text
 from .layout import RunDir, Workspace
+from .protocol import ReportReply, StatusReply
 from .state import agent_error, derive_state, error_records, observe, read_record, run_status
 
 FAULTHANDLER_MAX_BYTES = 4 * 1024 * 1024
 
 
-def status(ws: Workspace, run_id: Optional[str], with_config: bool = False) -> Dict[str, Any]:
+def status(ws: Workspace, run_id: Optional[str], with_config: bool = False) -> StatusReply:
     if run_id is not None:
-        return {"runs": [run_status(ws.existing_run(run_id), with_config)]}
+        return StatusReply(runs=(run_status(ws.existing_run(run_id), with_config),))
     runs = []
     for run in ws.all_runs():
         try:
             runs.append(run_status(run))
         except FileNotFoundError:
             continue  # removed while we looked
-    runs.sort(key=lambda r: (r["started_at"] or 0.0, r["run_id"]), reverse=True)
-    return {"runs": runs}
+    runs.sort(key=lambda r: (r.started_at or 0.0, r.run_id), reverse=True)
+    return StatusReply(runs=tuple(runs))
 
 
 def _read_end(path: str, max_bytes: int) -> str:
@@ -35,20 +36,20 @@ def _read_end(path: str, max_bytes: int) -> str:
         return ""
 
 
-def report(run: RunDir, log_lines: int) -> Dict[str, Any]:
+def report(run: RunDir, log_lines: int) -> ReportReply:
     record = read_record(run)
     obs = observe(run, record)
     faulthandler = stackdump.name_threads(_read_end(run.faulthandler, FAULTHANDLER_MAX_BYTES),
                                           stackdump.thread_names(run))
-    return {
-        "run_id": run.run_id,
-        "state": derive_state(obs),
-        "run": record,
-        "exit": obs.exit,
-        "errors": error_records(run.errors),
-        "faulthandler": faulthandler,
-        "last_stacks": stackdump.last_dump(faulthandler),
-        "log_tail": read_tail_text(run.train_log, log_lines),
-        "agent_error": agent_error(run, record),
-    }
+    return ReportReply(
+        run_id=run.run_id,
+        state=derive_state(obs),
+        run=record,
+        exit=obs.exit,
+        errors=tuple(error_records(run.errors)),
+        faulthandler=faulthandler,
+        last_stacks=stackdump.last_dump(faulthandler),
+        log_tail=read_tail_text(run.train_log, log_lines),
+        agent_error=agent_error(run, record),
+    )
 

@@ -21,14 +21,14 @@ import fcntl
 import os
 import shlex
 import subprocess
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from . import attempts, locks, preflight
 from .jsonio import AgentError, read_json
 from .launch import Distributed, free_port, start_supervisor, trainer_env
 from .layout import RunDir, Workspace
-from .state import (SUCCEEDED, TERMINAL, attempt_errors, derive_state, error_records, observe, read_record,
-                    summarize_events)
+from .protocol import ResumeCheckReply, ResumeReply, RunState
+from .state import attempt_errors, derive_state, error_records, observe, read_record, summarize_events
 from .supervisor import TrainerPlan
 
 CHECK_TIMEOUT_S = 120.0
@@ -50,7 +50,7 @@ class ResumeRequest:
 FROM_RANK0 = "rank0"
 
 
-def resume(ws: Workspace, request: ResumeRequest) -> Dict[str, Any]:
+def resume(ws: Workspace, request: ResumeRequest) -> Union[ResumeReply, ResumeCheckReply]:
     run = ws.existing_run(request.run_id)
     # One resume of a run at a time: the second would find it STARTING anyway, but only
     # once the first has written run.json.
@@ -65,15 +65,16 @@ def resume(ws: Workspace, request: ResumeRequest) -> Dict[str, Any]:
         os.close(fd)
 
 
-def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[str, Any]:
+def _resume_locked(ws: Workspace, run: RunDir,
+                   request: ResumeRequest) -> Union[ResumeReply, ResumeCheckReply]:
     record = read_record(run)
     obs = observe(run, record)
     state = derive_state(obs)
-    if state not in TERMINAL:
+    if not state.terminal:
         raise AgentError("run %r is still live (%s): stop it first (dflash stop), or wait for it to end"
                          % (run.run_id, state), "conflict", state=state)
     distributed = _place(run, record, request)
-    if state == SUCCEEDED and request.step is None:
+    if state == RunState.SUCCEEDED and request.step is None:
         raise _finished(run, obs.events.step)
     if distributed is None or distributed.rank == 0:
         checkpoint = _checkpoint(run, request.step, state)
@@ -91,11 +92,10 @@ def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[s
     attempt = attempts.attempt_of(record)
     if request.check_only:
         locks.check_free(ws, resources, False)
-        reply = {"run_id": run.run_id, "checked": True, "attempt": attempt + 1, "previous_state": state,
-                 "step": checkpoint[0], "checkpoint": checkpoint[1]}  # type: Dict[str, Any]
-        if distributed is not None and distributed.master_port == 0:
-            reply["master_port"] = free_port()
-        return reply
+        picks_port = distributed is not None and distributed.master_port == 0
+        return ResumeCheckReply(run_id=run.run_id, checked=True, attempt=attempt + 1, previous_state=state,
+                                step=checkpoint[0], checkpoint=checkpoint[1],
+                                master_port=free_port() if picks_port else None)
     locks.acquire(ws, resources, run.run_id, force=False)
     errors = attempt_errors(error_records(run.errors), attempt)
     history = attempts.history(record)
@@ -116,10 +116,9 @@ def _resume_locked(ws: Workspace, run: RunDir, request: ResumeRequest) -> Dict[s
         if read_json(run.run_json) == record:  # nothing started: the locks are ours to drop
             locks.release(ws, resources, run.run_id)
         raise
-    return {"run_id": run.run_id, "attempt": attempt + 1, "previous_state": state,
-            "step": checkpoint[0], "checkpoint": checkpoint[1], "pid": report["pid"],
-            "release_id": release_id, "previous_release_id": record.get("release_id"),
-            "release": request.release}
+    return ResumeReply(run_id=run.run_id, attempt=attempt + 1, previous_state=state, step=checkpoint[0],
+                       checkpoint=checkpoint[1], pid=report["pid"], release_id=release_id,
+                       previous_release_id=record.get("release_id"), release=request.release)
 
 
 def _place(run: RunDir, record: Dict[str, Any], request: ResumeRequest) -> Optional[Distributed]:
@@ -153,14 +152,14 @@ def _finished(run: RunDir, step: Optional[int]) -> AgentError:
     Training again from an earlier checkpoint is asked for by its step."""
     steps = [found for found, _ in attempts.checkpoint_folders(run)]
     at = "" if step is None else " at step %d" % step
-    error = AgentError("run %r succeeded%s; nothing to resume" % (run.run_id, at), "conflict", state=SUCCEEDED)
+    error = AgentError("run %r succeeded%s; nothing to resume" % (run.run_id, at), "conflict", state=RunState.SUCCEEDED)
     if steps:
         error.extra["hint"] = ("to train again from one of its checkpoints (steps %s): dflash resume %s --step N"
                                % (", ".join(map(str, steps)), shlex.quote(run.run_id)))
     return error
 
 
-def _checkpoint(run: RunDir, step: Optional[int], state: str) -> Tuple[int, str]:
+def _checkpoint(run: RunDir, step: Optional[int], state: RunState) -> Tuple[int, str]:
     folders = attempts.checkpoint_folders(run)
     if not folders:
         raise AgentError("run %r (%s) has no complete checkpoint to resume from: it ended before its first "

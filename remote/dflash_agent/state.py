@@ -1,4 +1,4 @@
-"""Run states (docs/runs.md "Run states").
+"""Run states (protocol.RunState, docs/runs.md "Run states").
 
 `observe` gathers the facts from the run directory and /proc; `derive_state` is the one
 pure function that turns them into a state. Nothing here reads a whole log: the last
@@ -18,16 +18,7 @@ from . import procfs
 from .attempts import newest_checkpoint
 from .jsonio import decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
 from .layout import RunDir
-
-STARTING = "STARTING"
-RUNNING = "RUNNING"
-SUCCEEDED = "SUCCEEDED"
-FAILED = "FAILED"
-STOPPED = "STOPPED"
-DEGRADED = "DEGRADED"
-STALLED = "STALLED"
-LOST = "LOST"
-TERMINAL = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
+from .protocol import RunState, RunStatus
 
 # Liveness of the trainer process, as far as /proc and the supervisor can tell.
 ALIVE = "alive"
@@ -80,27 +71,27 @@ class Observation:
     peer_failure: Optional[Dict[str, Any]] = None
 
 
-def derive_state(obs: Observation) -> str:
+def derive_state(obs: Observation) -> RunState:
     if obs.exit is not None:
         if obs.stop_requested:
-            return STOPPED
+            return RunState.STOPPED
         # A worker that failed while the process still exited 0 is not a success.
         clean = obs.exit.get("exit_code") == 0 and not obs.exit.get("signal")
-        return SUCCEEDED if clean and obs.error_count == 0 else FAILED
+        return RunState.SUCCEEDED if clean and obs.error_count == 0 else RunState.FAILED
     if obs.trainer == GONE:
         # No process is left and the supervisor wrote no exit.json (it was killed, or the
         # host rebooted): what the run itself recorded decides. LOST only when nobody
         # recorded anything.
         if obs.stop_requested:
-            return STOPPED
+            return RunState.STOPPED
         done = obs.events.done
         if done is not None:
-            return SUCCEEDED if done.get(DONE.exit_code) == 0 and obs.error_count == 0 else FAILED
-        return FAILED if obs.error_count else LOST
+            return RunState.SUCCEEDED if done.get(DONE.exit_code) == 0 and obs.error_count == 0 else RunState.FAILED
+        return RunState.FAILED if obs.error_count else RunState.LOST
     if obs.frozen:
-        return STALLED
+        return RunState.STALLED
     if obs.error_count:
-        return DEGRADED
+        return RunState.DEGRADED
     ev = obs.events
     starting = ev.last_heartbeat is None and ev.last_phase in (None, JobPhase.STARTUP)
     if starting:
@@ -111,8 +102,8 @@ def derive_state(obs: Observation) -> str:
     else:
         clock, limit = max(ev.last_heartbeat or 0.0, ev.last_phase_ts or 0.0), obs.stall_after
     if obs.now - clock > limit:
-        return STALLED
-    return STARTING if starting else RUNNING
+        return RunState.STALLED
+    return RunState.STARTING if starting else RunState.RUNNING
 
 
 def summarize_events(path: str) -> EventSummary:
@@ -231,11 +222,11 @@ def agent_error(run: RunDir, record: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state: str) -> Optional[str]:
+def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state: RunState) -> Optional[str]:
     """Why a FAILED, LOST or DEGRADED run's latest attempt failed, in one line: its first
     error record (`exc_type: message`), else what its supervisor said (exit.json's
     `error`, else its last error in agent.log); None when nothing says, or for another state."""
-    if state not in (FAILED, LOST, DEGRADED):
+    if state not in (RunState.FAILED, RunState.LOST, RunState.DEGRADED):
         return None
     errors = attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))
     if errors:
@@ -245,38 +236,36 @@ def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state:
     return (obs.exit or {}).get("error") or agent_error(run, record)
 
 
-def run_status(run: RunDir, with_config: bool = False) -> Dict[str, Any]:
-    """The RunStatus object of the protocol; `with_config` adds run.json's config text."""
+def run_status(run: RunDir, with_config: bool = False) -> RunStatus:
+    """The run's RunStatus; `with_config` adds run.json's config text."""
     record = read_record(run)
     obs = observe(run, record)
     state = derive_state(obs)
-    status = {
-        "run_id": run.run_id,
-        "name": record.get("name"),
-        "state": state,
-        "reason": failure_reason(run, record, obs, state),
-        "pid": record.get("pid"),
-        "started_at": record.get("started_at"),
-        "ended_at": _ended_at(obs),
-        "exit": obs.exit,
-        "errors": obs.error_count,
-        "last_heartbeat": obs.events.last_heartbeat,
-        "release_id": record.get("release_id"),
-        "source": record.get("source"),
-        "overrides": record.get("overrides") or [],
-        "step": obs.events.step,
-        "startup": obs.events.startup,
-        "startup_elapsed_s": (None if obs.events.startup_since is None
-                              else round(obs.now - obs.events.startup_since, 1)),
-        "peer_failure": obs.peer_failure,
-        "attempt": int(record.get("attempt") or 0),
-        "attempts": len(record.get("attempts") or ()) or 1,
-        "resume_step": _resume_step(record),
-        "checkpoint_step": _newest_checkpoint_step(run),
-    }
-    if with_config:
-        status["config"] = record.get("config")
-    return status
+    return RunStatus(
+        run_id=run.run_id,
+        name=record.get("name"),
+        state=state,
+        reason=failure_reason(run, record, obs, state),
+        pid=record.get("pid"),
+        started_at=record.get("started_at"),
+        ended_at=_ended_at(obs),
+        exit=obs.exit,
+        errors=obs.error_count,
+        last_heartbeat=obs.events.last_heartbeat,
+        release_id=record.get("release_id"),
+        source=record.get("source"),
+        overrides=tuple(record.get("overrides") or ()),
+        step=obs.events.step,
+        startup=obs.events.startup,
+        startup_elapsed_s=(None if obs.events.startup_since is None
+                           else round(obs.now - obs.events.startup_since, 1)),
+        peer_failure=obs.peer_failure,
+        attempt=int(record.get("attempt") or 0),
+        attempts=len(record.get("attempts") or ()) or 1,
+        resume_step=_resume_step(record),
+        checkpoint_step=_newest_checkpoint_step(run),
+        config=record.get("config") if with_config else None,
+    )
 
 
 def _resume_step(record: Dict[str, Any]) -> Optional[int]:

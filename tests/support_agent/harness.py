@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
-from dflash_agent import procfs
+from dflash_agent import procfs, protocol
 from support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,14 +43,36 @@ def make_workspace(base: Path, release_id: str = RELEASE_ID) -> Path:
     return workspace
 
 
+REPLIES = {reply.VERB: reply for reply in (
+    protocol.LaunchReply, protocol.ResumeReply, protocol.StatusReply, protocol.StopReply, protocol.StacksReply,
+    protocol.ReportReply, protocol.GpusReply, protocol.InfoReply, protocol.ArtifactsReply,
+    protocol.CompileArtifactsReply, protocol.ReceiveCompileArtifactsReply, protocol.ReleaseFilesReply,
+    protocol.RunConfigReply, protocol.GcReply)}
+CHECK_REPLIES = {"launch": protocol.LaunchCheckReply, "resume": protocol.ResumeCheckReply}
+
+
+def reply_type(args: Sequence[str]) -> type:
+    verb = next((arg for arg in args if not arg.startswith("-")), None)
+    return CHECK_REPLIES[verb] if "--check-only" in args else REPLIES[verb]
+
+
+def read_as(kind: Any, obj: Dict[str, Any]) -> Any:
+    """`obj` read strictly as its protocol type, which must give it back unchanged: the
+    types describe what the agent prints, key for key."""
+    typed = kind(obj) if not isinstance(kind, type) else kind.from_json(obj)
+    assert typed.to_json() == obj, "%r reads back as %r" % (obj, typed.to_json())
+    return typed
+
+
 class AgentResult:
-    def __init__(self, rc: int, stdout: bytes, stderr: bytes):
+    def __init__(self, rc: int, stdout: bytes, stderr: bytes, args: Sequence[str] = ()):
         self.rc = rc
         self.stdout = stdout
         self.stderr = stderr.decode("utf-8", "replace")
         lines = stdout.splitlines()
         assert len(lines) == 1, "stdout must be exactly one JSON line, got %r (stderr: %s)" % (stdout, self.stderr)
         self.json: Dict[str, Any] = json.loads(lines[0])
+        self.reply = read_as(reply_type(args) if rc == 0 else protocol.ErrorReply, self.json)
 
 
 class FollowStream:
@@ -59,7 +81,7 @@ class FollowStream:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
         self.raw_lines: List[bytes] = []
-        self._queue: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
+        self._queue: "queue.Queue[Any]" = queue.Queue()  # messages, None at the end, or why one was refused
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -67,15 +89,24 @@ class FollowStream:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.raw_lines.append(line)
-            self._queue.put(json.loads(line))
+            message = json.loads(line)
+            try:
+                read_as(protocol.follow_message, message)
+            except (AssertionError, protocol.ProtocolError) as exc:
+                self._queue.put(exc)  # raised by the test's next read
+                return
+            self._queue.put(message)
         self._queue.put(None)
 
     def next(self, timeout: float = 10.0) -> Optional[Dict[str, Any]]:
         """The next message; None once the stream ended."""
         try:
-            return self._queue.get(timeout=timeout)
+            message = self._queue.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError("no follow message within %.1f s" % timeout) from None
+        if isinstance(message, Exception):
+            raise message
+        return message
 
     def until(self, predicate: Callable[[Dict[str, Any]], bool], timeout: float = 10.0) -> List[Dict[str, Any]]:
         """Messages up to and including the first that satisfies `predicate`."""
@@ -135,7 +166,7 @@ class Agent:
             env: Optional[Dict[str, str]] = None) -> AgentResult:
         done = subprocess.run(self.argv(*args), input=stdin if stdin is not None else b"",
                               capture_output=True, timeout=timeout, env=env or self.env)
-        return AgentResult(done.returncode, done.stdout, done.stderr)
+        return AgentResult(done.returncode, done.stdout, done.stderr, args)
 
     def ok(self, *args: str, **kwargs: Any) -> Dict[str, Any]:
         result = self.run(*args, **kwargs)

@@ -1,0 +1,668 @@
+"""The agent's protocol as types: the reply of every verb, every message of the `follow`
+stream, the error object, and the run states (the package docstring lists the verbs and
+their options).
+
+Each type is a frozen dataclass whose fields are the keys of its JSON object, in the order
+the agent writes them. `to_json()` is the object the agent prints; `from_json()` reads one
+strictly: a missing or unknown key, or a value of another type, is a ProtocolError naming
+the reply and the key, so that a CLI and an agent of different releases fail clearly
+instead of misreading each other. A field made with `optional()` is a key the agent
+leaves out rather than writing null.
+
+What the run directory's files hold is passed on as it is, typed Dict[str, Any]: run.json,
+exit.json, errors.jsonl's records and events.jsonl's events are the supervisor's and the
+trainer's formats (docs/layout.md), read by whoever reads those files.
+
+Standard library only, and Python 3.8's: the agent imports it from its release, the CLI
+from its own tree.
+"""
+import dataclasses
+import enum
+from typing import Any, Dict, Optional, Tuple, Type, TypeVar, Union, get_args, get_origin
+
+
+class ProtocolError(ValueError):
+    """A JSON object that is not the type it was read as."""
+
+
+class RunState(str, enum.Enum):
+    """A run's state, its latest attempt's (docs/runs.md "Run states"), derived on the
+    host (dflash_agent/state.py). On the wire: its name."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+    DEGRADED = "DEGRADED"  # alive, and a thread recorded an error
+    STALLED = "STALLED"  # alive, and no progress for stall_after seconds (or stopped by a signal)
+    LOST = "LOST"  # no process left, and nobody recorded how the run ended
+
+    def __str__(self) -> str:
+        return self.value  # f-strings and str() show the name on every Python
+
+    @property
+    def terminal(self) -> bool:
+        """The run ended: no process of it is left (every other state has a live trainer)."""
+        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.STOPPED, RunState.LOST)
+
+
+class ErrorKind(str, enum.Enum):
+    """What an error reply's `kind` says went wrong."""
+
+    USAGE = "usage"  # a bad option or value
+    NOT_FOUND = "not_found"  # no such run, release, checkpoint, artifacts...
+    CONFLICT = "conflict"  # the run or resource is in a state that refuses the request
+    HOST = "host"  # the host was reached but cannot take it: a package, a path, disk space
+    INTERNAL = "internal"  # the agent failed (exit 1; its traceback is on stderr)
+    NOT_DEPLOYED = "not_deployed"  # the CLI's bootstrap found no agent in the release folder
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_OMITTED = "dflash: left out when None"
+M = TypeVar("M", bound="Message")
+
+
+def optional() -> Any:
+    """A field whose key the agent writes only when it has a value (None: left out)."""
+    return dataclasses.field(default=None, metadata={_OMITTED: True})
+
+
+class Message:
+    """The JSON (de)serialisation of every type below."""
+
+    @classmethod
+    def describe(cls) -> str:
+        """How a ProtocolError names what it was reading."""
+        return cls.__name__
+
+    def to_json(self) -> Dict[str, Any]:
+        out = {}  # type: Dict[str, Any]
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.metadata.get(_OMITTED):
+                continue
+            out[field.name] = _dump(value)
+        return out
+
+    @classmethod
+    def from_json(cls: Type[M], obj: Any) -> M:
+        return _read(cls, obj, cls.describe(), "")
+
+
+class Reply(Message):
+    """The one JSON object a verb prints on stdout."""
+
+    VERB = ""
+
+    @classmethod
+    def describe(cls) -> str:
+        return "agent %s reply" % cls.VERB
+
+
+class FollowMessage(Message):
+    """One line of the `follow` stream: {"t": T, ...}."""
+
+    T = ""
+
+    @classmethod
+    def describe(cls) -> str:
+        return "agent follow %r message" % cls.T
+
+    def to_json(self) -> Dict[str, Any]:
+        out = {"t": self.T}  # type: Dict[str, Any]
+        out.update(super().to_json())
+        return out
+
+    @classmethod
+    def from_json(cls: Type[M], obj: Any) -> M:
+        if not isinstance(obj, dict) or obj.get("t") != cls.T:  # type: ignore[attr-defined]
+            raise ProtocolError("%s: expected \"t\": %r, got %r" % (
+                cls.describe(), cls.T, obj.get("t") if isinstance(obj, dict) else obj))  # type: ignore[attr-defined]
+        return _read(cls, {key: value for key, value in obj.items() if key != "t"}, cls.describe(), "")
+
+
+# -- reading and writing -------------------------------------------------------------------
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_json()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_dump(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _dump(item) for key, item in value.items()}
+    return value
+
+
+def _read(cls: Type[M], obj: Any, what: str, path: str) -> M:
+    if not isinstance(obj, dict):
+        raise _problem(what, path, "expected a JSON object, got %s" % _shown(obj))
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(obj) - {field.name for field in fields})
+    if unknown:
+        raise _problem(what, path, "unknown key%s %s" % ("s" * (len(unknown) > 1), ", ".join(map(repr, unknown))))
+    missing = [field.name for field in fields if field.name not in obj and not field.metadata.get(_OMITTED)]
+    if missing:
+        raise _problem(what, path, "missing key%s %s" % ("s" * (len(missing) > 1), ", ".join(map(repr, missing))))
+    return cls(**{field.name: _value(field.type, obj[field.name], what, _key(path, field.name))
+                  for field in fields if field.name in obj})
+
+
+_NONE = type(None)
+
+
+def _value(kind: Any, value: Any, what: str, path: str) -> Any:
+    origin = get_origin(kind)
+    if kind is Any:
+        return value
+    if origin is Union:
+        options = [option for option in get_args(kind) if option is not _NONE]
+        if value is None and len(options) < len(get_args(kind)):
+            return None
+        (only,) = options  # the protocol's unions are Optional[X]
+        return _value(only, value, what, path)
+    if origin is tuple:
+        item = get_args(kind)[0]
+        if not isinstance(value, list):
+            raise _problem(what, path, "expected a list, got %s" % _shown(value))
+        return tuple(_value(item, entry, what, "%s[%d]" % (path, i)) for i, entry in enumerate(value))
+    if origin is dict:
+        item = get_args(kind)[1]
+        if not isinstance(value, dict):
+            raise _problem(what, path, "expected a JSON object, got %s" % _shown(value))
+        return {key: _value(item, entry, what, _key(path, key)) for key, entry in value.items()}
+    if isinstance(kind, type) and issubclass(kind, Message):
+        return _read(kind, value, what, path)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            raise _problem(what, path, "%s is not one of %s" % (_shown(value), ", ".join(m.value for m in kind)))
+    # JSON has one kind of number: a float field may hold an integer; bool is no number.
+    accepted = (int, float) if kind is float else (kind,)
+    if not isinstance(value, accepted) or (isinstance(value, bool) and kind is not bool):
+        raise _problem(what, path, "expected %s, got %s" % (kind.__name__, _shown(value)))
+    return value
+
+
+def _key(path: str, key: str) -> str:
+    return "%s.%s" % (path, key) if path else key
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return "%s %s" % (type(value).__name__, text if len(text) <= 60 else text[:57] + "...")
+
+
+def _problem(what: str, path: str, problem: str) -> ProtocolError:
+    return ProtocolError("%s: %s%s" % (what, path + ": " if path else "", problem))
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ErrorReply(Message):
+    """What any verb prints instead of its reply when it refuses or fails, exiting 2 (1 for
+    kind internal). For `send-file` and `send-compile-artifacts`, whose stdout carries
+    bytes, it is the one line on stderr and stdout stays empty."""
+
+    error: str  # the message, for people
+    kind: ErrorKind
+    hint: Optional[str] = optional()  # what to do instead, shown under the message
+    path: Optional[str] = optional()  # kind host, no space left: the file it could not write
+    resource: Optional[str] = optional()  # a lock conflict: the resource in use...
+    holders: Optional[Tuple[str, ...]] = optional()  # ... and the ids of the runs using it
+    state: Optional[RunState] = optional()  # a refused resume: the run's state
+
+    @classmethod
+    def describe(cls) -> str:
+        return "agent error reply"
+
+
+# -- launch and resume -----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LaunchReply(Reply):
+    """`launch`: the run started detached (dflash_agent/launch.py says how); the reply
+    comes once run.json exists. A launch that fails before that leaves no run directory,
+    no lock, and `current` as it was."""
+
+    VERB = "launch"
+    run_id: str
+    run_dir: str
+    pid: int  # the trainer's
+    pgid: int
+    release_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchCheckReply(Reply):
+    """`launch --check-only`: every check a launch makes passed (the preflight, the run id
+    free, no live holder of a resource unless --force); nothing was created or started.
+    The CLI checks every host of a run this way before it starts any."""
+
+    VERB = "launch"
+    run_id: str
+    checked: bool  # always true
+    release_id: str
+    master_port: Optional[int] = optional()  # with --master-port 0 or absent: a TCP port free here now
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeReply(Reply):
+    """`resume`: the next attempt of an ended run started from a complete checkpoint
+    (dflash_agent/resume.py says when it is refused)."""
+
+    VERB = "resume"
+    run_id: str
+    attempt: int  # the new attempt's number
+    previous_state: RunState
+    step: int  # the checkpoint's step
+    checkpoint: str  # its folder on the host ("rank0" for a rank > 0, which takes rank 0's)
+    pid: int
+    release_id: str  # the release the attempt runs
+    previous_release_id: Optional[str]  # the release the run had
+    release: str  # "run" or "current", as asked
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeCheckReply(Reply):
+    """`resume --check-only`: every check a resume makes passed, the resources' locks
+    included; nothing was started."""
+
+    VERB = "resume"
+    run_id: str
+    checked: bool  # always true
+    attempt: int
+    previous_state: RunState
+    step: int
+    checkpoint: str
+    master_port: Optional[int] = optional()  # with --master-port 0: a TCP port free here now
+
+
+# -- a run's state, report and stacks -------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RunStatus(Message):
+    """One run as `status` sees it: its latest attempt's state and what explains it."""
+
+    run_id: str
+    name: Optional[str]
+    state: RunState
+    # Why a FAILED, LOST or DEGRADED run failed, one line: the latest attempt's first error
+    # record ("EXC_TYPE: message"), else exit.json's error, else the latest supervisor's
+    # last error in agent.log; None otherwise.
+    reason: Optional[str]
+    pid: Optional[int]
+    started_at: Optional[float]
+    ended_at: Optional[float]  # exit.json's, or the trainer's `done` event's when no supervisor was left to write it
+    exit: Optional[Dict[str, Any]]  # exit.json
+    errors: int  # the latest attempt's error records
+    last_heartbeat: Optional[float]
+    release_id: Optional[str]
+    source: Optional[Dict[str, Any]]  # run.json's: where the release came from
+    overrides: Tuple[str, ...]  # the `--set KEY=VALUE` the config was resolved with
+    step: Optional[int]  # the latest attempt's last step
+    startup: Optional[str]  # the start-up phase under way before the first step (its label)
+    startup_elapsed_s: Optional[float]  # how long it has been under way
+    # The latest attempt's first PeerFailed record's detail {peer_rank, peer_exc_type,
+    # peer_message}: this rank stopped for that peer.
+    peer_failure: Optional[Dict[str, Any]]
+    attempt: int
+    attempts: int  # how many
+    resume_step: Optional[int]  # the checkpoint step the latest attempt started from
+    checkpoint_step: Optional[int]  # the newest complete checkpoint's step
+    config: Optional[str] = optional()  # with --config: config.yaml's text as launched
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusReply(Reply):
+    """`status`: one run (--run-id), or every run of the host, newest first."""
+
+    VERB = "status"
+    runs: Tuple[RunStatus, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StopReply(Reply):
+    """`stop`: stop_requested.json written (which also ends a restart policy's
+    restarting), SIGTERM to the trainer's process group, SIGKILL after --grace (and so for
+    an attempt a restart started meanwhile); the reply comes once no process of the group
+    is left and exit.json exists (or no supervisor is left to write it: STOPPED all the
+    same)."""
+
+    VERB = "stop"
+    run_id: str
+    state: RunState
+    killed: bool  # it took SIGKILL
+
+
+@dataclasses.dataclass(frozen=True)
+class StacksReply(Reply):
+    """`stacks`: a header line appended to faulthandler.log, SIGUSR1 to the trainer, whose
+    faulthandler dumps every thread there. Refused (conflict) when the trainer is not
+    running or has no SIGUSR1 handler yet (the default action would kill it)."""
+
+    VERB = "stacks"
+    run_id: str
+    text: str  # the new dump, threads named from threads.json: "Thread 0x… [drafter-1] (most recent call first):"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportReply(Reply):
+    """`report`: everything fetch-traceback needs. Both stack texts have their threads named."""
+
+    VERB = "report"
+    run_id: str
+    state: RunState
+    run: Dict[str, Any]  # run.json
+    exit: Optional[Dict[str, Any]]  # exit.json
+    errors: Tuple[Dict[str, Any], ...]  # every errors.jsonl record; a line that is not JSON as {"raw": text}
+    faulthandler: str  # faulthandler.log's last 4 MiB
+    last_stacks: str  # its newest dump
+    log_tail: str  # the last --log-lines lines of train.log
+    agent_error: Optional[str]  # the latest supervisor's last error in agent.log
+
+
+# -- GPUs and host facts ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Gpu(Message):
+    """One row of nvidia-smi (dflash_agent/gpus.py); a value it does not report is None."""
+
+    index: Optional[int]
+    name: Optional[str]
+    memory_used_mib: Optional[float]
+    memory_total_mib: Optional[float]
+    utilization_pct: Optional[float]
+    temperature_c: Optional[float]
+    power_w: Optional[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class GpusReply(Reply):
+    """`gpus`: no GPU without nvidia-smi."""
+
+    VERB = "gpus"
+    gpus: Tuple[Gpu, ...]
+    problem: Optional[str] = optional()  # nvidia-smi exists but failed
+
+
+@dataclasses.dataclass(frozen=True)
+class HostFacts(Message):
+    """What gpus.py says of a host's Python, packages, GPUs and release."""
+
+    python: str  # its version
+    python_executable: str
+    platform: str
+    hostname: str
+    packages: Dict[str, Optional[str]]  # torch, transformers: the version found, or None
+    gpus: Tuple[Gpu, ...]
+    current_release: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class InfoReply(HostFacts, Reply):
+    """`info`."""
+
+    VERB = "info"
+    boot_id: Optional[str]
+    gpus_problem: Optional[str] = optional()  # as GpusReply's problem
+
+
+@dataclasses.dataclass(frozen=True)
+class HostProbe(HostFacts):
+    """What gpus.py answers run as a script (`dflash hosts --check` sends it with `python
+    -c`): the host's facts and what a child interpreter importing the trainer's packages
+    finds."""
+
+    imports: Dict[str, Any]  # {"torch": version, "transformers": version, "cuda_devices": n}, or {"error": why}
+    gpus_problem: Optional[str] = optional()
+
+    @classmethod
+    def describe(cls) -> str:
+        return "gpus.py's host facts"
+
+
+@dataclasses.dataclass(frozen=True)
+class FitFacts(Message):
+    """What gpus.py --fit-facts answers (`dflash launch` sends it with `python -c` before
+    its deploy): the GPUs and the target model's config.json."""
+
+    gpus: Tuple[Gpu, ...]
+    target: Optional[Dict[str, Any]]  # config.json's fields; None without --model or when not found
+    problem: Optional[str] = optional()  # as GpusReply's problem
+    target_source: Optional[str] = optional()  # the config.json read
+    target_problem: Optional[str] = optional()  # why none was read
+
+    @classmethod
+    def describe(cls) -> str:
+        return "gpus.py --fit-facts answer"
+
+
+# -- pull and compile artifacts ---------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactFile(Message):
+    path: str  # inside its folder, "/"-separated
+    size: int
+    sha256: str  # from the folder's SHA256SUMS, else computed now
+    identity: str  # "dev:inode:size:mtime_ns": what send-file checks before it sends a byte
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactFolder(Message):
+    folder: str  # "export" or "checkpoints/step_000100"
+    files: Tuple[ArtifactFile, ...]  # regular files, sorted by path, SHA256SUMS included
+    hashed_on_host: Tuple[str, ...]  # the paths SHA256SUMS did not list, hashed for this reply
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactsReply(Reply):
+    """`artifacts`: what `dflash pull` fetches, export/ and with --checkpoint the step folder
+    checkpoints/latest names now, each read through one open descriptor of the folder so
+    the listing is of one version even while the trainer replaces it. A run without
+    export/ (or checkpoint) -> not_found, naming the run's state. `send-file` then sends a
+    listed file's bytes."""
+
+    VERB = "artifacts"
+    run_id: str
+    state: RunState
+    folders: Tuple[ArtifactFolder, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileArtifact(Message):
+    """One key's portable compile artifacts, as its manifest (artifacts.json) lists them."""
+
+    key: str
+    facts: Optional[Dict[str, Any]]  # {gpu, torch, triton, cuda, python}: what makes the key
+    size: int
+    sha256: Optional[str]
+    torch: Optional[str]
+    saved_at: Optional[float]
+
+    def manifest(self) -> Dict[str, Any]:
+        """The manifest `receive-compile-artifacts --manifest-json` stores with the bytes."""
+        return {name: value for name, value in self.to_json().items() if name != "key"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileArtifactsReply(Reply):
+    """`compile-artifacts`: the workspace's compile cache (cache/compile/<key>/), sorted by
+    key; a key whose manifest is unreadable or names another size than its artifacts.bin
+    is left out. `send-compile-artifacts` then sends a key's bytes."""
+
+    VERB = "compile-artifacts"
+    cpu: Optional[str]  # /proc/cpuinfo's model name
+    artifacts: Tuple[CompileArtifact, ...]
+    gpus: Tuple[str, ...]  # the host's GPU names
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiveCompileArtifactsReply(Reply):
+    """`receive-compile-artifacts`: the bytes on stdin stored as the key's artifacts, all
+    or nothing, checked against the manifest (usage when its facts do not make the key or
+    the bytes do not match it; conflict when the key's key.json holds other facts)."""
+
+    VERB = "receive-compile-artifacts"
+    key: str
+    size: int
+    sha256: str
+    received: bool  # always true
+
+
+# -- releases -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseFilesReply(Reply):
+    """`release-files`: what `dflash diff` and `runs` compare releases with. Only paths
+    MANIFEST lists (else usage); a release not in releases/ -> not_found."""
+
+    VERB = "release-files"
+    release_id: str
+    manifest: str  # releases/ID/MANIFEST's text
+    files: Dict[str, str]  # path -> base64 of its bytes
+    too_large: Tuple[str, ...]  # paths over 8 MiB, not sent
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfigReply(Reply):
+    """`run-config`."""
+
+    VERB = "run-config"
+    run_id: str
+    config: str  # runs/ID/config.yaml's text
+
+
+@dataclasses.dataclass(frozen=True)
+class RemovedRelease(Message):
+    release_id: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptRelease(Message):
+    release_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GcReply(Reply):
+    """`gc`: releases/<id> folders that are not `current` and that no runs/*/run.json
+    names, beyond the --keep newest (mtime) of them, removed, under .deploy.lock (taken
+    without waiting: a deploy installing -> conflict)."""
+
+    VERB = "gc"
+    removed: Tuple[RemovedRelease, ...]
+    kept: Tuple[KeptRelease, ...]
+    freed_bytes: int
+
+
+# -- the follow stream ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LogMessage(FollowMessage):
+    """train.log's bytes from `offset`, whole lines only (a partial last line is held until
+    it completes, the run ends or the segment ends), batched for up to 1 s; the lines
+    before an error record are sent at once, with it. `data` is utf-8 decoded with
+    surrogateescape: data.encode("utf-8", "surrogateescape") gives the exact bytes, and
+    offset + their length is where the next message starts."""
+
+    T = "log"
+    offset: int
+    data: str
+    inode: Optional[int] = optional()  # in the first message of a stream and of a segment
+    segment: Optional[int] = optional()  # ditto
+
+
+@dataclasses.dataclass(frozen=True)
+class RotatedMessage(FollowMessage):
+    """train.log was cut in place ("truncated": copytruncate, a size below what was read or
+    other bytes than those read before) or another file took its name ("replaced",
+    followed once it has content). Everything of the old content that could be read was
+    sent before this message, up to previous_end; the new content follows from `offset`
+    as segment `segment`."""
+
+    T = "rotated"
+    reason: str  # "truncated" or "replaced"
+    segment: int
+    inode: int
+    offset: int  # 0, or the --tail-lines start
+    previous_end: int
+    # The old content was read to its end (from the old file, or from a copy next to it,
+    # train.log.*, holding the bytes before the read position); false: lines written to
+    # it after its last read may be missing.
+    complete: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorMessage(FollowMessage):
+    """An errors.jsonl record, as soon as its line is complete."""
+
+    T = "error"
+    index: int  # its position in errors.jsonl
+    record: Optional[Dict[str, Any]]  # None for a line that is not JSON...
+    raw: Optional[str] = optional()  # ... which comes as it is
+
+
+@dataclasses.dataclass(frozen=True)
+class EventsMessage(FollowMessage):
+    """events.jsonl's records (every type but heartbeat) of the stretch [offset, next) of
+    the file, whole lines only, batched like the log (up to 1 s or 64 KiB): a resume
+    passes `next` as --events-offset. A stretch of heartbeats alone sends nothing; a line
+    that is not JSON (a write cut by a kill) is skipped."""
+
+    T = "events"
+    offset: int
+    next: int
+    events: Tuple[Dict[str, Any], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuMessage(FollowMessage):
+    """A sample of nvidia-smi every --gpu-interval seconds (none without it)."""
+
+    T = "gpu"
+    ts: float
+    gpus: Tuple[Gpu, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMessage(FollowMessage):
+    """The run's state, at the start and on every change."""
+
+    T = "state"
+    state: RunState
+    ts: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EndMessage(FollowMessage):
+    """The last message: the run is terminal and everything it wrote was sent."""
+
+    T = "end"
+    state: RunState
+    exit: Optional[Dict[str, Any]]  # exit.json
+    attempt: int  # the latest attempt, whose error records the outcome is
+    offset: int  # where the log was sent to...
+    segment: int  # ... in this segment
+
+
+FOLLOW_MESSAGES = {cls.T: cls for cls in (LogMessage, RotatedMessage, ErrorMessage, EventsMessage, GpuMessage,
+                                          StateMessage, EndMessage)}
+
+
+def follow_message(obj: Any) -> Union[FollowMessage, ErrorReply]:
+    """One line of the follow stream, by its "t"; an object without one is the error
+    reply of a follow refused before it streamed (an unknown run)."""
+    if isinstance(obj, dict) and "t" not in obj:
+        return ErrorReply.from_json(obj)
+    kind = obj.get("t") if isinstance(obj, dict) else None
+    if kind not in FOLLOW_MESSAGES:
+        raise ProtocolError("agent follow message: unknown type %s" % _shown(kind if isinstance(obj, dict) else obj))
+    return FOLLOW_MESSAGES[kind].from_json(obj)
