@@ -1,8 +1,9 @@
 """Calling the agent of a host's current release (or of another installed one), through
 its transport.
 
-The agent answers every verb with one JSON object (remote/dflash_agent/__init__.py);
-`follow` streams JSON lines, `send-file` a file's raw bytes. A tiny bootstrap passed
+The agent answers every verb with one JSON object, read here as its type of
+dflash_agent.protocol; `follow` streams JSON lines, each read as its message type,
+`send-file` a file's raw bytes. A tiny bootstrap passed
 with `python -c` expands `~` in the workspace on the host itself (no shell expands it:
 argv is quoted once) and runs remote/agent.py of the release `current` points to, or of
 releases/<id> (launch's, installed but not yet current).
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, TypeVar
+
+from dflash_agent.protocol import (ErrorKind, ErrorReply, FollowMessage, Message, ProtocolError, Reply, RunStatus,
+                                   StatusReply, follow_message)
 
 from .errors import DflashError, ExitCode, UnreachableError
 from .inventory import Host
@@ -52,8 +56,12 @@ PREFER_SETUP_ENV = (
 )
 
 # "host": the host was reached but cannot take the run (a package, a path, disk space).
-_EXIT_FOR_KIND = {"usage": ExitCode.USAGE, "conflict": ExitCode.USAGE, "not_found": ExitCode.USAGE,
-                  "not_deployed": ExitCode.USAGE, "host": ExitCode.USAGE}
+_EXIT_FOR_KIND = {ErrorKind.USAGE: ExitCode.USAGE, ErrorKind.CONFLICT: ExitCode.USAGE,
+                  ErrorKind.NOT_FOUND: ExitCode.USAGE, ErrorKind.NOT_DEPLOYED: ExitCode.USAGE,
+                  ErrorKind.HOST: ExitCode.USAGE, ErrorKind.INTERNAL: ExitCode.UNREACHABLE}
+
+R = TypeVar("R", bound=Reply)
+M = TypeVar("M", bound=Message)
 
 
 class AgentClient:
@@ -77,36 +85,57 @@ class AgentClient:
             exc.args = (exc.message,)
             raise
 
-    def call(self, verb: str, *args: str, stdin: bytes | None = None,
-             timeout: float | None = None) -> dict:
+    def call(self, reply: type[R], *args: str, stdin: bytes | None = None, timeout: float | None = None) -> R:
+        """The verb of `reply` (its VERB) with `args`; its answer read as `reply`, or the
+        agent's refusal raised as a DflashError."""
+        verb = reply.VERB
         with self._naming(verb):
             done = self.transport.run(self.argv(verb, args), stdin=stdin, timeout=timeout)
         check_interpreter(self.host, done)
-        reply = parse_reply(done.stdout)
-        if reply is None:
+        obj = parse_reply(done.stdout)
+        if obj is None:
             stderr = done.stderr.decode(errors="replace").strip()
             raise DflashError(f"host {self.host.name}: agent {verb} gave no answer "
                               f"(exit {done.exit_code}): {stderr[-2000:]}", ExitCode.UNREACHABLE)
-        if "error" in reply:
-            kind = reply.get("kind", "internal")
-            # The agent may say what to do instead (its "hint"), as a refusal of resume does.
-            hint = f"run: dflash deploy {self.host.name}" if kind == "not_deployed" else reply.get("hint")
-            raise DflashError(f"host {self.host.name}: {reply['error']}",
-                              _EXIT_FOR_KIND.get(kind, ExitCode.UNREACHABLE), hint=hint)
-        return reply
+        with self.reading():
+            if "error" in obj:
+                raise self.refusal(ErrorReply.from_json(obj))
+            return reply.from_json(obj)
 
-    def follow(self, *args: str) -> Iterator[dict]:
-        """The agent's follow stream as dicts. UnreachableError if the connection drops."""
+    def run_status(self, run_id: str, *options: str) -> RunStatus:
+        """`status` of one run."""
+        (status,) = self.call(StatusReply, f"--run-id={run_id}", *options).runs
+        return status
+
+    def follow(self, *args: str) -> Iterator[FollowMessage]:
+        """The agent's follow stream, message by message. UnreachableError if the
+        connection drops."""
         with self._naming("follow"):
             for line in self.transport.stream(self.argv("follow", args)):
-                message = parse_reply(line)
-                if message is None:
+                obj = parse_reply(line)
+                if obj is None:
                     raise UnreachableError(f"host {self.host.name}: unreadable follow line {line[:200]!r}")
-                if "error" in message and "t" not in message:
-                    raise DflashError(f"host {self.host.name}: {message['error']}",
-                                      _EXIT_FOR_KIND.get(message.get("kind", ""), ExitCode.UNREACHABLE))
+                with self.reading():
+                    message = follow_message(obj)
+                if isinstance(message, ErrorReply):
+                    raise self.refusal(message)
                 yield message
 
+    def refusal(self, error: ErrorReply) -> DflashError:
+        """The agent's error reply as the error this CLI raises."""
+        # The agent may say what to do instead (its "hint"), as a refusal of resume does.
+        hint = f"run: dflash deploy {self.host.name}" if error.kind == ErrorKind.NOT_DEPLOYED else error.hint
+        return DflashError(f"host {self.host.name}: {error.error}", _EXIT_FOR_KIND[error.kind], hint=hint)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """An answer this CLI cannot read: most likely from the agent of another release."""
+        try:
+            yield
+        except ProtocolError as exc:
+            raise DflashError(f"host {self.host.name}: cannot read its answer: {exc}", ExitCode.UNREACHABLE,
+                              hint=f"the host's release may be another dflash's: dflash deploy {self.host.name} "
+                                   "installs this one's") from exc
 
     def chunks(self, verb: str, *args: str) -> Iterator[bytes]:
         """A verb's raw stdout as it comes (send-file). UnreachableError if the connection
@@ -128,6 +157,15 @@ def check_interpreter(host: Host, done: Completed) -> None:
         raise DflashError(f"host {host.name}: interpreter {host.python!r} not found "
                           f"({done.stderr.decode(errors='replace').strip()})", ExitCode.USAGE,
                           hint=f"set python: in the inventory entry of {host.name}")
+
+
+def read_probe(host: Host, answer: type[M], obj: dict) -> M:
+    """What a probe (a source of this tree sent with `python -c`, dflash_agent/gpus.py)
+    answered, read as its type."""
+    try:
+        return answer.from_json(obj)
+    except ProtocolError as exc:
+        raise DflashError(f"host {host.name}: {exc}", ExitCode.UNREACHABLE) from exc
 
 
 def parse_reply(raw: bytes) -> dict | None:

@@ -9,64 +9,57 @@ import dataclasses
 import hashlib
 import json
 
+from dflash_agent.protocol import CompileArtifact, CompileArtifactsReply, ReceiveCompileArtifactsReply
+
 from . import console
 from .errors import DflashError, ExitCode
 from .session import Session
 
 
 @dataclasses.dataclass(frozen=True)
-class Offer:
-    """One key's artifacts on one host, as its agent listed them."""
-    key: str
-    manifest: dict  # {facts, size, sha256, torch, saved_at}
-
-    @property
-    def facts(self) -> dict:
-        return self.manifest.get("facts") or {}
-
-
-@dataclasses.dataclass(frozen=True)
 class HostCache:
-    """What one host offers, and what code it can run."""
+    """What one host offers (its agent's listing, by key), and what code it can run."""
     host: str
     gpus: tuple[str, ...]
     cpu: str | None
-    offers: dict[str, Offer]  # by key
+    offers: dict[str, CompileArtifact]
 
-    def can_use(self, offer: Offer, source: "HostCache") -> bool:
+    def can_use(self, offer: CompileArtifact, source: "HostCache") -> bool:
         """Code compiled for `offer`'s GPU model runs here: a GPU of that name, or for
         CPU code the sending host's CPU model (Inductor's C++ targets its instruction set)."""
-        gpu = offer.facts.get("gpu")
+        gpu = gpu_of(offer)
         if gpu == "cpu":
             return self.cpu is not None and self.cpu == source.cpu
         return gpu in self.gpus
 
 
+def gpu_of(offer: CompileArtifact) -> str | None:
+    """The GPU model the artifacts were compiled for ("cpu" for CPU code)."""
+    return (offer.facts or {}).get("gpu")
+
+
 def host_cache(session: Session, host_name: str) -> HostCache:
-    reply = session.agent(host_name).call("compile-artifacts")
-    offers = {entry["key"]: Offer(entry["key"], {k: entry.get(k) for k in ("facts", "size", "sha256", "torch",
-                                                                          "saved_at")})
-              for entry in reply.get("artifacts", [])}
-    return HostCache(host_name, tuple(reply.get("gpus") or ()), reply.get("cpu"), offers)
+    reply = session.agent(host_name).call(CompileArtifactsReply)
+    return HostCache(host_name, reply.gpus, reply.cpu, {offer.key: offer for offer in reply.artifacts})
 
 
-def copy_offer(session: Session, source: HostCache, destination: str, offer: Offer) -> None:
+def copy_offer(session: Session, source: HostCache, destination: str, offer: CompileArtifact) -> None:
     """`offer`'s bytes from `source` to `destination`, checked here against the listing's
     sha256 before they are sent on (the receiving agent checks them again)."""
-    size, sha256 = offer.manifest.get("size"), offer.manifest.get("sha256")
+    size, sha256 = offer.size, offer.sha256
     data = b"".join(session.agent(source.host).chunks("send-compile-artifacts", f"--key={offer.key}",
                                                       f"--sha256={sha256}"))
     if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
         raise DflashError(f"compile artifacts for {offer.key} from {source.host}: got {len(data)} bytes of sha256 "
                           f"{hashlib.sha256(data).hexdigest()[:16]}, listed as {size} of {str(sha256)[:16]}",
                           ExitCode.UNREACHABLE)
-    session.agent(destination).call("receive-compile-artifacts", f"--key={offer.key}",
-                                    f"--manifest-json={json.dumps(offer.manifest)}", stdin=data)
+    session.agent(destination).call(ReceiveCompileArtifactsReply, f"--key={offer.key}",
+                                    f"--manifest-json={json.dumps(offer.manifest())}", stdin=data)
     console.say(f"compile artifacts for {offer.key} copied {source.host} → {destination} "
                 f"({size / 1e6:.1f} MB)")
 
 
-def missing(source: HostCache, destination: HostCache) -> list[Offer]:
+def missing(source: HostCache, destination: HostCache) -> list[CompileArtifact]:
     """The offers of `source` whose key `destination` has no artifacts of and can use (a
     host's own artifacts of a key serve it as well as another's: never replaced)."""
     return [offer for key, offer in source.offers.items()
@@ -85,7 +78,7 @@ def seed_hosts(session: Session, host_names: list[str]) -> None:
             console.warn(f"{name}: compile artifacts not listed ({outcome.message}); it compiles on its own")
         else:
             caches[name] = outcome
-    wanted: dict[str, list[tuple[HostCache, Offer]]] = {}
+    wanted: dict[str, list[tuple[HostCache, CompileArtifact]]] = {}
     for name, destination in caches.items():
         sent: set[str] = set()
         for source in caches.values():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import enum
 
+from dflash_agent.protocol import RunState
+
 
 class ExitCode(enum.IntEnum):
     OK = 0
@@ -20,17 +22,17 @@ class ExitCode(enum.IntEnum):
 # docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
 # well (no progress for stall_after seconds), and `dflash stacks` shows where it hangs.
 _EXIT_FOR_STATE = {
-    "STARTING": ExitCode.OK, "RUNNING": ExitCode.OK, "SUCCEEDED": ExitCode.OK,
-    "FAILED": ExitCode.RUN_FAILED, "LOST": ExitCode.RUN_FAILED,
-    "DEGRADED": ExitCode.RUN_FAILED, "STALLED": ExitCode.RUN_FAILED,
-    "STOPPED": ExitCode.STOPPED,
+    RunState.STARTING: ExitCode.OK, RunState.RUNNING: ExitCode.OK, RunState.SUCCEEDED: ExitCode.OK,
+    RunState.FAILED: ExitCode.RUN_FAILED, RunState.LOST: ExitCode.RUN_FAILED,
+    RunState.DEGRADED: ExitCode.RUN_FAILED, RunState.STALLED: ExitCode.RUN_FAILED,
+    RunState.STOPPED: ExitCode.STOPPED,
 }
 
 
-def exit_code_for_state(state: str) -> ExitCode:
-    """The exit code of `status` and `watch` for a run state; a state this CLI does not
-    know is a state it cannot vouch for (3)."""
-    return _EXIT_FOR_STATE.get(state, ExitCode.UNREACHABLE)
+def exit_code_for_state(state: RunState | None) -> ExitCode:
+    """The exit code of `status` and `watch` for a run state; None, a state nobody could
+    tell (a host that could not be asked), is a state this CLI cannot vouch for (3)."""
+    return ExitCode.UNREACHABLE if state is None else _EXIT_FOR_STATE[state]
 
 
 class DflashError(Exception):

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_agent import gpus
+from dflash_agent.protocol import FitFacts, Gpu
 from dflash_train.memory_plan import GIB, DevicePlan, MemoryPlan, TargetShape, estimate, usable_bytes
 from rich.table import Table
 
 from . import console
-from .agent_client import check_interpreter, parse_reply, python_argv
+from .agent_client import check_interpreter, parse_reply, python_argv, read_probe
 from .errors import DflashError, ExitCode
 from .inventory import Host
 from .session import Session
@@ -47,7 +48,7 @@ class HostFit:
 
     host: str
     plan: MemoryPlan | None  # None: not checked, `note` says why
-    gpus: dict[int, dict]  # nvidia-smi's rows by index
+    gpus: dict[int | None, Gpu]  # nvidia-smi's rows by index
     note: str | None = None
 
     def problems(self) -> list[str]:
@@ -62,7 +63,7 @@ class HostFit:
             has = (f"{len(self.gpus)} GPU(s): {', '.join(f'cuda:{i}' for i in sorted(self.gpus))}" if self.gpus
                    else "no GPU (nvidia-smi lists none)")
             return f"{self.host}: {device.device} ({', '.join(device.roles)}) is not there: the host has {has}"
-        usable = usable_bytes(gpu["memory_total_mib"])
+        usable = usable_bytes(gpu.memory_total_mib)
         if device.total <= usable:
             return None
         largest = ", ".join(f"{term.name}{_times(term.count)} {_gib(term.bytes)}" for term in device.largest(3))
@@ -71,7 +72,7 @@ class HostFit:
         fewer = f"put fewer drafters on {device.device} (devices.drafters: {drafters} there)" if drafters > 1 else ""
         change = "; or ".join(part for part in (f"change {knob}" if knob else "", fewer) if part)
         return (f"{self.host}: {device.device} ({', '.join(device.roles)}) needs an estimated {_gib(device.total)}, "
-                f"more than the {_gib(usable)} usable of its {gpu['name']} ({gpu['memory_total_mib']:.0f} MiB); "
+                f"more than the {_gib(usable)} usable of its {gpu.name} ({gpu.memory_total_mib:.0f} MiB); "
                 f"largest terms: {largest}" + (f"; {change}" if change else ""))
 
 
@@ -83,17 +84,17 @@ def _times(count: int) -> str:
     return f" x{count}" if count > 1 else ""
 
 
-def probe(session: Session, host: Host, model: str | None) -> dict:
+def probe(session: Session, host: Host, model: str | None) -> FitFacts:
     """The host's GPUs and, for `model`, the target's config.json (gpus.fit_facts)."""
     args = ["--fit-facts", *([f"--model={model}"] if model is not None else []),
             *(f"--env={key}={value}" for key, value in host.env.items())]
     done = session.transport(host).run(python_argv(host, PROBE, host.workspace, *args), timeout=PROBE_TIMEOUT_S)
     check_interpreter(host, done)
-    facts = parse_reply(done.stdout)
-    if done.exit_code != 0 or facts is None:
+    answer = parse_reply(done.stdout)
+    if done.exit_code != 0 or answer is None:
         raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}) reading its GPUs: "
                           f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
-    return facts
+    return read_probe(host, FitFacts, answer)
 
 
 def assess(session: Session, host: Host, config: TrainConfig, tree_root: Path, world_size: int = 1,
@@ -102,15 +103,15 @@ def assess(session: Session, host: Host, config: TrainConfig, tree_root: Path, w
     local = _local_target(config, tree_root)
     remote_model = None if config.target.tiny is not None or local is not None else config.target.path
     facts = probe(session, host, remote_model)
-    found = {gpu["index"]: gpu for gpu in facts["gpus"]}
-    if facts.get("problem"):
-        return HostFit(host.name, None, found, f"not checked: {facts['problem']}")
-    if any(gpu["memory_total_mib"] is None for gpu in found.values()):
+    found = {gpu.index: gpu for gpu in facts.gpus}
+    if facts.problem:
+        return HostFit(host.name, None, found, f"not checked: {facts.problem}")
+    if any(gpu.memory_total_mib is None for gpu in found.values()):
         return HostFit(host.name, None, found, "not checked: nvidia-smi does not report memory.total")
     if config.target.tiny is not None:
         target = TargetShape.from_tiny(config.target.tiny)
     else:
-        fields, where = local or (facts["target"], facts.get("target_source") or facts.get("target_problem"))
+        fields, where = local or (facts.target, facts.target_source or facts.target_problem)
         if fields is None:
             return HostFit(host.name, None, found, f"not checked: target.path: {where}")
         try:
@@ -143,7 +144,7 @@ def report(fits: list[HostFit]) -> None:
             console.warn(f"{fit.host}: GPU memory {fit.note}")
             continue
         console.say(f"{fit.host}: GPU memory fits (estimated peak of usable): " + ", ".join(
-            f"{device.device} {_gib(device.total)} of {_gib(usable_bytes(fit.gpus[device.index]['memory_total_mib']))}"
+            f"{device.device} {_gib(device.total)} of {_gib(usable_bytes(fit.gpus[device.index].memory_total_mib))}"
             for device in fit.plan.devices))
 
 
@@ -176,8 +177,8 @@ def show(fits: list[HostFit]) -> None:
             if gpu is None:
                 verdict = "no such GPU on the host"
             else:
-                usable = usable_bytes(gpu["memory_total_mib"])
+                usable = usable_bytes(gpu.memory_total_mib)
                 verdict = (f"{'fits' if device.total <= usable else 'DOES NOT FIT'}: {_gib(usable)} usable of "
-                           f"{gpu['name']} ({gpu['memory_total_mib']:.0f} MiB)")
+                           f"{gpu.name} ({gpu.memory_total_mib:.0f} MiB)")
             table.add_row("total", "", f"{device.total / GIB:.2f}", verdict)
             console.human.print(table)

@@ -2,48 +2,79 @@
 each host's, and its root cause among every host's error records."""
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+from dflash_agent.protocol import RunState, RunStatus
 
 # The record of a rank that stopped because another rank failed (the trainers' store
 # watchdog writes it, with detail {peer_rank, peer_exc_type, peer_message}): never the
 # root cause while the failure it reports is on record.
 PEER_FAILED = "PeerFailed"
-# A host whose state could not be read (unreachable): exit 3 unless another host failed.
+# How a state nobody could tell is shown (None: a host that could not be asked): exit 3
+# unless another host failed.
 UNKNOWN = "UNKNOWN"
 # The run's state is the first of these any host is in. FAILED anywhere is the run
 # failed; a stop of one part stops the whole; RUNNING only when every host runs, and
 # SUCCEEDED only when every host succeeded (one still running: the run is).
-_PRECEDENCE = ("FAILED", "LOST", UNKNOWN, "STOPPED", "STALLED", "DEGRADED", "STARTING", "RUNNING", "SUCCEEDED")
+_PRECEDENCE = (RunState.FAILED, RunState.LOST, None, RunState.STOPPED, RunState.STALLED, RunState.DEGRADED,
+               RunState.STARTING, RunState.RUNNING, RunState.SUCCEEDED)
 
 
-def aggregate_state(states: Mapping[str, str | None]) -> str:
+def aggregate_state(states: Mapping[str, RunState | None]) -> RunState | None:
     """The run's state from each host's (None: that host could not be asked)."""
-    present = {state or UNKNOWN for state in states.values()}
-    for state in _PRECEDENCE:
-        if state in present:
-            return state
-    return sorted(present)[0]  # a state this CLI does not know: shown as it is (exit 3)
+    present = set(states.values())
+    return next(state for state in _PRECEDENCE if state in present)
 
 
-# Where a host says its trainer lives: a peer that found it silent is believed over it.
-_LIVE = ("STARTING", "RUNNING", "DEGRADED", "STALLED")
+def state_name(state: RunState | None) -> str:
+    """How a state is shown (None: UNKNOWN)."""
+    return UNKNOWN if state is None else state.value
 
 
-def mark_silent_ranks(statuses: list[dict]) -> list[dict]:
-    """Every host's RunStatus (in rank order, each with "host" and "rank"), with a rank
-    that another found silent (its PeerFailed without the peer's own record: no sign of
-    life for peer_timeout_s, or a collective it broke) STALLED, and "silent" saying who
-    found it so, however alive its own host sees it: it can no longer train with the run."""
-    marked = [dict(s) for s in statuses]
+@dataclasses.dataclass(frozen=True)
+class HostStatus:
+    """One host's part of a run on several hosts, as `status` shows it."""
+
+    host: str
+    rank: int
+    run_id: str
+    status: RunStatus | None  # the host's RunStatus; None: the host could not be asked...
+    error: str | None = None  # ... and why
+    silent: str | None = None  # who found this rank silent: it is STALLED whatever its host says
+
+    @property
+    def state(self) -> RunState | None:
+        if self.status is None:
+            return None
+        return RunState.STALLED if self.silent else self.status.state
+
+    def to_json(self) -> dict[str, Any]:
+        if self.status is None:
+            return {"host": self.host, "rank": self.rank, "run_id": self.run_id, "state": None, "error": self.error}
+        shown = {"host": self.host, "rank": self.rank, **self.status.to_json()}
+        if self.silent:
+            shown.update(state=RunState.STALLED.value, silent=self.silent)
+        return shown
+
+
+def mark_silent_ranks(statuses: list[HostStatus]) -> list[HostStatus]:
+    """Every host's status (in rank order), with a rank that another found silent (its
+    PeerFailed without the peer's own record: no sign of life for peer_timeout_s, or a
+    collective it broke) STALLED, and `silent` saying who found it so, however alive its
+    own host sees it (a peer that found it silent is believed over it): it can no longer
+    train with the run."""
+    marked = list(statuses)
     for witness in statuses:
-        detail = witness.get("peer_failure") or {}
+        detail = (witness.status.peer_failure if witness.status else None) or {}
         rank = detail.get("peer_rank")
         if detail.get("peer_exc_type") or not isinstance(rank, int) or not 0 <= rank < len(marked):
             continue
-        if marked[rank].get("state") in _LIVE:
-            marked[rank].update(state="STALLED", silent=f"{witness['host']} (rank {witness['rank']}) stopped "
-                                                        f"hearing from it: {detail.get('peer_message', '')}")
+        state = marked[rank].state
+        if state is not None and not state.terminal:
+            marked[rank] = dataclasses.replace(marked[rank], silent=f"{witness.host} (rank {witness.rank}) stopped "
+                                                                    f"hearing from it: {detail.get('peer_message', '')}")
     return marked
 
 

@@ -15,6 +15,8 @@ import difflib
 import hashlib
 from pathlib import Path
 
+from dflash_agent.protocol import ReleaseFilesReply
+
 from .errors import DflashError, ExitCode
 from .local_state import write_atomic
 from .release import FileEntry, Release, parse_manifest
@@ -53,8 +55,7 @@ class ReleaseStore:
         """The release's files, from the cache or the host."""
         cached = self.root / "manifests" / release_id
         if not cached.is_file():
-            reply = self.session.agent(host).call("release-files", f"--release-id={release_id}")
-            text = reply["manifest"]
+            text = self.session.agent(host).call(ReleaseFilesReply, f"--release-id={release_id}").manifest
             if hashlib.sha256(text.encode()).hexdigest()[:16] != release_id:
                 raise DflashError(f"host {host}: the MANIFEST of release {release_id} does not hash to its id",
                                   ExitCode.UNREACHABLE)
@@ -75,12 +76,12 @@ class ReleaseStore:
             missing = []
         too_large: set[str] = set()
         if missing:
-            reply = self.session.agent(host).call("release-files", f"--release-id={release_id}",
+            reply = self.session.agent(host).call(ReleaseFilesReply, f"--release-id={release_id}",
                                                   *(f"--path={e.path}" for e in missing))
-            too_large = set(reply["too_large"])
+            too_large = set(reply.too_large)
             for entry in missing:
-                if entry.path in reply["files"]:
-                    self._keep(entry, base64.b64decode(reply["files"][entry.path]), host)
+                if entry.path in reply.files:
+                    self._keep(entry, base64.b64decode(reply.files[entry.path]), host)
         return {e.path: None if e.path in too_large else self._object(e.sha256).read_bytes() for e in entries}
 
     def _keep(self, entry: FileEntry, data: bytes, host: str | None = None) -> None:

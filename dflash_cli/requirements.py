@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from dflash_agent.protocol import HostProbe
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
@@ -56,19 +57,19 @@ def load(root: Path | None = None) -> TrainerRequirements:
     return TrainerRequirements(path, text, by_name)
 
 
-def readiness_problems(facts: dict, requirements: TrainerRequirements) -> list[str]:
+def readiness_problems(facts: HostProbe, requirements: TrainerRequirements) -> list[str]:
     """Why the host's interpreter cannot run the trainer, from the facts its probe
     reported ([] when it can): torch and transformers import in supported versions and
     torch sees every GPU nvidia-smi lists."""
-    imported = facts.get("imports", {})
+    imported = facts.imports
     if "error" in imported:
-        return [f"{facts['python_executable']} cannot import {', '.join(IMPORTED)}: {imported['error']}"]
+        return [f"{facts.python_executable} cannot import {', '.join(IMPORTED)}: {imported['error']}"]
     problems = []
     for name in IMPORTED:
         specifier = requirements.by_name[name].specifier
         if not specifier.contains(imported[name], prereleases=True):
             problems.append(f"{name} {imported[name]} is not {name}{specifier}")
-    listed = len(facts["gpus"])
+    listed = len(facts.gpus)
     if imported["cuda_devices"] != listed:
         problems.append(f"torch sees {imported['cuda_devices']} of the {listed} GPUs nvidia-smi lists "
                         "(a CPU build of torch, or one too new for the driver)")

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dflash_events import EVAL, PROGRESS, STARTUP, STEP, TS, StartupState
 from rich.text import Text
 
+from dflash_agent.protocol import Gpu
+
 
 def clock(seconds: float) -> str:
     """HH:MM:SS (hours past 99 as they are)."""
@@ -17,11 +19,11 @@ class RunProgress:
     """The latest figures of a run; `render` makes the status line of them."""
 
     def __init__(self, gpu_summary):
-        self._gpu_summary = gpu_summary  # list of GPU samples -> one line of text
+        self._gpu_summary = gpu_summary  # the GPUs of a sample -> one line of text
         self.step: dict | None = None  # the latest step event
         self.acceptance: float | None = None
         self.answered: dict | None = None  # the latest progress event of a regenerate job
-        self.gpus: list[dict] = []
+        self.gpus: tuple[Gpu, ...] = ()
         self.starting: str | None = None  # the start-up phase under way (its `started` event), until a step
         self._first: tuple[float, int] | None = None  # (ts, step) of the first step event seen
 

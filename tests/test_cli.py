@@ -125,14 +125,15 @@ def test_watch_without_any_run_is_a_usage_error(tmp_path):
 
 
 def test_gpu_line_is_compact_and_survives_missing_readings():
+    from dflash_agent.protocol import Gpu
     from dflash_cli.commands.watch import gpu_line
 
-    line = gpu_line([
+    line = gpu_line(tuple(map(Gpu.from_json, [
         {"index": 0, "name": "H200", "memory_used_mib": 40960.0, "memory_total_mib": 143771.0,
          "utilization_pct": 97.0, "temperature_c": 61.0, "power_w": 512.4},
         {"index": 1, "name": "H200", "memory_used_mib": None, "memory_total_mib": 143771.0,
          "utilization_pct": None, "temperature_c": None, "power_w": None},
-    ])
+    ])))
     assert line == "gpu0 40.0/140GiB 97% 61C 512W  gpu1 ?/140GiB ?% ?C ?W"
 
 

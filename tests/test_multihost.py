@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from dflash_agent import procfs
+from dflash_agent.protocol import RunState, RunStatus
 from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory
 from dflash_cli.local_state import RunRef, resolve_run, set_latest
-from dflash_cli.multihost import (aggregate_state, blamed_host, blamed_line, in_time_order, mark_silent_ranks,
-                                  peer_failed_line, root_cause)
+from dflash_cli.multihost import (HostStatus, aggregate_state, blamed_host, blamed_line, in_time_order,
+                                  mark_silent_ranks, peer_failed_line, root_cause)
 from dflash_run import dflash, dflash_argv, dflash_env, dflash_in_process
 from support import container_workspace, free_port
 from support.inventory import default_hosts
@@ -107,11 +108,11 @@ def test_a_bad_address_is_refused(tmp_path):
     (["SUCCEEDED", "SUCCEEDED"], "SUCCEEDED"),
     (["STOPPED", "RUNNING"], "STOPPED"),
     (["RUNNING", "DEGRADED"], "DEGRADED"),
-    (["RUNNING", None], "UNKNOWN"),  # a host that could not be asked
+    (["RUNNING", None], None),  # a host that could not be asked: unknown
     (["FAILED", None], "FAILED"),
 ])
 def test_the_run_state_is_the_worst_host_state(states, expected):
-    assert aggregate_state({f"h{i}": s for i, s in enumerate(states)}) == expected
+    assert aggregate_state({f"h{i}": s and RunState(s) for i, s in enumerate(states)}) == expected
 
 
 def record(ts: float, exc_type: str, thread: str = "drafter-0") -> dict:
@@ -162,14 +163,23 @@ def test_a_rank_without_a_record_of_its_own_is_blamed_and_shown_silent():
         "no sign of life from rank 1 for 30s (seen by ct200, rank 0); its trainer was killed by SIGKILL, "
         "with no error record of its own")
     assert blamed_line(hosts, None, ("ct200", gone)).endswith("its trainer still runs, with no error record of its own")
-    rows = [{"host": "ct200", "rank": 0, "state": "FAILED", "peer_failure": gone["detail"]},
-            {"host": "ct202", "rank": 1, "state": "RUNNING", "peer_failure": None}]
+    rows = [host_status("ct200", 0, "FAILED", gone["detail"]), host_status("ct202", 1, "RUNNING", None)]
     marked = mark_silent_ranks(rows)
-    assert [r["state"] for r in marked] == ["FAILED", "STALLED"] and rows[1]["state"] == "RUNNING"
-    assert marked[1]["silent"] == "ct200 (rank 0) stopped hearing from it: no sign of life from rank 1 for 30s"
+    assert [r.state for r in marked] == ["FAILED", "STALLED"] and rows[1].state == "RUNNING"
+    assert marked[1].silent == "ct200 (rank 0) stopped hearing from it: no sign of life from rank 1 for 30s"
+    assert marked[1].to_json()["state"] == "STALLED" and marked[1].to_json()["silent"] == marked[1].silent
     # A peer that failed with a record of its own is not silent; a row that ended stays as it ended.
-    assert mark_silent_ranks([{**rows[0], "peer_failure": failed["detail"]}, rows[1]])[1]["state"] == "RUNNING"
-    assert mark_silent_ranks([rows[0], {**rows[1], "state": "FAILED"}])[1]["state"] == "FAILED"
+    assert mark_silent_ranks([host_status("ct200", 0, "FAILED", failed["detail"]), rows[1]])[1].state == "RUNNING"
+    assert mark_silent_ranks([rows[0], host_status("ct202", 1, "FAILED", None)])[1].state == "FAILED"
+
+
+def host_status(host: str, rank: int, state: str, peer_failure: dict | None) -> HostStatus:
+    """A host's row of a run on several hosts whose status is `state`, naming `peer_failure`."""
+    status = RunStatus(run_id="pair-1", name="pair", state=RunState(state), reason=None, pid=1, started_at=1.0,
+                       ended_at=None, exit=None, errors=0, last_heartbeat=None, release_id=None, source=None,
+                       overrides=(), step=None, startup=None, startup_elapsed_s=None, peer_failure=peer_failure,
+                       attempt=0, attempts=1, resume_step=None, checkpoint_step=None)
+    return HostStatus(host, rank, "pair-1", status)
 
 
 # -- launch on ct200 + ct202 ---------------------------------------------------------------

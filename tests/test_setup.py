@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from dflash_agent.protocol import HostProbe
 from dflash_cli import host_setup, requirements
 from dflash_cli.commands.setup import failed_package
 from dflash_run import REPO, dflash, popen_dflash
@@ -51,8 +52,17 @@ def test_the_package_pip_failed_on_is_named(line, package):
     assert failed_package(["Collecting x", line, "[notice] something else"]) == package
 
 
-FACTS = {"python_executable": "/ws/env/bin/python", "gpus": [{"index": 0}, {"index": 1}],
-         "imports": {"torch": "2.13.0+cu128", "transformers": "5.0.0", "cuda_devices": 2}}
+IMPORTS = {"torch": "2.13.0+cu128", "transformers": "5.0.0", "cuda_devices": 2}
+GPU = {"index": 0, "name": "NVIDIA H200", "memory_used_mib": 0, "memory_total_mib": 143771, "utilization_pct": 0,
+       "temperature_c": 31, "power_w": 75.12}
+
+
+def host_facts(imports: dict) -> HostProbe:
+    """What the probe of a host with two GPUs answers, its imports `imports`."""
+    return HostProbe.from_json({
+        "python": "3.12.3", "python_executable": "/ws/env/bin/python", "platform": "Linux", "hostname": "ct200",
+        "packages": {"torch": "2.13.0+cu128", "transformers": "5.0.0"}, "gpus": [GPU, dict(GPU, index=1)],
+        "current_release": None, "imports": imports})
 
 
 @pytest.mark.parametrize("imports, problem", [
@@ -63,8 +73,7 @@ FACTS = {"python_executable": "/ws/env/bin/python", "gpus": [{"index": 0}, {"ind
     ({"transformers": "4.40.0"}, "transformers 4.40.0 is not transformers>=4.56"),
 ])
 def test_ready_means_supported_versions_that_see_every_gpu(imports, problem):
-    facts = dict(FACTS, imports={**FACTS["imports"], **imports})
-    problems = requirements.readiness_problems(facts, requirements.load(REPO))
+    problems = requirements.readiness_problems(host_facts({**IMPORTS, **imports}), requirements.load(REPO))
     assert problems == ([problem] if problem else [])
 
 

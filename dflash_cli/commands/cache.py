@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import console
-from ..compile_artifacts import copy_offer, host_cache, missing
+from ..compile_artifacts import copy_offer, gpu_of, host_cache, missing
 from ..errors import DflashError, ExitCode
 from ..session import Session
 
@@ -32,7 +32,7 @@ def run(session: Session, source_name: str, destination_names: list[str]) -> Exi
         for key, offer in source.offers.items():
             if offer not in wanted:
                 reason = ("has them already" if key in destination.offers else
-                          f"has no {offer.facts.get('gpu')}" if offer.facts.get("gpu") != "cpu" else
+                          f"has no {gpu_of(offer)}" if gpu_of(offer) != "cpu" else
                           "has another CPU model")
                 console.say(f"compile artifacts for {key} not copied to {name}: it {reason}")
         for offer in wanted:

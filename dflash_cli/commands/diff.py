@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from dflash_agent.protocol import RunConfigReply
+
 from .. import console
 from ..errors import DflashError, ExitCode
 from ..local_state import RunRef, resolve_run
@@ -19,16 +21,12 @@ def parse_run(session: Session, text: str, host: str | None) -> RunRef:
     return resolve_run(session.logs_dir, text, host)
 
 
-def run_status(session: Session, ref: RunRef) -> dict:
-    return session.agent(ref.host).call("status", f"--run-id={ref.run_id}")["runs"][0]
-
-
 def run(session: Session, run_a: str, run_b: str, host: str | None, paths: tuple[str, ...],
         stat: bool, config: bool) -> ExitCode:
     """The unified diff on stdout (or --stat's table); exit 0 whether or not they differ."""
     refs = [parse_run(session, text, host) for text in (run_a, run_b)]
     if config:
-        texts = [session.agent(r.host).call("run-config", f"--run-id={r.run_id}")["config"] for r in refs]
+        texts = [session.agent(r.host).call(RunConfigReply, f"--run-id={r.run_id}").config for r in refs]
         change = FileChange("config.yaml", None, None)
         diffs = [file_diff(change, texts[0].encode("utf-8", "surrogateescape"),
                            texts[1].encode("utf-8", "surrogateescape"),
@@ -37,7 +35,7 @@ def run(session: Session, run_a: str, run_b: str, host: str | None, paths: tuple
     else:
         releases = []
         for ref in refs:
-            release_id = run_status(session, ref).get("release_id")
+            release_id = session.agent(ref.host).run_status(ref.run_id).release_id
             if not release_id:
                 raise DflashError(f"run {ref.run_id} on {ref.host} records no release", ExitCode.USAGE)
             releases.append((ref.host, release_id))

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from dflash_agent.protocol import ReportReply, RunState, StacksReply
 from dflash_agent.state import attempt_errors
 
 from .. import console, diagnosis, multihost
@@ -14,8 +15,8 @@ from ..local_state import RunLogs, RunRef
 from ..session import Session
 
 _THREAD_TAG = re.compile(r"^\S+ \[([^\]]+)\] ")
-# States in which the trainer process lives and can be asked for a stack dump.
-LIVE_STATES = ("STARTING", "RUNNING", "DEGRADED", "STALLED")
+# A run that ended with nobody recording why: what its host knows is shown instead.
+_FAILED = (RunState.FAILED, RunState.LOST)
 
 
 def header(record: dict, ref: RunRef, several_attempts: bool = False) -> str:
@@ -41,24 +42,24 @@ def say_diagnosis(record: dict, ref: RunRef, hosts: tuple[str, ...]) -> None:
         console.say(console.printable(f"diagnosis: {line}"))
 
 
-def render_no_record(report: dict, ref: RunRef, of_its_own: bool = False) -> str:
+def render_no_record(report: ReportReply, ref: RunRef, of_its_own: bool = False) -> str:
     """What is known about a run that died without writing an error record (`of_its_own`:
     none but records of stopping for a peer)."""
     out = [f"==> run {ref.run_id} on {ref.host}: no error record{' of its own' if of_its_own else ''}; "
-           f"state {report.get('state')} <==\n"]
-    exit_info = report.get("exit")
+           f"state {report.state} <==\n"]
+    exit_info = report.exit
     if exit_info:
         out.append(f"process ended: {multihost.ended_by(exit_info)} at {console.utc_time(exit_info.get('ended_at'))}\n")
         out.append("exit.json: " + json.dumps(exit_info, sort_keys=True) + "\n")
     else:
         out.append("exit.json: absent (the supervisor did not record an exit)\n")
-    if report.get("agent_error"):
-        out.append(f"agent.log, the supervisor's last error: {report['agent_error']}\n")
-    fault = (report.get("last_stacks") or "").strip()
+    if report.agent_error:
+        out.append(f"agent.log, the supervisor's last error: {report.agent_error}\n")
+    fault = report.last_stacks.strip()
     if fault:
         out.append("--- faulthandler.log, the last dump ---\n" + fault + "\n")
     by_thread: dict[str, list[str]] = {}
-    for line in (report.get("log_tail") or "").splitlines():
+    for line in report.log_tail.splitlines():
         match = _THREAD_TAG.match(line)
         by_thread.setdefault(match.group(1) if match else "(untagged)", []).append(line)
     for thread, lines in by_thread.items():
@@ -66,30 +67,29 @@ def render_no_record(report: dict, ref: RunRef, of_its_own: bool = False) -> str
     return "".join(out)
 
 
-def render_stacks(session: Session, ref: RunRef, report: dict) -> str | None:
+def render_stacks(session: Session, ref: RunRef, report: ReportReply) -> str | None:
     """Every thread's stack, named, under a one-line header: a fresh dump of a live run
     (the agent's `stacks`: SIGUSR1 to the trainer, whose faulthandler writes even while
     a hung thread holds the GIL), else the last dump in faulthandler.log; None when the
     run ended without leaving one. `report` is the agent's report of the run."""
-    state = report.get("state")
-    if state in LIVE_STATES:
-        reply = session.agent(ref.host).call("stacks", "--run-id", ref.run_id)
-        where, text = "dumped now", reply["text"]
+    state = report.state
+    if not state.terminal:  # the trainer lives: it dumps its stacks now
+        where, text = "dumped now", session.agent(ref.host).call(StacksReply, "--run-id", ref.run_id).text
     else:
-        where, text = "the last dump in faulthandler.log", report.get("last_stacks") or ""
+        where, text = "the last dump in faulthandler.log", report.last_stacks
         if not text.strip():
             return None
     return (f"==> run {ref.run_id} on {ref.host}: stacks of every thread, {where} (state {state}) <==\n"
             + text + ("" if text.endswith("\n") else "\n"))
 
 
-def _reports(session: Session, ref: RunRef) -> dict[str, dict]:
+def _reports(session: Session, ref: RunRef) -> dict[str, ReportReply]:
     """The agent's report of every host of the run, asked in parallel, in rank order. A
     host that cannot be asked is an error for a run on one host; on several, it is
     named and left out, unless no host answers."""
     hosts = [session.host(member.host) for member in ref.members]
     replies = session.on_each_host(hosts, lambda host: session.agent(host.name).call(
-        "report", "--run-id", ref.run_id))
+        ReportReply, "--run-id", ref.run_id))
     reports = {}
     for host in hosts:
         reply = replies[host.name]
@@ -111,9 +111,9 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         raise DflashError("--stacks shows every thread's stack; it does not combine with "
                           "--thread or --all", ExitCode.USAGE)
     reports = _reports(session, ref)
-    every = {host: report.get("errors", []) for host, report in reports.items()}  # file order, attempt after attempt
+    every = {host: list(report.errors) for host, report in reports.items()}  # file order, attempt after attempt
     # The state is the latest attempt's, and so is the root cause; --all shows earlier attempts' too.
-    attempts = {host: int((report.get("run") or {}).get("attempt") or 0) for host, report in reports.items()}
+    attempts = {host: int(report.run.get("attempt") or 0) for host, report in reports.items()}
     latest = {host: attempt_errors(records, attempts[host]) for host, records in every.items()}
     for host, records in every.items():
         logs = RunLogs(session.logs_dir, RunRef(host, ref.run_id))
@@ -128,10 +128,10 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         if not records:
             raise DflashError(f"run {ref.run_id}: no error record from thread {thread!r}",
                               ExitCode.USAGE)
-    state = multihost.aggregate_state({host: report.get("state") for host, report in reports.items()})
+    state = multihost.aggregate_state({host: report.state for host, report in reports.items()})
     code = ExitCode.OK
     diagnosed = None  # the record whose diagnosis follows the output: the latest attempt's root cause shown
-    if stacks or (not records and state in ("STALLED", "STOPPED")):
+    if stacks or (not records and state in (RunState.STALLED, RunState.STOPPED)):
         # A hang records no error: where every thread is (now, or at the last dump) is the
         # diagnosis.
         texts = [render_stacks(session, RunRef(host, ref.run_id), report) for host, report in reports.items()]
@@ -144,7 +144,7 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         if blamed in reports and not all_records:
             console.say(console.printable(
                 f"root cause on {blamed} (rank {ref.hosts.index(blamed)} of {len(ref.hosts)}): "
-                + multihost.blamed_line(ref.hosts, reports[blamed].get("exit"), latest_cause)))
+                + multihost.blamed_line(ref.hosts, reports[blamed].exit, latest_cause)))
             text = render_no_record(reports[blamed], RunRef(blamed, ref.run_id), of_its_own=bool(latest[blamed]))
             code = ExitCode.RUN_FAILED  # as for a run without a record: no traceback says why
         else:
@@ -155,18 +155,18 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
         if all_records:  # and what is known of each host whose latest attempt failed without a record
             text += "".join(render_no_record(report, RunRef(host, ref.run_id), of_its_own=bool(latest[host]))
                             for host, report in reports.items()
-                            if report.get("state") in ("FAILED", "LOST") and (not latest[host] or host == blamed))
+                            if report.state in _FAILED and (not latest[host] or host == blamed))
         diagnosed = latest_cause or cause
-    elif state in ("FAILED", "LOST"):
+    elif state in _FAILED:
         text = "".join(render_no_record(report, RunRef(host, ref.run_id)) for host, report in reports.items()
-                       if report.get("state") in ("FAILED", "LOST"))
+                       if report.state in _FAILED)
         code = ExitCode.RUN_FAILED
     else:
         text = None
     if text is None:
         where = ", ".join(reports)
         console.say(f"run {ref.run_id} on {where}: no error recorded"
-                    f"{' and no stack dump' if stacks or state == 'STOPPED' else ''} (state {state})")
+                    f"{' and no stack dump' if stacks or state == RunState.STOPPED else ''} (state {state})")
         return ExitCode.OK
     if output:
         try:
@@ -181,11 +181,11 @@ def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
     return code
 
 
-def _run_hosts(ref: RunRef, reports: dict[str, dict]) -> tuple[str, ...]:
+def _run_hosts(ref: RunRef, reports: dict[str, ReportReply]) -> tuple[str, ...]:
     """The run's hosts in rank order, also when asked for one host's part (--host): from
     the run.json of a host of a run on several (its `distributed`)."""
     for report in reports.values():
-        hosts = ((report.get("run") or {}).get("distributed") or {}).get("hosts")
+        hosts = (report.run.get("distributed") or {}).get("hosts")
         if hosts:
             return tuple(hosts)
     return ref.hosts

@@ -6,6 +6,8 @@ import json
 from rich.table import Table
 from rich.text import Text
 
+from dflash_agent.protocol import GcReply
+
 from .. import console
 from ..errors import DflashError, ExitCode
 from ..session import Session
@@ -19,7 +21,7 @@ def run(session: Session, host_names: list[str], all_hosts: bool, keep: int, as_
     if not host_names:
         raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
     hosts = [session.host(name) for name in host_names]
-    results = session.on_each_host(hosts, lambda host: session.agent(host.name).call("gc", f"--keep={keep}"))
+    results = session.on_each_host(hosts, lambda host: session.agent(host.name).call(GcReply, f"--keep={keep}"))
     table = Table(title="releases removed", title_justify="left")
     for column in ("host", "removed", "kept", "freed"):
         table.add_column(column)
@@ -29,12 +31,12 @@ def run(session: Session, host_names: list[str], all_hosts: bool, keep: int, as_
             table.add_row(name, Text(f"failed: {outcome.message}", style="red"), "", "")
             continue
         if as_json:
-            console.data(json.dumps({"host": name, **outcome}) + "\n")
-        for removed in outcome["removed"]:
+            console.data(json.dumps({"host": name, **outcome.to_json()}) + "\n")
+        for removed in outcome.removed:
             if not as_json:
-                console.data(f"{name}\t{removed['release_id']}\t{removed['bytes']}\n")
-        table.add_row(name, str(len(outcome["removed"])), str(len(outcome["kept"])),
-                      f"{outcome['freed_bytes'] / (1 << 20):.1f} MiB")
+                console.data(f"{name}\t{removed.release_id}\t{removed.bytes}\n")
+        table.add_row(name, str(len(outcome.removed)), str(len(outcome.kept)),
+                      f"{outcome.freed_bytes / (1 << 20):.1f} MiB")
     console.human.print(table)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     return max((f.exit_code for f in failures), default=ExitCode.OK)

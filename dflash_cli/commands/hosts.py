@@ -2,15 +2,17 @@
 it is ready to train (docs/hosts.md "Host environments")."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from dflash_agent import gpus
+from dflash_agent.protocol import HostProbe
 from rich.table import Table
 from rich.text import Text
 
 from .. import console, requirements
-from ..agent_client import check_interpreter, parse_reply, python_argv
+from ..agent_client import check_interpreter, parse_reply, python_argv, read_probe
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session
@@ -24,21 +26,28 @@ _PROBE = Path(gpus.__file__).read_text()
 PROBE_TIMEOUT_S = gpus.IMPORT_TIMEOUT_S + 60
 
 
-def missing_packages(facts: dict) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class HostCheck:
+    """What `--check` found on a host."""
+    facts: HostProbe
+    release_modified: list[str]  # the current release's files that differ from its MANIFEST
+
+
+def missing_packages(facts: HostProbe) -> list[str]:
     """The trainer's packages the host's interpreter lacks."""
-    return [name for name in gpus.TRAINER_PACKAGES if not facts["packages"].get(name)]
+    return [name for name in gpus.TRAINER_PACKAGES if not facts.packages.get(name)]
 
 
-def check(session: Session, host: Host) -> dict:
+def check(session: Session, host: Host) -> HostCheck:
     done = session.transport(host).run(python_argv(host, _PROBE, host.workspace), timeout=PROBE_TIMEOUT_S)
     check_interpreter(host, done)
-    facts = parse_reply(done.stdout)
-    if done.exit_code != 0 or facts is None:
+    answer = parse_reply(done.stdout)
+    if done.exit_code != 0 or answer is None:
         raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}): "
                           f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
+    facts = read_probe(host, HostProbe, answer)
     # A release edited on the host runs what nobody deployed: say so (deploy repairs it).
-    facts["release_modified"] = deploy.check_host(session, host) if facts.get("current_release") else []
-    return facts
+    return HostCheck(facts, deploy.check_host(session, host) if facts.current_release else [])
 
 
 def _where(host: Host) -> str:
@@ -57,12 +66,12 @@ def _client(host: Host) -> str | None:
         return f"none ({exc.message})"
 
 
-def status(host: Host, facts: dict, needs: requirements.TrainerRequirements) -> str:
+def status(host: Host, found: HostCheck, needs: requirements.TrainerRequirements) -> str:
     """"ok", "needs setup: ..." with the command that fixes it, or "release modified"."""
-    problems = requirements.readiness_problems(facts, needs)
+    problems = requirements.readiness_problems(found.facts, needs)
     if problems:
         return f"needs setup: {'; '.join(problems)}; run: dflash setup {host.name}"
-    if modified := facts["release_modified"]:
+    if modified := found.release_modified:
         return (f"release modified ({len(modified)} files differ: "
                 f"{'; '.join(modified)}; dflash deploy {host.name} repairs it)")
     return "ok"
@@ -91,6 +100,7 @@ def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) 
     needs = requirements.load() if do_check else None
     groups = session.inventory.groups
     results = session.on_each_host(hosts, lambda host: check(session, host)) if do_check else {}
+    statuses: dict[str, str] = {}  # host -> its status with --check, when it answered
     table = Table(title=f"hosts ({session.inventory.source})", title_justify="left")
     for column in ["host", "transport", "where", "workspace"] + (
             ["status", "python", "torch", "transformers", "GPUs", "release"] if do_check else []):
@@ -105,11 +115,11 @@ def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) 
             row += [f"unreachable: {result.message}" if isinstance(result, UnreachableError)
                     else f"error: {result.message}", "", "", "", "", ""]
         elif result is not None:
-            found = ", ".join(f"{g['index']}:{g['name']}" for g in result["gpus"]) or "none"
-            packages = result["packages"]
-            result["status"] = status(host, result, needs)
-            row += [result["status"], result["python"], packages["torch"] or "-", packages["transformers"] or "-",
-                    result.get("gpus_problem", found), result["current_release"] or "-"]
+            facts = result.facts
+            found = ", ".join(f"{g.index}:{g.name}" for g in facts.gpus) or "none"
+            statuses[host.name] = status(host, result, needs)
+            row += [statuses[host.name], facts.python, facts.packages["torch"] or "-",
+                    facts.packages["transformers"] or "-", facts.gpus_problem or found, facts.current_release or "-"]
         table.add_row(*map(Text, row))  # plain text: messages may hold [brackets]
         if as_json:
             entry = {"host": host.name, "transport": host.transport, "where": _where(host),
@@ -120,7 +130,8 @@ def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) 
             if isinstance(result, DflashError):
                 entry["error"] = result.message
             elif result is not None:
-                entry.update(result, missing_packages=missing_packages(result))
+                entry.update(result.facts.to_json(), release_modified=result.release_modified,
+                             status=statuses[host.name], missing_packages=missing_packages(result.facts))
             if verbose and host.ssh:
                 entry["ssh"] = ssh_options(session, host)
             console.data(json.dumps(entry) + "\n")
@@ -136,5 +147,5 @@ def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) 
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     if any(isinstance(f, UnreachableError) for f in failures):
         return ExitCode.UNREACHABLE
-    unfit = [r for r in results.values() if isinstance(r, dict) and r["status"] != "ok"]
+    unfit = [name for name, text in statuses.items() if text != "ok"]
     return ExitCode.USAGE if failures or unfit else ExitCode.OK

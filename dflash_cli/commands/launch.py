@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import dflash_schema
 from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.layout import MAX_RUN_ID
+from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply, StopReply
 
 from .. import console, fit_check
 from ..compile_artifacts import seed_hosts
@@ -82,11 +83,11 @@ def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
     """One line: what this release changed since the newest run on the host, so the same
     patch is not launched twice by mistake (nothing before the host's first run)."""
     try:
-        runs = session.agent(host_name).call("status")["runs"]
+        runs = session.agent(host_name).call(StatusReply).runs
     except DflashError as exc:  # a hint, not a check: the launch's own checks come next
         console.warn(f"{host_name}: cannot compare with the previous run ({exc.message})")
         return
-    previous = next((r for r in runs if r.get("release_id")), None)
+    previous = next((r for r in runs if r.release_id), None)
     if previous is None:
         return
     store = ReleaseStore(session)
@@ -202,12 +203,11 @@ def run(session: Session, host_names: list[str], config_path: Path, name: str | 
     _refuse_unless_fits(session, hosts, config, source_dir)
     source = _deploy(session, hosts, source_dir, allow_large)
     run_id = new_run_id(name)
-    reply = session.agent(host.name).call("launch", *_agent_args(host, config, run_id, name, source, force, overrides),
-                                          stdin=_resolved(config))
-    ref = RunRef(host.name, reply["run_id"])
+    reply = session.agent(host.name).call(LaunchReply, *_agent_args(host, config, run_id, name, source, force,
+                                                                    overrides), stdin=_resolved(config))
+    ref = RunRef(host.name, reply.run_id)
     set_latest(session.logs_dir, ref)
-    console.say(f"{host.name}: started run {ref.run_id} (pid {reply.get('pid')}, "
-                f"release {reply.get('release_id')})")
+    console.say(f"{host.name}: started run {ref.run_id} (pid {reply.pid}, release {reply.release_id})")
     return ref
 
 
@@ -250,25 +250,26 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
     config_bytes = _resolved(config)
     names = [host.name for host in hosts]
 
-    def launch_on(host: Host, port: int, *extra: str) -> dict:
+    def launch_on(host: Host, reply: type[LaunchReply | LaunchCheckReply], port: int, *extra: str):
         layout = [f"--rank={names.index(host.name)}", f"--world-size={len(hosts)}",
                   f"--master-addr={address}", f"--master-port={port}", f"--host-names={','.join(names)}"]
-        return session.agent(host.name).call("launch", *_agent_args(host, config, run_id, name, source, force, overrides,
-                                                          names.index(host.name)),
+        return session.agent(host.name).call(reply, *_agent_args(host, config, run_id, name, source, force, overrides,
+                                                                 names.index(host.name)),
                                              *layout, *extra, stdin=config_bytes)
 
-    checks = session.on_each_host(hosts, lambda host: launch_on(host, master_port or 0, "--check-only"))
+    checks = session.on_each_host(hosts, lambda host: launch_on(host, LaunchCheckReply, master_port or 0,
+                                                                "--check-only"))
     refuse(hosts, checks, "nothing was started on any host")
     seed_hosts(session, names)  # hosts lacking another's compile artifacts get them: they start warm
     # The first host's agent picked a port free there, in the round trip of its check.
-    port = master_port or checks[first.name]["master_port"]
-    started = start_together(session, hosts, run_id, lambda host: launch_on(host, port))
+    port = master_port or checks[first.name].master_port
+    started = start_together(session, hosts, run_id, lambda host: launch_on(host, LaunchReply, port))
     ref = RunRef(first.name, run_id, tuple(names))
     set_latest(session.logs_dir, ref)
     for rank, host in enumerate(hosts):
         reply = started[host.name]
         console.say(f"{host.name}: started run {run_id} as rank {rank} of {len(hosts)} "
-                    f"(pid {reply.get('pid')}, release {reply.get('release_id')})")
+                    f"(pid {reply.pid}, release {reply.release_id})")
     console.say(f"rendezvous at {address}:{port} ({first.name})")
     return ref
 
@@ -281,7 +282,7 @@ def start_together(session: Session, hosts: list[Host], run_id: str, start) -> d
     running = [host for host in hosts if not isinstance(started[host.name], DflashError)]
     if len(running) < len(hosts):
         stopped = session.on_each_host(running, lambda host: session.agent(host.name).call(
-            "stop", f"--run-id={run_id}", f"--grace={ROLLBACK_GRACE_S}", timeout=ROLLBACK_GRACE_S + 60))
+            StopReply, f"--run-id={run_id}", f"--grace={ROLLBACK_GRACE_S}", timeout=ROLLBACK_GRACE_S + 60))
         left = [f"{host}: {outcome.message}" for host, outcome in stopped.items() if isinstance(outcome, DflashError)]
         what = (f"the run was stopped on {', '.join(host.name for host in running)}" if running else
                 "it was started nowhere")

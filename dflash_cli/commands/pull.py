@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from rich.progress import Progress
 
 from dflash_agent.jsonio import fsync_path
+from dflash_agent.protocol import ArtifactsReply, ErrorKind, ErrorReply
 
 from .. import console
 from ..agent_client import AgentClient, parse_reply
@@ -71,20 +72,19 @@ def part_path(local: Path, sha256: str) -> Path:
     return local.with_name(f"{local.name}.{sha256[:16]}{PART_SUFFIX}")
 
 
-def _remote_files(host: str, reply: dict) -> list[tuple[str, list[RemoteFile]]]:
+def _remote_files(host: str, reply: ArtifactsReply) -> list[tuple[str, list[RemoteFile]]]:
     """The listing, each path checked to stay inside its folder: a host names files, it
     does not choose where they are written here."""
     folders = []
-    for entry in reply["folders"]:
+    for entry in reply.folders:
         files = []
-        for item in entry["files"]:
-            path = PurePosixPath(item["path"])
+        for item in entry.files:
+            path = PurePosixPath(item.path)
             if path.is_absolute() or ".." in path.parts or not path.parts:
-                raise DflashError(f"host {host}: refusing the listed path {item['path']!r} "
-                                  f"of {entry['folder']}", ExitCode.UNREACHABLE)
-            files.append(RemoteFile(entry["folder"], path.as_posix(), item["size"], item["sha256"],
-                                    item["identity"]))
-        folders.append((entry["folder"], files))
+                raise DflashError(f"host {host}: refusing the listed path {item.path!r} "
+                                  f"of {entry.folder}", ExitCode.UNREACHABLE)
+            files.append(RemoteFile(entry.folder, path.as_posix(), item.size, item.sha256, item.identity))
+        folders.append((entry.folder, files))
     return folders
 
 
@@ -105,13 +105,13 @@ class Puller:
     def list(self, checkpoint: bool) -> list[tuple[str, list[RemoteFile]]]:
         args = ["--run-id", self.ref.run_id] + (["--checkpoint"] if checkpoint else [])
         try:
-            reply = retry_dropped(lambda: self.agent.call("artifacts", *args), self.retry_for)
+            reply = retry_dropped(lambda: self.agent.call(ArtifactsReply, *args), self.retry_for)
         except DflashError as exc:
             if "invalid choice: 'artifacts'" in exc.message:  # the agent's argparse, before pull existed
                 exc.hint = f"the host's current release predates pull: dflash deploy {self.ref.host}"
             raise
-        if reply.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED", "LOST"):
-            console.say(f"run {self.ref.run_id} is {reply.get('state')}: pulling what it wrote so far")
+        if not reply.state.terminal:
+            console.say(f"run {self.ref.run_id} is {reply.state}: pulling what it wrote so far")
         return _remote_files(self.ref.host, reply)
 
     def is_current(self, local: Path, remote: RemoteFile) -> bool:
@@ -184,12 +184,14 @@ class Puller:
             try:
                 self._send_file(remote, part, have)
             except CommandFailed as exc:
-                reply = parse_reply(exc.stderr)
-                if reply is None:
+                obj = parse_reply(exc.stderr)
+                if obj is None:
                     raise
-                if reply.get("kind") == "conflict":
+                with self.agent.reading():
+                    refusal = ErrorReply.from_json(obj)
+                if refusal.kind == ErrorKind.CONFLICT:
                     return False
-                raise DflashError(f"host {self.ref.host}: {reply.get('error')}", ExitCode.USAGE) from exc
+                raise DflashError(f"host {self.ref.host}: {refusal.error}", ExitCode.USAGE) from exc
             except UnreachableError as exc:
                 # The listing reached the host: anything unreachable now is a drop.
                 if self.bytes_received > before:

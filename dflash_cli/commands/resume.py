@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dflash_agent.gpus import TRAINER_PACKAGES
+from dflash_agent.protocol import ResumeCheckReply, ResumeReply
 
 from .. import console
 from ..errors import DflashError, ExitCode
@@ -18,10 +19,10 @@ def run(session: Session, ref: RunRef, current_release: bool, step: int | None) 
     if ref.multihost:
         return _resume_on_hosts(session, ref, current_release, step)
     host = session.host(ref.host)
-    reply = session.agent(host.name).call("resume", *_agent_args(host, ref, current_release, step))
+    reply = session.agent(host.name).call(ResumeReply, *_agent_args(host, ref, current_release, step))
     set_latest(session.logs_dir, ref)
-    console.say(f"{host.name}: run {ref.run_id} ({reply['previous_state']}) resumed as attempt {reply['attempt']} "
-                f"from its checkpoint at step {reply['step']} (pid {reply['pid']}, {_which_release(reply, current_release)})")
+    console.say(f"{host.name}: run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} "
+                f"from its checkpoint at step {reply.step} (pid {reply.pid}, {_which_release(reply, current_release)})")
     return ExitCode.OK
 
 
@@ -42,43 +43,46 @@ def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step:
     nothing); a start that fails after that stops the parts already started."""
     hosts = [session.host(name) for name in ref.hosts]
 
-    def resume_on(host: Host, at_step: int | None, port: int, *extra: str) -> dict:
+    def resume_args(host: Host, at_step: int | None, port: int) -> list[str]:
         layout = [f"--rank={ref.hosts.index(host.name)}", f"--world-size={len(hosts)}", f"--master-port={port}",
                   f"--host-names={','.join(ref.hosts)}"]
-        return session.agent(host.name).call("resume", *_agent_args(host, ref, current_release, at_step),
-                                             *layout, *extra)
+        return [*_agent_args(host, ref, current_release, at_step), *layout]
+
+    def check_on(host: Host, at_step: int | None) -> ResumeCheckReply:
+        return session.agent(host.name).call(ResumeCheckReply, *resume_args(host, at_step, 0), "--check-only")
 
     first = hosts[0]
     # Rank 0 first: its checkpoint is the step every host resumes from.
-    checks = session.on_each_host(hosts[:1], lambda host: resume_on(host, step, 0, "--check-only"))
+    checks = session.on_each_host(hosts[:1], lambda host: check_on(host, step))
     refuse(hosts[:1], checks, "nothing was started on any host")
-    chosen = checks[first.name]["step"]
-    checks.update(session.on_each_host(hosts[1:], lambda host: resume_on(host, chosen, 0, "--check-only")))
+    chosen = checks[first.name].step
+    checks.update(session.on_each_host(hosts[1:], lambda host: check_on(host, chosen)))
     refuse(hosts, checks, "nothing was started on any host")
-    numbers = {checks[host.name]["attempt"] for host in hosts}
+    numbers = {checks[host.name].attempt for host in hosts}
     if len(numbers) > 1:
         raise DflashError(f"run {ref.run_id}: the hosts' attempts disagree ("
-                          + ", ".join(f"{host.name} would start attempt {checks[host.name]['attempt']}" for host in hosts)
+                          + ", ".join(f"{host.name} would start attempt {checks[host.name].attempt}" for host in hosts)
                           + "): a host's part was resumed or restarted alone; nothing was started on any host",
                           ExitCode.USAGE)
-    port = checks[first.name]["master_port"]
-    started = start_together(session, hosts, ref.run_id, lambda host: resume_on(host, chosen, port))
+    port = checks[first.name].master_port
+    started = start_together(session, hosts, ref.run_id, lambda host: session.agent(host.name).call(
+        ResumeReply, *resume_args(host, chosen, port)))
     set_latest(session.logs_dir, ref)
     reply = started[first.name]
-    console.say(f"run {ref.run_id} ({reply['previous_state']}) resumed as attempt {reply['attempt']} on "
+    console.say(f"run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} on "
                 f"{len(hosts)} hosts from rank 0's checkpoint at step {chosen} "
                 f"({_which_release(reply, current_release)}; rendezvous port {port})")
     for rank, host in enumerate(hosts):
-        console.say(f"{host.name}: rank {rank}, pid {started[host.name]['pid']}")
+        console.say(f"{host.name}: rank {rank}, pid {started[host.name].pid}")
     return ExitCode.OK
 
 
-def _which_release(reply: dict, current_release: bool) -> str:
-    release = reply["release_id"]
+def _which_release(reply: ResumeReply, current_release: bool) -> str:
+    release = reply.release_id
     if not current_release:
         which = "the run's own"
-    elif release == reply.get("previous_release_id"):
+    elif release == reply.previous_release_id:
         which = "the host's current, the same as the run's"
     else:
-        which = f"the host's current; the run had {reply.get('previous_release_id')}"
+        which = f"the host's current; the run had {reply.previous_release_id}"
     return f"release {release}: {which}"

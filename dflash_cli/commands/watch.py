@@ -21,6 +21,8 @@ from rich.live import Live
 from rich.text import Text
 
 from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
+from dflash_agent.protocol import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage,
+                                   LogMessage, ReportReply, RotatedMessage, RunState, StateMessage)
 from dflash_agent.state import attempt_errors
 
 from .. import console, diagnosis, multihost
@@ -35,16 +37,16 @@ from .fetch_traceback import render_no_record, render_record, say_diagnosis
 CURSOR_SAVE_EVERY_S = 0.5
 
 
-def gpu_line(gpus: list[dict]) -> str:
+def gpu_line(gpus: tuple[Gpu, ...]) -> str:
     """One compact line: index, memory used/total, utilisation, temperature, power."""
     def num(value, fmt):
         return "?" if value is None else format(value, fmt)
     parts = []
     for g in gpus:
-        used, total = g.get("memory_used_mib"), g.get("memory_total_mib")
+        used, total = g.memory_used_mib, g.memory_total_mib
         memory = f"{num(used and used / 1024, '.1f')}/{num(total and total / 1024, '.0f')}GiB"
-        parts.append(f"gpu{g.get('index')} {memory} {num(g.get('utilization_pct'), '.0f')}% "
-                     f"{num(g.get('temperature_c'), '.0f')}C {num(g.get('power_w'), '.0f')}W")
+        parts.append(f"gpu{g.index} {memory} {num(g.utilization_pct, '.0f')}% "
+                     f"{num(g.temperature_c, '.0f')}C {num(g.power_w, '.0f')}W")
     return "  ".join(parts)
 
 
@@ -75,7 +77,7 @@ class Watcher:
         self.recent = b""  # the last bytes received before cursor.offset (its fingerprint)
         self.line_open = False  # the log text printed last did not end its line
         self.last_saved = 0.0
-        self.end: dict | None = None
+        self.end: EndMessage | None = None
         self.messages = 0  # handled so far; tells a reconnect that made progress
 
     # -- one connection's worth of messages ---------------------------------------
@@ -96,42 +98,44 @@ class Watcher:
                 return
         raise UnreachableError(f"host {self.ref.host}: follow stream ended before the run did")
 
-    def handle(self, message: dict) -> None:
+    def handle(self, message: FollowMessage) -> None:
         with _PRINTING:
             self._handle(message)
 
-    def _handle(self, message: dict) -> None:
-        kind = message.get("t")
+    def _handle(self, message: FollowMessage) -> None:
         self.messages += 1
         if self.as_json:
-            shown = {**message, "host": self.ref.host} if self.label else message
-            if kind == "error" and message.get("record") is not None:  # a known failure's line, else null
-                shown = {**shown, "diagnosis": diagnosis.diagnose(diagnosis.Failure(
-                    message["record"], self.ref.run_id, self.ref.host, self.hosts))}
+            shown = message.to_json()
+            if self.label:
+                shown["host"] = self.ref.host
+            if isinstance(message, ErrorMessage) and message.record is not None:  # a known failure's line, else null
+                shown["diagnosis"] = diagnosis.diagnose(diagnosis.Failure(
+                    message.record, self.ref.run_id, self.ref.host, self.hosts))
             console.data(json.dumps(shown) + "\n")
-        if kind == "log":
+        if isinstance(message, LogMessage):
             self.on_log(message)
-        elif kind == "rotated":
+        elif isinstance(message, RotatedMessage):
             self.on_rotated(message)
-        elif kind == "error":
+        elif isinstance(message, ErrorMessage):
             self.on_error(message)
-        elif kind == "events":
+        elif isinstance(message, EventsMessage):
             self.on_events(message)
-        elif kind == "gpu" and self.live is not None:
-            self.progress.gpus = message.get("gpus") or []
-        elif kind == "gpu" and not self.as_json and message.get("gpus"):
-            console.human.print(self.label + gpu_line(message["gpus"]), style="dim", markup=False,
+        elif isinstance(message, GpuMessage) and self.live is not None:
+            self.progress.gpus = message.gpus
+        elif isinstance(message, GpuMessage) and not self.as_json and message.gpus:
+            console.human.print(self.label + gpu_line(message.gpus), style="dim", markup=False,
                                 highlight=False)
-        elif kind == "state" and not self.as_json:
-            console.say(f"{self.label}[{self.ref.run_id}] state {message.get('state')}")
-        elif kind == "end":
+        elif isinstance(message, StateMessage) and not self.as_json:
+            console.say(f"{self.label}[{self.ref.run_id}] state {message.state}")
+        elif isinstance(message, EndMessage):
             self.end = message
 
-    def on_log(self, message: dict) -> None:
-        data = message["data"].encode("utf-8", "surrogateescape")
-        start = message["offset"]
+    def on_log(self, message: LogMessage) -> None:
+        data = message.data.encode("utf-8", "surrogateescape")
+        start = message.offset
         end = start + len(data)
-        inode = message.get("inode", self.cursor.inode)  # only a stream's first message names it
+        # Only a stream's and a segment's first message names the file.
+        inode = self.cursor.inode if message.inode is None else message.inode
         if inode != self.cursor.inode or start > self.cursor.offset:
             # A new log file, or --tail skipped ahead: this segment's mirror starts over there.
             self.cursor = dataclasses.replace(self.cursor, inode=inode, offset=start, mirror_start=start,
@@ -141,7 +145,7 @@ class Watcher:
             if self.claim:
                 self.logs.segment_log(self.cursor.segment).unlink(missing_ok=True)
         if not self.as_json:
-            self.show_remote(self._labelled(message["data"]))
+            self.show_remote(self._labelled(message.data))
             self.line_open = not data.endswith(b"\n")
         fresh = data[max(0, self.cursor.offset - start):]  # --tail may resend mirrored bytes
         if fresh:
@@ -163,33 +167,33 @@ class Watcher:
         body = ("\n" + self.label).join(lines[:-1] + ([lines[-1]] if lines[-1] else []))
         return ("" if self.line_open else self.label) + body + ("\n" if not lines[-1] else "")
 
-    def on_rotated(self, message: dict) -> None:
+    def on_rotated(self, message: RotatedMessage) -> None:
         """The host's log was cut or replaced: what the stream sends next is new content,
         and goes to a new mirror file."""
         self._close_mirror()
-        start = message["offset"]
-        self.cursor = dataclasses.replace(self.cursor, segment=message["segment"], inode=message["inode"],
+        start = message.offset
+        self.cursor = dataclasses.replace(self.cursor, segment=message.segment, inode=message.inode,
                                           offset=start, mirror_start=start, fingerprint=None)
         self.recent = b""
         if not self.as_json:
             if self.line_open:  # end the old content's last line: the new one must not continue it
                 self.show_remote("\n")
                 self.line_open = False
-            missing = ("" if message.get("complete") else
-                       f"; lines written to the old file after byte {message.get('previous_end')} "
+            missing = ("" if message.complete else
+                       f"; lines written to the old file after byte {message.previous_end} "
                        "could not be read")
             saved = f", saved as {self.logs.segment_log(self.cursor.segment)}" if self.claim else ""
-            console.say(f"{self.label}[{self.ref.run_id}] train.log was {message.get('reason')} on {self.ref.host}"
+            console.say(f"{self.label}[{self.ref.run_id}] train.log was {message.reason} on {self.ref.host}"
                         f"{missing}: the new content follows from its start{saved}")
         self.save_cursor(force=True)
 
-    def on_error(self, message: dict) -> None:
-        index, record = message["index"], message["record"]
+    def on_error(self, message: ErrorMessage) -> None:
+        index, record = message.index, message.record
         if index < len(self.records):
             return
         if record is None:  # a line of errors.jsonl that is not JSON: show it as it is
             record = {"thread": "?", "phase": "?", "exc_type": "unreadable errors.jsonl line",
-                      "traceback": message.get("raw", "")}
+                      "traceback": message.raw or ""}
         self.records.append(record)
         peer_failed = record.get("exc_type") == multihost.PEER_FAILED
         if not self.as_json and peer_failed:
@@ -208,13 +212,13 @@ class Watcher:
         self.cursor = dataclasses.replace(self.cursor, errors_seen=len(self.records))
         self.save_cursor(force=True)
 
-    def on_events(self, message: dict) -> None:
+    def on_events(self, message: EventsMessage) -> None:
         """The run's events (all but heartbeats) from the cursor's events offset on:
         they feed the status line, and (for the watch that keeps the local state) go
         to events.jsonl and the TensorBoard files, each once."""
-        if message["next"] <= self.cursor.events_offset:
+        if message.next <= self.cursor.events_offset:
             return  # received before (a stream never resends, but a cursor is cheap to trust)
-        events = message["events"]
+        events = list(message.events)
         self.progress.update(events)
         mirrored = self.cursor.events_mirrored
         if self.claim:
@@ -225,7 +229,7 @@ class Watcher:
             self.events_mirror.flush()
             self.board.add(events)
             mirrored += len(data)
-        self.cursor = dataclasses.replace(self.cursor, events_offset=message["next"], events_mirrored=mirrored)
+        self.cursor = dataclasses.replace(self.cursor, events_offset=message.next, events_mirrored=mirrored)
         self.save_cursor(force=False)
 
     def show_remote(self, text: str) -> None:
@@ -278,14 +282,15 @@ class Watcher:
     @property
     def latest_records(self) -> list[dict]:
         """The error records of the attempt that ended (earlier attempts' are history)."""
-        return attempt_errors(self.records, int((self.end or {}).get("attempt") or 0))
+        return attempt_errors(self.records, self.end.attempt if self.end else 0)
 
     def finish(self) -> ExitCode:
         self.stop_status_line()
-        state = self.end.get("state", "LOST")
+        assert self.end is not None  # the stream ended with it
+        state = self.end.state
         code = exit_code_for_state(state)
         if code == ExitCode.RUN_FAILED and not self.latest_records and not self.as_json:
-            report = self.agent.call("report", "--run-id", self.ref.run_id)
+            report = self.agent.call(ReportReply, "--run-id", self.ref.run_id)
             with _PRINTING:
                 console.remote_text(render_no_record(report, self.ref))
         console.say(f"run {self.ref.run_id} on {self.ref.host} ended: {state}")
@@ -369,24 +374,24 @@ def _watch_hosts(session: Session, ref: RunRef, tail: int | None, interval: floa
         console.say(f"\ndetached from {ref.run_id}; it keeps running on {', '.join(ref.hosts)} "
                     "(dflash watch resumes)")
         return ExitCode.INTERRUPTED
-    states = {w.ref.host: (w.end or {}).get("state") for w in watchers}
+    states = {w.ref.host: w.end.state if w.end else None for w in watchers}
     state = multihost.aggregate_state(states)
     cause = multihost.root_cause(multihost.in_time_order({w.ref.host: w.latest_records for w in watchers}))
     if cause is not None and not as_json:
         host, record = cause
         blamed = multihost.blamed_host(cause, ref.hosts)
         if blamed is not None:  # no rank recorded its own failure: the one that died or went silent
-            ends = {w.ref.host: (w.end or {}).get("exit") for w in watchers}
+            ends = {w.ref.host: w.end.exit if w.end else None for w in watchers}
             line = f"root cause on {blamed} (rank {ref.hosts.index(blamed)}): " + multihost.blamed_line(
                 ref.hosts, ends.get(blamed), cause)
         else:
             line = (f"root cause on {host} (rank {ref.hosts.index(host)}): thread {record.get('thread')} "
                     f"{record.get('exc_type')}: {record.get('message', '')}".rstrip())
         console.say(console.printable(line))
-    console.say(f"run {ref.run_id} ended: {state} "
-                f"({', '.join(f'{host} {s or multihost.UNKNOWN}' for host, s in states.items())})")
-    if cause is not None and not as_json and state == "FAILED":
+    console.say(f"run {ref.run_id} ended: {multihost.state_name(state)} "
+                f"({', '.join(f'{host} {multihost.state_name(s)}' for host, s in states.items())})")
+    if cause is not None and not as_json and state == RunState.FAILED:
         say_diagnosis(cause[1], RunRef(cause[0], ref.run_id), ref.hosts)
-    if state == multihost.UNKNOWN:
+    if state is None:
         return max((o.exit_code for o in outcomes.values() if isinstance(o, DflashError)), default=ExitCode.UNREACHABLE)
     return exit_code_for_state(state)
