@@ -7,6 +7,12 @@ sha256 comes from the folder's SHA256SUMS (written by the trainer after the othe
 files), else it is computed here. Each file also carries an `identity` (device, inode,
 size, mtime); `send-file` refuses a file whose identity changed since the listing,
 before sending a byte, so a client resuming at an offset never splices two versions.
+
+`send-file --run-id ID --folder F --path P --identity I [--offset N]` writes F/P's bytes
+from N to its end on stdout, nothing else. Refused before any byte, the error reply the
+one line on stderr: kind "conflict" when the file is gone or its identity is no longer I
+(list again); "usage" for F other than export or checkpoints/<one name>, a P leading out
+of F, or N past the end.
 """
 from __future__ import annotations
 

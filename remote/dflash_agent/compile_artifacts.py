@@ -6,6 +6,13 @@ The trainer (dflash_train/compile_cache.py) writes artifacts.bin and then artifa
 {facts, size, sha256, torch, saved_at} into the key folder; <key> is `compile_key(facts)`,
 defined here (stdlib) so that the agent can check what it receives and the trainer names
 its folders by the same rule.
+
+`send-compile-artifacts --key K --sha256 S` writes key K's artifacts.bin raw on stdout,
+nothing else; refused before any byte, the error reply the one line on stderr: kind
+"not_found" when K has no listed artifacts, "conflict" when their manifest names other
+bytes than S (list again). `receive-compile-artifacts` writes the bytes to a temp file in
+the key folder, fsyncs it, checks it, renames it to artifacts.bin, then writes the
+manifest atomically.
 """
 from __future__ import annotations
 

@@ -1,12 +1,27 @@
 """The `follow` verb: one long-lived stream of JSON lines (log chunks, the run's events,
-error records, GPU samples, state changes) until the run is terminal and everything was
-sent.
+error records, GPU samples, state changes: protocol.FOLLOW_MESSAGES, each flushed as it
+goes) until the run is terminal and everything was sent.
 
 The host does the following so the client never re-tails: it polls with fstat, sends
 whole log lines by byte offset (resumable: offset, inode, segment and the fingerprint of
 the bytes before the offset), follows the log across truncation and replacement (a
 "rotated" line between segments), forwards each errors.jsonl record as soon as its line
-is complete, and ends with an "end" line.
+is complete, and ends with an "end" line. When the reader goes away (EPIPE, or its pipe
+reports an error even while the run is quiet) it exits 0 without a word; the run goes on.
+
+--tail-lines N starts at the last N lines (found by reading backwards from the end, so
+the cost does not depend on the log's size), of the file a resume found or of the new
+one after "rotated"; --errors-seen K skips the records already received;
+--events-offset the events already received.
+
+Resuming: --offset N --inode I --segment K --fingerprint F, F being jsonio.fingerprint
+of the (at most 64) bytes received just before N. The stream goes on at N in segment K
+when the file with inode I (train.log, or renamed to train.log.*) is at least N long and
+holds those bytes there. If not, the content the client stopped in is gone: the rest of
+it is sent from a copy that holds those bytes, if any, then "rotated" to segment K+1 and
+the current train.log from 0. So a reconnect neither replays nor splices: (inode,
+offset) alone cannot tell a log cut and grown back past N from the old one. Segment
+numbers are the client's: a fresh stream starts at --segment.
 """
 from __future__ import annotations
 

@@ -1,5 +1,24 @@
-"""The `launch` verb: claim the run id and its resources, start a detached supervisor,
-return once run.json exists.
+"""The `launch` verb: check what only the host can, claim the run id and its resources,
+start a detached supervisor, return once run.json exists (protocol.LaunchReply).
+
+In order: the preflight (preflight.py), all at once, before anything of the run exists;
+then runs/ID/ is created and the config copied to runs/ID/config.yaml (--config PATH,
+relative to the release root, or "-": stdin); the locks of its resources are taken
+(locks.py: gpu0, gpu1, ... or cpu; a live holder -> kind "conflict" naming every one,
+unless --force); then the supervisor starts (supervisor.py), which writes run.json and
+starts the trainer. The release is --release ID (installed in releases/ID, else kind
+"not_found"), which `current` is switched to just before the supervisor starts and put
+back if it does not start, or without it the one `current` points to now, resolved (a
+run keeps its release when `current` moves on). --source-json (run.json's `source`)
+must name that release as its release_id, else kind "conflict". --override strings are
+recorded in run.json as given; the agent neither reads nor applies them. A launch that
+fails before run.json exists leaves no run directory, no lock and `current` as it was.
+
+One host's part of a run on several hosts (--rank, --world-size, --master-addr
+together): the trainer's environment holds torch.distributed's env:// variables
+(DISTRIBUTED_ENV, overriding --env and the host's own) and run.json `distributed`
+(Distributed.record); without them those variables are removed from it. --check-only
+makes every check above and creates nothing (protocol.LaunchCheckReply).
 
 Detaching matters over SSH and `pct exec`: the channel closes only when every process
 holding its pipes is gone. The supervisor is double-forked into a new session with

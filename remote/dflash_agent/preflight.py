@@ -7,6 +7,15 @@ The CLI validates everything it can locally; the config's paths are host paths a
 the interpreter is the host's, so these checks happen here, before anything of the run
 is created. Every problem names the config key or package and the host path; all of
 them are reported at once, as one AgentError of kind "host".
+
+The checks: at least MIN_FREE_MIB free in the workspace; each --require-module found by
+the trainer's interpreter (run with the trainer's environment); each --require-path
+KIND:KEY=PATH, PATH as the trainer resolves it (~ expanded, relative to the release
+root), KEY the config key it came from, KIND one of: file (an existing file), jsonl (a
+file that is not empty or blank and whose first row is a JSON object with "text" or
+"messages": the training data), checkpoint (a folder holding state.json), model (a
+folder holding config.json or, where no such path exists, a Hugging Face hub id such as
+org/name).
 """
 from __future__ import annotations
 

@@ -293,10 +293,7 @@ class RunStatus(Message):
     run_id: str
     name: Optional[str]
     state: RunState
-    # Why a FAILED, LOST or DEGRADED run failed, one line: the latest attempt's first error
-    # record ("EXC_TYPE: message"), else exit.json's error, else the latest supervisor's
-    # last error in agent.log; None otherwise.
-    reason: Optional[str]
+    reason: Optional[str]  # why a FAILED, LOST or DEGRADED run failed, one line (docs/runs.md "Run states")
     pid: Optional[int]
     started_at: Optional[float]
     ended_at: Optional[float]  # exit.json's, or the trainer's `done` event's when no supervisor was left to write it
@@ -321,7 +318,8 @@ class RunStatus(Message):
 
 @dataclasses.dataclass(frozen=True)
 class StatusReply(Reply):
-    """`status`: one run (--run-id), or every run of the host, newest first."""
+    """`status`: one run (--run-id), or every run of the host, newest first; --config (with
+    --run-id only, else kind usage) adds each RunStatus's config."""
 
     VERB = "status"
     runs: Tuple[RunStatus, ...]
@@ -430,8 +428,11 @@ class HostProbe(HostFacts):
 
 @dataclasses.dataclass(frozen=True)
 class FitFacts(Message):
-    """What gpus.py --fit-facts answers (`dflash launch` sends it with `python -c` before
-    its deploy): the GPUs and the target model's config.json."""
+    """What gpus.py --fit-facts [--model=PATH] [--env=KEY=VALUE]... answers (`dflash
+    launch` sends it with `python -c` before its deploy, docs/fit-check.md):
+    the GPUs and PATH's config.json, PATH an absolute or ~ model folder, or a hub id found
+    in the host's Hugging Face cache (gpus.hub_file), looked up with the --env pairs (the
+    inventory's env) applied, as the trainer gets them."""
 
     gpus: Tuple[Gpu, ...]
     target: Optional[Dict[str, Any]]  # config.json's fields; None without --model or when not found

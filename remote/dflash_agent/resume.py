@@ -2,17 +2,21 @@
 a complete checkpoint of its own, with its config and its release (or the host's current
 one), under the same run id (attempts.py).
 
-Refused, with nothing changed, while the run is live, when it succeeded (unless --step
-names the checkpoint to train again from), when it has no complete checkpoint
-(or not the --step asked for), or when the checkpoint does not fit the config as the
-chosen release's trainer reads it (`python -m dflash_train.resume_check`). The step is
-explicit in the request, so several hosts' runs can be resumed from one common step.
+Refused, with nothing changed, under a per-run lock: kind "conflict" while the run is
+live, when it succeeded (unless --step names the checkpoint to train again from), or
+when the checkpoint does not fit the config as the chosen release's trainer reads it
+(`python -m dflash_train.resume_check`); kind "not_found" when it has no complete
+checkpoint (or not the --step asked for) or its release is gone. The step is explicit in
+the request, so several hosts' runs can be resumed from one common step. What a new
+attempt changes in the run directory: docs/runs.md "Attempts: resume and restart".
 
-A part of a run on several hosts resumes only with its place in the run (`distributed`,
-as launch's options; the CLI's `dflash resume` sends every host's): rank 0 must hold the
-checkpoint at --step and checks that it fits; a host of rank > 0 needs none, its trainer
-takes rank 0's (docs/runs.md "Attempts"). --check-only checks all of
-that and starts nothing; on rank 0 it also picks a free rendezvous port, as launch does.
+A part of a run on several hosts resumes only with its place in the run (--rank and
+--world-size, which must be run.json's `distributed`; --master-addr defaults to the
+launch's; the CLI's `dflash resume` sends every host's): rank 0 must hold the
+checkpoint at --step and checks that it fits; a host of rank > 0 needs --step and no
+checkpoint, its trainer takes rank 0's. --check-only checks all of that and the
+resources' locks and starts nothing (protocol.ResumeCheckReply); on rank 0 it also
+picks a free rendezvous port, as launch does.
 """
 from __future__ import annotations
 

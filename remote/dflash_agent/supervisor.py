@@ -2,6 +2,15 @@
 after it ends, then releases the run's locks. Under the run's restart policy it starts
 the next attempt from the newest checkpoint instead of writing exit.json (attempts.py).
 
+The trainer is forked into a session of its own and runs `python -m dflash_train
+--config runs/ID/config.yaml --run-dir runs/ID` (TrainerPlan.argv) with cwd runs/ID,
+stdout+stderr appended to train.log and the environment launch.trainer_env makes
+(PYTHONPATH=<release>/remote, PYTHONUNBUFFERED, PYTHONDONTWRITEBYTECODE, DFLASH_RUN_ID,
+DFLASH_RELEASE_ID, DFLASH_RELEASE_DIR, DFLASH_WORKSPACE, then the --env pairs) plus
+DFLASH_ATTEMPT; it execs only once run.json is written (docs/layout.md
+lists run.json's and exit.json's fields). An exec that fails writes exit_code 127,
+exec_error says why and train.log holds it.
+
 It runs detached (launch.py daemonizes it): stdin /dev/null, stdout+stderr appended to
 runs/ID/agent.log, no descriptor of the caller left open. Its own failures are lines
 `supervisor[PID]: error: …` there (`log_error`), which `status` shows when nothing else
