@@ -153,7 +153,7 @@ def step_child(args: argparse.Namespace) -> None:
     from dflash_train.compile_policy import configure_compiler, example_inputs
     from dflash_train.config import DataConfig, DrafterConfig
     from dflash_train.cudagraphs import bucket_shapes, build_cudagraph_train_step
-    from dflash_train.train_step import compile_for_shapes, inputs_of_shape, warm_up
+    from dflash_train.step_build import compile_for_shapes, inputs_of_shape, warm_up
 
     shape = {"8b": QWEN3_8B, "micro": MICRO}[args.drafter_shape]
     data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len, token_budget=shape.seq_len,

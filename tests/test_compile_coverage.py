@@ -21,7 +21,7 @@ from dflash_train.config import (DataConfig, DrafterConfig, TinyTargetSpec, load
 from dflash_train.data import BatchPlan, Sample, StoredSamples, anchor_counts, collate, load_samples, micro_batch_shapes
 from dflash_train.objective import NO_TURN, anchor_candidates
 from dflash_train.tiny import _build_tokenizer
-from dflash_train.train_step import BatchShape, StrayCompile, graphs_compiled, inputs_of_shape, shape_of
+from dflash_train.step_build import BatchShape, StrayCompile, graphs_compiled, inputs_of_shape, shape_of
 
 from test_head_loss import objective
 

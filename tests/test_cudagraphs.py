@@ -26,7 +26,7 @@ from dflash_schema import SchemaError
 from dflash_train import cudagraphs
 from dflash_train.compile_policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
                                          configure_compiler, example_inputs, plan_compile)
-from dflash_train.train_step import compile_for_shapes, inputs_of_shape, random_inputs, warm_up
+from dflash_train.step_build import compile_for_shapes, inputs_of_shape, random_inputs, warm_up
 from dflash_train.config import DataConfig, DrafterConfig, load_train_config
 from dflash_train.data import BatchPlan, Sample, collate
 from dflash_train.model import DFlashDrafter, drafter_hf_config

@@ -25,7 +25,7 @@ from dflash_train.faults import FaultInjector
 from dflash_train.objective import DrafterInputs
 from dflash_train.runlog import error_record
 from dflash_train.tiny import ensure_tiny_assets
-from dflash_train.train_step import stray_compile
+from dflash_train.step_build import stray_compile
 
 pytestmark = pytest.mark.timeout(120)
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny-cpu.yaml"

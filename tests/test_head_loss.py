@@ -12,7 +12,7 @@ from dflash_train.config import DrafterConfig
 from dflash_train.head_loss import chunk_rows, head_cross_entropy
 from dflash_train.model import DFlashDrafter, drafter_hf_config
 from dflash_train.objective import DraftObjective, DrafterInputs
-from dflash_train.train_step import random_inputs
+from dflash_train.step_build import random_inputs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -32,7 +32,7 @@ from .config import TrainConfig
 from .cudagraphs import bucket_shapes, build_cudagraph_train_step
 from .devices import canonical
 from .objective import DraftObjective, DrafterInputs
-from .train_step import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
+from .step_build import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
                          inputs_of_shape, is_compile_refusal, random_inputs, shape_of, warm_up)
 
 _BUILD_LOCK = threading.Lock()

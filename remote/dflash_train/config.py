@@ -450,7 +450,7 @@ class TrainConfig:
     # YAML 1.1 reads a bare `off` as false, so false is accepted and means "off".
     compile: CompileMode | bool = "off"
     # cudagraphs: one Inductor compile for every shape bucket (dynamic), or one per bucket
-    # (static: kernels specialized to each size; a longer start-up). train_step.compile_for_shapes.
+    # (static: kernels specialized to each size; a longer start-up). step_build.compile_for_shapes.
     # Unset: static under cudagraphs, dynamic under compile: default (TrainConfig.compiled_shapes).
     compile_shapes: CompileShapes | None = None
     eval: EvalConfig = EvalConfig()

@@ -48,7 +48,7 @@ import torch
 
 from .config import DataConfig, DrafterConfig, blocks_per_row, rows_per_micro_batch
 from .objective import DraftObjective, DrafterInputs
-from .train_step import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
+from .step_build import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
                          compile_for_shapes, inputs_of_shape, shape_of, warm_up)
 
 Strategy = Literal["auto", "whole_step", "upstream"]
@@ -136,7 +136,7 @@ def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs
 
     `example` gives dtypes, feature width and device; `buckets` the shapes to capture
     (default: the example's own); `shapes` whether one compile serves every bucket
-    (dynamic) or each is compiled on its own (static; see train_step.compile_for_shapes).
+    (dynamic) or each is compiled on its own (static; see step_build.compile_for_shapes).
     The returned step pads each batch to the smallest bucket that holds it, replays, and
     leaves the gradients in every parameter's `.grad` (the same tensors every step), like
     the eager step does; its report has each bucket's warm-up and capture time.

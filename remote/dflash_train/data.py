@@ -36,7 +36,7 @@ import transformers
 from .config import DataConfig, DrafterConfig, blocks_per_row, padded_length, rows_per_micro_batch
 from .objective import NO_TURN, anchor_candidates, anchor_seed, block_labels, position_weights, sample_anchors
 from .runlog import say
-from .train_step import BatchShape
+from .step_build import BatchShape
 from .tokstore import StoreWriter, TokenStore, file_sha256, open_or_build, sha256_hex
 
 # jsonl bytes per tokenizing task: about a thousand conversations of the recipe's length,

@@ -25,7 +25,7 @@ import dataclasses
 import torch
 import torch.cuda.comm  # a submodule `import torch` does not load (AttributeError on the H200's torch 2.11)
 
-from .train_step import StepStats
+from .step_build import StepStats
 from .devices import Fence, is_cuda
 from .distributed import Layout, Peers
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .train_step import StepStats, TrainStep
+from .step_build import StepStats, TrainStep
 from .config import TrainConfig
 from .data import HostBatch
 from .devices import Fence, is_cuda

@@ -33,7 +33,7 @@ from .startup_phases import phase
 from .target import FeatureTap, load_target
 from .threads import StopLatch, StoppableQueue
 from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
-from .train_step import BatchShape
+from .step_build import BatchShape
 
 
 @dataclasses.dataclass
