@@ -16,89 +16,18 @@ bounded; every blocking call wakes on the stop event.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import dflash_events
 
 from . import memory_ledger
-from .config import TrainConfig
-from .data import BatchPlan, HostBatch, Sample, collate
-from .devices import Fence, handoff, is_cuda, thread_stream
-from .distributed import Layout, Peers
-from .faults import FaultInjector
-from .gradients import GradientExchange
-from .replica import FeatureBatch, NonFiniteStep, Replica
-from .runlog import EventLog
-from .target import FeatureTap
-from .threads import Rendezvous, StopLatch, StoppableQueue, StopRequested, JobThread
-
-if TYPE_CHECKING:  # schedule.py builds on Run; the pipeline only hands its objects on
-    from .schedule import EvalRequest, Evaluator, OutputSchedule
-
+from .devices import thread_stream
+from .replica import NonFiniteStep, Replica
+from .run_context import Run
+from .schedule import EvalRequest, Evaluator, OutputSchedule
+from .threads import Rendezvous, StoppableQueue, StopRequested, JobThread
 
 READY = "ready"  # the store barrier every rank arrives at once all its drafters are ready
-
-
-class WaitMeter:
-    """Seconds each thread spent blocked (on queues or peers) since the last step report."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waits: dict[str, float] = {}
-
-    def add(self, thread: str, seconds: float) -> None:
-        with self._lock:
-            self._waits[thread] = self._waits.get(thread, 0.0) + seconds
-
-    def take(self) -> dict[str, float]:
-        with self._lock:
-            taken, self._waits = self._waits, {}
-        return {k: round(v, 4) for k, v in sorted(taken.items())}
-
-
-@dataclasses.dataclass
-class Run:
-    """What every part of a run shares: config, data, devices, the stop latch, the
-    gradient exchange. What rank 0 does besides training is schedule.OutputSchedule's."""
-
-    config: TrainConfig
-    run_dir: Path
-    events: EventLog
-    latch: StopLatch
-    faults: FaultInjector
-    samples: Sequence[Sample]  # a data.StoredSamples in a run
-    plan: BatchPlan
-    pad_id: int
-    taps: list[FeatureTap]  # one per target device
-    target_devices: list[str]
-    drafter_devices: list[str]
-    start_step: int
-    exchange: GradientExchange
-    peers: Peers | None = None  # the other processes of the run, if any
-    waits: WaitMeter = dataclasses.field(default_factory=WaitMeter)
-
-    @property
-    def total_steps(self) -> int:
-        return self.plan.total_steps
-
-    @property
-    def layout(self) -> Layout:
-        return self.exchange.layout
-
-    def host_batch(self, step: int, replica: int, micro: int = 0) -> HostBatch:
-        entry = self.plan.entry(step, self.layout.global_index(replica), micro)
-        batch = collate(self.samples, entry, step, replica, self.config.data, self.config.drafter,
-                        self.pad_id, self.config.seed, micro)
-        return batch.pin() if is_cuda(self.target_devices[0]) else batch
-
-    def features(self, target: int, batch: HostBatch) -> FeatureBatch:
-        device, drafter_device = self.target_devices[target], self.drafter_devices[batch.replica]
-        features = self.taps[target].features(batch.input_ids.to(device, non_blocking=True))
-        return FeatureBatch(batch, handoff(features, drafter_device), Fence(device))
 
 
 @dataclasses.dataclass

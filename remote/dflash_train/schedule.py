@@ -19,8 +19,8 @@ from .checkpoint_writer import CheckpointWriter
 from .config import resolved_yaml
 from .devices import is_cuda
 from .model import DFlashDrafter, cpu_weights, export_drafter
-from .pipeline import Run
 from .replica import AppliedStep, Replica
+from .run_context import Run
 from .runlog import EventLog, say
 from .speculative import evaluate
 from .target import FeatureTap

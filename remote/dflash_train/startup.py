@@ -24,9 +24,9 @@ from .distributed import Layout, Peers
 from .faults import FaultInjector
 from .gradients import GradientExchange
 from .model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
-from .pipeline import Run
 from .replica import FrozenTargetWeights, Replica
 from .resume_check import mismatch
+from .run_context import Run
 from .runlog import EventLog, say
 from .schedule import Evaluator, OutputSchedule
 from .startup_phases import phase
