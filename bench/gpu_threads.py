@@ -15,7 +15,8 @@ Parts (each prints a table; all numbers also go to $OUT/gpu_threads-<parts>.json
 
 The drafter, objective and step are the trainer's own (dflash_train); only the data is
 random. Needs CUDA, except `--device cpu`, which runs the eager and compile modes of a
-micro shape to check this script itself.
+micro shape and the threads part's training (eager, two threads against one) to check
+this script itself.
 """
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -37,11 +40,15 @@ from transformers import Qwen3Config
 from dflash_train import cudagraphs
 from dflash_train.compile_policy import build_train_step, configure_compiler
 from dflash_train.config import DrafterConfig
-from dflash_train.devices import Fence, thread_stream
+from dflash_train.devices import Fence, canonical, is_cuda, thread_stream
 from dflash_train.model import DFlashDrafter, drafter_hf_config
 from dflash_train.objective import DraftObjective, DrafterInputs, block_labels, position_weights
 from dflash_train.distributed import Layout
+from dflash_train.faults import FaultInjector
 from dflash_train.gradients import GradientExchange, Posted, step_facts
+from dflash_train.runlog import ErrorLog, ThreadNames
+from dflash_train.threads import Rendezvous, StopLatch
+from dflash_train.training_step import at_rendezvous, training_step
 
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, datasheet (SXM); the MFU denominator
 # bf16 autocast: Inductor's fused kernels round differently than eager's, and 500 steps
@@ -175,12 +182,6 @@ def build_step(mode: str, objective: DraftObjective, example: DrafterInputs):
     raise ValueError(mode)
 
 
-def received(averaged) -> list[torch.Tensor]:
-    """A replica's averaged gradients, once its stream waited for the exchange's copies."""
-    averaged.fence.wait("cuda", averaged.flat)
-    return averaged.grads
-
-
 class Updater:
     """replica.Replica.apply for one replica: clip, AdamW, LR schedule, zero_grad."""
 
@@ -274,57 +275,75 @@ def part_naive(report: dict) -> None:
 # --------------------------------------------------------------------------- threads
 
 
-def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode: str, threaded: bool) -> dict:
-    """`replicas` data-parallel drafters on one GPU, exactly as the pipeline steps them
-    (train step, rendezvous, the lead's GradientExchange, clip, AdamW), fresh data
-    every step."""
-    objectives = [make_objective(shape, frozen, "cuda") for _ in range(replicas)]
-    updaters = [Updater(o) for o in objectives]
-    data = [make_batches(shape, steps, 100 + r, "cuda") for r in range(replicas)]
-    losses: list[list[torch.Tensor]] = [[] for _ in range(replicas)]
-    posted: list = [None] * replicas
-    averaged: list = []
-    exchange = GradientExchange(Layout(local_replicas=replicas), None)
-    errors: list[str] = []
+class BenchReplica:
+    """A drafter as training_step steps it: its train step, the Updater, and the losses it posted."""
 
-    def post(r: int, stats) -> None:
-        grads = [p.grad for p in objectives[r].drafter.parameters()]
-        posted[r] = Posted(grads, step_facts(stats, grads[0].dtype), Fence("cuda"), "cuda:0")
-        losses[r].append(stats.loss)
+    accumulate = 1
+
+    def __init__(self, index: int, replicas: int, objective: DraftObjective, device: str):
+        self.index = self.global_index = index
+        self.layout = Layout(local_replicas=replicas)
+        self.objective, self.device = objective, device
+        self.updater = Updater(objective)
+        self.train_step = None  # built in the thread that steps it
+        self.losses: list[torch.Tensor] = []
+
+    def run_step(self, inputs: DrafterInputs, poison: bool, summed):  # one micro-batch a step
+        return self.train_step(inputs)
+
+    def post(self, stats) -> Posted:
+        grads = [p.grad for p in self.objective.drafter.parameters()]
+        self.losses.append(stats.loss)
+        return Posted(grads, step_facts(stats, grads[0].dtype), Fence(self.device), canonical(self.device))
+
+    def apply(self, averaged, step: int) -> None:
+        averaged.fence.wait(self.device, averaged.flat)  # the exchange's copies are done
+        self.updater.apply(averaged.grads)
+
+
+def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode: str, threaded: bool,
+                   device: str = "cuda") -> dict:
+    """`replicas` data-parallel drafters on one device, stepped by the trainer's
+    training_step (train step, the rendezvous of threads.Rendezvous, the lead's
+    GradientExchange, clip, AdamW), fresh data every step."""
+    drafters = [BenchReplica(r, replicas, make_objective(shape, frozen, device), device) for r in range(replicas)]
+    data = [make_batches(shape, steps, 100 + r, device) for r in range(replicas)]
+    exchange = GradientExchange(Layout(local_replicas=replicas), None)
+    no_faults = FaultInjector(())
+    errors: list[str] = []
+    synchronize = torch.cuda.synchronize if is_cuda(device) else (lambda: None)
 
     started = time.perf_counter()
     if not threaded:
-        train_steps = [build_step(mode, objectives[r], data[r][0]) for r in range(replicas)]
+        for r in range(replicas):
+            drafters[r].train_step = build_step(mode, drafters[r].objective, data[r][0])
         build_s = time.perf_counter() - started
         for step in range(steps):
-            for r in range(replicas):
-                post(r, train_steps[r](data[r][step]))
-            for r, mine in enumerate(exchange.average(list(posted))):
-                updaters[r].apply(received(mine))
+            training_step(drafters, [[data[r][step]] for r in range(replicas)], exchange.average, no_faults,
+                          step + 1, peers=None)
     else:
-        barrier = threading.Barrier(replicas)
         ready = [threading.Event() for _ in range(replicas)]
         build_times = [0.0] * replicas
+        folder = Path(tempfile.mkdtemp(prefix="gpu-threads-"))  # the stop latch's files
+        latch = StopLatch(ErrorLog(folder / "errors.jsonl"), ThreadNames(folder / "threads.json"))
+        rendezvous = Rendezvous(replicas, latch)
 
         def drafter(r: int) -> None:
             try:
-                with thread_stream("cuda"):  # each drafter on a stream of its own, as in the pipeline
+                with thread_stream(device):  # each drafter on a stream of its own, as in the pipeline
                     began = time.perf_counter()
-                    train_step = build_step(mode, objectives[r], data[r][0])
+                    drafters[r].train_step = build_step(mode, drafters[r].objective, data[r][0])
                     build_times[r] = time.perf_counter() - began
                     ready[r].set()
                     for step in range(steps):
-                        post(r, train_step(data[r][step]))
-                        barrier.wait()  # threads.Rendezvous.exchange
-                        if r == 0:
-                            averaged[:] = exchange.average(list(posted))
-                        barrier.wait()
-                        updaters[r].apply(received(averaged[r]))
-                    torch.cuda.current_stream().synchronize()
+                        training_step([drafters[r]], [[data[r][step]]], at_rendezvous(rendezvous, r, exchange.average),
+                                      no_faults, step + 1, peers=None)
+                    if is_cuda(device):
+                        torch.cuda.current_stream().synchronize()
             except BaseException:  # counted and shown in the table
                 errors.append(f"drafter-{r}: {traceback.format_exc()}")
                 ready[r].set()
-                barrier.abort()
+                latch.request_stop(f"drafter-{r} failed")  # the others leave the rendezvous
 
         threads = [threading.Thread(target=drafter, args=(r,), name=f"drafter-{r}") for r in range(replicas)]
         for thread, is_ready in zip(threads, ready):  # the coordinator's ready barrier
@@ -332,10 +351,24 @@ def train_replicas(shape: Shape, frozen: Frozen, replicas: int, steps: int, mode
             is_ready.wait()
         for thread in threads:
             thread.join()
+        shutil.rmtree(folder)
         build_s = sum(build_times)
-    torch.cuda.synchronize()
-    return {"losses": [[float(x) for x in row] for row in losses], "errors": errors,
+    synchronize()
+    return {"losses": [[float(x) for x in d.losses] for d in drafters], "errors": errors,
             "build_s": build_s, "total_s": time.perf_counter() - started}
+
+
+def check_threads_on_cpu(report: dict) -> None:
+    """The threads part's code, eager at the micro shape: two drafter threads must train
+    as the same two drafters one after another do, to the bit."""
+    frozen = Frozen(MICRO, "cpu")
+    alone = train_replicas(MICRO, frozen, 2, 3, "off", threaded=False, device="cpu")
+    threaded = train_replicas(MICRO, frozen, 2, 3, "off", threaded=True, device="cpu")
+    passed = not threaded["errors"] and threaded["losses"] == alone["losses"]
+    report["threads_cpu"] = {"pass": passed, "losses": threaded["losses"], "error_text": threaded["errors"][:2]}
+    print(f"[threads] 2 drafter threads on the CPU train as one thread does: {passed}", flush=True)
+    for text in threaded["errors"][:2]:
+        print(text)
 
 
 def _first_difference(a: list[list[float]], b: list[list[float]]) -> str:
@@ -526,6 +559,7 @@ def main() -> None:
     # Every drafter object compiled in this process is a guard target of the same code.
     configure_compiler("cudagraphs", 16)
     if args.device == "cpu":
+        check_threads_on_cpu(report)
         part_timing(report, MICRO, "cpu", 3, [(m, False) for m in ("off", "default")], deadline)
         return
     report["gpu"] = torch.cuda.get_device_name()

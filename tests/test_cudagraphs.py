@@ -16,7 +16,7 @@ and that the dynamic whole_step compiles once for four buckets and captures each
 from __future__ import annotations
 
 import textwrap
-import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +34,11 @@ from dflash_train import objective as objective_module
 from dflash_train.objective import DraftObjective, DrafterInputs, block_labels, position_weights
 from dflash_train.devices import Fence, thread_stream
 from dflash_train.distributed import Layout
+from dflash_train.faults import FaultInjector
 from dflash_train.gradients import GradientExchange, Posted, step_facts
+from dflash_train.runlog import ErrorLog, ThreadNames
+from dflash_train.threads import JobThread, Rendezvous, StopLatch
+from dflash_train.training_step import at_rendezvous, training_step
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -350,85 +354,93 @@ def _batches(seed: int, steps: int, objective: DraftObjective, device: str) -> l
             for step in range(steps)]
 
 
-def _train(devices: list[str], steps: int, mode: str, threaded: bool) -> list[list[float]]:
-    """One data-parallel drafter per entry of `devices`, gradients averaged every step as
-    the pipeline does (its Fence, thread_stream and GradientExchange, run by replica 0);
-    in threads of their own (threaded) or one after another here."""
+class _Drafter:
+    """A data-parallel drafter as training_step steps it: replica.Replica, minus the
+    checks and the scheduler (plain AdamW), with the losses it posted."""
+
+    accumulate = 1
+
+    def __init__(self, index: int, device: str, replicas: int):
+        self.index = self.global_index = index
+        self.layout = Layout(local_replicas=replicas)
+        self.device = device
+        self.objective = tiny_objective(device, seed=0)
+        self.params = list(self.objective.drafter.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=3e-3)
+        self.train_step = None  # built in the thread that steps it
+        self.losses: list[float] = []
+
+    def run_step(self, inputs: DrafterInputs, poison: bool, summed):  # one micro-batch a step
+        return self.train_step(inputs)
+
+    def post(self, stats) -> Posted:
+        grads = [p.grad for p in self.params]
+        self.losses.append(float(stats.loss))
+        return Posted(grads, step_facts(stats, grads[0].dtype), Fence(self.device), self.device)
+
+    def apply(self, mine, step: int) -> None:
+        mine.fence.wait(self.device, mine.flat)
+        for param, grad in zip(self.params, mine.grads):
+            param.grad = grad
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _train(devices: list[str], steps: int, mode: str, threaded: bool, folder: Path) -> list[list[float]]:
+    """One data-parallel drafter per entry of `devices`, stepped by the trainer's
+    training_step (gradients averaged by its GradientExchange every step); in JobThreads
+    of their own meeting at a threads.Rendezvous (threaded), or all at once here.
+    `folder` takes the stop latch's files."""
     replicas = len(devices)
-    objectives = [tiny_objective(device, seed=0) for device in devices]
-    optimizers = [torch.optim.AdamW(o.drafter.parameters(), lr=3e-3) for o in objectives]
-    data = [_batches(100 + r, steps, objectives[r], devices[r]) for r in range(replicas)]
+    drafters = [_Drafter(r, devices[r], replicas) for r in range(replicas)]
+    data = [_batches(100 + r, steps, drafters[r].objective, devices[r]) for r in range(replicas)]
     buckets = [cudagraphs.BatchShape(2, 24, 8), cudagraphs.BatchShape(2, 40, 8)]
-    losses: list[list[float]] = [[] for _ in range(replicas)]
-    posted: list = [None] * replicas
-    averaged: list = []
     exchange = GradientExchange(Layout(local_replicas=replicas), None)
+    no_faults = FaultInjector(())
 
     def build(r: int):
-        example = example_inputs(objectives[r], 24, FEATURE_LAYERS * HIDDEN, devices[r])
+        example = example_inputs(drafters[r].objective, 24, FEATURE_LAYERS * HIDDEN, devices[r])
         if mode == "eager":
-            return build_train_step("off", objectives[r], example)
-        return cudagraphs.build_cudagraph_train_step(objectives[r], example, buckets, strategy="whole_step")
-
-    def post(r: int, stats) -> None:
-        grads = [p.grad for p in objectives[r].drafter.parameters()]
-        posted[r] = Posted(grads, step_facts(stats, grads[0].dtype), Fence(devices[r]), devices[r])
-        losses[r].append(float(stats.loss))
-
-    def update(r: int, mine) -> None:  # replica.Replica.apply, minus the checks and the scheduler
-        mine.fence.wait(devices[r], mine.flat)
-        params = list(objectives[r].drafter.parameters())
-        for param, grad in zip(params, mine.grads):
-            param.grad = grad
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizers[r].step()
-        optimizers[r].zero_grad(set_to_none=True)
+            return build_train_step("off", drafters[r].objective, example)
+        return cudagraphs.build_cudagraph_train_step(drafters[r].objective, example, buckets, strategy="whole_step")
 
     if not threaded:
-        train_steps = [build(r) for r in range(replicas)]
+        for r in range(replicas):
+            drafters[r].train_step = build(r)
         for step in range(steps):
-            for r in range(replicas):
-                post(r, train_steps[r](data[r][step]))
-            for r, mine in enumerate(exchange.average(list(posted))):
-                update(r, mine)
-        return losses
+            training_step(drafters, [[data[r][step]] for r in range(replicas)], exchange.average, no_faults,
+                          step + 1, peers=None)
+        return [d.losses for d in drafters]
 
-    barrier = threading.Barrier(replicas)
-    ready = [threading.Event() for _ in range(replicas)]
-    errors: list[BaseException] = []
+    latch = StopLatch(ErrorLog(folder / "errors.jsonl"), ThreadNames(folder / "threads.json"))
+    rendezvous = Rendezvous(replicas, latch)
 
-    def drafter(r: int) -> None:
-        try:
+    def body(r: int):
+        def drafter(worker: JobThread) -> None:
             with thread_stream(devices[r]):  # each drafter on a stream of its own, on its GPU
-                train_step = build(r)
-                ready[r].set()
-                for step in range(steps):
-                    post(r, train_step(data[r][step]))
-                    barrier.wait()  # threads.Rendezvous.exchange: everyone posted,
-                    if r == 0:
-                        averaged[:] = exchange.average(list(posted))
-                    barrier.wait()  # the lead averaged
-                    update(r, averaged[r])  # meanwhile a faster replica may replay its next step
-        except BaseException as exc:  # forwarded to the test thread
-            errors.append(exc)
-            ready[r].set()
-            barrier.abort()
+                drafters[r].train_step = build(r)
+                worker.mark_ready()
+                for step in range(steps):  # a faster replica may replay its next step while others apply
+                    training_step([drafters[r]], [[data[r][step]]], at_rendezvous(rendezvous, r, exchange.average),
+                                  no_faults, step + 1, peers=None)
+        return drafter
 
-    threads = [threading.Thread(target=drafter, args=(r,), name=f"drafter-{r}") for r in range(replicas)]
-    for thread, is_ready in zip(threads, ready):  # the coordinator's ready barrier
-        thread.start()
-        is_ready.wait()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return losses
+    workers = [JobThread(f"drafter-{r}", latch, body(r)) for r in range(replicas)]
+    for worker in workers:  # the coordinator's ready barrier
+        worker.start()
+        worker.wait_until_ready(600)
+    for worker in workers:
+        worker.join()
+    if latch.failure is not None:
+        raise latch.failure[1]
+    return [d.losses for d in drafters]
 
 
-def _check_against_eager(devices: list[str], steps: int = 24) -> None:
-    eager = _train(devices, steps, "eager", threaded=False)
-    alone = _train(devices, steps, "cudagraphs", threaded=False)
-    threaded = _train(devices, steps, "cudagraphs", threaded=True)
+def _check_against_eager(devices: list[str], folder: Path, steps: int = 24) -> None:
+    eager = _train(devices, steps, "eager", threaded=False, folder=folder)
+    alone = _train(devices, steps, "cudagraphs", threaded=False, folder=folder)
+    threaded = _train(devices, steps, "cudagraphs", threaded=True, folder=folder)
     for r in range(len(devices)):
         # The same graphs replayed one after another: only reduction order may differ
         # (cuDNN's attention backward is not deterministic), never a buffer's contents.
@@ -442,17 +454,17 @@ def _check_against_eager(devices: list[str], steps: int = 24) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("replicas", [2, 3])
-def test_graphed_drafters_in_threads_train_like_eager(replicas):
-    _check_against_eager(["cuda:0"] * replicas)
+def test_graphed_drafters_in_threads_train_like_eager(replicas, tmp_path):
+    _check_against_eager(["cuda:0"] * replicas, tmp_path)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.timeout(600)
-def test_graphed_drafters_on_two_gpus_capture_and_average_across_devices():
+def test_graphed_drafters_on_two_gpus_capture_and_average_across_devices(tmp_path):
     """One drafter per GPU: each captures on its own device (torch.cuda.graph's default
     capture stream lives on the first capture's device) and gradients cross devices."""
-    _check_against_eager(["cuda:0", "cuda:1"])
+    _check_against_eager(["cuda:0", "cuda:1"], tmp_path)
 
 
 def _same_tokens_other_anchors(base: DrafterInputs, seed: int, real_blocks: int) -> DrafterInputs:

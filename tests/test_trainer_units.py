@@ -368,6 +368,35 @@ def test_speculative_decoding_is_lossless(tiny_assets):
     assert features.shape == (1, len(prompt), 128) and torch.allclose(features, full)
 
 
+def test_an_eval_fault_fires_for_the_evaluation_of_its_step_a_resumed_runs_baseline_included(tiny_assets, tmp_path):
+    """The eval thread and a sequential run's main thread both evaluate through
+    Evaluator.measure: a fault at step:N fires for every evaluation of step N."""
+    from dflash_train.config import FaultSpec
+    from dflash_train.faults import FaultInjector, InjectedFault
+    from dflash_train.model import cpu_weights
+    from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
+    from dflash_train.schedule import EvalRequest, Evaluator
+    from dflash_train.target import FeatureTap, load_target
+    from dflash_train.threads import StopLatch
+
+    target = load_target(str(tiny_assets.target_dir), "float32", "cpu")
+    spec = DrafterConfig(num_layers=1, block_size=4, num_anchors=4)
+    drafter = DFlashDrafter(drafter_hf_config(target.config, spec, (1, 3), mask_token_id=4))
+    events = EventLog(tmp_path / "events.jsonl")
+    latch = StopLatch(ErrorLog(tmp_path / "errors.jsonl"), ThreadNames(tmp_path / "threads.json"))
+    faults = FaultInjector((FaultSpec(thread="eval", at="step:4", kind="raise", depth=2),), attempt=0)
+    evaluator = Evaluator(events, latch, faults, 4, drafter.config, FeatureTap(target, (1, 3)), "cpu",
+                          target.get_input_embeddings().weight, target.get_output_embeddings().weight,
+                          [[2, 6, 20, 30, 40, 3, 2, 7]], set())
+    weights = cpu_weights(drafter)
+    evaluator.measure(EvalRequest(3, weights, baseline=True))  # a run resumed at step 3: its baseline
+    for request in (EvalRequest(4, weights, baseline=True), EvalRequest(4, weights)):
+        with pytest.raises(InjectedFault, match="eval at step 4"):
+            evaluator.measure(request)
+    measured = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["type"], e["step"], e["baseline"]) for e in measured] == [("eval", 3, True)]
+
+
 # --- logging, errors, checkpoints ----------------------------------------------------
 
 def test_line_writer_never_mixes_threads_inside_a_line(tmp_path):
@@ -605,6 +634,81 @@ def test_a_non_finite_loss_names_its_replica_for_every_replica_alike(tmp_path, i
     assert info.value.detail["quantity"] == "loss" and info.value.detail["value"] == "inf"
     assert info.value.detail["losses"] == [1.0, "inf", "nan"] and info.value.detail["nonfinite_grads"] == []
     assert "the loss of drafter-1 is inf" in str(info.value) and "the gradients are finite" in str(info.value)
+
+
+class StepLog:
+    """A replica as training_step steps it (its protocol, no model): what it was asked to
+    do goes to `log`; its apply raises `fails` when given."""
+
+    accumulate = 2
+
+    def __init__(self, index: int, log: list, fails: BaseException | None = None):
+        from dflash_train.distributed import Layout
+
+        self.index = self.global_index = index
+        self.layout = Layout(local_replicas=2)
+        self.log, self.fails = log, fails
+
+    def run_step(self, batch, poison: bool, summed):
+        self.log.append(("run", batch, poison))
+        return (summed or 0) + 1
+
+    def post(self, summed):
+        self.log.append(("post", self.index, summed))
+        return self.index
+
+    def apply(self, averaged, step: int):
+        if self.fails is not None:
+            raise self.fails
+        self.log.append(("apply", self.index, averaged, step))
+        return f"applied by {self.index}"
+
+
+def test_a_step_runs_each_micro_batch_in_turn_and_takes_a_drafters_faults_at_its_first():
+    from dflash_train.config import FaultSpec
+    from dflash_train.faults import FaultInjector, InjectedFault
+    from dflash_train.training_step import training_step
+
+    faults = FaultInjector((FaultSpec(thread="drafter-1", at="step:3", kind="nonfinite"),
+                            FaultSpec(thread="drafter-1", at="step:4", kind="raise", depth=2)), attempt=0)
+    log: list = []
+    replicas = [StepLog(0, log), StepLog(1, log)]
+
+    def exchange(posted):
+        log.append(("exchange", posted))
+        return [sum(posted)] * len(posted)
+
+    batches = [["a0", "a1"], ["b0", "b1"]]
+    assert training_step(replicas, batches, exchange, faults, 3, peers=None) == "applied by 0"
+    # drafter-1's step 3 is poisoned, every micro-batch of it; the average comes once all posted
+    assert log == [("run", "a0", False), ("run", "b0", True), ("run", "a1", False), ("run", "b1", True),
+                   ("post", 0, 2), ("post", 1, 2), ("exchange", [0, 1]), ("apply", 0, 1, 3), ("apply", 1, 1, 3)]
+    log.clear()
+    with pytest.raises(InjectedFault, match="drafter-1 at step 4"):
+        training_step(replicas, batches, exchange, faults, 4, peers=None)
+    assert log == [("run", "a0", False)]  # drafter-1's fault comes before its first micro-batch
+
+
+@pytest.mark.parametrize("stepped, raised", [([0, 1], "NonFiniteStep"), ([1], "NonFiniteStep"),
+                                             ([0], "StopRequested")])
+def test_a_non_finite_step_is_raised_where_its_reporter_is_stepped_and_stops_the_others(stepped, raised):
+    from dflash_train.faults import FaultInjector
+    from dflash_train.replica import NonFiniteStep
+    from dflash_train.threads import StopRequested
+    from dflash_train.training_step import training_step
+
+    found = NonFiniteStep("step 2: the loss of drafter-1 is nan", 1, {"quantity": "loss", "value": "nan"})
+    log: list = []
+    replicas = [StepLog(index, log, fails=found) for index in stepped]
+    with pytest.raises((NonFiniteStep, StopRequested)) as info:
+        training_step(replicas, [["x", "y"]] * len(replicas), lambda posted: posted, FaultInjector((), attempt=0), 2,
+                      peers=None)
+    assert type(info.value).__name__ == raised
+    if raised == "StopRequested":  # no record of its own: drafter-1's thread records the step
+        assert str(info.value) == "drafter-1 found a non-finite step"
+    else:
+        assert info.value is found
+    assert [entry for entry in log if entry[0] == "apply"] == []
 
 
 def test_error_record_carries_the_detail_of_its_root_cause():

@@ -29,12 +29,13 @@ from .devices import is_cuda
 from .distributed import PeerFailed, Peers, join
 from .model import NonFiniteWeights
 from .pipeline import READY, Channels, drafter_body, eval_body, prefetch_body, target_body
-from .replica import NonFiniteStep, Replica, ReplicasDiverged, verify_replicas_identical
+from .replica import Replica, ReplicasDiverged, verify_replicas_identical
 from .runlog import EventLog, dump_header, emit_done, say
 from .schedule import EvalRequest, OutputSchedule
 from .startup import Prepared, prepare
 from .startup_phases import phase
 from .threads import JobControl, Rendezvous, StopLatch, StopRequested, StoppableQueue, JobThread
+from .training_step import training_step
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -245,11 +246,10 @@ class Coordinator(JobControl):
         """The same work in the main thread, one part after another (for comparison)."""
         run, faults = prepared.run, prepared.run.faults
         schedule = self.schedule = prepared.output_schedule([])
-        drafters, targets = len(run.drafter_devices), len(run.target_devices)
-        for name in self.config.thread_names()[1:]:
+        for name in self.config.thread_names()[1:]:  # every thread's start-up faults, in the one thread there is
             faults.fire(name)
         self._configure_compiler()
-        replicas = [self._start_replica(index) for index in range(drafters)]
+        replicas = [self._start_replica(index) for index in range(len(run.drafter_devices))]
         forbid_compiles()
         if self.peers is not None:
             self.peers.arrive(READY)
@@ -258,8 +258,6 @@ class Coordinator(JobControl):
         def evaluate(request: EvalRequest) -> None:
             if request.final:
                 self._set_phase("eval")
-            if not request.baseline:
-                faults.fire("eval", request.step)
             prepared.evaluator.measure(request)
 
         schedule.before_training(replicas[0], evaluate)
@@ -270,27 +268,8 @@ class Coordinator(JobControl):
             self.poll()
             self.latch.check()
             faults.fire("prefetch", step)
-            stats: list = [None] * drafters
-            poisons = [False] * drafters
-            for micro in range(run.plan.accumulate):
-                for replica in replicas:
-                    batch = run.host_batch(step, replica.index, micro)
-                    if micro == 0:
-                        faults.fire(f"target-{replica.index % targets}", step)
-                    features = run.features(replica.index % targets, batch)
-                    if micro == 0:
-                        faults.fire(f"drafter-{replica.index}", step)
-                        poisons[replica.index] = faults.poisons(f"drafter-{replica.index}", step)
-                    stats[replica.index] = replica.run_step(features, poisons[replica.index], stats[replica.index])
-            averaged = run.exchange.average([replica.post(s) for replica, s in zip(replicas, stats)])
-            try:  # a non-finite step fails in the first, before any replica applied it
-                for replica, mean in zip(replicas, averaged):
-                    applied = replica.apply(mean, step)
-            except NonFiniteStep as exc:
-                reporter_rank = exc.reporter // len(replicas)
-                if self.peers is not None and reporter_rank != self.peers.rank:  # that rank records the root cause
-                    raise self.peers.peer_failed(reporter_rank, type(exc).__name__, str(exc)) from exc
-                raise
+            micro_batches = [run.micro_batches(step, replica.index) for replica in replicas]
+            applied = training_step(replicas, micro_batches, run.exchange.average, faults, step, peers=self.peers)
             self.latch.progressed()
             schedule.after_step(step, replicas[0], applied, evaluate)
         self._set_phase("shutdown")

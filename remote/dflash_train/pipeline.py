@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 
 import dflash_events
 
 from . import memory_ledger
 from .devices import thread_stream
-from .replica import NonFiniteStep, Replica
+from .gradients import Averaged, Posted
+from .replica import FeatureBatch
 from .run_context import Run
 from .schedule import EvalRequest, Evaluator, OutputSchedule
-from .threads import Rendezvous, StoppableQueue, StopRequested, JobThread
+from .threads import Rendezvous, StoppableQueue, JobThread
+from .training_step import at_rendezvous, training_step
 
 READY = "ready"  # the store barrier every rank arrives at once all its drafters are ready
 
@@ -91,9 +94,16 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
             run.latch.progressed()
             worker.phase = "train"
             lead = replica.index == 0
+            exchange = at_rendezvous(channels.rendezvous, index, run.exchange.average)
 
             def evaluate(request: EvalRequest) -> None:  # on the evaluation thread (which exists if needed)
                 channels.eval_queue.put(request)
+
+            def waited_exchange(posted: list[Posted]) -> list[Averaged]:  # time at the rendezvous is waiting
+                started = time.perf_counter()
+                averaged = exchange(posted)
+                run.waits.add(worker.name, time.perf_counter() - started)
+                return averaged
 
             if lead:
                 schedule.before_training(replica, evaluate)
@@ -101,23 +111,8 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
                     run.peers.wait_for_all(READY, run.config.runtime.ready_timeout_s)
             for step in range(run.start_step + 1, run.total_steps + 1):
                 worker.step = step
-                stats = None
-                for micro in range(run.plan.accumulate):
-                    feature_batch, waited = channels.drafter_queues[replica.index].get()
-                    run.waits.add(worker.name, waited)
-                    assert (feature_batch.host.step, feature_batch.host.micro) == (step, micro), \
-                        (feature_batch.host.step, feature_batch.host.micro, step, micro)
-                    if micro == 0:
-                        run.faults.fire(worker.name, step)
-                        poison = run.faults.poisons(worker.name, step)  # every micro-batch of the step
-                    stats = replica.run_step(feature_batch, poison, stats)
-                started = time.perf_counter()
-                averaged = channels.rendezvous.exchange(replica.index, replica.post(stats), run.exchange.average)
-                run.waits.add(worker.name, time.perf_counter() - started)
-                try:
-                    applied = replica.apply(averaged, step)
-                except NonFiniteStep as exc:
-                    raise stop_unless_reporter(run, replica, exc) from None
+                micro_batches = _queued(run, channels.drafter_queues[index], worker.name, step)
+                applied = training_step([replica], [micro_batches], waited_exchange, run.faults, step, peers=run.peers)
                 run.latch.progressed()
                 if lead:
                     schedule.after_step(step, replica, applied, evaluate)
@@ -127,16 +122,14 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
     return body
 
 
-def stop_unless_reporter(run: Run, replica: Replica, exc: NonFiniteStep) -> BaseException:
-    """Every replica of the run found the non-finite step; the one it names records it.
-    The others stop without a record; on another rank than the reporter's, the first of
-    them records PeerFailed, the root cause being that rank's."""
-    if exc.reporter == replica.global_index:
-        return exc
-    reporter_rank = exc.reporter // run.layout.local_replicas
-    if reporter_rank != run.layout.rank and run.peers is not None:
-        run.peers.peer_failed(reporter_rank, type(exc).__name__, str(exc))
-    return StopRequested(f"{run.layout.replica_name(exc.reporter)} found a non-finite step")
+def _queued(run: Run, queue: StoppableQueue, thread: str, step: int) -> Iterator[FeatureBatch]:
+    """A drafter's micro-batches of `step`, as its target thread hands them over."""
+    for micro in range(run.plan.accumulate):
+        feature_batch, waited = queue.get()
+        run.waits.add(thread, waited)
+        assert (feature_batch.host.step, feature_batch.host.micro) == (step, micro), \
+            (feature_batch.host.step, feature_batch.host.micro, step, micro)
+        yield feature_batch
 
 
 def eval_body(run: Run, channels: Channels, evaluator: Evaluator):
@@ -148,7 +141,6 @@ def eval_body(run: Run, channels: Channels, evaluator: Evaluator):
                 worker.phase = "train"
                 request, _ = channels.eval_queue.get()
                 worker.phase, worker.step = "eval", request.step
-                run.faults.fire(worker.name, request.step)
                 evaluator.measure(request)
                 if request.final:
                     break

@@ -1,5 +1,5 @@
 """What every part of a training run shares (`Run`): config, data, devices, the stop
-latch, the faults and the gradient exchange.
+latch, the faults and the gradient exchange, and the micro-batches made from them.
 
 The threaded pipeline (pipeline.py) and rank 0's schedule (schedule.py) both build on
 it; it imports neither.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .config import TrainConfig
@@ -79,3 +79,14 @@ class Run:
         device, drafter_device = self.target_devices[target], self.drafter_devices[batch.replica]
         features = self.taps[target].features(batch.input_ids.to(device, non_blocking=True))
         return FeatureBatch(batch, handoff(features, drafter_device), Fence(device))
+
+    def micro_batches(self, step: int, replica: int) -> Iterator[FeatureBatch]:
+        """Replica `replica`'s micro-batches of `step`, each made in the calling thread
+        when asked for, as prefetch and target-(replica % T) make them in the threaded
+        pipeline, that target's fault included (a sequential run)."""
+        target = replica % len(self.target_devices)
+        for micro in range(self.plan.accumulate):
+            batch = self.host_batch(step, replica, micro)
+            if micro == 0:
+                self.faults.fire(f"target-{target}", step)
+            yield self.features(target, batch)

@@ -18,6 +18,7 @@ from .checkpoint import TrainingState, replace_dir, snapshot_layout, take_snapsh
 from .checkpoint_writer import CheckpointWriter
 from .config import resolved_yaml
 from .devices import is_cuda
+from .faults import FaultInjector
 from .model import DFlashDrafter, cpu_weights, export_drafter
 from .replica import AppliedStep, Replica
 from .run_context import Run
@@ -36,11 +37,14 @@ class EvalRequest:
 
 
 class Evaluator:
-    """Acceptance length of drafter snapshots, measured against target-0."""
+    """Acceptance length of drafter snapshots, measured against target-0, as the `eval`
+    thread (or the main thread of a sequential run) measures them: its fault at step:N
+    fires as the evaluation of step N starts, the baseline of a run resumed at N included."""
 
-    def __init__(self, events: EventLog, latch: StopLatch, max_new_tokens: int, hf_config: Any, tap: FeatureTap,
-                 device: str, embed: torch.Tensor, head: torch.Tensor, prompts: list[list[int]], stop_ids: set[int]):
-        self.events, self.latch, self.max_new_tokens = events, latch, max_new_tokens
+    def __init__(self, events: EventLog, latch: StopLatch, faults: FaultInjector, max_new_tokens: int,
+                 hf_config: Any, tap: FeatureTap, device: str, embed: torch.Tensor, head: torch.Tensor,
+                 prompts: list[list[int]], stop_ids: set[int]):
+        self.events, self.latch, self.faults, self.max_new_tokens = events, latch, faults, max_new_tokens
         self.tap, self.device = tap, device
         self.embed, self.head, self.prompts, self.stop_ids = embed, head, prompts, stop_ids
         self.drafter = DFlashDrafter(hf_config).to(device).eval()
@@ -51,6 +55,7 @@ class Evaluator:
         self.latch.check()  # a long evaluation must not hold up a stopping run
 
     def measure(self, request: EvalRequest) -> None:
+        self.faults.fire("eval", request.step)
         self.drafter.load_state_dict(request.weights)
         started = time.perf_counter()
         result = evaluate(self.drafter, self.tap, self.embed, self.head, self.prompts,

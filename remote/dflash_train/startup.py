@@ -231,8 +231,8 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
     evaluator = None
     if prompts:
         embed, head = frozen.on(target_devices[0])
-        evaluator = Evaluator(events, latch, config.eval.max_new_tokens, hf_config, taps[0], target_devices[0],
-                              embed, head, prompts, stop_ids(tokenizer))
+        evaluator = Evaluator(events, latch, faults, config.eval.max_new_tokens, hf_config, taps[0],
+                              target_devices[0], embed, head, prompts, stop_ids(tokenizer))
     say(f"target layers {list(layer_ids)} -> drafter ({config.drafter.num_layers} layers, block "
         f"{config.drafter.block_size}, mask token id {mask_id}); compile {config.compile}; "
         f"attention {'flex' if config.uses_flex else 'sdpa'}")
