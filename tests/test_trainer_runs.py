@@ -477,9 +477,9 @@ def by_hand(run_dir: Path, workspace: Path, steps: int, monkeypatch) -> dict:
     here.mkdir()
     threads = torch.get_num_threads()
     try:
-        prepared = prepare(config, here, EventLog(here / "events.jsonl"),
-                           StopLatch(ErrorLog(here / "errors.jsonl"), ThreadNames(here / "threads.json")))
-        run, replica = prepared.run, prepared.make_replica(0)
+        session = prepare(config, here, EventLog(here / "events.jsonl"),
+                          StopLatch(ErrorLog(here / "errors.jsonl"), ThreadNames(here / "threads.json")))
+        run, replica = session.run, session.make_replica(0)
         params = list(replica.drafter.parameters())
         for step in range(1, steps + 1):
             replica_means = []

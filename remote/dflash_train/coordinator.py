@@ -11,6 +11,7 @@ a timeout, so a hung thread cannot hang the exit.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import signal
 import threading
@@ -21,9 +22,8 @@ import torch
 from dflash_events import REPLICAS
 
 from . import memory_ledger
-from .compile_cache import CompileCache, compile_key_facts, is_warm, open_compile_cache, save_after_first_compile
-from .compile_policy import (CompilePlan, build_train_step, configure_compiler, example_inputs, forbid_compiles,
-                             plan_compile)
+from .compile_cache import is_warm, save_after_first_compile
+from .compile_policy import build_train_step, example_inputs, forbid_compiles
 from .config import TrainConfig
 from .devices import is_cuda
 from .distributed import PeerFailed, Peers, join
@@ -31,10 +31,10 @@ from .model import NonFiniteWeights
 from .pipeline import READY, Channels, drafter_body, eval_body, prefetch_body, target_body
 from .replica import Replica, ReplicasDiverged, verify_replicas_identical
 from .runlog import EventLog, dump_header, emit_done, say
-from .schedule import EvalRequest, OutputSchedule
-from .startup import Prepared, prepare
+from .schedule import EvalRequest
+from .startup import Session, prepare
 from .startup_phases import phase
-from .threads import JobControl, Rendezvous, StopLatch, StopRequested, StoppableQueue, JobThread
+from .threads import JobControl, StopLatch, StopRequested, JobThread
 from .training_step import training_step
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -50,16 +50,10 @@ class Coordinator(JobControl):
         self.config = config
         self.run_dir = run_dir
         self.fault_log = fault_log
-        self.step: int | None = None
+        self.step: int | None = None  # the step the main thread trains (a sequential run)
         self.workers: list[JobThread] = []
         self.alive: list[str] = []  # threads still running at exit
-        self.replicas: dict[int, Replica] = {}
-        self.prepared: Prepared | None = None
-        self.schedule: OutputSchedule | None = None  # made before the first drafter starts
-        self.compile_plan: CompilePlan | None = None  # set before the first drafter starts
-        self.compile_cache: CompileCache | None = None  # with it, unless compile: off
-        self.peers: Peers | None = None  # the other processes of a multi-process run
-        self.checksums: list[str] | None = None  # of this process's replicas, once they are done
+        self.replicas: dict[int, Replica] = {}  # this process's, each once it is built
 
     def poll(self) -> None:
         self.act_on_signal("stopping")
@@ -67,49 +61,81 @@ class Coordinator(JobControl):
         self.heartbeat_if_due(step=lead.completed_step if lead else None)
 
     def run(self) -> int:
+        peers: Peers | None = None
+        session: Session | None = None
+        done = False
         try:
             self._set_phase("startup")
-            self.peers = join(self.config.distributed, len(self.config.devices.drafters),
-                              not self.config.devices.cpu_only, self.latch, where=lambda: (self.phase, self.step),
-                              on_stuck=self._end_now, exit_after_s=self.config.runtime.stop_grace_s + 10.0)
-            self.prepared = prepare(self.config, self.run_dir, self.events, self.latch, self.peers)
-            if self.config.pipeline.mode == "sequential":
-                self._run_sequential(self.prepared)
+            peers = join(self.config.distributed, len(self.config.devices.drafters),
+                         not self.config.devices.cpu_only, self.latch, where=lambda: (self.phase, self.step),
+                         on_stuck=self._end_now, exit_after_s=self.config.runtime.stop_grace_s + 10.0)
+            session = prepare(self.config, self.run_dir, self.events, self.latch, peers)
+            if session.channels is None:
+                checksums = self._run_sequential(session)
             else:
-                self._run_threaded(self.prepared)
-            self._verify_replicas()
+                checksums = self._run_threaded(session, session.channels)
+            self._verify_replicas(session, checksums)
             self._set_phase("shutdown")
-            self._leave(ok=True)
-            self._teardown()
-            return EXIT_OK
+            if peers is not None:  # before the stop below, which would tell the peers this rank stopped
+                peers.leave(ok=True)
+            done = True
         except (StopRequested, PeerFailed):
-            # A peer failed (its PeerFailed record is written), or a worker outside the
-            # drafters did (the checkpoint writer): the run fails.
-            if self.latch.failure is not None:
-                self._teardown()
-                self._finish_checkpoints()
-                self._leave(ok=False)
-                return EXIT_FAILED
-            code = self._stopped()
-            self._leave(ok=False)
-            return code
+            pass  # a stop, or a failure recorded where it was found (a worker, a peer): the shutdown tells which
         except BaseException as exc:  # noqa: BLE001 - the coordinator's own failure is recorded too
             self.latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase=self.phase,
                                       step=self.step)
-            self._teardown()
-            self._finish_checkpoints()
-            self._leave(ok=False)
-            return EXIT_FAILED
+        return self._shut_down(session, peers, done)
 
-    def _finish_checkpoints(self) -> bool:
-        """Wait for the checkpoint being written, if any; False if its write failed."""
-        if self.schedule is None:
-            return True
+    def _shut_down(self, session: Session | None, peers: Peers | None, done: bool) -> int:
+        """How every run ends: its threads stopped (each given stop_grace_s to finish its
+        step), then the exit code. A run that is `done` exits 0. One that failed (a record
+        is on file: a worker's, a peer's or the coordinator's own) exits 1 once the
+        checkpoint being written is complete; one that was stopped (a signal, a peer that
+        stopped) first writes the stop checkpoint, then exits 128+signal, or 1 if a write
+        failed. Either way this rank then leaves its peers."""
+        stopped = not done and self.latch.failure is None
+        if stopped:
+            self._set_phase("shutdown")
+        self._stop_threads()
+        if done:
+            return EXIT_OK
+        code = EXIT_FAILED
+        if stopped:
+            if session is not None:
+                self._checkpoint_on_stop(session)
+            code = 128 + int(self._signal or signal.SIGTERM)
+        if session is not None and not _checkpoints_written(session):
+            code = EXIT_FAILED
+        if peers is not None:
+            peers.leave(ok=False)
+        return code
+
+    def _stop_threads(self) -> None:
+        """Stop every thread; wait at most stop_grace_s for them to finish their step."""
+        self.latch.request_stop(self.latch.stop_reason or "run over")
+        deadline = time.monotonic() + self.config.runtime.stop_grace_s
+        for worker in self.workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        self.alive = [w.name for w in self.workers if w.is_alive()]
+        report_threads_still_running(self.alive, self.config.runtime.stop_grace_s, self.fault_log)
+
+    def _checkpoint_on_stop(self, session: Session) -> None:
+        """Rank 0's checkpoint of the lead replica, if it stopped between steps past the newest one."""
+        schedule, lead = session.schedule, self.replicas.get(0)
+        lead_thread = next((w for w in self.workers if w.name == "drafter-0"), None)
+        # Sequential runs stop between steps; a lead thread that ended stopped between steps too.
+        lead_stopped = lead is not None and (lead_thread is None or not lead_thread.is_alive())
+        if not (schedule.writes_outputs and lead_stopped and self.config.checkpoint.on_stop
+                and lead.completed_step > schedule.last_checkpoint):
+            return
+        if is_cuda(lead.device):  # its last update ran on the lead thread's stream, not this one's
+            torch.cuda.synchronize(lead.device)
         try:
-            self.schedule.checkpoints.wait()
-            return True
-        except StopRequested:
-            return False
+            schedule.save_checkpoint(lead)
+        except NonFiniteWeights as exc:  # the newest finite checkpoint stays `latest`
+            say(f"no checkpoint on stop: {exc}")
+        except StopRequested:  # the previous checkpoint's write failed (recorded by its writer)
+            pass
 
     def _end_now(self, code: int) -> None:
         """A peer ended the run, and this process did not follow (the main thread is in a
@@ -119,22 +145,16 @@ class Coordinator(JobControl):
         emit_done(self.events, code, alive)
         os._exit(code)
 
-    def _leave(self, ok: bool) -> None:
-        if self.peers is not None:
-            self.peers.leave(ok)
-
-    def _start_replica(self, index: int) -> Replica:
+    def _start_replica(self, session: Session, index: int) -> Replica:
         """Runs in the drafter's thread (or the main thread when sequential)."""
-        assert self.prepared is not None and self.compile_plan is not None
-        before = memory_ledger.mark(self.prepared.run.drafter_devices[index])  # what the drafter holds, from here
-        replica = self.prepared.make_replica(index)
-        run = self.prepared.run
+        run, cache = session.run, session.compile_cache
+        before = memory_ledger.mark(run.drafter_devices[index])  # what the drafter holds, from here
+        replica = session.make_replica(index)
         example = example_inputs(replica.objective, self.config.data.pad_multiple,
                                  replica.drafter.fc.in_features, replica.device)
-        cache = self.compile_cache
         with phase("build train step", drafter=index, compile=self.config.compile,
                    cache=None if cache is None else "warm" if cache.warm or is_warm(cache.folder) else "cold"):
-            built = build_train_step(self.compile_plan, replica.objective, example)
+            built = build_train_step(session.compile_plan, replica.objective, example)
             replica.train_step = built
             replica.prepare_optimizer()  # under cudagraphs, captures the optimizer step too
         memory_ledger.note_since(before, f"drafter-{index}")
@@ -146,7 +166,7 @@ class Coordinator(JobControl):
             f"{sum(p.numel() for p in replica.drafter.parameters()):,} parameters, from step {run.start_step})")
         return replica
 
-    def _replicas_done(self) -> None:
+    def _replicas_done(self, session: Session) -> list[str]:
         """Once the drafters are done: this process's replicas must hold the same weights;
         their checksums go to the other ranks (before rank 0's final evaluation, which the
         others need not wait for)."""
@@ -155,22 +175,21 @@ class Coordinator(JobControl):
         # heartbeat_s, and only rank 0 reports steps, so another rank's status would show
         # an older one for good.
         self.heartbeat(step=replicas[0].completed_step)
-        self.checksums = verify_replicas_identical(replicas)
-        if self.peers is not None:
-            self.peers.publish("sha256", self.checksums)
+        checksums = verify_replicas_identical(replicas)
+        if session.run.peers is not None:
+            session.run.peers.publish("sha256", checksums)
+        return checksums
 
-    def _verify_replicas(self) -> None:
+    def _verify_replicas(self, session: Session, checksums: list[str]) -> None:
         """After the last step: every replica of every rank holds the same weights (checksums in events)."""
-        if self.checksums is None:
-            self._replicas_done()
-        assert self.checksums is not None
+        peers = session.run.peers
         replicas = [self.replicas[i] for i in sorted(self.replicas)]
         step = replicas[0].completed_step
-        by_rank = [self.checksums]
+        by_rank = [checksums]
         fields = {}
-        if self.peers is not None:
-            by_rank = self.peers.collect("sha256", self.config.distributed.timeout_s)
-            fields = {"rank": self.peers.rank, "world_size": self.peers.layout.world_size, "sha256_by_rank": by_rank}
+        if peers is not None:
+            by_rank = peers.collect("sha256", self.config.distributed.timeout_s)
+            fields = {"rank": peers.rank, "world_size": peers.layout.world_size, "sha256_by_rank": by_rank}
             reference = by_rank[0][0]
             differing = [f"rank {r} drafter-{i}" for r, sums in enumerate(by_rank) for i, c in enumerate(sums)
                          if c != reference]
@@ -178,47 +197,28 @@ class Coordinator(JobControl):
                 raise ReplicasDiverged(
                     f"drafter replicas differ across ranks after step {step}: {', '.join(differing)} differ from rank 0 "
                     f"drafter-0 (sha256 by rank: {'; '.join(', '.join(c[:16] for c in sums) for sums in by_rank)})")
-        self.events.emit(REPLICAS, step=step, devices=[r.device for r in replicas], sha256=self.checksums, **fields)
+        self.events.emit(REPLICAS, step=step, devices=[r.device for r in replicas], sha256=checksums, **fields)
         count = sum(len(sums) for sums in by_rank)
-        say(f"{count} drafter replica(s) identical after step {step}: weights sha256 {self.checksums[0]}")
+        say(f"{count} drafter replica(s) identical after step {step}: weights sha256 {checksums[0]}")
 
-    def _configure_compiler(self) -> None:
-        """Decide what every drafter compiles and set the compiler up for it, in the main
-        thread, before any drafter starts (compiler settings are process-wide)."""
-        assert self.prepared is not None
-        self.compile_plan = plan = plan_compile(self.config, self.prepared.shapes)
-        if plan.mode != "off":
-            self.compile_cache = open_compile_cache(self.run_dir,
-                                                    compile_key_facts(self.prepared.run.drafter_devices[0]))
-        configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
-        if plan.buckets:
-            say(f"compile: cudagraphs captures {len(plan.buckets)} shape bucket(s) per drafter: "
-                f"{', '.join(f'{b.rows}x{b.length} ({b.blocks} blocks)' for b in plan.buckets)}")
-
-    def _run_threaded(self, prepared: Prepared) -> None:
-        run, latch, pipe = prepared.run, self.latch, self.config.pipeline
-        drafters, targets = len(run.drafter_devices), len(run.target_devices)
-        channels = Channels(
-            target_queues=[StoppableQueue(f"target-{t}", pipe.queue_size, latch, pipe.poll_s) for t in range(targets)],
-            drafter_queues=[StoppableQueue(f"drafter-{r}", pipe.queue_size, latch, pipe.poll_s)
-                            for r in range(drafters)],
-            eval_queue=StoppableQueue("eval", 2, latch, pipe.poll_s) if prepared.evaluator else None,
-            rendezvous=Rendezvous(drafters, latch))
-        schedule = self.schedule = prepared.output_schedule([*channels.target_queues, *channels.drafter_queues])
-        self._configure_compiler()
-        for index in range(drafters):
-            worker = self._start(f"drafter-{index}", drafter_body(run, schedule, channels, index, self._start_replica))
-            worker.wait_until_ready(self.config.runtime.ready_timeout_s, poll=self.poll)
+    def _run_threaded(self, session: Session, channels: Channels) -> list[str]:
+        """The pipeline's threads (pipeline.py), watched until the drafters and the final evaluation are done."""
+        run, schedule, latch = session.run, session.schedule, self.latch
+        start_replica = functools.partial(self._start_replica, session)
+        drafters = []
+        for index in range(len(run.drafter_devices)):
+            drafters.append(self._start(f"drafter-{index}", drafter_body(run, schedule, channels, index, start_replica)))
+            drafters[-1].wait_until_ready(self.config.runtime.ready_timeout_s, poll=self.poll)
         forbid_compiles()  # before any drafter trains: every shape of the data is built
-        if self.peers is not None:
-            self.peers.arrive(READY)
-        for index in range(targets):
+        if run.peers is not None:
+            run.peers.arrive(READY)
+        for index in range(len(run.target_devices)):
             self._start(f"target-{index}", target_body(run, channels, index))
         self._start("prefetch", prefetch_body(run, channels))
-        evaluator = self._start("eval", eval_body(run, channels, prepared.evaluator)) if prepared.evaluator else None
+        evaluator = self._start("eval", eval_body(run, channels, session.evaluator)) if session.evaluator else None
         self._set_phase("train")
         schedule.training_started()
-        drafter_workers = self.workers[:drafters]
+        checksums = None
         while True:
             self.poll()
             if latch.failure is not None:
@@ -227,11 +227,11 @@ class Coordinator(JobControl):
                     raise exc  # recorded once, where it was found
                 raise ThreadFailed(f"{name} failed: {type(exc).__name__}: {exc}") from exc
             latch.check()
-            if all(w.done.is_set() for w in drafter_workers):
-                if self.checksums is None:
-                    self._replicas_done()
+            if all(w.done.is_set() for w in drafters):
+                if checksums is None:
+                    checksums = self._replicas_done(session)
                 if evaluator is None or evaluator.done.is_set():
-                    return
+                    return checksums
                 if self.phase != "eval":
                     self._set_phase("eval")  # training is over; the final evaluation runs
             time.sleep(0.1)
@@ -242,25 +242,24 @@ class Coordinator(JobControl):
         worker.start()
         return worker
 
-    def _run_sequential(self, prepared: Prepared) -> None:
+    def _run_sequential(self, session: Session) -> list[str]:
         """The same work in the main thread, one part after another (for comparison)."""
-        run, faults = prepared.run, prepared.run.faults
-        schedule = self.schedule = prepared.output_schedule([])
+        run, schedule, faults = session.run, session.schedule, session.run.faults
         for name in self.config.thread_names()[1:]:  # every thread's start-up faults, in the one thread there is
             faults.fire(name)
-        self._configure_compiler()
-        replicas = [self._start_replica(index) for index in range(len(run.drafter_devices))]
+        replicas = [self._start_replica(session, index) for index in range(len(run.drafter_devices))]
+        lead = replicas[0]
         forbid_compiles()
-        if self.peers is not None:
-            self.peers.arrive(READY)
-            self.peers.wait_for_all(READY, self.config.runtime.ready_timeout_s)
+        if run.peers is not None:
+            run.peers.arrive(READY)
+            run.peers.wait_for_all(READY, self.config.runtime.ready_timeout_s)
 
         def evaluate(request: EvalRequest) -> None:
             if request.final:
                 self._set_phase("eval")
-            prepared.evaluator.measure(request)
+            session.evaluator.measure(request)
 
-        schedule.before_training(replicas[0], evaluate)
+        schedule.before_training(lead, evaluate)
         self._set_phase("train")
         schedule.training_started()
         for step in range(run.start_step + 1, run.total_steps + 1):
@@ -269,44 +268,22 @@ class Coordinator(JobControl):
             self.latch.check()
             faults.fire("prefetch", step)
             micro_batches = [run.micro_batches(step, replica.index) for replica in replicas]
-            applied = training_step(replicas, micro_batches, run.exchange.average, faults, step, peers=self.peers)
+            applied = training_step(replicas, micro_batches, run.exchange.average, faults, step, peers=run.peers)
             self.latch.progressed()
-            schedule.after_step(step, replicas[0], applied, evaluate)
+            schedule.after_step(step, lead, applied, evaluate)
         self._set_phase("shutdown")
-        self._replicas_done()
-        schedule.after_training(replicas[0], evaluate)
+        checksums = self._replicas_done(session)
+        schedule.after_training(lead, evaluate)
+        return checksums
 
-    def _teardown(self) -> None:
-        """Stop every thread; wait at most stop_grace_s for them to finish their step."""
-        self.latch.request_stop(self.latch.stop_reason or "run over")
-        deadline = time.monotonic() + self.config.runtime.stop_grace_s
-        for worker in self.workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-        self.alive = [w.name for w in self.workers if w.is_alive()]
-        report_threads_still_running(self.alive, self.config.runtime.stop_grace_s, self.fault_log)
 
-    def _stopped(self) -> int:
-        """SIGTERM (or SIGINT): stop, checkpoint (rank 0) if the lead replica stopped cleanly, exit 128+signal."""
-        self._set_phase("shutdown")
-        self._teardown()
-        schedule, lead = self.schedule, self.replicas.get(0)
-        lead_thread = next((w for w in self.workers if w.name == "drafter-0"), None)
-        # Sequential runs stop between steps; a lead thread that ended stopped between steps too.
-        lead_stopped = lead is not None and (lead_thread is None or not lead_thread.is_alive())
-        if (schedule is not None and schedule.writes_outputs and lead_stopped and self.config.checkpoint.on_stop
-                and lead.completed_step > schedule.last_checkpoint):
-            if is_cuda(lead.device):  # its last update ran on the lead thread's stream, not this one's
-                torch.cuda.synchronize(lead.device)
-            try:
-                schedule.save_checkpoint(lead)
-            except NonFiniteWeights as exc:  # the newest finite checkpoint stays `latest`
-                say(f"no checkpoint on stop: {exc}")
-            except StopRequested:  # the previous checkpoint's write failed (recorded by its writer)
-                pass
-        if not self._finish_checkpoints():
-            return EXIT_FAILED
-        signum = self._signal or signal.SIGTERM
-        return 128 + int(signum)
+def _checkpoints_written(session: Session) -> bool:
+    """Wait for the checkpoint being written, if any; False if its write failed."""
+    try:
+        session.schedule.checkpoints.wait()
+        return True
+    except StopRequested:
+        return False
 
 
 def report_threads_still_running(alive: list[str], grace_s: float, fault_log) -> None:

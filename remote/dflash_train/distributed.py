@@ -108,7 +108,7 @@ def pick_backend(config: DistributedConfig, cuda: bool) -> str:
     return "nccl" if cuda else "gloo"
 
 
-def join(config: DistributedConfig, local_replicas: int, cuda: bool, latch: StopLatch,
+def join(config: DistributedConfig, local_replicas: int, cuda: bool, latch: StopLatch, *,
          where: Callable[[], tuple[str, int | None]], on_stuck: Callable[[int], None],
          exit_after_s: float) -> "Peers | None":
     """The process group of this run, or None for a one-process run (WORLD_SIZE unset or 1).

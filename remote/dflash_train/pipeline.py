@@ -40,6 +40,24 @@ class Channels:
     eval_queue: StoppableQueue | None
     rendezvous: Rendezvous
 
+    @property
+    def queues(self) -> list[StoppableQueue]:
+        """The queues whose depths step events report."""
+        return [*self.target_queues, *self.drafter_queues]
+
+
+def make_channels(run: Run, evaluates: bool) -> Channels:
+    """The queues between the threads of `run` and its drafters' rendezvous; an
+    evaluation queue when the run `evaluates`."""
+    latch, pipe = run.latch, run.config.pipeline
+    return Channels(
+        target_queues=[StoppableQueue(f"target-{t}", pipe.queue_size, latch, pipe.poll_s)
+                       for t in range(len(run.target_devices))],
+        drafter_queues=[StoppableQueue(f"drafter-{r}", pipe.queue_size, latch, pipe.poll_s)
+                        for r in range(len(run.drafter_devices))],
+        eval_queue=StoppableQueue("eval", 2, latch, pipe.poll_s) if evaluates else None,
+        rendezvous=Rendezvous(len(run.drafter_devices), latch))
+
 
 def prefetch_body(run: Run, channels: Channels):
     def body(worker: JobThread) -> None:

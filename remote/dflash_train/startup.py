@@ -1,8 +1,10 @@
-"""The coordinator's startup: everything a run needs before its threads start.
+"""The coordinator's startup: everything a run needs before its threads start, as one
+`Session`.
 
 Config -> target (built for the tiny path) -> tokenizer and mask token -> data and batch
 plan -> target model(s) and feature taps -> drafter config and initial weights (fresh,
-or from the checkpoint being resumed) -> evaluator.
+or from the checkpoint being resumed) -> evaluator -> the pipeline's channels and rank
+0's schedule -> the compile plan, its cache and the compiler's settings.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from dflash_events import TOKENIZING
 
 from . import memory_ledger
 from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume
+from .compile_cache import CompileCache, compile_key_facts, open_compile_cache
+from .compile_policy import CompilePlan, configure_compiler, plan_compile
 from .config import TrainConfig, resolve_path
 from .data import BatchPlan, PlanEntry, anchor_counts, load_prompts, load_samples, micro_batch_shapes
 from .devices import canonical
@@ -24,20 +28,23 @@ from .distributed import Layout, Peers
 from .faults import FaultInjector
 from .gradients import GradientExchange
 from .model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
+from .pipeline import Channels, make_channels
 from .replica import FrozenTargetWeights, Replica
 from .resume_check import mismatch
 from .run_context import Run
 from .runlog import EventLog, say
 from .schedule import Evaluator, OutputSchedule
 from .startup_phases import phase
-from .target import FeatureTap, load_target
-from .threads import StopLatch, StoppableQueue
-from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
 from .step_build import BatchShape
+from .target import FeatureTap, load_target
+from .threads import StopLatch
+from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
 
 
-@dataclasses.dataclass
-class Prepared:
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """A training run ready to start its workers: nothing in it is filled in later."""
+
     run: Run
     hf_config: Any  # the drafter's Qwen3Config (with the DFlash fields)
     initial_weights: dict[str, torch.Tensor]
@@ -45,11 +52,10 @@ class Prepared:
     frozen: FrozenTargetWeights
     evaluator: Evaluator | None  # None without eval prompts, and on ranks other than 0
     shapes: tuple[BatchShape, ...]  # every micro-batch shape this process's drafters train on, largest first
-
-    def output_schedule(self, queues: list[StoppableQueue]) -> OutputSchedule:
-        """`queues`: the pipeline's, reported in step events (none in a sequential run)."""
-        return OutputSchedule(self.run, self.evaluator, queues,
-                              losses=list(self.resumed.state.losses) if self.resumed else [])
+    channels: Channels | None  # the threaded pipeline's; None in a sequential run
+    schedule: OutputSchedule
+    compile_plan: CompilePlan  # what every drafter builds
+    compile_cache: CompileCache | None  # None under compile: off
 
     def make_replica(self, index: int) -> Replica:
         replica = Replica(index, self.run.drafter_devices[index], self.run.config, self.hf_config,
@@ -165,7 +171,7 @@ def _build_data(config: TrainConfig, run_dir: Path, events: EventLog, layout: La
 
 
 def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch,
-            peers: Peers | None = None) -> Prepared:
+            peers: Peers | None = None) -> Session:
     layout = peers.layout if peers is not None else Layout(local_replicas=len(config.devices.drafters))
     faults = FaultInjector(config.faults, layout.rank)
     faults.fire("coordinator")
@@ -238,7 +244,25 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
         f"attention {'flex' if config.uses_flex else 'sdpa'}")
     if shapes:
         say(f"{len(shapes)} micro-batch shape(s) to train on, the largest {shapes[0]}")
-    return Prepared(run, hf_config, weights, resumed, frozen, evaluator, shapes)
+    channels = make_channels(run, evaluates=evaluator is not None) if config.pipeline.mode != "sequential" else None
+    schedule = OutputSchedule(run, evaluator, channels.queues if channels else [],
+                              losses=list(resumed.state.losses) if resumed else [])
+    compile_plan, compile_cache = _set_up_compiler(config, run_dir, shapes, drafter_devices[0])
+    return Session(run, hf_config, weights, resumed, frozen, evaluator, shapes, channels, schedule, compile_plan,
+                   compile_cache)
+
+
+def _set_up_compiler(config: TrainConfig, run_dir: Path, shapes: tuple[BatchShape, ...],
+                     device: str) -> tuple[CompilePlan, CompileCache | None]:
+    """Decide what every drafter compiles and set the compiler up for it, in the main
+    thread, before any drafter starts (compiler settings are process-wide)."""
+    plan = plan_compile(config, shapes)
+    cache = open_compile_cache(run_dir, compile_key_facts(device)) if plan.mode != "off" else None
+    configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
+    if plan.buckets:
+        say(f"compile: cudagraphs captures {len(plan.buckets)} shape bucket(s) per drafter: "
+            f"{', '.join(f'{b.rows}x{b.length} ({b.blocks} blocks)' for b in plan.buckets)}")
+    return plan, cache
 
 
 def _entries_of(plan: BatchPlan, layout: Layout, start_step: int) -> Iterator[PlanEntry]:
