@@ -12,17 +12,19 @@ from typing import TYPE_CHECKING
 import dflash_schema
 from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.layout import MAX_RUN_ID
-from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply, StopReply
+from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply
 
 from .. import console, fit_check
 from ..compile_artifacts import seed_hosts
+from ..deployment import deploy_host, source_tree
 from ..errors import DflashError, ExitCode
 from ..inventory import Host, is_address
 from ..local_state import RunRef, set_latest
+from ..progress import cancel_on_ctrl_c, upload_bars
 from ..release import Release, find_source
-from ..release_store import ReleaseStore
+from ..release_store import ReleaseStore, change_since
+from ..run_start import refuse, start_together
 from ..session import Session
-from . import deploy, status
 
 if TYPE_CHECKING:
     from dflash_train.config import TrainConfig
@@ -92,7 +94,7 @@ def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
         return
     store = ReleaseStore(session)
     store.add_local(tree)
-    console.say(f"{host_name}: {status.change_since(store, host_name, previous, tree.release_id)['text']}")
+    console.say(f"{host_name}: {change_since(store, host_name, previous, tree.release_id)['text']}")
 
 
 def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_large: bool) -> dict:
@@ -101,10 +103,10 @@ def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_
     as it is: the agent makes the release current as the run starts, so a launch refused
     or interrupted before that leaves it where it was. Any host that failed (or a Ctrl-C)
     starts nothing. Then each host says what the release changed since its newest run."""
-    tree, source = deploy.source_tree(source_dir, allow_large)
-    with deploy.upload_bars() as bars, deploy.cancel_on_ctrl_c() as cancel:
-        results = session.on_each_host(hosts, lambda host: deploy.deploy_host(session, host, tree, bars,
-                                                                               cancel=cancel, switch=False))
+    tree, source = source_tree(source_dir, allow_large)
+    with upload_bars() as bars, cancel_on_ctrl_c() as cancel:
+        results = session.on_each_host(hosts, lambda host: deploy_host(session, host, tree, bars,
+                                                                        cancel=cancel, switch=False))
     for host in hosts:
         result = results[host.name]
         if isinstance(result, DflashError):
@@ -218,11 +220,6 @@ def _resolved(config: TrainConfig) -> bytes:
     return resolved_yaml(config).encode()
 
 
-# Seconds between SIGTERM and SIGKILL for the parts of a run stopped because another
-# host could not start its own.
-ROLLBACK_GRACE_S = 5.0
-
-
 def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, overrides: tuple[str, ...],
                      name: str, force: bool, source_dir: Path | None, allow_large: bool,
                      master_addr: str | None, master_port: int | None) -> RunRef:
@@ -272,28 +269,3 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
                     f"(pid {reply.pid}, release {reply.release_id})")
     console.say(f"rendezvous at {address}:{port} ({first.name})")
     return ref
-
-
-def start_together(session: Session, hosts: list[Host], run_id: str, start) -> dict:
-    """`start(host)` on every host at once; their replies by host name. When any failed,
-    the parts started elsewhere are stopped (no half-started run is left) and the error
-    names every host's failure."""
-    started = session.on_each_host(hosts, start)
-    running = [host for host in hosts if not isinstance(started[host.name], DflashError)]
-    if len(running) < len(hosts):
-        stopped = session.on_each_host(running, lambda host: session.agent(host.name).call(
-            StopReply, f"--run-id={run_id}", f"--grace={ROLLBACK_GRACE_S}", timeout=ROLLBACK_GRACE_S + 60))
-        left = [f"{host}: {outcome.message}" for host, outcome in stopped.items() if isinstance(outcome, DflashError)]
-        what = (f"the run was stopped on {', '.join(host.name for host in running)}" if running else
-                "it was started nowhere")
-        refuse(hosts, started, what + (f"; stopping it failed on {'; '.join(left)}" if left else ""))
-    return started
-
-
-def refuse(hosts: list[Host], outcomes: dict, consequence: str) -> None:
-    """Raise one DflashError naming every host whose outcome is an error, if any."""
-    errors = [outcomes[host.name] for host in hosts if isinstance(outcomes[host.name], DflashError)]
-    if errors:
-        raise DflashError("; ".join(error.message for error in errors) + f" ({consequence})",
-                          max(error.exit_code for error in errors),
-                          hint=next((error.hint for error in errors if error.hint), None))

@@ -26,10 +26,10 @@ from .. import console
 from ..agent_client import AgentClient, parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..local_state import RunLogs, RunRef
+from ..progress import PROGRESS_ABOVE_BYTES, upload_bars
 from ..retry import RETRY_FOR_S, Reconnects, retry_dropped
 from ..session import Session
 from ..transports import CommandFailed
-from .deploy import PROGRESS_ABOVE_BYTES, upload_bars
 
 PART_SUFFIX = ".part"
 #: listings made in one pull before giving up on a run that keeps replacing its export

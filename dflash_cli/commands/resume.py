@@ -9,8 +9,8 @@ from .. import console
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
 from ..local_state import RunRef, set_latest
+from ..run_start import refuse, start_together
 from ..session import Session
-from .launch import refuse, start_together
 
 
 def run(session: Session, ref: RunRef, current_release: bool, step: int | None) -> ExitCode:

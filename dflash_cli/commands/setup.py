@@ -23,8 +23,8 @@ from .. import console, requirements
 from ..agent_client import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
+from ..progress import cancel_on_ctrl_c
 from ..session import Session
-from . import deploy
 from ..transports.base import Completed
 from ..transports.common import CommandFailed
 
@@ -141,7 +141,7 @@ def run(session: Session, host_names: list[str], all_hosts: bool, torch: str | N
     needs = requirements.load()
     request = {"requirements": needs.text, "torch": needs.torch_pin(torch) if torch else None,
                "index_url": index_url}
-    with setup_bars() as bars, deploy.cancel_on_ctrl_c("the setups") as cancel:
+    with setup_bars() as bars, cancel_on_ctrl_c("the setups") as cancel:
         results = session.on_each_host(hosts, lambda host: setup_host(session, host, request, bars, cancel))
     _print_table(results, host_names)
     for host in hosts:

@@ -12,7 +12,7 @@ from .. import console, multihost, provenance
 from ..errors import DflashError, ExitCode, exit_code_for_state
 from ..local_state import RunRef
 from ..multihost import HostStatus
-from ..release_store import ReleaseStore, summary
+from ..release_store import ReleaseStore, change_since
 from ..session import Session
 
 _COLUMNS = ["state", "step", "errors", "started", "ended", "release"]
@@ -71,22 +71,6 @@ def source_commit(source: dict | None) -> str:
     if not source or not source.get("git_commit"):
         return "-"
     return source["git_commit"][:7] + ("*" if source.get("dirty") else "")
-
-
-def change_since(store: ReleaseStore, host: str, previous: RunStatus, release_id: str) -> dict:
-    """What release `release_id` changed from the one run `previous` used (it names one),
-    both on `host`: {"since", "same_release", "files", "added", "removed", "text"}; "text"
-    reads `same release as RUN` or `changed since RUN: 2 files (+14 −3)`."""
-    since = previous.run_id
-    if previous.release_id == release_id:
-        return {"since": since, "same_release": True, "files": 0, "added": 0, "removed": 0,
-                "text": f"same release as {since}"}
-    try:
-        diffs = store.diff((host, previous.release_id), (host, release_id))
-    except DflashError as exc:
-        return {"since": since, "same_release": False, "text": f"changed since {since}: unknown ({exc.message})"}
-    return {"since": since, "same_release": False, "files": len(diffs), "added": sum(d.added for d in diffs),
-            "removed": sum(d.removed for d in diffs), "text": f"changed since {since}: {summary(diffs)}"}
 
 
 def resume_point(status: RunStatus) -> str:

@@ -32,7 +32,7 @@ from ..retry import Reconnects
 from ..session import Session
 from ..status_line import RunProgress
 from ..tensorboard import RunBoard
-from .fetch_traceback import render_no_record, render_record, say_diagnosis
+from ..tracebacks import render_no_record, render_record, say_diagnosis
 
 CURSOR_SAVE_EVERY_S = 0.5
 
