@@ -299,7 +299,7 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> N
     `dflash fetch-traceback --stacks`.
     """
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(_verb("stacks").run(session, ref))
+    sys.exit(_verb("fetch_traceback").run(session, ref, thread=None, all_records=False, output=None, stacks=True))
 
 
 @main.command("status")
