@@ -1,6 +1,6 @@
 """Releases onto hosts, for `deploy`, `launch`, `hosts --check` and `--version`: the
 release of the source tree (`source_tree`), installed by the host side's receiver
-(deploy_receiver.py, sent with `python -c`): one round trip when the host's copy is
+(host_scripts/deploy_receiver.py, sent with `python -c`): one round trip when the host's copy is
 intact, else one tar stream of what the host lacks."""
 from __future__ import annotations
 
@@ -13,16 +13,13 @@ from pathlib import Path
 from dflash_agent.jsonio import NO_SPACE
 from rich.progress import Progress
 
-from . import console, provenance, release
+from . import console, host_scripts, provenance, release
 from .agent_client import check_interpreter, parse_reply
 from .errors import DflashError, ExitCode
 from .inventory import Host
 from .progress import PROGRESS_ABOVE_BYTES
 from .retry import retry_dropped
 from .session import Session
-
-RECEIVER_SOURCE = (Path(__file__).resolve().parent / "deploy_receiver.py").read_text()
-
 
 @dataclasses.dataclass(frozen=True)
 class DeployResult:
@@ -93,7 +90,7 @@ def _summary(problems: tuple[str, ...] | list[str], shown: int = 3) -> str:
 
 
 def _receiver(session: Session, host: Host, verb: str, *args: str, stdin=None) -> dict:
-    argv = [host.python, "-c", RECEIVER_SOURCE, verb, host.workspace, *args]
+    argv = [host.python, "-c", host_scripts.source("deploy_receiver.py"), verb, host.workspace, *args]
     done = session.transport(host).run(argv, stdin=stdin)
     check_interpreter(host, done)
     reply = parse_reply(done.stdout)

@@ -1,7 +1,7 @@
 """dflash setup: on each host, a virtualenv under the workspace with what the trainer
 needs (remote/requirements.txt), made the host's interpreter (docs/hosts.md "Host environments").
 
-The work happens on the host (dflash_cli/host_setup.py, sent with `python -c`), in one
+The work happens on the host (dflash_cli/host_scripts/host_setup.py, sent with `python -c`), in one
 command: one round trip when nothing changed. pip's output comes back line by line.
 """
 from __future__ import annotations
@@ -12,14 +12,13 @@ import json
 import re
 import threading
 import time
-from pathlib import Path
 from typing import Iterator
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from .. import console, requirements
+from .. import console, host_scripts, requirements
 from ..agent_client import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
@@ -28,7 +27,6 @@ from ..session import Session
 from ..transports.base import Completed
 from ..transports.common import CommandFailed
 
-SETUP_SOURCE = (Path(__file__).resolve().parent.parent / "host_setup.py").read_text()
 #: --index-url's value for "the indexes pip on the host is configured with"
 PIP_CONFIGURED = "pip"
 # How pip names the requirement it could not install, most specific first.
@@ -74,7 +72,7 @@ def setup_host(session: Session, host: Host, request: dict, bars: Progress | Non
     started = time.monotonic()
     transport = session.transport(host)
     trips_before = transport.round_trips
-    argv = [host.python, "-c", SETUP_SOURCE, host.workspace, json.dumps(request)]
+    argv = [host.python, "-c", host_scripts.source("host_setup.py"), host.workspace, json.dumps(request)]
     lines: list[str] = []
     result = None
     task = bars.add_task(f"setup {host.name}", total=None) if bars is not None else None
