@@ -13,8 +13,8 @@ from ..progress import cancel_on_ctrl_c, upload_bars
 from ..session import Session
 
 
-def run(session: Session, host_names: list[str], all_hosts: bool, verify: bool,
-        source_dir: Path | None, allow_large: bool = False) -> ExitCode:
+def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: bool,
+        source_dir: Path | None, allow_large: bool) -> ExitCode:
     """Deploy to each host in parallel; a table of results on stderr."""
     if all_hosts:
         host_names = sorted(session.inventory.hosts)

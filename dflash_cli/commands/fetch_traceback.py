@@ -52,7 +52,7 @@ def _reports(session: Session, ref: RunRef) -> dict[str, ReportReply]:
     return reports
 
 
-def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
+def run(session: Session, ref: RunRef, *, thread: str | None, all_records: bool,
         output: Path | None, stacks: bool) -> ExitCode:
     """The root cause's traceback, for a run on one host or on several: there the root
     cause is the earliest record that is not a rank stopping for a peer's failure

@@ -95,7 +95,7 @@ def _print_options(name: str, resolved: dict) -> None:
     console.human.print(table)
 
 
-def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) -> ExitCode:
+def run(session: Session, *, do_check: bool, as_json: bool, verbose: bool) -> ExitCode:
     hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts)]
     needs = requirements.load() if do_check else None
     groups = session.inventory.groups

@@ -254,7 +254,7 @@ def pull(session: Session, ref: RunRef, checkpoint: bool, bars: Progress | None 
     return Puller(session.agent(ref.host), RunLogs(session.logs_dir, ref), bars, retry_for).sync(checkpoint)
 
 
-def run(session: Session, ref: RunRef, checkpoint: bool, retry_for: float) -> ExitCode:
+def run(session: Session, ref: RunRef, *, checkpoint: bool, retry_for: float) -> ExitCode:
     """Prints each local folder on stdout, a summary on stderr."""
     try:
         with upload_bars() as bars:

@@ -127,7 +127,7 @@ def setup_bars() -> Iterator[Progress | None]:
         yield bars
 
 
-def run(session: Session, host_names: list[str], all_hosts: bool, torch: str | None,
+def run(session: Session, *, host_names: list[str], all_hosts: bool, torch: str | None,
         index_url: str | None) -> ExitCode:
     """Set up each host in parallel; a table of results on stderr, `HOST STATUS ENV`
     lines on stdout."""

@@ -10,7 +10,7 @@ from dflash_agent.protocol import RunState, RunStatus, StatusReply
 
 from .. import console, multihost, provenance
 from ..errors import DflashError, ExitCode, exit_code_for_state
-from ..local_state import RunRef
+from ..local_state import RunRef, latest_host
 from ..multihost import HostStatus
 from ..release_store import ReleaseStore, change_since
 from ..session import Session
@@ -125,7 +125,7 @@ def _status_of_hosts(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     return exit_code_for_state(state)
 
 
-def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
+def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
     """Print one run's state; the exit code says it too (0 fine, 1 failed, lost, degraded
     or stalled, 4 stopped). A run on several hosts: the state of the whole (FAILED if
     any host failed, RUNNING only if all run) and a row per host."""
@@ -148,7 +148,7 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     return exit_code_for_state(status.state)
 
 
-def run_config(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
+def run_config(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
     """Print the config the run was started with (its config.yaml: resolved, for a run
     launched by this dflash) on stdout; its state and overrides on stderr. Exit 0 once
     printed, whatever the state: this asks for the config, not for the run's health."""
@@ -165,9 +165,17 @@ def run_config(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     return ExitCode.OK
 
 
-def list_runs(session: Session, host_names: list[str], as_json: bool) -> ExitCode:
+def list_runs(session: Session, *, host_names: list[str], as_json: bool) -> ExitCode:
     """Each host's runs, newest first, with what each changed since the run before it on
-    that host (MANIFESTs compared, differing files fetched once into the local cache)."""
+    that host (MANIFESTs compared, differing files fetched once into the local cache).
+    No host named: the latest run's, else local."""
+    if not host_names:
+        latest = latest_host(session.logs_dir)
+        if latest not in session.inventory.hosts:  # the inventory changed since that run
+            console.warn(f"the latest run's host {latest!r} is not in {session.inventory.source}: skipped; "
+                         "the runs on local follow (--host HOST for another)")
+            latest = "local"
+        host_names = [latest]
     store = ReleaseStore(session)
     for name in host_names:
         runs = list(session.agent(name).call(StatusReply).runs)

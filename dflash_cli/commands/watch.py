@@ -328,7 +328,7 @@ class Watcher:
 _PRINTING = threading.RLock()
 
 
-def run(session: Session, ref: RunRef, tail: int | None, interval: float, as_json: bool,
+def run(session: Session, ref: RunRef, *, tail: int | None, interval: float, as_json: bool,
         retry_for: float) -> ExitCode:
     if ref.multihost:
         return _watch_hosts(session, ref, tail, interval, as_json, retry_for)
