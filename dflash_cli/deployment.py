@@ -45,7 +45,7 @@ class DeployInterrupted(DflashError):
 def deploy_host(session: Session, host: Host, tree: release.Release, bars: Progress | None = None,
                 verify: bool = False, cancel: threading.Event | None = None, switch: bool = True) -> DeployResult:
     """Make `tree` the current release of `host`; one round trip when it already is intact.
-    `bars`: where to draw the upload's progress (see `progress.upload_bars`), if anywhere;
+    `bars`: where to draw the upload's progress (see `progress.transfer_bars`), if anywhere;
     `verify`: re-hash the host's files instead of comparing size, mtime and ctime;
     `cancel`: set by Ctrl-C (see `progress.cancel_on_ctrl_c`), stops the upload;
     `switch`: False installs the release and leaves `current` as it is (launch's deploy)."""

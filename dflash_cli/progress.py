@@ -37,10 +37,10 @@ def cancel_on_ctrl_c(stopping: str = "the uploads") -> Iterator[threading.Event]
 
 
 @contextlib.contextmanager
-def upload_bars() -> Iterator[Progress | None]:
-    """One live display for every host's upload bar (hosts deploy in parallel, and rich
-    before 14.1 allows one live display per console), gone when the block ends
-    however it ends; None off a terminal."""
+def transfer_bars() -> Iterator[Progress | None]:
+    """One live display for every transfer's bar (deploy's uploads, to hosts in parallel,
+    and pull's download; rich before 14.1 allows one live display per console), gone when
+    the block ends however it ends; None off a terminal."""
     if not console.human.is_terminal:
         yield None
         return

@@ -9,7 +9,7 @@ from rich.text import Text
 from .. import console, release
 from ..deployment import DeployResult, deploy_host, source_tree
 from ..errors import DflashError, ExitCode
-from ..progress import cancel_on_ctrl_c, upload_bars
+from ..progress import cancel_on_ctrl_c, transfer_bars
 from ..session import Session
 
 
@@ -22,7 +22,7 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
         raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
     tree, _ = source_tree(source_dir, allow_large)
-    with upload_bars() as bars, cancel_on_ctrl_c() as cancel:
+    with transfer_bars() as bars, cancel_on_ctrl_c() as cancel:
         results = session.on_each_host(
             hosts, lambda host: deploy_host(session, host, tree, bars, verify, cancel))
     _print_table(results, host_names, tree)

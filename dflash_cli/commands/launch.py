@@ -21,7 +21,7 @@ from ..deployment import deploy_host, source_tree
 from ..errors import DflashError, ExitCode
 from ..inventory import Host, is_address
 from ..local_state import RunRef, set_latest
-from ..progress import cancel_on_ctrl_c, upload_bars
+from ..progress import cancel_on_ctrl_c, transfer_bars
 from ..release import Release, find_source
 from ..release_store import ReleaseStore, change_since
 from ..run_start import refuse, start_together
@@ -123,7 +123,7 @@ def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_
     or interrupted before that leaves it where it was. Any host that failed (or a Ctrl-C)
     starts nothing. Then each host says what the release changed since its newest run."""
     tree, source = source_tree(source_dir, allow_large)
-    with upload_bars() as bars, cancel_on_ctrl_c() as cancel:
+    with transfer_bars() as bars, cancel_on_ctrl_c() as cancel:
         results = session.on_each_host(hosts, lambda host: deploy_host(session, host, tree, bars,
                                                                         cancel=cancel, switch=False))
     for host in hosts:
