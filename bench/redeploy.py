@@ -28,8 +28,7 @@ from testbed import test_bed
 
 from support import copy_release_dirs
 
-from dflash_cli import release
-from dflash_cli.commands import deploy
+from dflash_cli import deployment, release
 from dflash_cli.session import Session
 
 RSH = """#!{python}
@@ -113,11 +112,11 @@ def main() -> None:
         host = session.host("ct200")
         tree = release.scan()
         print(f"tree: {len(tree.files)} files, {tree.total_bytes} bytes")
-        deploy.deploy_host(session, host, tree)
-        unchanged = [deploy.deploy_host(session, host, tree) for _ in range(args.repeat)]
+        deployment.deploy_host(session, host, tree)
+        unchanged = [deployment.deploy_host(session, host, tree) for _ in range(args.repeat)]
         print(f"dflash unchanged:  {statistics.median(r.seconds for r in unchanged) * 1000:.0f} ms median, "
               f"{unchanged[0].round_trips} round trip(s), {unchanged[0].bytes_sent} bytes sent")
-        one = deploy.deploy_host(session, host, release.scan(changed_copy(bed.work)))
+        one = deployment.deploy_host(session, host, release.scan(changed_copy(bed.work)))
         print(f"dflash one change: {one.seconds * 1000:.0f} ms, {one.round_trips} round trips, "
               f"{one.files_sent} file / {one.bytes_sent} bytes sent "
               f"({100 * one.bytes_sent / tree.total_bytes:.1f}% of the tree)")

@@ -1,11 +1,12 @@
 """The click layer: parse options, call a verb's run(...), turn DflashError into an exit code.
 
-Command docstrings are the --help text.
+Command docstrings are the --help text. Each command imports its verb's module when it
+runs: `--help` and the other verbs do not pay for its imports (deploy's alone cost as
+much as click's).
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 import sys
 from pathlib import Path
 
@@ -14,14 +15,8 @@ import click
 from . import console, retry
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
-from .local_state import latest_host, resolve_run
+from .local_state import RunRef, resolve_run
 from .session import Session
-
-
-def _verb(name: str):
-    """The module of verb `name`, imported when that verb runs: `--help` and the other
-    verbs do not pay for its imports (deploy's alone cost as much as click's)."""
-    return importlib.import_module(f".commands.{name}", __package__)
 
 
 class _Group(click.Group):
@@ -50,8 +45,10 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
     """--version runs while options are parsed, before any command (and without an inventory)."""
     if not value or ctx.resilient_parsing:
         return
+    from .commands import version
+
     try:
-        ctx.exit(int(_verb("version").run()))
+        ctx.exit(int(version.run()))
     except DflashError as exc:
         _fail(ctx, exc)
 
@@ -106,7 +103,10 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
     of remote/ and configs/ (what .gitignore ignores stays here), minus what
     .dflashignore names; files are read from disk as they are sent.
     """
-    sys.exit(_verb("deploy").run(session, list(host_names), all_hosts, verify, source_dir, allow_large))
+    from .commands import deploy
+
+    sys.exit(deploy.run(session, host_names=list(host_names), all_hosts=all_hosts, verify=verify,
+                        source_dir=source_dir, allow_large=allow_large))
 
 
 @main.command("setup")
@@ -131,7 +131,10 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
     it. pip's output streams to stderr; `host<TAB>result<TAB>environment` per host on
     stdout.
     """
-    sys.exit(_verb("setup").run(session, list(host_names), all_hosts, torch_version, index_url))
+    from .commands import setup
+
+    sys.exit(setup.run(session, host_names=list(host_names), all_hosts=all_hosts, torch=torch_version,
+                       index_url=index_url))
 
 
 @main.command("launch")
@@ -187,14 +190,17 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
     GPU is refused (exit 2), naming the device, the estimate, its largest terms and
     what to change. --dry-run prints the estimate, term by term, and stops there.
     """
+    from .commands import launch
+
+    options = launch.LaunchOptions(host_names, config_path, name=name, force=force, source_dir=source_dir,
+                                   overrides=overrides, allow_large=allow_large, master_addr=master_addr,
+                                   master_port=master_port)
     if dry_run:
-        sys.exit(_verb("launch").dry_run(session, list(host_names), config_path, name, source_dir, overrides))
-    ref = _verb("launch").run(session, list(host_names), config_path, name, force, source_dir, overrides, allow_large,
-                     master_addr, master_port)
+        sys.exit(launch.dry_run(session, options))
+    ref = launch.run(session, options)
     console.data(ref.run_id + "\n")
     if follow:
-        sys.exit(_verb("watch").run(session, ref, tail=None, interval=GPU_INTERVAL_S, as_json=False,
-                           retry_for=retry.RETRY_FOR_S))
+        sys.exit(_watch_after(session, ref))
 
 
 @main.command("resume")
@@ -219,12 +225,20 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
     or when the checkpoint does not fit the config. A run on several hosts resumes as
     one: every host from rank 0's checkpoint at one step, checked on every host first.
     """
+    from .commands import resume
+
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    code = _verb("resume").run(session, ref, release == "current", step)
+    code = resume.run(session, ref, current_release=release == "current", step=step)
     if follow:
-        code = _verb("watch").run(session, ref, tail=None, interval=GPU_INTERVAL_S, as_json=False,
-                         retry_for=retry.RETRY_FOR_S)
+        code = _watch_after(session, ref)
     sys.exit(code)
+
+
+def _watch_after(session: Session, ref: RunRef) -> ExitCode:
+    """--follow: `dflash watch RUN` with its defaults, once the run is started."""
+    from .commands import watch
+
+    return watch.run(session, ref, tail=None, interval=GPU_INTERVAL_S, as_json=False, retry_for=retry.RETRY_FOR_S)
 
 
 @main.command("watch")
@@ -249,8 +263,10 @@ def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail:
     checkpoint; `dflash stacks` shows where it hangs). Exits when the run ends: 0
     succeeded, 1 failed or lost, 4 stopped; 3 host unreachable.
     """
+    from .commands import watch
+
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(_verb("watch").run(session, ref, tail, interval, as_json, retry_for))
+    sys.exit(watch.run(session, ref, tail=tail, interval=interval, as_json=as_json, retry_for=retry_for))
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
@@ -283,8 +299,11 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
     every thread's stack now, and a STOPPED run shows its last dump, threads named
     (drafter-1, ...).
     """
+    from .commands import fetch_traceback
+
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(_verb("fetch_traceback").run(session, ref, thread, all_records, output, show_stacks))
+    sys.exit(fetch_traceback.run(session, ref, thread=thread, all_records=all_records, output=output,
+                                 stacks=show_stacks))
 
 
 @main.command("stacks")
@@ -298,8 +317,10 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> N
     the GIL shows); a run that ended shows the last dump it left. Short for
     `dflash fetch-traceback --stacks`.
     """
+    from .commands import fetch_traceback
+
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(_verb("stacks").run(session, ref))
+    sys.exit(fetch_traceback.run(session, ref, thread=None, all_records=False, output=None, stacks=True))
 
 
 @main.command("status")
@@ -321,10 +342,12 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
     status object as "config"), the state and the launch's --set overrides on stderr;
     exit 0 whatever the state.
     """
+    from .commands import status
+
     ref = resolve_run(session.logs_dir, run_id, host_name)
     if show_config:
-        sys.exit(_verb("status").run_config(session, ref, as_json))
-    sys.exit(_verb("status").run_status(session, ref, as_json))
+        sys.exit(status.run_config(session, ref, as_json=as_json))
+    sys.exit(status.run_status(session, ref, as_json=as_json))
 
 
 @main.command("stop")
@@ -338,8 +361,10 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
 
     Returns only when none of the run's processes is left.
     """
+    from .commands import stop
+
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(_verb("stop").run(session, ref, grace))
+    sys.exit(stop.run(session, ref, grace=grace))
 
 
 @main.command("pull")
@@ -360,8 +385,10 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
     local folders on stdout; exit 2 when the run has no export (or no checkpoint) yet,
     3 when the host stays unreachable.
     """
+    from .commands import pull
+
     ref = resolve_run(session.logs_dir, run_id, host_name)
-    sys.exit(_verb("pull").run(session, ref, checkpoint, retry_for))
+    sys.exit(pull.run(session, ref, checkpoint=checkpoint, retry_for=retry_for))
 
 
 @main.command("plot")
@@ -377,8 +404,10 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     Reads the events `dflash watch` mirrored under logs/<host>/<run>/ (watch a run
     first; nothing is fetched here). Prints the file's path on stdout.
     """
+    from .commands import plot
+
     refs = [resolve_run(session.logs_dir, run_id, host_name) for run_id in run_ids or [None]]
-    sys.exit(_verb("plot").run(session.logs_dir, refs, output))
+    sys.exit(plot.run(session.logs_dir, refs, output=output))
 
 
 @main.command("runs")
@@ -393,14 +422,9 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
     what its release changed since the run before it on that host: `2 files (+14 −3)`,
     or `same release as RUN`.
     """
-    if not host_names:
-        latest = latest_host(session.logs_dir)
-        if latest not in session.inventory.hosts:  # the inventory changed since that run
-            console.warn(f"the latest run's host {latest!r} is not in {session.inventory.source}: skipped; "
-                         "the runs on local follow (--host HOST for another)")
-            latest = "local"
-        host_names = (latest,)
-    sys.exit(_verb("status").list_runs(session, list(host_names), as_json))
+    from .commands import status
+
+    sys.exit(status.list_runs(session, host_names=list(host_names), as_json=as_json))
 
 
 @main.command("diff")
@@ -420,7 +444,9 @@ def diff_cmd(session: Session, run_a: str, run_b: str, paths: tuple[str, ...], h
     the source tree became since. PATHs (after --) limit it to those files or folders.
     Binary files are said to differ.
     """
-    sys.exit(_verb("diff").run(session, run_a, run_b, host_name, paths, stat, config))
+    from .commands import diff
+
+    sys.exit(diff.run(session, run_a=run_a, run_b=run_b, host=host_name, paths=paths, stat=stat, config=config))
 
 
 @main.command("gc")
@@ -437,7 +463,9 @@ def gc_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, keep:
     deploy is installing a release there. Prints `host<TAB>release<TAB>bytes` per
     removed release.
     """
-    sys.exit(_verb("gc").run(session, list(host_names), all_hosts, keep, as_json))
+    from .commands import gc
+
+    sys.exit(gc.run(session, host_names=list(host_names), all_hosts=all_hosts, keep=keep, as_json=as_json))
 
 
 @main.group("cache", cls=_Group)
@@ -458,7 +486,9 @@ def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...])
     A run saves the artifacts after its first compile; a run on several hosts copies them
     between its hosts by itself before it starts.
     """
-    sys.exit(_verb("cache").run(session, source, list(destinations)))
+    from .commands import cache
+
+    sys.exit(cache.run(session, source_name=source, destination_names=list(destinations)))
 
 
 @main.command("hosts")
@@ -478,4 +508,6 @@ def hosts_cmd(session: Session, do_check: bool, as_json: bool, verbose: bool) ->
     GPU nvidia-smi lists; otherwise `needs setup` with the `dflash setup` command to
     run. Exit 3 when a host is unreachable, 2 when one is not ok.
     """
-    sys.exit(_verb("hosts").run(session, do_check, as_json, verbose))
+    from .commands import hosts
+
+    sys.exit(hosts.run(session, do_check=do_check, as_json=as_json, verbose=verbose))

@@ -15,7 +15,7 @@ import difflib
 import hashlib
 from pathlib import Path
 
-from dflash_agent.protocol import ReleaseFilesReply
+from dflash_agent.protocol import ReleaseFilesReply, RunStatus
 
 from .errors import DflashError, ExitCode
 from .local_state import write_atomic
@@ -145,3 +145,19 @@ def summary(diffs: list[FileDiff]) -> str:
     """`2 files (+14 −3)`."""
     return (f"{len(diffs)} file{'s' if len(diffs) != 1 else ''} "
             f"(+{sum(d.added for d in diffs)} \u2212{sum(d.removed for d in diffs)})")
+
+
+def change_since(store: ReleaseStore, host: str, previous: RunStatus, release_id: str) -> dict:
+    """What release `release_id` changed from the one run `previous` used (it names one),
+    both on `host`: {"since", "same_release", "files", "added", "removed", "text"}; "text"
+    reads `same release as RUN` or `changed since RUN: 2 files (+14 −3)`."""
+    since = previous.run_id
+    if previous.release_id == release_id:
+        return {"since": since, "same_release": True, "files": 0, "added": 0, "removed": 0,
+                "text": f"same release as {since}"}
+    try:
+        diffs = store.diff((host, previous.release_id), (host, release_id))
+    except DflashError as exc:
+        return {"since": since, "same_release": False, "text": f"changed since {since}: unknown ({exc.message})"}
+    return {"since": since, "same_release": False, "files": len(diffs), "added": sum(d.added for d in diffs),
+            "removed": sum(d.removed for d in diffs), "text": f"changed since {since}: {summary(diffs)}"}

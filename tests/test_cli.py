@@ -1,7 +1,9 @@
 """The CLI's edges: --help, exit codes, stdout carrying data only, clear errors."""
 from __future__ import annotations
 
+import ast
 from importlib import metadata
+from pathlib import Path
 
 import click
 import pytest
@@ -29,6 +31,31 @@ def test_help_of_every_command(command, tmp_path):
         if isinstance(option, click.Option) and not option.hidden:
             assert option.opts[-1] in done.stdout, option.opts
             assert option.help and " ".join(option.help.split()[:4]) in flat, option.opts
+
+
+def _imports(source: str, package: str) -> set[str]:
+    """Every module name an import of `source` (a module of `package`) may bind."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = ".".join(filter(None, [package.rsplit(".", node.level - 1)[0] if node.level else "",
+                                            node.module]))
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_a_verb_imports_the_core_never_another_verb():
+    # What several verbs share lives in the core: a verb importing another's module ties
+    # the two verbs' changes together.
+    folder = Path(cli.__file__).parent / "commands"
+    verbs = {f"dflash_cli.commands.{path.stem}" for path in folder.glob("*.py") if path.stem != "__init__"}
+    assert len(verbs) > 10
+    of_other_verbs = {path.stem: _imports(path.read_text(), "dflash_cli.commands") & verbs
+                      for path in sorted(folder.glob("*.py"))}
+    assert of_other_verbs == {name: set() for name in of_other_verbs}
 
 
 def test_top_level_help_lists_every_command_and_exit_codes():

@@ -14,8 +14,7 @@ from typing import Callable
 
 import pytest
 
-from dflash_cli import release
-from dflash_cli.commands import deploy
+from dflash_cli import deployment, release
 from dflash_cli.errors import DflashError
 from dflash_cli.session import Session
 from dflash_run import REPO, dflash, dflash_argv, dflash_env, dflash_in_process
@@ -38,14 +37,14 @@ def node_path(fake_pve, tmp_path, *parts) -> Path:
 def test_fresh_then_unchanged_then_one_changed_file_over_pct(session, fake_pve, tmp_path):
     host = session.host("ct200")
     tree = release.scan()
-    first = deploy.deploy_host(session, host, tree)
+    first = deployment.deploy_host(session, host, tree)
     assert first.status == "installed" and first.files_sent == len(tree.files)
     current = node_path(fake_pve, tmp_path, "current")
     assert os.readlink(current) == f"releases/{tree.release_id}"
     assert (current / "MANIFEST").read_text() == tree.manifest_text
     assert (current / "remote" / "agent.py").read_bytes() == (REPO / "remote" / "agent.py").read_bytes()
 
-    again = deploy.deploy_host(session, host, tree)
+    again = deployment.deploy_host(session, host, tree)
     assert (again.status, again.round_trips, again.bytes_sent) == ("unchanged", 1, 0)
 
     changed_root = copy_release_dirs(tmp_path / "checkout")
@@ -53,7 +52,7 @@ def test_fresh_then_unchanged_then_one_changed_file_over_pct(session, fake_pve, 
     config.write_text(config.read_text() + "# one more line\n")
     changed = release.scan(changed_root)
     assert changed.release_id != tree.release_id
-    result = deploy.deploy_host(session, host, changed)
+    result = deployment.deploy_host(session, host, changed)
     assert (result.status, result.files_sent, result.files_reused) == ("installed", 1, len(tree.files) - 1)
     assert result.bytes_sent < tree.total_bytes / 4
     assert os.readlink(current) == f"releases/{changed.release_id}"
@@ -63,7 +62,7 @@ def test_fresh_then_unchanged_then_one_changed_file_over_pct(session, fake_pve, 
     assert "one more line" not in (old / "configs" / "hosts.yaml").read_text()
 
     # Going back to a release the host already has only moves `current`.
-    back = deploy.deploy_host(session, host, tree)
+    back = deployment.deploy_host(session, host, tree)
     assert (back.status, back.round_trips) == ("switched", 1)
     assert os.readlink(current) == f"releases/{tree.release_id}"
 
@@ -71,11 +70,11 @@ def test_fresh_then_unchanged_then_one_changed_file_over_pct(session, fake_pve, 
 def test_a_mode_only_change_leaves_the_older_release_as_it_was(session, fake_pve, tmp_path):
     host = session.host("ct200")
     tree = release.scan()
-    deploy.deploy_host(session, host, tree)
+    deployment.deploy_host(session, host, tree)
     changed_root = copy_release_dirs(tmp_path / "checkout")
     (changed_root / "configs" / "hosts.yaml").chmod(0o755)  # same bytes, now executable
     changed = release.scan(changed_root)
-    result = deploy.deploy_host(session, host, changed)
+    result = deployment.deploy_host(session, host, changed)
     assert (result.status, result.files_sent) == ("installed", 0)  # nothing new to send
 
     def mode(release_id: str) -> int:
@@ -88,25 +87,25 @@ def test_a_mode_only_change_leaves_the_older_release_as_it_was(session, fake_pve
 def test_interrupted_or_corrupt_deploy_leaves_current_release(session, fake_pve, tmp_path):
     host = session.host("ct200")
     tree = release.scan()
-    deploy.deploy_host(session, host, tree)
+    deployment.deploy_host(session, host, tree)
     changed_root = copy_release_dirs(tmp_path / "checkout")
     (changed_root / "configs" / "extra.yaml").write_text("a: 1\n")
     changed = release.scan(changed_root)
     payload = changed.tar_stream({"configs/extra.yaml"}).read()
 
     with pytest.raises(DflashError, match="previous release stays current"):
-        deploy._receiver(session, host, "install", changed.release_id, str(len(payload)),
+        deployment._receiver(session, host, "install", changed.release_id, str(len(payload)),
                          stdin=payload[: len(payload) // 2])
     # A stream that ends between two files is a well-formed, shorter tar: the byte
     # count the CLI announced tells the host that it was cut short.
     whole = _tar(MANIFEST=changed.manifest_text.encode(), **{"configs/extra.yaml": b"a: 1\n"})
     with pytest.raises(DflashError, match="upload cut short"):
-        deploy._receiver(session, host, "install", changed.release_id, str(len(whole) + 512),
+        deployment._receiver(session, host, "install", changed.release_id, str(len(whole) + 512),
                          stdin=whole)
     # Same MANIFEST, other bytes for the file it lists: the host's verification refuses it.
     corrupt = _tar(MANIFEST=changed.manifest_text.encode(), **{"configs/extra.yaml": b"a: 2\n"})
     with pytest.raises(DflashError, match="verification failed for configs/extra.yaml"):
-        deploy._receiver(session, host, "install", changed.release_id, str(len(corrupt)), stdin=corrupt)
+        deployment._receiver(session, host, "install", changed.release_id, str(len(corrupt)), stdin=corrupt)
     # The CLI itself refuses to send a file that changed since it was hashed.
     (changed_root / "configs" / "extra.yaml").write_text("a: 3\n")
     with pytest.raises(DflashError, match="configs/extra.yaml changed while deploying"):
@@ -328,7 +327,7 @@ def test_probe_is_made_again_after_a_dropped_connection(make_inventory, ssh_node
 
 def test_a_partial_release_left_by_a_killed_deploy_is_removed_by_the_next(session, tmp_path):
     host = session.host("local")
-    deploy.deploy_host(session, host, release.scan())
+    deployment.deploy_host(session, host, release.scan())
     gone = subprocess.Popen(["true"])
     gone.wait()
     releases = tmp_path / "local ws" / "releases"
@@ -338,5 +337,5 @@ def test_a_partial_release_left_by_a_killed_deploy_is_removed_by_the_next(sessio
     os.chmod(left / "configs", 0o555)
     changed_root = copy_release_dirs(tmp_path / "checkout")
     (changed_root / "configs" / "extra.yaml").write_text("a: 1\n")
-    assert deploy.deploy_host(session, host, release.scan(changed_root)).status == "installed"
+    assert deployment.deploy_host(session, host, release.scan(changed_root)).status == "installed"
     assert not left.exists()

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cli import release
-from dflash_cli.commands import deploy
+from dflash_cli import deployment, release
 from dflash_cli.session import Session
 from dflash_run import dflash
 from support import copy_release_dirs, wait_until, workspace_on_node
@@ -40,12 +39,12 @@ def files_under(folder: Path) -> list[Path]:
 def test_releases_are_read_only_and_share_no_inode(session, fake_pve, tmp_path):
     host = session.host("ct200")
     tree = release.scan()
-    deploy.deploy_host(session, host, tree)
+    deployment.deploy_host(session, host, tree)
     changed_root = copy_release_dirs(tmp_path / "checkout")
     config = changed_root / "configs" / "hosts.yaml"
     config.write_text(config.read_text() + "# one more line\n")
     changed = release.scan(changed_root)
-    result = deploy.deploy_host(session, host, changed)
+    result = deployment.deploy_host(session, host, changed)
     assert (result.status, result.files_sent) == ("installed", 1)
 
     releases = releases_on_node(fake_pve, tmp_path)
@@ -97,7 +96,7 @@ def test_an_edited_release_is_reported_then_replaced_by_a_fresh_copy(make_invent
 def test_deploy_verify_rehashes_what_the_cheap_check_cannot_see(session, fake_pve, tmp_path):
     host = session.host("ct200")
     tree = release.scan()
-    deploy.deploy_host(session, host, tree)
+    deployment.deploy_host(session, host, tree)
     folder = releases_on_node(fake_pve, tmp_path) / tree.release_id
     edited = folder / "configs" / "hosts.yaml"
     original = edited.read_bytes()
@@ -108,8 +107,8 @@ def test_deploy_verify_rehashes_what_the_cheap_check_cannot_see(session, fake_pv
     st = edited.stat()
     record["files"]["configs/hosts.yaml"] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     record_path.write_text(json.dumps(record))
-    assert deploy.deploy_host(session, host, tree).status == "unchanged"
-    result = deploy.deploy_host(session, host, tree, verify=True)
+    assert deployment.deploy_host(session, host, tree).status == "unchanged"
+    result = deployment.deploy_host(session, host, tree, verify=True)
     assert result.status == "repaired"
     assert result.modified == ("configs/hosts.yaml: content differs from MANIFEST",)
     assert result.files_sent == 1  # the intact files were copied on the host

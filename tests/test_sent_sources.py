@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cli import agent_client, fit_check
-from dflash_cli.commands import deploy, hosts, setup
+from dflash_cli import agent_client, fit_check, host_scripts
+from dflash_cli.commands import hosts
 from dflash_cli.inventory import Host
 from support.old_python import old_python_problems
 
 CLI = Path(agent_client.__file__).resolve().parent
 HOST = Host(transport="local", workspace="~/dflash")  # no `python:`: the prelude is sent too
 SENT = {
-    "deploy_receiver.py": deploy.RECEIVER_SOURCE,
-    "host_setup.py": setup.SETUP_SOURCE,
+    "deploy_receiver.py": host_scripts.source("deploy_receiver.py"),
+    "host_setup.py": host_scripts.source("host_setup.py"),
     "hosts --check probe": agent_client.python_argv(HOST, hosts._PROBE, HOST.workspace)[2],
     "launch fit probe": agent_client.python_argv(HOST, fit_check.PROBE, HOST.workspace)[2],
     "agent bootstrap": agent_client.python_argv(HOST, agent_client._BOOTSTRAP, HOST.workspace)[2],
@@ -48,7 +48,7 @@ def test_the_guard_knows_every_source_sent_with_python_c():
     # A new `python -c` in the CLI fails here until its source is added to SENT.
     assert _python_c_argvs() == {
         ("agent_client.py", "python_argv"), ("agent_client.py", "_BOOTSTRAP"), ("commands/hosts.py", "_PROBE"),
-        ("fit_check.py", "PROBE"), ("commands/deploy.py", "_receiver"), ("commands/setup.py", "setup_host")}
+        ("fit_check.py", "PROBE"), ("deployment.py", "_receiver"), ("commands/setup.py", "setup_host")}
 
 
 @pytest.mark.parametrize("name", sorted(SENT))

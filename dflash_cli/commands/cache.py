@@ -7,7 +7,7 @@ from ..errors import DflashError, ExitCode
 from ..session import Session
 
 
-def run(session: Session, source_name: str, destination_names: list[str]) -> ExitCode:
+def run(session: Session, *, source_name: str, destination_names: list[str]) -> ExitCode:
     """Copy SOURCE's compile artifacts (every key of its workspace's compile cache) to each
     DESTINATION that has none of that key and has its GPU model (for CPU code: the same CPU
     model); the bytes are checked against their sha256 on the way and on arrival. A key a

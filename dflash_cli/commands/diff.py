@@ -21,7 +21,7 @@ def parse_run(session: Session, text: str, host: str | None) -> RunRef:
     return resolve_run(session.logs_dir, text, host)
 
 
-def run(session: Session, run_a: str, run_b: str, host: str | None, paths: tuple[str, ...],
+def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tuple[str, ...],
         stat: bool, config: bool) -> ExitCode:
     """The unified diff on stdout (or --stat's table); exit 0 whether or not they differ."""
     refs = [parse_run(session, text, host) for text in (run_a, run_b)]

@@ -2,69 +2,19 @@
 for a run that recorded no error (hung, stopped, killed), the stacks of every thread."""
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 from dflash_agent.protocol import ReportReply, RunState, StacksReply
 from dflash_agent.state import attempt_errors
 
-from .. import console, diagnosis, multihost
+from .. import console, multihost
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef
 from ..session import Session
+from ..tracebacks import render_no_record, render_record, say_diagnosis
 
-_THREAD_TAG = re.compile(r"^\S+ \[([^\]]+)\] ")
 # A run that ended with nobody recording why: what its host knows is shown instead.
 _FAILED = (RunState.FAILED, RunState.LOST)
-
-
-def header(record: dict, ref: RunRef, several_attempts: bool = False) -> str:
-    step = f" at step {record['step']}" if record.get("step") is not None else ""
-    if several_attempts:
-        step += f" of attempt {record.get('attempt') or 0}"
-    return (f"==> run {ref.run_id} on {ref.host}: thread {record.get('thread')} failed in "
-            f"{record.get('phase')}{step} at {console.utc_time(record.get('ts', 0), 'milliseconds')} "
-            f"({record.get('exc_type')}) <==\n")
-
-
-def render_record(record: dict, ref: RunRef, several_attempts: bool = False) -> str:
-    """Header line, then the traceback text exactly as the thread formatted it (or, for
-    a line of errors.jsonl that is not JSON, that line as it is)."""
-    text = record.get("traceback", record.get("raw", ""))
-    return header(record, ref, several_attempts) + text + ("" if text.endswith("\n") else "\n")
-
-
-def say_diagnosis(record: dict, ref: RunRef, hosts: tuple[str, ...]) -> None:
-    """The diagnosis line of a known failure, on stderr after its traceback (none for another)."""
-    line = diagnosis.diagnose(diagnosis.Failure(record, ref.run_id, ref.host, hosts))
-    if line is not None:
-        console.say(console.printable(f"diagnosis: {line}"))
-
-
-def render_no_record(report: ReportReply, ref: RunRef, of_its_own: bool = False) -> str:
-    """What is known about a run that died without writing an error record (`of_its_own`:
-    none but records of stopping for a peer)."""
-    out = [f"==> run {ref.run_id} on {ref.host}: no error record{' of its own' if of_its_own else ''}; "
-           f"state {report.state} <==\n"]
-    exit_info = report.exit
-    if exit_info:
-        out.append(f"process ended: {multihost.ended_by(exit_info)} at {console.utc_time(exit_info.get('ended_at'))}\n")
-        out.append("exit.json: " + json.dumps(exit_info, sort_keys=True) + "\n")
-    else:
-        out.append("exit.json: absent (the supervisor did not record an exit)\n")
-    if report.agent_error:
-        out.append(f"agent.log, the supervisor's last error: {report.agent_error}\n")
-    fault = report.last_stacks.strip()
-    if fault:
-        out.append("--- faulthandler.log, the last dump ---\n" + fault + "\n")
-    by_thread: dict[str, list[str]] = {}
-    for line in report.log_tail.splitlines():
-        match = _THREAD_TAG.match(line)
-        by_thread.setdefault(match.group(1) if match else "(untagged)", []).append(line)
-    for thread, lines in by_thread.items():
-        out.append(f"--- train.log, last lines of {thread} ---\n" + "\n".join(lines[-40:]) + "\n")
-    return "".join(out)
 
 
 def render_stacks(session: Session, ref: RunRef, report: ReportReply) -> str | None:
@@ -102,7 +52,7 @@ def _reports(session: Session, ref: RunRef) -> dict[str, ReportReply]:
     return reports
 
 
-def run(session: Session, ref: RunRef, thread: str | None, all_records: bool,
+def run(session: Session, ref: RunRef, *, thread: str | None, all_records: bool,
         output: Path | None, stacks: bool) -> ExitCode:
     """The root cause's traceback, for a run on one host or on several: there the root
     cause is the earliest record that is not a rank stopping for a peer's failure

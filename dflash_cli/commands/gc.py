@@ -13,7 +13,7 @@ from ..errors import DflashError, ExitCode
 from ..session import Session
 
 
-def run(session: Session, host_names: list[str], all_hosts: bool, keep: int, as_json: bool) -> ExitCode:
+def run(session: Session, *, host_names: list[str], all_hosts: bool, keep: int, as_json: bool) -> ExitCode:
     """Each host's agent removes what it may (never a release a run uses, never `current`,
     never while a deploy installs one); the space freed per host on stderr."""
     if all_hosts:

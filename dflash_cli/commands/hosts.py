@@ -13,11 +13,11 @@ from rich.text import Text
 
 from .. import console, requirements
 from ..agent_client import check_interpreter, parse_reply, python_argv, read_probe
+from ..deployment import check_host
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session
 from ..transports import ssh_client
-from . import deploy
 
 # The agent's own host facts (stdlib only, no package imports), sent with `python -c`:
 # it works before anything is deployed.
@@ -47,7 +47,7 @@ def check(session: Session, host: Host) -> HostCheck:
                           f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
     facts = read_probe(host, HostProbe, answer)
     # A release edited on the host runs what nobody deployed: say so (deploy repairs it).
-    return HostCheck(facts, deploy.check_host(session, host) if facts.current_release else [])
+    return HostCheck(facts, check_host(session, host) if facts.current_release else [])
 
 
 def _where(host: Host) -> str:
@@ -95,7 +95,7 @@ def _print_options(name: str, resolved: dict) -> None:
     console.human.print(table)
 
 
-def run(session: Session, do_check: bool, as_json: bool, verbose: bool = False) -> ExitCode:
+def run(session: Session, *, do_check: bool, as_json: bool, verbose: bool) -> ExitCode:
     hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts)]
     needs = requirements.load() if do_check else None
     groups = session.inventory.groups

@@ -2,6 +2,7 @@
 (on several hosts: one run, one trainer per host, docs/multihost.md)."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import re
@@ -12,22 +13,42 @@ from typing import TYPE_CHECKING
 import dflash_schema
 from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.layout import MAX_RUN_ID
-from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply, StopReply
+from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply
 
 from .. import console, fit_check
 from ..compile_artifacts import seed_hosts
+from ..deployment import deploy_host, source_tree
 from ..errors import DflashError, ExitCode
 from ..inventory import Host, is_address
 from ..local_state import RunRef, set_latest
+from ..progress import cancel_on_ctrl_c, transfer_bars
 from ..release import Release, find_source
-from ..release_store import ReleaseStore
+from ..release_store import ReleaseStore, change_since
+from ..run_start import refuse, start_together
 from ..session import Session
-from . import deploy, status
 
 if TYPE_CHECKING:
     from dflash_train.config import TrainConfig
 
 _BAD_NAME = re.compile(r"[/\x00-\x1f\x7f]")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """What a launch (or its --dry-run) was asked for."""
+    host_names: tuple[str, ...]  # hosts and groups, rank 0 first
+    config_path: Path
+    name: str | None = None  # the run name; None: the config's file name
+    force: bool = False  # start next to the runs holding the same GPUs
+    source_dir: Path | None = None  # the tree to deploy; None: chosen as `deploy` chooses it
+    overrides: tuple[str, ...] = ()  # --set KEY=VALUE, in order
+    allow_large: bool = False  # send a release over the size threshold
+    master_addr: str | None = None  # several hosts: where the others reach rank 0
+    master_port: int | None = None  # several hosts: rank 0's rendezvous port; None: one free there
+
+    @property
+    def run_name(self) -> str:
+        return self.config_path.stem if self.name is None else self.name
 
 
 def load_config(path: Path, overrides: tuple[str, ...] = ()) -> TrainConfig:
@@ -92,7 +113,7 @@ def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
         return
     store = ReleaseStore(session)
     store.add_local(tree)
-    console.say(f"{host_name}: {status.change_since(store, host_name, previous, tree.release_id)['text']}")
+    console.say(f"{host_name}: {change_since(store, host_name, previous, tree.release_id)['text']}")
 
 
 def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_large: bool) -> dict:
@@ -101,10 +122,10 @@ def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_
     as it is: the agent makes the release current as the run starts, so a launch refused
     or interrupted before that leaves it where it was. Any host that failed (or a Ctrl-C)
     starts nothing. Then each host says what the release changed since its newest run."""
-    tree, source = deploy.source_tree(source_dir, allow_large)
-    with deploy.upload_bars() as bars, deploy.cancel_on_ctrl_c() as cancel:
-        results = session.on_each_host(hosts, lambda host: deploy.deploy_host(session, host, tree, bars,
-                                                                               cancel=cancel, switch=False))
+    tree, source = source_tree(source_dir, allow_large)
+    with transfer_bars() as bars, cancel_on_ctrl_c() as cancel:
+        results = session.on_each_host(hosts, lambda host: deploy_host(session, host, tree, bars,
+                                                                        cancel=cancel, switch=False))
     for host in hosts:
         result = results[host.name]
         if isinstance(result, DflashError):
@@ -121,13 +142,13 @@ def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_
     return source
 
 
-def _agent_args(host: Host, config: TrainConfig, run_id: str, name: str, source: dict, force: bool,
-                overrides: tuple[str, ...], rank: int = 0) -> list[str]:
+def _agent_args(host: Host, config: TrainConfig, run_id: str, options: LaunchOptions, source: dict,
+                rank: int = 0) -> list[str]:
     """The agent's launch options for `host`, rank `rank` of the run. Every value in the
     option's own word (--key=value): none can read as an option. Only rank 0 reads
     checkpoint.resume (it sends the checkpoint to the others), so only its host must
     hold it."""
-    args = [f"--run-id={run_id}", "--config=-", f"--name={name}", f"--stall-after={config.stall_after}",
+    args = [f"--run-id={run_id}", "--config=-", f"--name={options.run_name}", f"--stall-after={config.stall_after}",
             f"--startup-stall-after={config.startup_stall_after}",
             f"--source-json={json.dumps(source)}", f"--restart-json={json.dumps(config.restart.as_json())}"]
     args += [f"--resource={resource}" for resource in config.resources()]
@@ -135,9 +156,9 @@ def _agent_args(host: Host, config: TrainConfig, run_id: str, name: str, source:
     args += [f"--require-module={package}" for package in TRAINER_PACKAGES]
     args += [f"--require-path={kind}:{key}={path}" for kind, key, path in host_paths(config)
              if rank == 0 or key != "checkpoint.resume"]
-    args += [f"--override={override}" for override in overrides]
+    args += [f"--override={override}" for override in options.overrides]
     args.append(f"--release={source['release_id']}")  # installed by _deploy; current once the run starts
-    if force:
+    if options.force:
         args.append("--force")
     return args
 
@@ -164,47 +185,42 @@ def _refuse_unless_fits(session: Session, hosts: list[Host], config: TrainConfig
     fit_check.report(fits)
 
 
-def dry_run(session: Session, host_names: list[str], config_path: Path, name: str | None,
-            source_dir: Path | None, overrides: tuple[str, ...] = ()) -> ExitCode:
+def dry_run(session: Session, options: LaunchOptions) -> ExitCode:
     """`run`'s fit check with its estimate printed, and nothing deployed or started: OK when
     the run fits every GPU (or is not checked, the output says why), else a DflashError
     (exit 2) naming the devices it does not fit."""
-    check_name(config_path.stem if name is None else name)
-    hosts = session.inventory.expand(host_names)
-    config = load_config(config_path, overrides)
+    check_name(options.run_name)
+    hosts = session.inventory.expand(options.host_names)
+    config = load_config(options.config_path, options.overrides)
     if (reason := fit_check.unchecked(config)) is not None:
-        console.say(f"{config_path}: {reason}")
+        console.say(f"{options.config_path}: {reason}")
         return ExitCode.OK
-    fits = check_fit(session, hosts, config, source_dir)
+    fits = check_fit(session, hosts, config, options.source_dir)
     fit_check.show(fits)
     fit_check.refuse_unless_fits(fits, "a dry run: nothing was deployed or started")
     return ExitCode.OK
 
 
-def run(session: Session, host_names: list[str], config_path: Path, name: str | None,
-        force: bool, source_dir: Path | None, overrides: tuple[str, ...] = (), allow_large: bool = False,
-        master_addr: str | None = None, master_port: int | None = None) -> RunRef:
+def run(session: Session, options: LaunchOptions) -> RunRef:
     """Start a run on one host, or one run on several (a group names several); returns
     its reference (the CLI prints the run id on stdout). The hosts get the resolved
-    config (every default filled in, `overrides` applied), which the trainer loads
+    config (every default filled in, the overrides applied), which the trainer loads
     through the same schema again. A run the GPUs cannot hold (fit_check) is refused
     before anything is deployed."""
-    name = config_path.stem if name is None else name
-    check_name(name)
-    hosts = session.inventory.expand(host_names)
-    config = load_config(config_path, overrides)
+    check_name(options.run_name)
+    hosts = session.inventory.expand(options.host_names)
+    config = load_config(options.config_path, options.overrides)
     if len(hosts) > 1:
-        return _launch_on_hosts(session, hosts, config, overrides, name, force, source_dir, allow_large,
-                                master_addr, master_port)
-    if master_addr is not None or master_port is not None:
+        return _launch_on_hosts(session, hosts, config, options)
+    if options.master_addr is not None or options.master_port is not None:
         raise DflashError("--master-addr and --master-port are for a run on several hosts; "
                           f"{hosts[0].name} is one", ExitCode.USAGE)
     (host,) = hosts
-    _refuse_unless_fits(session, hosts, config, source_dir)
-    source = _deploy(session, hosts, source_dir, allow_large)
-    run_id = new_run_id(name)
-    reply = session.agent(host.name).call(LaunchReply, *_agent_args(host, config, run_id, name, source, force,
-                                                                    overrides), stdin=_resolved(config))
+    _refuse_unless_fits(session, hosts, config, options.source_dir)
+    source = _deploy(session, hosts, options.source_dir, options.allow_large)
+    run_id = new_run_id(options.run_name)
+    reply = session.agent(host.name).call(LaunchReply, *_agent_args(host, config, run_id, options, source),
+                                          stdin=_resolved(config))
     ref = RunRef(host.name, reply.run_id)
     set_latest(session.logs_dir, ref)
     console.say(f"{host.name}: started run {ref.run_id} (pid {reply.pid}, release {reply.release_id})")
@@ -218,19 +234,12 @@ def _resolved(config: TrainConfig) -> bytes:
     return resolved_yaml(config).encode()
 
 
-# Seconds between SIGTERM and SIGKILL for the parts of a run stopped because another
-# host could not start its own.
-ROLLBACK_GRACE_S = 5.0
-
-
-def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, overrides: tuple[str, ...],
-                     name: str, force: bool, source_dir: Path | None, allow_large: bool,
-                     master_addr: str | None, master_port: int | None) -> RunRef:
+def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, options: LaunchOptions) -> RunRef:
     """One run id on every host, rank = position in `hosts`. Every host checks what it
     can before any starts (one refusal starts nothing anywhere); a start that fails
     after that stops the parts already started: no half-started run is left."""
-    if master_addr is not None and not is_address(master_addr):
-        raise DflashError(f"--master-addr {master_addr!r}: expected a host name or IP address", ExitCode.USAGE)
+    if options.master_addr is not None and not is_address(options.master_addr):
+        raise DflashError(f"--master-addr {options.master_addr!r}: expected a host name or IP address", ExitCode.USAGE)
     if config.restart.max > 0:
         # Each host's supervisor restarts only its own trainer, which would wait for peers
         # that ended: restarting together needs a coordinator (docs/multihost.md "Resume and restart").
@@ -239,30 +248,30 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
                           "coordinator); set restart.max: 0 and resume it by hand with `dflash resume RUN`",
                           ExitCode.USAGE)
     first = hosts[0]
-    address = master_addr or first.rendezvous_address()
+    address = options.master_addr or first.rendezvous_address()
     if address is None:
         raise DflashError(f"{first.name} (rank 0) has no address the other hosts can reach it at",
                           ExitCode.USAGE, hint=f"set address: in the inventory entry of {first.name} "
                           "(a container's own, not its node's), or pass --master-addr")
-    _refuse_unless_fits(session, hosts, config, source_dir)
-    source = _deploy(session, hosts, source_dir, allow_large)
-    run_id = new_run_id(name)
+    _refuse_unless_fits(session, hosts, config, options.source_dir)
+    source = _deploy(session, hosts, options.source_dir, options.allow_large)
+    run_id = new_run_id(options.run_name)
     config_bytes = _resolved(config)
     names = [host.name for host in hosts]
 
     def launch_on(host: Host, reply: type[LaunchReply | LaunchCheckReply], port: int, *extra: str):
         layout = [f"--rank={names.index(host.name)}", f"--world-size={len(hosts)}",
                   f"--master-addr={address}", f"--master-port={port}", f"--host-names={','.join(names)}"]
-        return session.agent(host.name).call(reply, *_agent_args(host, config, run_id, name, source, force, overrides,
+        return session.agent(host.name).call(reply, *_agent_args(host, config, run_id, options, source,
                                                                  names.index(host.name)),
                                              *layout, *extra, stdin=config_bytes)
 
-    checks = session.on_each_host(hosts, lambda host: launch_on(host, LaunchCheckReply, master_port or 0,
+    checks = session.on_each_host(hosts, lambda host: launch_on(host, LaunchCheckReply, options.master_port or 0,
                                                                 "--check-only"))
     refuse(hosts, checks, "nothing was started on any host")
     seed_hosts(session, names)  # hosts lacking another's compile artifacts get them: they start warm
     # The first host's agent picked a port free there, in the round trip of its check.
-    port = master_port or checks[first.name].master_port
+    port = options.master_port or checks[first.name].master_port
     started = start_together(session, hosts, run_id, lambda host: launch_on(host, LaunchReply, port))
     ref = RunRef(first.name, run_id, tuple(names))
     set_latest(session.logs_dir, ref)
@@ -272,28 +281,3 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, o
                     f"(pid {reply.pid}, release {reply.release_id})")
     console.say(f"rendezvous at {address}:{port} ({first.name})")
     return ref
-
-
-def start_together(session: Session, hosts: list[Host], run_id: str, start) -> dict:
-    """`start(host)` on every host at once; their replies by host name. When any failed,
-    the parts started elsewhere are stopped (no half-started run is left) and the error
-    names every host's failure."""
-    started = session.on_each_host(hosts, start)
-    running = [host for host in hosts if not isinstance(started[host.name], DflashError)]
-    if len(running) < len(hosts):
-        stopped = session.on_each_host(running, lambda host: session.agent(host.name).call(
-            StopReply, f"--run-id={run_id}", f"--grace={ROLLBACK_GRACE_S}", timeout=ROLLBACK_GRACE_S + 60))
-        left = [f"{host}: {outcome.message}" for host, outcome in stopped.items() if isinstance(outcome, DflashError)]
-        what = (f"the run was stopped on {', '.join(host.name for host in running)}" if running else
-                "it was started nowhere")
-        refuse(hosts, started, what + (f"; stopping it failed on {'; '.join(left)}" if left else ""))
-    return started
-
-
-def refuse(hosts: list[Host], outcomes: dict, consequence: str) -> None:
-    """Raise one DflashError naming every host whose outcome is an error, if any."""
-    errors = [outcomes[host.name] for host in hosts if isinstance(outcomes[host.name], DflashError)]
-    if errors:
-        raise DflashError("; ".join(error.message for error in errors) + f" ({consequence})",
-                          max(error.exit_code for error in errors),
-                          hint=next((error.hint for error in errors if error.hint), None))

@@ -62,7 +62,7 @@ def figure(runs: dict[str, list[dict]]):
     return fig
 
 
-def run(logs_dir: Path, refs: list[RunRef], output: Path | None) -> ExitCode:
+def run(logs_dir: Path, refs: list[RunRef], *, output: Path | None) -> ExitCode:
     runs = load(logs_dir, refs)
     path = output or Path(f"{refs[0].run_id}.png")
     png = io.BytesIO()

@@ -26,10 +26,10 @@ from .. import console
 from ..agent_client import AgentClient, parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..local_state import RunLogs, RunRef
+from ..progress import PROGRESS_ABOVE_BYTES, transfer_bars
 from ..retry import RETRY_FOR_S, Reconnects, retry_dropped
 from ..session import Session
 from ..transports import CommandFailed
-from .deploy import PROGRESS_ABOVE_BYTES, upload_bars
 
 PART_SUFFIX = ".part"
 #: listings made in one pull before giving up on a run that keeps replacing its export
@@ -254,10 +254,10 @@ def pull(session: Session, ref: RunRef, checkpoint: bool, bars: Progress | None 
     return Puller(session.agent(ref.host), RunLogs(session.logs_dir, ref), bars, retry_for).sync(checkpoint)
 
 
-def run(session: Session, ref: RunRef, checkpoint: bool, retry_for: float) -> ExitCode:
+def run(session: Session, ref: RunRef, *, checkpoint: bool, retry_for: float) -> ExitCode:
     """Prints each local folder on stdout, a summary on stderr."""
     try:
-        with upload_bars() as bars:
+        with transfer_bars() as bars:
             result = pull(session, ref, checkpoint, bars, retry_for)
     except KeyboardInterrupt:
         console.say(f"interrupted: what came is kept; dflash pull {ref.run_id} resumes it")

@@ -9,11 +9,11 @@ from .. import console
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
 from ..local_state import RunRef, set_latest
+from ..run_start import refuse, start_together
 from ..session import Session
-from .launch import refuse, start_together
 
 
-def run(session: Session, ref: RunRef, current_release: bool, step: int | None) -> ExitCode:
+def run(session: Session, ref: RunRef, *, current_release: bool, step: int | None) -> ExitCode:
     """Start the attempt; the host refuses (exit 2, with the reason) a live run, one
     without a complete checkpoint, and a checkpoint that does not fit the config."""
     if ref.multihost:

@@ -1,7 +1,7 @@
 """dflash setup: on each host, a virtualenv under the workspace with what the trainer
 needs (remote/requirements.txt), made the host's interpreter (docs/hosts.md "Host environments").
 
-The work happens on the host (dflash_cli/host_setup.py, sent with `python -c`), in one
+The work happens on the host (dflash_cli/host_scripts/host_setup.py, sent with `python -c`), in one
 command: one round trip when nothing changed. pip's output comes back line by line.
 """
 from __future__ import annotations
@@ -12,23 +12,21 @@ import json
 import re
 import threading
 import time
-from pathlib import Path
 from typing import Iterator
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from .. import console, requirements
+from .. import console, host_scripts, requirements
 from ..agent_client import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
+from ..progress import cancel_on_ctrl_c
 from ..session import Session
-from . import deploy
 from ..transports.base import Completed
 from ..transports.common import CommandFailed
 
-SETUP_SOURCE = (Path(__file__).resolve().parent.parent / "host_setup.py").read_text()
 #: --index-url's value for "the indexes pip on the host is configured with"
 PIP_CONFIGURED = "pip"
 # How pip names the requirement it could not install, most specific first.
@@ -74,7 +72,7 @@ def setup_host(session: Session, host: Host, request: dict, bars: Progress | Non
     started = time.monotonic()
     transport = session.transport(host)
     trips_before = transport.round_trips
-    argv = [host.python, "-c", SETUP_SOURCE, host.workspace, json.dumps(request)]
+    argv = [host.python, "-c", host_scripts.source("host_setup.py"), host.workspace, json.dumps(request)]
     lines: list[str] = []
     result = None
     task = bars.add_task(f"setup {host.name}", total=None) if bars is not None else None
@@ -129,7 +127,7 @@ def setup_bars() -> Iterator[Progress | None]:
         yield bars
 
 
-def run(session: Session, host_names: list[str], all_hosts: bool, torch: str | None,
+def run(session: Session, *, host_names: list[str], all_hosts: bool, torch: str | None,
         index_url: str | None) -> ExitCode:
     """Set up each host in parallel; a table of results on stderr, `HOST STATUS ENV`
     lines on stdout."""
@@ -141,7 +139,7 @@ def run(session: Session, host_names: list[str], all_hosts: bool, torch: str | N
     needs = requirements.load()
     request = {"requirements": needs.text, "torch": needs.torch_pin(torch) if torch else None,
                "index_url": index_url}
-    with setup_bars() as bars, deploy.cancel_on_ctrl_c("the setups") as cancel:
+    with setup_bars() as bars, cancel_on_ctrl_c("the setups") as cancel:
         results = session.on_each_host(hosts, lambda host: setup_host(session, host, request, bars, cancel))
     _print_table(results, host_names)
     for host in hosts:

@@ -10,9 +10,9 @@ from dflash_agent.protocol import RunState, RunStatus, StatusReply
 
 from .. import console, multihost, provenance
 from ..errors import DflashError, ExitCode, exit_code_for_state
-from ..local_state import RunRef
+from ..local_state import RunRef, latest_host
 from ..multihost import HostStatus
-from ..release_store import ReleaseStore, summary
+from ..release_store import ReleaseStore, change_since
 from ..session import Session
 
 _COLUMNS = ["state", "step", "errors", "started", "ended", "release"]
@@ -73,22 +73,6 @@ def source_commit(source: dict | None) -> str:
     return source["git_commit"][:7] + ("*" if source.get("dirty") else "")
 
 
-def change_since(store: ReleaseStore, host: str, previous: RunStatus, release_id: str) -> dict:
-    """What release `release_id` changed from the one run `previous` used (it names one),
-    both on `host`: {"since", "same_release", "files", "added", "removed", "text"}; "text"
-    reads `same release as RUN` or `changed since RUN: 2 files (+14 −3)`."""
-    since = previous.run_id
-    if previous.release_id == release_id:
-        return {"since": since, "same_release": True, "files": 0, "added": 0, "removed": 0,
-                "text": f"same release as {since}"}
-    try:
-        diffs = store.diff((host, previous.release_id), (host, release_id))
-    except DflashError as exc:
-        return {"since": since, "same_release": False, "text": f"changed since {since}: unknown ({exc.message})"}
-    return {"since": since, "same_release": False, "files": len(diffs), "added": sum(d.added for d in diffs),
-            "removed": sum(d.removed for d in diffs), "text": f"changed since {since}: {summary(diffs)}"}
-
-
 def resume_point(status: RunStatus) -> str:
     """How much a resume would redo: the steps done since the newest checkpoint."""
     where = f"attempt {status.attempt} of {status.attempts}; " if status.attempts > 1 else ""
@@ -141,7 +125,7 @@ def _status_of_hosts(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     return exit_code_for_state(state)
 
 
-def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
+def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
     """Print one run's state; the exit code says it too (0 fine, 1 failed, lost, degraded
     or stalled, 4 stopped). A run on several hosts: the state of the whole (FAILED if
     any host failed, RUNNING only if all run) and a row per host."""
@@ -164,7 +148,7 @@ def run_status(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     return exit_code_for_state(status.state)
 
 
-def run_config(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
+def run_config(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
     """Print the config the run was started with (its config.yaml: resolved, for a run
     launched by this dflash) on stdout; its state and overrides on stderr. Exit 0 once
     printed, whatever the state: this asks for the config, not for the run's health."""
@@ -181,9 +165,17 @@ def run_config(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     return ExitCode.OK
 
 
-def list_runs(session: Session, host_names: list[str], as_json: bool) -> ExitCode:
+def list_runs(session: Session, *, host_names: list[str], as_json: bool) -> ExitCode:
     """Each host's runs, newest first, with what each changed since the run before it on
-    that host (MANIFESTs compared, differing files fetched once into the local cache)."""
+    that host (MANIFESTs compared, differing files fetched once into the local cache).
+    No host named: the latest run's, else local."""
+    if not host_names:
+        latest = latest_host(session.logs_dir)
+        if latest not in session.inventory.hosts:  # the inventory changed since that run
+            console.warn(f"the latest run's host {latest!r} is not in {session.inventory.source}: skipped; "
+                         "the runs on local follow (--host HOST for another)")
+            latest = "local"
+        host_names = [latest]
     store = ReleaseStore(session)
     for name in host_names:
         runs = list(session.agent(name).call(StatusReply).runs)

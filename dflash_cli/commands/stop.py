@@ -9,7 +9,7 @@ from ..local_state import RunRef
 from ..session import Session
 
 
-def run(session: Session, ref: RunRef, grace: float) -> ExitCode:
+def run(session: Session, ref: RunRef, *, grace: float) -> ExitCode:
     """Returns once no process of the run is left (the agent waits for that). A run on
     several hosts is stopped on all at once; a host that could not be reached is named
     and gives the exit code, after the others were stopped."""

@@ -32,7 +32,7 @@ from ..retry import Reconnects
 from ..session import Session
 from ..status_line import RunProgress
 from ..tensorboard import RunBoard
-from .fetch_traceback import render_no_record, render_record, say_diagnosis
+from ..tracebacks import render_no_record, render_record, say_diagnosis
 
 CURSOR_SAVE_EVERY_S = 0.5
 
@@ -328,7 +328,7 @@ class Watcher:
 _PRINTING = threading.RLock()
 
 
-def run(session: Session, ref: RunRef, tail: int | None, interval: float, as_json: bool,
+def run(session: Session, ref: RunRef, *, tail: int | None, interval: float, as_json: bool,
         retry_for: float) -> ExitCode:
     if ref.multihost:
         return _watch_hosts(session, ref, tail, interval, as_json, retry_for)

@@ -1,0 +1,62 @@
+"""Error records and what is known of a run that left none, as people read them
+(`fetch-traceback`, `watch`): the traceback under a one-line header, a known failure's
+diagnosis line, and exit.json, the last stack dump and log lines by thread instead."""
+from __future__ import annotations
+
+import json
+import re
+
+from dflash_agent.protocol import ReportReply
+
+from . import console, diagnosis, multihost
+from .local_state import RunRef
+
+_THREAD_TAG = re.compile(r"^\S+ \[([^\]]+)\] ")
+
+
+def header(record: dict, ref: RunRef, several_attempts: bool = False) -> str:
+    step = f" at step {record['step']}" if record.get("step") is not None else ""
+    if several_attempts:
+        step += f" of attempt {record.get('attempt') or 0}"
+    return (f"==> run {ref.run_id} on {ref.host}: thread {record.get('thread')} failed in "
+            f"{record.get('phase')}{step} at {console.utc_time(record.get('ts', 0), 'milliseconds')} "
+            f"({record.get('exc_type')}) <==\n")
+
+
+def render_record(record: dict, ref: RunRef, several_attempts: bool = False) -> str:
+    """Header line, then the traceback text exactly as the thread formatted it (or, for
+    a line of errors.jsonl that is not JSON, that line as it is)."""
+    text = record.get("traceback", record.get("raw", ""))
+    return header(record, ref, several_attempts) + text + ("" if text.endswith("\n") else "\n")
+
+
+def say_diagnosis(record: dict, ref: RunRef, hosts: tuple[str, ...]) -> None:
+    """The diagnosis line of a known failure, on stderr after its traceback (none for another)."""
+    line = diagnosis.diagnose(diagnosis.Failure(record, ref.run_id, ref.host, hosts))
+    if line is not None:
+        console.say(console.printable(f"diagnosis: {line}"))
+
+
+def render_no_record(report: ReportReply, ref: RunRef, of_its_own: bool = False) -> str:
+    """What is known about a run that died without writing an error record (`of_its_own`:
+    none but records of stopping for a peer)."""
+    out = [f"==> run {ref.run_id} on {ref.host}: no error record{' of its own' if of_its_own else ''}; "
+           f"state {report.state} <==\n"]
+    exit_info = report.exit
+    if exit_info:
+        out.append(f"process ended: {multihost.ended_by(exit_info)} at {console.utc_time(exit_info.get('ended_at'))}\n")
+        out.append("exit.json: " + json.dumps(exit_info, sort_keys=True) + "\n")
+    else:
+        out.append("exit.json: absent (the supervisor did not record an exit)\n")
+    if report.agent_error:
+        out.append(f"agent.log, the supervisor's last error: {report.agent_error}\n")
+    fault = report.last_stacks.strip()
+    if fault:
+        out.append("--- faulthandler.log, the last dump ---\n" + fault + "\n")
+    by_thread: dict[str, list[str]] = {}
+    for line in report.log_tail.splitlines():
+        match = _THREAD_TAG.match(line)
+        by_thread.setdefault(match.group(1) if match else "(untagged)", []).append(line)
+    for thread, lines in by_thread.items():
+        out.append(f"--- train.log, last lines of {thread} ---\n" + "\n".join(lines[-40:]) + "\n")
+    return "".join(out)
