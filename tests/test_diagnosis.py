@@ -131,7 +131,7 @@ def test_an_unknown_failure_gets_no_line():
 
 
 def test_a_full_disk_names_its_mount_and_the_resume(tmp_path):
-    from dflash_agent.diskspace import DiskFull
+    from dflash_files.diskspace import DiskFull
 
     exc = DiskFull(str(tmp_path / "checkpoints" / "step_5"), needed=1 << 20, free=4096)
     said = line(recorded(caught(raising(exc, OSError(28, "No space left on device")))))

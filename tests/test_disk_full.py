@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_agent.diskspace import RESERVE_BYTES, DiskFull, free_bytes
+from dflash_files.diskspace import RESERVE_BYTES, DiskFull, free_bytes
 from dflash_run import dflash_in_process
 from dflash_train.checkpoint import LATEST, CheckpointSnapshot, TrainingState, write_checkpoint
 from dflash_train.runlog import ErrorLog, LineWriter

@@ -1,6 +1,7 @@
 """Unit tests of the trainer's parts, in process, on CPU with tiny random models."""
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
@@ -75,6 +76,17 @@ def test_config_module_does_not_import_torch():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_trainer_imports_nothing_of_the_agent():
+    # Helpers and file names both halves need are in dflash_files: the agent is not the trainer's library.
+    imports = {(path.name, alias.name if isinstance(node, ast.Import) else node.module)
+               for path in sorted((REPO / "remote" / "dflash_train").glob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+               for alias in node.names}
+    assert {name for name, _ in imports} and [i for i in imports if i[1].split(".")[0] == "dflash_agent"] == []
+    assert ("checkpoint.py", "dflash_files.diskspace") in imports  # the scan sees absolute imports
 
 
 def test_unknown_fault_thread_and_bad_keys_are_refused(tmp_path):

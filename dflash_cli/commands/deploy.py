@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from dflash_agent.jsonio import NO_SPACE
+from dflash_files.diskspace import NO_SPACE
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text

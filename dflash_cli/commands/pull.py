@@ -19,8 +19,8 @@ from pathlib import Path, PurePosixPath
 
 from rich.progress import Progress
 
-from dflash_agent.jsonio import fsync_path
 from dflash_agent.protocol import ArtifactsReply, ErrorKind, ErrorReply
+from dflash_files.atomic import fsync_path
 
 from .. import console
 from ..agent_client import AgentClient, parse_reply

@@ -17,8 +17,9 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from dflash_events import ATTEMPT
+from dflash_files.diskspace import NO_SPACE
 
-from .jsonio import NO_SPACE, encode_line
+from .jsonio import encode_line
 from .layout import RunDir
 from .protocol import RunState
 

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from dflash_agent.diskspace import DiskFull, free_bytes, is_no_space
-from dflash_agent.jsonio import fsync_path
+from dflash_files.atomic import fsync_path
+from dflash_files.diskspace import DiskFull, free_bytes, is_no_space
 
 from .config import resolve_path
 from .model import refuse_non_finite
