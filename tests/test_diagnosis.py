@@ -18,10 +18,10 @@ import torch.distributed as dist
 from dflash_cli.diagnosis import Failure, diagnose
 from dflash_train import memory_ledger
 from dflash_train.config import FaultSpec, load_train_config
-from dflash_train.coordinator import ThreadFailed
 from dflash_train.data import load_prompts, tokenize_chat, tokenize_sample
 from dflash_train.distributed import CollectiveFailed, JoinFailed, PeerFailed
 from dflash_train.faults import FaultInjector
+from dflash_train.jobs import ThreadFailed
 from dflash_train.objective import DrafterInputs
 from dflash_train.runlog import error_record
 from dflash_train.tiny import ensure_tiny_assets

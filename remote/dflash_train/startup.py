@@ -7,7 +7,6 @@ or from the checkpoint being resumed) -> evaluator.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,13 @@ from dflash_events import TOKENIZING
 
 from . import memory_ledger
 from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume
-from .config import TrainConfig, resolve_path
+from .config import TrainConfig
 from .data import BatchPlan, PlanEntry, anchor_counts, load_prompts, load_samples, micro_batch_shapes
 from .devices import canonical
 from .distributed import Layout, Peers
 from .faults import FaultInjector
 from .gradients import GradientExchange
+from .jobs import sources, stop_ids, torch_threads
 from .model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
 from .pipeline import Run
 from .replica import FrozenTargetWeights, Replica
@@ -32,7 +32,7 @@ from .schedule import Evaluator, OutputSchedule
 from .startup_phases import phase
 from .target import FeatureTap, load_target
 from .threads import StopLatch, StoppableQueue
-from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
+from .tiny import cache_root
 from .train_step import BatchShape
 
 
@@ -57,43 +57,6 @@ class Prepared:
         if self.resumed is not None:
             replica.load_training_state(self.resumed.optimizer, self.resumed.scheduler, self.resumed.state.step)
         return replica
-
-
-def torch_threads(config: TrainConfig) -> int:
-    """Intra-op threads: the cores divided among the threads that compute on the CPU at once."""
-    if config.runtime.torch_threads is not None:
-        return config.runtime.torch_threads
-    cores = len(os.sched_getaffinity(0))
-    if not config.devices.cpu_only:
-        return min(cores, 8)
-    busy = 1 if config.pipeline.mode == "sequential" else (
-        len(config.devices.drafters) + len(config.devices.target) + (1 if config.eval.num_prompts else 0))
-    return max(1, cores // busy)
-
-
-def sources(config: TrainConfig, run_dir: Path) -> tuple[str, Path | None, Path | None]:
-    """(target folder or hub id, train jsonl, eval jsonl); the jsonl files None when not
-    given (an evaluate job may have no data section)."""
-    data = config.data
-    train = resolve_path(data.train) if data is not None and data.train else None
-    evaluation = resolve_path(data.eval) if data is not None and data.eval else None
-    if config.target.tiny is not None:
-        # The tiny target is built with synthetic data; a data.train file (say, what job:
-        # regenerate wrote with this same target) takes the synthetic samples' place.
-        synthetic = data.synthetic if data is not None and data.synthetic is not None else TARGET_DATA
-        assets = ensure_tiny_assets(config.target.tiny, synthetic, cache_root(run_dir))
-        return str(assets.target_dir), train or assets.train_path, evaluation or assets.eval_path
-    assert config.target.path is not None
-    folder = resolve_path(config.target.path)
-    # A path that is not there locally may be a hub id, found in the host's HF cache.
-    target = str(folder) if folder.exists() else config.target.path
-    return target, train, evaluation
-
-
-def stop_ids(tokenizer) -> set[int]:
-    """The tokens that end an answer: the tokenizer's end of sequence and Qwen's end of turn."""
-    return {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-            if i is not None and i != tokenizer.unk_token_id}
 
 
 def _mask_token_id(tokenizer, mask_token: str, vocab_size: int) -> int:
