@@ -8,8 +8,9 @@ other files: `sha256sum -c` lines (`<hex>  <path>`, sorted), so that `dflash pul
 verifies a download without the host hashing gigabytes on every call.
 
 Contents: model.safetensors (drafter weights), optimizer.pt (optimizer and scheduler
-states), state.json (step, data cursor, loss history, replicas, world size) and config.yaml
-(the resolved config of the run that wrote it, config.resolved_yaml). No global RNG state:
+states), state.json (checkpoint_state.TrainingState: step, data cursor, loss history,
+replicas, world size, accumulate) and config.yaml (the resolved config of the run that
+wrote it, config.resolved_yaml). No global RNG state:
 every random draw in training takes a generator seeded from the config, the epoch and the
 step, so a resumed run repeats them without it (and a checkpoint written where 8 GPUs were
 visible still loads where fewer are).
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import pickle
 import re
@@ -33,23 +33,13 @@ import torch
 from dflash_files.atomic import fsync_path
 from dflash_files.diskspace import DiskFull, free_bytes, is_no_space
 
+from .checkpoint_state import STATE_FILE, TrainingState
 from .config import resolve_path
 from .model import refuse_non_finite
 
 LATEST = "latest"
 SHA256SUMS = "SHA256SUMS"
 CONFIG = "config.yaml"
-
-
-@dataclasses.dataclass
-class TrainingState:
-    step: int  # optimizer steps completed
-    epoch: int  # data cursor: the epoch and micro-batch index of the last batch used
-    batch_index: int
-    replicas: int  # drafter replicas in the whole run (every process's): the data order depends on it
-    losses: list[float]  # loss per step so far, so a resumed run carries its curve on
-    world_size: int = 1  # processes of the run that wrote it (absent in older checkpoints: 1)
-    accumulate: int = 1  # optim.accumulate: micro-batches per step and replica (absent in older checkpoints: 1)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -216,7 +206,7 @@ def write_checkpoint(root: Path, snapshot: CheckpointSnapshot, keep: int, config
     def fill(staging: Path) -> None:
         save_file(snapshot.weights, str(staging / "model.safetensors"))
         torch.save(snapshot.optimizer, staging / "optimizer.pt")
-        (staging / "state.json").write_text(json.dumps(dataclasses.asdict(snapshot.state)) + "\n")
+        snapshot.state.write(staging)
         (staging / CONFIG).write_text(config_yaml, encoding="utf-8")
 
     root.mkdir(parents=True, exist_ok=True)
@@ -251,8 +241,8 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
         link = run_dir / "checkpoints" / LATEST
         return link.resolve() if link.exists() else None
     folder = resolve_path(resume)
-    if not (folder / "state.json").exists():
-        raise FileNotFoundError(f"checkpoint.resume: {folder} is not a checkpoint (no state.json)")
+    if not (folder / STATE_FILE).exists():
+        raise FileNotFoundError(f"checkpoint.resume: {folder} is not a checkpoint (no {STATE_FILE})")
     return folder.resolve()
 
 
@@ -291,7 +281,7 @@ def _load_plain(path: Path) -> Any:
 def load_checkpoint(folder: Path) -> LoadedCheckpoint:
     from safetensors.torch import load_file
 
-    state = TrainingState(**json.loads((folder / "state.json").read_text()))
+    state = TrainingState.read(folder)
     extra = _load_plain(folder / "optimizer.pt")
     return LoadedCheckpoint(folder, state, load_file(str(folder / "model.safetensors")),
                             extra["optimizer"], extra["scheduler"])

@@ -14,7 +14,8 @@ from typing import Any, Callable
 import torch
 from dflash_events import EVAL, EXPORT, STEP
 
-from .checkpoint import TrainingState, replace_dir, snapshot_layout, take_snapshot
+from .checkpoint import replace_dir, snapshot_layout, take_snapshot
+from .checkpoint_state import TrainingState
 from .checkpoint_writer import CheckpointWriter
 from .config import resolved_yaml
 from .devices import is_cuda

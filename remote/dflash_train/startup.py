@@ -16,6 +16,7 @@ from dflash_events import TOKENIZING
 
 from . import memory_ledger
 from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume
+from .checkpoint_state import fits
 from .config import TrainConfig
 from .data import BatchPlan, PlanEntry, anchor_counts, load_prompts, load_samples, micro_batch_shapes
 from .devices import canonical
@@ -26,7 +27,6 @@ from .jobs import sources, stop_ids, torch_threads
 from .model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
 from .pipeline import Run
 from .replica import FrozenTargetWeights, Replica
-from .resume_check import mismatch
 from .runlog import EventLog, say
 from .schedule import Evaluator, OutputSchedule
 from .startup_phases import phase
@@ -67,31 +67,6 @@ def _mask_token_id(tokenizer, mask_token: str, vocab_size: int) -> int:
         raise ValueError(f"drafter.mask_token {mask_token!r} has id {mask_id}, outside the target's "
                          f"embedding (vocab_size {vocab_size}); pick a token the embedding has a row for")
     return mask_id
-
-
-def _check_cursor(resumed: LoadedCheckpoint, plan: BatchPlan) -> None:
-    """The saved data cursor must be where this plan puts the checkpoint's step: otherwise
-    the data or its batching changed, and resuming would silently train on other batches."""
-    state = resumed.state
-    entry = plan.last_entry(state.step)
-    if (entry.epoch, entry.index) != (state.epoch, state.batch_index):
-        raise ValueError(f"{resumed.folder}: its data cursor (epoch {state.epoch}, batch {state.batch_index}) is "
-                         f"not where this config's data puts step {state.step} (epoch {entry.epoch}, batch "
-                         f"{entry.index}); the data, token_budget or seed changed since it was written")
-
-
-def _check_layout(resumed: LoadedCheckpoint, layout: Layout) -> None:
-    """Micro-batches go to replicas by their index in the run, so a checkpoint resumes with
-    as many replicas in all, however they are spread over processes (then the sum of the
-    gradients only runs in another order)."""
-    state = resumed.state
-    if state.replicas != layout.global_replicas:
-        raise ValueError(
-            f"{resumed.folder} was trained with {state.replicas} drafter replica(s) in all ({state.world_size} "
-            f"process(es)); this run has {layout.global_replicas} ({layout.world_size} process(es) x "
-            f"{layout.local_replicas} drafters): the data order depends on the number of replicas, so resume "
-            f"with {state.replicas} in all (e.g. {state.world_size} process(es) x "
-            f"{state.replicas // state.world_size} drafters)")
 
 
 def resume_point(config: TrainConfig, run_dir: Path, peers: Peers | None, device: str) -> LoadedCheckpoint | None:
@@ -165,14 +140,8 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
 
     resumed = resume_point(config, run_dir, peers, drafter_devices[0])
     if resumed is not None:
-        _check_layout(resumed, layout)
-        if problem := mismatch(config, resumed.folder, resumed.state.step, resumed.state.replicas, layout.world_size,
-                               resumed.state.accumulate):
+        if (problem := fits(resumed.state, config, resumed.folder, layout.world_size, plan)) is not None:
             raise ValueError(problem)
-        if resumed.state.step > plan.total_steps:
-            raise ValueError(f"{resumed.folder} is at step {resumed.state.step}, past this config's "
-                             f"{plan.total_steps} steps")
-        _check_cursor(resumed, plan)
         say(f"resuming from {resumed.folder} at step {resumed.state.step}")
     if resumed is not None:
         weights = resumed.weights
