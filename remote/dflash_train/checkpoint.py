@@ -31,15 +31,13 @@ from typing import Any, Callable
 import torch
 
 from dflash_files.atomic import fsync_path
+from dflash_files.checkpoint_files import (CHECKPOINTS_DIR, CONFIG_FILE, LATEST, OPTIMIZER_FILE, SHA256SUMS, STATE_FILE,
+                                          WEIGHTS_FILE, step_folder)
 from dflash_files.diskspace import DiskFull, free_bytes, is_no_space
 
-from .checkpoint_state import STATE_FILE, TrainingState
+from .checkpoint_state import TrainingState
 from .config import resolve_path
 from .model import refuse_non_finite
-
-LATEST = "latest"
-SHA256SUMS = "SHA256SUMS"
-CONFIG = "config.yaml"
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -204,13 +202,13 @@ def write_checkpoint(root: Path, snapshot: CheckpointSnapshot, keep: int, config
     from safetensors.torch import save_file
 
     def fill(staging: Path) -> None:
-        save_file(snapshot.weights, str(staging / "model.safetensors"))
-        torch.save(snapshot.optimizer, staging / "optimizer.pt")
+        save_file(snapshot.weights, str(staging / WEIGHTS_FILE))
+        torch.save(snapshot.optimizer, staging / OPTIMIZER_FILE)
         snapshot.state.write(staging)
-        (staging / CONFIG).write_text(config_yaml, encoding="utf-8")
+        (staging / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
 
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{snapshot.state.step:06d}"
+    final = root / step_folder(snapshot.state.step)
     replace_dir(final, fill, snapshot.nbytes())
     link = root / f".{LATEST}-{os.getpid()}"
     link.unlink(missing_ok=True)
@@ -238,7 +236,7 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     """"latest" -> this run's newest checkpoint (None if there is none yet); else a folder
     (relative paths follow the config rule: release root, else current directory)."""
     if resume == LATEST:
-        link = run_dir / "checkpoints" / LATEST
+        link = run_dir / CHECKPOINTS_DIR / LATEST
         return link.resolve() if link.exists() else None
     folder = resolve_path(resume)
     if not (folder / STATE_FILE).exists():
@@ -282,6 +280,6 @@ def load_checkpoint(folder: Path) -> LoadedCheckpoint:
     from safetensors.torch import load_file
 
     state = TrainingState.read(folder)
-    extra = _load_plain(folder / "optimizer.pt")
-    return LoadedCheckpoint(folder, state, load_file(str(folder / "model.safetensors")),
+    extra = _load_plain(folder / OPTIMIZER_FILE)
+    return LoadedCheckpoint(folder, state, load_file(str(folder / WEIGHTS_FILE)),
                             extra["optimizer"], extra["scheduler"])

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-from .config import TrainConfig
+from dflash_files.checkpoint_files import STATE_FILE
 
-STATE_FILE = "state.json"
+from .config import TrainConfig
 
 
 @dataclasses.dataclass
