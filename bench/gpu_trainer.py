@@ -409,7 +409,8 @@ def step_parts(cpu: bool, iters: int) -> dict:
 def checkpoint_held(cpu: bool, work: Path, checkpoints: int = 2) -> dict:
     """The trainer's CheckpointWriter with take_snapshot, as schedule.OutputSchedule calls
     them: the buffers made in the background after the first step (reserve), then saves."""
-    from dflash_train.checkpoint import TrainingState, snapshot_layout, take_snapshot
+    from dflash_train.checkpoint import snapshot_layout, take_snapshot
+    from dflash_train.checkpoint_state import TrainingState
     from dflash_train.checkpoint_writer import CheckpointWriter
     from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
     from dflash_train.threads import StopLatch

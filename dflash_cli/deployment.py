@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from dflash_agent.jsonio import NO_SPACE
+from dflash_files.diskspace import NO_SPACE
 from rich.progress import Progress
 
 from . import console, host_scripts, provenance, release

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from dflash_agent import jsonio
+from dflash_files import atomic
 
 from .errors import DflashError, ExitCode
 
@@ -24,9 +25,10 @@ HOSTS_FILE = "hosts.json"  # logs/<host>/<run>/: the hosts of a run on several h
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Readers see the old file or the whole new one (the agent's own helper)."""
+    """Readers see the old file or the whole new one (the agent's and the trainer's
+    helper), in a folder made first if need be."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    jsonio.write_atomic(str(path), data)
+    atomic.write_atomic(str(path), data)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from dflash_train.checkpoint import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
+from dflash_train.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from dflash_train.checkpoint_state import TrainingState
 from dflash_train.objective import warmup_cosine
 
 

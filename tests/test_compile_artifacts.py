@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.compile_cache import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, CORRUPT, LOADED, MISMATCH, \
-    compile_key, compile_key_facts, load_artifacts
+from dflash_files.compile_key import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, compile_key
+from dflash_train.compile_cache import CORRUPT, LOADED, MISMATCH, compile_key_facts, load_artifacts
 from support.train_configs import small_config
 from test_multihost import Pair, pair_config
 

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from dflash_cli.diagnosis import Failure, diagnose
 from dflash_train import memory_ledger
 from dflash_train.config import FaultSpec, load_train_config
-from dflash_train.coordinator import ThreadFailed
 from dflash_train.data import load_prompts, tokenize_chat, tokenize_sample
 from dflash_train.distributed import CollectiveFailed, JoinFailed, PeerFailed
 from dflash_train.faults import FaultInjector
+from dflash_train.jobs import ThreadFailed
 from dflash_train.objective import DrafterInputs
 from dflash_train.runlog import error_record
 from dflash_train.tiny import ensure_tiny_assets
@@ -131,7 +131,7 @@ def test_an_unknown_failure_gets_no_line():
 
 
 def test_a_full_disk_names_its_mount_and_the_resume(tmp_path):
-    from dflash_agent.diskspace import DiskFull
+    from dflash_files.diskspace import DiskFull
 
     exc = DiskFull(str(tmp_path / "checkpoints" / "step_5"), needed=1 << 20, free=4096)
     said = line(recorded(caught(raising(exc, OSError(28, "No space left on device")))))

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_agent.diskspace import RESERVE_BYTES, DiskFull, free_bytes
+from dflash_files.checkpoint_files import LATEST
+from dflash_files.diskspace import RESERVE_BYTES, DiskFull, free_bytes
 from dflash_run import dflash_in_process
-from dflash_train.checkpoint import LATEST, CheckpointSnapshot, TrainingState, write_checkpoint
+from dflash_train.checkpoint import CheckpointSnapshot, write_checkpoint
+from dflash_train.checkpoint_state import TrainingState
 from dflash_train.runlog import ErrorLog, LineWriter
 from support.disk import fill, tmpfs
 from support.events import read_events

@@ -191,7 +191,8 @@ def test_a_lost_run_resumes_by_hand_and_resume_refuses_a_live_run_and_a_mismatch
     assert config.read_text() != good
     mismatched = bed.dflash("resume", run_id, "--host", HOST)
     assert mismatched.returncode == 2
-    assert "was trained with 2 drafters; this config has 1" in mismatched.stderr
+    assert "was trained with 2 drafter replica(s) in all (1 process(es)); this run has 1 (1 process(es) x 1 drafters)" \
+        in mismatched.stderr
     assert bed.run_json(run_id) == record  # nothing started
     config.write_text(good)
 

@@ -34,7 +34,7 @@ def trained(tiny_cpu_run, workspace):
 
     from dflash_train.data import load_prompts
     from dflash_train.model import load_drafter
-    from dflash_train.startup import stop_ids
+    from dflash_train.jobs import stop_ids
     from dflash_train.target import FeatureTap, load_target
     from dflash_train.tiny import ensure_tiny_assets
 

@@ -1,6 +1,8 @@
 """Unit tests of the trainer's parts, in process, on CPU with tiny random models."""
 from __future__ import annotations
 
+import ast
+import dataclasses
 import hashlib
 import json
 import math
@@ -20,6 +22,7 @@ import torch
 from dflash_schema import SchemaError
 
 from dflash_train import checkpoint as ckpt
+from dflash_train.checkpoint_state import TrainingState
 from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_train_config, resolved_yaml
 from dflash_train.data import tokenize_chat
 from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter, load_drafter
@@ -75,6 +78,17 @@ def test_config_module_does_not_import_torch():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_trainer_imports_nothing_of_the_agent():
+    # Helpers and file names both halves need are in dflash_files: the agent is not the trainer's library.
+    imports = {(path.name, alias.name if isinstance(node, ast.Import) else node.module)
+               for path in sorted((REPO / "remote" / "dflash_train").glob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+               for alias in node.names}
+    assert {name for name, _ in imports} and [i for i in imports if i[1].split(".")[0] == "dflash_agent"] == []
+    assert ("checkpoint.py", "dflash_files.diskspace") in imports  # the scan sees absolute imports
 
 
 def test_unknown_fault_thread_and_bad_keys_are_refused(tmp_path):
@@ -456,7 +470,7 @@ def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
     for step in (1, 2, 3):
         model(torch.ones(1, 3)).sum().backward()
         optimizer.step()
-        state = ckpt.TrainingState(step=step, epoch=0, batch_index=step, replicas=2, losses=[1.0] * step)
+        state = TrainingState(step=step, epoch=0, batch_index=step, replicas=2, losses=[1.0] * step)
         ckpt.save_checkpoint(root, state, model, optimizer, scheduler, keep=2, config_yaml=TINY_RESOLVED)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
     assert os.readlink(root / "latest") == "step_000003"
@@ -474,7 +488,7 @@ def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
     # A run resumed from an older checkpoint writes below the newest: what it wrote is kept,
     # and written again, a step's folder is replaced whole.
     for losses in ([2.0], [3.0]):
-        state = ckpt.TrainingState(step=1, epoch=0, batch_index=1, replicas=2, losses=losses)
+        state = TrainingState(step=1, epoch=0, batch_index=1, replicas=2, losses=losses)
         ckpt.save_checkpoint(root, state, model, optimizer, scheduler, keep=1, config_yaml=TINY_RESOLVED)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
     assert ckpt.load_checkpoint(ckpt.resolve_resume("latest", tmp_path)).state.losses == [3.0]
@@ -494,7 +508,7 @@ def test_snapshots_reuse_their_buffers_and_hold_the_state_of_their_own_step():
     for step in (1, 2):
         model(torch.ones(1, 3)).sum().backward()
         optimizer.step()
-        state = ckpt.TrainingState(step=step, epoch=0, batch_index=step, replicas=1, losses=[1.0] * step)
+        state = TrainingState(step=step, epoch=0, batch_index=step, replicas=1, losses=[1.0] * step)
         snapshot = ckpt.take_snapshot(state, model, optimizer, scheduler, buffers)
         assert torch.equal(snapshot.weights["weight"], model.weight.detach())
         moments = snapshot.optimizer["optimizer"]["state"][0]
@@ -522,7 +536,7 @@ def test_buffers_made_ahead_from_the_layout_are_the_ones_the_first_snapshot_fill
     # weight (6 floats) and bias (2): themselves, exp_avg and exp_avg_sq; a float step each
     assert buffers.reserve(layout) == 4 * (6 + 2) * 3 + 4 * 2
     made = dict(buffers._buffers)
-    state = ckpt.TrainingState(step=1, epoch=0, batch_index=1, replicas=1, losses=[1.0])
+    state = TrainingState(step=1, epoch=0, batch_index=1, replicas=1, losses=[1.0])
     snapshot = ckpt.take_snapshot(state, model, optimizer, scheduler, buffers)
     assert snapshot.weights["weight"].data_ptr() == made["weights/weight"].data_ptr()
     moments = snapshot.optimizer["optimizer"]["state"][0]
@@ -759,12 +773,12 @@ def test_checkpoint_and_export_refuse_non_finite_weights(tmp_path, poison):
     optimizer = torch.optim.AdamW(drafter.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     root = tmp_path / "checkpoints"
-    state = ckpt.TrainingState(step=1, epoch=0, batch_index=0, replicas=1, losses=[1.0])
+    state = TrainingState(step=1, epoch=0, batch_index=0, replicas=1, losses=[1.0])
     ckpt.save_checkpoint(root, state, drafter, optimizer, scheduler, keep=3, config_yaml=TINY_RESOLVED)
     export_drafter(drafter, tmp_path / "export")
     with torch.no_grad():
         drafter.layers[1].mlp.down_proj.weight.view(-1)[7] = poison
-    state = ckpt.TrainingState(step=2, epoch=0, batch_index=1, replicas=1, losses=[1.0, 1.0])
+    state = TrainingState(step=2, epoch=0, batch_index=1, replicas=1, losses=[1.0, 1.0])
     with pytest.raises(NonFiniteWeights, match=r"1 of \d+ weight tensors hold NaN or infinite values "
                                                 r"\(first: layers\.1\.mlp\.down_proj\.weight\); not written"):
         ckpt.save_checkpoint(root, state, drafter, optimizer, scheduler, keep=3, config_yaml=TINY_RESOLVED)
@@ -792,6 +806,70 @@ def test_resume_check_refuses_another_accumulate_naming_both(tmp_path, capsys, s
     assert code == (2 if refused else 0), out
     if refused:
         assert f"optim.accumulate {saved or 1}" in out and f"optim.accumulate {configured}" in out
+
+
+def test_one_rule_says_whether_a_checkpoint_fits_a_config(tmp_path):
+    """checkpoint_state.fits, as the trainer asks it at start-up (with the data's plan) and
+    resume_check without one: each way a checkpoint cannot go on, in its own words."""
+    from dflash_train.checkpoint_state import fits
+    from dflash_train.config import DataConfig
+    from dflash_train.data import BatchPlan, Sample
+
+    config = load_train_config(write_config(tmp_path, BASE + "optim: {accumulate: 2}\n"))
+    capped = load_train_config(write_config(tmp_path, BASE + "optim: {accumulate: 2, max_steps: 4}\n"))
+    one_drafter = load_train_config(write_config(tmp_path, BASE.replace("[cpu, cpu]", "[cpu]") +
+                                                 "optim: {accumulate: 2}\n"))
+    evaluate = load_train_config(write_config(tmp_path, "target: {tiny: {}}\ndata: {synthetic: {}}\njob: evaluate\n"
+                                                "evaluate: {drafter: d}\n"))
+    samples = [Sample(torch.arange(5 + i % 7), torch.zeros(5 + i % 7, dtype=torch.long)) for i in range(60)]
+    data = DataConfig(train="unused.jsonl", max_length=16, token_budget=16, pad_multiple=8)
+    plan = BatchPlan(samples, data, replicas=2, epochs=1, max_steps=None, seed=0, accumulate=2)
+    folder = tmp_path / "step_000003"
+
+    def at(step: int, **changed) -> TrainingState:
+        entry = plan.last_entry(min(step, plan.total_steps))
+        return dataclasses.replace(TrainingState(step=step, epoch=entry.epoch, batch_index=entry.index, replicas=2,
+                                                 losses=[1.0] * step, accumulate=2), **changed)
+
+    assert fits(at(3), config, folder, 1, plan) is None and fits(at(3), config, folder, 1) is None
+    assert fits(at(plan.total_steps), config, folder, 1, plan) is None  # nothing left to train: it still fits
+    # the replicas in all decide the data order, not how processes hold them
+    assert fits(at(3, world_size=2), one_drafter, folder, 2, plan) is None
+    refused = [
+        (at(3), evaluate, 1, None, "job: evaluate does not train a drafter from checkpoints"),
+        (at(3, replicas=4, world_size=2), config, 1, plan,
+         f"{folder} was trained with 4 drafter replica(s) in all (2 process(es)); this run has 2 (1 process(es) x 2 "
+         "drafters): the data order depends on the number of replicas, so resume with 4 in all (e.g. 2 process(es) x "
+         "2 drafters)"),
+        (at(3, world_size=2), one_drafter, 1, None, "this run has 1 (1 process(es) x 1 drafters)"),
+        (at(3, accumulate=1), config, 1, None,
+         f"{folder} was trained with optim.accumulate 1 (micro-batches per step and drafter); this config has "
+         "optim.accumulate 2: which micro-batches make a step depends on it, so resume with optim.accumulate 1"),
+        (at(5), capped, 1, None, f"{folder} is at step 5, past this config's optim.max_steps 4"),
+        (at(plan.total_steps + 1), config, 1, plan,
+         f"{folder} is at step {plan.total_steps + 1}, past this config's {plan.total_steps} steps"),
+        (at(3, batch_index=at(3).batch_index + 1), config, 1, plan,
+         f"{folder}: its data cursor (epoch 0, batch {at(3).batch_index + 1}) is not where this config's data puts "
+         f"step 3 (epoch 0, batch {at(3).batch_index}); the data, token_budget or seed changed since it was written"),
+    ]
+    for state, configured, world_size, order, problem in refused:
+        assert problem in (fits(state, configured, folder, world_size, order) or ""), problem
+    # what only the data tells is left to the start-up
+    assert fits(at(plan.total_steps + 1), config, folder, 1) is None
+    assert fits(at(3, batch_index=0), config, folder, 1) is None
+
+
+def test_resume_check_answers_without_torch(tmp_path):
+    config = write_config(tmp_path, BASE)
+    folder = tmp_path / "step_000001"
+    folder.mkdir()
+    TrainingState(step=1, epoch=0, batch_index=1, replicas=2, losses=[1.0]).write(folder)
+    code = ("import sys; from dflash_train import resume_check; "
+            f"code = resume_check.main(['--config', {str(config)!r}, '--checkpoint', {str(folder)!r}]); "
+            "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "remote")})
+    assert out.stdout.strip() == "0 []"
 
 
 def test_a_thread_that_ends_once_ready_was_ready_and_one_that_ends_before_was_not(tmp_path):

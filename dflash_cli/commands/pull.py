@@ -19,8 +19,9 @@ from pathlib import Path, PurePosixPath
 
 from rich.progress import Progress
 
-from dflash_agent.jsonio import fsync_path
 from dflash_agent.protocol import ArtifactsReply, ErrorKind, ErrorReply
+from dflash_files.atomic import fsync_path
+from dflash_files.checkpoint_files import EXPORT_DIR
 
 from .. import console
 from ..agent_client import AgentClient, parse_reply
@@ -65,7 +66,7 @@ def sha256_file(path: Path) -> str:
 
 def local_folder(logs: RunLogs, folder: str) -> Path:
     """export -> logs/<host>/<run>/export; checkpoints/step_X -> .../checkpoint/step_X."""
-    return logs.export if folder == "export" else logs.checkpoint(PurePosixPath(folder).name)
+    return logs.export if folder == EXPORT_DIR else logs.checkpoint(PurePosixPath(folder).name)
 
 
 def part_path(local: Path, sha256: str) -> Path:

@@ -23,21 +23,20 @@ import stat
 import sys
 from typing import Dict, List
 
+from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, LATEST, SHA256SUMS
+
 from .jsonio import AgentError
 from .layout import RunDir
 from .protocol import ArtifactFile, ArtifactFolder, ArtifactsReply, RunState
 from .state import derive_state, observe, read_record
 
-EXPORT = "export"
-CHECKPOINTS = "checkpoints"
-SHA256SUMS = "SHA256SUMS"
 CHUNK = 1 << 20
 _SUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 
 def artifacts(run: RunDir, checkpoint: bool) -> ArtifactsReply:
     state = derive_state(observe(run, read_record(run)))
-    folders = [_listing(run, EXPORT, state)]
+    folders = [_listing(run, EXPORT_DIR, state)]
     if checkpoint:
         folders.append(_listing(run, _latest_checkpoint(run, state), state))
     return ArtifactsReply(run_id=run.run_id, state=state, folders=tuple(folders))
@@ -46,10 +45,10 @@ def artifacts(run: RunDir, checkpoint: bool) -> ArtifactsReply:
 def _latest_checkpoint(run: RunDir, state: RunState) -> str:
     """checkpoints/<step folder> that `latest` names now."""
     try:
-        name = os.readlink(run.file(os.path.join(CHECKPOINTS, "latest")))
+        name = os.readlink(run.file(os.path.join(CHECKPOINTS_DIR, LATEST)))
     except OSError:
         raise AgentError("run %r has no checkpoint yet (state %s)" % (run.run_id, state), "not_found")
-    return CHECKPOINTS + "/" + os.path.basename(name)
+    return CHECKPOINTS_DIR + "/" + os.path.basename(name)
 
 
 def _listing(run: RunDir, folder: str, state: RunState) -> ArtifactFolder:
@@ -57,7 +56,7 @@ def _listing(run: RunDir, folder: str, state: RunState) -> ArtifactFolder:
         fd = os.open(run.file(folder), os.O_RDONLY | os.O_DIRECTORY)
     except (FileNotFoundError, NotADirectoryError):
         # export/ appears when training ends; a checkpoint only vanishes when pruned
-        missing = "has no export yet" if folder == EXPORT else "lost %s meanwhile (pruned)" % folder
+        missing = "has no export yet" if folder == EXPORT_DIR else "lost %s meanwhile (pruned)" % folder
         raise AgentError("run %r %s (state %s)" % (run.run_id, missing, state), "not_found")
     try:
         sums = _read_sums(fd)
@@ -113,9 +112,9 @@ def identity(info: os.stat_result) -> str:
 
 def _check_folder(folder: str) -> None:
     parts = folder.split("/")
-    if not (parts == [EXPORT] or (len(parts) == 2 and parts[0] == CHECKPOINTS
+    if not (parts == [EXPORT_DIR] or (len(parts) == 2 and parts[0] == CHECKPOINTS_DIR
                                   and parts[1] not in ("", ".", ".."))):
-        raise AgentError("--folder: expected %s or %s/<step folder>, got %r" % (EXPORT, CHECKPOINTS, folder),
+        raise AgentError("--folder: expected %s or %s/<step folder>, got %r" % (EXPORT_DIR, CHECKPOINTS_DIR, folder),
                          "usage")
 
 

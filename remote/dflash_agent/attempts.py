@@ -12,34 +12,30 @@ attempt with nothing else to know.
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from dflash_events import ATTEMPT
+from dflash_files.checkpoint_files import CHECKPOINT_FILES, CHECKPOINTS_DIR, STEP_FOLDER
+from dflash_files.diskspace import NO_SPACE
 
-from .jsonio import NO_SPACE, encode_line
+from .jsonio import encode_line
 from .layout import RunDir
 from .protocol import RunState
 
-CHECKPOINTS = "checkpoints"
-# What save_checkpoint writes into a step folder before renaming it into place: a folder
-# holding them all (SHA256SUMS is written last) is complete.
-CHECKPOINT_FILES = ("state.json", "model.safetensors", "optimizer.pt", "SHA256SUMS")
-_STEP_FOLDER = re.compile(r"^step_(\d+)$")
 
 
 def checkpoint_folders(run: RunDir) -> List[Tuple[int, str]]:
     """(step, folder) of every complete checkpoint of the run, oldest first. Staging
     folders (`.step_…-XXXX`) and folders missing a file are not checkpoints."""
-    root = run.file(CHECKPOINTS)
+    root = run.file(CHECKPOINTS_DIR)
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
     found = []
     for name in names:
-        match = _STEP_FOLDER.match(name)
+        match = STEP_FOLDER.match(name)
         folder = os.path.join(root, name)
         if match and all(os.path.isfile(os.path.join(folder, f)) for f in CHECKPOINT_FILES):
             found.append((int(match.group(1)), folder))

@@ -10,7 +10,9 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from .jsonio import FINGERPRINT_BYTES, NO_SPACE, AgentError, emit, no_space
+from dflash_files.diskspace import NO_SPACE
+
+from .jsonio import FINGERPRINT_BYTES, AgentError, emit, no_space
 from .layout import Workspace
 from .protocol import CompileArtifactsReply, ErrorKind, ErrorReply, GpusReply, InfoReply, Reply
 

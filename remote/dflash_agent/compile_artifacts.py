@@ -3,9 +3,8 @@ a host's portable compile artifacts (docs/layout.md, cache/compile/<key>/), list
 and moved to another host of the same GPU model and toolchain, so it starts warm.
 
 The trainer (dflash_train/compile_cache.py) writes artifacts.bin and then artifacts.json
-{facts, size, sha256, torch, saved_at} into the key folder; <key> is `compile_key(facts)`,
-defined here (stdlib) so that the agent can check what it receives and the trainer names
-its folders by the same rule.
+into the key folder; the folder names, the file names and the key rule are
+dflash_files.compile_key's, which both take.
 
 `send-compile-artifacts --key K --sha256 S` writes key K's artifacts.bin raw on stdout,
 nothing else; refused before any byte, the error reply the one line on stderr: kind
@@ -24,24 +23,15 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
-from .jsonio import AgentError, write_json_atomic
+from dflash_files.atomic import write_json_atomic
+from dflash_files.compile_key import (ARTIFACTS_FILE, ARTIFACTS_MANIFEST, CACHE_DIR, COMPILE_DIR, FACT_NAMES, KEY_FILE,
+                                      compile_key)
+
+from .jsonio import AgentError
 from .protocol import CompileArtifact, ReceiveCompileArtifactsReply
 
-COMPILE_DIR = os.path.join("cache", "compile")
-KEY_FILE = "key.json"
-ARTIFACTS_FILE = "artifacts.bin"
-ARTIFACTS_MANIFEST = "artifacts.json"
-FACT_NAMES = ("gpu", "torch", "triton", "cuda", "python")
 CHUNK = 1 << 20
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]*$")
-
-
-def compile_key(facts: Dict[str, str]) -> str:
-    """The key folder's name: a readable slug of GPU model and torch version + the first 16
-    hex of the sha256 of the facts' JSON (sorted keys)."""
-    digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", "%s-torch%s" % (facts["gpu"], facts["torch"])).strip("-")
-    return "%s-%s" % (slug, digest)
 
 
 def cpu_model() -> Optional[str]:
@@ -59,7 +49,7 @@ def cpu_model() -> Optional[str]:
 def _folder(root: str, key: str) -> str:
     if not _KEY.match(key):
         raise AgentError("bad compile cache key %r" % key, "usage")
-    return os.path.join(root, COMPILE_DIR, key)
+    return os.path.join(root, CACHE_DIR, COMPILE_DIR, key)
 
 
 def _manifest(folder: str) -> Optional[Dict[str, Any]]:
@@ -79,7 +69,7 @@ def list_artifacts(root: str) -> Tuple[CompileArtifact, ...]:
     """The key folders holding artifacts whose manifest matches their size (sha256 as the
     manifest says; a receiver checks the bytes), sorted by key."""
     found: List[CompileArtifact] = []
-    base = os.path.join(root, COMPILE_DIR)
+    base = os.path.join(root, CACHE_DIR, COMPILE_DIR)
     for key in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         manifest = _manifest(os.path.join(base, key)) if _KEY.match(key) else None
         if manifest is not None:

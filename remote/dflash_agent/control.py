@@ -7,8 +7,10 @@ import signal
 import time
 from typing import Any, Dict
 
+from dflash_files.atomic import write_json_atomic
+
 from . import procfs, stackdump
-from .jsonio import AgentError, decode_bytes, write_json_atomic
+from .jsonio import AgentError, decode_bytes
 from .layout import RunDir
 from .protocol import StacksReply, StopReply
 from .state import ALIVE, derive_state, observe, read_record, trainer_liveness

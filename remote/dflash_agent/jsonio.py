@@ -1,13 +1,11 @@
-"""JSON on stdout, atomic files, and reading files from their end.
+"""JSON on stdout and from files, and reading files from their end.
 
 Everything the agent prints goes through `encode_line`: compact JSON, one object per
 line, valid UTF-8 even when the data holds undecodable log bytes (see `decode_bytes`).
 """
 from __future__ import annotations
 
-import errno
 import hashlib
-import itertools
 import json
 import os
 import sys
@@ -17,7 +15,6 @@ BLOCK = 64 * 1024
 # How many bytes before a log offset its fingerprint covers: enough that a log rewritten
 # from byte 0 (truncated, then grown past the offset again) shows different bytes there.
 FINGERPRINT_BYTES = 64
-_TMP_COUNTER = itertools.count()
 
 
 class AgentError(Exception):
@@ -35,9 +32,6 @@ class AgentError(Exception):
     @property
     def exit_code(self) -> int:
         return self.EXIT_CODES[self.kind]
-
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, no inodes left, or a quota reached
 
 
 def no_space(path: Optional[str]) -> AgentError:
@@ -67,43 +61,6 @@ def emit(obj: Any) -> None:
     out = sys.stdout.buffer
     out.write(encode_line(obj))
     out.flush()
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Readers see the old file or the whole new one, never a part (temp file in the same
-    folder, fsync, os.replace)."""
-    folder, name = os.path.split(path)
-    # Unique per process and call; tempfile would cost this short-lived process more to import.
-    tmp = os.path.join(folder, ".%s.%d.%d.tmp" % (name, os.getpid(), next(_TMP_COUNTER)))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(exc, OSError):
-            exc.filename = path  # the file meant, not the temp file (a failed write() names none)
-        raise
-
-
-def fsync_path(path: "str | os.PathLike[str]") -> None:
-    """Make what is at `path` durable: a file's bytes, or a folder's entries (after a
-    rename or a create in it). The CLI and the trainer use it too."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def read_json(path: str) -> Optional[Any]:

@@ -38,8 +38,11 @@ import time
 import traceback
 from typing import Any, Dict, Optional, Tuple, Union
 
+from dflash_files.atomic import write_atomic
+from dflash_files.diskspace import NO_SPACE
+
 from . import locks, preflight
-from .jsonio import NO_SPACE, AgentError, no_space, read_tail_text, write_atomic
+from .jsonio import AgentError, no_space, read_tail_text
 from .layout import RunDir, Workspace
 from .preflight import PathRequirement
 from .protocol import LaunchCheckReply, LaunchReply

@@ -21,8 +21,10 @@ import re
 import time
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
+from dflash_files.atomic import write_json_atomic
+
 from . import procfs
-from .jsonio import AgentError, read_json, write_json_atomic
+from .jsonio import AgentError, read_json
 from .layout import Workspace
 from .protocol import RunState
 from .state import derive_state, observe, read_record

@@ -24,6 +24,8 @@ import os
 import subprocess
 from typing import Optional, Sequence, Tuple
 
+from dflash_files.checkpoint_files import STATE_FILE
+
 from .gpus import is_hub_id
 from .jsonio import AgentError
 
@@ -68,9 +70,9 @@ def _path_problem(kind: str, key: str, path: str, release_root: str) -> Optional
             return "%s: %s %s" % (key, where, "is not a file" if os.path.exists(where) else "does not exist")
         return _rows_problem(key, where) if kind == "jsonl" else None
     if kind == "checkpoint":
-        if os.path.isfile(os.path.join(where, "state.json")):
+        if os.path.isfile(os.path.join(where, STATE_FILE)):
             return None
-        return "%s: %s is not a checkpoint (no state.json)" % (key, where)
+        return "%s: %s is not a checkpoint (no %s)" % (key, where, STATE_FILE)
     # kind "model": a Hugging Face model folder, or a hub id when no such path exists
     if os.path.exists(where):
         if os.path.isfile(os.path.join(where, "config.json")):

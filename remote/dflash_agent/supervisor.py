@@ -14,8 +14,8 @@ exec_error says why and train.log holds it.
 It runs detached (launch.py daemonizes it): stdin /dev/null, stdout+stderr appended to
 runs/ID/agent.log, no descriptor of the caller left open. Its own failures are lines
 `supervisor[PID]: error: …` there (`log_error`), which `status` shows when nothing else
-says why a run ended. exit.json has a reserve (diskspace.py), so that it is written on a
-disk full to its last byte too.
+says why a run ended. exit.json has a reserve (dflash_files/diskspace.py), so that it is
+written on a disk full to its last byte too.
 """
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ import sys
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from dflash_files.atomic import write_json_atomic
+from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
+
 from . import attempts, locks, oom, procfs
-from .diskspace import DiskFull, Reserve
-from .jsonio import NO_SPACE, encode_line, write_json_atomic
+from .jsonio import encode_line
 from .layout import RunDir, Workspace
 from .state import GONE, Observation, attempt_errors, derive_state, error_records, summarize_events
 

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
                 config, checkpoint=dataclasses.replace(config.checkpoint, resume=args.resume_from))
         from transformers.utils import logging as hf_logging
 
-        from .coordinator import install_signal_handlers
+        from .jobs import install_signal_handlers
         module, name = JOBS[config.job]
         job_class = getattr(importlib.import_module(module, __package__), name)
         # From the process's start: the interpreter's own start and torch's and transformers' imports.

@@ -8,8 +8,9 @@ other files: `sha256sum -c` lines (`<hex>  <path>`, sorted), so that `dflash pul
 verifies a download without the host hashing gigabytes on every call.
 
 Contents: model.safetensors (drafter weights), optimizer.pt (optimizer and scheduler
-states), state.json (step, data cursor, loss history, replicas, world size) and config.yaml
-(the resolved config of the run that wrote it, config.resolved_yaml). No global RNG state:
+states), state.json (checkpoint_state.TrainingState: step, data cursor, loss history,
+replicas, world size, accumulate) and config.yaml (the resolved config of the run that
+wrote it, config.resolved_yaml). No global RNG state:
 every random draw in training takes a generator seeded from the config, the epoch and the
 step, so a resumed run repeats them without it (and a checkpoint written where 8 GPUs were
 visible still loads where fewer are).
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import pickle
 import re
@@ -30,26 +30,14 @@ from typing import Any, Callable
 
 import torch
 
-from dflash_agent.diskspace import DiskFull, free_bytes, is_no_space
-from dflash_agent.jsonio import fsync_path
+from dflash_files.atomic import fsync_path
+from dflash_files.checkpoint_files import (CHECKPOINTS_DIR, CONFIG_FILE, LATEST, OPTIMIZER_FILE, SHA256SUMS, STATE_FILE,
+                                          WEIGHTS_FILE, step_folder)
+from dflash_files.diskspace import DiskFull, free_bytes, is_no_space
 
+from .checkpoint_state import TrainingState
 from .config import resolve_path
 from .model import refuse_non_finite
-
-LATEST = "latest"
-SHA256SUMS = "SHA256SUMS"
-CONFIG = "config.yaml"
-
-
-@dataclasses.dataclass
-class TrainingState:
-    step: int  # optimizer steps completed
-    epoch: int  # data cursor: the epoch and micro-batch index of the last batch used
-    batch_index: int
-    replicas: int  # drafter replicas in the whole run (every process's): the data order depends on it
-    losses: list[float]  # loss per step so far, so a resumed run carries its curve on
-    world_size: int = 1  # processes of the run that wrote it (absent in older checkpoints: 1)
-    accumulate: int = 1  # optim.accumulate: micro-batches per step and replica (absent in older checkpoints: 1)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -214,13 +202,13 @@ def write_checkpoint(root: Path, snapshot: CheckpointSnapshot, keep: int, config
     from safetensors.torch import save_file
 
     def fill(staging: Path) -> None:
-        save_file(snapshot.weights, str(staging / "model.safetensors"))
-        torch.save(snapshot.optimizer, staging / "optimizer.pt")
-        (staging / "state.json").write_text(json.dumps(dataclasses.asdict(snapshot.state)) + "\n")
-        (staging / CONFIG).write_text(config_yaml, encoding="utf-8")
+        save_file(snapshot.weights, str(staging / WEIGHTS_FILE))
+        torch.save(snapshot.optimizer, staging / OPTIMIZER_FILE)
+        snapshot.state.write(staging)
+        (staging / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
 
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{snapshot.state.step:06d}"
+    final = root / step_folder(snapshot.state.step)
     replace_dir(final, fill, snapshot.nbytes())
     link = root / f".{LATEST}-{os.getpid()}"
     link.unlink(missing_ok=True)
@@ -248,11 +236,11 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     """"latest" -> this run's newest checkpoint (None if there is none yet); else a folder
     (relative paths follow the config rule: release root, else current directory)."""
     if resume == LATEST:
-        link = run_dir / "checkpoints" / LATEST
+        link = run_dir / CHECKPOINTS_DIR / LATEST
         return link.resolve() if link.exists() else None
     folder = resolve_path(resume)
-    if not (folder / "state.json").exists():
-        raise FileNotFoundError(f"checkpoint.resume: {folder} is not a checkpoint (no state.json)")
+    if not (folder / STATE_FILE).exists():
+        raise FileNotFoundError(f"checkpoint.resume: {folder} is not a checkpoint (no {STATE_FILE})")
     return folder.resolve()
 
 
@@ -291,7 +279,7 @@ def _load_plain(path: Path) -> Any:
 def load_checkpoint(folder: Path) -> LoadedCheckpoint:
     from safetensors.torch import load_file
 
-    state = TrainingState(**json.loads((folder / "state.json").read_text()))
-    extra = _load_plain(folder / "optimizer.pt")
-    return LoadedCheckpoint(folder, state, load_file(str(folder / "model.safetensors")),
+    state = TrainingState.read(folder)
+    extra = _load_plain(folder / OPTIMIZER_FILE)
+    return LoadedCheckpoint(folder, state, load_file(str(folder / WEIGHTS_FILE)),
                             extra["optimizer"], extra["scheduler"])

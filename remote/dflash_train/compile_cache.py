@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_agent.compile_artifacts import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, KEY_FILE, compile_key
-from dflash_agent.jsonio import write_atomic
+from dflash_files.atomic import write_atomic
+from dflash_files.compile_key import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, COMPILE_DIR, KEY_FILE, compile_key
 
 from .runlog import say
 from .startup_phases import phase
@@ -62,7 +62,7 @@ def use_compile_cache(run_dir: Path, facts: dict[str, str]) -> Path:
     """Point Inductor and Triton at this key's folder (before anything compiles); its path.
     Always set: importing torch's compiler already sets TORCHINDUCTOR_CACHE_DIR to its
     default under /tmp, so an inherited value cannot be told from that one."""
-    folder = cache_root(run_dir) / "compile" / compile_key(facts)
+    folder = cache_root(run_dir) / COMPILE_DIR / compile_key(facts)
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / KEY_FILE).exists():
         write_atomic(str(folder / KEY_FILE), json.dumps(facts, sort_keys=True).encode())

@@ -10,7 +10,6 @@ a timeout, so a hung thread cannot hang the exit.
 """
 from __future__ import annotations
 
-import faulthandler
 import functools
 import os
 import signal
@@ -27,21 +26,16 @@ from .compile_policy import build_train_step, example_inputs, forbid_compiles
 from .config import TrainConfig
 from .devices import is_cuda
 from .distributed import PeerFailed, Peers, join
+from .jobs import EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, report_threads_still_running
 from .model import NonFiniteWeights
 from .pipeline import READY, Channels, drafter_body, eval_body, prefetch_body, target_body
 from .replica import Replica, ReplicasDiverged, verify_replicas_identical
-from .runlog import EventLog, dump_header, emit_done, say
+from .runlog import EventLog, emit_done, say
 from .schedule import EvalRequest
 from .startup import Session, prepare
 from .startup_phases import phase
-from .threads import JobControl, StopLatch, StopRequested, JobThread
+from .threads import StopLatch, StopRequested, JobThread
 from .training_step import training_step
-
-EXIT_OK, EXIT_FAILED = 0, 1
-
-
-class ThreadFailed(RuntimeError):
-    """The coordinator's own error when a worker failed; chained from the worker's exception."""
 
 
 class Coordinator(JobControl):
@@ -285,23 +279,4 @@ def _checkpoints_written(session: Session) -> bool:
     except StopRequested:
         return False
 
-
-def report_threads_still_running(alive: list[str], grace_s: float, fault_log) -> None:
-    """Say which threads outlived the stop and dump every thread's stack to faulthandler.log."""
-    if not alive:
-        return
-    say(f"threads still running after {grace_s:.0f}s: {', '.join(alive)}; their stacks are in faulthandler.log")
-    try:
-        fault_log.write(dump_header(f"threads still running after the stop: {', '.join(alive)}"))
-        fault_log.flush()  # faulthandler writes to the descriptor, past this buffer
-    except OSError:
-        pass  # a full disk: the dump below is written (or not) all the same, the exit must not wait
-    faulthandler.dump_traceback(file=fault_log, all_threads=True)
-
-
-def install_signal_handlers(job) -> None:
-    """`job`: the job's coordinator (Coordinator, regenerate.Regeneration,
-    evaluation.EvaluationJob), whose on_signal notes the signal for its main loop."""
-    signal.signal(signal.SIGTERM, job.on_signal)
-    signal.signal(signal.SIGINT, job.on_signal)
 

@@ -23,14 +23,12 @@ from dflash_events import EVAL
 from .config import TrainConfig, resolve_path
 from .data import load_prompts
 from .devices import canonical, is_cuda
+from .jobs import EXIT_FAILED, EXIT_OK, JobControl, sources, stop_ids
 from .model import load_drafter
 from .runlog import EventLog, say
 from .speculative import evaluate
-from .startup import sources, stop_ids
 from .target import FeatureTap, load_target
-from .threads import JobControl, StopLatch, StopRequested
-
-EXIT_OK, EXIT_FAILED = 0, 1
+from .threads import StopLatch, StopRequested
 
 
 class EvaluationJob(JobControl):

@@ -33,15 +33,14 @@ import torch
 from dflash_events import PROGRESS
 
 from .config import RegenerateConfig, TrainConfig, resolve_path
-from .coordinator import EXIT_FAILED, EXIT_OK, ThreadFailed, report_threads_still_running
 from .data import _read_jsonl
 from .devices import canonical, thread_stream
 from .faults import FaultInjector
+from .jobs import (EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, report_threads_still_running, sources,
+                   torch_threads)
 from .runlog import EventLog, say
-from .startup import torch_threads
 from .target import load_target
-from .threads import JobControl, StopLatch, StopRequested, JobThread
-from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
+from .threads import StopLatch, StopRequested, JobThread
 
 
 class RegenerateError(ValueError):
@@ -252,7 +251,8 @@ class Answerer:
 
 class Regeneration(JobControl):
     """The coordinator of job: regenerate (main thread): startup, the workers, the exit code.
-    Failures and signals are handled as in training (coordinator.Coordinator)."""
+    Failures and signals are handled as in training (coordinator.Coordinator), with the
+    same exit codes (jobs.py)."""
 
     def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
         assert config.regenerate is not None
@@ -305,12 +305,7 @@ class Regeneration(JobControl):
         from transformers import AutoTokenizer
 
         settings = self.settings
-        if self.config.target.tiny is not None:
-            source = str(ensure_tiny_assets(self.config.target.tiny, TARGET_DATA, cache_root(self.run_dir)).target_dir)
-        else:
-            assert self.config.target.path is not None
-            folder = resolve_path(self.config.target.path)
-            source = str(folder) if folder.exists() else self.config.target.path  # else a hub id
+        source, _, _ = sources(self.config, self.run_dir)
         torch.set_num_threads(torch_threads(self.config))
         prompts = read_prompts(resolve_path(settings.prompts))
         output = resolve_path(settings.output)

@@ -22,9 +22,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dflash_agent.diskspace import DiskFull, Reserve
-from dflash_agent.jsonio import NO_SPACE
 from dflash_events import DONE, EventType
+from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
 
 from . import memory_ledger
 

@@ -14,7 +14,10 @@ from typing import Any, Callable
 import torch
 from dflash_events import EVAL, EXPORT, STEP
 
-from .checkpoint import TrainingState, replace_dir, snapshot_layout, take_snapshot
+from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR
+
+from .checkpoint import replace_dir, snapshot_layout, take_snapshot
+from .checkpoint_state import TrainingState
 from .checkpoint_writer import CheckpointWriter
 from .config import resolved_yaml
 from .devices import is_cuda
@@ -86,7 +89,7 @@ class OutputSchedule:
     def __init__(self, run: Run, evaluator: Evaluator | None, queues: list[StoppableQueue], losses: list[float]):
         self.run, self.evaluator, self.queues, self.losses = run, evaluator, queues, losses
         self.config, self.run_dir, self.events, self.plan = run.config, run.run_dir, run.events, run.plan
-        self.checkpoints = CheckpointWriter(self.run_dir / "checkpoints", self.config.checkpoint.keep,
+        self.checkpoints = CheckpointWriter(self.run_dir / CHECKPOINTS_DIR, self.config.checkpoint.keep,
                                             resolved_yaml(self.config), self.events, run.latch)
         self.last_checkpoint = run.start_step  # the newest checkpoint's step (the resumed one's; 0 for none)
         self._last_report = time.perf_counter()
@@ -136,7 +139,7 @@ class OutputSchedule:
         checkpoint is complete before this returns."""
         if not self.writes_outputs:
             return
-        final = self.run_dir / "export"
+        final = self.run_dir / EXPORT_DIR
         if self.nothing_to_train and final.is_dir():
             # Written whole (replace_dir) from these weights by the attempt that trained
             # the last step: a finished export is not touched again.
@@ -198,7 +201,7 @@ class OutputSchedule:
     def export(self, replica: Replica) -> None:
         """DIR/export in `export_dtype`, replaced atomically (a previous export stays whole
         until the new one is)."""
-        final = self.run_dir / "export"
+        final = self.run_dir / EXPORT_DIR
         dtype = getattr(torch, self.config.export_dtype)
         replace_dir(final, lambda staging: export_drafter(replica.drafter, staging, dtype))
         self.events.emit(EXPORT, step=replica.completed_step, path=str(final))

@@ -9,7 +9,6 @@ or from the checkpoint being resumed) -> evaluator -> the pipeline's channels an
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,18 +18,19 @@ from dflash_events import TOKENIZING
 
 from . import memory_ledger
 from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume
+from .checkpoint_state import fits
 from .compile_cache import CompileCache, compile_key_facts, open_compile_cache
 from .compile_policy import CompilePlan, configure_compiler, plan_compile
-from .config import TrainConfig, resolve_path
+from .config import TrainConfig
 from .data import BatchPlan, PlanEntry, anchor_counts, load_prompts, load_samples, micro_batch_shapes
 from .devices import canonical
 from .distributed import Layout, Peers
 from .faults import FaultInjector
 from .gradients import GradientExchange
+from .jobs import sources, stop_ids, torch_threads
 from .model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
 from .pipeline import Channels, make_channels
 from .replica import FrozenTargetWeights, Replica
-from .resume_check import mismatch
 from .run_context import Run
 from .runlog import EventLog, say
 from .schedule import Evaluator, OutputSchedule
@@ -38,7 +38,7 @@ from .startup_phases import phase
 from .step_build import BatchShape
 from .target import FeatureTap, load_target
 from .threads import StopLatch
-from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
+from .tiny import cache_root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,43 +65,6 @@ class Session:
         return replica
 
 
-def torch_threads(config: TrainConfig) -> int:
-    """Intra-op threads: the cores divided among the threads that compute on the CPU at once."""
-    if config.runtime.torch_threads is not None:
-        return config.runtime.torch_threads
-    cores = len(os.sched_getaffinity(0))
-    if not config.devices.cpu_only:
-        return min(cores, 8)
-    busy = 1 if config.pipeline.mode == "sequential" else (
-        len(config.devices.drafters) + len(config.devices.target) + (1 if config.eval.num_prompts else 0))
-    return max(1, cores // busy)
-
-
-def sources(config: TrainConfig, run_dir: Path) -> tuple[str, Path | None, Path | None]:
-    """(target folder or hub id, train jsonl, eval jsonl); the jsonl files None when not
-    given (an evaluate job may have no data section)."""
-    data = config.data
-    train = resolve_path(data.train) if data is not None and data.train else None
-    evaluation = resolve_path(data.eval) if data is not None and data.eval else None
-    if config.target.tiny is not None:
-        # The tiny target is built with synthetic data; a data.train file (say, what job:
-        # regenerate wrote with this same target) takes the synthetic samples' place.
-        synthetic = data.synthetic if data is not None and data.synthetic is not None else TARGET_DATA
-        assets = ensure_tiny_assets(config.target.tiny, synthetic, cache_root(run_dir))
-        return str(assets.target_dir), train or assets.train_path, evaluation or assets.eval_path
-    assert config.target.path is not None
-    folder = resolve_path(config.target.path)
-    # A path that is not there locally may be a hub id, found in the host's HF cache.
-    target = str(folder) if folder.exists() else config.target.path
-    return target, train, evaluation
-
-
-def stop_ids(tokenizer) -> set[int]:
-    """The tokens that end an answer: the tokenizer's end of sequence and Qwen's end of turn."""
-    return {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-            if i is not None and i != tokenizer.unk_token_id}
-
-
 def _mask_token_id(tokenizer, mask_token: str, vocab_size: int) -> int:
     if mask_token not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"mask_token": mask_token})
@@ -110,31 +73,6 @@ def _mask_token_id(tokenizer, mask_token: str, vocab_size: int) -> int:
         raise ValueError(f"drafter.mask_token {mask_token!r} has id {mask_id}, outside the target's "
                          f"embedding (vocab_size {vocab_size}); pick a token the embedding has a row for")
     return mask_id
-
-
-def _check_cursor(resumed: LoadedCheckpoint, plan: BatchPlan) -> None:
-    """The saved data cursor must be where this plan puts the checkpoint's step: otherwise
-    the data or its batching changed, and resuming would silently train on other batches."""
-    state = resumed.state
-    entry = plan.last_entry(state.step)
-    if (entry.epoch, entry.index) != (state.epoch, state.batch_index):
-        raise ValueError(f"{resumed.folder}: its data cursor (epoch {state.epoch}, batch {state.batch_index}) is "
-                         f"not where this config's data puts step {state.step} (epoch {entry.epoch}, batch "
-                         f"{entry.index}); the data, token_budget or seed changed since it was written")
-
-
-def _check_layout(resumed: LoadedCheckpoint, layout: Layout) -> None:
-    """Micro-batches go to replicas by their index in the run, so a checkpoint resumes with
-    as many replicas in all, however they are spread over processes (then the sum of the
-    gradients only runs in another order)."""
-    state = resumed.state
-    if state.replicas != layout.global_replicas:
-        raise ValueError(
-            f"{resumed.folder} was trained with {state.replicas} drafter replica(s) in all ({state.world_size} "
-            f"process(es)); this run has {layout.global_replicas} ({layout.world_size} process(es) x "
-            f"{layout.local_replicas} drafters): the data order depends on the number of replicas, so resume "
-            f"with {state.replicas} in all (e.g. {state.world_size} process(es) x "
-            f"{state.replicas // state.world_size} drafters)")
 
 
 def resume_point(config: TrainConfig, run_dir: Path, peers: Peers | None, device: str) -> LoadedCheckpoint | None:
@@ -208,14 +146,8 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
 
     resumed = resume_point(config, run_dir, peers, drafter_devices[0])
     if resumed is not None:
-        _check_layout(resumed, layout)
-        if problem := mismatch(config, resumed.folder, resumed.state.step, resumed.state.replicas, layout.world_size,
-                               resumed.state.accumulate):
+        if (problem := fits(resumed.state, config, resumed.folder, layout.world_size, plan)) is not None:
             raise ValueError(problem)
-        if resumed.state.step > plan.total_steps:
-            raise ValueError(f"{resumed.folder} is at step {resumed.state.step}, past this config's "
-                             f"{plan.total_steps} steps")
-        _check_cursor(resumed, plan)
         say(f"resuming from {resumed.folder} at step {resumed.state.step}")
     if resumed is not None:
         weights = resumed.weights

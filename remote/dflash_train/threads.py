@@ -9,16 +9,12 @@ ends the run within seconds instead of hanging it.
 from __future__ import annotations
 
 import queue
-import signal
 import threading
 import time
 import traceback
 from typing import Any, Callable, Generic, TypeVar
 
-from dflash_events import HEARTBEAT, PHASE
-
-from . import startup_phases
-from .runlog import ErrorLog, EventLog, ThreadNames, error_record, say
+from .runlog import ErrorLog, ThreadNames, error_record, say
 
 T = TypeVar("T")
 
@@ -29,47 +25,6 @@ class StopRequested(Exception):
 
 class DrafterStartupError(RuntimeError):
     """A drafter failed before it was ready; raised `from` the drafter's own exception."""
-
-
-class JobControl:
-    """What the main thread of every job (training's Coordinator, regenerate.Regeneration,
-    evaluation.EvaluationJob) does alike: it notes a signal in the handler and acts on it
-    in its own loop, names its phase, and sends heartbeats while the run makes progress."""
-
-    def __init__(self, events: "EventLog", latch: "StopLatch", heartbeat_s: float):
-        self.events, self.latch, self.heartbeat_s = events, latch, heartbeat_s
-        self.phase = "startup"
-        self._signal: int | None = None
-        self._heartbeat = (0.0, -1)  # (time, progress) of the last heartbeat
-
-    def on_signal(self, signum: int, frame) -> None:
-        """Only note it: the handler runs between two bytecodes of the main thread, which
-        may hold a lock that stopping the run needs. `act_on_signal` acts on it."""
-        self._signal = signum
-
-    def act_on_signal(self, stopping: str) -> None:
-        """Stop the run once for a noted signal; `stopping` says how, in the log line."""
-        if self._signal is not None and not self.latch.stop.is_set():
-            say(f"received {signal.Signals(self._signal).name}: {stopping}")
-            self.latch.request_stop(signal.Signals(self._signal).name)
-
-    def heartbeat_if_due(self, **fields: Any) -> None:
-        """A heartbeat event with `fields`, at most every heartbeat_s and only after progress."""
-        now, progress = time.monotonic(), self.latch.progress
-        last_time, last_progress = self._heartbeat
-        if progress != last_progress and now - last_time >= self.heartbeat_s:
-            self.heartbeat(**fields)
-
-    def heartbeat(self, **fields: Any) -> None:
-        """A heartbeat event now, whenever the last one was."""
-        self.events.emit(HEARTBEAT, **fields)
-        self._heartbeat = (time.monotonic(), self.latch.progress)
-
-    def _set_phase(self, phase: str) -> None:
-        self.phase = phase
-        self.events.emit(PHASE, phase=phase)
-        if phase != "startup":
-            startup_phases.end_pulse()
 
 
 class StopLatch:

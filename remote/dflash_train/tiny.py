@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_files.compile_key import CACHE_DIR
+
 from .config import SyntheticDataSpec, TinyTargetSpec
 from .runlog import say
 
@@ -43,7 +45,7 @@ class TinyAssets:
 
 def cache_root(run_dir: Path) -> Path:
     workspace = os.environ.get("DFLASH_WORKSPACE")
-    return Path(workspace) / "cache" if workspace else run_dir / "cache"
+    return Path(workspace) / CACHE_DIR if workspace else run_dir / CACHE_DIR
 
 
 # The synthetic data a tiny target is built with when a job brings no data.synthetic of its

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dflash_agent.jsonio import fsync_path
+from dflash_files.atomic import fsync_path
 
 from .runlog import say
 

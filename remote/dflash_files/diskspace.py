@@ -3,8 +3,7 @@
 A run's failure path writes files (errors.jsonl, exit.json) on the disk that may be full
 to its last byte. Each writer keeps a reserve there, a file of real bytes made when it
 starts, and gives it back to the filesystem just before the one write that must not fail
-for want of space (docs/layout.md: the `*.reserve` files). The trainer imports
-this module too.
+for want of space (docs/layout.md: the `*.reserve` files).
 """
 from __future__ import annotations
 
@@ -12,9 +11,8 @@ import errno
 import os
 from typing import Any, Dict, Optional
 
-from .jsonio import NO_SPACE
-
-# Several records or an exit.json each; a record is bounded well below it (runlog.py).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, no inodes left, or a quota reached
+# Several records or an exit.json each; a record is bounded well below it (dflash_train/runlog.py).
 RESERVE_BYTES = 256 * 1024
 
 
