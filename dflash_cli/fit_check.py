@@ -27,13 +27,13 @@ from .inventory import Host
 from .session import Session
 
 if TYPE_CHECKING:
-    from dflash_train.config import TrainConfig
+    from dflash_train.config import JobConfig
 
 PROBE = Path(gpus.__file__).read_text()
 PROBE_TIMEOUT_S = gpus.NVIDIA_SMI_TIMEOUT_S + 45
 
 
-def unchecked(config: TrainConfig) -> str | None:
+def unchecked(config: JobConfig) -> str | None:
     """Why a config needs no fit check, or None when it does."""
     if config.job != "train":
         return f"job: {config.job}: no GPU memory estimate (the fit check plans training runs)"
@@ -97,7 +97,7 @@ def probe(session: Session, host: Host, model: str | None) -> FitFacts:
     return read_probe(host, FitFacts, answer)
 
 
-def assess(session: Session, host: Host, config: TrainConfig, tree_root: Path, world_size: int = 1,
+def assess(session: Session, host: Host, config: JobConfig, tree_root: Path, world_size: int = 1,
            rank: int = 0) -> HostFit:
     """`host`'s part of the run (rank `rank` of `world_size`) planned against its GPUs."""
     local = _local_target(config, tree_root)
@@ -121,7 +121,7 @@ def assess(session: Session, host: Host, config: TrainConfig, tree_root: Path, w
     return HostFit(host.name, estimate(config, target, world_size=world_size, rank=rank), found)
 
 
-def _local_target(config: TrainConfig, tree_root: Path) -> tuple[dict, str] | None:
+def _local_target(config: JobConfig, tree_root: Path) -> tuple[dict, str] | None:
     """(config.json's fields, its path) of a relative target.path that is a folder of the
     tree being deployed (the trainer resolves relative paths from the release root)."""
     path = config.target.path

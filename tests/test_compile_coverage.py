@@ -16,7 +16,7 @@ import torch
 from dflash_schema import SchemaError
 from dflash_train import cudagraphs
 from dflash_train.compile_policy import CompilePlan, build_train_step, example_inputs, specialization_classes
-from dflash_train.config import (DataConfig, DrafterConfig, TinyTargetSpec, load_train_config, padded_length,
+from dflash_train.config import (DataConfig, DrafterConfig, TinyTargetSpec, load_job_config, padded_length,
                                  rows_per_micro_batch)
 from dflash_train.data import BatchPlan, Sample, StoredSamples, anchor_counts, collate, load_samples, micro_batch_shapes
 from dflash_train.objective import NO_TURN, anchor_candidates
@@ -99,7 +99,7 @@ def test_configs_that_cannot_hold_a_row_or_would_compile_in_threads_are_refused(
     path = tmp_path / "train.yaml"
     path.write_text("target: {tiny: {}}\n" + sections)
     with pytest.raises(SchemaError, match=refusal):
-        load_train_config(path)
+        load_job_config(path)
 
 
 def test_specialization_classes_keep_the_largest_shape_of_each():

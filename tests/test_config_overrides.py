@@ -15,7 +15,7 @@ import dflash_schema
 from dflash_cli import release
 from dflash_cli.cli import main
 from dflash_run import REPO, dflash
-from dflash_train.config import load_train_config, resolved_yaml
+from dflash_train.config import load_job_config, resolved_yaml
 from support.train_configs import small_config
 
 CONFIGS = sorted((REPO / "configs" / "train").glob("*.yaml"))
@@ -56,7 +56,7 @@ def test_exponent_floats_without_a_dot_are_numbers_in_files_too(tmp_path):
     config = small_config(tmp_path / "c.yaml")
     config.write_text(config.read_text().replace("lr: 0.003", "lr: 1e-4"))
     assert "lr: 1e-4" in config.read_text()
-    assert load_train_config(config).optim.lr == 1e-4  # PyYAML alone reads the string '1e-4'
+    assert load_job_config(config).optim.lr == 1e-4  # PyYAML alone reads the string '1e-4'
 
 
 def test_an_override_changes_one_of_two_aliased_mappings_only(tmp_path):
@@ -117,10 +117,10 @@ def test_an_error_of_the_file_is_the_files_even_beside_a_set_in_its_section(home
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_the_resolved_config_loads_back_to_the_same_config(path, tmp_path):
-    config = load_train_config(path)
+    config = load_job_config(path)
     text = resolved_yaml(config)
     (tmp_path / "resolved.yaml").write_text(text)
-    again = load_train_config(tmp_path / "resolved.yaml")
+    again = load_job_config(tmp_path / "resolved.yaml")
     assert again == config and resolved_yaml(again) == text
     section = "regenerate" if config.job == "regenerate" else "runtime"
     assert all(f"\n  {name}:" in text for name in dataclass_fields(getattr(config, section)))  # every default
@@ -134,10 +134,10 @@ def test_strings_that_read_as_numbers_stay_strings_through_the_resolved_config(t
     config = small_config(tmp_path / "c.yaml", drafter={"mask_token": "1e-4"})
     assert "mask_token: 1e-4" in config.read_text()  # written by plain PyYAML: unquoted
     with pytest.raises(dflash_schema.SchemaError, match="mask_token: expected a string, got a number"):
-        load_train_config(config)  # our loader reads the file's 1e-4 as a number
-    text = resolved_yaml(load_train_config(config, (dflash_schema.parse_override("drafter.mask_token='1e-4'"),)))
+        load_job_config(config)  # our loader reads the file's 1e-4 as a number
+    text = resolved_yaml(load_job_config(config, (dflash_schema.parse_override("drafter.mask_token='1e-4'"),)))
     (tmp_path / "resolved.yaml").write_text(text)
-    assert "mask_token: '1e-4'" in text and load_train_config(tmp_path / "resolved.yaml").drafter.mask_token == "1e-4"
+    assert "mask_token: '1e-4'" in text and load_job_config(tmp_path / "resolved.yaml").drafter.mask_token == "1e-4"
 
 
 @pytest.mark.timeout(300)
@@ -154,10 +154,10 @@ def test_set_changes_what_the_trainer_runs_and_every_record_of_it(home, tmp_path
     run_dir = home / ".dflash" / "local" / "runs" / run_id
 
     # the run directory's config.yaml is the resolved config, the overrides in
-    expected = load_train_config(config, tuple(map(dflash_schema.parse_override, overrides)))
+    expected = load_job_config(config, tuple(map(dflash_schema.parse_override, overrides)))
     assert (expected.optim.lr, expected.drafter.num_layers) == (1e-4, 2)
     text = (run_dir / "config.yaml").read_text()
-    assert text == resolved_yaml(expected) and load_train_config(run_dir / "config.yaml") == expected
+    assert text == resolved_yaml(expected) and load_job_config(run_dir / "config.yaml") == expected
     record = json.loads((run_dir / "run.json").read_text())
     assert record["overrides"] == overrides and record["config"] == text
 

@@ -27,7 +27,7 @@ from dflash_train import cudagraphs
 from dflash_train.compile_policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
                                          configure_compiler, example_inputs, plan_compile)
 from dflash_train.step_build import compile_for_shapes, inputs_of_shape, random_inputs, warm_up
-from dflash_train.config import DataConfig, DrafterConfig, load_train_config
+from dflash_train.config import DataConfig, DrafterConfig, load_job_config
 from dflash_train.data import BatchPlan, Sample, collate
 from dflash_train.model import DFlashDrafter, drafter_hf_config
 from dflash_train import objective as objective_module
@@ -74,14 +74,14 @@ def _write_config(tmp_path, compile_mode: str, drafters: str, data: str = "pad_m
 
 def test_config_refuses_cudagraphs_on_a_cpu_run(tmp_path):
     with pytest.raises(SchemaError) as info:
-        load_train_config(_write_config(tmp_path, "cudagraphs", "cpu, cpu"))
+        load_job_config(_write_config(tmp_path, "cudagraphs", "cpu, cpu"))
     message = str(info.value)
     assert str(tmp_path / "train.yaml") in message
     assert "cudagraphs needs CUDA devices" in message and "use compile: off or default" in message
 
 
 def test_config_accepts_cudagraphs_with_cuda_drafters(tmp_path):
-    config = load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0, cuda:0"))
+    config = load_job_config(_write_config(tmp_path, "cudagraphs", "cuda:0, cuda:0"))
     assert config.compile == "cudagraphs" and config.devices.drafters == ("cuda:0", "cuda:0")
 
 
@@ -133,7 +133,7 @@ def test_too_many_buckets_is_refused_with_the_setting_to_change():
 
 def test_config_refuses_more_buckets_than_captured_naming_file_and_keys(tmp_path):
     with pytest.raises(SchemaError) as info:
-        load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0, cuda:0",
+        load_job_config(_write_config(tmp_path, "cudagraphs", "cuda:0, cuda:0",
                                         data="max_length: 3072, pad_multiple: 64"))
     message = str(info.value)
     assert str(tmp_path / "train.yaml") in message
@@ -141,12 +141,12 @@ def test_config_refuses_more_buckets_than_captured_naming_file_and_keys(tmp_path
     suggested = int(message.split("pad_multiple to at least ")[1].split()[0])
     assert suggested == 768
     # The suggested setting is enough, and one less is not.
-    config = load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0", data=f"pad_multiple: {suggested}"))
+    config = load_job_config(_write_config(tmp_path, "cudagraphs", "cuda:0", data=f"pad_multiple: {suggested}"))
     assert len(config.data.padded_lengths()) == 4
     with pytest.raises(SchemaError, match="makes 5"):
-        load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0", data=f"pad_multiple: {suggested - 1}"))
+        load_job_config(_write_config(tmp_path, "cudagraphs", "cuda:0", data=f"pad_multiple: {suggested - 1}"))
     # Only cudagraphs captures per length: the other modes take any padding.
-    assert load_train_config(_write_config(tmp_path, "default", "cuda:0", data="pad_multiple: 64")).compile == "default"
+    assert load_job_config(_write_config(tmp_path, "default", "cuda:0", data="pad_multiple: 64")).compile == "default"
 
 
 def test_every_batch_the_packer_makes_fits_a_bucket():
@@ -178,25 +178,25 @@ def test_every_batch_the_packer_makes_fits_a_bucket():
     ("cuda:1", False),
 ])
 def test_cudagraphs_plan_holds_the_config_buckets_placement_and_shapes(tmp_path, drafters, shared):
-    config = load_train_config(_write_config(tmp_path, "cudagraphs", drafters))
+    config = load_job_config(_write_config(tmp_path, "cudagraphs", drafters))
     plan = plan_compile(config)
     assert plan.buckets == cudagraphs.bucket_shapes(config.data, config.drafter)
     assert [b.length for b in plan.buckets] == [1024, 2048, 3072]
     assert plan.drafters_share_a_device is shared and plan.num_drafters == len(config.devices.drafters)
     assert plan.shapes_per_drafter == 3 and plan.shapes == "static"  # the default, for now
-    dynamic = load_train_config(_write_config(tmp_path, "cudagraphs", drafters, extra="compile_shapes: dynamic\n"))
+    dynamic = load_job_config(_write_config(tmp_path, "cudagraphs", drafters, extra="compile_shapes: dynamic\n"))
     assert plan_compile(dynamic).shapes == "dynamic"
 
 
 @pytest.mark.parametrize("shapes", ["static", "dynamic"])
 def test_compile_shapes_is_refused_without_cudagraphs(tmp_path, shapes):
     with pytest.raises(SchemaError, match="compile_shapes applies to compile: cudagraphs.*compile: default is always"):
-        load_train_config(_write_config(tmp_path, "default", "cpu", extra=f"compile_shapes: {shapes}\n"))
-    assert plan_compile(load_train_config(_write_config(tmp_path, "default", "cpu"))).shapes == "dynamic"
+        load_job_config(_write_config(tmp_path, "default", "cpu", extra=f"compile_shapes: {shapes}\n"))
+    assert plan_compile(load_job_config(_write_config(tmp_path, "default", "cpu"))).shapes == "dynamic"
 
 
 def test_build_train_step_reaches_the_graph_builder_for_a_cudagraphs_plan(tmp_path):
-    plan = plan_compile(load_train_config(_write_config(tmp_path, "cudagraphs", "cuda:0, cuda:0")))
+    plan = plan_compile(load_job_config(_write_config(tmp_path, "cudagraphs", "cuda:0, cuda:0")))
     objective = tiny_objective("cpu")
     example = example_inputs(objective, 32, FEATURE_LAYERS * HIDDEN, "cpu")
     with pytest.raises(cudagraphs.CudaGraphsUnavailable, match="needs a CUDA device; the drafter is on cpu"):
@@ -208,7 +208,7 @@ def test_build_train_step_reaches_the_graph_builder_for_a_cudagraphs_plan(tmp_pa
 
 def test_plans_without_graphs_build_a_working_step(tmp_path):
     path = _write_config(tmp_path, "off", "cpu, cpu")
-    plan = plan_compile(load_train_config(path))
+    plan = plan_compile(load_job_config(path))
     assert plan == CompilePlan("off", num_drafters=2, buckets=(), drafters_share_a_device=True, shapes="dynamic")
     assert plan.shapes_per_drafter == DYNAMIC_SHAPE_VARIANTS
     objective = tiny_objective("cpu")
@@ -237,11 +237,11 @@ def compiler_settings():
 
 def test_recompile_limit_covers_every_drafter_and_bucket(tmp_path, compiler_settings):
     drafters = ", ".join(f"cuda:{i}" for i in range(8))
-    plan = plan_compile(load_train_config(_write_config(tmp_path, "cudagraphs", drafters, data="pad_multiple: 768")))
+    plan = plan_compile(load_job_config(_write_config(tmp_path, "cudagraphs", drafters, data="pad_multiple: 768")))
     configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
     # 8 GPUs x 4 buckets: each is a cache entry of DraftObjective.forward at worst.
     assert torch._dynamo.config.recompile_limit >= 8 * 4
-    configure_compiler("default", 1, dynamic_shapes=plan_compile(load_train_config(
+    configure_compiler("default", 1, dynamic_shapes=plan_compile(load_job_config(
         _write_config(tmp_path, "default", "cpu"))).dynamic_shapes)
     assert torch._dynamo.config.recompile_limit == 8
     if hasattr(compiler_settings, "mix_order_reduction"):  # symbolic sizes turn off what breaks on them

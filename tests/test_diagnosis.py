@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dflash_cli.diagnosis import Failure, diagnose
 from dflash_train import memory_ledger
-from dflash_train.config import FaultSpec, load_train_config
+from dflash_train.config import FaultSpec, load_job_config
 from dflash_train.data import load_prompts, tokenize_chat, tokenize_sample
 from dflash_train.distributed import CollectiveFailed, JoinFailed, PeerFailed
 from dflash_train.faults import FaultInjector
@@ -348,7 +348,7 @@ def test_the_cuda_graph_trees_tls_assertion_points_at_compile_cudagraphs():
 def tokenizer(workspace):
     from transformers import AutoTokenizer
 
-    config = load_train_config(TINY_CONFIG)
+    config = load_job_config(TINY_CONFIG)
     assets = ensure_tiny_assets(config.target.tiny, config.data.synthetic, workspace / "cache")
     return AutoTokenizer.from_pretrained(str(assets.target_dir))
 

@@ -21,7 +21,7 @@ import yaml
 from dflash_schema import SchemaError
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_train.config import DrafterConfig, load_train_config
+from dflash_train.config import DrafterConfig, load_job_config
 from dflash_train.model import DFlashDrafter, drafter_hf_config, export_drafter
 from dflash_train.target import FeatureTap
 
@@ -194,22 +194,22 @@ def _config(tmp_path: Path, name: str, edit) -> Path:
 
 
 def test_export_dtype_is_bf16_where_the_drafters_train_on_cuda_unless_set(tmp_path):
-    assert load_train_config(REPO / "configs/train/tiny-cpu.yaml").export_dtype == "float32"
-    assert load_train_config(REPO / "configs/train/tiny-gpu.yaml").export_dtype == "bfloat16"
+    assert load_job_config(REPO / "configs/train/tiny-cpu.yaml").export_dtype == "float32"
+    assert load_job_config(REPO / "configs/train/tiny-gpu.yaml").export_dtype == "bfloat16"
     fp32 = _config(tmp_path, "tiny-gpu.yaml", lambda c: c.update(export={"dtype": "float32"}))
-    assert load_train_config(fp32).export_dtype == "float32"
+    assert load_job_config(fp32).export_dtype == "float32"
     bad = _config(tmp_path, "tiny-cpu.yaml", lambda c: c.update(export={"dtype": "fp8"}))
     with pytest.raises(SchemaError, match="export"):
-        load_train_config(bad)
+        load_job_config(bad)
 
 
 def test_the_last_target_layer_is_refused_naming_target_layer_ids(tmp_path):
     # tiny-cpu's target has 6 layers: 5 is the last, whose feature readers disagree on
     last = _config(tmp_path, "tiny-cpu.yaml", lambda c: c["drafter"].update(target_layer_ids=[1, 5]))
     with pytest.raises(SchemaError, match=r"drafter\.target_layer_ids \[1, 5\].*at most 4"):
-        load_train_config(last)
+        load_job_config(last)
     fine = _config(tmp_path, "tiny-cpu.yaml", lambda c: c["drafter"].update(target_layer_ids=[1, 4]))
-    assert load_train_config(fine).drafter.target_layer_ids == (1, 4)
+    assert load_job_config(fine).drafter.target_layer_ids == (1, 4)
     # a target from a folder: its layer count is known only once loaded, so the tap refuses
     target = Qwen3ForCausalLM(Qwen3Config(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8))

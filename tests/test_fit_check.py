@@ -17,7 +17,7 @@ from support import container_workspace
 from support.inventory import HOST_ENV, container_host
 from test_memory_plan import CONFIGS, H200_MIB, QWEN3_8B, one_gpu_config, write_model_folder
 
-from dflash_train.config import load_train_config
+from dflash_train.config import load_job_config
 from dflash_train.memory_plan import GIB, TargetShape, estimate, usable_bytes
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,7 +55,7 @@ def gpu_host(make_inventory, ssh_node, fake_pve, gpu_container, tmp_path) -> Gpu
 
 
 def qwen3_8b_plan(config: Path):
-    return estimate(load_train_config(config), TargetShape.from_config_json(QWEN3_8B))
+    return estimate(load_job_config(config), TargetShape.from_config_json(QWEN3_8B))
 
 
 def test_a_run_that_cannot_fit_is_refused_before_anything_reaches_the_host(gpu_host, tmp_path):
@@ -121,7 +121,7 @@ def test_a_run_that_fits_passes_the_check_and_starts(gpu_host):
     done = gpu_host.dflash("launch", "gpu", "--config", str(CONFIGS / "tiny-gpu.yaml"))
     assert done.returncode == 0, done.stderr
     (run_id,) = done.stdout.splitlines()
-    config = load_train_config(CONFIGS / "tiny-gpu.yaml")
+    config = load_job_config(CONFIGS / "tiny-gpu.yaml")
     (device,) = estimate(config, TargetShape.from_tiny(config.target.tiny)).devices
     assert (f"gpu: GPU memory fits (estimated peak of usable): cuda:0 {device.total / GIB:.1f} GiB of "
             f"{usable_bytes(H200_MIB) / GIB:.1f} GiB") in done.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.config import DataConfig, DrafterConfig, load_train_config
+from dflash_train.config import DataConfig, DrafterConfig, load_job_config
 from dflash_train.data import BatchPlan, Sample, collate, load_samples, tokenize_chat, tokenize_sample
 from dflash_train.objective import NO_TURN, anchor_candidates, block_labels, position_weights
 from dflash_train.tiny import ensure_tiny_assets
@@ -23,7 +23,7 @@ END = "<|im_end|>"
 @pytest.fixture(scope="module")
 def tiny_cpu_assets(workspace):
     """The shipped tiny-cpu.yaml's target and data (the end-to-end run's cache entry)."""
-    config = load_train_config(TINY_CONFIG)
+    config = load_job_config(TINY_CONFIG)
     return config, ensure_tiny_assets(config.target.tiny, config.data.synthetic, workspace / "cache")
 
 

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3Moe
 
 import dflash_schema
 from dflash_train import cudagraphs, memory_plan, tiny
-from dflash_train.config import DataConfig, DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_train_config
+from dflash_train.config import DataConfig, DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_job_config
 from dflash_train.memory_plan import (BF16, FP32, GIB, MemoryPlan, Shape, TargetShape, drafter_parameters, estimate,
                                       micro_batch_shapes, usable_bytes)
 from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
@@ -62,7 +62,7 @@ def one_gpu_config(folder: Path) -> Path:
 def plan_of(config: str | Path, target: TargetShape, *overrides: str, **layout) -> MemoryPlan:
     """The plan of a shipped config (by name) or of the config file `config`."""
     path = CONFIGS / config if isinstance(config, str) else config
-    return estimate(load_train_config(path, tuple(map(dflash_schema.parse_override, overrides))), target, **layout)
+    return estimate(load_job_config(path, tuple(map(dflash_schema.parse_override, overrides))), target, **layout)
 
 
 def term(plan: MemoryPlan, device: str, name: str):
@@ -127,7 +127,7 @@ def test_the_tiny_target_is_the_one_tiny_builds():
 # --- micro-batches -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("data, drafter", [
-    (load_train_config(CONFIGS / "qwen3-8b-4gpu.yaml").data, DrafterConfig()),
+    (load_job_config(CONFIGS / "qwen3-8b-4gpu.yaml").data, DrafterConfig()),
     (DataConfig(train="t.jsonl", max_length=3072, token_budget=12288, pad_multiple=768), DrafterConfig()),
     (DataConfig(train="t.jsonl", max_length=3072, token_budget=12288, block_token_budget=16384, pad_multiple=768),
      DrafterConfig()),
@@ -183,7 +183,7 @@ def test_one_gpu_sums_the_target_and_both_drafters_and_does_not_fit_an_h200(tmp_
     assert term(plan, "cuda:0", "gradients").bytes == 2 * drafter_parameters(target, DrafterConfig()) * FP32
     assert not [n for n in names(plan, "cuda:0") if n.startswith("target embedding")]  # the target's own tensors
     # pad_multiple 64 with token_budget 12288: its largest micro-batch is one of many rows.
-    lengths = load_train_config(config).data.padded_lengths()
+    lengths = load_job_config(config).data.padded_lengths()
     assert plan.worst.length in lengths and plan.worst.rows == 12288 // plan.worst.length > 4
     assert device.largest(1)[0].name == f"activations: {plan.worst}"
     assert device.total > usable_bytes(H200_MIB)
@@ -216,17 +216,17 @@ def test_no_evaluator_without_eval_prompts(tmp_path):
 
 
 def test_the_tiny_gpu_config_fits_an_h200_with_room_to_spare():
-    config = load_train_config(CONFIGS / "tiny-gpu.yaml")
+    config = load_job_config(CONFIGS / "tiny-gpu.yaml")
     (device,) = estimate(config, TargetShape.from_tiny(config.target.tiny)).devices
     assert device.roles == ("target-0", "eval", "drafter-0", "drafter-1")
     assert device.total < 2 * GIB  # the CUDA context is most of it
 
 
 def test_cpu_only_configs_and_other_jobs_are_not_planned():
-    config = load_train_config(CONFIGS / "tiny-cpu.yaml")
+    config = load_job_config(CONFIGS / "tiny-cpu.yaml")
     with pytest.raises(ValueError, match="CPU only"):
         estimate(config, TargetShape.from_tiny(config.target.tiny))
-    regenerate = load_train_config(CONFIGS / "regen-tiny-cpu.yaml")
+    regenerate = load_job_config(CONFIGS / "regen-tiny-cpu.yaml")
     with pytest.raises(ValueError, match="job: regenerate"):
         estimate(regenerate, TargetShape.from_tiny(regenerate.target.tiny))
 
@@ -238,7 +238,7 @@ def test_a_config_json_without_the_widths_is_named():
 
 def test_memory_plan_does_not_import_torch():
     code = ("import sys; sys.path.insert(0, 'remote'); import dflash_train.config as c, dflash_train.memory_plan as m; "
-            "config = c.load_train_config('configs/train/tiny-gpu.yaml'); "
+            "config = c.load_job_config('configs/train/tiny-gpu.yaml'); "
             "m.estimate(config, m.TargetShape.from_tiny(config.target.tiny)); "
             "print(sorted(n for n in ('torch', 'transformers') if n in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

@@ -18,7 +18,7 @@ import dflash_events
 import dflash_schema
 from dflash_cli import release as release_tree
 from dflash_cli.commands.launch import host_paths
-from dflash_train.config import load_train_config
+from dflash_train.config import load_job_config
 from test_trainer_runs import launch  # noqa: F401 - `launch` is a fixture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def regen_config(prompts: Path, output: Path, batch_size: int, extra: str = "", 
 # ---- the config -----------------------------------------------------------------------------
 
 def test_regenerate_config_loads_and_names_its_threads_and_host_paths(tmp_path):
-    config = load_train_config(write_config(tmp_path, """
+    config = load_job_config(write_config(tmp_path, """
         job: regenerate
         target: {path: Qwen/Qwen3-8B}
         regenerate:
@@ -82,7 +82,7 @@ def test_regenerate_config_loads_and_names_its_threads_and_host_paths(tmp_path):
 def test_config_refuses_what_the_job_does_not_read_or_lacks(tmp_path, text, problem):
     path = write_config(tmp_path, text)
     with pytest.raises(dflash_schema.SchemaError) as caught:
-        load_train_config(path)
+        load_job_config(path)
     assert problem in str(caught.value) and str(path) in str(caught.value)
 
 
@@ -91,7 +91,7 @@ def test_example_config_answers_the_committed_synthetic_prompts(workspace):
     builds for the regeneration job's target, so regen-tiny-cpu.yaml works as shipped."""
     from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
 
-    config = load_train_config(REPO / "configs" / "train" / "regen-tiny-cpu.yaml")
+    config = load_job_config(REPO / "configs" / "train" / "regen-tiny-cpu.yaml")
     assert (REPO / config.regenerate.prompts) == TINY_PROMPTS and config.job == "regenerate"
     assets = ensure_tiny_assets(config.target.tiny, TARGET_DATA, workspace / "cache")
     synthetic = [json.loads(line)["messages"][:1] for line in assets.train_path.read_text().splitlines()]

@@ -10,7 +10,7 @@ import dflash_events
 import pytest
 import torch
 
-from dflash_train.config import load_train_config
+from dflash_train.config import load_job_config
 from support.train_configs import TINY_CPU
 from support.trainer import end, start_trainer
 
@@ -40,7 +40,7 @@ def trained(tiny_cpu_run, workspace):
 
     assert tiny_cpu_run.proc.returncode == 0, tiny_cpu_run.log()[-3000:]
     run_dir = tiny_cpu_run.run_dir
-    spec = load_train_config(TINY_CPU)
+    spec = load_job_config(TINY_CPU)
     assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, workspace / "cache")  # cached: built above
     target = load_target(str(assets.target_dir), "float32", "cpu")
     drafter = load_drafter(run_dir / "export").eval()
@@ -190,9 +190,9 @@ def test_the_config_says_what_an_evaluate_job_lacks(tmp_path):
         path = tmp_path / "c.yaml"
         path.write_text(text)
         with pytest.raises(dflash_schema.SchemaError, match=message):
-            load_train_config(path)
+            load_job_config(path)
     path.write_text("job: evaluate\ntarget: {path: t}\nevaluate: {drafter: d, prompts: p}\n")
-    config = load_train_config(path)
+    config = load_job_config(path)
     assert config.evaluate.max_new_tokens == 2048 and config.evaluate.num_prompts is None
     from dflash_cli.commands.launch import host_paths
     # launch has the host check the job's paths before it starts anything
@@ -212,7 +212,7 @@ def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path)
     from dflash_train.model import DFlashDrafter, drafter_hf_config, export_drafter
     from dflash_train.tiny import ensure_tiny_assets
 
-    spec = load_train_config(TINY_CPU)
+    spec = load_job_config(TINY_CPU)
     assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, workspace / "cache")
     target_config = AutoConfig.from_pretrained(str(assets.target_dir))
     drafter = DFlashDrafter(drafter_hf_config(target_config, DrafterConfig(num_layers=1, block_size=4), (1, 3), 4))

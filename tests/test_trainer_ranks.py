@@ -162,13 +162,13 @@ def test_sigterm_on_one_rank_stops_both(launch, tmp_path, tiny_cache):
 
 def test_a_fault_with_a_rank_fires_in_that_rank_only(tmp_path):
     from dflash_schema import SchemaError
-    from dflash_train.config import load_train_config
+    from dflash_train.config import load_job_config
     from dflash_train.faults import FaultInjector, InjectedFault
 
     path = tmp_path / "train.yaml"
     path.write_text(SMALL + "faults: [{thread: drafter-0, at: 'step:2', kind: raise, rank: 1},\n"
                             "         {thread: drafter-1, at: 'step:2', kind: raise}]\n")
-    faults = load_train_config(path).faults
+    faults = load_job_config(path).faults
     for rank, fired in ((0, ["drafter-1"]), (1, ["drafter-0", "drafter-1"])):
         injector, seen = FaultInjector(faults, rank), []
         for thread in ("drafter-0", "drafter-1"):
@@ -179,10 +179,10 @@ def test_a_fault_with_a_rank_fires_in_that_rank_only(tmp_path):
         assert seen == fired, rank
     path.write_text(SMALL + "faults: [{thread: drafter-0, at: 'step:2', kind: raise, rank: -1}]\n")
     with pytest.raises(SchemaError, match="rank counts from 0"):
-        load_train_config(path)
+        load_job_config(path)
     path.write_text(SMALL + "distributed: {timeout_s: 0}\n")
     with pytest.raises(SchemaError, match="distributed: .*must be positive"):
-        load_train_config(path)
+        load_job_config(path)
 
 
 def test_the_exchange_gives_every_replica_the_same_mean_and_every_fact():

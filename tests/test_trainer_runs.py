@@ -14,7 +14,7 @@ from pathlib import Path
 
 import dflash_events
 import pytest
-from dflash_train.config import load_train_config, resolved_yaml
+from dflash_train.config import load_job_config, resolved_yaml
 from support.train_configs import TINY_CPU
 from support.trainer import Launched, end, start_trainer
 
@@ -90,7 +90,7 @@ def test_tiny_cpu_config_end_to_end(tiny_cpu_run, workspace):
     assert {p.name for p in latest.resolve().iterdir()} == {"model.safetensors", "optimizer.pt", "state.json",
                                                               "config.yaml", "SHA256SUMS"}
     # the config it ran, resolved (the agent was given the file as written here)
-    assert (latest / "config.yaml").read_text() == resolved_yaml(load_train_config(TINY_CPU))
+    assert (latest / "config.yaml").read_text() == resolved_yaml(load_job_config(TINY_CPU))
     checkpoints = run.events("checkpoint")
     assert checkpoints[-1]["step"] == len(steps) and checkpoints[-1]["thread"] == "checkpoint-writer"
     # training is held only for the copy off the device; the write is timed apart
@@ -134,7 +134,7 @@ def check_export(export: Path, workspace: Path) -> None:
 
     config = json.loads((export / "config.json").read_text())
     drafter = load_drafter(export).eval()
-    train = load_train_config(TINY_CPU)  # its cache entry exists: this finds it, builds nothing
+    train = load_job_config(TINY_CPU)  # its cache entry exists: this finds it, builds nothing
     assets = ensure_tiny_assets(train.target.tiny, train.data.synthetic, workspace / "cache")
     target = load_target(str(assets.target_dir), "float32", "cpu")
     tap = FeatureTap(target, tuple(config["dflash_config"]["target_layer_ids"]))
@@ -464,7 +464,7 @@ def by_hand(run_dir: Path, workspace: Path, steps: int, monkeypatch) -> dict:
     """The drafter after `steps` steps of the run's config computed here, step by step:
     each of the step's micro-batches (2 replicas x 2) on zero gradients, the mean of each
     replica's two, the mean of the replicas', then clipping and AdamW as the trainer does."""
-    from dflash_train.config import load_train_config
+    from dflash_train.config import load_job_config
     from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
     from dflash_train.startup import prepare
     from dflash_train.threads import StopLatch
@@ -472,7 +472,7 @@ def by_hand(run_dir: Path, workspace: Path, steps: int, monkeypatch) -> dict:
     import torch
 
     monkeypatch.setenv("DFLASH_WORKSPACE", str(workspace))
-    config = load_train_config(run_dir / "config.yaml")
+    config = load_job_config(run_dir / "config.yaml")
     here = run_dir.parent / "by-hand"
     here.mkdir()
     threads = torch.get_num_threads()

@@ -23,7 +23,7 @@ from dflash_schema import SchemaError
 
 from dflash_train import checkpoint as ckpt
 from dflash_train.checkpoint_state import TrainingState
-from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_train_config, resolved_yaml
+from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_job_config, resolved_yaml
 from dflash_train.data import tokenize_chat
 from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter, load_drafter
 from dflash_train.modeling_dflash import dense_attention
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(120)
 TINY_CONFIG = REPO / "configs" / "train" / "tiny-cpu.yaml"
-TINY_RESOLVED = resolved_yaml(load_train_config(TINY_CONFIG))
+TINY_RESOLVED = resolved_yaml(load_job_config(TINY_CONFIG))
 
 
 def write_config(tmp_path: Path, text: str) -> Path:
@@ -53,7 +53,7 @@ devices: {target: [cpu], drafters: [cpu, cpu]}
 # --- config -------------------------------------------------------------------------
 
 def test_tiny_config_loads_and_names_its_resources():
-    config = load_train_config(TINY_CONFIG)
+    config = load_job_config(TINY_CONFIG)
     assert config.resources() == ("cpu",)
     assert config.compile == "off"  # YAML reads a bare `off` as false
     assert len(config.devices.drafters) == 2
@@ -62,7 +62,7 @@ def test_tiny_config_loads_and_names_its_resources():
 
 @pytest.mark.parametrize("name, gpus", [("tiny-gpu.yaml", 1), ("qwen3-8b.yaml", 1), ("qwen3-8b-4gpu.yaml", 4)])
 def test_shipped_gpu_configs_load(name, gpus):
-    config = load_train_config(TINY_CONFIG.parent / name)
+    config = load_job_config(TINY_CONFIG.parent / name)
     assert config.resources() == tuple(f"gpu{i}" for i in range(gpus)) and config.stall_after == 300.0
     if config.compile == "cudagraphs":
         from dflash_train.compile_policy import plan_compile
@@ -74,7 +74,7 @@ def test_shipped_gpu_configs_load(name, gpus):
 
 def test_config_module_does_not_import_torch():
     code = ("import sys; sys.path.insert(0, 'remote'); import dflash_train.config as c; "
-            "c.load_train_config('configs/train/tiny-cpu.yaml'); "
+            "c.load_job_config('configs/train/tiny-cpu.yaml'); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -93,11 +93,11 @@ def test_the_trainer_imports_nothing_of_the_agent():
 
 def test_unknown_fault_thread_and_bad_keys_are_refused(tmp_path):
     with pytest.raises(SchemaError, match="unknown thread 'drafter-2'"):
-        load_train_config(write_config(tmp_path, BASE + "faults: [{thread: drafter-2, at: startup, kind: raise}]\n"))
+        load_job_config(write_config(tmp_path, BASE + "faults: [{thread: drafter-2, at: startup, kind: raise}]\n"))
     with pytest.raises(SchemaError, match=r"optim\.lrr: unknown key"):
-        load_train_config(write_config(tmp_path, BASE + "optim: {lrr: 1}\n"))
+        load_job_config(write_config(tmp_path, BASE + "optim: {lrr: 1}\n"))
     with pytest.raises(SchemaError, match="step:N"):
-        load_train_config(write_config(tmp_path, BASE + "faults: [{thread: prefetch, at: soon, kind: hang}]\n"))
+        load_job_config(write_config(tmp_path, BASE + "faults: [{thread: prefetch, at: soon, kind: hang}]\n"))
 
 
 @pytest.mark.parametrize("section, message", [
@@ -111,21 +111,21 @@ def test_a_section_problem_names_its_key_path_once(tmp_path, section, message):
     config = {**yaml.safe_load(BASE), **section}
     path = write_config(tmp_path, yaml.safe_dump(config))
     with pytest.raises(SchemaError) as info:
-        load_train_config(path)
+        load_job_config(path)
     assert str(info.value).startswith(f"{path}: {message}")
 
 
 def test_a_tiny_target_may_train_on_a_data_file(tmp_path):
     """What job: regenerate wrote with the tiny target is a training file for it."""
     path = write_config(tmp_path, "target: {tiny: {}}\ndata: {train: chats.jsonl}\n")
-    config = load_train_config(path)
+    config = load_job_config(path)
     assert config.data.train == "chats.jsonl" and config.data.synthetic is None
 
 
 def test_a_training_config_key_given_twice_is_refused(tmp_path):
     path = write_config(tmp_path, BASE + "optim:\n  lr: 1.0e-3\n  epochs: 2\n  lr: 1.0e-2\n")
     with pytest.raises(SchemaError, match=r"line 8: key 'lr' given twice \(first at line 6\)"):
-        load_train_config(path)
+        load_job_config(path)
 
 
 @pytest.mark.parametrize("thread, at", [("target-0", "step:2"), ("prefetch", "step:2"), ("drafter-1", "startup")])
@@ -133,9 +133,9 @@ def test_nonfinite_fault_is_only_for_a_drafter_step(tmp_path, thread, at):
     fault = f"faults: [{{thread: {thread}, at: '{at}', kind: nonfinite}}]\n"
     with pytest.raises(SchemaError, match=rf"faults\[0\]: nonfinite poisons a drafter's step: thread drafter-N and "
                                           rf"at step:N, got {thread} at {at}"):
-        load_train_config(write_config(tmp_path, BASE + fault))
+        load_job_config(write_config(tmp_path, BASE + fault))
     fault = "faults: [{thread: drafter-1, at: 'step:2', kind: nonfinite}]\n"
-    config = load_train_config(write_config(tmp_path, BASE + fault))
+    config = load_job_config(write_config(tmp_path, BASE + fault))
     assert config.faults[0].kind == "nonfinite" and config.faults[0].step == 2
 
 
@@ -148,7 +148,7 @@ def test_nonfinite_fault_is_only_for_a_drafter_step(tmp_path, thread, at):
 ])
 def test_a_fault_naming_an_exception_is_checked(tmp_path, fault, message):
     with pytest.raises(SchemaError, match=rf"faults\[0\]: {re.escape(message)}"):
-        load_train_config(write_config(tmp_path, BASE + f"faults: [{fault}]\n"))
+        load_job_config(write_config(tmp_path, BASE + f"faults: [{fault}]\n"))
 
 
 def test_a_fault_raises_the_exception_it_names_deep_and_an_unknown_one_fails_the_start():
@@ -171,7 +171,7 @@ def test_a_fault_raises_the_exception_it_names_deep_and_an_unknown_one_fails_the
 
 
 def test_gpu_resources(tmp_path):
-    config = load_train_config(write_config(tmp_path, BASE.replace(
+    config = load_job_config(write_config(tmp_path, BASE.replace(
         "devices: {target: [cpu], drafters: [cpu, cpu]}", "devices: {target: [cuda:0], drafters: [cuda:1, cuda]}")
         + "compile: cudagraphs\n"))
     assert config.resources() == ("gpu0", "gpu1")
@@ -482,7 +482,7 @@ def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
     assert ckpt.resolve_resume("latest", tmp_path / "elsewhere") is None
     # it carries the resolved config, which loads back, and SHA256SUMS covers it
     assert (folder / "config.yaml").read_text() == TINY_RESOLVED
-    assert load_train_config(folder / "config.yaml") == load_train_config(TINY_CONFIG)
+    assert load_job_config(folder / "config.yaml") == load_job_config(TINY_CONFIG)
     sums = dict(reversed(line.split("  ")) for line in (folder / "SHA256SUMS").read_text().splitlines())
     assert sums["config.yaml"] == hashlib.sha256(TINY_RESOLVED.encode()).hexdigest()
     # A run resumed from an older checkpoint writes below the newest: what it wrote is kept,
@@ -568,7 +568,7 @@ def test_replica_check_catches_a_one_ulp_difference_and_names_the_replica():
     ("cudagraphs", "sdpa", False), ("default", "flex", True)])  # off with flex is refused (test_compile_coverage)
 def test_attention_auto_is_flex_only_under_cudagraphs(tmp_path, compile_mode, attention, flex):
     gpu = BASE.replace("cpu", "cuda:0")
-    config = load_train_config(write_config(tmp_path, gpu + f"compile: {compile_mode}\n"
+    config = load_job_config(write_config(tmp_path, gpu + f"compile: {compile_mode}\n"
                                             f"drafter: {{attention: {attention}}}\n"))
     assert config.uses_flex is flex
 
@@ -581,7 +581,7 @@ def small_replica(tmp_path: Path, index: int = 0):
 
     from dflash_train.replica import FrozenTargetWeights, Replica
 
-    config = load_train_config(write_config(tmp_path, BASE + "drafter: {num_layers: 2, block_size: 4}\n"))
+    config = load_job_config(write_config(tmp_path, BASE + "drafter: {num_layers: 2, block_size: 4}\n"))
     target = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     drafter = small_drafter()
@@ -815,11 +815,11 @@ def test_one_rule_says_whether_a_checkpoint_fits_a_config(tmp_path):
     from dflash_train.config import DataConfig
     from dflash_train.data import BatchPlan, Sample
 
-    config = load_train_config(write_config(tmp_path, BASE + "optim: {accumulate: 2}\n"))
-    capped = load_train_config(write_config(tmp_path, BASE + "optim: {accumulate: 2, max_steps: 4}\n"))
-    one_drafter = load_train_config(write_config(tmp_path, BASE.replace("[cpu, cpu]", "[cpu]") +
+    config = load_job_config(write_config(tmp_path, BASE + "optim: {accumulate: 2}\n"))
+    capped = load_job_config(write_config(tmp_path, BASE + "optim: {accumulate: 2, max_steps: 4}\n"))
+    one_drafter = load_job_config(write_config(tmp_path, BASE.replace("[cpu, cpu]", "[cpu]") +
                                                  "optim: {accumulate: 2}\n"))
-    evaluate = load_train_config(write_config(tmp_path, "target: {tiny: {}}\ndata: {synthetic: {}}\njob: evaluate\n"
+    evaluate = load_job_config(write_config(tmp_path, "target: {tiny: {}}\ndata: {synthetic: {}}\njob: evaluate\n"
                                                 "evaluate: {drafter: d}\n"))
     samples = [Sample(torch.arange(5 + i % 7), torch.zeros(5 + i % 7, dtype=torch.long)) for i in range(60)]
     data = DataConfig(train="unused.jsonl", max_length=16, token_budget=16, pad_multiple=8)

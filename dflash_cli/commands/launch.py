@@ -28,7 +28,7 @@ from ..run_start import refuse, start_together
 from ..session import Session
 
 if TYPE_CHECKING:
-    from dflash_train.config import TrainConfig
+    from dflash_train.config import JobConfig
 
 _BAD_NAME = re.compile(r"[/\x00-\x1f\x7f]")
 
@@ -51,13 +51,13 @@ class LaunchOptions:
         return self.config_path.stem if self.name is None else self.name
 
 
-def load_config(path: Path, overrides: tuple[str, ...] = ()) -> TrainConfig:
+def load_config(path: Path, overrides: tuple[str, ...] = ()) -> JobConfig:
     """The training config with the `--set KEY=VALUE` overrides merged in, checked by the
     trainer's own schema before anything is sent."""
-    from dflash_train.config import load_train_config  # torch-free by contract
+    from dflash_train.config import load_job_config  # torch-free by contract
 
     try:
-        return load_train_config(path, tuple(map(dflash_schema.parse_override, overrides)))
+        return load_job_config(path, tuple(map(dflash_schema.parse_override, overrides)))
     except dflash_schema.SchemaError as exc:
         raise DflashError(str(exc), ExitCode.USAGE) from exc
 
@@ -79,7 +79,7 @@ def check_name(name: str) -> None:
                           "with '.' or '-', and holds no '/' or control characters", ExitCode.USAGE)
 
 
-def host_paths(config: TrainConfig) -> list[tuple[str, str, str]]:
+def host_paths(config: JobConfig) -> list[tuple[str, str, str]]:
     """(kind, key, path) of every path in the config, for the agent to check on the host
     (the agent's --require-path: a file, the training data, a model folder or hub id, a
     checkpoint)."""
@@ -142,7 +142,7 @@ def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_
     return source
 
 
-def _agent_args(host: Host, config: TrainConfig, run_id: str, options: LaunchOptions, source: dict,
+def _agent_args(host: Host, config: JobConfig, run_id: str, options: LaunchOptions, source: dict,
                 rank: int = 0) -> list[str]:
     """The agent's launch options for `host`, rank `rank` of the run. Every value in the
     option's own word (--key=value): none can read as an option. Only rank 0 reads
@@ -163,7 +163,7 @@ def _agent_args(host: Host, config: TrainConfig, run_id: str, options: LaunchOpt
     return args
 
 
-def check_fit(session: Session, hosts: list[Host], config: TrainConfig,
+def check_fit(session: Session, hosts: list[Host], config: JobConfig,
               source_dir: Path | None) -> list[fit_check.HostFit]:
     """Every host's part of the run planned against its GPUs, in parallel, one round trip
     each (none for a config the check does not cover); a host that cannot be asked
@@ -178,7 +178,7 @@ def check_fit(session: Session, hosts: list[Host], config: TrainConfig,
     return [fits[name] for name in names]
 
 
-def _refuse_unless_fits(session: Session, hosts: list[Host], config: TrainConfig, source_dir: Path | None) -> None:
+def _refuse_unless_fits(session: Session, hosts: list[Host], config: JobConfig, source_dir: Path | None) -> None:
     fits = check_fit(session, hosts, config, source_dir)
     fit_check.refuse_unless_fits(fits, "nothing was deployed or started",
                                  hint="`dflash launch … --dry-run` prints every term of the estimate")
@@ -227,14 +227,14 @@ def run(session: Session, options: LaunchOptions) -> RunRef:
     return ref
 
 
-def _resolved(config: TrainConfig) -> bytes:
+def _resolved(config: JobConfig) -> bytes:
     """What the hosts get as config.yaml: the resolved config."""
     from dflash_train.config import resolved_yaml
 
     return resolved_yaml(config).encode()
 
 
-def _launch_on_hosts(session: Session, hosts: list[Host], config: TrainConfig, options: LaunchOptions) -> RunRef:
+def _launch_on_hosts(session: Session, hosts: list[Host], config: JobConfig, options: LaunchOptions) -> RunRef:
     """One run id on every host, rank = position in `hosts`. Every host checks what it
     can before any starts (one refusal starts nothing anywhere); a start that fails
     after that stops the parts already started: no half-started run is left."""

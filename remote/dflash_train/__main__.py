@@ -55,13 +55,13 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.register(signal.SIGUSR1, file=fault_log, all_threads=True, chain=False)
     say(f"dflash_train pid {os.getpid()} run dir {run_dir} config {args.config}")
 
-    from .config import load_train_config
+    from .config import load_job_config
     from .threads import StopLatch, install_excepthook
 
     latch = StopLatch(errors, thread_names)
     install_excepthook(latch)
     try:
-        config = load_train_config(args.config)
+        config = load_job_config(args.config)
         if args.resume_from is not None:
             config = dataclasses.replace(
                 config, checkpoint=dataclasses.replace(config.checkpoint, resume=args.resume_from))

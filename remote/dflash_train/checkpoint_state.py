@@ -14,7 +14,7 @@ from typing import Protocol
 
 from dflash_files.checkpoint_files import STATE_FILE
 
-from .config import TrainConfig
+from .config import JobConfig
 
 
 @dataclasses.dataclass
@@ -52,7 +52,7 @@ class DataOrder(Protocol):
         """The last micro-batch `step` uses: the data cursor a checkpoint of that step records."""
 
 
-def fits(state: TrainingState, config: TrainConfig, folder: Path, world_size: int,
+def fits(state: TrainingState, config: JobConfig, folder: Path, world_size: int,
          data: DataOrder | None = None) -> str | None:
     """Why the checkpoint `folder`, holding `state`, cannot go on under `config` run by
     `world_size` processes, or None when it can. `data`: the plan of the config's data;

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from .config import TrainConfig
+from .config import JobConfig
 from .cudagraphs import bucket_shapes, build_cudagraph_train_step
 from .devices import canonical
 from .objective import DraftObjective, DrafterInputs
@@ -97,7 +97,7 @@ class CompilePlan:
         return _build_eager(objective, self.data_shapes[0] if self.data_shapes else shape_of(example), example)
 
 
-def plan_compile(config: TrainConfig, data_shapes: tuple[BatchShape, ...] = ()) -> CompilePlan:
+def plan_compile(config: JobConfig, data_shapes: tuple[BatchShape, ...] = ()) -> CompilePlan:
     """The run's compile plan, for the micro-batch shapes its data makes. Devices compare
     canonically ("cuda" is "cuda:0"), so two drafters written as cuda and cuda:0 count as
     sharing a GPU."""

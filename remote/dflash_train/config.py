@@ -94,7 +94,7 @@ class DrafterConfig:
     num_target_features: int | None = None  # how many layers when ids are not given; default num_layers
     intermediate_size: int | None = None  # default: the target's
     # sdpa: a dense block mask; flex: FlexAttention's sparse BlockMask, fast only when compiled.
-    # auto: flex under compile: cudagraphs, sdpa otherwise (TrainConfig.uses_flex says why).
+    # auto: flex under compile: cudagraphs, sdpa otherwise (JobConfig.uses_flex says why).
     attention: Literal["auto", "sdpa", "flex"] = "auto"
 
     def __post_init__(self) -> None:
@@ -437,7 +437,10 @@ _JOB_SPECIFIC = frozenset().union(*JOB_SECTIONS.values())
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class JobConfig:
+    """A launch's config: the job it runs (train, regenerate or evaluate) and the sections
+    that job reads (JOB_SECTIONS)."""
+
     target: TargetConfig
     data: DataConfig | None = None  # required by job: train
     job: Job = "train"
@@ -451,7 +454,7 @@ class TrainConfig:
     compile: CompileMode | bool = "off"
     # cudagraphs: one Inductor compile for every shape bucket (dynamic), or one per bucket
     # (static: kernels specialized to each size; a longer start-up). step_build.compile_for_shapes.
-    # Unset: static under cudagraphs, dynamic under compile: default (TrainConfig.compiled_shapes).
+    # Unset: static under cudagraphs, dynamic under compile: default (JobConfig.compiled_shapes).
     compile_shapes: CompileShapes | None = None
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -589,15 +592,15 @@ class TrainConfig:
         return tuple(f"gpu{i}" for i in sorted(indices))
 
 
-def load_train_config(path: str | os.PathLike[str], overrides: tuple[dflash_schema.Override, ...] = ()) -> TrainConfig:
+def load_job_config(path: str | os.PathLike[str], overrides: tuple[dflash_schema.Override, ...] = ()) -> JobConfig:
     """Load and check a training config, `overrides` (`--set KEY=VALUE`) merged in first;
     raises dflash_schema.SchemaError naming the file (or the `--set`) and the key."""
-    return dflash_schema.load_file(TrainConfig, path, overrides)
+    return dflash_schema.load_file(JobConfig, path, overrides)
 
 
-def resolved_yaml(config: TrainConfig) -> str:
+def resolved_yaml(config: JobConfig) -> str:
     """The config as YAML with every default filled in: the run directory's config.yaml
-    and each checkpoint's. It loads back to an equal TrainConfig. The sections of other
+    and each checkpoint's. It loads back to an equal JobConfig. The sections of other
     jobs are left out (the config was refused unless they were at their defaults); values
     the trainer derives from the model at run time (drafter.target_layer_ids when null)
     stay null."""

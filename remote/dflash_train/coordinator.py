@@ -23,7 +23,7 @@ from dflash_events import REPLICAS
 from . import memory_ledger
 from .compile_cache import is_warm, save_after_first_compile
 from .compile_policy import build_train_step, example_inputs, forbid_compiles
-from .config import TrainConfig
+from .config import JobConfig
 from .devices import is_cuda
 from .distributed import PeerFailed, Peers, join
 from .jobs import EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, report_threads_still_running
@@ -39,7 +39,7 @@ from .training_step import training_step
 
 
 class Coordinator(JobControl):
-    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
+    def __init__(self, config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
         super().__init__(events, latch, config.runtime.heartbeat_s)
         self.config = config
         self.run_dir = run_dir

@@ -98,7 +98,7 @@ def bucket_shapes(data: DataConfig, drafter: DrafterConfig) -> tuple[BatchShape,
     `num_anchors` blocks a row: one bucket per possible length covers all of them exactly.
     """
     problem = data.too_many_cudagraph_buckets()
-    if problem:  # a loaded TrainConfig never gets here; a DataConfig built in code may
+    if problem:  # a loaded JobConfig never gets here; a DataConfig built in code may
         raise CudaGraphsUnavailable(problem)
     lengths = data.padded_lengths()
     # A row of n tokens has at most n - 2 anchors (a token before and after each).

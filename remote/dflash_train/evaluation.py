@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from dflash_events import EVAL
 
-from .config import TrainConfig, resolve_path
+from .config import JobConfig, resolve_path
 from .data import load_prompts
 from .devices import canonical, is_cuda
 from .jobs import EXIT_FAILED, EXIT_OK, JobControl, sources, stop_ids
@@ -32,7 +32,7 @@ from .threads import StopLatch, StopRequested
 
 
 class EvaluationJob(JobControl):
-    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
+    def __init__(self, config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
         """As every job's coordinator is built (__main__.JOBS); one drafter is measured in
         this thread, so no worker thread can outlive a stop (`alive` stays empty)."""
         assert config.evaluate is not None

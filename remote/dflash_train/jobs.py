@@ -21,7 +21,7 @@ from typing import Any
 from dflash_events import HEARTBEAT, PHASE
 
 from . import startup_phases
-from .config import TrainConfig, resolve_path
+from .config import JobConfig, resolve_path
 from .runlog import EventLog, dump_header, say
 from .threads import StopLatch
 from .tiny import TARGET_DATA, cache_root, ensure_tiny_assets
@@ -93,7 +93,7 @@ def install_signal_handlers(job) -> None:
     signal.signal(signal.SIGINT, job.on_signal)
 
 
-def torch_threads(config: TrainConfig) -> int:
+def torch_threads(config: JobConfig) -> int:
     """Intra-op threads: the cores divided among the threads that compute on the CPU at once."""
     if config.runtime.torch_threads is not None:
         return config.runtime.torch_threads
@@ -105,7 +105,7 @@ def torch_threads(config: TrainConfig) -> int:
     return max(1, cores // busy)
 
 
-def sources(config: TrainConfig, run_dir: Path) -> tuple[str, Path | None, Path | None]:
+def sources(config: JobConfig, run_dir: Path) -> tuple[str, Path | None, Path | None]:
     """(target folder or hub id, train jsonl, eval jsonl); the jsonl files None when not
     given (an evaluate job may have no data section, a regenerate job has none)."""
     data = config.data

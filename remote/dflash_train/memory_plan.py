@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .config import DataConfig, DrafterConfig, TinyTargetSpec, TrainConfig, blocks_per_row, rows_per_micro_batch
+from .config import DataConfig, DrafterConfig, TinyTargetSpec, JobConfig, blocks_per_row, rows_per_micro_batch
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -272,7 +272,7 @@ def loss_chunk_rows(vocab: int) -> int:
     return max(1, LOSS_CHUNK_BYTES // (FP32 * vocab))
 
 
-def _activation_bytes(config: TrainConfig, target: TargetShape, shape: Shape) -> float:
+def _activation_bytes(config: JobConfig, target: TargetShape, shape: Shape) -> float:
     widths = _widths(config, target)
     blocks = shape.blocks * config.drafter.block_size
     keys = shape.length + blocks
@@ -286,7 +286,7 @@ def _activation_bytes(config: TrainConfig, target: TargetShape, shape: Shape) ->
     return shape.rows * row * (1.0 if config.compile == "off" else COMPILED_ACTIVATIONS)
 
 
-def _widths(config: TrainConfig, target: TargetShape) -> Widths:
+def _widths(config: JobConfig, target: TargetShape) -> Widths:
     return Widths(hidden=target.hidden_size, query=target.query_width, kv=target.kv_width,
                   intermediate=config.drafter.intermediate_size or target.intermediate_size,
                   features=feature_layers(config.drafter) * target.hidden_size, head_dim=target.head_dim)
@@ -347,7 +347,7 @@ def _device(name: str) -> str:
     return "cuda:0" if name == "cuda" else name  # devices.canonical, torch-free
 
 
-def _evaluates(config: TrainConfig, rank: int) -> bool:
+def _evaluates(config: JobConfig, rank: int) -> bool:
     """Whether this process evaluates (startup.prepare: rank 0, with eval prompts)."""
     data = config.data
     if rank != 0 or config.eval.num_prompts == 0 or data is None:
@@ -357,11 +357,11 @@ def _evaluates(config: TrainConfig, rank: int) -> bool:
     return config.target.tiny is not None and (data.synthetic is None or data.synthetic.num_eval > 0)
 
 
-def _target_bytes(config: TrainConfig) -> int:
+def _target_bytes(config: JobConfig) -> int:
     return FP32 if config.target.dtype == "float32" else BF16  # auto: bf16 on CUDA
 
 
-def estimate(config: TrainConfig, target: TargetShape, *, world_size: int = 1, rank: int = 0) -> MemoryPlan:
+def estimate(config: JobConfig, target: TargetShape, *, world_size: int = 1, rank: int = 0) -> MemoryPlan:
     """The peak of every CUDA device of a `job: train` config on one host, that host being
     rank `rank` of `world_size` (the gradient exchange and the evaluator depend on it)."""
     if config.job != "train" or config.data is None:
@@ -403,7 +403,7 @@ def estimate(config: TrainConfig, target: TargetShape, *, world_size: int = 1, r
     return MemoryPlan(tuple(plans), worst, params, target.parameters())
 
 
-def _drafter_terms(config: TrainConfig, target: TargetShape, params: int, worst: Shape, tokens: int,
+def _drafter_terms(config: JobConfig, target: TargetShape, params: int, worst: Shape, tokens: int,
                    replicas: int) -> list[Term]:
     """What one drafter replica keeps on its device; `replicas` in the whole run."""
     assert config.data is not None
@@ -435,7 +435,7 @@ def _drafter_terms(config: TrainConfig, target: TargetShape, params: int, worst:
     return terms
 
 
-def _evaluator_terms(config: TrainConfig, target: TargetShape, params: int, element: int) -> list[Term]:
+def _evaluator_terms(config: JobConfig, target: TargetShape, params: int, element: int) -> list[Term]:
     """speculative.evaluate on the first target device: a drafter copy in fp32, the LM head
     cast to fp32 once per evaluation, and one prompt's decode: the prefill's logits and
     forward, the KV cache of every layer, the drafter's context. Eval prompts are not

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from dflash_events import PROGRESS
 
-from .config import RegenerateConfig, TrainConfig, resolve_path
+from .config import RegenerateConfig, JobConfig, resolve_path
 from .data import _read_jsonl
 from .devices import canonical, thread_stream
 from .faults import FaultInjector
@@ -254,7 +254,7 @@ class Regeneration(JobControl):
     Failures and signals are handled as in training (coordinator.Coordinator), with the
     same exit codes (jobs.py)."""
 
-    def __init__(self, config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
+    def __init__(self, config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
         assert config.regenerate is not None
         super().__init__(events, latch, config.runtime.heartbeat_s)
         self.config, self.settings = config, config.regenerate

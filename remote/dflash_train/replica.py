@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .step_build import StepStats, TrainStep
-from .config import TrainConfig
+from .config import JobConfig
 from .data import HostBatch
 from .devices import Fence, is_cuda
 from .distributed import Layout
@@ -92,7 +92,7 @@ def _json_number(value: float) -> float | str:
 
 
 class Replica:
-    def __init__(self, index: int, device: str, config: TrainConfig, hf_config: Any,
+    def __init__(self, index: int, device: str, config: JobConfig, hf_config: Any,
                  weights: dict[str, torch.Tensor], frozen: FrozenTargetWeights, total_steps: int,
                  layout: Layout = Layout()):
         self.index = index  # in this process: drafter-<index>

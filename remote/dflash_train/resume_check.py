@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint_state import TrainingState, fits
-from .config import load_train_config
+from .config import load_job_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     folder = Path(args.checkpoint)
     try:
-        config = load_train_config(args.config)
+        config = load_job_config(args.config)
         state = TrainingState.read(folder)
         # A resume runs on the hosts the checkpoint's run had: as many processes as then.
         problem = fits(state, config, folder, state.world_size)

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .config import TrainConfig
+from .config import JobConfig
 from .data import BatchPlan, HostBatch, Sample, collate
 from .devices import Fence, handoff, is_cuda
 from .distributed import Layout, Peers
@@ -45,7 +45,7 @@ class Run:
     """What every part of a run shares: config, data, devices, the stop latch, the
     gradient exchange. What rank 0 does besides training is schedule.OutputSchedule's."""
 
-    config: TrainConfig
+    config: JobConfig
     run_dir: Path
     events: EventLog
     latch: StopLatch

@@ -21,7 +21,7 @@ from .checkpoint import LoadedCheckpoint, load_checkpoint, resolve_resume
 from .checkpoint_state import fits
 from .compile_cache import CompileCache, compile_key_facts, open_compile_cache
 from .compile_policy import CompilePlan, configure_compiler, plan_compile
-from .config import TrainConfig
+from .config import JobConfig
 from .data import BatchPlan, PlanEntry, anchor_counts, load_prompts, load_samples, micro_batch_shapes
 from .devices import canonical
 from .distributed import Layout, Peers
@@ -75,7 +75,7 @@ def _mask_token_id(tokenizer, mask_token: str, vocab_size: int) -> int:
     return mask_id
 
 
-def resume_point(config: TrainConfig, run_dir: Path, peers: Peers | None, device: str) -> LoadedCheckpoint | None:
+def resume_point(config: JobConfig, run_dir: Path, peers: Peers | None, device: str) -> LoadedCheckpoint | None:
     """The checkpoint `checkpoint.resume` names, or None for a fresh start. Rank 0 writes
     the checkpoints, so in a multi-host run it reads this one and sends it to the others."""
     resumed = None
@@ -92,7 +92,7 @@ def resume_point(config: TrainConfig, run_dir: Path, peers: Peers | None, device
     return resumed
 
 
-def _build_data(config: TrainConfig, run_dir: Path, events: EventLog, layout: Layout, target_source: str,
+def _build_data(config: JobConfig, run_dir: Path, events: EventLog, layout: Layout, target_source: str,
                 train_path: Path | None, eval_path: Path | None):
     """(tokenizer, samples, eval prompts, batch plan)."""
     from transformers import AutoTokenizer
@@ -108,7 +108,7 @@ def _build_data(config: TrainConfig, run_dir: Path, events: EventLog, layout: La
     return tokenizer, samples, prompts, plan
 
 
-def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLatch,
+def prepare(config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch,
             peers: Peers | None = None) -> Session:
     layout = peers.layout if peers is not None else Layout(local_replicas=len(config.devices.drafters))
     faults = FaultInjector(config.faults, layout.rank)
@@ -184,7 +184,7 @@ def prepare(config: TrainConfig, run_dir: Path, events: EventLog, latch: StopLat
                    compile_cache)
 
 
-def _set_up_compiler(config: TrainConfig, run_dir: Path, shapes: tuple[BatchShape, ...],
+def _set_up_compiler(config: JobConfig, run_dir: Path, shapes: tuple[BatchShape, ...],
                      device: str) -> tuple[CompilePlan, CompileCache | None]:
     """Decide what every drafter compiles and set the compiler up for it, in the main
     thread, before any drafter starts (compiler settings are process-wide)."""
