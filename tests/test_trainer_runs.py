@@ -16,7 +16,7 @@ import dflash_events
 import pytest
 from dflash_train.config import load_train_config, resolved_yaml
 from support.train_configs import TINY_CPU
-from support.trainer import Launched, end, start_trainer
+from support.trainer import ForkedRun, Launched, end, start_trainer
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} \[[\w-]+\] ")
 
@@ -386,6 +386,18 @@ def test_a_bad_config_is_a_recorded_failure(launch):
     (error,) = run.errors()
     assert error["exc_type"] == "SchemaError" and "optim" in error["message"] and "config.yaml" in error["message"]
     assert run.events("done")[-1]["exit_code"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_runs_of_tests_with_their_own_logs_folders_are_forked_from_one_server(launch, tmp_path, monkeypatch):
+    # Every test has its own DFLASH_LOGS (conftest): were it part of a trainer's
+    # environment, each test's runs would start a new interpreter, seconds of imports each.
+    first = launch(SMALL + "optim: {lr: -1}\n", run_id="first")
+    monkeypatch.setenv("DFLASH_LOGS", str(tmp_path / "another test's logs"))
+    second = launch(SMALL + "optim: {lr: -1}\n", run_id="second")
+    assert (first.wait(50), second.wait(50)) == (1, 1)
+    assert isinstance(first.proc, ForkedRun) and isinstance(second.proc, ForkedRun)
+    assert first.proc.server is second.proc.server
 
 
 def non_finite_tensors(checkpoint: Path) -> list[str]:
