@@ -54,6 +54,8 @@ def step_losses(run: Launched) -> dict[int, float]:
 
 @pytest.mark.xdist_group("tiny-cpu-run")  # with test_speculative: the run is made once
 @pytest.mark.timeout(480)
+@pytest.mark.slow(seconds=34, why="the shipped tiny config run to its end in a new interpreter (make demo), made in "
+                                  "the setup of the first test of its group to run")
 def test_tiny_cpu_config_end_to_end(tiny_cpu_run, workspace):
     run = tiny_cpu_run
     assert run.proc.returncode == 0, run.log()[-3000:]
