@@ -5,7 +5,7 @@ node with a strict `pct`, and an inventory writer for them (tests/support/).
 - a session fixture is built once per worker, under that worker's own tmp_path_factory
   folder: state that must be one per worker goes there, never in a fixed path
   (~/.ssh, /tmp/NAME, the checkout) unless it is written atomically and means the same to
-  every worker (build/'s transformers 4.57.1);
+  every worker (test_export's transformers 4.57.1 in the user's cache folder);
 - ports come from support.free_port(s) (the kernel's choice), never a fixed number;
 - a test finds the processes it must check or end by its own paths or pids (its
   tmp_path in their argv, run.json), never by a name that another worker's process has too.

@@ -1,9 +1,10 @@
 """The export loads the same way in every reader: transformers 5 (this environment) and
 4.57 (what the public DFlash inference code pins), through AutoModel's trust_remote_code.
 
-transformers 4.57.1 is installed once, from PyPI, into build/ (ignored by git); a
-subprocess puts it before this environment's site-packages, so it reuses our torch while
-its own transformers, tokenizers and huggingface-hub shadow ours (only there)."""
+transformers 4.57.1 is installed once, from PyPI, into the user's cache folder (outside the
+checkout, which the suite leaves as it found it); a subprocess puts it before this
+environment's site-packages, so it reuses our torch while its own transformers, tokenizers
+and huggingface-hub shadow ours (only there)."""
 from __future__ import annotations
 
 import ast
@@ -27,7 +28,9 @@ from dflash_train.target import FeatureTap
 
 REPO = Path(__file__).resolve().parents[1]
 LEGACY_TRANSFORMERS = "transformers==4.57.1"
-LEGACY_DIR = REPO / "build" / LEGACY_TRANSFORMERS.replace("==", "-")
+# Per Python version: tokenizers is a compiled wheel.
+LEGACY_DIR = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-tests"
+              / f"{LEGACY_TRANSFORMERS.replace('==', '-')}-py{sys.version_info.major}{sys.version_info.minor}")
 
 pytestmark = pytest.mark.timeout(600)  # the first run installs transformers 4.57.1
 
