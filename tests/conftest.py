@@ -166,7 +166,13 @@ def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test marked slow says what it costs and why: @pytest.mark.slow(seconds=N, why="...")
-    (`make test-fast` leaves them out)."""
+    (`make test-fast` leaves them out).
+
+    The slow tests run first, the longest first (the order is otherwise kept): a worker
+    takes the next test of the queue when it is almost out of work, so a long test queued
+    late would still be running when the other workers have finished everything. A module
+    fixture that slow tests outside an xdist_group share is session-scoped: this order
+    puts the module's other tests elsewhere in the queue."""
     for item in items:
         for mark in item.iter_markers("slow"):
             seconds, why = mark.kwargs.get("seconds"), mark.kwargs.get("why")
@@ -174,3 +180,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     or not isinstance(why, str) or not why:
                 raise pytest.UsageError(f"{item.nodeid}: a slow test states its cost and why: "
                                         "@pytest.mark.slow(seconds=N, why='...')")
+    items.sort(key=lambda item: -stated_seconds(item))
+
+
+def stated_seconds(item: pytest.Item) -> float:
+    mark = item.get_closest_marker("slow")
+    return 0 if mark is None else mark.kwargs["seconds"]
