@@ -43,6 +43,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from support import FakePve, SshNode, make_fake_pve, start_sshd, stop_sshd, write_inventory  # noqa: E402
+from support.checkout import REPO, added_since, untracked_entries  # noqa: E402
 from support.pve import NeedsRoot  # noqa: E402
 from support.sshd import SshdMissing  # noqa: E402
 from support.train_configs import TINY_CPU  # noqa: E402
@@ -146,6 +147,31 @@ def logs_outside_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     the suite runs: every test gets its own instead (DFLASH_LOGS is --logs-dir's
     variable), so no test writes into the checkout."""
     monkeypatch.setenv("DFLASH_LOGS", str(tmp_path / "logs"))
+
+
+CHECKOUT_BEFORE = pytest.StashKey["set[str] | None"]()
+CHECKOUT_ADDED = pytest.StashKey["list[str]"]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller's, or a run without workers
+        session.config.stash[CHECKOUT_BEFORE] = untracked_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The suite fails if it left a file in the checkout (a test's logs/, a download, …):
+    checked once, when every worker is done."""
+    if CHECKOUT_BEFORE in session.config.stash:
+        added = session.config.stash[CHECKOUT_ADDED] = added_since(session.config.stash[CHECKOUT_BEFORE])
+        if added:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    added = config.stash.get(CHECKOUT_ADDED, [])
+    if added:
+        terminalreporter.write_line(f"error: the tests left these in the checkout {REPO}: {', '.join(added)}",
+                                    red=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
