@@ -192,7 +192,7 @@ def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test marked slow says what it costs and why: @pytest.mark.slow(seconds=N, why="...")
-    (`make test-fast` leaves them out).
+    (`make test-fast` leaves them out); a test of tiny_cpu_run is one.
 
     The slow tests run first, the longest first (the order is otherwise kept): a worker
     takes the next test of the queue when it is almost out of work, so a long test queued
@@ -200,6 +200,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fixture that slow tests outside an xdist_group share is session-scoped: this order
     puts the module's other tests elsewhere in the queue."""
     for item in items:
+        if "tiny_cpu_run" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None:
+            raise pytest.UsageError(f"{item.nodeid}: it uses tiny_cpu_run, the shipped tiny config's whole run: "
+                                    "mark it slow")
         for mark in item.iter_markers("slow"):
             seconds, why = mark.kwargs.get("seconds"), mark.kwargs.get("why")
             if mark.args or set(mark.kwargs) != {"seconds", "why"} or not isinstance(seconds, (int, float)) \

@@ -111,6 +111,7 @@ def test_tiny_cpu_config_end_to_end(tiny_cpu_run, workspace):
 
 @pytest.mark.xdist_group("tiny-cpu-run")
 @pytest.mark.timeout(480)
+@pytest.mark.slow(seconds=1, why="reads the shipped tiny config's run (made once for its group, by its first test)")
 def test_every_event_of_a_trained_run_fits_the_event_schema(tiny_cpu_run):
     """The trainer checks each event as it emits it, so a field renamed at the emitter or
     in the schema alone fails this run; what reads the renamed name (dflash_events's
