@@ -27,7 +27,8 @@ sshd:
 # Three workers on 2 cores: most tests wait on subprocesses, sshd and the trainer, so one
 # more worker than cores pays (measured). loadgroup: the tests of one xdist_group (those
 # sharing an expensive module fixture) run on one worker; every other test goes to
-# whichever worker is free. Session fixtures are per worker (tests/conftest.py).
+# whichever worker is free, the slow ones first, the longest first. Session fixtures are
+# per worker (tests/conftest.py).
 TEST_WORKERS ?= 3
 test: setup sshd
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests

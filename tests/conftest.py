@@ -5,7 +5,7 @@ node with a strict `pct`, and an inventory writer for them (tests/support/).
 - a session fixture is built once per worker, under that worker's own tmp_path_factory
   folder: state that must be one per worker goes there, never in a fixed path
   (~/.ssh, /tmp/NAME, the checkout) unless it is written atomically and means the same to
-  every worker (build/'s transformers 4.57.1);
+  every worker (test_export's transformers 4.57.1 in the user's cache folder);
 - ports come from support.free_port(s) (the kernel's choice), never a fixed number;
 - a test finds the processes it must check or end by its own paths or pids (its
   tmp_path in their argv, run.json), never by a name that another worker's process has too.
@@ -43,6 +43,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from support import FakePve, SshNode, make_fake_pve, start_sshd, stop_sshd, write_inventory  # noqa: E402
+from support.checkout import REPO, added_since, untracked_entries  # noqa: E402
 from support.pve import NeedsRoot  # noqa: E402
 from support.sshd import SshdMissing  # noqa: E402
 from support.train_configs import TINY_CPU  # noqa: E402
@@ -148,6 +149,31 @@ def logs_outside_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("DFLASH_LOGS", str(tmp_path / "logs"))
 
 
+CHECKOUT_BEFORE = pytest.StashKey["set[str] | None"]()
+CHECKOUT_ADDED = pytest.StashKey["list[str]"]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller's, or a run without workers
+        session.config.stash[CHECKOUT_BEFORE] = untracked_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The suite fails if it left a file in the checkout (a test's logs/, a download, …):
+    checked once, when every worker is done."""
+    if CHECKOUT_BEFORE in session.config.stash:
+        added = session.config.stash[CHECKOUT_ADDED] = added_since(session.config.stash[CHECKOUT_BEFORE])
+        if added:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    added = config.stash.get(CHECKOUT_ADDED, [])
+    if added:
+        terminalreporter.write_line(f"error: the tests left these in the checkout {REPO}: {', '.join(added)}",
+                                    red=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """An empty client config made for the tests: dflash (and its subprocesses) resolve
@@ -166,11 +192,26 @@ def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test marked slow says what it costs and why: @pytest.mark.slow(seconds=N, why="...")
-    (`make test-fast` leaves them out)."""
+    (`make test-fast` leaves them out); a test of tiny_cpu_run is one.
+
+    The slow tests run first, the longest first (the order is otherwise kept): a worker
+    takes the next test of the queue when it is almost out of work, so a long test queued
+    late would still be running when the other workers have finished everything. A module
+    fixture that slow tests outside an xdist_group share is session-scoped: this order
+    puts the module's other tests elsewhere in the queue."""
     for item in items:
+        if "tiny_cpu_run" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None:
+            raise pytest.UsageError(f"{item.nodeid}: it uses tiny_cpu_run, the shipped tiny config's whole run: "
+                                    "mark it slow")
         for mark in item.iter_markers("slow"):
             seconds, why = mark.kwargs.get("seconds"), mark.kwargs.get("why")
             if mark.args or set(mark.kwargs) != {"seconds", "why"} or not isinstance(seconds, (int, float)) \
                     or not isinstance(why, str) or not why:
                 raise pytest.UsageError(f"{item.nodeid}: a slow test states its cost and why: "
                                         "@pytest.mark.slow(seconds=N, why='...')")
+    items.sort(key=lambda item: -stated_seconds(item))
+
+
+def stated_seconds(item: pytest.Item) -> float:
+    mark = item.get_closest_marker("slow")
+    return 0 if mark is None else mark.kwargs["seconds"]

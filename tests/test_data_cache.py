@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_LENGTH = 96
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # slow tests use it: they run apart from each other (conftest)
 def tokenizer():
     return _build_tokenizer(TinyTargetSpec())
 

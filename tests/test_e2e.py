@@ -143,6 +143,7 @@ def test_a_known_failure_ends_watch_and_fetch_traceback_with_its_diagnosis(bed, 
     assert all(m["diagnosis"] == errors[0]["diagnosis"] for m in errors)  # each record chained from the OOM
 
 
+@pytest.mark.slow(seconds=15, why="a 40-step trainer run over pct, watched through two dropped connections")
 def test_watch_resumes_after_the_ssh_connection_dies_with_no_gap_and_no_duplicate(bed, ssh_node, tmp_path):
     config = small_config(tmp_path, optim={"max_steps": 40}, data={"synthetic": {
         "num_train": 256, "num_eval": 2, "prompt_words": 12, "response_tokens": 24}})  # ~40 steps
@@ -213,6 +214,7 @@ def kill_supervisor(bed: Bed, run_id: str) -> None:
     wait_until(lambda: not procfs.identity_alive(supervisor["pid"], supervisor["start_time"]))
 
 
+@pytest.mark.slow(seconds=20, why="three trainer runs over pct: two hung ones stopped, then one whole")
 def test_stop_ends_every_process_of_the_run_and_watch_says_stopped(bed, tmp_path):
     config = small_config(tmp_path, faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
     run_id = bed.launch(config)

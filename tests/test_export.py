@@ -1,9 +1,10 @@
 """The export loads the same way in every reader: transformers 5 (this environment) and
 4.57 (what the public DFlash inference code pins), through AutoModel's trust_remote_code.
 
-transformers 4.57.1 is installed once, from PyPI, into build/ (ignored by git); a
-subprocess puts it before this environment's site-packages, so it reuses our torch while
-its own transformers, tokenizers and huggingface-hub shadow ours (only there)."""
+transformers 4.57.1 is installed once, from PyPI, into the user's cache folder (outside the
+checkout, which the suite leaves as it found it); a subprocess puts it before this
+environment's site-packages, so it reuses our torch while its own transformers, tokenizers
+and huggingface-hub shadow ours (only there)."""
 from __future__ import annotations
 
 import ast
@@ -24,10 +25,13 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dflash_train.config import DrafterConfig, load_job_config
 from dflash_train.model import DFlashDrafter, drafter_hf_config, export_drafter
 from dflash_train.target import FeatureTap
+from support.trainer import end, start_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 LEGACY_TRANSFORMERS = "transformers==4.57.1"
-LEGACY_DIR = REPO / "build" / LEGACY_TRANSFORMERS.replace("==", "-")
+# Per Python version: tokenizers is a compiled wheel.
+LEGACY_DIR = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-tests"
+              / f"{LEGACY_TRANSFORMERS.replace('==', '-')}-py{sys.version_info.major}{sys.version_info.minor}")
 
 pytestmark = pytest.mark.timeout(600)  # the first run installs transformers 4.57.1
 
@@ -172,6 +176,7 @@ def test_export_config_carries_both_rope_forms_and_the_auto_map(tmp_path):
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["rope_scaling"] is None
 
 
+@pytest.mark.slow(seconds=8, why="loads the export in another interpreter (torch and transformers imported there)")
 def test_bf16_export_loads_as_bf16_and_drafts_like_the_trained_weights(tmp_path):
     drafter = drafter_for(ROPES["theta-1e6"])
     export_drafter(drafter, tmp_path / "export", torch.bfloat16)
@@ -244,16 +249,12 @@ runtime: {{torch_threads: 1}}
 def test_a_run_exports_bf16_that_loads_as_the_drafter_it_trained(device, export, workspace, tmp_path):
     from dflash_train.model import load_drafter
 
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(SHORT_RUN.format(device=device, export=export))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "HF_HUB_OFFLINE": "1", "DFLASH_RUN_ID": "run",
-           "DFLASH_RELEASE_ID": "rel-test", "DFLASH_RELEASE_DIR": str(REPO), "DFLASH_WORKSPACE": str(workspace)}
-    out = subprocess.run([sys.executable, "-m", "dflash_train", "--config", str(run_dir / "config.yaml"),
-                          "--run-dir", str(run_dir)], cwd=run_dir, env=env, capture_output=True, text=True,
-                         timeout=400)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    exported = run_dir / "export"
+    run = start_trainer(workspace, tmp_path / "run", SHORT_RUN.format(device=device, export=export), "run")
+    try:
+        assert run.wait(400) == 0, run.log()[-4000:]
+    finally:
+        end(run)
+    exported = run.run_dir / "export"
     assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"
     from safetensors import safe_open
     with safe_open(str(exported / "model.safetensors"), "pt") as f:

@@ -24,7 +24,7 @@ def rank_envs(world_size: int) -> list[dict[str, str]]:
              "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} for rank in range(world_size)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # slow tests use it: they run apart from each other (conftest)
 def tiny_cache(workspace):
     """SMALL's tiny target and data, built before processes that start together need them
     (builders racing each other is not what these tests are about)."""

@@ -16,7 +16,7 @@ import dflash_events
 import pytest
 from dflash_train.config import load_job_config, resolved_yaml
 from support.train_configs import TINY_CPU
-from support.trainer import Launched, end, start_trainer
+from support.trainer import ForkedRun, Launched, end, start_trainer
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} \[[\w-]+\] ")
 
@@ -54,6 +54,8 @@ def step_losses(run: Launched) -> dict[int, float]:
 
 @pytest.mark.xdist_group("tiny-cpu-run")  # with test_speculative: the run is made once
 @pytest.mark.timeout(480)
+@pytest.mark.slow(seconds=34, why="the shipped tiny config run to its end in a new interpreter (make demo), made in "
+                                  "the setup of the first test of its group to run")
 def test_tiny_cpu_config_end_to_end(tiny_cpu_run, workspace):
     run = tiny_cpu_run
     assert run.proc.returncode == 0, run.log()[-3000:]
@@ -109,6 +111,7 @@ def test_tiny_cpu_config_end_to_end(tiny_cpu_run, workspace):
 
 @pytest.mark.xdist_group("tiny-cpu-run")
 @pytest.mark.timeout(480)
+@pytest.mark.slow(seconds=1, why="reads the shipped tiny config's run (made once for its group, by its first test)")
 def test_every_event_of_a_trained_run_fits_the_event_schema(tiny_cpu_run):
     """The trainer checks each event as it emits it, so a field renamed at the emitter or
     in the schema alone fails this run; what reads the renamed name (dflash_events's
@@ -333,6 +336,7 @@ def test_two_target_threads_on_one_device_do_the_same_work(launch, threaded_loss
 
 @pytest.mark.xdist_group("threaded-losses")  # one worker: the shared run is made once
 @pytest.mark.timeout(600)  # compiling is the slow part, slower still on a loaded machine
+@pytest.mark.slow(seconds=50, why="compile: default of a tiny drafter on CPU: one Inductor compile")
 def test_compiled_drafters_do_the_same_work(launch, threaded_losses):
     # torch.compile (no CUDA graphs) in two drafter threads of the same architecture
     compiled = launch(FOUR_STEPS + "compile: default\n", run_id="compiled")
@@ -352,7 +356,6 @@ def varied_text(path: Path, rows: int, seed: int) -> Path:
     return path
 
 
-@pytest.mark.xdist_group("threaded-losses")  # beside the other compile: default run, whose compiles it may reuse
 @pytest.mark.timeout(900)
 @pytest.mark.slow(seconds=200, why="compile: default of a tiny drafter on CPU: a compile per shape class")
 def test_compile_default_in_four_drafter_threads_compiles_nothing_once_they_are_ready(launch, tmp_path):
@@ -386,6 +389,18 @@ def test_a_bad_config_is_a_recorded_failure(launch):
     (error,) = run.errors()
     assert error["exc_type"] == "SchemaError" and "optim" in error["message"] and "config.yaml" in error["message"]
     assert run.events("done")[-1]["exit_code"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_runs_of_tests_with_their_own_logs_folders_are_forked_from_one_server(launch, tmp_path, monkeypatch):
+    # Every test has its own DFLASH_LOGS (conftest): were it part of a trainer's
+    # environment, each test's runs would start a new interpreter, seconds of imports each.
+    first = launch(SMALL + "optim: {lr: -1}\n", run_id="first")
+    monkeypatch.setenv("DFLASH_LOGS", str(tmp_path / "another test's logs"))
+    second = launch(SMALL + "optim: {lr: -1}\n", run_id="second")
+    assert (first.wait(50), second.wait(50)) == (1, 1)
+    assert isinstance(first.proc, ForkedRun) and isinstance(second.proc, ForkedRun)
+    assert first.proc.server is second.proc.server
 
 
 def non_finite_tensors(checkpoint: Path) -> list[str]:

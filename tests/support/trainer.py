@@ -28,6 +28,10 @@ FORK_SERVER = Path(__file__).with_name("trainer_fork_server.py")
 RUN_TIME_VARIABLES = {"DFLASH_RUN_ID", "DFLASH_RELEASE_ID", "DFLASH_RELEASE_DIR", "DFLASH_WORKSPACE",
                       "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                       "PYTEST_CURRENT_TEST"}
+# The CLI's, never read by a trainer, and set anew for every test (conftest's
+# logs_outside_the_checkout): kept in a trainer's environment, it would make every test's
+# environment differ from the fork server's, and every run start a new interpreter.
+CLI_VARIABLES = {"DFLASH_LOGS"}
 
 
 class ForkServer:
@@ -169,7 +173,7 @@ def start_trainer(workspace: Path, run_dir: Path, config_text: str, run_id: str,
     `fresh`: in a new interpreter, whatever the environment (see the module's docstring)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_text)
-    base = {**{k: v for k, v in os.environ.items() if k not in RUN_TIME_VARIABLES},
+    base = {**{k: v for k, v in os.environ.items() if k not in RUN_TIME_VARIABLES | CLI_VARIABLES},
             "PYTHONPATH": str(REPO / "remote"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     run = {**{k: v for k, v in os.environ.items() if k in RUN_TIME_VARIABLES},
            "DFLASH_RUN_ID": run_id, "DFLASH_RELEASE_ID": "rel-test", "DFLASH_RELEASE_DIR": str(REPO),
