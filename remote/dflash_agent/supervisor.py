@@ -24,7 +24,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from typing import Any, Dict, Optional, Tuple
 
