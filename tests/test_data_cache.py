@@ -109,7 +109,7 @@ def test_a_second_load_is_a_cache_hit_that_tokenizes_nothing(tmp_path, tokenizer
     assert_same_samples(second, uncached(path, tokenizer))
 
 
-@pytest.mark.slow(seconds=23, why="tokenizes in worker processes, each importing transformers")
+@pytest.mark.slow(seconds=12, why="tokenizes in worker processes, each importing transformers")
 def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path, tokenizer, capsys, monkeypatch):
     path = write_data(tmp_path / "train.jsonl", 300)
     monkeypatch.setattr(data_module, "PROGRESS_EVERY_S", 0.0)  # a report after every chunk
@@ -197,7 +197,7 @@ def start_loader(path: Path, cache: Path, chunk_bytes: int) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.slow(seconds=28, why="a tokenizing process killed midway, then another build")
+@pytest.mark.slow(seconds=7, why="a tokenizing process killed midway, then another build")
 def test_a_build_killed_midway_leaves_no_store_and_the_next_load_builds_it(tmp_path, tokenizer, capsys):
     path, cache = write_data(tmp_path / "train.jsonl", 3000, answer_words=60), tmp_path / "cache"
     loader = start_loader(path, cache, chunk_bytes=2048)  # in-process, written chunk by chunk
@@ -219,7 +219,7 @@ def test_a_build_killed_midway_leaves_no_store_and_the_next_load_builds_it(tmp_p
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.slow(seconds=28, why="two processes importing transformers build one store at once")
+@pytest.mark.slow(seconds=13, why="two processes importing transformers build one store at once")
 def test_concurrent_loads_of_one_key_build_it_once(tmp_path):
     path, cache = write_data(tmp_path / "train.jsonl", 1500), tmp_path / "cache"
     loaders = [start_loader(path, cache, chunk_bytes=4096) for _ in range(2)]
@@ -254,7 +254,7 @@ def test_an_unchanged_files_hash_is_remembered_a_changed_ones_is_not(tmp_path, t
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow(seconds=29, why="two trainer runs on CPU: a run and its resume")
+@pytest.mark.slow(seconds=11, why="two trainer runs on CPU: a run and its resume")
 def test_the_trainer_tokenizes_data_train_once_and_a_resume_reuses_it(launch, workspace, tmp_path):  # noqa: F811
     assets = ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=64, num_eval=2), workspace / "cache")
     path = write_data(tmp_path / "chats.jsonl", 80, seed=3)

@@ -40,7 +40,7 @@ def intact(folder: Path) -> bool:
                                for digest, name in (line.split("  ", 1) for line in lines))
 
 
-@pytest.mark.slow(seconds=40, why="a trainer run on a tmpfs filled to its last byte, then its resume")
+@pytest.mark.slow(seconds=17, why="a trainer run on a tmpfs filled to its last byte, then its resume")
 def test_a_disk_full_to_its_last_byte_fails_the_run_naming_it_and_the_checkpoint_resumes(make_inventory, tmp_path):
     with tmpfs(tmp_path / "disk", size_mib=96) as disk:
         workspace = disk / "ws"

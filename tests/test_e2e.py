@@ -332,6 +332,7 @@ def test_a_long_start_up_that_works_is_starting_and_one_that_hangs_is_stalled(be
         while b"injecting fault: hang in coordinator" not in train_log.read_bytes():
             status = json.loads(bed.dflash("status", run_id, "--host", "ct200", "--json").stdout)
             seen.append((status["state"], status["startup"], status["startup_elapsed_s"]))
+            time.sleep(0.5)  # each status is a CLI run over SSH: twice a second shows 20 s of start-up
         assert len(seen) >= 5 and {state for state, _, _ in seen} == {"STARTING"}, seen
         assert seen[-1][1] == "start-up" and seen[-1][2] >= 10, seen  # the phase and how long, from its `alive` events
 

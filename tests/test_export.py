@@ -176,7 +176,7 @@ def test_export_config_carries_both_rope_forms_and_the_auto_map(tmp_path):
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["rope_scaling"] is None
 
 
-@pytest.mark.slow(seconds=8, why="loads the export in another interpreter (torch and transformers imported there)")
+@pytest.mark.slow(seconds=6, why="loads the export in another interpreter (torch and transformers imported there)")
 def test_bf16_export_loads_as_bf16_and_drafts_like_the_trained_weights(tmp_path):
     drafter = drafter_for(ROPES["theta-1e6"])
     export_drafter(drafter, tmp_path / "export", torch.bfloat16)
@@ -245,7 +245,7 @@ runtime: {{torch_threads: 1}}
                                                                           reason="needs CUDA")]),
     ("cpu", "export: {dtype: bfloat16}"),  # on CPU the default is fp32: bf16 must be asked for
 ])
-@pytest.mark.slow(seconds=42, why="a trainer run per case that exports")
+@pytest.mark.slow(seconds=7, why="a trainer run per case that exports, then a load of the export in another interpreter")
 def test_a_run_exports_bf16_that_loads_as_the_drafter_it_trained(device, export, workspace, tmp_path):
     from dflash_train.model import load_drafter
 

@@ -62,7 +62,7 @@ def test_chunked_loss_gradients_and_hits_equal_the_materialized_ones(rows):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.slow(seconds=20, why="torch.compile (aot_eager) of the objective with dynamic shapes, forward and backward")
+@pytest.mark.slow(seconds=10, why="torch.compile (aot_eager) of the objective with dynamic shapes, forward and backward")
 def test_the_chunks_trace_with_dynamic_shapes_and_give_the_eager_loss():
     eager = objective(5)
     # aot_eager: Dynamo and AOTAutograd trace the op with symbolic sizes (its fake and its

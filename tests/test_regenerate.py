@@ -166,7 +166,7 @@ def greedy_reference(workspace: Path, prompts: list[list[dict]], device: str) ->
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-@pytest.mark.slow(seconds=22, why="a regeneration job on the tiny target")
+@pytest.mark.slow(seconds=8, why="a regeneration job on the tiny target")
 def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspace, tmp_path, device):
     synthetic = [json.loads(line) for line in TINY_PROMPTS.read_text().splitlines()]
     # Shorter prompts among the synthetic ones are left-padded in their batch; a "text" line
@@ -221,7 +221,7 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.slow(seconds=73, why="regeneration jobs stopped, failed and resumed, and one run whole")
+@pytest.mark.slow(seconds=10, why="regeneration jobs stopped, failed and resumed, and one run whole")
 def test_stopped_and_failed_jobs_resume_to_the_one_shot_output(launch, tmp_path):
     rows = [json.loads(line) for line in TINY_PROMPTS.read_text().splitlines()][:24]
     prompts = tmp_path / "prompts.jsonl"
@@ -272,7 +272,7 @@ def test_stopped_and_failed_jobs_resume_to_the_one_shot_output(launch, tmp_path)
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.slow(seconds=16, why="a regeneration job that fails on its prompts")
+@pytest.mark.slow(seconds=1, why="a regeneration job that fails on its prompts")
 def test_a_bad_prompts_file_fails_the_job_naming_the_line(launch, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "w1"}\n{"prompt": "w2"}\n')

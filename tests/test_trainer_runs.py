@@ -336,7 +336,7 @@ def test_two_target_threads_on_one_device_do_the_same_work(launch, threaded_loss
 
 @pytest.mark.xdist_group("threaded-losses")  # one worker: the shared run is made once
 @pytest.mark.timeout(600)  # compiling is the slow part, slower still on a loaded machine
-@pytest.mark.slow(seconds=50, why="compile: default of a tiny drafter on CPU: one Inductor compile")
+@pytest.mark.slow(seconds=40, why="compile: default of a tiny drafter on CPU: one Inductor compile")
 def test_compiled_drafters_do_the_same_work(launch, threaded_losses):
     # torch.compile (no CUDA graphs) in two drafter threads of the same architecture
     compiled = launch(FOUR_STEPS + "compile: default\n", run_id="compiled")
@@ -357,7 +357,7 @@ def varied_text(path: Path, rows: int, seed: int) -> Path:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.slow(seconds=200, why="compile: default of a tiny drafter on CPU: a compile per shape class")
+@pytest.mark.slow(seconds=90, why="compile: default of a tiny drafter on CPU: a compile per shape class")
 def test_compile_default_in_four_drafter_threads_compiles_nothing_once_they_are_ready(launch, tmp_path):
     data = varied_text(tmp_path / "varied.jsonl", 96, seed=0)
     run = launch(f"""
