@@ -18,8 +18,8 @@ def copy_release_dirs(dest: Path) -> Path:
     return dest
 
 
-# Written by Python and pytest themselves, not by a test.
-CACHES = ("__pycache__/", ".pytest_cache/")
+# Written by Python itself (where PYTHONDONTWRITEBYTECODE is not set), not by a test.
+CACHES = ("__pycache__/",)
 
 
 def untracked_entries() -> set[str] | None:
@@ -36,7 +36,7 @@ def untracked_entries() -> set[str] | None:
 
 
 def added_since(before: set[str] | None) -> list[str]:
-    """What is in the checkout now and was not in `before`, less Python's and pytest's caches."""
+    """What is in the checkout now and was not in `before`, less Python's bytecode caches."""
     after = untracked_entries()
     if before is None or after is None:
         return []
