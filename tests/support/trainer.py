@@ -2,9 +2,9 @@
 stderr appended to train.log, the agent's environment; and what tests read of such a run.
 
 By default the process is forked from a trainer that has already imported torch and
-transformers (trainer_fork_server.py), one such server per test process: the same trainer
-code in a process of its own, without the seconds of imports per run. `fresh=True`, or an
-environment that could change what those imports do, starts a new interpreter instead."""
+transformers (trainer_fork_server.py), one such server per environment of the test process:
+the same trainer code in a process of its own, without the seconds of imports per run.
+`fresh=True`, or an environment beyond the servers', starts a new interpreter instead."""
 from __future__ import annotations
 
 import atexit
@@ -124,17 +124,25 @@ class ForkedRun:
         self.send_signal(signal.SIGKILL)
 
 
-_server: ForkServer | None = None
+# One server per environment the process's tests start trainers in (the usual one, and a
+# few tests' own, e.g. a TORCHINDUCTOR_CACHE_DIR of their own): a server serves only runs of
+# its own environment, and which test of a worker starts a trainer first is up to the
+# scheduler. A server keeps its runs' exit statuses, so none is closed before the process ends.
+MAX_FORK_SERVERS = 3
+_servers: dict[frozenset, ForkServer] = {}
 
 
 def fork_server(env: dict[str, str]) -> ForkServer | None:
-    """This process's fork server (started at its first use), or None if the one running
-    was started with another environment than `env`."""
-    global _server
-    if _server is None or _server.gone:
-        _server = ForkServer(env)
-        atexit.register(_server.close)
-    return _server if _server.env == env else None
+    """This process's fork server for environment `env` (started at its first use), or None
+    when MAX_FORK_SERVERS other environments have one already."""
+    key = frozenset(env.items())
+    server = _servers.get(key)
+    if server is None or server.gone:
+        if server is None and len(_servers) >= MAX_FORK_SERVERS:
+            return None
+        server = _servers[key] = ForkServer(env)
+        atexit.register(server.close)
+    return server
 
 
 class Launched:
