@@ -12,10 +12,11 @@ from pathlib import Path
 
 import click
 
-from . import console, retry
+from . import console, retry, run_hosts
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, resolve_run
+from .run_hosts import Reach
 from .session import Session
 
 
@@ -39,6 +40,16 @@ def _fail(ctx: click.Context, exc: DflashError) -> None:
     if exc.hint:
         console.human.print(f"hint: {exc.hint}", markup=False, highlight=False, soft_wrap=True)
     ctx.exit(int(exc.exit_code))
+
+
+def _chosen_run(session: Session, run_id: str | None, host_name: str | None, reach: Reach) -> RunRef:
+    """RUN and --host as resolve_run reads them. Without --host the local records chose the
+    run's hosts, and the inventory may have lost one since: a verb that cannot do without
+    it (`reach`) is refused naming the run, the host and the inventory."""
+    ref = resolve_run(session.logs_dir, run_id, host_name)
+    if host_name is None:
+        run_hosts.check(session, ref, reach)
+    return ref
 
 
 def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -227,7 +238,7 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
     """
     from .commands import resume
 
-    ref = resolve_run(session.logs_dir, run_id, host_name)
+    ref = _chosen_run(session, run_id, host_name, Reach.EVERY)
     code = resume.run(session, ref, current_release=release == "current", step=step)
     if follow:
         code = _watch_after(session, ref)
@@ -265,7 +276,7 @@ def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail:
     """
     from .commands import watch
 
-    ref = resolve_run(session.logs_dir, run_id, host_name)
+    ref = _chosen_run(session, run_id, host_name, Reach.ANY)
     sys.exit(watch.run(session, ref, tail=tail, interval=interval, as_json=as_json, retry_for=retry_for))
 
 
@@ -301,7 +312,7 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
     """
     from .commands import fetch_traceback
 
-    ref = resolve_run(session.logs_dir, run_id, host_name)
+    ref = _chosen_run(session, run_id, host_name, Reach.ANY)
     sys.exit(fetch_traceback.run(session, ref, thread=thread, all_records=all_records, output=output,
                                  stacks=show_stacks))
 
@@ -319,7 +330,7 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> N
     """
     from .commands import fetch_traceback
 
-    ref = resolve_run(session.logs_dir, run_id, host_name)
+    ref = _chosen_run(session, run_id, host_name, Reach.ANY)
     sys.exit(fetch_traceback.run(session, ref, thread=None, all_records=False, output=None, stacks=True))
 
 
@@ -344,7 +355,7 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
     """
     from .commands import status
 
-    ref = resolve_run(session.logs_dir, run_id, host_name)
+    ref = _chosen_run(session, run_id, host_name, Reach.FIRST if show_config else Reach.ANY)
     if show_config:
         sys.exit(status.run_config(session, ref, as_json=as_json))
     sys.exit(status.run_status(session, ref, as_json=as_json))
@@ -363,7 +374,7 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
     """
     from .commands import stop
 
-    ref = resolve_run(session.logs_dir, run_id, host_name)
+    ref = _chosen_run(session, run_id, host_name, Reach.ANY)
     sys.exit(stop.run(session, ref, grace=grace))
 
 
@@ -387,7 +398,7 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
     """
     from .commands import pull
 
-    ref = resolve_run(session.logs_dir, run_id, host_name)
+    ref = _chosen_run(session, run_id, host_name, Reach.FIRST)
     sys.exit(pull.run(session, ref, checkpoint=checkpoint, retry_for=retry_for))
 
 
@@ -407,6 +418,9 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     from .commands import plot
 
     refs = [resolve_run(session.logs_dir, run_id, host_name) for run_id in run_ids or [None]]
+    for ref in refs:  # the events mirrored here are drawn all the same
+        if note := run_hosts.note_left(session, ref):
+            console.warn(note)
     sys.exit(plot.run(session.logs_dir, refs, output=output))
 
 

@@ -18,6 +18,7 @@ from .errors import DflashError, ExitCode
 
 DEFAULT_INVENTORY = Path("configs/hosts.yaml")
 LOCAL_WORKSPACE = "~/.dflash/local"
+BUILTIN = "(built-in)"  # the source of an inventory read from no file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +102,16 @@ def is_address(text: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Inventory:
-    source: str  # the file read, or "(built-in)"
+    source: str  # the file read, or BUILTIN
     hosts: Mapping[str, Host]
     groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def described(self) -> str:
+        """The inventory as a message names it: its file, or where one would have been read."""
+        if self.source != BUILTIN:
+            return self.source
+        return f"the built-in inventory (`local` only: no --hosts, DFLASH_HOSTS or {DEFAULT_INVENTORY} here)"
 
     def get(self, name: str) -> Host:
         try:
@@ -147,7 +155,7 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
     if not file.exists():
         if explicit:
             raise DflashError(f"{file}: inventory file not found", ExitCode.USAGE)
-        return Inventory("(built-in)", hosts)
+        return Inventory(BUILTIN, hosts)
     try:
         parsed = dflash_schema.load_file(InventoryFile, file)
     except dflash_schema.SchemaError as exc:

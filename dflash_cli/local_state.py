@@ -22,6 +22,7 @@ from .errors import DflashError, ExitCode
 
 
 HOSTS_FILE = "hosts.json"  # logs/<host>/<run>/: the hosts of a run on several hosts
+LATEST_FILE = "latest.json"  # logs/: the latest run launched or resumed with this logs/
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -177,13 +178,13 @@ def set_latest(logs_dir: Path, ref: RunRef) -> None:
     host's logs/<host>/<run>/hosts.json, so that the run id alone finds all of them."""
     for member in ref.members if ref.multihost else ():
         write_atomic(RunLogs(logs_dir, member).dir / HOSTS_FILE, json.dumps({"hosts": list(ref.hosts)}).encode())
-    write_atomic(logs_dir / "latest.json", json.dumps(dataclasses.asdict(ref)).encode())
+    write_atomic(logs_dir / LATEST_FILE, json.dumps(dataclasses.asdict(ref)).encode())
 
 
-def _latest(logs_dir: Path) -> RunRef | None:
+def latest_run(logs_dir: Path) -> RunRef | None:
     """The latest run this checkout launched, or None when none is recorded."""
     try:
-        return RunRef.from_json(json.loads((logs_dir / "latest.json").read_text()))
+        return RunRef.from_json(json.loads((logs_dir / LATEST_FILE).read_text()))
     except (OSError, ValueError, TypeError, KeyError):
         return None
 
@@ -199,7 +200,7 @@ def _recorded(logs_dir: Path, ref: RunRef) -> RunRef:
 
 def latest_host(logs_dir: Path) -> str:
     """The host of the latest run this checkout launched, else `local`."""
-    latest = _latest(logs_dir)
+    latest = latest_run(logs_dir)
     return latest.host if latest else "local"
 
 
@@ -210,13 +211,13 @@ def resolve_run(logs_dir: Path, run_id: str | None, host: str | None) -> RunRef:
         raise DflashError(f"{run_id!r} is not a run id (run ids start with the run's name)", ExitCode.USAGE)
     if run_id and host:
         return RunRef(host, run_id)  # one host's part, also of a run on several hosts
-    latest = _latest(logs_dir)
+    latest = latest_run(logs_dir)
     if run_id is None:
         if latest is not None and host and host in latest.hosts:
             return RunRef(host, latest.run_id)
         if latest is None or (host and latest.host != host):
             raise DflashError("no run given and no latest run recorded in "
-                              f"{logs_dir / 'latest.json'}", ExitCode.USAGE,
+                              f"{logs_dir / LATEST_FILE}", ExitCode.USAGE,
                               hint="name the run: dflash watch RUN --host HOST")
         return latest
     if latest and latest.run_id == run_id:

@@ -174,3 +174,53 @@ def test_runs_lists_local_when_the_latest_runs_host_left_the_inventory(make_inve
     assert "unknown host" not in done.stderr
     # It goes on to local, which this test never deployed to: that is what it says next.
     assert done.returncode == 2 and "host local: no release deployed" in done.stderr, done.stderr
+
+
+GONE = "gone-20260101-000000-0000"  # the latest run, launched when ct203 was in hosts.yaml
+
+
+@pytest.mark.parametrize("args", [["watch"], ["status"], ["status", "--config"], ["stop"], ["pull"],
+                                  ["fetch-traceback"], ["stacks"], ["resume"], ["diff", GONE, GONE],
+                                  ["status", "older-1"]],
+                         ids=lambda args: " ".join(args))
+def test_a_verb_that_must_reach_the_recorded_runs_host_that_left_the_inventory_names_run_host_and_file(
+        args, make_inventory, tmp_path):
+    from dflash_cli.local_state import RunRef, set_latest
+
+    logs = tmp_path / "logs"
+    set_latest(logs, RunRef("ct203", GONE))
+    (logs / "ct203" / "older-1").mkdir(parents=True)  # a run found by its id alone, on ct203 too
+    hosts = make_inventory(tmp_path)
+    done = dflash_in_process("--logs-dir", str(logs), *args, hosts=hosts)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    run = f"run older-1 ({logs / 'ct203' / 'older-1'})" if "older-1" in args else \
+        f"the latest run {GONE} ({logs / 'latest.json'})"
+    assert done.stderr.splitlines() == [
+        f"dflash: error: {run} ran on ct203, which is not in {hosts}",
+        f"hint: add ct203 back to {hosts}, or name a run on a host the inventory has "
+        "(`dflash runs --host HOST` lists a host's runs)"]
+
+
+def test_plot_draws_the_recorded_run_whose_host_left_the_inventory_and_says_so(make_inventory, tmp_path):
+    import json
+
+    from dflash_cli.local_state import RunLogs, RunRef, set_latest
+
+    logs = tmp_path / "logs"
+    ref = RunRef("ct203", GONE)
+    set_latest(logs, ref)
+    steps = [{"type": "step", "step": step, "loss": 4.0 - step, "tokens_per_s": 100.0} for step in (1, 2)]
+    RunLogs(logs, ref).dir.mkdir(parents=True)
+    RunLogs(logs, ref).events.write_text("".join(json.dumps(e) + "\n" for e in steps))  # watched before
+    hosts = make_inventory(tmp_path)
+    out = tmp_path / "curves.png"
+    done = dflash_in_process("--logs-dir", str(logs), "plot", "-o", str(out), hosts=hosts)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{out}\n" and out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert done.stderr == (f"warning: the latest run {GONE} ({logs / 'latest.json'}) ran on ct203, which is not "
+                           f"in {hosts}: what was watched here is all there is until it is back\n")
+    # plot needs no inventory: one that cannot be read draws all the same, with nothing to say of ct203
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("hosts: [not, a, mapping]\n")
+    again = dflash_in_process("--logs-dir", str(logs), "plot", "-o", str(out), hosts=broken)
+    assert (again.returncode, again.stderr) == (0, "")

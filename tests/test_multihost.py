@@ -397,6 +397,42 @@ def test_stop_leaves_no_process_on_either_host(pair, tmp_path):
     assert found["hosts"][1]["error"].startswith("host ct202 (") and "unreachable" in found["hosts"][1]["error"]
 
 
+@pytest.mark.slow(seconds=20, why="a run on two hosts: two trainer processes started, then stopped")
+def test_a_run_on_two_hosts_whose_second_left_the_inventory_goes_on_with_the_first(pair, make_inventory, tmp_path):
+    """ct202 leaves hosts.yaml while the run is live: status, stop, watch and fetch-traceback
+    of the latest run go on with ct200, naming ct202 and why it was asked; resume, which
+    needs both, is refused."""
+    run_id = launch_pair(pair, pair_config(tmp_path / "long.yaml", optim={"max_steps": 100000, "epochs": 5000}))
+    assert make_inventory(tmp_path, ct200={"address": "127.0.0.1"}) == pair.hosts  # ct202 is gone from it
+    gone = (f"the latest run {run_id} ({pair.logs / 'latest.json'}) ran on ct202 (rank 1 of 2), which is not in "
+            f"{pair.hosts}")
+    try:
+        status = pair.dflash("status", "--json")
+        found = json.loads(status.stdout)
+        assert status.returncode == 2 and found["state"] == "UNKNOWN", status.stderr
+        assert (found["hosts"][0]["host"], found["hosts"][0]["state"]) in [("ct200", "STARTING"), ("ct200", "RUNNING")]
+        assert found["hosts"][1] == {"host": "ct202", "rank": 1, "run_id": run_id, "state": None, "error": gone}
+        resume = pair.dflash("resume")
+        assert resume.returncode == 2
+        assert resume.stderr.startswith(f"dflash: error: {gone}\nhint: add ct202 back to {pair.hosts}, ")
+        stopped = pair.dflash("stop", "--grace", "5")
+        assert (stopped.returncode, stopped.stdout) == (2, "UNKNOWN\n"), stopped.stderr
+        assert re.search(rf"run {run_id} on ct200 (ended|killed after the grace period): STOPPED", stopped.stderr)
+        assert f"warning: run {run_id} on ct202: not stopped: {gone}" in stopped.stderr
+        assert not pair.trainer_alive(200, run_id)
+        watch = pair.dflash("watch")
+        assert watch.returncode == 2, watch.stderr
+        assert f"warning: {gone}: its part is not followed" in watch.stderr
+        assert f"run {run_id} ended: UNKNOWN (ct200 STOPPED, ct202 UNKNOWN)" in watch.stderr
+        fetched = pair.dflash("fetch-traceback")
+        assert fetched.returncode == 0, fetched.stderr
+        assert f"warning: run {run_id} on ct202: no report: {gone}" in fetched.stderr
+        assert "unknown host" not in status.stderr + stopped.stderr + watch.stderr + fetched.stderr
+    finally:
+        pair.rewrite()
+        pair.dflash("stop", "--grace", "5")  # ct202's part too
+
+
 @pytest.mark.slow(seconds=57,
                   why="a run on two hosts (two trainer processes joined by torch.distributed), then its resume")
 def test_a_run_on_two_hosts_resumes_as_one_from_rank_0s_checkpoint(pair, tmp_path):

@@ -5,7 +5,7 @@ from rich.table import Table
 
 from dflash_agent.protocol import RunConfigReply
 
-from .. import console
+from .. import console, run_hosts
 from ..errors import DflashError, ExitCode
 from ..local_state import RunRef, resolve_run
 from ..release_store import FileChange, ReleaseStore, file_diff, summary
@@ -18,7 +18,10 @@ def parse_run(session: Session, text: str, host: str | None) -> RunRef:
         host_name, run_id = text.split("/", 1)
         session.host(host_name)  # an unknown host is refused by name
         return resolve_run(session.logs_dir, run_id, host_name)
-    return resolve_run(session.logs_dir, text, host)
+    ref = resolve_run(session.logs_dir, text, host)
+    if host is None:  # the local records chose the host: the release is asked of rank 0's
+        run_hosts.check(session, ref, run_hosts.Reach.FIRST)
+    return ref
 
 
 def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tuple[str, ...],

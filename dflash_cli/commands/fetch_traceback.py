@@ -7,7 +7,7 @@ from pathlib import Path
 from dflash_agent.protocol import ReportReply, RunState, StacksReply
 from dflash_agent.state import attempt_errors
 
-from .. import console, multihost
+from .. import console, multihost, run_hosts
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef
 from ..session import Session
@@ -36,19 +36,19 @@ def render_stacks(session: Session, ref: RunRef, report: ReportReply) -> str | N
 def _reports(session: Session, ref: RunRef) -> dict[str, ReportReply]:
     """The agent's report of every host of the run, asked in parallel, in rank order. A
     host that cannot be asked is an error for a run on one host; on several, it is
-    named and left out, unless no host answers."""
-    hosts = [session.host(member.host) for member in ref.members]
-    replies = session.on_each_host(hosts, lambda host: session.agent(host.name).call(
-        ReportReply, "--run-id", ref.run_id))
+    named and left out (as is one that left the inventory), unless no host answers."""
+    hosts, left = run_hosts.members(session, ref)
+    replies = {**session.on_each_host(hosts, lambda host: session.agent(host.name).call(
+        ReportReply, "--run-id", ref.run_id)), **left}
     reports = {}
-    for host in hosts:
-        reply = replies[host.name]
+    for member in ref.members:
+        reply = replies[member.host]
         if isinstance(reply, DflashError):
-            if len(hosts) == 1 or all(isinstance(r, DflashError) for r in replies.values()):
+            if not ref.multihost or all(isinstance(r, DflashError) for r in replies.values()):
                 raise reply
-            console.warn(f"run {ref.run_id} on {host.name}: no report: {reply.message}")
+            console.warn(f"run {ref.run_id} on {member.host}: no report: {reply.message}")
         else:
-            reports[host.name] = reply
+            reports[member.host] = reply
     return reports
 
 

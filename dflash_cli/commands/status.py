@@ -8,7 +8,7 @@ from rich.text import Text
 
 from dflash_agent.protocol import RunState, RunStatus, StatusReply
 
-from .. import console, multihost, provenance
+from .. import console, multihost, provenance, run_hosts
 from ..errors import DflashError, ExitCode, exit_code_for_state
 from ..local_state import RunRef, latest_host
 from ..multihost import HostStatus
@@ -89,9 +89,9 @@ def resume_point(status: RunStatus) -> str:
 
 def host_statuses(session: Session, ref: RunRef) -> list[HostStatus]:
     """Every host's status of a run on several hosts, asked in parallel, in rank order;
-    a host that could not be asked has none, and its error."""
-    hosts = [session.host(name) for name in ref.hosts]
-    replies = session.on_each_host(hosts, lambda host: session.agent(host.name).run_status(ref.run_id))
+    a host that could not be asked, or that left the inventory, has none, and its error."""
+    hosts, left = run_hosts.members(session, ref)
+    replies = {**session.on_each_host(hosts, lambda host: session.agent(host.name).run_status(ref.run_id)), **left}
     out = []
     for rank, name in enumerate(ref.hosts):
         reply = replies[name]
@@ -122,6 +122,9 @@ def _status_of_hosts(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
         source = next((s.status.source for s in statuses if s.status and s.status.source), None)
         if source:
             console.say(f"source: {provenance.summary(source)}")
+    unknown = {s.host for s in statuses if s.state is None}
+    if state is None and unknown <= set(run_hosts.left(session, ref)):
+        return ExitCode.USAGE  # unknown only for want of the hosts the inventory lost: its fix is the inventory's
     return exit_code_for_state(state)
 
 
@@ -172,7 +175,7 @@ def list_runs(session: Session, *, host_names: list[str], as_json: bool) -> Exit
     if not host_names:
         latest = latest_host(session.logs_dir)
         if latest not in session.inventory.hosts:  # the inventory changed since that run
-            console.warn(f"the latest run's host {latest!r} is not in {session.inventory.source}: skipped; "
+            console.warn(f"the latest run's host {latest!r} is not in {session.inventory.described}: skipped; "
                          "the runs on local follow (--host HOST for another)")
             latest = "local"
         host_names = [latest]

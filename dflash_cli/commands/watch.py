@@ -25,7 +25,7 @@ from dflash_agent.protocol import (EndMessage, ErrorMessage, EventsMessage, Foll
                                    LogMessage, ReportReply, RotatedMessage, RunState, StateMessage)
 from dflash_agent.state import attempt_errors
 
-from .. import console, diagnosis, multihost
+from .. import console, diagnosis, multihost, run_hosts
 from ..errors import DflashError, ExitCode, UnreachableError, exit_code_for_state
 from ..local_state import Cursor, RunLogs, RunRef
 from ..retry import Reconnects
@@ -347,9 +347,13 @@ def run(session: Session, ref: RunRef, *, tail: int | None, interval: float, as_
 def _watch_hosts(session: Session, ref: RunRef, tail: int | None, interval: float, as_json: bool,
                  retry_for: float) -> ExitCode:
     """Every host's part of the run followed at once, one thread each; returns when all
-    ended, with the whole run's outcome, and names the host of its root cause."""
-    watchers = [Watcher(session, member, interval, as_json, ref.hosts) for member in ref.members]
-    outcomes: dict[str, ExitCode | DflashError] = {}
+    ended, with the whole run's outcome, and names the host of its root cause. A host that
+    left the inventory is named and not followed; its part's state is unknown."""
+    hosts, left = run_hosts.members(session, ref)
+    outcomes: dict[str, ExitCode | DflashError] = dict(left)
+    for exc in left.values():
+        console.warn(f"{exc.message}: its part is not followed")
+    watchers = [Watcher(session, RunRef(host.name, ref.run_id), interval, as_json, ref.hosts) for host in hosts]
 
     def follow(watcher: Watcher) -> None:
         try:
@@ -374,16 +378,16 @@ def _watch_hosts(session: Session, ref: RunRef, tail: int | None, interval: floa
         console.say(f"\ndetached from {ref.run_id}; it keeps running on {', '.join(ref.hosts)} "
                     "(dflash watch resumes)")
         return ExitCode.INTERRUPTED
-    states = {w.ref.host: w.end.state if w.end else None for w in watchers}
+    ends = {w.ref.host: w.end for w in watchers if w.end}
+    states = {host: ends[host].state if host in ends else None for host in ref.hosts}
     state = multihost.aggregate_state(states)
     cause = multihost.root_cause(multihost.in_time_order({w.ref.host: w.latest_records for w in watchers}))
     if cause is not None and not as_json:
         host, record = cause
         blamed = multihost.blamed_host(cause, ref.hosts)
         if blamed is not None:  # no rank recorded its own failure: the one that died or went silent
-            ends = {w.ref.host: w.end.exit if w.end else None for w in watchers}
             line = f"root cause on {blamed} (rank {ref.hosts.index(blamed)}): " + multihost.blamed_line(
-                ref.hosts, ends.get(blamed), cause)
+                ref.hosts, ends[blamed].exit if blamed in ends else None, cause)
         else:
             line = (f"root cause on {host} (rank {ref.hosts.index(host)}): thread {record.get('thread')} "
                     f"{record.get('exc_type')}: {record.get('message', '')}".rstrip())
