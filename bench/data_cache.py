@@ -60,8 +60,8 @@ def phase(name: str, data: Path, cache: Path, workers: int | None) -> dict:
     """One measured phase, in this process: build, cached or legacy."""
     started = time.perf_counter()
     from dflash_train.config import DataConfig, TinyTargetSpec
-    from dflash_train.data import BatchPlan, _read_jsonl, load_samples, tokenize_sample
-    from dflash_train.tiny import _build_tokenizer
+    from dflash_train.data.batches import BatchPlan, _read_jsonl, load_samples, tokenize_sample
+    from dflash_train.data.tiny import _build_tokenizer
 
     tokenizer = _build_tokenizer(TinyTargetSpec(vocab_words=VOCAB_WORDS))
     imported, rss_before = time.perf_counter(), vm_rss_mib()

@@ -2,7 +2,7 @@
 
     PYTHONPATH=remote python3 bench/eval_kv.py [--max-new-tokens 512] [--prompts 2]
 
-The evaluator's own decoding (dflash_train.speculative.speculative_decode) on a target
+The evaluator's own decoding (dflash_train.model.speculative.speculative_decode) on a target
 with the Qwen3-8B architecture and random bf16 weights, made in memory as
 bench/gpu_trainer.py makes it (no download, nothing saved), and a random drafter at the
 8B drafter shape (5 layers, block 16, 5 target feature layers), on cuda:0. Each prompt
@@ -42,7 +42,7 @@ def _sync(device: str) -> None:
 
 def decode_all(drafter, tap, embed, head, prompts: list[list[int]], max_new_tokens: int, kv_cache: bool,
                device: str) -> dict:
-    from dflash_train.speculative import speculative_decode
+    from dflash_train.model.speculative import speculative_decode
 
     _sync(device)
     started = time.perf_counter()
@@ -69,8 +69,8 @@ def main() -> None:
     import torch
 
     from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
-    from dflash_train.target import FeatureTap
+    from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids, drafter_hf_config
+    from dflash_train.model.target import FeatureTap
 
     cpu = args.cpu_check
     device, dtype = ("cpu", "float32") if cpu else ("cuda:0", "bfloat16")

@@ -8,7 +8,7 @@
         the drafter alone at the Qwen3-8B shape (5 layers, 512 anchors, block 16), eager
         (compile: off, sdpa): peak GiB of one forward+backward per micro-batch shape and its
         ms, with the loss as it was (every (B, N, 15, V) logit at once) and as it is (the
-        frozen head's cross-entropy in chunks, head_loss.py). "OOM" where it did not fit.
+        frozen head's cross-entropy in chunks, model/head_loss.py). "OOM" where it did not fit.
     PYTHONPATH=remote:bench python3 bench/fit_h200.py train configs/train/qwen3-8b.yaml --work /tmp/fit \
             --steps 12 [--set KEY=VALUE ...]
         `python -m dflash_train` (what the agent runs) on the config as shipped, its paths
@@ -72,11 +72,11 @@ def step_memory(shapes: list[tuple[int, int]], iters: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    from dflash_train.objective import DraftObjective
+    from dflash_train.model.objective import DraftObjective
     from gpu_threads import QWEN3_8B, Frozen, make_batches, make_objective
 
     class MaterializedLoss(DraftObjective):
-        """The loss as it was before head_loss.py: every logit of the micro-batch at once."""
+        """The loss as it was before model/head_loss.py: every logit of the micro-batch at once."""
 
         def forward(self, inputs):
             hidden = self.block_hidden(inputs)

@@ -135,7 +135,7 @@ def drafter_gradients(shape: Shape, device: str) -> list[torch.Tensor]:
     from transformers import Qwen3Config
 
     from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter, drafter_hf_config
+    from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
 
     target = Qwen3Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                          num_hidden_layers=36, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
@@ -159,7 +159,7 @@ def time_exchange(exchange, grad_sets: list[list[torch.Tensor]], devices: list[s
                   iters: int) -> list[float]:
     """ms of GradientExchange.average over `iters` steps (after 3 untimed), synchronized."""
     from dflash_train.devices import Fence
-    from dflash_train.gradients import Posted
+    from dflash_train.training.gradients import Posted
 
     facts = [torch.zeros(1 + 2 * (block - 1), device=device) for device in devices]
     times = []
@@ -213,8 +213,8 @@ def time_peer_copies(grad_sets: list[list[torch.Tensor]], devices: list[str], it
 def exchange_child(shape_name: str, iters: int) -> None:
     """One rank of the two-process exchange (started by part_exchange with the rank's variables)."""
     from dflash_train.config import DistributedConfig
-    from dflash_train.distributed import join
-    from dflash_train.gradients import GradientExchange
+    from dflash_train.training.distributed import join
+    from dflash_train.training.gradients import GradientExchange
     from dflash_train.runlog import ErrorLog, ThreadNames
     from dflash_train.threads import StopLatch
 
@@ -276,8 +276,8 @@ def _summary(times: list[float]) -> dict:
 
 
 def part_exchange(shape_name: str, iters: int, cuda: bool) -> dict:
-    from dflash_train.distributed import Layout
-    from dflash_train.gradients import GradientExchange
+    from dflash_train.training.distributed import Layout
+    from dflash_train.training.gradients import GradientExchange
 
     shape = {"8b": QWEN3_8B, "micro": MICRO}[shape_name]
     rows = {}
@@ -328,7 +328,7 @@ def part_throughput(work: Path, steps: int, warmup: int, timeout_s: float) -> di
     shape = QWEN3_8B
     data = work / "train.jsonl"
     trainer.write_data(data, samples=2 * steps, words=shape.seq_len + 64)
-    from dflash_train.model import default_target_layer_ids
+    from dflash_train.model.drafter import default_target_layer_ids
 
     architecture = trainer.QWEN3_8B_TARGET
     layers_run = max(default_target_layer_ids(architecture["num_hidden_layers"], shape.feature_layers)) + 1
@@ -432,7 +432,7 @@ def main() -> None:
     need_gpus(1 if args.part == "specforge" else 2)
     report: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "argv": sys.argv}
     if args.part == "specforge":
-        from dflash_train.compile_policy import configure_compiler
+        from dflash_train.compiling.policy import configure_compiler
 
         configure_compiler("cudagraphs", 16)  # as gpu_threads: every drafter compiled here guards the same code
         report["specforge"] = part_specforge(SPECFORGE, "cuda", args.iters)

@@ -37,18 +37,18 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config
 
-from dflash_train import cudagraphs
-from dflash_train.compile_policy import build_train_step, configure_compiler
+from dflash_train.compiling import cudagraphs
+from dflash_train.compiling.policy import build_train_step, configure_compiler
 from dflash_train.config import DrafterConfig
 from dflash_train.devices import Fence, canonical, is_cuda, thread_stream
-from dflash_train.model import DFlashDrafter, drafter_hf_config
-from dflash_train.objective import DraftObjective, DrafterInputs, block_labels, position_weights
-from dflash_train.distributed import Layout
+from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+from dflash_train.model.objective import DraftObjective, DrafterInputs, block_labels, position_weights
+from dflash_train.training.distributed import Layout
 from dflash_train.faults import FaultInjector
-from dflash_train.gradients import GradientExchange, Posted, step_facts
+from dflash_train.training.gradients import GradientExchange, Posted, step_facts
 from dflash_train.runlog import ErrorLog, ThreadNames
 from dflash_train.threads import Rendezvous, StopLatch
-from dflash_train.training_step import at_rendezvous, training_step
+from dflash_train.training.step import at_rendezvous, training_step
 
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, datasheet (SXM); the MFU denominator
 # bf16 autocast: Inductor's fused kernels round differently than eager's, and 500 steps
@@ -546,7 +546,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500, help="steps per thread in the threads part")
     parser.add_argument("--iters", type=int, default=60, help="timed steps per mode at tiny (8b: a sixth)")
     parser.add_argument("--tiny-modes", default="off,default,cudagraphs,trees-1-thread,cudagraphs:flex",
-                        help="compile_policy's off/default, our cudagraphs, CUDA-graph trees; ':flex' = flex attention")
+                        help="compiling.policy's off/default, our cudagraphs, CUDA-graph trees; ':flex' = flex attention")
     parser.add_argument("--8b-modes", dest="big_modes", default="off,cudagraphs:flex,cudagraphs,default:flex,default")
     parser.add_argument("--deadline-s", type=float, default=540, help="start nothing new after this many seconds")
     parser.add_argument("--device", default="cuda")

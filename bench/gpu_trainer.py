@@ -27,7 +27,7 @@ target on the CPU (compile off), to check the script without a GPU.
 Two measurements of the drafter alone, at the Qwen3-8B drafter shape with random target
 features (no target: bench/gpu_threads.py's objective and batches), in this process,
 with the trainer's own train step (compile: cudagraphs, whole_step, flex) and
-optimizer step (dflash_train.optimizer_step), one sequence of 3072 tokens a micro-batch:
+optimizer step (dflash_train.training.optimizer_step), one sequence of 3072 tokens a micro-batch:
 
     PYTHONPATH=remote python3 bench/gpu_trainer.py --step-parts [--iters 8]
         ms a step split into forward+backward (every micro-batch) and the optimizer (the
@@ -103,7 +103,7 @@ def make_target(architecture: dict, device: str, dtype: str = "bfloat16"):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash_train.config import TinyTargetSpec
-    from dflash_train.tiny import _build_tokenizer
+    from dflash_train.data.tiny import _build_tokenizer
 
     tokenizer = _build_tokenizer(TinyTargetSpec(vocab_words=VOCAB_WORDS))
     config = Qwen3Config(**architecture, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -314,8 +314,8 @@ class DrafterAlone:
         """`graphs`: the train step of compile: cudagraphs (on the GPU), else compile: off's."""
         from gpu_threads import MICRO, Frozen, make_batches, make_objective
 
-        from dflash_train import cudagraphs
-        from dflash_train.compile_policy import build_train_step, configure_compiler
+        from dflash_train.compiling import cudagraphs
+        from dflash_train.compiling.policy import build_train_step, configure_compiler
 
         shape, device = (MICRO, "cpu") if cpu else (QWEN3_8B, "cuda")
         objective = make_objective(shape, Frozen(shape, device), device, use_flex=not cpu)
@@ -335,7 +335,7 @@ class DrafterAlone:
 
     def optimizer(self, form: str):
         from dflash_train.config import OptimConfig
-        from dflash_train.optimizer_step import OptimizerStep
+        from dflash_train.training.optimizer_step import OptimizerStep
 
         optimizer = OptimizerStep(self.params, OptimConfig(lr=6e-4, betas=(0.9, 0.95), grad_clip=1.0),
                                   total_steps=10_000, form=form)
@@ -409,9 +409,9 @@ def step_parts(cpu: bool, iters: int) -> dict:
 def checkpoint_held(cpu: bool, work: Path, checkpoints: int = 2) -> dict:
     """The trainer's CheckpointWriter with take_snapshot, as schedule.OutputSchedule calls
     them: the buffers made in the background after the first step (reserve), then saves."""
-    from dflash_train.checkpoint import snapshot_layout, take_snapshot
-    from dflash_train.checkpoint_state import TrainingState
-    from dflash_train.checkpoint_writer import CheckpointWriter
+    from dflash_train.checkpoint.folders import snapshot_layout, take_snapshot
+    from dflash_train.checkpoint.state import TrainingState
+    from dflash_train.checkpoint.writer import CheckpointWriter
     from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
     from dflash_train.threads import StopLatch
 
@@ -502,7 +502,7 @@ def main() -> None:
     data = work / "train.jsonl"
     write_data(data, samples=max(len(s.drafters) * s.steps for s in args.runs), words=shape.seq_len + 64)
 
-    from dflash_train.model import default_target_layer_ids
+    from dflash_train.model.drafter import default_target_layer_ids
 
     layers_run = max(default_target_layer_ids(architecture["num_hidden_layers"], shape.feature_layers)) + 1
     flops = (step_flops(shape)["total"], target_forward_flops(architecture, layers_run, shape.seq_len))

@@ -150,10 +150,10 @@ def step_child(args: argparse.Namespace) -> None:
     import torch
     from gpu_threads import MICRO, QWEN3_8B, Frozen, make_objective
 
-    from dflash_train.compile_policy import configure_compiler, example_inputs
+    from dflash_train.compiling.policy import configure_compiler, example_inputs
     from dflash_train.config import DataConfig, DrafterConfig
-    from dflash_train.cudagraphs import bucket_shapes, build_cudagraph_train_step
-    from dflash_train.step_build import compile_for_shapes, inputs_of_shape, warm_up
+    from dflash_train.compiling.cudagraphs import bucket_shapes, build_cudagraph_train_step
+    from dflash_train.compiling.step_build import compile_for_shapes, inputs_of_shape, warm_up
 
     shape = {"8b": QWEN3_8B, "micro": MICRO}[args.drafter_shape]
     data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len, token_budget=shape.seq_len,

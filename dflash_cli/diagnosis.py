@@ -15,7 +15,7 @@ import re
 import shlex
 from typing import Callable
 
-from dflash_train.memory_ledger import GRAPHS_SUFFIX  # torch-free: it imports torch only to measure
+from dflash_train.memory.ledger import GRAPHS_SUFFIX  # torch-free: it imports torch only to measure
 
 # How an exception line of a traceback starts: `torch.OutOfMemoryError: …`, `AssertionError`.
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*)(?::|$)", re.MULTILINE)

@@ -1,5 +1,5 @@
 """`dflash launch`'s fit check: the GPU memory a training config needs on every device of
-a host (dflash_train.memory_plan) against that host's GPUs, before anything is deployed
+a host (dflash_train.memory.plan) against that host's GPUs, before anything is deployed
 or started (docs/fit-check.md).
 
 The host's facts come in one round trip: the agent's gpus.py, sent with `python -c` (it
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from dflash_agent import gpus
 from dflash_agent.protocol import FitFacts, Gpu
-from dflash_train.memory_plan import GIB, DevicePlan, MemoryPlan, TargetShape, estimate, usable_bytes
+from dflash_train.memory.plan import GIB, DevicePlan, MemoryPlan, TargetShape, estimate, usable_bytes
 from rich.table import Table
 
 from . import console

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from dflash_train.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
-from dflash_train.checkpoint_state import TrainingState
-from dflash_train.objective import warmup_cosine
+from dflash_train.checkpoint.folders import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from dflash_train.checkpoint.state import TrainingState
+from dflash_train.model.objective import warmup_cosine
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflash_files.compile_key import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, compile_key
-from dflash_train.compile_cache import CORRUPT, LOADED, MISMATCH, compile_key_facts, load_artifacts
+from dflash_train.compiling.cache import CORRUPT, LOADED, MISMATCH, compile_key_facts, load_artifacts
 from support.train_configs import small_config
 from test_multihost import Pair, pair_config
 
@@ -31,7 +31,7 @@ def pair(make_inventory, ssh_node, fake_pve, tmp_path):
     pair = Pair(make_inventory, ssh_node, fake_pve, tmp_path)
     yield pair
     # The containers' workspace path holds a space, so the trainers reached its compile cache
-    # through links in the temp folder (compile_cache.without_whitespace): this test's go.
+    # through links in the temp folder (compiling.cache.without_whitespace): this test's go.
     for link in Path(tempfile.gettempdir()).glob("dflash-compile-*"):
         if link.is_symlink() and os.readlink(link).startswith(f"{pair.workspace}/"):
             link.unlink()

@@ -5,7 +5,7 @@ import hashlib
 import json
 import os
 
-from dflash_train.compile_cache import compile_key_facts, use_compile_cache
+from dflash_train.compiling.cache import compile_key_facts, use_compile_cache
 
 
 def test_compile_cache_lives_under_the_workspace_keyed_by_gpu_and_toolchain(tmp_path, monkeypatch):
@@ -28,7 +28,7 @@ def test_compile_cache_lives_under_the_workspace_keyed_by_gpu_and_toolchain(tmp_
 
 def test_artifacts_that_match_their_manifest_but_torch_cannot_read_are_moved_aside(tmp_path, monkeypatch):
     from dflash_files.compile_key import ARTIFACTS_FILE, ARTIFACTS_MANIFEST
-    from dflash_train.compile_cache import CORRUPT, load_artifacts
+    from dflash_train.compiling.cache import CORRUPT, load_artifacts
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     facts = compile_key_facts("cpu")

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from dflash_schema import SchemaError
-from dflash_train import cudagraphs
-from dflash_train.compile_policy import CompilePlan, build_train_step, example_inputs, specialization_classes
+from dflash_train.compiling import cudagraphs
+from dflash_train.compiling.policy import CompilePlan, build_train_step, example_inputs, specialization_classes
 from dflash_train.config import (DataConfig, DrafterConfig, TinyTargetSpec, load_job_config, padded_length,
                                  rows_per_micro_batch)
-from dflash_train.data import BatchPlan, Sample, StoredSamples, anchor_counts, collate, load_samples, micro_batch_shapes
-from dflash_train.objective import NO_TURN, anchor_candidates
-from dflash_train.tiny import _build_tokenizer
-from dflash_train.step_build import BatchShape, StrayCompile, graphs_compiled, inputs_of_shape, shape_of
+from dflash_train.data.batches import (BatchPlan, Sample, StoredSamples, anchor_counts, collate, load_samples,
+                                       micro_batch_shapes)
+from dflash_train.model.objective import NO_TURN, anchor_candidates
+from dflash_train.data.tiny import _build_tokenizer
+from dflash_train.compiling.step_build import BatchShape, StrayCompile, graphs_compiled, inputs_of_shape, shape_of
 
 from test_head_loss import objective
 
@@ -120,7 +121,7 @@ def test_compile_default_is_built_for_every_data_shape_and_a_shape_it_was_not_bu
     assert warmed >= {BatchShape(3, 40, 8), BatchShape(1, 40, 8)}  # one per class, the largest
     assert built.report.checked + len(warmed) == len(data_shapes)
     compiled = graphs_compiled()
-    with torch._dynamo.config.patch(error_on_recompile=True):  # what compile_policy.forbid_compiles sets
+    with torch._dynamo.config.patch(error_on_recompile=True):  # what compiling.policy.forbid_compiles sets
         for shape in data_shapes:  # every shape of the data trains without a compile
             built(inputs_of_shape(drafter_objective, shape, example, seed=7))
         stray = inputs_of_shape(drafter_objective, BatchShape(2, 24, 1), example, seed=8)  # one block: specialized
@@ -164,7 +165,7 @@ def test_compile_default_drafters_stepping_at_once_enter_the_compiled_forward_on
     data_shapes = (BatchShape(2, 32, 8), BatchShape(1, 32, 8), BatchShape(2, 16, 8), BatchShape(1, 16, 8))
     torch._dynamo.reset()  # what other tests of this process compiled is not this build's
     plan = CompilePlan("default", num_drafters=4, data_shapes=data_shapes, backend=counting)
-    with torch.fx.experimental._config.patch(use_duck_shape=False):  # as compile_policy.configure_compiler sets
+    with torch.fx.experimental._config.patch(use_duck_shape=False):  # as compiling.policy.configure_compiler sets
         steps = [build_train_step(plan, o, example) for o in objectives]
     batches = [[inputs_of_shape(o, shape, example, seed=i) for shape in data_shapes] for i, o in enumerate(objectives)]
     compiled, failures, most[0] = graphs_compiled(), [], 0
@@ -179,7 +180,7 @@ def test_compile_default_drafters_stepping_at_once_enter_the_compiled_forward_on
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # threads trade the GIL often, inside Dynamo's guards too
     try:
-        with torch._dynamo.config.patch(error_on_recompile=True):  # what compile_policy.forbid_compiles sets
+        with torch._dynamo.config.patch(error_on_recompile=True):  # what compiling.policy.forbid_compiles sets
             threads = [threading.Thread(target=drafter, args=(i,), name=f"drafter-{i}") for i in range(4)]
             for thread in threads:
                 thread.start()

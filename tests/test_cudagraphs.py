@@ -2,7 +2,7 @@
 
 CPU CI proves: the module imports on CPU-only torch, the config refuses cudagraphs on a
 CPU run and with more shape buckets than are captured, the strategy per torch version
-and placement, the buckets that cover the data (every batch data.py packs fits one),
+and placement, the buckets that cover the data (every batch data/batches.py packs fits one),
 that the trainer's compile plan holds those buckets, the placement and compile_shapes,
 that padding a batch into a bucket leaves loss and gradients unchanged (checked with the
 real DFlash objective), and that compile_shapes: dynamic compiles one train step for
@@ -23,22 +23,22 @@ import torch
 from transformers import Qwen3Config
 
 from dflash_schema import SchemaError
-from dflash_train import cudagraphs
-from dflash_train.compile_policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
+from dflash_train.compiling import cudagraphs
+from dflash_train.compiling.policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
                                          configure_compiler, example_inputs, plan_compile)
-from dflash_train.step_build import compile_for_shapes, inputs_of_shape, random_inputs, warm_up
+from dflash_train.compiling.step_build import compile_for_shapes, inputs_of_shape, random_inputs, warm_up
 from dflash_train.config import DataConfig, DrafterConfig, load_job_config
-from dflash_train.data import BatchPlan, Sample, collate
-from dflash_train.model import DFlashDrafter, drafter_hf_config
-from dflash_train import objective as objective_module
-from dflash_train.objective import DraftObjective, DrafterInputs, block_labels, position_weights
+from dflash_train.data.batches import BatchPlan, Sample, collate
+from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+from dflash_train.model import objective as objective_module
+from dflash_train.model.objective import DraftObjective, DrafterInputs, block_labels, position_weights
 from dflash_train.devices import Fence, thread_stream
-from dflash_train.distributed import Layout
+from dflash_train.training.distributed import Layout
 from dflash_train.faults import FaultInjector
-from dflash_train.gradients import GradientExchange, Posted, step_facts
+from dflash_train.training.gradients import GradientExchange, Posted, step_facts
 from dflash_train.runlog import ErrorLog, ThreadNames
 from dflash_train.threads import JobThread, Rendezvous, StopLatch
-from dflash_train.training_step import at_rendezvous, training_step
+from dflash_train.training.step import at_rendezvous, training_step
 
 pytestmark = pytest.mark.timeout(60)
 

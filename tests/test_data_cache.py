@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train import data as data_module
+from dflash_train.data import batches
 from dflash_train.config import DataConfig, SyntheticDataSpec, TinyTargetSpec
-from dflash_train.data import BatchPlan, _read_jsonl, load_samples, tokenize_sample
-from dflash_train.tiny import _build_tokenizer, ensure_tiny_assets
+from dflash_train.data.batches import BatchPlan, _read_jsonl, load_samples, tokenize_sample
+from dflash_train.data.tiny import _build_tokenizer, ensure_tiny_assets
 from support.disk import tmpfs
 from test_trainer_runs import launch  # noqa: F401 - the fixture that runs the real trainer
 
@@ -80,17 +80,17 @@ def builds(output: str) -> tuple[int, int]:
 
 
 class CountingTokenizeRow:
-    """Counts the per-sample tokenizations (the in-process build calls data.tokenize_row)."""
+    """Counts the per-sample tokenizations (the in-process build calls batches.tokenize_row)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = data_module.tokenize_row
+        real = batches.tokenize_row
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(data_module, "tokenize_row", counted)
+        monkeypatch.setattr(batches, "tokenize_row", counted)
 
 
 def test_a_second_load_is_a_cache_hit_that_tokenizes_nothing(tmp_path, tokenizer, monkeypatch, capsys):
@@ -112,7 +112,7 @@ def test_a_second_load_is_a_cache_hit_that_tokenizes_nothing(tmp_path, tokenizer
 @pytest.mark.slow(seconds=12, why="tokenizes in worker processes, each importing transformers")
 def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path, tokenizer, capsys, monkeypatch):
     path = write_data(tmp_path / "train.jsonl", 300)
-    monkeypatch.setattr(data_module, "PROGRESS_EVERY_S", 0.0)  # a report after every chunk
+    monkeypatch.setattr(batches, "PROGRESS_EVERY_S", 0.0)  # a report after every chunk
     reports = []
     # small chunks: many tasks over two spawned workers, results written in file order
     loaded = load_samples(path, tokenizer, MAX_LENGTH, tmp_path / "cache", chunk_bytes=4096, workers=2,
@@ -182,8 +182,8 @@ LOADER = textwrap.dedent("""
     import sys
     from pathlib import Path
     from dflash_train.config import TinyTargetSpec
-    from dflash_train.data import load_samples
-    from dflash_train.tiny import _build_tokenizer
+    from dflash_train.data.batches import load_samples
+    from dflash_train.data.tiny import _build_tokenizer
     path, cache, chunk_bytes = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     samples = load_samples(path, _build_tokenizer(TinyTargetSpec()), %d, cache, chunk_bytes=chunk_bytes, workers=1)
     print("loaded", len(samples), flush=True)

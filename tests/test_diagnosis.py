@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 
 from dflash_cli.diagnosis import Failure, diagnose
-from dflash_train import memory_ledger
+from dflash_train.memory import ledger
 from dflash_train.config import FaultSpec, load_job_config
-from dflash_train.data import load_prompts, tokenize_chat, tokenize_sample
-from dflash_train.distributed import CollectiveFailed, JoinFailed, PeerFailed
+from dflash_train.data.batches import load_prompts, tokenize_chat, tokenize_sample
+from dflash_train.training.distributed import CollectiveFailed, JoinFailed, PeerFailed
 from dflash_train.faults import FaultInjector
-from dflash_train.jobs import ThreadFailed
-from dflash_train.objective import DrafterInputs
+from dflash_train.jobs.common import ThreadFailed
+from dflash_train.model.objective import DrafterInputs
 from dflash_train.runlog import error_record
-from dflash_train.tiny import ensure_tiny_assets
-from dflash_train.step_build import stray_compile
+from dflash_train.data.tiny import ensure_tiny_assets
+from dflash_train.compiling.step_build import stray_compile
 
 pytestmark = pytest.mark.timeout(120)
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny-cpu.yaml"
@@ -81,7 +81,7 @@ TLS_ASSERTION = '''Traceback (most recent call last):
            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
 AssertionError
 '''
-# A real OOM on an H200 (torch 2.11) after memory_ledger noted a 4 GiB target and a drafter
+# A real OOM on an H200 (torch 2.11) after the memory ledger noted a 4 GiB target and a drafter
 # with a CUDA graph: the record runlog wrote, message and `memory`.
 H200_OOM = {"exc_type": "OutOfMemoryError", "traceback": "", "message": (
     "CUDA out of memory. Tried to allocate 200.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which 134.18 GiB "
@@ -171,7 +171,7 @@ def test_cuda_oom_seen_through_the_coordinators_wrapper_carries_the_memory_too()
 
 
 def held(part: str, gib: float, device: str = "cuda:0") -> dict:
-    return dataclasses.asdict(memory_ledger.Held(part, device, int(gib * GIB)))
+    return dataclasses.asdict(ledger.Held(part, device, int(gib * GIB)))
 
 
 @pytest.mark.parametrize("parts, advice", [
@@ -225,7 +225,7 @@ def frames_numbered_alike(text: str | None) -> str | None:
 
 
 def test_a_stray_compile_after_ready_names_shape_and_guard_and_is_a_trainer_bug(compiled_step):
-    torch.compiler.set_stance("fail_on_recompile")  # what compile_policy.forbid_compiles sets once ready
+    torch.compiler.set_stance("fail_on_recompile")  # what compiling.policy.forbid_compiles sets once ready
     refusal = caught(lambda: compiled_step(torch.ones(1, 768)))
     inputs = DrafterInputs(input_ids=torch.ones(1, 768, dtype=torch.long), features=torch.zeros(1, 768, 8),
                            anchors=torch.zeros(1, 512, dtype=torch.long), anchor_valid=torch.ones(1, 512, dtype=bool),

@@ -15,8 +15,8 @@ import torch
 from dflash_files.checkpoint_files import LATEST
 from dflash_files.diskspace import RESERVE_BYTES, DiskFull, free_bytes
 from dflash_run import dflash_in_process
-from dflash_train.checkpoint import CheckpointSnapshot, write_checkpoint
-from dflash_train.checkpoint_state import TrainingState
+from dflash_train.checkpoint.folders import CheckpointSnapshot, write_checkpoint
+from dflash_train.checkpoint.state import TrainingState
 from dflash_train.runlog import ErrorLog, LineWriter
 from support.disk import fill, tmpfs
 from support.events import read_events

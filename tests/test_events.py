@@ -79,7 +79,7 @@ def test_every_type_is_written_by_some_code_and_every_write_names_a_declared_typ
     """What `emit(KIND, ...)` and `KIND.record(...)` name in the trainer and the agent is
     the schema, no more and no less (a type nobody writes would be documented for nothing)."""
     names = set()
-    for path in sorted((REPO / "remote").glob("dflash_*/*.py")):
+    for path in sorted((REPO / "remote").glob("dflash_*/**/*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 if node.func.attr == "emit" and node.args and not isinstance(node.args[0], ast.Dict):

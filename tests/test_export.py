@@ -23,8 +23,8 @@ from dflash_schema import SchemaError
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train.config import DrafterConfig, load_job_config
-from dflash_train.model import DFlashDrafter, drafter_hf_config, export_drafter
-from dflash_train.target import FeatureTap
+from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config, export_drafter
+from dflash_train.model.target import FeatureTap
 from support.trainer import end, start_trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,7 +247,7 @@ runtime: {{torch_threads: 1}}
 ])
 @pytest.mark.slow(seconds=7, why="a trainer run per case that exports, then a load of the export in another interpreter")
 def test_a_run_exports_bf16_that_loads_as_the_drafter_it_trained(device, export, workspace, tmp_path):
-    from dflash_train.model import load_drafter
+    from dflash_train.model.drafter import load_drafter
 
     run = start_trainer(workspace, tmp_path / "run", SHORT_RUN.format(device=device, export=export), "run")
     try:

@@ -18,7 +18,7 @@ from support.inventory import HOST_ENV, container_host
 from test_memory_plan import CONFIGS, H200_MIB, QWEN3_8B, one_gpu_config, write_model_folder
 
 from dflash_train.config import load_job_config
-from dflash_train.memory_plan import GIB, TargetShape, estimate, usable_bytes
+from dflash_train.memory.plan import GIB, TargetShape, estimate, usable_bytes
 
 pytestmark = pytest.mark.timeout(300)
 SNAPSHOT = "b968826d9c46dd6066d109eabc6255188de91218"  # a commit id, as the hub names snapshots

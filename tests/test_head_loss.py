@@ -1,4 +1,4 @@
-"""The drafter's loss through the frozen LM head, chunk by chunk (head_loss.py), against
+"""The drafter's loss through the frozen LM head, chunk by chunk (model/head_loss.py), against
 the loss computed the plain way: all (B, N, bs-1, V) logits at once, torch's cross-entropy
 and autograd. On CPU in fp32, with the trainer's own objective and a tiny random drafter."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from dflash_train.config import DrafterConfig
-from dflash_train.head_loss import chunk_rows, head_cross_entropy
-from dflash_train.model import DFlashDrafter, drafter_hf_config
-from dflash_train.objective import DraftObjective, DrafterInputs
-from dflash_train.step_build import random_inputs
+from dflash_train.model.head_loss import chunk_rows, head_cross_entropy
+from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+from dflash_train.model.objective import DraftObjective, DrafterInputs
+from dflash_train.compiling.step_build import random_inputs
 
 pytestmark = pytest.mark.timeout(120)
 

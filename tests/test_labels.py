@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dflash_train.config import DataConfig, DrafterConfig, load_job_config
-from dflash_train.data import BatchPlan, Sample, collate, load_samples, tokenize_chat, tokenize_sample
-from dflash_train.objective import NO_TURN, anchor_candidates, block_labels, position_weights
-from dflash_train.tiny import ensure_tiny_assets
+from dflash_train.data.batches import BatchPlan, Sample, collate, load_samples, tokenize_chat, tokenize_sample
+from dflash_train.model.objective import NO_TURN, anchor_candidates, block_labels, position_weights
+from dflash_train.data.tiny import ensure_tiny_assets
 
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny-cpu.yaml"
 pytestmark = pytest.mark.timeout(180)

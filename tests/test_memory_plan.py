@@ -1,4 +1,4 @@
-"""The GPU memory estimate (dflash_train.memory_plan): parameter counts against what
+"""The GPU memory estimate (dflash_train.memory.plan): parameter counts against what
 transformers and the trainer build, the micro-batch shapes against the CUDA-graph
 buckets, and where each term lands for the shipped configs. The end to end fit check
 through the CLI is in test_fit_check.py."""
@@ -13,11 +13,13 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 import dflash_schema
-from dflash_train import cudagraphs, memory_plan, tiny
+from dflash_train.compiling import cudagraphs
+from dflash_train.data import tiny
+from dflash_train.memory import plan as memory_plan
 from dflash_train.config import DataConfig, DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_job_config
-from dflash_train.memory_plan import (BF16, FP32, GIB, MemoryPlan, Shape, TargetShape, drafter_parameters, estimate,
+from dflash_train.memory.plan import (BF16, FP32, GIB, MemoryPlan, Shape, TargetShape, drafter_parameters, estimate,
                                       micro_batch_shapes, usable_bytes)
-from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config
+from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids, drafter_hf_config
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs" / "train"
@@ -140,7 +142,7 @@ def test_micro_batch_shapes_are_the_cudagraph_buckets(data, drafter):
 
 
 def test_the_loss_chunk_is_the_trainers():
-    from dflash_train import head_loss
+    from dflash_train.model import head_loss
 
     assert memory_plan.LOSS_CHUNK_BYTES == head_loss.LOSS_CHUNK_BYTES
     for vocab in (151936, 208, 32000):
@@ -237,7 +239,7 @@ def test_a_config_json_without_the_widths_is_named():
 
 
 def test_memory_plan_does_not_import_torch():
-    code = ("import sys; sys.path.insert(0, 'remote'); import dflash_train.config as c, dflash_train.memory_plan as m; "
+    code = ("import sys; sys.path.insert(0, 'remote'); import dflash_train.config as c, dflash_train.memory.plan as m; "
             "config = c.load_job_config('configs/train/tiny-gpu.yaml'); "
             "m.estimate(config, m.TargetShape.from_tiny(config.target.tiny)); "
             "print(sorted(n for n in ('torch', 'transformers') if n in sys.modules))")

@@ -1,4 +1,4 @@
-"""The optimizer step's three forms (optimizer_step.py) on CPU: the device form (fused,
+"""The optimizer step's three forms (training/optimizer_step.py) on CPU: the device form (fused,
 capturable AdamW, learning rate and clipping on the device) is the graph form minus the
 capture, so the CPU runs all of it but `torch.cuda.graph`; the GPU test replays the graph."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.checkpoint import SnapshotBuffers, _map_tensors
+from dflash_train.checkpoint.folders import SnapshotBuffers, _map_tensors
 from dflash_train.config import OptimConfig
-from dflash_train.optimizer_step import OptimizerStep
+from dflash_train.training.optimizer_step import OptimizerStep
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, warmup_ratio=0.25, grad_clip=0.5)
 

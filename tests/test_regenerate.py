@@ -89,7 +89,7 @@ def test_config_refuses_what_the_job_does_not_read_or_lacks(tmp_path, text, prob
 def test_example_config_answers_the_committed_synthetic_prompts(workspace):
     """configs/data/tiny-prompts.jsonl holds the user turns of the synthetic data the tiny path
     builds for the regeneration job's target, so regen-tiny-cpu.yaml works as shipped."""
-    from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
+    from dflash_train.data.tiny import TARGET_DATA, ensure_tiny_assets
 
     config = load_job_config(REPO / "configs" / "train" / "regen-tiny-cpu.yaml")
     assert (REPO / config.regenerate.prompts) == TINY_PROMPTS and config.job == "regenerate"
@@ -101,7 +101,7 @@ def test_example_config_answers_the_committed_synthetic_prompts(workspace):
 # ---- reading prompts and resuming output (no model) ---------------------------------------
 
 def test_prompts_file_forms_and_bad_lines(tmp_path):
-    from dflash_train.regenerate import RegenerateError, read_prompts
+    from dflash_train.jobs.regenerate import RegenerateError, read_prompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"text": "w1 w2"}\n\n{"messages": [{"role": "user", "content": "w3"}, '
@@ -115,7 +115,7 @@ def test_prompts_file_forms_and_bad_lines(tmp_path):
 
 
 def test_resume_drops_a_partial_last_line_and_refuses_a_foreign_output(tmp_path):
-    from dflash_train.regenerate import Answer, RegenerateError, answered_indices, plan_batches, read_prompts
+    from dflash_train.jobs.regenerate import Answer, RegenerateError, answered_indices, plan_batches, read_prompts
 
     prompts_path = tmp_path / "prompts.jsonl"
     prompts_path.write_text("".join(json.dumps({"text": f"w{i}"}) + "\n" for i in range(5)))
@@ -144,7 +144,7 @@ def greedy_reference(workspace: Path, prompts: list[list[dict]], device: str) ->
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_train.config import TinyTargetSpec
-    from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
+    from dflash_train.data.tiny import TARGET_DATA, ensure_tiny_assets
 
     target = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache").target_dir
     tokenizer = AutoTokenizer.from_pretrained(str(target))
@@ -183,7 +183,7 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
     from transformers import AutoTokenizer
 
     from dflash_train.config import TinyTargetSpec
-    from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
+    from dflash_train.data.tiny import TARGET_DATA, ensure_tiny_assets
 
     assets = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache")
     tokenizer = AutoTokenizer.from_pretrained(str(assets.target_dir))
@@ -215,7 +215,7 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
         dflash_events.check(event)
     assert (run.run_dir / "errors.jsonl").read_text() == ""
     # the output is a training file: the trainer's own reader takes every line
-    from dflash_train.data import load_samples
+    from dflash_train.data.batches import load_samples
 
     assert len(load_samples(output, tokenizer, 128, run.run_dir / "cache")) == len(rows)
 
@@ -294,10 +294,10 @@ def test_sampling_is_seeded_per_batch_and_the_template_gets_enable_thinking(work
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_train.config import RegenerateConfig, SamplingConfig, TinyTargetSpec
-    from dflash_train.regenerate import Answerer, Batch, read_prompts
+    from dflash_train.jobs.regenerate import Answerer, Batch, read_prompts
     from dflash_train.runlog import ErrorLog, ThreadNames
     from dflash_train.threads import StopLatch
-    from dflash_train.tiny import TARGET_DATA, ensure_tiny_assets
+    from dflash_train.data.tiny import TARGET_DATA, ensure_tiny_assets
 
     target = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache").target_dir
     tokenizer = AutoTokenizer.from_pretrained(str(target), padding_side="left")

@@ -32,11 +32,11 @@ def trained(tiny_cpu_run, workspace):
     trained for."""
     from transformers import AutoTokenizer
 
-    from dflash_train.data import load_prompts
-    from dflash_train.model import load_drafter
-    from dflash_train.jobs import stop_ids
-    from dflash_train.target import FeatureTap, load_target
-    from dflash_train.tiny import ensure_tiny_assets
+    from dflash_train.data.batches import load_prompts
+    from dflash_train.model.drafter import load_drafter
+    from dflash_train.jobs.common import stop_ids
+    from dflash_train.model.target import FeatureTap, load_target
+    from dflash_train.data.tiny import ensure_tiny_assets
 
     assert tiny_cpu_run.proc.returncode == 0, tiny_cpu_run.log()[-3000:]
     run_dir = tiny_cpu_run.run_dir
@@ -52,7 +52,7 @@ def trained(tiny_cpu_run, workspace):
 
 
 def _decode(t, prompt, max_new_tokens, stop_ids=frozenset(), kv_cache=True):
-    from dflash_train.speculative import speculative_decode
+    from dflash_train.model.speculative import speculative_decode
     return speculative_decode(t["drafter"], t["tap"], t["embed"], t["head"], prompt, max_new_tokens, set(stop_ids),
                               kv_cache=kv_cache)
 
@@ -104,7 +104,7 @@ def test_decoding_ends_at_an_end_token_inside_an_accepted_block(trained):
 
 @pytest.mark.slow(seconds=1, why="speculative decoding on CPU with the module's trained drafter")
 def test_acceptance_is_reported_pooled_and_as_the_mean_of_per_prompt_means(trained):
-    from dflash_train.speculative import evaluate
+    from dflash_train.model.speculative import evaluate
     prompts = trained["prompts"][:3]
     result = evaluate(trained["drafter"], trained["tap"], trained["embed"], trained["head"], prompts, 32, set())
     runs = [_decode(trained, p, 32).accepted for p in prompts]
@@ -128,8 +128,8 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
     figures, the same as measured in this process."""
     from safetensors.torch import load_file, save_file
 
-    from dflash_train.model import load_drafter
-    from dflash_train.speculative import evaluate
+    from dflash_train.model.drafter import load_drafter
+    from dflash_train.model.speculative import evaluate
 
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -209,8 +209,8 @@ def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path)
     from transformers import AutoConfig
 
     from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter, drafter_hf_config, export_drafter
-    from dflash_train.tiny import ensure_tiny_assets
+    from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config, export_drafter
+    from dflash_train.data.tiny import ensure_tiny_assets
 
     spec = load_job_config(TINY_CPU)
     assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, workspace / "cache")

@@ -29,7 +29,7 @@ def tiny_cache(workspace):
     """SMALL's tiny target and data, built before processes that start together need them
     (builders racing each other is not what these tests are about)."""
     code = ("from pathlib import Path; from dflash_train.config import TinyTargetSpec, SyntheticDataSpec; "
-            "from dflash_train.tiny import ensure_tiny_assets, cache_root; "
+            "from dflash_train.data.tiny import ensure_tiny_assets, cache_root; "
             "ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=64, num_eval=2), cache_root(Path('.')))")
     env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "DFLASH_WORKSPACE": str(workspace)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120, cwd=REPO)
@@ -188,8 +188,8 @@ def test_a_fault_with_a_rank_fires_in_that_rank_only(tmp_path):
 def test_the_exchange_gives_every_replica_the_same_mean_and_every_fact():
     import torch
     from dflash_train.devices import Fence
-    from dflash_train.distributed import Layout
-    from dflash_train.gradients import GradientExchange, Posted
+    from dflash_train.training.distributed import Layout
+    from dflash_train.training.gradients import GradientExchange, Posted
 
     generator = torch.Generator().manual_seed(0)
     shapes = [(3, 5), (7,), (2, 2, 2)]

@@ -130,10 +130,10 @@ def check_export(export: Path, workspace: Path) -> None:
     """The export loads back as a drafter that drafts losslessly against the target."""
     import torch
 
-    from dflash_train.model import load_drafter
-    from dflash_train.speculative import speculative_decode
-    from dflash_train.target import FeatureTap, load_target
-    from dflash_train.tiny import ensure_tiny_assets
+    from dflash_train.model.drafter import load_drafter
+    from dflash_train.model.speculative import speculative_decode
+    from dflash_train.model.target import FeatureTap, load_target
+    from dflash_train.data.tiny import ensure_tiny_assets
 
     config = json.loads((export / "config.json").read_text())
     drafter = load_drafter(export).eval()
@@ -481,7 +481,7 @@ def by_hand(run_dir: Path, workspace: Path, steps: int, monkeypatch) -> dict:
     replica's two, the mean of the replicas', then clipping and AdamW as the trainer does."""
     from dflash_train.config import load_job_config
     from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
-    from dflash_train.startup import prepare
+    from dflash_train.jobs.startup import prepare
     from dflash_train.threads import StopLatch
 
     import torch

@@ -21,13 +21,15 @@ import yaml
 import torch
 from dflash_schema import SchemaError
 
-from dflash_train import checkpoint as ckpt
-from dflash_train.checkpoint_state import TrainingState
+from dflash_train.checkpoint import folders as ckpt
+from dflash_train.checkpoint.state import TrainingState
 from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_job_config, resolved_yaml
-from dflash_train.data import tokenize_chat
-from dflash_train.model import DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter, load_drafter
-from dflash_train.modeling_dflash import dense_attention
-from dflash_train.objective import block_labels, dense_block_mask, flex_block_mask, position_weights, sample_anchors
+from dflash_train.data.batches import tokenize_chat
+from dflash_train.model.drafter import (DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter,
+                                        load_drafter)
+from dflash_train.model.modeling_dflash import dense_attention
+from dflash_train.model.objective import (block_labels, dense_block_mask, flex_block_mask, position_weights,
+                                          sample_anchors)
 from dflash_train.runlog import LineWriter, error_record
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +67,7 @@ def test_shipped_gpu_configs_load(name, gpus):
     config = load_job_config(TINY_CONFIG.parent / name)
     assert config.resources() == tuple(f"gpu{i}" for i in range(gpus)) and config.stall_after == 300.0
     if config.compile == "cudagraphs":
-        from dflash_train.compile_policy import plan_compile
+        from dflash_train.compiling.policy import plan_compile
 
         plan = plan_compile(config)
         # one GPU: the drafters share it with the target; more: a GPU each
@@ -82,13 +84,14 @@ def test_config_module_does_not_import_torch():
 
 def test_the_trainer_imports_nothing_of_the_agent():
     # Helpers and file names both halves need are in dflash_files: the agent is not the trainer's library.
-    imports = {(path.name, alias.name if isinstance(node, ast.Import) else node.module)
-               for path in sorted((REPO / "remote" / "dflash_train").glob("*.py"))
+    trainer = REPO / "remote" / "dflash_train"
+    imports = {(path.relative_to(trainer).as_posix(), alias.name if isinstance(node, ast.Import) else node.module)
+               for path in sorted(trainer.rglob("*.py"))
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
                for alias in node.names}
     assert {name for name, _ in imports} and [i for i in imports if i[1].split(".")[0] == "dflash_agent"] == []
-    assert ("checkpoint.py", "dflash_files.diskspace") in imports  # the scan sees absolute imports
+    assert ("checkpoint/folders.py", "dflash_files.diskspace") in imports  # the scan sees absolute imports
 
 
 def test_unknown_fault_thread_and_bad_keys_are_refused(tmp_path):
@@ -345,7 +348,7 @@ def test_export_loads_back_with_public_field_names(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_assets(workspace):
-    from dflash_train.tiny import ensure_tiny_assets
+    from dflash_train.data.tiny import ensure_tiny_assets
     # test_trainer_runs.SMALL's spec: one cache entry serves both files
     return ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=64, num_eval=2), workspace / "cache")
 
@@ -362,8 +365,8 @@ def test_chat_loss_mask_covers_exactly_the_assistant_turns(tiny_assets):
 
 def test_speculative_decoding_is_lossless(tiny_assets):
     """Whatever the drafter proposes, the output is the target's own greedy decode."""
-    from dflash_train.speculative import speculative_decode
-    from dflash_train.target import FeatureTap, load_target
+    from dflash_train.model.speculative import speculative_decode
+    from dflash_train.model.target import FeatureTap, load_target
     target = load_target(str(tiny_assets.target_dir), "float32", "cpu")
     tap = FeatureTap(target, (1, 3))
     spec = DrafterConfig(num_layers=1, block_size=4, num_anchors=4)
@@ -387,10 +390,10 @@ def test_an_eval_fault_fires_for_the_evaluation_of_its_step_a_resumed_runs_basel
     Evaluator.measure: a fault at step:N fires for every evaluation of step N."""
     from dflash_train.config import FaultSpec
     from dflash_train.faults import FaultInjector, InjectedFault
-    from dflash_train.model import cpu_weights
+    from dflash_train.model.drafter import cpu_weights
     from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
-    from dflash_train.schedule import EvalRequest, Evaluator
-    from dflash_train.target import FeatureTap, load_target
+    from dflash_train.training.schedule import EvalRequest, Evaluator
+    from dflash_train.model.target import FeatureTap, load_target
     from dflash_train.threads import StopLatch
 
     target = load_target(str(tiny_assets.target_dir), "float32", "cpu")
@@ -498,7 +501,7 @@ def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
 def test_snapshots_reuse_their_buffers_and_hold_the_state_of_their_own_step():
     """Later checkpoints copy into the first one's CPU buffers (pinned on CUDA: pinning
     gigabytes again every checkpoint would hold training for seconds)."""
-    from dflash_train.model import NonFiniteWeights
+    from dflash_train.model.drafter import NonFiniteWeights
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -548,7 +551,7 @@ def test_buffers_made_ahead_from_the_layout_are_the_ones_the_first_snapshot_fill
 def test_replica_check_catches_a_one_ulp_difference_and_names_the_replica():
     from types import SimpleNamespace
 
-    from dflash_train.replica import ReplicasDiverged, verify_replicas_identical, weights_checksum
+    from dflash_train.training.replica import ReplicasDiverged, verify_replicas_identical, weights_checksum
 
     replicas = [SimpleNamespace(index=i, device="cpu", completed_step=12, drafter=small_drafter()) for i in range(3)]
     checksums = verify_replicas_identical(replicas)
@@ -579,7 +582,7 @@ def small_replica(tmp_path: Path, index: int = 0):
     """A real Replica on CPU: small_drafter's shape, a tiny random Qwen3 as the frozen target."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_train.replica import FrozenTargetWeights, Replica
+    from dflash_train.training.replica import FrozenTargetWeights, Replica
 
     config = load_job_config(write_config(tmp_path, BASE + "drafter: {num_layers: 2, block_size: 4}\n"))
     target = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
@@ -604,14 +607,14 @@ def averaged(grads: list[torch.Tensor], losses: list[float]):
     """What the gradient exchange hands a replica: `grads` and every replica's facts
     (its loss, then no accuracy counts: block_size 4, so 3 positions of each)."""
     from dflash_train.devices import Fence
-    from dflash_train.gradients import Averaged
+    from dflash_train.training.gradients import Averaged
 
     facts = torch.tensor([[loss, *[0.0] * 6] for loss in losses])
     return Averaged(grads, facts, facts, Fence("cpu"))
 
 
 def test_a_non_finite_gradient_is_never_applied_and_its_parameters_are_named_in_module_order(tmp_path):
-    from dflash_train.replica import NonFiniteStep, weights_checksum
+    from dflash_train.training.replica import NonFiniteStep, weights_checksum
 
     replica = small_replica(tmp_path)
     names = [name for name, _ in replica.drafter.named_parameters()]
@@ -638,7 +641,7 @@ def test_a_non_finite_gradient_is_never_applied_and_its_parameters_are_named_in_
 
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_a_non_finite_loss_names_its_replica_for_every_replica_alike(tmp_path, index):
-    from dflash_train.replica import NonFiniteStep
+    from dflash_train.training.replica import NonFiniteStep
 
     replica = small_replica(tmp_path, index)
     with pytest.raises(NonFiniteStep) as info:
@@ -657,7 +660,7 @@ class StepLog:
     accumulate = 2
 
     def __init__(self, index: int, log: list, fails: BaseException | None = None):
-        from dflash_train.distributed import Layout
+        from dflash_train.training.distributed import Layout
 
         self.index = self.global_index = index
         self.layout = Layout(local_replicas=2)
@@ -681,7 +684,7 @@ class StepLog:
 def test_a_step_runs_each_micro_batch_in_turn_and_takes_a_drafters_faults_at_its_first():
     from dflash_train.config import FaultSpec
     from dflash_train.faults import FaultInjector, InjectedFault
-    from dflash_train.training_step import training_step
+    from dflash_train.training.step import training_step
 
     faults = FaultInjector((FaultSpec(thread="drafter-1", at="step:3", kind="nonfinite"),
                             FaultSpec(thread="drafter-1", at="step:4", kind="raise", depth=2)), attempt=0)
@@ -707,9 +710,9 @@ def test_a_step_runs_each_micro_batch_in_turn_and_takes_a_drafters_faults_at_its
                                              ([0], "StopRequested")])
 def test_a_non_finite_step_is_raised_where_its_reporter_is_stepped_and_stops_the_others(stepped, raised):
     from dflash_train.faults import FaultInjector
-    from dflash_train.replica import NonFiniteStep
+    from dflash_train.training.replica import NonFiniteStep
     from dflash_train.threads import StopRequested
-    from dflash_train.training_step import training_step
+    from dflash_train.training.step import training_step
 
     found = NonFiniteStep("step 2: the loss of drafter-1 is nan", 1, {"quantity": "loss", "value": "nan"})
     log: list = []
@@ -726,7 +729,7 @@ def test_a_non_finite_step_is_raised_where_its_reporter_is_stepped_and_stops_the
 
 
 def test_error_record_carries_the_detail_of_its_root_cause():
-    from dflash_train.replica import NonFiniteStep
+    from dflash_train.training.replica import NonFiniteStep
 
     try:
         try:
@@ -741,33 +744,33 @@ def test_error_record_carries_the_detail_of_its_root_cause():
 
 
 def test_the_memory_ledger_keeps_every_threads_notes_and_an_oom_record_carries_them():
-    from dflash_train import memory_ledger
+    from dflash_train.memory import ledger
 
     # Parts of a device no test diagnoses: the ledger is the process's, other tests read it too.
     def drafter(index: int) -> None:
         for size in range(200):
-            memory_ledger.note(f"ledger-test-{index}", "test:0", size)
+            ledger.note(f"ledger-test-{index}", "test:0", size)
 
     threads = [threading.Thread(target=drafter, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    memory_ledger.note("ledger-test-0 CUDA graphs", "test:0", 7)
+    ledger.note("ledger-test-0 CUDA graphs", "test:0", 7)
     for index in range(4):
-        own = memory_ledger.snapshot(f"ledger-test-{index}")
+        own = ledger.snapshot(f"ledger-test-{index}")
         assert [held["bytes"] for held in own] == list(range(200)) + ([7] if index == 0 else [])
-    assert memory_ledger.mark("cpu") is None and memory_ledger.note_since(None, "drafter-0") == []
+    assert ledger.mark("cpu") is None and ledger.note_since(None, "drafter-0") == []
     oom = error_record(torch.OutOfMemoryError("CUDA out of memory."), thread="t", thread_ident=1, phase="train",
                        step=1)
-    assert oom["memory"] == {"devices": {}, "parts": memory_ledger.snapshot()}  # CPU torch: no CUDA device ran
+    assert oom["memory"] == {"devices": {}, "parts": ledger.snapshot()}  # CPU torch: no CUDA device ran
     assert "memory" not in error_record(RuntimeError("CUDA out of memory."), thread="t", thread_ident=1,
                                         phase="train", step=1)
 
 
 @pytest.mark.parametrize("poison", [math.nan, math.inf])
 def test_checkpoint_and_export_refuse_non_finite_weights(tmp_path, poison):
-    from dflash_train.model import NonFiniteWeights
+    from dflash_train.model.drafter import NonFiniteWeights
 
     drafter = small_drafter()
     optimizer = torch.optim.AdamW(drafter.parameters())
@@ -809,11 +812,11 @@ def test_resume_check_refuses_another_accumulate_naming_both(tmp_path, capsys, s
 
 
 def test_one_rule_says_whether_a_checkpoint_fits_a_config(tmp_path):
-    """checkpoint_state.fits, as the trainer asks it at start-up (with the data's plan) and
+    """checkpoint.state.fits, as the trainer asks it at start-up (with the data's plan) and
     resume_check without one: each way a checkpoint cannot go on, in its own words."""
-    from dflash_train.checkpoint_state import fits
+    from dflash_train.checkpoint.state import fits
     from dflash_train.config import DataConfig
-    from dflash_train.data import BatchPlan, Sample
+    from dflash_train.data.batches import BatchPlan, Sample
 
     config = load_job_config(write_config(tmp_path, BASE + "optim: {accumulate: 2}\n"))
     capped = load_job_config(write_config(tmp_path, BASE + "optim: {accumulate: 2, max_steps: 4}\n"))

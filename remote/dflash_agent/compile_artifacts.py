@@ -2,7 +2,7 @@
 a host's portable compile artifacts (docs/layout.md, cache/compile/<key>/), listed
 and moved to another host of the same GPU model and toolchain, so it starts warm.
 
-The trainer (dflash_train/compile_cache.py) writes artifacts.bin and then artifacts.json
+The trainer (dflash_train/compiling/cache.py) writes artifacts.bin and then artifacts.json
 into the key folder; the folder names, the file names and the key rule are
 dflash_files.compile_key's, which both take.
 

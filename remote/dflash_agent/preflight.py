@@ -85,7 +85,7 @@ def _path_problem(kind: str, key: str, path: str, release_root: str) -> Optional
 
 def _rows_problem(key: str, where: str) -> Optional[str]:
     """An empty file, or a first row the trainer would refuse, in the trainer's words
-    (dflash_train.data): the run would fail on it after its start-up."""
+    (dflash_train.data.batches): the run would fail on it after its start-up."""
     try:
         with open(where, "rb") as handle:
             for number, line in enumerate(iter(lambda: handle.readline(FIRST_ROW_MAX_BYTES), b""), 1):

@@ -50,7 +50,7 @@ class ResumeRequest:
 
 
 # What a trainer of rank > 0 is given as --resume-from: it reads no checkpoint itself but
-# takes rank 0's over the process group (dflash_train.startup.resume_point).
+# takes rank 0's over the process group (dflash_train.jobs.startup.resume_point).
 FROM_RANK0 = "rank0"
 
 

@@ -52,7 +52,7 @@ class StartupState:
     UNDER_WAY = (STARTED, ALIVE)  # the phase named has begun and not ended
 
 
-# What a part of the run holds on a GPU (dflash_train.memory_ledger; errors.jsonl's `memory.parts`).
+# What a part of the run holds on a GPU (dflash_train.memory.ledger; errors.jsonl's `memory.parts`).
 MEMORY_PART = Record("a memory part", {"part": STR, "device": STR, "bytes": INT})
 CACHE = OneOf("cold", "warm")
 
@@ -72,7 +72,7 @@ HEARTBEAT = EventType("heartbeat", "The run is making progress: at most every `r
                           optional("verify_steps", INT, "evaluate: the verify forwards done so far"),
                       ))
 
-TOKENIZING = EventType("tokenizing", "Every 30 s (dflash_train.data.PROGRESS_EVERY_S) while the training data "
+TOKENIZING = EventType("tokenizing", "Every 30 s (dflash_train.data.batches.PROGRESS_EVERY_S) while the training data "
                        "is tokenized at start-up: a starting run's events keep it from STALLED.", BY_TRAINER, (
                            Field("fraction", NUMBER, "of the file tokenized, 0 to 1"),
                            Field("samples", INT, "samples so far"),

@@ -1,5 +1,5 @@
 """The names of a run's checkpoints and export (docs/layout.md): the trainer writes them
-(dflash_train/checkpoint.py), the agent finds, checks and sends them.
+(dflash_train/checkpoint/folders.py), the agent finds, checks and sends them.
 
 checkpoints/step_NNNNNN/ is one checkpoint, `latest` a symlink to the newest; export/
 is the trained drafter. Each such folder is filled beside its place and renamed into it

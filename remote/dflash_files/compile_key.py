@@ -1,5 +1,5 @@
 """Where a host's compile cache lives and what its key folders hold (docs/layout.md,
-cache/compile/<key>/): the trainer (dflash_train/compile_cache.py) compiles into a key
+cache/compile/<key>/): the trainer (dflash_train/compiling/cache.py) compiles into a key
 folder and saves its portable artifacts there; the agent (dflash_agent/
 compile_artifacts.py) lists them, sends them, and checks what it receives by the same rule.
 

@@ -23,8 +23,8 @@ _LOADED = time.monotonic()  # when /proc cannot tell the process's start
 
 # config.job -> (module, class) of the job's coordinator: built with (config, run_dir, events,
 # latch, fault_log), `run()` returns the exit code, `on_signal` and `alive` as Coordinator's.
-JOBS = {"train": (".coordinator", "Coordinator"), "regenerate": (".regenerate", "Regeneration"),
-        "evaluate": (".evaluation", "EvaluationJob")}
+JOBS = {"train": (".jobs.coordinator", "Coordinator"), "regenerate": (".jobs.regenerate", "Regeneration"),
+        "evaluate": (".jobs.evaluation", "EvaluationJob")}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
                 config, checkpoint=dataclasses.replace(config.checkpoint, resume=args.resume_from))
         from transformers.utils import logging as hf_logging
 
-        from .jobs import install_signal_handlers
+        from .jobs.common import install_signal_handlers
         module, name = JOBS[config.job]
         job_class = getattr(importlib.import_module(module, __package__), name)
         # From the process's start: the interpreter's own start and torch's and transformers' imports.

@@ -22,7 +22,7 @@ CompileShapes = Literal["dynamic", "static"]
 Job = Literal["train", "regenerate", "evaluate"]
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # compile: cudagraphs captures one graph per padded length, per drafter; each costs a
-# compile and a capture at start-up and a graph's worth of memory (see cudagraphs.py).
+# compile and a capture at start-up and a graph's worth of memory (see compiling/cudagraphs.py).
 CUDAGRAPH_MAX_BUCKETS = 4
 STARTUP_PULSE_S = 5.0  # how often a working start-up says so (startup_phases.start_pulse)
 
@@ -160,7 +160,7 @@ class DataConfig:
 
     def padded_lengths(self) -> tuple[int, ...]:
         """Every sequence length a micro-batch can have: the multiples of pad_multiple up to
-        max_length rounded up (data.py pads each batch to its longest row, rounded up)."""
+        max_length rounded up (data/batches.py pads each batch to its longest row, rounded up)."""
         top = padded_length(self.max_length, self.pad_multiple)
         return tuple(range(self.pad_multiple, top + 1, self.pad_multiple))
 
@@ -372,7 +372,7 @@ class RuntimeConfig:
 class DistributedConfig:
     """One run over several processes (one per host), joined by torch.distributed.
 
-    Used only when the process is started with WORLD_SIZE > 1 (distributed.py)."""
+    Used only when the process is started with WORLD_SIZE > 1 (training/distributed.py)."""
 
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl when the drafters are on CUDA, else gloo
     join_timeout_s: float = 600.0  # how long a process waits for the others to join

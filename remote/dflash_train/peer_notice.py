@@ -5,7 +5,7 @@ signal: SIGKILL, the OOM killer, a crash): its supervisor runs
 
 in the trainer's environment (RANK, MASTER_ADDR, MASTER_PORT, DFLASH_RUN_ID), which
 writes the `abort` record on the run's store that the trainer would have written
-(distributed.py), so the other ranks end within seconds, even while they wait in the
+(training/distributed.py), so the other ranks end within seconds, even while they wait in the
 join, and name this rank. A record already there (the trainer's own) is kept.
 
 Exit 0 once the record is on the store (or another was first), 1 when the store cannot
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from .distributed import first_line, run_store_prefix
+from .training.distributed import first_line, run_store_prefix
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 fits a config, asked by the agent's `resume` before it starts anything (exit 0, or exit 2
 with the reason on stdout). Torch-free, so it answers in a second.
 
-It asks checkpoint_state.fits without the data: the job keeps checkpoints, the drafter
+It asks checkpoint.state.fits without the data: the job keeps checkpoints, the drafter
 count and `optim.accumulate` (the data order depends on both) and `optim.max_steps`.
 Whether the data has the step and the data cursor need the tokenized data: the trainer
 asks those at start-up.
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .checkpoint_state import TrainingState, fits
+from .checkpoint.state import TrainingState, fits
 from .config import load_job_config
 
 

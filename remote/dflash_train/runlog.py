@@ -25,7 +25,7 @@ from typing import Any
 from dflash_events import DONE, EventType
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
 
-from . import memory_ledger
+from .memory import ledger
 
 _WRITE_LOCK = threading.Lock()  # one lock for stdout and stderr: both usually land in train.log
 # A record's longest text fields, in characters: a record always fits its reserve
@@ -251,7 +251,7 @@ def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
     """docs/errors.md's errors.jsonl record for `exc`, its message and traceback bounded;
     `detail` when an exception of its chain carries one (a dict of facts beyond the
     message: a non-finite step's values, a full disk's path and free bytes); `memory`
-    for a CUDA out-of-memory error (who held what, memory_ledger)."""
+    for a CUDA out-of-memory error (who held what, memory/ledger.py)."""
     cause = root_cause(exc)
     frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": f.line or ""}
               for f in traceback.extract_tb(cause.__traceback__)][-MAX_FRAMES:]
@@ -273,7 +273,7 @@ def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
     detail = _innermost_detail(exc)
     if detail is not None:
         record["detail"] = detail
-    memory = memory_ledger.after_oom(exc)
+    memory = ledger.after_oom(exc)
     if memory is not None:
         record["memory"] = memory
     return record

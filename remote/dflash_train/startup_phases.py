@@ -31,7 +31,7 @@ from .config import STARTUP_PULSE_S
 from .runlog import EventLog, say
 
 # Threads whose activity is no start-up work: the pulse itself, and the peer watchdog's
-# store traffic (distributed.py), which goes on while the main thread is stuck.
+# store traffic (training/distributed.py), which goes on while the main thread is stuck.
 _NOT_WORK = ("startup-pulse", "watchdog")
 _events: EventLog | None = None
 _lock = threading.Lock()

@@ -28,9 +28,9 @@ import signal
 import sys
 
 # What `python -m dflash_train` imports before it trains, evaluates or regenerates.
-import dflash_train.coordinator  # noqa: F401
-import dflash_train.evaluation  # noqa: F401
-import dflash_train.regenerate  # noqa: F401
+import dflash_train.jobs.coordinator  # noqa: F401
+import dflash_train.jobs.evaluation  # noqa: F401
+import dflash_train.jobs.regenerate  # noqa: F401
 import transformers.utils.logging  # noqa: F401
 
 

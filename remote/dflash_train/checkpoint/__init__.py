@@ -1,0 +1,1 @@
+"""Checkpoints: the folders written and loaded, the training state they hold, the writer thread."""

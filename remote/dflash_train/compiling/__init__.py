@@ -1,0 +1,1 @@
+"""Building the train step: the compile policy, torch.compile and CUDA-graph steps, the compile cache."""

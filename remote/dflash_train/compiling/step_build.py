@@ -1,0 +1,224 @@
+"""What every way of building a drafter's train step shares: its result (`StepStats`), the
+shapes it is built for (`BatchShape`), random valid inputs to warm it up with, the one
+Inductor compile of the objective for a set of shapes, and the report of what building
+cost (`BuildReport`).
+
+policy.py picks how a step is built and cudagraphs.py captures one; both import
+from here, and nothing here imports either of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from ..config import CompileShapes
+from ..model.objective import DraftObjective, DrafterInputs, block_labels, position_weights
+
+# The fields of DrafterInputs and the dimensions a bucket's shape sets in each (the rest,
+# feature width and block positions, are the model's and never change).
+_SHAPED_DIMS = {"input_ids": ("rows", "length"), "features": ("rows", "length"), "anchors": ("rows", "blocks"),
+                "anchor_valid": ("rows", "blocks"), "labels": ("rows", "blocks"), "weights": ("rows", "blocks")}
+
+
+@dataclasses.dataclass
+class StepStats:
+    loss: torch.Tensor  # () detached
+    correct: torch.Tensor  # (bs-1,) hits per block position
+    counted: torch.Tensor  # (bs-1,) learnable tokens per block position
+
+    def plus(self, other: StepStats) -> StepStats:
+        """Two micro-batches' stats summed (the loss too: the replica averages it)."""
+        return StepStats(self.loss + other.loss, self.correct + other.correct, self.counted + other.counted)
+
+
+class TrainStep(Protocol):
+    """Forward and backward of one micro-batch: `first` starts the gradients from none,
+    `last` is the micro-batch after which the optimizer steps."""
+
+    def __call__(self, inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats: ...
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class BatchShape:
+    """A bucket: micro-batches of at most `rows` sequences of `length` tokens, `blocks` anchors."""
+
+    rows: int
+    length: int
+    blocks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+    def holds(self, inputs: DrafterInputs) -> bool:
+        rows, length = inputs.input_ids.shape
+        return rows <= self.rows and length <= self.length and inputs.anchors.shape[1] <= self.blocks
+
+    def __str__(self) -> str:
+        return f"{self.rows}x{self.length} ({self.blocks} blocks)"
+
+
+def shape_of(inputs: DrafterInputs) -> BatchShape:
+    rows, length = inputs.input_ids.shape
+    return BatchShape(rows, length, inputs.anchors.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTiming:
+    """One bucket's start-up: warm-up steps (the compile, when this bucket needed one) and
+    its CUDA-graph capture (0 where nothing is captured)."""
+
+    shape: BatchShape
+    warmup_s: float
+    capture_s: float
+    graphs_compiled: int  # Dynamo graphs its warm-up compiled: 0 when an earlier bucket's graph served
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildReport:
+    """What building one replica's train step cost, for the log now and start-up events later."""
+
+    mode: str  # off | default | whole_step | upstream
+    shapes: CompileShapes
+    buckets: tuple[BucketTiming, ...]  # the shapes a step was run at to build it
+    checked: int = 0  # compile: default: other shapes of the data found to run the compiled graphs
+
+    @property
+    def graphs_compiled(self) -> int:
+        return sum(b.graphs_compiled for b in self.buckets)
+
+    @property
+    def seconds(self) -> float:
+        return sum(b.warmup_s + b.capture_s for b in self.buckets)
+
+    def describe(self) -> str:
+        per_bucket = ", ".join(f"{b.shape}: warm-up {b.warmup_s:.1f} s"
+                               + (f" + capture {b.capture_s:.1f} s" if b.capture_s else "")
+                               + (f" ({b.graphs_compiled} graph(s) compiled)" if b.graphs_compiled else "")
+                               for b in self.buckets)
+        checked = f"; {self.checked} other shape(s) of the data run them" if self.checked else ""
+        return (f"train step built ({self.mode}, {self.shapes} shapes) in {self.seconds:.1f} s, "
+                f"{self.graphs_compiled} graph(s) compiled for {len(self.buckets)} shape(s): {per_bucket}{checked}")
+
+
+class StrayCompile(RuntimeError):
+    """A drafter's step would have compiled after the drafter said ready (Dynamo refused it:
+    policy.forbid_compiles): a shape its build did not cover."""
+
+
+_GUARDS = "triggered by the following guard failure(s):"  # in Dynamo's RecompileError, before the guards
+
+
+def is_compile_refusal(exc: BaseException) -> bool:
+    """Dynamo refused to compile again (error_on_recompile, policy.forbid_compiles)."""
+    from torch._dynamo.exc import RecompileError
+
+    return isinstance(exc, RecompileError)
+
+
+def stray_compile(exc: BaseException, inputs: DrafterInputs) -> StrayCompile:
+    """StrayCompile naming the thread, the micro-batch's shape and the failed guards."""
+    text = str(exc)
+    guards = text.split(_GUARDS, 1)[1] if _GUARDS in text else text
+    guard = "; ".join(line.strip().removeprefix("- ") for line in guards.strip(" .\n").splitlines() if line.strip())
+    rows, length = inputs.input_ids.shape
+    return StrayCompile(f"{threading.current_thread().name}: torch.compile would compile again after ready, for a "
+                        f"micro-batch of {rows} x {length} tokens with {inputs.anchors.shape[1]} blocks (guard: "
+                        f"{guard}); every shape the data makes must be compiled at start-up")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltStep:
+    """A train step and the report of its build; called like the step itself."""
+
+    step: TrainStep
+    report: BuildReport
+
+    def __call__(self, inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats:
+        try:
+            return self.step(inputs, first, last)
+        except RuntimeError as exc:
+            if is_compile_refusal(exc):
+                raise stray_compile(exc, inputs) from exc
+            raise
+
+
+def graphs_compiled() -> int:
+    """Graphs Dynamo has traced in this process so far, first compiles and recompiles of
+    every frame alike. Dynamo traces each time even when Inductor's caches then hit, so
+    this is also what a warm start still pays for."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def random_inputs(rows: int, length: int, blocks: int, *, block_size: int, vocab: int, num_features: int,
+                  features_dtype: torch.dtype, device: str | torch.device, seed: int) -> DrafterInputs:
+    """A valid micro-batch of random tokens and features: input_ids (rows, length), blocks
+    anchors a row, of which the first min(blocks, length - 2) are real (an anchor needs a
+    token before and after it) and the rest invalid padding."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (rows, length), generator=generator)
+    real = min(blocks, length - 2)
+    anchors = torch.zeros((rows, blocks), dtype=torch.long)
+    anchors[:, :real] = torch.stack([torch.sort(torch.randperm(length - 2, generator=generator)[:real]).values
+                                     for _ in range(rows)]) + 1
+    anchor_valid = torch.arange(blocks).expand(rows, -1) < real
+    labels, weights = block_labels(input_ids, torch.zeros_like(input_ids), anchors, anchor_valid,  # one turn
+                                   position_weights(block_size, 7.0))
+    features = torch.randn(rows, length, num_features, generator=generator).to(features_dtype)
+    return DrafterInputs(*(t.to(device) for t in (input_ids, features, anchors, anchor_valid, labels, weights)))
+
+
+def inputs_of_shape(objective: DraftObjective, shape: BatchShape, like: DrafterInputs, seed: int) -> DrafterInputs:
+    """Valid random inputs of `shape`, with `like`'s feature width, dtypes and device."""
+    return random_inputs(shape.rows, shape.length, shape.blocks, block_size=objective.drafter.block_size,
+                         vocab=objective.embed_weight.shape[0], num_features=like.features.shape[-1],
+                         features_dtype=like.features.dtype, device=like.input_ids.device, seed=seed)
+
+
+def compile_for_shapes(objective: DraftObjective, bucket_inputs: Sequence[DrafterInputs],
+                       shapes: CompileShapes, **options) -> Callable[[DrafterInputs], tuple]:
+    """The objective under Inductor (`options` as torch.compile's), built to serve every one
+    of `bucket_inputs`' shapes.
+
+    static: every shape is compiled on its own (`dynamic=False`): Inductor's kernels know
+    every size, at one Dynamo trace and one Inductor compile per shape. dynamic: the
+    dimensions that differ between the buckets (rows, length, blocks) are marked dynamic
+    on every bucket's tensors, so the first bucket's compile serves the others. Dynamo
+    still specializes a dimension of size 1, and Inductor may guard on a size where its
+    code generation picks by size (the CPU backend does on reduction sizes): such a bucket
+    gets a graph of its own, which `graphs_compiled` shows. The marks set no min/max: with
+    bounds, such a guard is an error (ConstraintViolationError) that would fail the run
+    instead of costing one more compile.
+    """
+    import torch._dynamo
+
+    if shapes == "static":
+        return torch.compile(objective, dynamic=False, **options)
+    sizes = [shape_of(inputs) for inputs in bucket_inputs]
+    varying = {name for name in ("rows", "length", "blocks") if len({getattr(s, name) for s in sizes}) > 1}
+    for inputs in bucket_inputs:
+        for field, dims in _SHAPED_DIMS.items():
+            for index, name in enumerate(dims):
+                if name in varying:
+                    torch._dynamo.maybe_mark_dynamic(getattr(inputs, field), index)
+    return torch.compile(objective, dynamic=None, **options)
+
+
+def warm_up(run: Callable[[DrafterInputs], object], bucket_inputs: Sequence[DrafterInputs], steps: int,
+            synchronize: Callable[[], None] = lambda: None) -> list[tuple[float, int]]:
+    """Run `steps` steps on every bucket's inputs in turn; (seconds, graphs compiled) per bucket."""
+    timings = []
+    for inputs in bucket_inputs:
+        graphs, started = graphs_compiled(), time.perf_counter()
+        for _ in range(steps):
+            run(inputs)
+        synchronize()
+        timings.append((time.perf_counter() - started, graphs_compiled() - graphs))
+    return timings

@@ -1,0 +1,1 @@
+"""The jobs the trainer runs (train, regenerate, evaluate), their start-up and what they share."""

@@ -1,0 +1,114 @@
+"""`job: evaluate`: one drafter folder measured against the target on a prompts file.
+
+The drafter is any folder in the export format (config.json + model.safetensors), ours
+or another tool's, so drafters can be compared on the user's own prompts with the
+trainer's speculative decoding (model/speculative.py: KV-cached, lossless, both acceptance
+figures). Runs in the main thread on devices.target[0]; the result goes to
+DIR/eval.json (written atomically) and to an "eval" event. Exit 0 when measured, 1 on a
+failure (an errors.jsonl record), 128+signal when stopped by SIGTERM or SIGINT.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from dflash_events import EVAL
+
+from ..config import JobConfig, resolve_path
+from ..data.batches import load_prompts
+from ..devices import canonical, is_cuda
+from ..model.drafter import load_drafter
+from ..model.speculative import evaluate
+from ..model.target import FeatureTap, load_target
+from ..runlog import EventLog, say
+from ..threads import StopLatch, StopRequested
+from .common import EXIT_FAILED, EXIT_OK, JobControl, sources, stop_ids
+
+
+class EvaluationJob(JobControl):
+    def __init__(self, config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch, fault_log):
+        """As every job's coordinator is built (__main__.JOBS); one drafter is measured in
+        this thread, so no worker thread can outlive a stop (`alive` stays empty)."""
+        assert config.evaluate is not None
+        super().__init__(events, latch, config.runtime.heartbeat_s)
+        self._heartbeat = (time.monotonic(), -1)  # the first heartbeat after heartbeat_s
+        self.alive: list[str] = []
+        self.config, self.spec, self.run_dir = config, config.evaluate, run_dir
+        self.verify_steps = 0
+
+    def _stepped(self) -> None:
+        """After every verify forward: act on a signal, and send a heartbeat when due."""
+        self.verify_steps += 1
+        self.latch.progressed()
+        self.act_on_signal("stopping")
+        self.latch.check()
+        self.heartbeat_if_due(step=None, verify_steps=self.verify_steps)
+
+    def run(self) -> int:
+        try:
+            self._set_phase("startup")
+            self._measure()
+            self._set_phase("shutdown")
+            return EXIT_OK
+        except StopRequested:
+            self._set_phase("shutdown")
+            return 128 + int(self._signal or signal.SIGTERM)
+        except BaseException as exc:  # noqa: BLE001 - recorded like any run's failure
+            self.latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(),
+                                      phase=self.phase, step=None)
+            return EXIT_FAILED
+
+    def _measure(self) -> None:
+        from transformers import AutoTokenizer
+
+        target_source, _, data_eval = sources(self.config, self.run_dir)
+        prompts_path = resolve_path(self.spec.prompts) if self.spec.prompts is not None else data_eval
+        assert prompts_path is not None  # the config check asks for one
+        drafter_dir = resolve_path(self.spec.drafter)
+        if not (drafter_dir / "config.json").is_file() or not (drafter_dir / "model.safetensors").is_file():
+            raise ValueError(f"evaluate.drafter: {drafter_dir} is not a drafter folder (config.json and "
+                             "model.safetensors)")
+        device = canonical(self.config.devices.target[0])
+        cores = len(os.sched_getaffinity(0))  # one computing thread: all of them on the CPU
+        torch.set_num_threads(self.config.runtime.torch_threads or (min(cores, 8) if is_cuda(device) else cores))
+        tokenizer = AutoTokenizer.from_pretrained(target_source)
+        prompts = load_prompts(prompts_path, tokenizer, self.spec.num_prompts or sys.maxsize)
+        if not prompts:
+            raise ValueError(f"evaluate.prompts: {prompts_path} holds no prompt")
+        target = load_target(target_source, self.config.target.dtype, device)
+        drafter = load_drafter(drafter_dir, device).eval()
+        _check_pairing(drafter.config, target.config, drafter_dir)
+        tap = FeatureTap(target, drafter.target_layer_ids)
+        embed = target.get_input_embeddings().weight.detach()
+        head = target.get_output_embeddings().weight.detach()
+        say(f"evaluating {drafter_dir} (block {drafter.block_size}, target layers {list(drafter.target_layer_ids)}) "
+            f"on {len(prompts)} prompts of {prompts_path}, max_new_tokens {self.spec.max_new_tokens}, on {device}")
+        self._set_phase("eval")
+        started = time.perf_counter()
+        result = evaluate(drafter, tap, embed, head, prompts, self.spec.max_new_tokens, stop_ids(tokenizer),
+                          on_step=self._stepped)
+        fields = {**result.fields(time.perf_counter() - started), "drafter": str(drafter_dir),
+                  "prompts_file": str(prompts_path), "max_new_tokens": self.spec.max_new_tokens}
+        tmp = self.run_dir / ".eval.json.tmp"
+        tmp.write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, self.run_dir / "eval.json")
+        self.events.emit(EVAL, step=None, final=True, baseline=False, **fields)
+        say(f"eval of {drafter_dir}: {result.summary()}; {result.new_tokens} tokens in {result.verify_steps} "
+            f"verify steps, {fields['seconds']:.1f}s; written to {self.run_dir / 'eval.json'}")
+
+
+def _check_pairing(drafter_config, target_config, drafter_dir: Path) -> None:
+    """A drafter made for another target fails here with what differs, not deep in a matmul."""
+    if drafter_config.hidden_size != target_config.hidden_size:
+        raise ValueError(f"evaluate.drafter: {drafter_dir} has hidden_size {drafter_config.hidden_size}, the target "
+                         f"{target_config.hidden_size}: it was made for another target")
+    mask_id = drafter_config.dflash_config["mask_token_id"]
+    if not 0 <= mask_id < target_config.vocab_size:
+        raise ValueError(f"evaluate.drafter: {drafter_dir} has mask_token_id {mask_id}, outside the target's "
+                         f"vocabulary ({target_config.vocab_size}): it was made for another target")
