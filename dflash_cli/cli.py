@@ -506,6 +506,7 @@ def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...])
 
 
 @main.command("hosts")
+@click.argument("names", nargs=-1, metavar="[HOST|GROUP]...")
 @click.option("--check", "do_check", is_flag=True,
               help="Connect to each host: reachable, container running, python/torch/transformers, GPUs, "
                    "whether it is ready to train, and whether the current release was modified on the host.")
@@ -514,8 +515,9 @@ def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...])
               help="Per SSH host, the effective SSH options (as `ssh -G` resolves the alias) and where each "
                    "came from: your ssh config, the inventory, or the default.")
 @click.pass_obj
-def hosts_cmd(session: Session, do_check: bool, as_json: bool, verbose: bool) -> None:
-    """List the hosts of the inventory (the built-in `local` included).
+def hosts_cmd(session: Session, names: tuple[str, ...], do_check: bool, as_json: bool, verbose: bool) -> None:
+    """List the hosts of the inventory (the built-in `local` included), or only the
+    hosts and groups named (an unknown name is refused before any host is touched).
 
     With --check, a host is `ok` only when its interpreter imports torch and
     transformers in the versions remote/requirements.txt supports and torch sees every
@@ -524,4 +526,4 @@ def hosts_cmd(session: Session, do_check: bool, as_json: bool, verbose: bool) ->
     """
     from .commands import hosts
 
-    sys.exit(hosts.run(session, do_check=do_check, as_json=as_json, verbose=verbose))
+    sys.exit(hosts.run(session, names=names, do_check=do_check, as_json=as_json, verbose=verbose))

@@ -136,11 +136,11 @@ def test_paths_missing_on_the_host_are_named_before_anything_starts(make_invento
 @pytest.mark.slow(seconds=23, why="makes a bare virtualenv, then checks and launches against it over SSH")
 def test_a_python_without_torch_is_not_ok_and_launches_nothing(make_inventory, bare_python, tmp_path):
     hosts = make_inventory(tmp_path, ct201=None, ct999=None, down=None, node={"python": bare_python})
-    check = dflash_in_process("hosts", "--check", hosts=hosts)
+    check = dflash_in_process("hosts", "--check", "node", hosts=hosts)
     assert check.returncode == 2, check.stderr
     (row,) = [line for line in check.stderr.splitlines() if line.startswith("│ node")]
     assert "needs setup: " in row
-    as_json = dflash_in_process("hosts", "--check", "--json", hosts=hosts)
+    as_json = dflash_in_process("hosts", "--check", "--json", "node", "ct200", hosts=hosts)
     assert as_json.returncode == 2
     entries = {e["host"]: e for e in map(json.loads, as_json.stdout.splitlines())}
     assert entries["node"]["missing_packages"] == ["torch", "transformers"]

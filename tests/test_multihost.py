@@ -91,6 +91,19 @@ def test_hosts_lists_the_groups(tmp_path):
     assert (entries["ct200"]["groups"], entries["gpu1"]["groups"]) == (["pair"], [])
 
 
+def test_hosts_lists_the_hosts_and_groups_named_and_refuses_an_unknown_one_before_any_check(tmp_path):
+    path = inventory(tmp_path, HOSTS + "    groups: {pair: [ct202, ct200]}\n")
+    named = dflash("hosts", "pair", "gpu1", "ct200", hosts=path)  # ct200 twice: listed once
+    assert named.returncode == 0, named.stderr
+    assert named.stdout.split() == ["ct200", "ct202", "gpu1"]
+    assert "group pair: ct202, ct200" in named.stderr
+    alone = dflash("hosts", "gpu1", hosts=path)
+    assert alone.stdout.split() == ["gpu1"] and "group pair" not in alone.stderr
+    unknown = dflash("hosts", "--check", "local", "gpu9", hosts=path)  # local would answer a check
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert f"{path}: unknown host 'gpu9' (known hosts: " in unknown.stderr and "groups: pair" in unknown.stderr
+
+
 def test_a_bad_address_is_refused(tmp_path):
     path = inventory(tmp_path, "hosts:\n  box: {transport: ssh, ssh: root@n, workspace: /w, address: 'a b'}\n")
     with pytest.raises(DflashError, match=r"hosts.box: 'address' must be a host name or IP address"):
@@ -519,7 +532,7 @@ def test_a_rank_killed_mid_run_is_the_root_cause_until_a_resume_succeeds(pair, t
     assert "process ended: killed by SIGKILL" in fetched.stdout
     every = pair.dflash("fetch-traceback", run_id, "--all")  # every host: ct202's end too
     assert f"on ct200: thread {noticed['thread']} failed" in every.stdout
-    assert "process ended: killed by SIGKILL" in every.stdout and f"on ct202: no error record" in every.stdout
+    assert "process ended: killed by SIGKILL" in every.stdout and "on ct202: no error record" in every.stdout
 
     resumed = pair.dflash("resume", run_id)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

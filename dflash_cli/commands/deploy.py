@@ -21,10 +21,12 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
     if not host_names:
         raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
-    tree, _ = source_tree(source_dir, allow_large)
-    with transfer_bars() as bars, cancel_on_ctrl_c() as cancel:
-        results = session.on_each_host(
-            hosts, lambda host: deploy_host(session, host, tree, bars, verify, cancel))
+    # Ctrl-C from here on, while the tree is hashed too, stops each host's upload and says so.
+    with cancel_on_ctrl_c() as cancel:
+        tree, _ = source_tree(source_dir, allow_large)
+        with transfer_bars() as bars:
+            results = session.on_each_host(
+                hosts, lambda host: deploy_host(session, host, tree, bars, verify, cancel))
     _print_table(results, host_names, tree)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     for name in host_names:

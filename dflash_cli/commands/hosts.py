@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Sequence
 
 from dflash_agent import gpus
 from dflash_agent.protocol import HostProbe
@@ -95,8 +96,11 @@ def _print_options(name: str, resolved: dict) -> None:
     console.human.print(table)
 
 
-def run(session: Session, *, do_check: bool, as_json: bool, verbose: bool) -> ExitCode:
-    hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts)]
+def run(session: Session, *, names: Sequence[str] = (), do_check: bool, as_json: bool,
+        verbose: bool) -> ExitCode:
+    """`names`: hosts and groups to list (each host once, in inventory order); none: all."""
+    named = {host.name for name in names for host in session.inventory.expand([name])}
+    hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts) if not names or n in named]
     needs = requirements.load() if do_check else None
     groups = session.inventory.groups
     results = session.on_each_host(hosts, lambda host: check(session, host)) if do_check else {}
@@ -139,7 +143,7 @@ def run(session: Session, *, do_check: bool, as_json: bool, verbose: bool) -> Ex
             console.data(f"{host.name}\n")
     if not as_json:  # --json is the whole answer; a table on stderr would be noise
         console.human.print(table)
-        for name, members in groups.items():
+        for name, members in ((n, m) for n, m in groups.items() if not names or n in names):
             console.say(f"group {name}: {', '.join(members)} (one run, rank 0 first)")
         for host in hosts if verbose else ():
             if host.ssh:
