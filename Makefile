@@ -24,12 +24,13 @@ sshd:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q openssh-server; }
 
-# Three workers on 2 cores: most tests wait on subprocesses, sshd and the trainer, so one
-# more worker than cores pays (measured). loadgroup: the tests of one xdist_group (those
+# Four workers on 2 cores: many tests wait (on subprocesses, sshd, a trainer's heartbeat or
+# its stall), so twice as many workers as cores keep both cores busy (measured: 3 workers
+# left a third of the cores' time idle). loadgroup: the tests of one xdist_group (those
 # sharing an expensive module fixture) run on one worker; every other test goes to
 # whichever worker is free, the slow ones first, the longest first. Session fixtures are
 # per worker (tests/conftest.py).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: setup sshd
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 

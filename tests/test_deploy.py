@@ -20,6 +20,7 @@ from dflash_cli.session import Session
 from dflash_run import REPO, dflash, dflash_argv, dflash_env, dflash_in_process
 from support import container_workspace, copy_release_dirs, kill_ssh_sessions, wait_until, workspace_on_node
 from support.train_configs import small_config
+from support.wait import FIRST_INTERVAL_S
 
 
 @pytest.fixture
@@ -171,7 +172,7 @@ def interrupt_midway(proc: subprocess.Popen, err: Path, uploads: list[tuple[Call
     stopped: list[int] = []
     try:
         for under_way, workspace in uploads:
-            wait_until(under_way, what=f"the upload to {workspace} to start")
+            wait_until(under_way, what=f"the upload to {workspace} to start", interval=FIRST_INTERVAL_S)
             receivers = _receivers_in(workspace)
             assert receivers, f"no receiver working on {workspace}"
             for pid in receivers:
@@ -217,7 +218,8 @@ def test_ctrl_c_during_a_big_deploy_stops_it_and_keeps_the_current_release(make_
                                 env=dflash_env({"PYTHONPATH": f"{checkout}{os.pathsep}{checkout / 'remote'}"}))
     try:
         if when == "as soon as it names its source":  # hashed; the hosts are being reached
-            wait_until(lambda: "source:" in err_path.read_text(), what="the CLI to name its source")
+            wait_until(lambda: "source:" in err_path.read_text(), what="the CLI to name its source",
+                       interval=FIRST_INTERVAL_S)
             proc.send_signal(signal.SIGINT)
         else:
             interrupt_midway(proc, err_path, [(lambda host=host: uploading_big_bin(workspaces[host]), receiving[host])
@@ -315,7 +317,7 @@ def test_probe_is_made_again_after_a_dropped_connection(make_inventory, ssh_node
     proc = subprocess.Popen(dflash_argv("deploy", "node", hosts=hosts), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dflash_env())
     try:
-        wait_until(marker.exists, what="the probe to start")
+        wait_until(marker.exists, what="the probe to start", interval=FIRST_INTERVAL_S)
         assert kill_ssh_sessions(ssh_node) >= 1
         out, err = proc.communicate(timeout=120)
     finally:

@@ -20,6 +20,7 @@ from dflash_cli.inventory import load_inventory
 from dflash_cli.transports import CommandFailed, open_transport
 from dflash_cli.transports.ssh import SshTransport
 from support import keygen, kill_ssh_sessions, wait_until
+from support.wait import FIRST_INTERVAL_S
 from support.pve import BARE_CONTAINER, CONTAINERS, GPU_CONTAINER
 
 pytestmark = pytest.mark.timeout(60)
@@ -215,7 +216,8 @@ def test_connection_dying_mid_stream_raises_then_the_next_call_reconnects(connec
     # "half" is on this side: read with the first line (the OpenSSH client passes the one
     # write on as one), or waiting in paramiko's channel
     wait_until(lambda: transport.bytes_received - received_before >= len(b"0\nhalf")
-               or (channels and channels[0].recv_ready()), what="the half line to reach the client")
+               or (channels and channels[0].recv_ready()), what="the half line to reach the client",
+               interval=FIRST_INTERVAL_S)
     assert kill_ssh_sessions(ssh_node) > 0
     after_the_drop = []
     with pytest.raises(UnreachableError, match="connection lost"):

@@ -18,7 +18,7 @@ from .sshd import SshNode, free_port
 #:   train step (one compile thread) costs 59 CPU-seconds instead of 77, mostly g++'s, and the
 #:   suite compiles several. What the compile tests check is ours (threads, caches,
 #:   artifacts, the losses); the vector code is Inductor's, and a GPU runs Triton;
-#: - the suite's processes always outnumber the cores (`make test`: 3 workers on 2 cores, and
+#: - the suite's processes always outnumber the cores (`make test`: 4 workers on 2 cores, and
 #:   the trainers and jobs they start). torch's OpenMP threads spin at each barrier while they
 #:   wait for a core another process holds; passive, they sleep. The in-process torch tests
 #:   then take 39 CPU-seconds instead of 78, and jobs that use every core (evaluate,

@@ -12,13 +12,23 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 120.0
 
 
+#: the first poll follows at once, then every FIRST_INTERVAL_S growing to MAX_INTERVAL_S:
+#: what comes true at once is seen at once, and a condition that is a round trip to a host
+#: (a status over SSH: an ssh, a pct, an interpreter) is not asked hundreds of times while
+#: a run takes its tens of seconds; the suite is CPU-bound, every poll is another test's wait
+FIRST_INTERVAL_S = 0.02
+MAX_INTERVAL_S = 0.5
+
+
 def wait_until(condition: Callable[[], T], timeout: float = DEFAULT_TIMEOUT_S, what: str = "the condition",
-               *, interval: float = 0.02, give_up: Callable[[], str | None] | None = None) -> T:
-    """Call `condition()` until it returns a true value, and return that value.
+               *, interval: float | None = None, give_up: Callable[[], str | None] | None = None) -> T:
+    """Call `condition()` until it returns a true value, and return that value; `interval`:
+    a fixed time between polls instead of the growing one.
 
     Fails (AssertionError naming `what`) after `timeout` seconds, or at once when `give_up()`
     returns a reason (e.g. "the process exited"): waiting longer could not help then."""
     deadline = time.monotonic() + timeout
+    pause = interval or FIRST_INTERVAL_S
     while True:
         value = condition()
         if value:
@@ -31,4 +41,6 @@ def wait_until(condition: Callable[[], T], timeout: float = DEFAULT_TIMEOUT_S, w
             raise AssertionError(f"gave up waiting for {what}: {reason}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+        time.sleep(pause)
+        if interval is None:
+            pause = min(pause * 1.5, MAX_INTERVAL_S)
