@@ -17,6 +17,7 @@ from support_agent.harness import dead_pid
 from support.wait import wait_until
 
 from dflash_agent import jsonio
+from dflash_agent.follow import EventsFollower
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -189,6 +190,21 @@ def test_events_come_in_batches_without_heartbeats_and_resume_at_their_offset(ag
     # A resume at a batch's end sends only what came after it.
     again = agent.follow("ev", "--events-offset", str(first_batch[-1]["next"])).rest()
     assert [e for m in again if m["t"] == "events" for e in m["events"]] == received[3:]
+
+
+def test_a_poll_that_reads_heartbeats_alone_leaves_their_bytes_to_the_next_message(tmp_path):
+    # A poll can land between the trainer's heartbeat and its next step (a loaded host):
+    # the heartbeats get no message of their own, the next message covers them.
+    path = tmp_path / "events.jsonl"
+    heartbeat = json.dumps({"ts": 1.0, "type": "heartbeat", "thread": "coordinator", "step": 0}) + "\n"
+    path.write_text(heartbeat)
+    follower = EventsFollower(str(path), 0)
+    assert list(follower.poll(final=True)) == []
+    with open(path, "a") as f:
+        f.write(json.dumps({"ts": 2.0, "type": "step", "thread": "drafter-0", "step": 1}) + "\n")
+    (message,) = follower.poll(final=True)
+    assert (message.offset, message.next) == (0, path.stat().st_size)
+    assert [e["step"] for e in message.events] == [1]
 
 
 def test_waits_for_train_log_while_starting_and_ends_when_terminal(agent):

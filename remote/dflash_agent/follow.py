@@ -347,7 +347,10 @@ class EventsFollower:
     def __init__(self, path: str, offset: int):
         self._path = path
         self._fd: Optional[int] = None
-        self.sent = offset  # the first byte not yet covered by a message
+        self.sent = offset  # the first byte not yet read into a flush
+        # The first byte no message has covered: after a flush of heartbeats alone (no
+        # message) the next message starts there, so the messages cover every byte once.
+        self._covered = offset
         self._buffer = b""  # complete lines read past self.sent, not yet sent
         self._last_flush = float("-inf")
 
@@ -372,10 +375,11 @@ class EventsFollower:
     def _flush(self) -> Iterator[FollowMessage]:
         records = [record for record in map(parse_json_line, self._buffer.split(b"\n"))
                    if isinstance(record, dict) and not HEARTBEAT.matches(record)]
-        start, self.sent = self.sent, self.sent + len(self._buffer)
+        self.sent += len(self._buffer)
         self._buffer = b""
         self._last_flush = time.monotonic()
         if records:  # a stretch of heartbeats alone is not worth a message
+            start, self._covered = self._covered, self.sent
             yield EventsMessage(offset=start, next=self.sent, events=tuple(records))
 
     def close(self) -> None:
