@@ -11,6 +11,12 @@ bias-free linear (`fc`) and RMS-normalised (`hidden_norm`). In every layer the q
 from the block tokens only, while keys and values are the same k_proj/v_proj applied to
 [context features ; block tokens]. Module names match the public DFlash inference code
 (z-lab/dflash `DFlashDraftModel`), so its state dict loads there unchanged too.
+
+Decoding uses the cached path (`context_cache`, `extend_context`, `draft_cached`): the
+context's keys and values are projected once per accepted position into per-layer
+buffers, and a drafted block attends to them plus its own, the same computation as
+`draft` over the whole context (keys and values are per-position: k_norm and RoPE act on
+each row alone). Training runs `draft`, which this path leaves untouched.
 """
 from __future__ import annotations
 
@@ -42,6 +48,19 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """SDPA of q (B, h, Q, d) over k, v (B, hk, C, d) where every query sees the keys that
+    `key_valid` (B, 1, 1, C) marks. The query heads that share a kv head become one longer
+    query (the grouping enable_gqa applies: head i reads kv head i // (h // hk)), so the
+    keys are read once, not repeated per query head, and SDPA takes the mask with a
+    memory-efficient kernel on CUDA."""
+    batch, heads, q_len, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, kv_heads, (heads // kv_heads) * q_len, dim)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=key_valid)
+    return out.reshape(batch, heads, q_len, dim)
 
 
 class DFlashAttention(nn.Module):
@@ -76,6 +95,27 @@ class DFlashAttention(nn.Module):
             out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
+    def keys_values(self, states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """states (B, S, H) -> keys (B, hk, S, d), normalised and rotated, and values: what
+        `forward` attends to for these positions."""
+        batch, length, _ = states.shape
+        k = self.k_norm(self.k_proj(states).view(batch, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(states).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _rotate(k, *rope), v
+
+    def cached(self, block: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+               values: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+        """`forward` with the context's keys and values already in `keys`, `values` (B, hk, C, d):
+        the block's own are written at `positions` (Q,), then the block attends to what
+        `key_valid` (B, 1, 1, C) marks (the context and the block)."""
+        batch, q_len, _ = block.shape
+        q = self.q_norm(self.q_proj(block).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        k, v = self.keys_values(block, rope)
+        keys.index_copy_(2, positions, k)
+        values.index_copy_(2, positions, v)
+        out = grouped_attention(_rotate(q, *rope), keys, values, key_valid)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+
 
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config):
@@ -87,6 +127,11 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope_q, rope_k, mask) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope_q, rope_k, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def cached(self, hidden: torch.Tensor, rope, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               key_valid: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn.cached(self.input_layernorm(hidden), rope, keys, values, positions, key_valid)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -118,6 +163,38 @@ class DFlashModules:
         for layer in self.layers:
             hidden = layer(hidden, context, rope_q, rope_k, mask)
         return self.norm(hidden)  # (B, Q, H)
+
+    def context_cache(self, capacity: int, batch: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed keys and values (B, hk, capacity, d) per layer, for positions 0..capacity-1
+        of context and block, on the drafter's device and in its dtype."""
+        attention = self.layers[0].self_attn
+        shape = (batch, attention.num_kv_heads, capacity, attention.head_dim)
+        weight = self.fc.weight
+        return [(torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+                 torch.zeros(shape, dtype=weight.dtype, device=weight.device)) for _ in self.layers]
+
+    def extend_context(self, features: torch.Tensor, positions: torch.Tensor,
+                       cache: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Project target features (B, S, n*H) of the context positions `positions` (S,) into
+        every layer's keys and values in `cache` (written at those positions)."""
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        rope = self.rotary_emb(context, positions.unsqueeze(0).expand(context.shape[0], -1))
+        for layer, (keys, values) in zip(self.layers, cache):
+            k, v = layer.self_attn.keys_values(context, rope)
+            keys.index_copy_(2, positions, k)
+            values.index_copy_(2, positions, v)
+
+    def draft_cached(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                     cache: list[tuple[torch.Tensor, torch.Tensor]], key_valid: torch.Tensor) -> torch.Tensor:
+        """`draft` of one block (B, Q, H) at `positions` (Q,) whose context is in `cache`
+        (extend_context): key_valid (B, 1, 1, C) marks the context's positions and the
+        block's own (written into the cache here, so a later extend_context overwrites
+        them). Returns the final hidden states (B, Q, H)."""
+        hidden = block_embeds.to(self.fc.weight.dtype)
+        rope = self.rotary_emb(hidden, positions.unsqueeze(0).expand(hidden.shape[0], -1))
+        for layer, (keys, values) in zip(self.layers, cache):
+            hidden = layer.cached(hidden, rope, keys, values, positions, key_valid)
+        return self.norm(hidden)
 
 
 class DFlashDraftModel(DFlashModules, PreTrainedModel):

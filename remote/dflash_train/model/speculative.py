@@ -30,18 +30,21 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from .drafter import DFlashDrafter
-from .objective import dense_block_mask
+from .fast_decode import Decoded, FastDecoder, accepted_length, draft_tokens
 from .target import FeatureTap
 
 
 @dataclasses.dataclass(frozen=True)
-class Decoded:
-    tokens: list[int]  # the new tokens
-    accepted: list[int]  # tokens gained per verify forward (1 = only the bonus token)
+class Speed:
+    """Decode speed as the reference benchmark reports it: each prompt's time per output
+    token (after its prefill), averaged over the prompts, inverted; the speed-up is the
+    target-alone mean over the speculative mean."""
+    tokens_per_s: float  # speculative decoding
+    target_tokens_per_s: float  # the target alone
+    speedup: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,17 +55,27 @@ class EvalResult:
     verify_steps: int
     new_tokens: int
     prompts: int
+    speed: Speed | None = None  # when asked for (evaluate's `speedup`)
 
     def fields(self, seconds: float) -> dict[str, Any]:
         """The figures as an "eval" event and eval.json carry them."""
-        return {"acceptance_length": round(self.acceptance_length, 4),
-                "mean_per_prompt": round(self.mean_per_prompt, 4),
-                "per_prompt": [round(x, 4) for x in self.per_prompt], "prompts": self.prompts,
-                "verify_steps": self.verify_steps, "new_tokens": self.new_tokens, "seconds": round(seconds, 3)}
+        fields = {"acceptance_length": round(self.acceptance_length, 4),
+                  "mean_per_prompt": round(self.mean_per_prompt, 4),
+                  "per_prompt": [round(x, 4) for x in self.per_prompt], "prompts": self.prompts,
+                  "verify_steps": self.verify_steps, "new_tokens": self.new_tokens, "seconds": round(seconds, 3)}
+        if self.speed is not None:
+            fields.update(tokens_per_s=round(self.speed.tokens_per_s, 2),
+                          target_tokens_per_s=round(self.speed.target_tokens_per_s, 2),
+                          speedup=round(self.speed.speedup, 3))
+        return fields
 
     def summary(self) -> str:
-        return (f"acceptance length {self.acceptance_length:.3f} (pooled), {self.mean_per_prompt:.3f} "
+        text = (f"acceptance length {self.acceptance_length:.3f} (pooled), {self.mean_per_prompt:.3f} "
                 f"(mean of per-prompt means)")
+        if self.speed is not None:
+            text += (f"; target alone {self.speed.target_tokens_per_s:.2f} tok/s, speculative "
+                     f"{self.speed.tokens_per_s:.2f} tok/s, speedup {self.speed.speedup:.2f}x")
+        return text
 
 
 @torch.inference_mode()
@@ -70,17 +83,9 @@ def draft_block(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weig
                 features: torch.Tensor, anchor_token: int) -> list[int]:
     """Draft block_size-1 tokens after `anchor_token`; features (1, start, n*H) cover the
     positions before the anchor, which sits at position `start`."""
-    block_size, start = drafter.block_size, features.shape[1]
-    device = features.device
-    block = torch.full((1, block_size), drafter.mask_token_id, dtype=torch.long, device=device)
+    block = torch.full((1, drafter.block_size), drafter.mask_token_id, dtype=torch.long, device=features.device)
     block[0, 0] = anchor_token
-    anchors = torch.tensor([[start]], device=device)
-    mask = dense_block_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), start, block_size)
-    hidden = drafter(F.embedding(block, embed_weight), features,
-                     torch.arange(start, device=device).unsqueeze(0),
-                     (start + torch.arange(block_size, device=device)).unsqueeze(0), mask)
-    logits = F.linear(hidden[0, 1:], lm_head_weight.to(hidden.dtype))  # (bs-1, V)
-    return logits.argmax(-1).tolist()
+    return draft_tokens(drafter, embed_weight, lm_head_weight, features, block).tolist()
 
 
 def _drop_last(cache: Any, count: int) -> None:
@@ -114,9 +119,7 @@ def speculative_decode(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: to
             logits, features = tap.logits_and_features(torch.tensor([prompt + tokens + draft], device=device))
             logits, features = logits[:, start:], features[:, start:]
         verdict = logits[0].argmax(-1).tolist()  # the target's choice after each block position
-        agree = 0
-        while agree < len(draft) and draft[agree] == verdict[agree]:
-            agree += 1
+        agree = accepted_length(draft, verdict)
         gained = draft[:agree] + [verdict[agree]]
         accepted.append(len(gained))
         # The anchor and the accepted drafts are now context; the bonus is the next anchor.
@@ -129,21 +132,40 @@ def speculative_decode(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: to
     return Decoded(tokens[:max_new_tokens], accepted)
 
 
-def evaluate(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-             prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-             on_step: Callable[[], None] = lambda: None, kv_cache: bool = True) -> EvalResult:
-    # The head in the drafter's dtype once per evaluation, not per prompt or drafted block: a
-    # bf16 (V, H) head cast to an fp32 drafter's dtype is a copy the size of the head.
-    lm_head_weight = lm_head_weight.to(drafter.norm.weight.dtype)
-    per_prompt, steps, new_tokens = [], 0, 0
+def _time_per_token(decoded: Decoded) -> float | None:
+    """Seconds per token decoded after the prefill's first one (None: it decoded none)."""
+    return decoded.seconds / (len(decoded.tokens) - 1) if len(decoded.tokens) > 1 else None
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def evaluate(decoder: FastDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+             on_step: Callable[[], None] = lambda: None, speedup: bool = False) -> EvalResult:
+    """Acceptance over `prompts`, decoded by `decoder` (the fast path). With `speedup`,
+    every prompt is also decoded by the target alone, and both are timed: a warm-up of
+    each (its CUDA graphs captured) on the first prompt comes first."""
+    if speedup and prompts:
+        decoder.decode(prompts[0], min(max_new_tokens, 2 * decoder.block_size), stop_ids)
+        decoder.decode_alone(prompts[0], min(max_new_tokens, 8), stop_ids)
+    per_prompt, steps, new_tokens, spec_times, alone_times = [], 0, 0, [], []
     for prompt in prompts:
-        decoded = speculative_decode(drafter, tap, embed_weight, lm_head_weight, prompt, max_new_tokens, stop_ids,
-                                     on_step, kv_cache)
+        decoded = decoder.decode(prompt, max_new_tokens, stop_ids, on_step)
         if decoded.accepted:
             per_prompt.append(sum(decoded.accepted) / len(decoded.accepted))
         steps += len(decoded.accepted)
         new_tokens += sum(decoded.accepted)
-    return EvalResult(acceptance_length=new_tokens / steps if steps else 0.0,
-                      mean_per_prompt=sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
-                      per_prompt=per_prompt, verify_steps=steps, new_tokens=new_tokens,
-                      prompts=len(prompts))
+        if speedup:
+            alone = decoder.decode_alone(prompt, max_new_tokens, stop_ids, on_step)
+            spec, base = _time_per_token(decoded), _time_per_token(alone)
+            if spec is not None and base is not None:
+                spec_times.append(spec)
+                alone_times.append(base)
+    speed = None
+    if speedup and spec_times:
+        spec, base = _mean(spec_times), _mean(alone_times)
+        speed = Speed(tokens_per_s=1 / spec, target_tokens_per_s=1 / base, speedup=base / spec)
+    return EvalResult(acceptance_length=new_tokens / steps if steps else 0.0, mean_per_prompt=_mean(per_prompt),
+                      per_prompt=per_prompt, verify_steps=steps, new_tokens=new_tokens, prompts=len(prompts),
+                      speed=speed)
