@@ -1,6 +1,8 @@
-"""Speculative decoding with the target's KV cache, the two acceptance figures, and the
-standalone evaluation job (`job: evaluate`), on the tiny CPU target with a drafter the
-real trainer trains once for this module."""
+"""Speculative decoding (the reference paths with transformers' KV cache or none, and the
+fast decode with static caches and the drafter cache), the two acceptance figures, the
+speed-up, and the standalone evaluation job (`job: evaluate`), on the tiny CPU target with
+a drafter the real trainer trains once for this module; the fast decode under
+transformers 4.57.1 too, and with CUDA graphs on a GPU (`-m gpu`)."""
 from __future__ import annotations
 
 import json
@@ -57,6 +59,11 @@ def _decode(t, prompt, max_new_tokens, stop_ids=frozenset(), kv_cache=True):
                               kv_cache=kv_cache)
 
 
+def _fast(t, capacity: int = 256, **kwargs):
+    from dflash_train.model.fast_decode import FastDecoder
+    return FastDecoder(t["drafter"], t["tap"], t["embed"], t["head"], capacity, **kwargs)
+
+
 def _greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
@@ -82,6 +89,39 @@ def test_kv_cached_verification_is_lossless_and_accepts_as_the_uncached_one(trai
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow(seconds=3, why="speculative decoding on CPU with the module's trained drafter")
+def test_fast_decode_is_lossless_and_accepts_as_the_reference_with_and_without_the_drafter_cache(trained):
+    """One decoder (its buffers reused across prompts of different lengths): the output is
+    the target's greedy decode token for token, and its acceptance per verify step is the
+    full re-run's, with the drafter's context keys and values kept and without; the
+    target alone through the same static cache decodes the same tokens."""
+    prompts = trained["prompts"][:3] + [[2, 6] + [10 + i for i in range(12)] + [3, 2, 7], [2, 6]]
+    decoders = {"drafter cache": _fast(trained), "no drafter cache": _fast(trained, drafter_cache=False)}
+    accepted_any = []
+    for prompt in prompts:
+        greedy = _greedy(trained["target"], prompt, 40)
+        reference = _decode(trained, prompt, 40, kv_cache=False)
+        assert reference.tokens == greedy
+        for name, decoder in decoders.items():
+            fast = decoder.decode(prompt, 40, set())
+            assert fast.tokens == greedy, name
+            assert fast.accepted == reference.accepted, name
+        assert decoders["drafter cache"].decode_alone(prompt, 40, set()).tokens == greedy
+        accepted_any += reference.accepted
+    assert max(accepted_any) > 1, "the trained drafter must get drafts accepted, or nothing was compared"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow(seconds=1, why="speculative decoding on CPU with the module's trained drafter")
+def test_the_fast_decode_refuses_a_prompt_its_buffers_cannot_hold(trained):
+    decoder = _fast(trained, capacity=32)
+    with pytest.raises(ValueError, match="need 52 positions; the decoder holds 32"):
+        decoder.decode(list(range(2, 14)), 32, set())
+    with pytest.raises(ValueError, match="need 52 positions"):
+        decoder.decode_alone(list(range(2, 14)), 32, set())
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.slow(seconds=1, why="speculative decoding on CPU with the module's trained drafter")
 def test_decoding_ends_at_an_end_token_inside_an_accepted_block(trained):
     """An end token accepted in the middle of a block ends the answer there, as in the
@@ -97,6 +137,9 @@ def test_decoding_ends_at_an_end_token_inside_an_accepted_block(trained):
                 ended = _decode(trained, prompt, 48, stop_ids={stop})
                 assert ended.tokens == free.tokens[:free.tokens.index(stop) + 1]
                 assert ended.accepted == free.accepted[:step + 1]
+                fast = _fast(trained).decode(prompt, 48, {stop})
+                assert (fast.tokens, fast.accepted) == (ended.tokens, ended.accepted)
+                assert _fast(trained).decode_alone(prompt, 48, {stop}).tokens == ended.tokens
                 return
             position += gained
     pytest.skip("no prompt had a multi-token accepted block before its last step")
@@ -106,12 +149,31 @@ def test_decoding_ends_at_an_end_token_inside_an_accepted_block(trained):
 def test_acceptance_is_reported_pooled_and_as_the_mean_of_per_prompt_means(trained):
     from dflash_train.model.speculative import evaluate
     prompts = trained["prompts"][:3]
-    result = evaluate(trained["drafter"], trained["tap"], trained["embed"], trained["head"], prompts, 32, set())
+    result = evaluate(_fast(trained), prompts, 32, set())
     runs = [_decode(trained, p, 32).accepted for p in prompts]
     assert result.per_prompt == [sum(a) / len(a) for a in runs]
     assert result.mean_per_prompt == pytest.approx(sum(result.per_prompt) / len(prompts))
     assert result.acceptance_length == pytest.approx(sum(map(sum, runs)) / sum(map(len, runs)))
     assert result.verify_steps == sum(map(len, runs)) and result.prompts == 3
+    assert result.speed is None and "speedup" not in result.fields(1.0)
+
+
+@pytest.mark.slow(seconds=2, why="speculative decoding and the target alone on CPU with the module's trained drafter")
+def test_the_speedup_is_the_target_alones_time_per_token_over_the_speculative_ones(trained):
+    """As the reference benchmark reports it: each prompt's time per token after its
+    prefill, averaged over prompts; tokens/s of both and their ratio, in the event's
+    fields and the log line."""
+    from dflash_train.model.speculative import evaluate
+    prompts = trained["prompts"][:3]
+    plain = evaluate(_fast(trained), prompts, 32, set())
+    timed = evaluate(_fast(trained), prompts, 32, set(), speedup=True)
+    assert timed.fields(1.0) == {**plain.fields(1.0), "tokens_per_s": round(timed.speed.tokens_per_s, 2),
+                                 "target_tokens_per_s": round(timed.speed.target_tokens_per_s, 2),
+                                 "speedup": round(timed.speed.speedup, 2)}
+    assert timed.speed.tokens_per_s > 0 and timed.speed.target_tokens_per_s > 0
+    assert timed.speed.speedup == pytest.approx(timed.speed.tokens_per_s / timed.speed.target_tokens_per_s)
+    assert (f"target alone {timed.speed.target_tokens_per_s:.2f} tok/s, speculative {timed.speed.tokens_per_s:.2f} "
+            f"tok/s, speedup {timed.speed.speedup:.2f}x") in timed.summary()
 
 
 def _evaluate_config(drafter: Path) -> str:
@@ -129,6 +191,7 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
     from safetensors.torch import load_file, save_file
 
     from dflash_train.model.drafter import load_drafter
+    from dflash_train.model.fast_decode import FastDecoder
     from dflash_train.model.speculative import evaluate
 
     foreign = tmp_path / "foreign"
@@ -152,14 +215,19 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
             dflash_events.check(each)
         assert events[-1]["type"] == "done" and events[-1]["exit_code"] == 0
         drafter = load_drafter(drafter_dir).eval()
-        expected = evaluate(drafter, trained["tap"], trained["embed"], trained["head"], trained["prompts"][:4], 32,
-                            trained["stop_ids"])
+        decoder = FastDecoder(drafter, trained["tap"], trained["embed"], trained["head"], 256)
+        expected = evaluate(decoder, trained["prompts"][:4], 32, trained["stop_ids"])
         assert written["prompts"] == 4
         assert written["acceptance_length"] == round(expected.acceptance_length, 4) > 1.0
         assert written["mean_per_prompt"] == round(expected.mean_per_prompt, 4)
         assert written["verify_steps"] == expected.verify_steps and written["drafter"] == str(drafter_dir)
         assert f"{expected.acceptance_length:.3f} (pooled), {expected.mean_per_prompt:.3f} (mean of per-prompt " \
                "means)" in log
+        # evaluate.speedup is on by default: both speeds and their ratio, and in the log line
+        assert written["tokens_per_s"] > 0 and written["target_tokens_per_s"] > 0 and written["speedup"] > 0
+        assert written["cuda_graphs"] is False  # on the CPU
+        assert (f"target alone {written['target_tokens_per_s']:.2f} tok/s, speculative "
+                f"{written['tokens_per_s']:.2f} tok/s, speedup {written['speedup']:.2f}x") in log
 
 
 @pytest.mark.timeout(300)

@@ -155,7 +155,7 @@ def test_a_fault_naming_an_exception_is_checked(tmp_path, fault, message):
 
 
 def test_a_fault_raises_the_exception_it_names_deep_and_an_unknown_one_fails_the_start():
-    from dflash_train.config import FaultSpec
+    from dflash_train.config import EvalConfig, FaultSpec
     from dflash_train.faults import FaultInjector
 
     spec = FaultSpec(thread="drafter-1", at="step:2", kind="raise", depth=5, exception="torch.OutOfMemoryError",
@@ -388,7 +388,7 @@ def test_speculative_decoding_is_lossless(tiny_assets):
 def test_an_eval_fault_fires_for_the_evaluation_of_its_step_a_resumed_runs_baseline_included(tiny_assets, tmp_path):
     """The eval thread and a sequential run's main thread both evaluate through
     Evaluator.measure: a fault at step:N fires for every evaluation of step N."""
-    from dflash_train.config import FaultSpec
+    from dflash_train.config import EvalConfig, FaultSpec
     from dflash_train.faults import FaultInjector, InjectedFault
     from dflash_train.model.drafter import cpu_weights
     from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
@@ -402,7 +402,7 @@ def test_an_eval_fault_fires_for_the_evaluation_of_its_step_a_resumed_runs_basel
     events = EventLog(tmp_path / "events.jsonl")
     latch = StopLatch(ErrorLog(tmp_path / "errors.jsonl"), ThreadNames(tmp_path / "threads.json"))
     faults = FaultInjector((FaultSpec(thread="eval", at="step:4", kind="raise", depth=2),), attempt=0)
-    evaluator = Evaluator(events, latch, faults, 4, drafter.config, FeatureTap(target, (1, 3)), "cpu",
+    evaluator = Evaluator(events, latch, faults, EvalConfig(max_new_tokens=4), drafter.config, FeatureTap(target, (1, 3)), "cpu",
                           target.get_input_embeddings().weight, target.get_output_embeddings().weight,
                           [[2, 6, 20, 30, 40, 3, 2, 7]], set())
     weights = cpu_weights(drafter)
@@ -682,7 +682,7 @@ class StepLog:
 
 
 def test_a_step_runs_each_micro_batch_in_turn_and_takes_a_drafters_faults_at_its_first():
-    from dflash_train.config import FaultSpec
+    from dflash_train.config import EvalConfig, FaultSpec
     from dflash_train.faults import FaultInjector, InjectedFault
     from dflash_train.training.step import training_step
 

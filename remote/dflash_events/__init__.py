@@ -182,6 +182,14 @@ EVAL = EventType("eval", "The drafter's acceptance length on the eval prompts: i
                      optional("drafter", STR, "evaluate: the drafter folder evaluated"),
                      optional("prompts_file", STR, "evaluate: the prompts file"),
                      optional("max_new_tokens", INT, "evaluate: tokens decoded at most per prompt"),
+                     optional("cuda_graphs", BOOL, "whether the decode's steps ran as CUDA graphs (never on CPU)"),
+                     optional("tokens_per_s", NUMBER, "with the speed-up (`speedup` of eval or evaluate): "
+                              "speculative decoding's tokens per second, 1 / the mean over prompts of the time "
+                              "per token after the prefill (the reference benchmark's throughput)"),
+                     optional("target_tokens_per_s", NUMBER, "with the speed-up: the same for the target decoding "
+                              "alone, through the same static cache and graphs, one token a forward"),
+                     optional("speedup", NUMBER, "with the speed-up: tokens_per_s / target_tokens_per_s (the "
+                              "reference's \"Decoding speedup\")"),
                  ))
 
 CHECKPOINT = EventType("checkpoint", "A checkpoint is complete: emitted by the checkpoint-writer thread once "

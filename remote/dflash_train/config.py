@@ -241,6 +241,12 @@ class EvalConfig:
     num_prompts: int = 8
     max_new_tokens: int = 64
     at_start: bool = True  # also measure the drafter before this run's first step
+    # Also decode the prompts with the target alone and report both tokens/s and their ratio
+    # (`speedup`): about doubles an evaluation's time, hence off in training.
+    speedup: bool = False
+    # On CUDA, replay the decode's draft and verify steps as CUDA graphs; false runs them
+    # eagerly (the same tokens: for measuring what the graphs give, or a GPU they fail on).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.num_prompts < 0 or self.max_new_tokens <= 0:
@@ -255,6 +261,8 @@ class EvaluateConfig:
     prompts: str | None = None  # jsonl of "text" or chat "messages"; default: data.eval, or the synthetic prompts
     max_new_tokens: int = 2048
     num_prompts: int | None = None  # the first N prompts; default: all
+    speedup: bool = True  # as eval.speedup; on: the speed-up is what this job is for
+    cuda_graphs: bool = True  # as eval.cuda_graphs
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0 or (self.num_prompts is not None and self.num_prompts <= 0):

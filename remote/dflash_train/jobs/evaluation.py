@@ -2,8 +2,9 @@
 
 The drafter is any folder in the export format (config.json + model.safetensors), ours
 or another tool's, so drafters can be compared on the user's own prompts with the
-trainer's speculative decoding (model/speculative.py: KV-cached, lossless, both acceptance
-figures). Runs in the main thread on devices.target[0]; the result goes to
+trainer's speculative decoding (model/fast_decode.py: static KV caches, CUDA graphs on
+CUDA, lossless, both acceptance figures) and, with `evaluate.speedup` (default on), the
+speed-up over the target decoding alone through the same path. Runs in the main thread on devices.target[0]; the result goes to
 DIR/eval.json (written atomically) and to an "eval" event. Exit 0 when measured, 1 on a
 failure (an errors.jsonl record), 128+signal when stopped by SIGTERM or SIGINT.
 """
@@ -24,6 +25,7 @@ from ..config import JobConfig, resolve_path
 from ..data.batches import load_prompts
 from ..devices import canonical, is_cuda
 from ..model.drafter import load_drafter
+from ..model.fast_decode import FastDecoder
 from ..model.speculative import evaluate
 from ..model.target import FeatureTap, load_target
 from ..runlog import EventLog, say
@@ -87,14 +89,19 @@ class EvaluationJob(JobControl):
         tap = FeatureTap(target, drafter.target_layer_ids)
         embed = target.get_input_embeddings().weight.detach()
         head = target.get_output_embeddings().weight.detach()
+        capacity = max(map(len, prompts)) + self.spec.max_new_tokens + drafter.block_size
+        decoder = FastDecoder(drafter, tap, embed, head, capacity, cuda_graphs=self.spec.cuda_graphs)
         say(f"evaluating {drafter_dir} (block {drafter.block_size}, target layers {list(drafter.target_layer_ids)}) "
-            f"on {len(prompts)} prompts of {prompts_path}, max_new_tokens {self.spec.max_new_tokens}, on {device}")
+            f"on {len(prompts)} prompts of {prompts_path}, max_new_tokens {self.spec.max_new_tokens}, on {device}"
+            f"{', CUDA graphs' if decoder.cuda_graphs else ''}"
+            f"{', and the target alone for the speed-up' if self.spec.speedup else ''}")
         self._set_phase("eval")
         started = time.perf_counter()
-        result = evaluate(drafter, tap, embed, head, prompts, self.spec.max_new_tokens, stop_ids(tokenizer),
-                          on_step=self._stepped)
+        result = evaluate(decoder, prompts, self.spec.max_new_tokens, stop_ids(tokenizer), on_step=self._stepped,
+                          speedup=self.spec.speedup)
         fields = {**result.fields(time.perf_counter() - started), "drafter": str(drafter_dir),
-                  "prompts_file": str(prompts_path), "max_new_tokens": self.spec.max_new_tokens}
+                  "prompts_file": str(prompts_path), "max_new_tokens": self.spec.max_new_tokens,
+                  "cuda_graphs": decoder.cuda_graphs}
         tmp = self.run_dir / ".eval.json.tmp"
         tmp.write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, self.run_dir / "eval.json")

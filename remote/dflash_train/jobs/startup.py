@@ -169,7 +169,7 @@ def prepare(config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch
     evaluator = None
     if prompts:
         embed, head = frozen.on(target_devices[0])
-        evaluator = Evaluator(events, latch, faults, config.eval.max_new_tokens, hf_config, taps[0],
+        evaluator = Evaluator(events, latch, faults, config.eval, hf_config, taps[0],
                               target_devices[0], embed, head, prompts, stop_ids(tokenizer))
     say(f"target layers {list(layer_ids)} -> drafter ({config.drafter.num_layers} layers, block "
         f"{config.drafter.block_size}, mask token id {mask_id}); compile {config.compile}; "

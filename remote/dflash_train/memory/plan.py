@@ -437,8 +437,9 @@ def _drafter_terms(config: JobConfig, target: TargetShape, params: int, worst: S
 
 def _evaluator_terms(config: JobConfig, target: TargetShape, params: int, element: int) -> list[Term]:
     """speculative.evaluate on the first target device: a drafter copy in fp32, the LM head
-    cast to fp32 once per evaluation, and one prompt's decode: the prefill's logits and
-    forward, the KV cache of every layer, the drafter's context. Eval prompts are not
+    cast to fp32 once, and one prompt's decode: the prefill's logits and forward, the
+    target's static KV cache of every layer, the drafter's context and its keys and values
+    per layer (model/fast_decode.py). Eval prompts are not
     cut; the plan takes one as long as data.max_length."""
     assert config.data is not None
     prompt = config.data.max_length
@@ -447,10 +448,11 @@ def _evaluator_terms(config: JobConfig, target: TargetShape, params: int, elemen
     kv_cache = target.num_layers * 2 * target.kv_width * element * positions
     prefill = prompt * (target.vocab_size * element + int(TARGET_TOKEN.of(widths)) * element)
     context = positions * int(EVAL_CONTEXT.of(widths) * element + EVAL_CONTEXT_FP32.of(widths) * FP32)
+    drafter_cache = config.drafter.num_layers * 2 * target.kv_width * FP32 * positions  # its context's keys, values
     off = "eval.num_prompts (0: no evaluation)"
     terms = [Term("evaluator drafter (fp32)", params * FP32, knob=off)]
     if element != FP32:  # an fp32 head is the target's own tensor
         terms.append(Term("evaluator LM head (fp32 copy)", target.vocab_size * target.hidden_size * FP32, knob=off))
-    terms.append(Term("evaluator decode (prefill, KV cache)", kv_cache + prefill + context,
+    terms.append(Term("evaluator decode (prefill, KV caches)", kv_cache + prefill + context + drafter_cache,
                       knob=f"eval.max_new_tokens ({config.eval.max_new_tokens}), {off}"))
     return terms

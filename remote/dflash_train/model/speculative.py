@@ -66,7 +66,7 @@ class EvalResult:
         if self.speed is not None:
             fields.update(tokens_per_s=round(self.speed.tokens_per_s, 2),
                           target_tokens_per_s=round(self.speed.target_tokens_per_s, 2),
-                          speedup=round(self.speed.speedup, 3))
+                          speedup=round(self.speed.speedup, 2))
         return fields
 
     def summary(self) -> str:

@@ -19,10 +19,11 @@ from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR
 from ..checkpoint.folders import replace_dir, snapshot_layout, take_snapshot
 from ..checkpoint.state import TrainingState
 from ..checkpoint.writer import CheckpointWriter
-from ..config import resolved_yaml
+from ..config import EvalConfig, resolved_yaml
 from ..devices import is_cuda
 from ..faults import FaultInjector
 from ..model.drafter import DFlashDrafter, cpu_weights, export_drafter
+from ..model.fast_decode import FastDecoder
 from ..model.speculative import evaluate
 from ..model.target import FeatureTap
 from ..runlog import EventLog, say
@@ -44,13 +45,16 @@ class Evaluator:
     thread (or the main thread of a sequential run) measures them: its fault at step:N
     fires as the evaluation of step N starts, the baseline of a run resumed at N included."""
 
-    def __init__(self, events: EventLog, latch: StopLatch, faults: FaultInjector, max_new_tokens: int,
+    def __init__(self, events: EventLog, latch: StopLatch, faults: FaultInjector, spec: EvalConfig,
                  hf_config: Any, tap: FeatureTap, device: str, embed: torch.Tensor, head: torch.Tensor,
                  prompts: list[list[int]], stop_ids: set[int]):
-        self.events, self.latch, self.faults, self.max_new_tokens = events, latch, faults, max_new_tokens
-        self.tap, self.device = tap, device
-        self.embed, self.head, self.prompts, self.stop_ids = embed, head, prompts, stop_ids
+        self.events, self.latch, self.faults, self.spec = events, latch, faults, spec
+        self.device, self.prompts, self.stop_ids = device, prompts, stop_ids
+        # Built once: the decoder's buffers and CUDA graphs (captured at the first evaluation)
+        # serve every evaluation; a snapshot is loaded into this drafter's tensors in place.
         self.drafter = DFlashDrafter(hf_config).to(device).eval()
+        capacity = max(map(len, prompts), default=0) + spec.max_new_tokens + self.drafter.block_size
+        self.decoder = FastDecoder(self.drafter, tap, embed, head, capacity, cuda_graphs=spec.cuda_graphs)
         self.baseline: tuple[int, float] | None = None
 
     def _stepped(self) -> None:
@@ -61,13 +65,13 @@ class Evaluator:
         self.faults.fire("eval", request.step)
         self.drafter.load_state_dict(request.weights)
         started = time.perf_counter()
-        result = evaluate(self.drafter, self.tap, self.embed, self.head, self.prompts,
-                          self.max_new_tokens, self.stop_ids, on_step=self._stepped)
+        result = evaluate(self.decoder, self.prompts, self.spec.max_new_tokens, self.stop_ids, on_step=self._stepped,
+                          speedup=self.spec.speedup)
         if request.baseline:
             self.baseline = (request.step, result.acceptance_length)
         fields: dict[str, Any] = {
             "step": request.step, **result.fields(time.perf_counter() - started),
-            "baseline": request.baseline, "final": request.final}
+            "baseline": request.baseline, "final": request.final, "cuda_graphs": self.decoder.cuda_graphs}
         if self.baseline is not None:
             fields.update(baseline_step=self.baseline[0], baseline_acceptance_length=round(self.baseline[1], 4))
         self.events.emit(EVAL, **fields)
