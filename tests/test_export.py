@@ -53,8 +53,21 @@ with torch.no_grad():
     hidden = model(noise_embedding=inputs["noise_embedding"].to(model.dtype),
                    target_hidden=inputs["target_hidden"].to(model.dtype), position_ids=inputs["position_ids"])
     logits = hidden.float() @ inputs["lm_head"].T
+    # The decode's cached path: the context's keys and values projected in two parts, the
+    # second with rows at the block's positions that the block's own keys overwrite.
+    features, block = inputs["target_hidden"].to(model.dtype), inputs["noise_embedding"].to(model.dtype)
+    context, q_len = features.shape[1], block.shape[1]
+    cache = model.context_cache(context + q_len + 5)
+    model.extend_context(features[:, :context // 2], torch.arange(context // 2), cache)
+    overwritten = torch.randn(1, q_len, features.shape[-1], dtype=model.dtype)
+    model.extend_context(torch.cat([features[:, context // 2:], overwritten], dim=1),
+                         torch.arange(context // 2, context + q_len), cache)
+    key_valid = (torch.arange(context + q_len + 5) < context + q_len)[None, None, None]
+    cached = model.draft_cached(block, torch.arange(context, context + q_len), cache, key_valid)
+    cached_logits = cached.float() @ inputs["lm_head"].T
 rope = model.rotary_emb
-torch.save({"logits": logits, "inv_freq": rope.inv_freq, "attention_scaling": rope.attention_scaling}, out_path)
+torch.save({"logits": logits, "cached_logits": cached_logits, "inv_freq": rope.inv_freq,
+            "attention_scaling": rope.attention_scaling}, out_path)
 print(json.dumps({"version": transformers.__version__, "class": type(model).__name__, "dtype": str(model.dtype),
                   "keys": sorted(model.state_dict())}))
 """
@@ -137,6 +150,8 @@ def trainer_logits(drafter: DFlashDrafter, inputs: dict[str, torch.Tensor]) -> t
                   why="loads the export in another interpreter per case (the first installs transformers 4.57.1)")
 def test_every_transformers_loads_the_export_as_the_drafter_that_was_trained(
         reader, rope_name, request, tmp_path):
+    """The export's forward and its cached path (context keys and values kept, as the
+    decode runs it) both compute the trained drafter's logits, under each transformers."""
     site = request.getfixturevalue("legacy_transformers") if reader == LEGACY_TRANSFORMERS else None
     drafter = drafter_for(ROPES[rope_name])
     export_drafter(drafter, tmp_path / "export")
@@ -154,6 +169,7 @@ def test_every_transformers_loads_the_export_as_the_drafter_that_was_trained(
     torch.testing.assert_close(outputs["inv_freq"], drafter.rotary_emb.inv_freq)
     assert outputs["attention_scaling"] == pytest.approx(drafter.rotary_emb.attention_scaling)
     torch.testing.assert_close(outputs["logits"], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs["cached_logits"], expected, rtol=1e-5, atol=1e-5)  # the decode's path
     # ...and the logits tell RoPEs apart: the same weights under the default theta differ.
     default_rope = drafter_for({"rope_type": "default", "rope_theta": 10000.0})
     default_rope.load_state_dict(drafter.state_dict())

@@ -14,6 +14,7 @@ import torch
 
 from dflash_train.config import load_job_config
 from support.train_configs import TINY_CPU
+from test_export import LEGACY_TRANSFORMERS, legacy_transformers  # noqa: F401 - a fixture, installed once
 from support.trainer import end, start_trainer
 
 # On one xdist worker with test_tiny_cpu_config_end_to_end: the shipped config's run whose
@@ -109,6 +110,63 @@ def test_fast_decode_is_lossless_and_accepts_as_the_reference_with_and_without_t
         assert decoders["drafter cache"].decode_alone(prompt, 40, set()).tokens == greedy
         accepted_any += reference.accepted
     assert max(accepted_any) > 1, "the trained drafter must get drafts accepted, or nothing was compared"
+
+
+# Run in a fresh process (transformers 4.57.1 before this environment's): the fast decode,
+# with and without the drafter cache, the target alone, the full re-run and `generate`.
+DECODE_IN_FRESH_PROCESS = """
+import json, sys, torch, transformers
+from pathlib import Path
+from dflash_train.model.drafter import load_drafter
+from dflash_train.model.fast_decode import FastDecoder
+from dflash_train.model.speculative import speculative_decode
+from dflash_train.model.target import FeatureTap, load_target
+target_dir, export, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+target = load_target(target_dir, "float32", "cpu")
+drafter = load_drafter(Path(export)).eval()
+tap = FeatureTap(target, drafter.target_layer_ids)
+embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+out = {"version": transformers.__version__, "runs": []}
+for prompt in prompts:
+    run = {}
+    for cache in (True, False):
+        decoded = FastDecoder(drafter, tap, embed, head, 256, drafter_cache=cache).decode(prompt, 40, set())
+        run[f"fast_{cache}"] = [decoded.tokens, decoded.accepted]
+    run["alone"] = FastDecoder(drafter, tap, embed, head, 256).decode_alone(prompt, 40, set()).tokens
+    reference = speculative_decode(drafter, tap, embed, head, prompt, 40, set(), kv_cache=False)
+    run["reference"] = [reference.tokens, reference.accepted]
+    with torch.no_grad():
+        run["greedy"] = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    out["runs"].append(run)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(900)  # the first run installs transformers 4.57.1
+@pytest.mark.slow(seconds=12, why="decodes in a new interpreter under transformers 4.57.1 (the first installs it)")
+def test_fast_decode_is_lossless_under_transformers_4_57(trained, legacy_transformers, tmp_path):
+    """The static cache drives transformers' own attention layers through the cache
+    argument 4.57 names `past_key_values` (5.x: `cache`): lossless there too, and with the
+    reference path's acceptance."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(legacy_transformers), os.environ.get("PYTHONPATH")]))}
+    prompts = trained["prompts"][:2]
+    out = subprocess.run([sys.executable, "-c", DECODE_IN_FRESH_PROCESS, str(trained["assets"].target_dir),
+                          str(trained["export"]), json.dumps(prompts)],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["version"] == LEGACY_TRANSFORMERS.split("==")[1]
+    for prompt, run in zip(prompts, result["runs"]):
+        assert run["greedy"] == _greedy(trained["target"], prompt, 40)  # the same target as here
+        assert run["reference"][0] == run["greedy"] == run["alone"]
+        assert run["fast_True"] == run["fast_False"] == run["reference"]
+    assert max(a for run in result["runs"] for a in run["reference"][1]) > 1
 
 
 @pytest.mark.timeout(600)
