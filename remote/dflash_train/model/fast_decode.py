@@ -19,6 +19,11 @@ positions (prompt + new tokens + a block):
   step) are CUDA graphs (compiling/decode_graphs.py), captured at the first decode; the
   prefill, whose length varies, runs eagerly. Elsewhere the same functions run eagerly.
 
+Stale entries in the buffers (a previous prompt's, a capture's warm-up runs') are never
+read: every position a step attends to was written for the prompt being decoded. They
+stay finite (the buffers start zeroed), which matters: SDPA adds its mask to the scores,
+so a masked NaN key would still poison a row.
+
 `decode` is lossless: the tokens are the target's greedy decode, and the acceptance is
 the reference path's (model/speculative.py `speculative_decode`), which the tests check.
 `decode_alone` is the baseline of the speed-up: the target alone through the same static
@@ -39,6 +44,9 @@ from .drafter import DFlashDrafter
 from .objective import dense_block_mask
 from .static_target import StaticTarget
 from .target import FeatureTap
+
+
+Probe = Callable[[str, Callable[[], None]], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +164,16 @@ class FastDecoder:
 
     @torch.inference_mode()
     def decode(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
-               on_step: Callable[[], None] = lambda: None) -> Decoded:
-        """`on_step` runs after every verify step (progress reports; it may raise to stop)."""
+               on_step: Callable[[], None] = lambda: None, probe: Probe | None = None) -> Decoded:
+        """`on_step` runs after every verify step (progress reports; it may raise to stop).
+        `probe(name, step)`, when given, runs each step ("draft", "verify") in its place: a
+        bench times them with it."""
         self._check_room(prompt, max_new_tokens)
+        # Before the prefill: a first use captures the steps, whose warm-up runs move the state
+        # on (the prefill then sets all of it).
+        # Without the drafter cache the draft's shape grows with the context: never graphed.
+        draft = self._step("draft", self._draft) if self.drafter_kv is not None else self._draft
+        verify = self._step("verify", self._verify)
         first, features = self._prefill(prompt, features=True)
         assert features is not None
         if self.drafter_kv is not None:
@@ -169,12 +184,11 @@ class FastDecoder:
         self.verified_start.fill_(len(prompt))  # the first draft's context extension is overwritten by its block
         self.features.zero_()
         self.block[0, 0] = first
-        # without the drafter cache the draft's shape grows with the context: never graphed
-        draft = self._step("draft", self._draft) if self.drafter_kv is not None else self._draft
-        verify = self._step("verify", self._verify)
         tokens, accepted, size = [first], [], self.block_size
         _sync(self.device)
         started = time.perf_counter()
+        if probe is not None:
+            draft, verify = (lambda step=draft: probe("draft", step)), (lambda step=verify: probe("verify", step))
         while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
             draft()
             verify()
@@ -204,10 +218,10 @@ class FastDecoder:
                      on_step: Callable[[], None] = lambda: None) -> Decoded:
         """The target's greedy decode, one token a forward; `on_step` after every forward."""
         self._check_room(prompt, max_new_tokens)
+        step = self._step("alone", self._alone)  # before the prefill, as in `decode`
         first, _ = self._prefill(prompt, features=False)
         self.token.fill_(first)
         self.position.fill_(len(prompt))
-        step = self._step("alone", self._alone)
         tokens = [first]
         _sync(self.device)
         started = time.perf_counter()
