@@ -384,7 +384,7 @@ def _in_a_thread(work):
 def _near_tie(target, prompt: list[int], agreed: list[int], ours: int, theirs: int) -> bool:
     """Whether the target's logits after prompt + agreed put `ours` and `theirs` within
     2**-6 of the larger's magnitude (about two bf16 ulps): where a different kernel order
-    may pick either (bench/eval_kv.py says the same of its cached and uncached modes)."""
+    may pick either (bench/eval_speed.py says the same of its decodes)."""
     with torch.no_grad():
         logits = target(torch.tensor([prompt + agreed], device=target.device)).logits[0, -1].float()
     a, b = float(logits[ours]), float(logits[theirs])

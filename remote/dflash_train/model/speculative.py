@@ -7,14 +7,14 @@ longest agreeing prefix is accepted plus the target's own next token (the bonus)
 the features of the accepted positions become context. The output is exactly the
 target's greedy decode (lossless), which the tests check.
 
-Verification keeps the target's KV cache (a transformers DynamicCache): the prompt is
-prefilled once, each verify forward runs only the block's positions, and the cache is
-cut back to the accepted length after it (the rejected drafts' entries dropped). The
-tapped features of a verify forward then cover only the block, and the accepted ones
-are appended to the drafter's context. `kv_cache=False` re-runs the target over the
-whole sequence at every verify instead: the same tokens and acceptance, for comparison
-(tests, bench/eval_kv.py). The drafter re-projects its whole context at each block, as
-the training forward does (no drafter cache).
+Two paths decode this way. `evaluate` (the evaluator of training runs, `job: evaluate`)
+runs the fast one, model/fast_decode.py: static KV caches, the drafter's context keys
+and values kept, CUDA graphs on CUDA. `speculative_decode` here is the reference the
+tests hold it to: the target keeps a transformers DynamicCache (the prompt prefilled
+once, each verify forward runs only the block's positions, the cache cut back to the
+accepted length after it), or with `kv_cache=False` re-runs the whole sequence at every
+verify; its drafter re-projects the whole context at each block, as the training forward
+does.
 
 Acceptance, counted as the reference benchmark (z-lab/dflash `benchmark.py`) counts it:
 each verify forward gains the accepted drafts plus the bonus token (1 = no draft
@@ -23,6 +23,12 @@ accepted); the first token, from the prefill, belongs to no verify forward. Two 
 (pooled: long answers weigh more), and `mean_per_prompt`, each prompt's own mean
 averaged over the prompts (the reference's "Average Acceptance length"). Decoding ends
 at the first end token, wherever it lands in a gained block, as the reference's does.
+
+The speed-up (`evaluate(..., speedup=True)`), as the reference benchmark prints it: each
+prompt is decoded again by the target alone through the same fast path (static cache,
+graphs, greedy, one token a forward); each decode's time per token after its prefill is
+averaged over the prompts; tokens/s is one over that mean, and the speed-up the target
+alone's mean over the speculative one.
 """
 from __future__ import annotations
 
@@ -102,7 +108,7 @@ def speculative_decode(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: to
                        stop_ids: set[int], on_step: Callable[[], None] = lambda: None,
                        kv_cache: bool = True) -> Decoded:
     """`on_step` runs after every verify forward (progress reports; it may raise to stop).
-    `lm_head_weight` should have the drafter's dtype (`evaluate` casts it once); another
+    `lm_head_weight` should have the drafter's dtype (FastDecoder casts its own once); another
     dtype is cast for every drafted block."""
     device = embed_weight.device
     cache = DynamicCache() if kv_cache else None
