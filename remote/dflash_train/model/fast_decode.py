@@ -16,8 +16,9 @@ positions (prompt + new tokens + a block):
   moves the anchor position and token itself, so the host reads one small tensor a step
   (the drafts and the target's verdict: the tokens gained) and launches the next;
 * on CUDA, with `cuda_graphs`, the draft step and the verify step (and the target-alone
-  step) are CUDA graphs (compiling/decode_graphs.py), captured at the first decode; the
-  prefill, whose length varies, runs eagerly. Elsewhere the same functions run eagerly.
+  step) are CUDA graphs (compiling/decode_graphs.py), captured by `capture` (a training
+  run's evaluator, in start-up) or at the first decode; the prefill, whose length
+  varies, runs eagerly. Elsewhere the same functions run eagerly.
 
 Stale entries in the buffers (a previous prompt's, a capture's warm-up runs') are never
 read: every position a step attends to was written for the prompt being decoded. They
@@ -119,6 +120,17 @@ class FastDecoder:
         if name not in self._steps:
             self._steps[name] = graphed(step, self.device) if self.cuda_graphs else step
         return self._steps[name]
+
+    @torch.inference_mode()
+    def capture(self, alone: bool = True) -> None:
+        """Capture the steps' graphs now (no-op without them), rather than at the first
+        decode: a training run's evaluator does it in start-up, before other threads run
+        on the GPU. `alone`: the target-alone step's too."""
+        if self.drafter_kv is not None:
+            self._step("draft", self._draft)
+        self._step("verify", self._verify)
+        if alone:
+            self._step("alone", self._alone)
 
     def _check_room(self, prompt: list[int], max_new_tokens: int) -> None:
         need = len(prompt) + max_new_tokens + self.block_size
