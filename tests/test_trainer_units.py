@@ -414,6 +414,40 @@ def test_an_eval_fault_fires_for_the_evaluation_of_its_step_a_resumed_runs_basel
     assert [(e["type"], e["step"], e["baseline"]) for e in measured] == [("eval", 3, True)]
 
 
+def test_a_training_evaluation_reports_the_speedup_when_eval_speedup_asks(tiny_assets, tmp_path):
+    """eval.speedup: the eval event adds both tokens/s and their ratio (valid against the
+    event schema); without it, neither."""
+    import dflash_events
+
+    from dflash_train.config import EvalConfig
+    from dflash_train.faults import FaultInjector
+    from dflash_train.model.drafter import cpu_weights
+    from dflash_train.model.target import FeatureTap, load_target
+    from dflash_train.runlog import ErrorLog, EventLog, ThreadNames
+    from dflash_train.threads import StopLatch
+    from dflash_train.training.schedule import EvalRequest, Evaluator
+
+    target = load_target(str(tiny_assets.target_dir), "float32", "cpu")
+    spec = DrafterConfig(num_layers=1, block_size=4, num_anchors=4)
+    drafter = DFlashDrafter(drafter_hf_config(target.config, spec, (1, 3), mask_token_id=4))
+    events = EventLog(tmp_path / "events.jsonl")
+    latch = StopLatch(ErrorLog(tmp_path / "errors.jsonl"), ThreadNames(tmp_path / "threads.json"))
+    for speedup in (True, False):
+        evaluator = Evaluator(events, latch, FaultInjector((), attempt=0), EvalConfig(max_new_tokens=12, speedup=speedup),
+                              drafter.config, FeatureTap(target, (1, 3)), "cpu", target.get_input_embeddings().weight,
+                              target.get_output_embeddings().weight, [[2, 6, 20, 30, 40, 3, 2, 7], [2, 9]], set())
+        evaluator.measure(EvalRequest(0, cpu_weights(drafter), baseline=True))
+    timed, plain = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    for event in (timed, plain):
+        dflash_events.check(event)
+        assert event["cuda_graphs"] is False
+    assert timed["tokens_per_s"] > 0 and timed["target_tokens_per_s"] > 0
+    assert timed["speedup"] == pytest.approx(timed["tokens_per_s"] / timed["target_tokens_per_s"], abs=0.01)
+    assert not {"tokens_per_s", "target_tokens_per_s", "speedup"} & set(plain)
+    assert {k: timed[k] for k in plain if k not in ("ts", "seconds")} == \
+        {k: plain[k] for k in plain if k not in ("ts", "seconds")}
+
+
 # --- logging, errors, checkpoints ----------------------------------------------------
 
 def test_line_writer_never_mixes_threads_inside_a_line(tmp_path):
