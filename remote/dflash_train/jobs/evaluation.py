@@ -45,8 +45,13 @@ class EvaluationJob(JobControl):
         self.verify_steps = 0
 
     def _stepped(self) -> None:
-        """After every verify forward: act on a signal, and send a heartbeat when due."""
+        """After every verify forward: count it, then as after any forward."""
         self.verify_steps += 1
+        self._forwarded()
+
+    def _forwarded(self) -> None:
+        """After every forward (the target alone's too): act on a signal, and send a
+        heartbeat when due."""
         self.latch.progressed()
         self.act_on_signal("stopping")
         self.latch.check()
@@ -98,7 +103,7 @@ class EvaluationJob(JobControl):
         self._set_phase("eval")
         started = time.perf_counter()
         result = evaluate(decoder, prompts, self.spec.max_new_tokens, stop_ids(tokenizer), on_step=self._stepped,
-                          speedup=self.spec.speedup)
+                          speedup=self.spec.speedup, on_target_step=self._forwarded)
         fields = {**result.fields(time.perf_counter() - started), "drafter": str(drafter_dir),
                   "prompts_file": str(prompts_path), "max_new_tokens": self.spec.max_new_tokens,
                   "cuda_graphs": decoder.cuda_graphs}

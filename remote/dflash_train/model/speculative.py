@@ -148,10 +148,12 @@ def _mean(values: list[float]) -> float:
 
 
 def evaluate(decoder: FastDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-             on_step: Callable[[], None] = lambda: None, speedup: bool = False) -> EvalResult:
-    """Acceptance over `prompts`, decoded by `decoder` (the fast path). With `speedup`,
-    every prompt is also decoded by the target alone, and both are timed: a warm-up of
-    each (its CUDA graphs captured) on the first prompt comes first."""
+             on_step: Callable[[], None] = lambda: None, speedup: bool = False,
+             on_target_step: Callable[[], None] | None = None) -> EvalResult:
+    """Acceptance over `prompts`, decoded by `decoder` (the fast path); `on_step` after
+    every verify step. With `speedup`, every prompt is also decoded by the target alone
+    (`on_target_step` after each of its forwards; default `on_step`), and both are timed:
+    a warm-up of each (its CUDA graphs captured) on the first prompt comes first."""
     if speedup and prompts:
         decoder.decode(prompts[0], min(max_new_tokens, 2 * decoder.block_size), stop_ids)
         decoder.decode_alone(prompts[0], min(max_new_tokens, 8), stop_ids)
@@ -163,7 +165,7 @@ def evaluate(decoder: FastDecoder, prompts: list[list[int]], max_new_tokens: int
         steps += len(decoded.accepted)
         new_tokens += sum(decoded.accepted)
         if speedup:
-            alone = decoder.decode_alone(prompt, max_new_tokens, stop_ids, on_step)
+            alone = decoder.decode_alone(prompt, max_new_tokens, stop_ids, on_target_step or on_step)
             spec, base = _time_per_token(decoded), _time_per_token(alone)
             if spec is not None and base is not None:
                 spec_times.append(spec)
