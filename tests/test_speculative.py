@@ -169,6 +169,49 @@ def test_fast_decode_is_lossless_under_transformers_4_57(trained, legacy_transfo
     assert max(a for run in result["runs"] for a in run["reference"][1]) > 1
 
 
+def _random_target(model_type: str, **extra):
+    """A tiny random target of `model_type` (transformers' own class for it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  max_position_embeddings=512, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
+def test_the_fast_decode_runs_every_family_it_claims_losslessly(model_type):
+    """The static target's layer loop is the base model's forward for every supported
+    family: the target alone and the speculative decode (a random drafter, with and
+    without its cache) decode `generate`'s tokens."""
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+    from dflash_train.model.fast_decode import FastDecoder
+    from dflash_train.model.static_target import SUPPORTED
+    from dflash_train.model.target import FeatureTap
+
+    assert model_type in SUPPORTED
+    target = _random_target(model_type)
+    drafter = DFlashDrafter(drafter_hf_config(target.config, DrafterConfig(num_layers=1, block_size=4), (1, 3), 5))
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    tap = FeatureTap(target, (1, 3))
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    prompt = [3, 9, 11, 20, 7, 8]
+    greedy = _greedy(target, prompt, 24)
+    for cache in (True, False):
+        decoder = FastDecoder(drafter.eval(), tap, embed, head, 64, drafter_cache=cache)
+        assert decoder.decode(prompt, 24, set()).tokens == greedy
+        assert decoder.decode_alone(prompt, 24, set()).tokens == greedy
+
+
+def test_the_fast_decode_refuses_a_target_its_layer_loop_is_not_the_forward_of():
+    from dflash_train.model.static_target import static_refusal
+    assert static_refusal(_random_target("qwen3").config) is None
+    assert "sliding-window" in static_refusal(_random_target("qwen2", use_sliding_window=True, sliding_window=16,
+                                                             max_window_layers=2).config)
+    assert "'gemma'" in static_refusal(_random_target("gemma").config)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.slow(seconds=1, why="speculative decoding on CPU with the module's trained drafter")
 def test_the_fast_decode_refuses_a_prompt_its_buffers_cannot_hold(trained):
