@@ -155,7 +155,7 @@ def test_a_fault_naming_an_exception_is_checked(tmp_path, fault, message):
 
 
 def test_a_fault_raises_the_exception_it_names_deep_and_an_unknown_one_fails_the_start():
-    from dflash_train.config import EvalConfig, FaultSpec
+    from dflash_train.config import FaultSpec
     from dflash_train.faults import FaultInjector
 
     spec = FaultSpec(thread="drafter-1", at="step:2", kind="raise", depth=5, exception="torch.OutOfMemoryError",
@@ -716,7 +716,7 @@ class StepLog:
 
 
 def test_a_step_runs_each_micro_batch_in_turn_and_takes_a_drafters_faults_at_its_first():
-    from dflash_train.config import EvalConfig, FaultSpec
+    from dflash_train.config import FaultSpec
     from dflash_train.faults import FaultInjector, InjectedFault
     from dflash_train.training.step import training_step
 
