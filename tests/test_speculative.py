@@ -204,12 +204,33 @@ def test_the_fast_decode_runs_every_family_it_claims_losslessly(model_type):
         assert decoder.decode_alone(prompt, 24, set()).tokens == greedy
 
 
-def test_the_fast_decode_refuses_a_target_its_layer_loop_is_not_the_forward_of():
+def test_a_target_the_fast_decode_refuses_is_evaluated_by_the_reference_path_losslessly():
+    """A family whose forward the layer loop is not (or sliding-window layers) is refused,
+    and the evaluator decodes it the reference way instead: still the target's greedy
+    decode, the target alone and the speed-up included."""
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+    from dflash_train.model.fast_decode import FastDecoder
+    from dflash_train.model.speculative import ReferenceDecoder, evaluate, evaluation_decoder
     from dflash_train.model.static_target import static_refusal
+    from dflash_train.model.target import FeatureTap
+
     assert static_refusal(_random_target("qwen3").config) is None
     assert "sliding-window" in static_refusal(_random_target("qwen2", use_sliding_window=True, sliding_window=16,
                                                              max_window_layers=2).config)
-    assert "'gemma'" in static_refusal(_random_target("gemma").config)
+    target = _random_target("gemma")
+    drafter = DFlashDrafter(drafter_hf_config(target.config, DrafterConfig(num_layers=1, block_size=4), (1, 3), 5))
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    tap = FeatureTap(target, (1, 3))
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    with pytest.raises(ValueError, match="'gemma'"):
+        FastDecoder(drafter.eval(), tap, embed, head, 64)
+    decoder, refused = evaluation_decoder(drafter, tap, embed, head, 64, cuda_graphs=True)
+    assert isinstance(decoder, ReferenceDecoder) and "'gemma'" in refused
+    prompt = [3, 9, 11, 20, 7, 8]
+    greedy = _greedy(target, prompt, 24)
+    assert decoder.decode(prompt, 24, set()).tokens == decoder.decode_alone(prompt, 24, set()).tokens == greedy
+    assert evaluate(decoder, [prompt], 24, set(), speedup=True).speed.speedup > 0
 
 
 @pytest.mark.timeout(600)

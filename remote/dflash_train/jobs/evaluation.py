@@ -25,8 +25,7 @@ from ..config import JobConfig, resolve_path
 from ..data.batches import load_prompts
 from ..devices import canonical, is_cuda
 from ..model.drafter import load_drafter
-from ..model.fast_decode import FastDecoder
-from ..model.speculative import evaluate
+from ..model.speculative import evaluate, evaluation_decoder
 from ..model.target import FeatureTap, load_target
 from ..runlog import EventLog, say
 from ..threads import StopLatch, StopRequested
@@ -95,7 +94,9 @@ class EvaluationJob(JobControl):
         embed = target.get_input_embeddings().weight.detach()
         head = target.get_output_embeddings().weight.detach()
         capacity = max(map(len, prompts)) + self.spec.max_new_tokens + drafter.block_size
-        decoder = FastDecoder(drafter, tap, embed, head, capacity, cuda_graphs=self.spec.cuda_graphs)
+        decoder, refused = evaluation_decoder(drafter, tap, embed, head, capacity, self.spec.cuda_graphs)
+        if refused:
+            say(f"{refused}: decoding with the reference path (transformers' KV cache, eager)")
         say(f"evaluating {drafter_dir} (block {drafter.block_size}, target layers {list(drafter.target_layer_ids)}) "
             f"on {len(prompts)} prompts of {prompts_path}, max_new_tokens {self.spec.max_new_tokens}, on {device}"
             f"{', CUDA graphs' if decoder.cuda_graphs else ''}"

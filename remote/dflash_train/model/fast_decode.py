@@ -57,7 +57,8 @@ class Decoded:
     seconds: float = 0.0  # the decode after the prefill (the first token), device synchronised
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's work (on CUDA), so that a host clock times it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -197,7 +198,7 @@ class FastDecoder:
         self.features.zero_()
         self.block[0, 0] = first
         tokens, accepted, size = [first], [], self.block_size
-        _sync(self.device)
+        synchronize(self.device)
         started = time.perf_counter()
         if probe is not None:
             draft, verify = (lambda step=draft: probe("draft", step)), (lambda step=verify: probe("verify", step))
@@ -235,7 +236,7 @@ class FastDecoder:
         self.token.fill_(first)
         self.position.fill_(len(prompt))
         tokens = [first]
-        _sync(self.device)
+        synchronize(self.device)
         started = time.perf_counter()
         while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
             step()

@@ -33,13 +33,15 @@ alone's mean over the speculative one.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
 
 from .drafter import DFlashDrafter
-from .fast_decode import Decoded, FastDecoder, accepted_length, draft_tokens
+from .fast_decode import Decoded, FastDecoder, accepted_length, draft_tokens, synchronize
+from .static_target import static_refusal
 from .target import FeatureTap
 
 
@@ -116,6 +118,7 @@ def speculative_decode(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: to
     tokens = [int(logits[0, -1].argmax())]
     del logits  # (1, prompt, V): not kept through the decode
     accepted: list[int] = []
+    started = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         start = len(prompt) + len(tokens) - 1  # position of the newest token: the anchor
         draft = draft_block(drafter, embed_weight, lm_head_weight, context, tokens[-1])
@@ -135,7 +138,53 @@ def speculative_decode(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: to
         stop = next((i for i, token in enumerate(gained) if token in stop_ids), None)
         tokens += gained if stop is None else gained[:stop + 1]
         on_step()
-    return Decoded(tokens[:max_new_tokens], accepted)
+    synchronize(device)
+    return Decoded(tokens[:max_new_tokens], accepted, time.perf_counter() - started)
+
+
+class ReferenceDecoder:
+    """FastDecoder's interface over the reference path (transformers' DynamicCache, eager,
+    no drafter cache): what the evaluator decodes with for a target whose forward the fast
+    decode's layer loop is not (static_target.static_refusal)."""
+
+    cuda_graphs = False
+
+    def __init__(self, drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor):
+        self.drafter, self.tap, self.embed = drafter, tap, embed_weight
+        self.head = lm_head_weight.to(drafter.fc.weight.dtype)
+        self.block_size = drafter.block_size
+
+    def capture(self, alone: bool = True) -> None:
+        """Nothing to capture: the reference path runs eagerly."""
+
+    def decode(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+               on_step: Callable[[], None] = lambda: None) -> Decoded:
+        return speculative_decode(self.drafter, self.tap, self.embed, self.head, prompt, max_new_tokens, stop_ids,
+                                  on_step)
+
+    @torch.inference_mode()
+    def decode_alone(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+                     on_step: Callable[[], None] = lambda: None) -> Decoded:
+        """The target's greedy decode with its DynamicCache, one token a forward."""
+        device, cache = self.embed.device, DynamicCache()
+        logits, _ = self.tap.logits_and_features(torch.tensor([prompt], device=device), cache)
+        tokens = [int(logits[0, -1].argmax())]
+        started = time.perf_counter()
+        while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+            logits, _ = self.tap.logits_and_features(torch.tensor([tokens[-1:]], device=device), cache)
+            tokens.append(int(logits[0, -1].argmax()))
+            on_step()
+        return Decoded(tokens, [], time.perf_counter() - started)
+
+
+def evaluation_decoder(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor,
+                       lm_head_weight: torch.Tensor, capacity: int,
+                       cuda_graphs: bool) -> tuple[FastDecoder | ReferenceDecoder, str | None]:
+    """The fast decoder for `capacity` positions, or the reference one and why not."""
+    if problem := static_refusal(tap.model.config):
+        return ReferenceDecoder(drafter, tap, embed_weight, lm_head_weight), problem
+    return FastDecoder(drafter, tap, embed_weight, lm_head_weight, capacity, cuda_graphs=cuda_graphs), None
 
 
 def _time_per_token(decoded: Decoded) -> float | None:
@@ -147,7 +196,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def evaluate(decoder: FastDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+def evaluate(decoder: FastDecoder | ReferenceDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
              on_step: Callable[[], None] = lambda: None, speedup: bool = False,
              on_target_step: Callable[[], None] | None = None) -> EvalResult:
     """Acceptance over `prompts`, decoded by `decoder` (the fast path); `on_step` after

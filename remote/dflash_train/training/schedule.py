@@ -23,8 +23,7 @@ from ..config import EvalConfig, resolved_yaml
 from ..devices import is_cuda
 from ..faults import FaultInjector
 from ..model.drafter import DFlashDrafter, cpu_weights, export_drafter
-from ..model.fast_decode import FastDecoder
-from ..model.speculative import evaluate
+from ..model.speculative import evaluate, evaluation_decoder
 from ..model.target import FeatureTap
 from ..runlog import EventLog, say
 from ..threads import StopLatch, StoppableQueue
@@ -54,7 +53,9 @@ class Evaluator:
         # serve every evaluation; a snapshot is loaded into this drafter's tensors in place.
         self.drafter = DFlashDrafter(hf_config).to(device).eval()
         capacity = max(map(len, prompts), default=0) + spec.max_new_tokens + self.drafter.block_size
-        self.decoder = FastDecoder(self.drafter, tap, embed, head, capacity, cuda_graphs=spec.cuda_graphs)
+        self.decoder, refused = evaluation_decoder(self.drafter, tap, embed, head, capacity, spec.cuda_graphs)
+        if refused:
+            say(f"evaluation: {refused}: decoding with the reference path (transformers' KV cache, eager)")
         # Start-up runs in the main thread before the pipeline's threads start: a capture
         # then overlaps no other thread's work on the GPU (docs/cuda-graphs-in-threads.md).
         self.decoder.capture(alone=spec.speedup)
