@@ -204,6 +204,30 @@ def test_the_fast_decode_runs_every_family_it_claims_losslessly(model_type):
         assert decoder.decode_alone(prompt, 24, set()).tokens == greedy
 
 
+def test_a_target_whose_layer_types_have_their_own_rope_gets_a_drafter_that_decodes_losslessly():
+    """Gemma 3 keeps RoPE parameters per layer type ({full_attention: ..., sliding_attention:
+    ...}): the drafter takes its full-attention layers' (it attends to its whole context),
+    and the target's sliding-window layers send its evaluation down the reference path."""
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+    from dflash_train.model.speculative import ReferenceDecoder, evaluation_decoder
+    from dflash_train.model.target import FeatureTap
+
+    target = _random_target("gemma3_text", sliding_window=4, rope_theta=10000.0)
+    per_type = target.config.rope_parameters
+    assert set(per_type) == {"full_attention", "sliding_attention"}
+    config = drafter_hf_config(target.config, DrafterConfig(num_layers=1, block_size=4), (1, 3), 5)
+    assert config.rope_parameters == per_type["full_attention"]
+    drafter = DFlashDrafter(config)
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    tap = FeatureTap(target, (1, 3))
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    decoder, refused = evaluation_decoder(drafter, tap, embed, head, 64, cuda_graphs=True)
+    assert isinstance(decoder, ReferenceDecoder), refused
+    prompt = [3, 9, 11, 20, 7, 8]
+    assert decoder.decode(prompt, 24, set()).tokens == _greedy(target, prompt, 24)
+
+
 def test_a_target_the_fast_decode_refuses_is_evaluated_by_the_reference_path_losslessly():
     """A family whose forward the layer loop is not (or sliding-window layers) is refused,
     and the evaluator decodes it the reference way instead: still the target's greedy

@@ -32,6 +32,15 @@ def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, .
     return tuple(int(round(start + i * (end - start) / (count - 1))) for i in range(count))
 
 
+def full_attention_rope(parameters: dict | None) -> dict | None:
+    """The target's RoPE parameters as one set: a target whose layers differ by type (Gemma
+    3: `{"full_attention": {...}, "sliding_attention": {...}}`) gives its full-attention
+    layers' set, the layers the drafter's attention over the whole context is like."""
+    if isinstance(parameters, dict) and isinstance(parameters.get("full_attention"), dict):
+        return dict(parameters["full_attention"])
+    return parameters
+
+
 def drafter_hf_config(target_config: Any, spec: DrafterConfig, layer_ids: tuple[int, ...],
                       mask_token_id: int) -> Qwen3Config:
     """Qwen3 fields from the target, plus the DFlash fields under the names the public
@@ -50,7 +59,7 @@ def drafter_hf_config(target_config: Any, spec: DrafterConfig, layer_ids: tuple[
         hidden_act=getattr(target_config, "hidden_act", "silu"),
         max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-        rope_parameters=getattr(target_config, "rope_parameters", None),
+        rope_parameters=full_attention_rope(getattr(target_config, "rope_parameters", None)),
         attention_bias=False,
         tie_word_embeddings=False,
         architectures=["DFlashDraftModel"],
