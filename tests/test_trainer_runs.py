@@ -382,6 +382,62 @@ compile: default
     assert all("other shape(s) of the data run them" in line for line in lines if "train step built" in line)
 
 
+# Decoder-only families transformers ships with hidden states, and what each needs beyond
+# the common tiny shape (MoE: a few small experts).
+FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {}, "phi3": {}, "gemma2": {}, "gemma3_text": {"sliding_window": 16},
+            "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+            "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                          "shared_expert_intermediate_size": 64},
+            "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2}}
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> tuple:
+    """The tiny target's tokenizer, training conversations and prompts (made once)."""
+    from dflash_train.config import SyntheticDataSpec, TinyTargetSpec
+    from dflash_train.data.tiny import _build_tokenizer, ensure_tiny_assets
+
+    assets = ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=64, num_eval=2),
+                                tmp_path_factory.mktemp("tiny-data"))
+    return _build_tokenizer(TinyTargetSpec()), assets
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.slow(seconds=3, why="a trainer run on CPU per family")
+def test_a_target_of_each_family_trains_evaluates_and_exports(launch, tiny_data, tmp_path, family):
+    # A random target of the family saved with save_pretrained, loaded by the trainer from its
+    # folder: the drafter takes its shape, RoPE and features; evaluation picks its decode path.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer, assets = tiny_data
+    config = AutoConfig.for_model(
+        family, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=False, **FAMILIES[family])
+    torch.manual_seed(0)
+    folder = tmp_path / "target"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    run = launch(f"""
+target: {{path: {folder}}}
+data: {{train: {assets.train_path}, eval: {assets.eval_path}, max_length: 128, token_budget: 512, pad_multiple: 16}}
+drafter: {{num_layers: 1, block_size: 4, num_anchors: 8, num_target_features: 2}}
+devices: {{target: [cpu], drafters: [cpu, cpu]}}
+runtime: {{heartbeat_s: 0.5, torch_threads: 1}}
+optim: {{max_steps: 4}}
+eval: {{num_prompts: 2, max_new_tokens: 8, at_start: false}}
+""", run_id=family)
+    assert run.wait(180) == 0, run.log()[-3000:]
+    assert [e["step"] for e in run.events("step")][-1] == 4
+    (final,) = run.events("eval")
+    assert final["step"] == 4 and final["verify_steps"] > 0
+    exported = json.loads((run.run_dir / "export" / "config.json").read_text())
+    assert exported["num_target_layers"] == 6 and exported["hidden_size"] == 64
+
+
 @pytest.mark.timeout(60)
 def test_a_bad_config_is_a_recorded_failure(launch):
     run = launch(SMALL + "optim: {lr: -1}\n")
