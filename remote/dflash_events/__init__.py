@@ -183,6 +183,8 @@ EVAL = EventType("eval", "The drafter's acceptance length on the eval prompts: i
                      optional("prompts_file", STR, "evaluate: the prompts file"),
                      optional("max_new_tokens", INT, "evaluate: tokens decoded at most per prompt"),
                      optional("cuda_graphs", BOOL, "whether the decode's steps ran as CUDA graphs (never on CPU)"),
+                     optional("compiled", BOOL, "whether the decode's steps ran compiled by torch.compile "
+                              "(`compile_steps`; never on CPU)"),
                      optional("tokens_per_s", NUMBER, "with the speed-up (`speedup` of eval or evaluate): "
                               "speculative decoding's tokens per second, 1 / the mean over prompts of the time "
                               "per token after the prefill (the reference benchmark's throughput)"),
