@@ -43,13 +43,9 @@ def _fail(ctx: click.Context, exc: DflashError) -> None:
 
 
 def _chosen_run(session: Session, run_id: str | None, host_name: str | None, reach: Reach) -> RunRef:
-    """RUN and --host as resolve_run reads them. Without --host the local records chose the
-    run's hosts, and the inventory may have lost one since: a verb that cannot do without
-    it (`reach`) is refused naming the run, the host and the inventory."""
-    ref = resolve_run(session.logs_dir, run_id, host_name)
-    if host_name is None:
-        run_hosts.check(session, ref, reach)
-    return ref
+    """RUN and --host of the command running, as run_hosts.chosen_run reads them."""
+    verb = click.get_current_context().info_name
+    return run_hosts.chosen_run(session, run_id, host_name, reach, naming=f"dflash {verb} RUN --host HOST")
 
 
 def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -417,7 +413,8 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     """
     from .commands import plot
 
-    refs = [resolve_run(session.logs_dir, run_id, host_name) for run_id in run_ids or [None]]
+    refs = [resolve_run(session.logs_dir, run_id, host_name, naming="dflash plot RUN --host HOST")
+            for run_id in run_ids or [None]]
     for ref in refs:  # the events mirrored here are drawn all the same
         if note := run_hosts.note_left(session, ref):
             console.warn(note)
