@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import json
 
-from rich.table import Table
-from rich.text import Text
-
 from dflash_agent.protocol import RunState, RunStatus, StatusReply
 
 from .. import console, multihost, provenance, run_hosts
@@ -14,36 +11,34 @@ from ..local_state import RunRef, latest_host
 from ..multihost import HostStatus
 from ..release_store import ReleaseStore, change_since
 from ..session import Session
+from ..tables import Column, FittedTable
 
-_COLUMNS = ["state", "step", "errors", "started", "ended", "release"]
+# Shown in this order; left out, at a narrow terminal, from the highest priority down.
+_STATE = [Column("state", 1), Column("step", 2, wrap=True), Column("errors", 3), Column("started", 6),
+          Column("ended", 8)]
+_CHANGES = [Column("source", 4), Column("changed since previous run", 5, wrap=True)]
 
 
-def runs_table(title: str, runs: list[RunStatus], changes: dict[str, dict] | None = None) -> Table:
+def runs_table(title: str, runs: list[RunStatus], changes: dict[str, dict] | None = None) -> FittedTable:
     """One row per run; with `changes` (run id -> change_since's record), two more
     columns: the source commit (`*`: uncommitted changes) and what changed since the run
     before."""
-    table = Table(title=title, title_justify="left")
-    for column in ["run", *_COLUMNS] + (["source", "changed since previous run"] if changes is not None else []):
-        table.add_column(column)
+    columns = [Column("run", 0), *_STATE, Column("release", 7)] + (_CHANGES if changes is not None else [])
+    rows = []
     for r in runs:
         cells = [r.run_id, *_status_cells(r.state, r)]
         if changes is not None:
             cells += [source_commit(r.source), changes.get(r.run_id, {}).get("text", "")]
-        table.add_row(*map(Text, cells))  # plain text: run names may hold [brackets]
-    return table
+        rows.append(cells)
+    return FittedTable(title, columns, rows)
 
 
-def hosts_table(title: str, hosts: list[HostStatus]) -> Table:
+def hosts_table(title: str, hosts: list[HostStatus]) -> FittedTable:
     """One row per host of a run on several hosts; a host that could not be asked shows
     why in the release column."""
-    table = Table(title=title, title_justify="left")
-    for column in ["host", *_COLUMNS]:
-        table.add_column(column)
-    for h in hosts:
-        cells = [h.host, *(_status_cells(h.state, h.status) if h.status else
-                           [multihost.UNKNOWN, "", "0", "", "", h.error or ""])]
-        table.add_row(*map(Text, cells))
-    return table
+    rows = [[h.host, *(_status_cells(h.state, h.status) if h.status else
+                       [multihost.UNKNOWN, "", "0", "", "", h.error or ""])] for h in hosts]
+    return FittedTable(title, [Column("host", 0), *_STATE, Column("release", 4, wrap=True)], rows)
 
 
 def _status_cells(state: RunState, status: RunStatus) -> list[str]:
