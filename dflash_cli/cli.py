@@ -17,7 +17,7 @@ from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, resolve_run
 from .run_hosts import Reach
-from .session import Session
+from .session import DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
 
 
 class _Group(click.Group):
@@ -61,9 +61,9 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--hosts", "hosts_file", envvar="DFLASH_HOSTS", type=click.Path(dir_okay=False),
-              help="Host inventory (default: ./configs/hosts.yaml; env DFLASH_HOSTS).")
-@click.option("--logs-dir", default="logs", envvar="DFLASH_LOGS", show_default=True,
+@click.option("--hosts", "hosts_file", envvar=HOSTS_ENV, type=click.Path(dir_okay=False),
+              help=f"Host inventory (default: ./configs/hosts.yaml; env {HOSTS_ENV}).")
+@click.option("--logs-dir", default=DEFAULT_LOGS, envvar=LOGS_ENV, show_default=True,
               type=click.Path(file_okay=False), help="Where fetched logs and tracebacks are kept.")
 @click.option("--accept-new-host-key", is_flag=True,
               help="Record the SSH host key of a host seen for the first time instead of refusing it.")
@@ -204,10 +204,9 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
                                    master_port=master_port)
     if dry_run:
         sys.exit(launch.dry_run(session, options))
-    ref = launch.run(session, options)
-    console.data(ref.run_id + "\n")
+    launched = launch.run(session, options)
     if follow:
-        sys.exit(_watch_after(session, ref))
+        sys.exit(_watch_after(session, launched.ref))
 
 
 @main.command("resume")
