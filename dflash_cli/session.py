@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
@@ -15,6 +16,11 @@ from .transports import open_transport
 from .transports.base import Transport
 
 T = TypeVar("T")
+
+#: where the inventory and the logs folder are named when not passed (`--hosts`, `--logs-dir`)
+HOSTS_ENV = "DFLASH_HOSTS"
+LOGS_ENV = "DFLASH_LOGS"
+DEFAULT_LOGS = "logs"
 
 
 @dataclasses.dataclass
@@ -32,6 +38,16 @@ class Session:
     def inventory(self) -> Inventory:
         """Read on first use, so `--help` works even with a broken inventory."""
         return load_inventory(self.hosts_file)
+
+    @classmethod
+    def from_environment(cls, hosts_file: str | os.PathLike | None = None, logs_dir: str | os.PathLike | None = None,
+                         accept_new_host_key: bool = False) -> "Session":
+        """A session as the CLI's options make it, for a caller without them (the Python
+        API): what is not passed is taken from DFLASH_HOSTS and DFLASH_LOGS, else the
+        defaults (./configs/hosts.yaml or the built-in `local`, ./logs)."""
+        hosts = os.fspath(hosts_file) if hosts_file is not None else os.environ.get(HOSTS_ENV)
+        logs = logs_dir if logs_dir is not None else os.environ.get(LOGS_ENV, DEFAULT_LOGS)
+        return cls(hosts, Path(logs), accept_new_host_key)
 
     def host(self, name: str) -> Host:
         return self.inventory.get(name)
