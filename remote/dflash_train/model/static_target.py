@@ -16,7 +16,7 @@ attention calls only `update(keys, values, layer_idx, ...)` on the cache object 
 which `StaticKV` provides. That loop is the base model's forward for the decoder-only
 families listed in SUPPORTED (no sliding-window layers, no embedding scaling); the tests
 check it against `generate` token for token. The loop collects the tapped layers' outputs
-itself (the tap's hooks see a forward only inside `FeatureTap.tapped`).
+itself (the tap's hooks record only inside the tap's own forwards).
 
 With `compile_steps`, the decode's fixed-shape forwards (`step=True`: a verify block, the
 target alone's one token) call each decoder layer's forward through `torch.compile`
