@@ -144,6 +144,9 @@ class DataConfig:
     # of one long row: this bounds them (rows_per_micro_batch).
     block_token_budget: int | None = None
     pad_multiple: int = 64  # sequence lengths are padded up to this, to bound the shapes compiled
+    # Passed to the chat template (Qwen3), as job: regenerate's is: what the data was
+    # answered with. false: the generation prompt holds the empty think block, so it is not learnt.
+    enable_thinking: bool | None = None
 
     def __post_init__(self) -> None:
         if (self.train is None) == (self.synthetic is None):
@@ -157,6 +160,10 @@ class DataConfig:
                              f"of max_length ({self.max_length})")
         if self.block_token_budget is not None and self.block_token_budget <= 0:
             raise ValueError(f"block_token_budget must be positive, not {self.block_token_budget}")
+
+    def template_kwargs(self) -> dict[str, bool]:
+        """What the chat template is rendered with, beyond the messages."""
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
     def padded_lengths(self) -> tuple[int, ...]:
         """Every sequence length a micro-batch can have: the multiples of pad_multiple up to

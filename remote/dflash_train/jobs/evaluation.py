@@ -84,7 +84,8 @@ class EvaluationJob(JobControl):
         cores = len(os.sched_getaffinity(0))  # one computing thread: all of them on the CPU
         torch.set_num_threads(self.config.runtime.torch_threads or (min(cores, 8) if is_cuda(device) else cores))
         tokenizer = AutoTokenizer.from_pretrained(target_source)
-        prompts = load_prompts(prompts_path, tokenizer, self.spec.num_prompts or sys.maxsize)
+        template_kwargs = self.config.data.template_kwargs() if self.config.data is not None else {}
+        prompts = load_prompts(prompts_path, tokenizer, self.spec.num_prompts or sys.maxsize, template_kwargs)
         if not prompts:
             raise ValueError(f"evaluate.prompts: {prompts_path} holds no prompt")
         target = load_target(target_source, self.config.target.dtype, device)
