@@ -293,3 +293,22 @@ def test_a_bad_idle_timeout_is_the_launchs_usage_error(host, value):
     assert done.returncode != 0 and reply["kind"] == "usage", reply
     assert f"DFLASH_WARM_IDLE_S={value!r}" in reply["error"] and "--env" in reply["error"]
     assert not host.run_dir("r").exists()
+
+
+@pytest.mark.slow(seconds=35, why=WHY + "; 10 s of waiting for the hung one")
+def test_a_hung_warm_interpreter_is_an_exec_and_is_killed_and_replaced(host):
+    exit3 = host.config("exit3", faults=[{"thread": "coordinator", "at": "startup", "kind": "exit", "code": 3}])
+    host.launch("prime", exit3)
+    host.exit_record("prime")
+    hung = host.ready()
+    os.kill(hung["pid"], signal.SIGSTOP)  # it accepts no connection and answers nothing
+    began = time.monotonic()
+    host.launch("after-hang", exit3)
+    waited_s = time.monotonic() - began
+    record = host.record("after-hang")
+    assert record["started_by"] == "exec"
+    assert record["warm_reason"] == "the warm interpreter did not answer before forking within 10 s (hung)"
+    assert waited_s >= agent_warm.REPLY_TIMEOUT_S
+    assert host.exit_record("after-hang")["exit_code"] == 3
+    wait_until(lambda: not procfs.identity_alive(hung["pid"], hung["start_time"]), 30.0, "the hung one to be killed")
+    assert host.ready()["pid"] != hung["pid"]
