@@ -8,6 +8,7 @@ Each test pays one warm interpreter's imports (about 5 CPU-s here) and one cold 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+import torch
 
 from dflash_agent import procfs
 from dflash_agent import warm as agent_warm
@@ -40,7 +42,10 @@ class Host:
 
     def __init__(self, tmp_path: Path):
         self.tmp = tmp_path
-        self.ws = tmp_path / "ws"
+        # As long as the warm interpreter's socket path allows: <ws>/warm/<key>/sock is
+        # MAX_SOCKET_PATH bytes (where tmp_path leaves room for that).
+        room = agent_warm.MAX_SOCKET_PATH - len(str(tmp_path / "warm" / ("0" * 16) / "sock").encode()) - 1
+        self.ws = tmp_path / ("w" * max(2, room))
         self.release("rel-a")
         self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.runs: List[str] = []
@@ -97,28 +102,40 @@ class Host:
         return dict(found)
 
     def warm_pids(self) -> List[int]:
-        """The live warm interpreters of this workspace (processes running dflash_train.warm on it)."""
-        pids = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                cmdline = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            stat = procfs.read_stat(int(name))
-            if b"dflash_train.warm" in cmdline and str(self.ws).encode() in b" ".join(cmdline) and procfs.is_running(stat):
-                # the interpreter itself (double-forked: no session leader), not a waiter or
-                # trainer forked from it (each leads a session of its own)
-                if stat.session != int(name):
-                    pids.append(int(name))
-        return pids
+        return warm_pids(self.ws)
 
     def cleanup(self) -> None:
         for run_id in self.runs:
             kill_run(self.run_dir(run_id))
-        for pid in self.warm_pids():
+        kill_warm(self.ws)
+
+
+def warm_pids(workspace: Path | str) -> List[int]:
+    """The live warm interpreters of a workspace (processes running dflash_train.warm on it;
+    `workspace` as they name it)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+            stat = procfs.read_stat(int(name))
+        except OSError:
+            continue
+        if b"dflash_train.warm" in cmdline and str(workspace).encode() in b" ".join(cmdline) and procfs.is_running(stat):
+            # the interpreter itself (double-forked: no session leader), not a waiter or
+            # trainer forked from it (each leads a session of its own)
+            if stat.session != int(name):
+                pids.append(int(name))
+    return pids
+
+
+def kill_warm(workspace: Path | str) -> None:
+    for pid in warm_pids(workspace):
+        try:
             os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture
@@ -156,6 +173,7 @@ def test_a_launch_forked_by_the_warm_interpreter_is_the_run_an_exec_would_be(hos
     assert "not using the warm interpreter: no warm interpreter" in agent_log
     info = host.ready()
     assert "started the warm interpreter (pid %d" % info["pid"] in (host.run_dir("cold") / "agent.log").read_text()
+    assert len(host.place().file("sock").encode()) == agent_warm.MAX_SOCKET_PATH
 
     warm_s = timed_first_step(host, "warm", hang)
     record = host.record("warm")
@@ -228,22 +246,66 @@ def test_a_dead_warm_interpreter_is_an_exec_with_the_reason_and_is_replaced(host
     assert record["warm_reason"].startswith("the warm interpreter is gone (")
     assert host.exit_record("after-kill")["exit_code"] == 3
     assert "not using the warm interpreter: the warm interpreter is gone" in (host.run_dir("after-kill") / "agent.log").read_text()
-    second = host.ready()
-    assert second["pid"] != first["pid"]
+    assert host.ready()["pid"] != first["pid"]
 
-    # torch "upgraded" under it: its version file is not the one it imported.
-    marker = Path(second["torch"]["path"])
-    stamp = marker.stat()
-    os.utime(marker, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000_000))
-    try:
-        host.launch("upgraded", exit3)
-    finally:
-        os.utime(marker, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+
+def torch_overlay(root: Path) -> Path:
+    """A folder for PYTHONPATH whose `torch` package is the real one, entry by entry
+    (symlinks), but for its version file, a copy that a test may rewrite: a torch
+    "upgraded" under a process that imported it. Nothing of the real one is written to:
+    __pycache__ is a folder of links without version's."""
+    real = Path(torch.__file__).parent
+    package = root / "torch"
+    package.mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name == "version.py":
+            shutil.copy2(entry, package / entry.name)
+        elif entry.name == "__pycache__":
+            (package / entry.name).mkdir()
+            for compiled in entry.iterdir():
+                if not compiled.name.startswith("version."):
+                    os.symlink(compiled, package / entry.name / compiled.name)
+        else:
+            os.symlink(entry, package / entry.name)
+    return root
+
+
+@pytest.mark.slow(seconds=40, why=WHY + "; two of them")
+def test_a_torch_upgraded_under_it_is_never_forked_and_a_fresh_one_serves_the_next_launch(host, tmp_path):
+    host.env["PYTHONPATH"] = str(torch_overlay(tmp_path / "site"))
+    version_file = tmp_path / "site" / "torch" / "version.py"
+    exit3 = host.config("exit3", faults=[{"thread": "coordinator", "at": "startup", "kind": "exit", "code": 3}])
+    host.launch("prime", exit3)
+    host.exit_record("prime")
+    stale = host.ready()
+    assert stale["torch"]["path"] == str(version_file)
+
+    # A new build of the same size whose installer kept the file's mtime: only its text
+    # (the build's git commit) says it is another torch.
+    stamp = version_file.stat()
+    text = version_file.read_text()
+    commit = text.split("git_version = '", 1)[1][:40]
+    version_file.write_text(text.replace(commit, commit[::-1]))
+    os.utime(version_file, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert version_file.stat().st_size == stamp.st_size
+
+    host.launch("upgraded", exit3)
     record = host.record("upgraded")
     assert record["started_by"] == "exec"
-    assert record["warm_reason"].startswith("the warm interpreter refused: " + trainer_warm.WHY_TORCH_CHANGED)
-    wait_until(lambda: not procfs.identity_alive(second["pid"], second["start_time"]), 30.0, "the stale one to exit")
-    assert host.ready()["pid"] not in (first["pid"], second["pid"])
+    assert record["warm_reason"] == ("the warm interpreter refused: %s (%s is not the file it imported)"
+                                     % (trainer_warm.WHY_TORCH_CHANGED, version_file))
+    assert host.exit_record("upgraded")["exit_code"] == 3
+    wait_until(lambda: not procfs.identity_alive(stale["pid"], stale["start_time"]), 30.0, "the stale one to exit")
+    log = (Path(host.place().dir) / "warm.log").read_text()
+    assert "warm[%d]: refused a run: %s" % (stale["pid"], trainer_warm.WHY_TORCH_CHANGED) in log
+
+    fresh = host.ready()
+    assert fresh["pid"] != stale["pid"]
+    assert fresh["torch"]["sha256"] == hashlib.sha256(version_file.read_bytes()).hexdigest() != stale["torch"]["sha256"]
+    host.launch("after", exit3)
+    assert (host.record("after")["started_by"], host.record("after")["warm_reason"]) == ("warm", None)
+    assert host.exit_record("after")["exit_code"] == 3
+    assert host.warm_pids() == [fresh["pid"]]
 
 
 @pytest.mark.slow(seconds=30, why=WHY)
