@@ -1,7 +1,8 @@
 """The warm interpreter (docs/runs.md "Warm interpreter"): the real agent
 (remote/agent.py) launching the real trainer on the tiny CPU config, from a release that
 is a copy of remote/, with the warm interpreter on (the suite's hosts have it off:
-support.inventory.HOST_ENV).
+support.inventory.HOST_ENV); and the CLI launching over the ssh and pct transports, through
+the real sshd and the fake pct.
 
 Each test pays one warm interpreter's imports (about 5 CPU-s here) and one cold trainer's
 (the launch that starts it), plus a few short runs: 15-30 CPU-s a test.
@@ -27,6 +28,9 @@ from dflash_agent import procfs
 from dflash_agent import warm as agent_warm
 from dflash_train import warm as trainer_warm
 from dflash_files.compile_key import CACHE_DIR
+from dflash_run import dflash_in_process
+from support import container_workspace, workspace_on_node
+from support.inventory import HOST_ENV
 from support.train_configs import small_config
 from support.wait import wait_until
 from support_agent.harness import kill_run
@@ -35,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
 WHY = "a warm interpreter's imports and trainer processes"
 IDLE_S = "120"
+SUN_PATH_BYTES = 108  # what a Unix socket's address holds, its NUL included
 
 
 class Host:
@@ -42,10 +47,9 @@ class Host:
 
     def __init__(self, tmp_path: Path):
         self.tmp = tmp_path
-        # As long as the warm interpreter's socket path allows: <ws>/warm/<key>/sock is
-        # MAX_SOCKET_PATH bytes (where tmp_path leaves room for that).
-        room = agent_warm.MAX_SOCKET_PATH - len(str(tmp_path / "warm" / ("0" * 16) / "sock").encode()) - 1
-        self.ws = tmp_path / ("w" * max(2, room))
+        # Its warm interpreter's socket path is longer than a Unix socket's address allows
+        # (sun_path: 107 bytes and a NUL).
+        self.ws = tmp_path / ("w" * 100)
         self.release("rel-a")
         self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.runs: List[str] = []
@@ -173,7 +177,7 @@ def test_a_launch_forked_by_the_warm_interpreter_is_the_run_an_exec_would_be(hos
     assert "not using the warm interpreter: no warm interpreter" in agent_log
     info = host.ready()
     assert "started the warm interpreter (pid %d" % info["pid"] in (host.run_dir("cold") / "agent.log").read_text()
-    assert len(host.place().file("sock").encode()) == agent_warm.MAX_SOCKET_PATH
+    assert len(host.place().file("sock").encode()) > SUN_PATH_BYTES
 
     warm_s = timed_first_step(host, "warm", hang)
     record = host.record("warm")
@@ -374,3 +378,50 @@ def test_a_hung_warm_interpreter_is_an_exec_and_is_killed_and_replaced(host):
     assert host.exit_record("after-hang")["exit_code"] == 3
     wait_until(lambda: not procfs.identity_alive(hung["pid"], hung["start_time"]), 30.0, "the hung one to be killed")
     assert host.ready()["pid"] != hung["pid"]
+
+
+@pytest.mark.slow(seconds=45, why=WHY + ", through sshd (and the fake pct)")
+@pytest.mark.parametrize("host_name", ["node", "ct200"])
+def test_over_ssh_and_pct_a_launch_is_forked_by_it_and_fails_as_an_exec_does(host_name, make_inventory, fake_pve,
+                                                                              tmp_path):
+    """Over the ssh and pct transports, launched by the CLI: the second launch is forked
+    (through a pct exec of its own, in another mount namespace than the first's, which
+    started the warm interpreter) and fails as the first, exec'd, did."""
+    hosts = make_inventory(tmp_path, **{host_name: {"env": dict(HOST_ENV, DFLASH_WARM_IDLE_S=IDLE_S)}})
+    if host_name == "node":
+        workspace = on_node = tmp_path / "node ws"
+    else:
+        workspace, on_node = container_workspace(fake_pve, tmp_path), workspace_on_node(fake_pve, tmp_path)
+    config = small_config(tmp_path / "raise.yaml",
+                          faults=[{"thread": "coordinator", "at": "startup", "kind": "raise", "depth": 12}])
+    runs: List[str] = []
+
+    def dflash(*args: str):
+        return dflash_in_process("--logs-dir", str(tmp_path / "logs"), *args, hosts=hosts)
+
+    try:
+        for _ in range(2):
+            launched = dflash("launch", host_name, "--config", str(config))
+            assert launched.returncode == 0, launched.stderr
+            runs.append(launched.stdout.strip())
+            watch = dflash("watch", runs[-1], "--host", host_name)
+            assert watch.returncode == 1 and f"run {runs[-1]} on {host_name} ended: FAILED" in watch.stderr, watch.stderr
+            assert "_descend_" in watch.stdout  # the traceback, shown
+            if len(runs) == 1:
+                wait_until(lambda: any((agent_warm.read_info(agent_warm.Place(str(folder))) or {}).get("state") == "ready"
+                                       for folder in (on_node / "warm").iterdir()), 120.0, "the warm interpreter")
+        (exec_run, warm_run) = [on_node / "runs" / run_id for run_id in runs]
+        records = [json.loads((run / "run.json").read_text()) for run in (exec_run, warm_run)]
+        assert [r["started_by"] for r in records] == ["exec", "warm"], [r["warm_reason"] for r in records]
+        assert str(workspace) in records[1]["release_dir"]
+        ends = [json.loads((run / "exit.json").read_text()) for run in (exec_run, warm_run)]
+        assert [(e["exit_code"], e["signal"], e["exec_error"]) for e in ends] == [(1, None, None)] * 2
+        errors = [[json.loads(line) for line in (run / "errors.jsonl").read_text().splitlines()]
+                  for run in (exec_run, warm_run)]
+        assert [(r["thread"], r["phase"], r["traceback"]) for r in errors[1]] == \
+            [(r["thread"], r["phase"], r["traceback"]) for r in errors[0]]
+        assert errors[1][0]["traceback"].count(", in _descend_") >= 12
+    finally:
+        for run_id in runs:
+            kill_run(on_node / "runs" / run_id)
+        kill_warm(workspace)

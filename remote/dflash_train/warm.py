@@ -141,8 +141,8 @@ class Warm:
         trainer: its request."""
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         staging = os.path.join(self.dir, "sock.%d" % os.getpid())
-        # Bound by its path from the cwd (DIR, as the agent starts it): it is longer than
-        # `sock`, whose full path alone must fit in sun_path (dflash_agent.warm.MAX_SOCKET_PATH).
+        # Bound by its path from the cwd (DIR, as the agent starts it): a workspace's path
+        # may be longer than sun_path's 107 bytes.
         self.listener.bind(os.path.relpath(staging))
         os.chmod(staging, 0o600)
         self.listener.listen(16)
