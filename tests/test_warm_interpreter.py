@@ -389,7 +389,7 @@ def test_a_hung_warm_interpreter_is_an_exec_and_is_killed_and_replaced(host):
     assert host.ready()["pid"] != hung["pid"]
 
 
-@pytest.mark.slow(seconds=45, why=WHY + ", through sshd (and the fake pct)")
+@pytest.mark.slow(seconds=25, why=WHY + ", through sshd (and the fake pct)")
 @pytest.mark.parametrize("host_name", ["node", "ct200"])
 def test_over_ssh_and_pct_a_launch_is_forked_by_it_and_fails_as_an_exec_does(host_name, make_inventory, fake_pve,
                                                                               tmp_path):
