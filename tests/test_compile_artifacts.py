@@ -22,8 +22,8 @@ from test_multihost import Pair, pair_config
 
 pytestmark = pytest.mark.timeout(1200)
 
-PHASES = ["import", "find sources", "build data", "load target", "plan shapes", "compile cache", "build train step",
-          "save compile artifacts"]
+PHASES = ["import", "find sources", "build data", "load target", "drafter weights", "plan shapes", "compile cache",
+          "set up", "build train step", "save compile artifacts"]
 
 
 @pytest.fixture
@@ -61,8 +61,9 @@ def test_start_up_phases_corrupt_fallback_and_artifacts_copied_to_another_host(p
     (run_id,) = launched.stdout.splitlines()
     watch = pair.dflash("watch", run_id)  # a cold CPU compile: minutes on a loaded machine (the timeout mark)
     assert watch.returncode == 0, watch.stdout[-3000:] + watch.stderr
-    for shown in ("start-up: import ", "start-up: build data ", "start-up: load target ",
-                  "start-up: compile cache (cold) ", "start-up: build train step drafter 0 (cold) ",
+    for shown in ("start-up: import ", "start-up: build data ", "start-up: load target ", "start-up: drafter weights ",
+                  "start-up: compile cache (cold) ", "start-up: set up drafter 0 ",
+                  "start-up: build train step drafter 0 (cold) ",
                   f"compile artifacts {pair.workspace}/cache/compile/{key}/{ARTIFACTS_FILE} not loaded: ",
                   "moved to artifacts.bin.corrupt, compiling as if cold", "compile artifacts saved: "):
         assert shown in watch.stdout, shown

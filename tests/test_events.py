@@ -50,7 +50,7 @@ def test_a_start_up_phase_and_its_detail_are_declared(tmp_path):
     log = EventLog(tmp_path / "events.jsonl")
     log.emit(STARTUP, phase="load target", state="started", label="load target", devices=["cuda:0"])
     with pytest.raises(EventError, match=r"^startup event: field 'phase': 'warm up' \(str\) is not one of the "
-                                         r"schema's: 'import', 'find sources', "):
+                                         r"schema's: 'import', 'join peers', 'find sources', "):
         log.emit(STARTUP, phase="warm up", state="started", label="warm up")
     with pytest.raises(EventError, match="^startup event: field 'device': unknown field"):
         log.emit(STARTUP, phase="load target", state="started", label="load target", device="cuda:0")

@@ -55,6 +55,11 @@ def test_two_ranks_train_as_one_process_with_both_replicas(launch, tmp_path, tin
     assert step_losses(rank0) == pytest.approx(step_losses(one), rel=1e-5)
     assert rank1.events("step") == []  # rank 0 reports the run's steps
     assert [(e["rank"], e["world_size"]) for e in rank0.events("ready") + rank1.events("ready")] == [(0, 2), (1, 2)]
+    for rank, run in enumerate((rank0, rank1)):  # the join is a start-up phase, as `watch` shows it
+        joined = [e for e in run.events("startup") if e["phase"] == "join peers" and e["state"] != "alive"]
+        assert [(e["state"], e["rank"], e["world_size"], e["backend"]) for e in joined] == [
+            ("started", rank, 2, "gloo"), ("done", rank, 2, "gloo")]
+        assert f"start-up: join peers {joined[-1]['duration_s']:.1f} s" in run.log()
     # Every replica of both ranks holds the same weights; each rank saw every rank's checksums.
     (replicas0,), (replicas1,) = rank0.events("replicas"), rank1.events("replicas")
     assert replicas0["sha256_by_rank"] == replicas1["sha256_by_rank"]
@@ -79,6 +84,9 @@ def test_two_ranks_train_as_one_process_with_both_replicas(launch, tmp_path, tin
         assert run.wait(200) == 0, run.log()[-3000:]
     assert refused.wait(200) == 1
     assert step_losses(same_layout[0]) == {s: step_losses(rank0)[s] for s in (3, 4)}  # exactly
+    for run in (*same_layout, other_layout):  # read by rank 0, received by rank 1
+        (weights,) = [e for e in run.events("startup") if e["phase"] == "drafter weights" and e["state"] == "done"]
+        assert (weights["resume"], weights["step"]) == (True, 2)
     resumed = step_losses(other_layout)
     assert sorted(resumed) == [3, 4]
     assert resumed == pytest.approx({s: step_losses(rank0)[s] for s in (3, 4)}, rel=1e-5)
@@ -122,6 +130,8 @@ def test_a_rank_that_finds_no_peers_fails_naming_the_rendezvous(launch, tmp_path
     assert run.wait(100) == 1, run.log()[-3000:]
     (error,) = run.errors()
     assert error["exc_type"] == "JoinFailed" and error["phase"] == "startup"
+    joining = [e for e in run.events("startup") if e["phase"] == "join peers" and e["state"] != "alive"]
+    assert [e["state"] for e in joining] == ["started", "failed"] and joining[-1]["duration_s"] >= 2.5
     assert error["message"].startswith(f"rank 1 could not join the process group of 2 at "
                                        f"127.0.0.1:{env['MASTER_PORT']} within 3s"), error["message"]
 

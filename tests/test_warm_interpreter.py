@@ -1,13 +1,15 @@
 """The warm interpreter (docs/runs.md "Warm interpreter"): the real agent
 (remote/agent.py) launching the real trainer on the tiny CPU config, from a release that
 is a copy of remote/, with the warm interpreter on (the suite's hosts have it off:
-support.inventory.HOST_ENV).
+support.inventory.HOST_ENV); and the CLI launching over the ssh and pct transports, through
+the real sshd and the fake pct.
 
 Each test pays one warm interpreter's imports (about 5 CPU-s here) and one cold trainer's
 (the launch that starts it), plus a few short runs: 15-30 CPU-s a test.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,11 +22,15 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+import torch
 
 from dflash_agent import procfs
 from dflash_agent import warm as agent_warm
 from dflash_train import warm as trainer_warm
 from dflash_files.compile_key import CACHE_DIR
+from dflash_run import dflash_in_process
+from support import container_workspace, workspace_on_node
+from support.inventory import HOST_ENV
 from support.train_configs import small_config
 from support.wait import wait_until
 from support_agent.harness import kill_run
@@ -33,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
 WHY = "a warm interpreter's imports and trainer processes"
 IDLE_S = "120"
+SUN_PATH_BYTES = 108  # what a Unix socket's address holds, its NUL included
 
 
 class Host:
@@ -40,7 +47,9 @@ class Host:
 
     def __init__(self, tmp_path: Path):
         self.tmp = tmp_path
-        self.ws = tmp_path / "ws"
+        # Its warm interpreter's socket path is longer than a Unix socket's address allows
+        # (sun_path: 107 bytes and a NUL).
+        self.ws = tmp_path / ("w" * 100)
         self.release("rel-a")
         self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.runs: List[str] = []
@@ -97,28 +106,40 @@ class Host:
         return dict(found)
 
     def warm_pids(self) -> List[int]:
-        """The live warm interpreters of this workspace (processes running dflash_train.warm on it)."""
-        pids = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                cmdline = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            stat = procfs.read_stat(int(name))
-            if b"dflash_train.warm" in cmdline and str(self.ws).encode() in b" ".join(cmdline) and procfs.is_running(stat):
-                # the interpreter itself (double-forked: no session leader), not a waiter or
-                # trainer forked from it (each leads a session of its own)
-                if stat.session != int(name):
-                    pids.append(int(name))
-        return pids
+        return warm_pids(self.ws)
 
     def cleanup(self) -> None:
         for run_id in self.runs:
             kill_run(self.run_dir(run_id))
-        for pid in self.warm_pids():
+        kill_warm(self.ws)
+
+
+def warm_pids(workspace: Path | str) -> List[int]:
+    """The live warm interpreters of a workspace (processes running dflash_train.warm on it;
+    `workspace` as they name it)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+            stat = procfs.read_stat(int(name))
+        except OSError:
+            continue
+        if b"dflash_train.warm" in cmdline and str(workspace).encode() in b" ".join(cmdline) and procfs.is_running(stat):
+            # the interpreter itself (double-forked: no session leader), not a waiter or
+            # trainer forked from it (each leads a session of its own)
+            if stat.session != int(name):
+                pids.append(int(name))
+    return pids
+
+
+def kill_warm(workspace: Path | str) -> None:
+    for pid in warm_pids(workspace):
+        try:
             os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture
@@ -156,6 +177,7 @@ def test_a_launch_forked_by_the_warm_interpreter_is_the_run_an_exec_would_be(hos
     assert "not using the warm interpreter: no warm interpreter" in agent_log
     info = host.ready()
     assert "started the warm interpreter (pid %d" % info["pid"] in (host.run_dir("cold") / "agent.log").read_text()
+    assert len(host.place().file("sock").encode()) > SUN_PATH_BYTES
 
     warm_s = timed_first_step(host, "warm", hang)
     record = host.record("warm")
@@ -173,6 +195,15 @@ def test_a_launch_forked_by_the_warm_interpreter_is_the_run_an_exec_would_be(hos
     assert imports["since"] == "warm interpreter" and imports["label"] == "import (warm interpreter)"
     assert imports["duration_s"] < 1.0 and imports["warm_import_s"] == info["import_s"]
     assert "start-up: import (warm interpreter)" in (host.run_dir("warm") / "train.log").read_text()
+    # Every phase from the launch to the first step, each a started (but import) and a done
+    # event, the same forked as exec'd.
+    phases = {run_id: [(e["phase"], e["state"], e.get("drafter")) for e in map(json.loads, (
+        host.run_dir(run_id) / "events.jsonl").read_text().splitlines()) if e["type"] == "startup" and e["state"] != "alive"]
+        for run_id in ("cold", "warm")}
+    order = [(name, None) for name in ("find sources", "build data", "load target", "drafter weights", "plan shapes")]
+    order += [("set up", 0), ("build train step", 0), ("set up", 1), ("build train step", 1)]  # one drafter at a time
+    assert phases["warm"] == phases["cold"] == [("import", "done", None)] + [
+        (name, state, drafter) for name, drafter in order for state in ("started", "done")]
 
     # `stop`: SIGTERM to its group; the trainer's handler ends it as an exec'd one ends.
     for run_id in ("cold", "warm"):
@@ -228,22 +259,66 @@ def test_a_dead_warm_interpreter_is_an_exec_with_the_reason_and_is_replaced(host
     assert record["warm_reason"].startswith("the warm interpreter is gone (")
     assert host.exit_record("after-kill")["exit_code"] == 3
     assert "not using the warm interpreter: the warm interpreter is gone" in (host.run_dir("after-kill") / "agent.log").read_text()
-    second = host.ready()
-    assert second["pid"] != first["pid"]
+    assert host.ready()["pid"] != first["pid"]
 
-    # torch "upgraded" under it: its version file is not the one it imported.
-    marker = Path(second["torch"]["path"])
-    stamp = marker.stat()
-    os.utime(marker, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000_000))
-    try:
-        host.launch("upgraded", exit3)
-    finally:
-        os.utime(marker, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+
+def torch_overlay(root: Path) -> Path:
+    """A folder for PYTHONPATH whose `torch` package is the real one, entry by entry
+    (symlinks), but for its version file, a copy that a test may rewrite: a torch
+    "upgraded" under a process that imported it. Nothing of the real one is written to:
+    __pycache__ is a folder of links without version's."""
+    real = Path(torch.__file__).parent
+    package = root / "torch"
+    package.mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name == "version.py":
+            shutil.copy2(entry, package / entry.name)
+        elif entry.name == "__pycache__":
+            (package / entry.name).mkdir()
+            for compiled in entry.iterdir():
+                if not compiled.name.startswith("version."):
+                    os.symlink(compiled, package / entry.name / compiled.name)
+        else:
+            os.symlink(entry, package / entry.name)
+    return root
+
+
+@pytest.mark.slow(seconds=40, why=WHY + "; two of them")
+def test_a_torch_upgraded_under_it_is_never_forked_and_a_fresh_one_serves_the_next_launch(host, tmp_path):
+    host.env["PYTHONPATH"] = str(torch_overlay(tmp_path / "site"))
+    version_file = tmp_path / "site" / "torch" / "version.py"
+    exit3 = host.config("exit3", faults=[{"thread": "coordinator", "at": "startup", "kind": "exit", "code": 3}])
+    host.launch("prime", exit3)
+    host.exit_record("prime")
+    stale = host.ready()
+    assert stale["torch"]["path"] == str(version_file)
+
+    # A new build of the same size whose installer kept the file's mtime: only its text
+    # (the build's git commit) says it is another torch.
+    stamp = version_file.stat()
+    text = version_file.read_text()
+    commit = text.split("git_version = '", 1)[1][:40]
+    version_file.write_text(text.replace(commit, commit[::-1]))
+    os.utime(version_file, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert version_file.stat().st_size == stamp.st_size
+
+    host.launch("upgraded", exit3)
     record = host.record("upgraded")
     assert record["started_by"] == "exec"
-    assert record["warm_reason"].startswith("the warm interpreter refused: " + trainer_warm.WHY_TORCH_CHANGED)
-    wait_until(lambda: not procfs.identity_alive(second["pid"], second["start_time"]), 30.0, "the stale one to exit")
-    assert host.ready()["pid"] not in (first["pid"], second["pid"])
+    assert record["warm_reason"] == ("the warm interpreter refused: %s (%s is not the file it imported)"
+                                     % (trainer_warm.WHY_TORCH_CHANGED, version_file))
+    assert host.exit_record("upgraded")["exit_code"] == 3
+    wait_until(lambda: not procfs.identity_alive(stale["pid"], stale["start_time"]), 30.0, "the stale one to exit")
+    log = (Path(host.place().dir) / "warm.log").read_text()
+    assert "warm[%d]: refused a run: %s" % (stale["pid"], trainer_warm.WHY_TORCH_CHANGED) in log
+
+    fresh = host.ready()
+    assert fresh["pid"] != stale["pid"]
+    assert fresh["torch"]["sha256"] == hashlib.sha256(version_file.read_bytes()).hexdigest() != stale["torch"]["sha256"]
+    host.launch("after", exit3)
+    assert (host.record("after")["started_by"], host.record("after")["warm_reason"]) == ("warm", None)
+    assert host.exit_record("after")["exit_code"] == 3
+    assert host.warm_pids() == [fresh["pid"]]
 
 
 @pytest.mark.slow(seconds=30, why=WHY)
@@ -312,3 +387,50 @@ def test_a_hung_warm_interpreter_is_an_exec_and_is_killed_and_replaced(host):
     assert host.exit_record("after-hang")["exit_code"] == 3
     wait_until(lambda: not procfs.identity_alive(hung["pid"], hung["start_time"]), 30.0, "the hung one to be killed")
     assert host.ready()["pid"] != hung["pid"]
+
+
+@pytest.mark.slow(seconds=25, why=WHY + ", through sshd (and the fake pct)")
+@pytest.mark.parametrize("host_name", ["node", "ct200"])
+def test_over_ssh_and_pct_a_launch_is_forked_by_it_and_fails_as_an_exec_does(host_name, make_inventory, fake_pve,
+                                                                              tmp_path):
+    """Over the ssh and pct transports, launched by the CLI: the second launch is forked
+    (through a pct exec of its own, in another mount namespace than the first's, which
+    started the warm interpreter) and fails as the first, exec'd, did."""
+    hosts = make_inventory(tmp_path, **{host_name: {"env": dict(HOST_ENV, DFLASH_WARM_IDLE_S=IDLE_S)}})
+    if host_name == "node":
+        workspace = on_node = tmp_path / "node ws"
+    else:
+        workspace, on_node = container_workspace(fake_pve, tmp_path), workspace_on_node(fake_pve, tmp_path)
+    config = small_config(tmp_path / "raise.yaml",
+                          faults=[{"thread": "coordinator", "at": "startup", "kind": "raise", "depth": 12}])
+    runs: List[str] = []
+
+    def dflash(*args: str):
+        return dflash_in_process("--logs-dir", str(tmp_path / "logs"), *args, hosts=hosts)
+
+    try:
+        for _ in range(2):
+            launched = dflash("launch", host_name, "--config", str(config))
+            assert launched.returncode == 0, launched.stderr
+            runs.append(launched.stdout.strip())
+            watch = dflash("watch", runs[-1], "--host", host_name)
+            assert watch.returncode == 1 and f"run {runs[-1]} on {host_name} ended: FAILED" in watch.stderr, watch.stderr
+            assert "_descend_" in watch.stdout  # the traceback, shown
+            if len(runs) == 1:
+                wait_until(lambda: any((agent_warm.read_info(agent_warm.Place(str(folder))) or {}).get("state") == "ready"
+                                       for folder in (on_node / "warm").iterdir()), 120.0, "the warm interpreter")
+        (exec_run, warm_run) = [on_node / "runs" / run_id for run_id in runs]
+        records = [json.loads((run / "run.json").read_text()) for run in (exec_run, warm_run)]
+        assert [r["started_by"] for r in records] == ["exec", "warm"], [r["warm_reason"] for r in records]
+        assert str(workspace) in records[1]["release_dir"]
+        ends = [json.loads((run / "exit.json").read_text()) for run in (exec_run, warm_run)]
+        assert [(e["exit_code"], e["signal"], e["exec_error"]) for e in ends] == [(1, None, None)] * 2
+        errors = [[json.loads(line) for line in (run / "errors.jsonl").read_text().splitlines()]
+                  for run in (exec_run, warm_run)]
+        assert [(r["thread"], r["phase"], r["traceback"]) for r in errors[1]] == \
+            [(r["thread"], r["phase"], r["traceback"]) for r in errors[0]]
+        assert errors[1][0]["traceback"].count(", in _descend_") >= 12
+    finally:
+        for run_id in runs:
+            kill_run(on_node / "runs" / run_id)
+        kill_warm(workspace)

@@ -36,7 +36,6 @@ DEFAULT_IDLE_S = 900.0
 REPLY_TIMEOUT_S = 10.0  # for each answer before the trainer runs: longer is a hung one
 READY_TIMEOUT_S = 10.0  # for a new one to hold its lock (before its imports)
 STATUS_POLL_S = 1.0  # how often a trainer whose waiter died is looked for in /proc
-MAX_SOCKET_PATH = 107  # sun_path's room, less its NUL
 # As dflash_train.warm.RUN_TIME_ENV (a test holds them equal): what a run may set on top
 # of the warm interpreter's environment.
 RUN_TIME_ENV = frozenset(("DFLASH_RUN_ID", "DFLASH_ATTEMPT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -154,8 +153,6 @@ def fork_trainer(where: Place, args: Sequence[str], env: Dict[str, str], cwd: st
     """A trainer `python -m dflash_train ARGS` forked by the warm interpreter of `where`,
     in its own session, waiting for WarmTrainer.go; WarmFailed saying why not."""
     sock = where.file("sock")
-    if len(sock.encode()) > MAX_SOCKET_PATH:
-        raise WarmFailed("its socket path is longer than %d bytes: %s" % (MAX_SOCKET_PATH, sock))
     info = read_info(where)
     if not os.path.exists(sock):
         if info is not None:
@@ -165,7 +162,7 @@ def fork_trainer(where: Place, args: Sequence[str], env: Dict[str, str], cwd: st
     conn.settimeout(REPLY_TIMEOUT_S)
     try:
         try:
-            conn.connect(sock)
+            _connect(conn, where)
         except OSError as exc:
             raise WarmFailed("the warm interpreter is gone (%s)" % (exc.strerror or exc))
         try:
@@ -180,6 +177,16 @@ def fork_trainer(where: Place, args: Sequence[str], env: Dict[str, str], cwd: st
     except BaseException:
         conn.close()
         raise
+
+
+def _connect(conn: socket.socket, where: Place) -> None:
+    """Connect to `sock` through its folder's descriptor: a workspace's path may be longer
+    than sun_path's 107 bytes."""
+    folder = os.open(where.dir, os.O_PATH | os.O_DIRECTORY)
+    try:
+        conn.connect("/proc/self/fd/%d/sock" % folder)
+    finally:
+        os.close(folder)
 
 
 def end(where: Place, signum: int) -> None:

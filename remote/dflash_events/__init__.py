@@ -105,6 +105,11 @@ STARTUP = EventType(
                                   "(docs/runs.md), and this counts from the fork"),
                          optional("warm_import_s", NUMBER,
                                   "warm interpreter: what the imports took it, once, when it started")),
+        "join peers": Detail("A run of several processes: this rank joining the others' process group "
+                             "(torch.distributed), which waits for every rank to come.",
+                             optional("rank", INT, "this process's rank"),
+                             optional("world_size", INT, "how many processes the run has"),
+                             optional("backend", OneOf("gloo", "nccl"), "torch.distributed's")),
         "find sources": Detail("Where the target and the data come from (building the tiny target's assets).",
                                optional("tiny", BOOL, "whether the target is the tiny one built here")),
         "build data": Detail("Tokenizing the data (or reading its cache) and planning the batches.",
@@ -112,6 +117,11 @@ STARTUP = EventType(
         "load target": Detail("The target model, one copy per device.",
                               optional("devices", ListOf(STR), "its devices"),
                               optional("memory", ListOf(MEMORY_PART), "what it holds; [] off CUDA")),
+        "drafter weights": Detail("The drafter's starting weights: freshly initialised, or the checkpoint "
+                                  "`checkpoint.resume` names, read (rank 0) or received from rank 0, and checked "
+                                  "to fit this run.",
+                                  optional("resume", BOOL, "whether the config names a checkpoint to resume"),
+                                  optional("step", INT, "the step they are from: 0 for fresh ones")),
         "plan shapes": Detail("The micro-batch shapes to compile for.",
                               optional("shapes", INT, "how many distinct shapes")),
         "compile cache": Detail("Unless `compile: off`: the compile cache's key folder, its saved artifacts "
@@ -121,6 +131,10 @@ STARTUP = EventType(
                                 optional("artifacts", OneOf("loaded", "present", "absent", "corrupt", "mismatch",
                                                             "unsupported"), "the saved artifacts"),
                                 optional("message", STR, "what was found, in words")),
+        "set up": Detail("Per drafter: its model and optimizer made on its device from the starting "
+                         "weights (a resumed optimizer's state loaded), and the inputs its train step is "
+                         "built for.",
+                         optional("drafter", INT, "which drafter"), optional("device", STR, "its device")),
         "build train step": Detail("Per drafter: its train step compiled, warmed up and (cudagraphs) captured.",
                                    optional("drafter", INT, "which drafter"),
                                    optional("compile", OneOf("off", "default", "cudagraphs"), "the config's"),

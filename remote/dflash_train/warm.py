@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import importlib
 import json
 import os
@@ -80,12 +81,24 @@ def read_line(conn: socket.socket, timeout: float) -> bytes:
 
 
 def torch_marker() -> dict:
-    """What says which torch this process imported: its version file's path, size and mtime
-    (a pip upgrade rewrites it)."""
+    """What says which torch this process imported: its version file's path, and that
+    file's size, mtime and sha256 (an upgrade rewrites it; its text names the version and
+    the build's git commit, so a new torch whose installer kept the same size and mtime
+    still differs)."""
     import torch.version
     path = torch.version.__file__
-    info = os.stat(path)
-    return {"path": path, "size": info.st_size, "mtime_ns": info.st_mtime_ns, "version": torch.__version__}
+    return dict(version_file(path), path=path, version=torch.__version__)
+
+
+def version_file(path: str) -> dict:
+    """{size, mtime_ns, sha256} of the file at `path` ({} if it cannot be read)."""
+    try:
+        with open(path, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            data = handle.read()
+    except OSError:
+        return {}
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -106,12 +119,7 @@ class Warm:
         """(why this request gets no trainer, whether this process must end), (None, False)
         to fork."""
         marker = self.info["torch"]
-        try:
-            info = os.stat(marker["path"])
-            now = (info.st_size, info.st_mtime_ns)
-        except OSError:
-            now = None
-        if now != (marker["size"], marker["mtime_ns"]):
+        if version_file(marker["path"]) != {k: marker[k] for k in ("size", "mtime_ns", "sha256")}:
             return "%s (%s is not the file it imported)" % (WHY_TORCH_CHANGED, marker["path"]), True
         if not os.path.isdir(self.release_dir):
             return "its release %s is gone" % self.release_dir, True
@@ -133,7 +141,9 @@ class Warm:
         trainer: its request."""
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         staging = os.path.join(self.dir, "sock.%d" % os.getpid())
-        self.listener.bind(staging)
+        # Bound by its path from the cwd (DIR, as the agent starts it): a workspace's path
+        # may be longer than sun_path's 107 bytes.
+        self.listener.bind(os.path.relpath(staging))
         os.chmod(staging, 0o600)
         self.listener.listen(16)
         os.replace(staging, os.path.join(self.dir, "sock"))  # connectable from here on

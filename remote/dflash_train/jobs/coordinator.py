@@ -143,9 +143,10 @@ class Coordinator(JobControl):
         """Runs in the drafter's thread (or the main thread when sequential)."""
         run, cache = session.run, session.compile_cache
         before = ledger.mark(run.drafter_devices[index])  # what the drafter holds, from here
-        replica = session.make_replica(index)
-        example = example_inputs(replica.objective, self.config.data.pad_multiple,
-                                 replica.drafter.fc.in_features, replica.device)
+        with phase("set up", drafter=index, device=run.drafter_devices[index]):
+            replica = session.make_replica(index)
+            example = example_inputs(replica.objective, self.config.data.pad_multiple,
+                                     replica.drafter.fc.in_features, replica.device)
         with phase("build train step", drafter=index, compile=self.config.compile,
                    cache=None if cache is None else "warm" if cache.warm or is_warm(cache.folder) else "cold"):
             built = build_train_step(session.compile_plan, replica.objective, example)

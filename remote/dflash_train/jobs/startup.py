@@ -153,17 +153,18 @@ def prepare(config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch
     taps = [taps_by_device[device] for device in target_devices]
     hf_config = drafter_hf_config(target_config, config.drafter, tuple(layer_ids), mask_id)
 
-    resumed = resume_point(config, run_dir, peers, drafter_devices[0])
-    if resumed is not None:
-        if (problem := fits(resumed.state, config, resumed.folder, layout.world_size, plan)) is not None:
-            raise ValueError(problem)
-        say(f"resuming from {resumed.folder} at step {resumed.state.step}")
-    if resumed is not None:
-        weights = resumed.weights
-    else:
-        fresh = DFlashDrafter(hf_config)
-        fresh.reset_parameters(torch.Generator().manual_seed(config.seed))
-        weights = fresh.state_dict()
+    with phase("drafter weights", resume=config.checkpoint.resume is not None) as weights_detail:
+        resumed = resume_point(config, run_dir, peers, drafter_devices[0])
+        if resumed is not None:
+            if (problem := fits(resumed.state, config, resumed.folder, layout.world_size, plan)) is not None:
+                raise ValueError(problem)
+            say(f"resuming from {resumed.folder} at step {resumed.state.step}")
+            weights = resumed.weights
+        else:
+            fresh = DFlashDrafter(hf_config)
+            fresh.reset_parameters(torch.Generator().manual_seed(config.seed))
+            weights = fresh.state_dict()
+        weights_detail.update(step=resumed.state.step if resumed else 0)
 
     start_step = resumed.state.step if resumed else 0
     with phase("plan shapes") as shape_detail:

@@ -41,6 +41,7 @@ import torch
 
 from ..config import DistributedConfig
 from ..runlog import say
+from ..startup_phases import phase
 from ..threads import StopLatch, StopRequested
 
 WATCH_S = 0.5  # the watchdog's period: how fast a peer's failure is seen
@@ -122,13 +123,22 @@ def join(config: DistributedConfig, local_replicas: int, cuda: bool, latch: Stop
         raise JoinFailed(f"WORLD_SIZE is {world} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                          "not set (a multi-process run needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
     rank, host, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    address, backend = f"{host}:{port}", pick_backend(config, cuda)
+    backend = pick_backend(config, cuda)
     if backend == "nccl":
         # wait() then blocks on the CPU and raises at the timeout instead of leaving a hung
         # kernel on the stream, and an abort (a peer failed) wakes it.
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with phase("join peers", rank=rank, world_size=world, backend=backend):
+        return _join(config, local_replicas, latch, (rank, world, host, port, backend), where, on_stuck, exit_after_s)
+
+
+def _join(config: DistributedConfig, local_replicas: int, latch: StopLatch, group: tuple[int, int, str, int, str],
+          where: Callable[[], tuple[str, int | None]], on_stuck: Callable[[int], None], exit_after_s: float) -> "Peers":
+    """join's work, once the group is known: (rank, world size, MASTER_ADDR, MASTER_PORT, backend)."""
     import torch.distributed as dist
 
+    rank, world, host, port, backend = group
+    address = f"{host}:{port}"
     say(f"joining the process group at {address} as rank {rank} of {world} ({backend})")
     joining = datetime.timedelta(seconds=config.join_timeout_s)
     try:
