@@ -11,6 +11,7 @@ from typing import Callable, Sequence, TypeVar
 from .agent_client import AgentClient
 from .errors import DflashError
 from .inventory import Host, Inventory, load_inventory
+from .local_config import LocalConfig, load_local_config
 from .transports import open_transport
 from .transports.base import Transport
 
@@ -22,6 +23,7 @@ class Session:
     hosts_file: str | None
     logs_dir: Path
     accept_new_host_key: bool = False
+    cli_config_file: str | None = None  # dflash.yaml's place (--cli-config)
     _transports: dict[str, Transport] = dataclasses.field(default_factory=dict)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     # host name -> the release whose agent answers there instead of the current one's
@@ -32,6 +34,11 @@ class Session:
     def inventory(self) -> Inventory:
         """Read on first use, so `--help` works even with a broken inventory."""
         return load_inventory(self.hosts_file)
+
+    @functools.cached_property
+    def local_config(self) -> LocalConfig:
+        """dflash.yaml (local_config.py), read on first use."""
+        return load_local_config(self.cli_config_file)
 
     def host(self, name: str) -> Host:
         return self.inventory.get(name)

@@ -3,7 +3,8 @@
 The host does the following (the agent's `follow`); this side prints what arrives
 (control characters escaped, unless --json), mirrors the log under logs/<host>/<run>/
 (one file per segment: the host's log may be truncated or replaced under it) and the
-run's events beside it (events.jsonl, and TensorBoard files made from them), and keeps
+run's events beside it (events.jsonl, and TensorBoard files made from them; the
+trackers of dflash.yaml get the same scalars, dflash_cli/trackers), and keeps
 a cursor so that a dropped connection resumes with no gap and no duplicated line or
 event. One watch of a run at a time keeps that local state; another started meanwhile
 shows the whole log (or --tail) and saves nothing. On a terminal a status line (step,
@@ -12,6 +13,7 @@ loss, acceptance length, ETA, GPUs) stays below the scrolling log.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 import threading
@@ -32,6 +34,8 @@ from ..retry import Reconnects
 from ..session import Session
 from ..status_line import RunProgress
 from ..tensorboard import RunBoard
+from ..trackers.hub import Trackers, require_packages, tracked_run
+from ..trackers.config import TrackerSettings
 from ..tracebacks import render_no_record, render_record, say_diagnosis
 
 CURSOR_SAVE_EVERY_S = 0.5
@@ -56,7 +60,7 @@ class Watcher:
     are printed under one lock, whole, between those of the other hosts' watchers."""
 
     def __init__(self, session: Session, ref: RunRef, interval: float, as_json: bool,
-                 hosts: tuple[str, ...] = ()):
+                 hosts: tuple[str, ...] = (), trackers: TrackerSettings = TrackerSettings()):
         self.ref = ref
         self.hosts = hosts
         self.label = f"{ref.host}| " if len(hosts) > 1 else ""
@@ -70,6 +74,11 @@ class Watcher:
         self.mirror = None
         self.events_mirror = None
         self.board = RunBoard(self.logs.dir) if self.claim else None
+        # Rank 0's part holds the run's step and eval events; the trackers go with the
+        # local state, which records what they were sent.
+        rank_0 = not hosts or hosts[0] == ref.host
+        self.trackers = Trackers(trackers, self.logs, self.label) if self.claim and rank_0 and trackers.named \
+            else None
         self.progress = RunProgress(gpu_line)
         if self.claim:  # a resumed watch shows where the run was, not "no step yet"
             self.progress.update(self.logs.recent_events(self.cursor))
@@ -92,6 +101,8 @@ class Watcher:
             args += ["--fingerprint", cursor.fingerprint]
         if tail_lines is not None:
             args += ["--tail-lines", str(tail_lines)]
+        if self.trackers is not None and not self.trackers.started:
+            self.start_trackers()
         for message in self.agent.follow(*args):
             self.handle(message)
             if self.end is not None:
@@ -129,6 +140,13 @@ class Watcher:
             console.say(f"{self.label}[{self.ref.run_id}] state {message.state}")
         elif isinstance(message, EndMessage):
             self.end = message
+
+    def start_trackers(self) -> None:
+        """Open the trackers in the run's tracker runs, with its config and provenance
+        (one round trip; a dropped connection here is one like any other)."""
+        status = self.agent.run_status(self.ref.run_id, "--config")
+        with _PRINTING:  # trackio's notices on stdout are dropped meanwhile
+            self.trackers.start(tracked_run(status, self.ref, self.hosts), self.cursor.events_mirrored)
 
     def on_log(self, message: LogMessage) -> None:
         data = message.data.encode("utf-8", "surrogateescape")
@@ -215,7 +233,7 @@ class Watcher:
     def on_events(self, message: EventsMessage) -> None:
         """The run's events (all but heartbeats) from the cursor's events offset on:
         they feed the status line, and (for the watch that keeps the local state) go
-        to events.jsonl and the TensorBoard files, each once."""
+        to events.jsonl, the TensorBoard files and the trackers, each once."""
         if message.next <= self.cursor.events_offset:
             return  # received before (a stream never resends, but a cursor is cheap to trust)
         events = list(message.events)
@@ -224,11 +242,14 @@ class Watcher:
         if self.claim:
             if self.events_mirror is None:
                 self.events_mirror = self.logs.open_events_mirror(self.cursor)
-            data = "".join(json.dumps(event) + "\n" for event in events).encode()
-            self.events_mirror.write(data)
+            lines = [(json.dumps(event) + "\n").encode() for event in events]
+            self.events_mirror.write(b"".join(lines))
             self.events_mirror.flush()
             self.board.add(events)
-            mirrored += len(data)
+            if self.trackers is not None:  # each event with the byte of events.jsonl its line ends at
+                ends = [mirrored + length for length in itertools.accumulate(map(len, lines))]
+                self.trackers.add(zip(ends, events))
+            mirrored += sum(map(len, lines))
         self.cursor = dataclasses.replace(self.cursor, events_offset=message.next, events_mirrored=mirrored)
         self.save_cursor(force=False)
 
@@ -274,6 +295,9 @@ class Watcher:
         self._close_mirror()
         if self.events_mirror is not None:
             self.events_mirror.close()
+        if self.trackers is not None and self.trackers.started:
+            with _PRINTING:  # before the claim goes: the next watch goes on from what they record
+                self.trackers.close(self.end.state if self.end else None)
         if self.claim:
             self.board.close()
             self.claim.close()
@@ -329,10 +353,13 @@ _PRINTING = threading.RLock()
 
 
 def run(session: Session, ref: RunRef, *, tail: int | None, interval: float, as_json: bool,
-        retry_for: float) -> ExitCode:
+        retry_for: float, use_trackers: bool = True) -> ExitCode:
+    trackers = session.local_config.trackers if use_trackers else TrackerSettings()
+    if trackers.named:
+        require_packages(trackers, session.local_config.source)  # before anything is followed
     if ref.multihost:
-        return _watch_hosts(session, ref, tail, interval, as_json, retry_for)
-    watcher = Watcher(session, ref, interval, as_json)
+        return _watch_hosts(session, ref, tail, interval, as_json, retry_for, trackers)
+    watcher = Watcher(session, ref, interval, as_json, trackers=trackers)
     if not as_json and console.human.is_terminal and sys.stdout.isatty():
         watcher.start_status_line()
     try:
@@ -345,7 +372,7 @@ def run(session: Session, ref: RunRef, *, tail: int | None, interval: float, as_
 
 
 def _watch_hosts(session: Session, ref: RunRef, tail: int | None, interval: float, as_json: bool,
-                 retry_for: float) -> ExitCode:
+                 retry_for: float, trackers: TrackerSettings) -> ExitCode:
     """Every host's part of the run followed at once, one thread each; returns when all
     ended, with the whole run's outcome, and names the host of its root cause. A host that
     left the inventory is named and not followed; its part's state is unknown."""
@@ -353,7 +380,8 @@ def _watch_hosts(session: Session, ref: RunRef, tail: int | None, interval: floa
     outcomes: dict[str, ExitCode | DflashError] = dict(left)
     for exc in left.values():
         console.warn(f"{exc.message}: its part is not followed")
-    watchers = [Watcher(session, RunRef(host.name, ref.run_id), interval, as_json, ref.hosts) for host in hosts]
+    watchers = [Watcher(session, RunRef(host.name, ref.run_id), interval, as_json, ref.hosts, trackers)
+                for host in hosts]
 
     def follow(watcher: Watcher) -> None:
         try:
