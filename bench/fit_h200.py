@@ -1,9 +1,12 @@
 """The shipped configs on the GPU they name: memory per drafter, and the configs run as shipped.
 
-    PYTHONPATH=remote:bench python3 bench/fit_h200.py prepare --work /tmp/fit
-        a random-weight Qwen3-8B-architecture target (bf16, saved with save_pretrained, the
-        tiny path's word-level tokenizer and ChatML template) and chat data: conversations of
-        500-3000 tokens, a user turn then the assistant's answer, and held-out prompts.
+    PYTHONPATH=remote:bench python3 bench/fit_h200.py prepare [configs/train/qwen3-8b.yaml] --work /tmp/fit
+        a random-weight target of the architecture of the config's target.path (gpu_trainer.TARGETS:
+        Qwen3-8B, Llama-3.1-8B-Instruct, gpt-oss-20b, Qwen3-30B-A3B; bf16, saved with
+        save_pretrained in WORK/targets/<target.path with / as -->, the tiny path's word-level
+        tokenizer and ChatML template), and chat data: conversations of 500-3000 tokens, a user
+        turn then the assistant's answer, and held-out prompts. On disk the target is 2 bytes a
+        parameter: 16 GB for the 8B ones, 42 GB for gpt-oss-20b, 61 GB for Qwen3-30B-A3B.
     PYTHONPATH=remote:bench python3 bench/fit_h200.py step-memory [--shapes 1x3072,4x768,...]
         the drafter alone at the Qwen3-8B shape (5 layers, 512 anchors, block 16), eager
         (compile: off, sdpa): peak GiB of one forward+backward per micro-batch shape and its
@@ -12,7 +15,8 @@
     PYTHONPATH=remote:bench python3 bench/fit_h200.py train configs/train/qwen3-8b.yaml --work /tmp/fit \
             --steps 12 [--set KEY=VALUE ...]
         `python -m dflash_train` (what the agent runs) on the config as shipped, its paths
-        pointed at the work folder, optim.max_steps set, evaluations cut to 2 prompts of 32
+        pointed at the work folder (target.path at the prepared target of its architecture),
+        optim.max_steps set, evaluations cut to 2 prompts of 32
         tokens (they measure acceptance, not what is trained): exit code, launch -> first
         step, samples/s and ms a step after the first 2 steps, the peak memory the step
         events report, the export, and the tail of train.log.
@@ -48,12 +52,25 @@ def report(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def prepare(work: Path, conversations: int, prompts: int) -> None:
-    from gpu_trainer import QWEN3_8B_TARGET, VOCAB_WORDS, build_target
+def target_folder(work: Path, config_path: Path) -> tuple[Path, dict]:
+    """Where prepare puts the random-weight stand-in for the config's target, and its architecture."""
+    from gpu_trainer import TARGETS
+
+    name = yaml.safe_load(config_path.read_text()).get("target", {}).get("path")
+    if name not in TARGETS:
+        raise SystemExit(f"{config_path}: target.path {name!r} has no architecture in gpu_trainer.TARGETS "
+                         f"(known: {', '.join(TARGETS)})")
+    return work / "targets" / name.replace("/", "--"), TARGETS[name]
+
+
+def prepare(work: Path, config_path: Path, conversations: int, prompts: int) -> None:
+    from gpu_trainer import VOCAB_WORDS, build_target
 
     work.mkdir(parents=True, exist_ok=True)
-    if not (work / "target").exists():
-        build_target(work / "target", QWEN3_8B_TARGET, "cuda:0")
+    folder, architecture = target_folder(work, config_path)
+    if not folder.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        build_target(folder, architecture, "cuda:0")
     generator = random.Random(0)
     words = lambda n: " ".join(f"w{generator.randrange(VOCAB_WORDS)}" for _ in range(n))  # noqa: E731
     with open(work / "chat.jsonl", "w") as f:  # one word is one token; ChatML adds about 8
@@ -65,7 +82,8 @@ def prepare(work: Path, conversations: int, prompts: int) -> None:
     with open(work / "prompts.jsonl", "w") as f:
         for _ in range(prompts):
             f.write(json.dumps({"messages": [{"role": "user", "content": words(generator.randrange(50, 400))}]}) + "\n")
-    report({"part": "prepare", "work": str(work), "conversations": conversations, "prompts": prompts})
+    report({"part": "prepare", "work": str(work), "target": str(folder), "conversations": conversations,
+            "prompts": prompts})
 
 
 def step_memory(shapes: list[tuple[int, int]], iters: int) -> None:
@@ -206,6 +224,14 @@ def summarize(run_dir: Path, config_path: Path) -> dict:
     return record
 
 
+def prepared(work: Path, config_path: Path) -> Path:
+    folder, _ = target_folder(work, config_path)
+    if not (folder / "config.json").exists():
+        raise SystemExit(f"{folder}: no target prepared for {config_path}: run `fit_h200.py prepare {config_path} "
+                         f"--work {work}` first")
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["prepare", "step-memory", "train", "evaluate"])
@@ -224,18 +250,18 @@ def main() -> None:
     args = parser.parse_args()
     extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
     if args.part == "prepare":
-        prepare(args.work, args.conversations, args.prompts)
+        prepare(args.work, args.config or REPO / "configs" / "train" / "qwen3-8b.yaml", args.conversations, args.prompts)
     elif args.part == "step-memory":
         step_memory([tuple(map(int, s.split("x"))) for s in args.shapes.split(",")], args.iters)
     elif args.part == "train":
-        paths = {} if args.keep_paths else {"target.path": str(args.work / "target"),
+        paths = {} if args.keep_paths else {"target.path": str(prepared(args.work, args.config)),
                                             "data.train": str(args.work / "chat.jsonl"),
                                             "data.eval": str(args.work / "prompts.jsonl")}
         overrides = {**paths, "optim.max_steps": args.steps, "eval.num_prompts": 2, "eval.max_new_tokens": 32, **extra}
         run_dir = run_job(args.config, args.work, overrides, args.name or args.config.stem, args.timeout_s)
         report(summarize(run_dir, args.config))
     else:
-        overrides = {"target.path": str(args.work / "target"), "evaluate.drafter": str(args.drafter),
+        overrides = {"target.path": str(prepared(args.work, args.config)), "evaluate.drafter": str(args.drafter),
                      "evaluate.prompts": str(args.work / "prompts.jsonl"), "evaluate.num_prompts": 4,
                      "evaluate.max_new_tokens": 64, **extra}
         run_dir = run_job(args.config, args.work, overrides, args.name or args.config.stem, args.timeout_s)

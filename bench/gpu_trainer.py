@@ -66,6 +66,29 @@ REPO = Path(__file__).resolve().parent.parent
 VOCAB_WORDS = 30000
 QWEN3_8B_TARGET = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+# The other shipped configs' targets (configs/train/), each as its config.json has them:
+# layers, widths, heads, experts and RoPE, so a random-weight stand-in is that model's
+# shape (bench/fit_h200.py). An architecture without model_type is a Qwen3 (make_target).
+LLAMA31_8B_TARGET = dict(
+    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+GPT_OSS_20B_TARGET = dict(
+    model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+    sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True,
+    swiglu_limit=7.0, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "original_max_position_embeddings": 4096, "truncate": False})
+QWEN3_30B_A3B_TARGET = dict(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0)
+# A config's target.path -> the architecture its random-weight stand-in has.
+TARGETS = {"Qwen/Qwen3-8B": QWEN3_8B_TARGET, "meta-llama/Llama-3.1-8B-Instruct": LLAMA31_8B_TARGET,
+           "openai/gpt-oss-20b": GPT_OSS_20B_TARGET, "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B_TARGET}
 # --cpu-check: a target small enough for a laptop, drafter and data to match.
 MICRO_TARGET = dict(vocab_size=VOCAB_WORDS + 16, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -97,21 +120,26 @@ class RunSpec:
         return f"{self.mode}-t{join(self.targets)}-d{join(self.drafters)}"
 
 
+# Qwen3-8B's config.json values the Qwen3 architectures above leave out.
+QWEN3_DEFAULTS = dict(model_type="qwen3", max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
 def make_target(architecture: dict, device: str, dtype: str = "bfloat16"):
     """(model, tokenizer): random weights of `architecture` on `device`, in memory."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash_train.config import TinyTargetSpec
     from dflash_train.data.tiny import _build_tokenizer
 
     tokenizer = _build_tokenizer(TinyTargetSpec(vocab_words=VOCAB_WORDS))
-    config = Qwen3Config(**architecture, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                         tie_word_embeddings=False, initializer_range=0.02, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    fields = dict(architecture) if "model_type" in architecture else {**QWEN3_DEFAULTS, **architecture}
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, tie_word_embeddings=False,
+                                  initializer_range=0.02, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(config, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return model, tokenizer
 
 

@@ -17,7 +17,7 @@ from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, resolve_run
 from .run_hosts import Reach
-from .session import Session
+from .session import DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
 
 
 class _Group(click.Group):
@@ -43,13 +43,9 @@ def _fail(ctx: click.Context, exc: DflashError) -> None:
 
 
 def _chosen_run(session: Session, run_id: str | None, host_name: str | None, reach: Reach) -> RunRef:
-    """RUN and --host as resolve_run reads them. Without --host the local records chose the
-    run's hosts, and the inventory may have lost one since: a verb that cannot do without
-    it (`reach`) is refused naming the run, the host and the inventory."""
-    ref = resolve_run(session.logs_dir, run_id, host_name)
-    if host_name is None:
-        run_hosts.check(session, ref, reach)
-    return ref
+    """RUN and --host of the command running, as run_hosts.chosen_run reads them."""
+    verb = click.get_current_context().info_name
+    return run_hosts.chosen_run(session, run_id, host_name, reach, naming=f"dflash {verb} RUN --host HOST")
 
 
 def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -65,9 +61,9 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--hosts", "hosts_file", envvar="DFLASH_HOSTS", type=click.Path(dir_okay=False),
-              help="Host inventory (default: ./configs/hosts.yaml; env DFLASH_HOSTS).")
-@click.option("--logs-dir", default="logs", envvar="DFLASH_LOGS", show_default=True,
+@click.option("--hosts", "hosts_file", envvar=HOSTS_ENV, type=click.Path(dir_okay=False),
+              help=f"Host inventory (default: ./configs/hosts.yaml; env {HOSTS_ENV}).")
+@click.option("--logs-dir", default=DEFAULT_LOGS, envvar=LOGS_ENV, show_default=True,
               type=click.Path(file_okay=False), help="Where fetched logs and tracebacks are kept.")
 @click.option("--accept-new-host-key", is_flag=True,
               help="Record the SSH host key of a host seen for the first time instead of refusing it.")
@@ -214,10 +210,9 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
         sys.exit(launch.dry_run(session, options))
     if follow:
         _require_trackers(session)
-    ref = launch.run(session, options)
-    console.data(ref.run_id + "\n")
+    launched = launch.run(session, options)
     if follow:
-        sys.exit(_watch_after(session, ref))
+        sys.exit(_watch_after(session, launched.ref))
 
 
 @main.command("resume")
@@ -255,9 +250,9 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
 
 def _require_trackers(session: Session) -> None:
     """--follow: the trackers' packages, checked before the run starts rather than after."""
-    from .trackers.hub import require_packages
+    from .trackers.hub import checked_settings
 
-    require_packages(session.local_config.trackers, session.local_config.source)
+    checked_settings(session.local_config)
 
 
 def _watch_after(session: Session, ref: RunRef) -> ExitCode:
@@ -439,7 +434,8 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     """
     from .commands import plot
 
-    refs = [resolve_run(session.logs_dir, run_id, host_name) for run_id in run_ids or [None]]
+    refs = [resolve_run(session.logs_dir, run_id, host_name, naming="dflash plot RUN --host HOST")
+            for run_id in run_ids or [None]]
     for ref in refs:  # the events mirrored here are drawn all the same
         if note := run_hosts.note_left(session, ref):
             console.warn(note)

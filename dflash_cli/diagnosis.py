@@ -225,10 +225,21 @@ FIX_TEMPLATE = ("fix the chat template of target.path's tokenizer (chat_template
                 "chat_template.jinja), or give the data as \"text\" rows")
 
 
-def _template_prefix(match: re.Match[str], failure: Failure) -> str:
-    return (f"{match['where']}: the chat template renders turn {match['turn']} otherwise once later turns follow "
-            "(as a template that rewrites earlier turns does, e.g. dropping their reasoning), so its tokens cannot "
-            f"be located; {FIX_TEMPLATE}")
+def _template_turn(match: re.Match[str], failure: Failure) -> str:
+    return (f"{match['where']}: the chat template {match['problem']}, so turn {match['turn']}'s tokens cannot be "
+            f"located; {FIX_TEMPLATE}")
+
+
+def _template_refuses(match: re.Match[str], failure: Failure) -> str:
+    return (f"{match['where']}: the target's chat template refuses this conversation ({match['why']}); change "
+            f"the row, or {FIX_TEMPLATE}")
+
+
+def _template_unreadable(match: re.Match[str], failure: Failure) -> str:
+    if match["problem"].startswith("tokenizer"):
+        return f"{match['target']}'s tokenizer has no chat template, and data.train is chat \"messages\"; {FIX_TEMPLATE}"
+    return (f"the chat template of {match['target']}'s tokenizer cannot be read for the loss mask (refused at "
+            f"start-up, before any row was tokenized); {FIX_TEMPLATE}")
 
 
 def _template_content(match: re.Match[str], failure: Failure) -> str:
@@ -285,9 +296,15 @@ SIGNATURES: tuple[Signature, ...] = (
     Signature("CUDA-graph trees in threads", ("AssertionError",),
               re.compile(r"cudagraph_trees\.py\", line \d+, in get_obj\n\s*assert torch\._C\._is_key_in_tls\("),
               _cudagraph_trees_tls),
-    Signature("chat template: turn not a prefix", ("ValueError",),
-              re.compile(r"^(?P<where>.+?:\d+): the chat template does not render turn (?P<turn>\d+) as a prefix",
-                         re.MULTILINE), _template_prefix),
+    Signature("chat template: a turn not found", ("ValueError",),
+              re.compile(r"^(?P<where>.+?:\d+): the chat template (?P<problem>.+?), so turn (?P<turn>\d+)'s tokens "
+                         r"cannot be located", re.MULTILINE), _template_turn),
+    Signature("chat template: a conversation refused", ("ValueError",),
+              re.compile(r"^(?P<where>.+?:\d+): the chat template refuses this conversation: (?P<why>[^\n]+)",
+                         re.MULTILINE), _template_refuses),
+    Signature("chat template: refused at start-up", ("ValueError",),
+              re.compile(r"^(?P<target>target\.(?:path|tiny) .+?): its (?P<problem>tokenizer has no chat template|"
+                         r"chat template cannot be read for the loss mask)", re.MULTILINE), _template_unreadable),
     Signature("chat template: content not rendered", ("ValueError",),
               re.compile(r"^(?P<where>.+?:\d+): the chat template does not render the last message's content",
                          re.MULTILINE), _template_content),

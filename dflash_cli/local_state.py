@@ -205,8 +205,10 @@ def latest_host(logs_dir: Path) -> str:
     return latest.host if latest else "local"
 
 
-def resolve_run(logs_dir: Path, run_id: str | None, host: str | None) -> RunRef:
-    """The run named on the command line, or the latest one this checkout launched."""
+def resolve_run(logs_dir: Path, run_id: str | None, host: str | None, naming: str | None = None) -> RunRef:
+    """The run named on the command line, or the latest one this checkout launched.
+    `naming`: how the verb asking names a run and its host, for the hint when it named
+    none and none is recorded (`dflash status RUN --host HOST`)."""
     if run_id is not None and (not run_id or run_id.startswith("-")):
         # `dflash launch` makes no such id; the agent would read one as an option.
         raise DflashError(f"{run_id!r} is not a run id (run ids start with the run's name)", ExitCode.USAGE)
@@ -219,7 +221,7 @@ def resolve_run(logs_dir: Path, run_id: str | None, host: str | None) -> RunRef:
         if latest is None or (host and latest.host != host):
             raise DflashError("no run given and no latest run recorded in "
                               f"{logs_dir / LATEST_FILE}", ExitCode.USAGE,
-                              hint="name the run: dflash watch RUN --host HOST")
+                              hint=f"name the run: {naming or 'RUN and --host HOST'}")
         return latest
     if latest and latest.run_id == run_id:
         return latest

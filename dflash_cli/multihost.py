@@ -59,6 +59,20 @@ class HostStatus:
         return shown
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOnHosts:
+    """A run on several hosts as `status` sees it: the whole run's state (None: unknown,
+    `aggregate_state`) and each host's part, in rank order."""
+
+    run_id: str
+    state: RunState | None
+    hosts: tuple[HostStatus, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "state": state_name(self.state),
+                "hosts": [host.to_json() for host in self.hosts]}
+
+
 def mark_silent_ranks(statuses: list[HostStatus]) -> list[HostStatus]:
     """Every host's status (in rank order), with a rank that another found silent (its
     PeerFailed without the peer's own record: no sign of life for peer_timeout_s, or a

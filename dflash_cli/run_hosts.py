@@ -9,7 +9,7 @@ import enum
 
 from .errors import DflashError, ExitCode
 from .inventory import BUILTIN, Host
-from .local_state import LATEST_FILE, RunLogs, RunRef, latest_run
+from .local_state import LATEST_FILE, RunLogs, RunRef, latest_run, resolve_run
 from .session import Session
 
 
@@ -51,6 +51,18 @@ def check(session: Session, ref: RunRef, reach: Reach) -> None:
               Reach.ANY: gone if len(gone) == len(ref.members) else []}[reach]
     if needed:
         raise refusal(session, ref, needed)
+
+
+def chosen_run(session: Session, run_id: str | None, host_name: str | None, reach: Reach, naming: str) -> RunRef:
+    """The run a verb was given (`run_id`, `host_name`: either may be None), as
+    resolve_run reads them (`naming`: how that verb names a run and its host). Without a
+    host the local records chose the run's hosts, and the inventory may have lost one
+    since: a verb that cannot do without it (`reach`) is refused naming the run, the host
+    and the inventory."""
+    ref = resolve_run(session.logs_dir, run_id, host_name, naming)
+    if host_name is None:
+        check(session, ref, reach)
+    return ref
 
 
 def members(session: Session, ref: RunRef) -> tuple[list[Host], dict[str, DflashError]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
@@ -16,6 +17,11 @@ from .transports import open_transport
 from .transports.base import Transport
 
 T = TypeVar("T")
+
+#: where the inventory and the logs folder are named when not passed (`--hosts`, `--logs-dir`)
+HOSTS_ENV = "DFLASH_HOSTS"
+LOGS_ENV = "DFLASH_LOGS"
+DEFAULT_LOGS = "logs"
 
 
 @dataclasses.dataclass
@@ -39,6 +45,19 @@ class Session:
     def local_config(self) -> LocalConfig:
         """dflash.yaml (local_config.py), read on first use."""
         return load_local_config(self.cli_config_file)
+
+    @classmethod
+    def from_environment(cls, hosts_file: str | os.PathLike | None = None, logs_dir: str | os.PathLike | None = None,
+                         accept_new_host_key: bool = False,
+                         cli_config_file: str | os.PathLike | None = None) -> "Session":
+        """A session as the CLI's options make it, for a caller without them (the Python
+        API): what is not passed is taken from DFLASH_HOSTS, DFLASH_LOGS and
+        DFLASH_CLI_CONFIG, else the defaults (./configs/hosts.yaml or the built-in `local`,
+        ./logs, ./dflash.yaml when there is one)."""
+        hosts = os.fspath(hosts_file) if hosts_file is not None else os.environ.get(HOSTS_ENV)
+        logs = logs_dir if logs_dir is not None else os.environ.get(LOGS_ENV, DEFAULT_LOGS)
+        cli_config = os.fspath(cli_config_file) if cli_config_file is not None else None
+        return cls(hosts, Path(logs), accept_new_host_key, cli_config)
 
     def host(self, name: str) -> Host:
         return self.inventory.get(name)

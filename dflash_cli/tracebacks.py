@@ -1,6 +1,6 @@
 """Error records and what is known of a run that left none, as people read them
-(`fetch-traceback`, `watch`): the traceback under a one-line header, a known failure's
-diagnosis line, and exit.json, the last stack dump and log lines by thread instead."""
+(`fetch-traceback`, `watch`): the traceback under a one-line header, and exit.json,
+the last stack dump and log lines by thread instead."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import re
 
 from dflash_agent.protocol import ReportReply
 
-from . import console, diagnosis, multihost
+from . import console, multihost
 from .local_state import RunRef
 
 _THREAD_TAG = re.compile(r"^\S+ \[([^\]]+)\] ")
@@ -28,13 +28,6 @@ def render_record(record: dict, ref: RunRef, several_attempts: bool = False) -> 
     a line of errors.jsonl that is not JSON, that line as it is)."""
     text = record.get("traceback", record.get("raw", ""))
     return header(record, ref, several_attempts) + text + ("" if text.endswith("\n") else "\n")
-
-
-def say_diagnosis(record: dict, ref: RunRef, hosts: tuple[str, ...]) -> None:
-    """The diagnosis line of a known failure, on stderr after its traceback (none for another)."""
-    line = diagnosis.diagnose(diagnosis.Failure(record, ref.run_id, ref.host, hosts))
-    if line is not None:
-        console.say(console.printable(f"diagnosis: {line}"))
 
 
 def render_no_record(report: ReportReply, ref: RunRef, of_its_own: bool = False) -> str:

@@ -145,10 +145,12 @@ def test_launch_on_unreachable_targets_exits_3(make_inventory, tmp_path, host, m
     assert message in done.stderr and done.stdout == ""
 
 
-def test_watch_without_any_run_is_a_usage_error(tmp_path):
-    done = dflash_in_process("--logs-dir", str(tmp_path / "logs"), "watch")
+@pytest.mark.parametrize("verb", ["watch", "status", "stop", "fetch-traceback", "stacks", "pull", "resume", "plot"])
+def test_a_verb_without_any_run_is_a_usage_error_whose_hint_names_that_verb(verb, tmp_path):
+    done = dflash_in_process("--logs-dir", str(tmp_path / "logs"), verb)
     assert done.returncode == 2
     assert "no latest run" in done.stderr
+    assert f"hint: name the run: dflash {verb} RUN --host HOST\n" in done.stderr
 
 
 def test_gpu_line_is_compact_and_survives_missing_readings():

@@ -204,6 +204,15 @@ def test_version_names_the_release_deploy_sends_without_loading_ssh(tmp_path):
     assert (home / ".dflash" / "local" / "current").resolve().name == tree.release_id
 
 
+@pytest.mark.parametrize("args", [["--help"], ["deploy", "--help"], ["hosts", "--help"], ["watch", "--help"]])
+def test_help_loads_no_ssh_library(args):
+    # the in-process SSH client (Fabric, paramiko, invoke) is imported only by a host it reaches
+    shown = dflash(*args, cwd=REPO, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert shown.returncode == 0, shown.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in shown.stderr.splitlines() if line.startswith("import time:")}
+    assert "click" in imported and not {"fabric", "paramiko", "invoke"} & imported
+
+
 def test_version_outside_a_project_tree_names_the_copy_shipped_with_dflash(tmp_path):
     shown = dflash("--version", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr

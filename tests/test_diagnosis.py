@@ -18,7 +18,8 @@ import torch.distributed as dist
 from dflash_cli.diagnosis import Failure, diagnose
 from dflash_train.memory import ledger
 from dflash_train.config import FaultSpec, load_job_config
-from dflash_train.data.batches import load_prompts, tokenize_chat, tokenize_sample
+from dflash_train.data.batches import load_prompts, tokenize_sample
+from dflash_train.data.chat import tokenize_chat
 from dflash_train.training.distributed import CollectiveFailed, JoinFailed, PeerFailed
 from dflash_train.faults import FaultInjector
 from dflash_train.jobs.common import ThreadFailed
@@ -361,14 +362,20 @@ FIX = ("fix the chat template of target.path's tokenizer (chat_template in token
 
 def test_a_template_that_rewrites_earlier_turns_names_the_row_and_the_fix(tokenizer):
     tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    # Earlier answers rendered without their content, as templates that drop past reasoning do.
+    # Earlier answers rendered without their content: nothing of the turn is left to learn.
     tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }} "
                                "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}"
                                "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
     error = caught(lambda: tokenize_chat(tokenizer, CHAT, "/data/train.jsonl:17"))
     assert line(recorded(error, thread="coordinator")) == (
-        "/data/train.jsonl:17: the chat template renders turn 1 otherwise once later turns follow (as a template "
-        "that rewrites earlier turns does, e.g. dropping their reasoning), so its tokens cannot be located; " + FIX)
+        "/data/train.jsonl:17: the chat template does not render turn 1's content in the whole conversation as it "
+        "does when the turn ends it, so turn 1's tokens cannot be located; " + FIX)
+    # A template's own refusal of a conversation names the row.
+    tokenizer.chat_template = "{{ raise_exception('System role not supported') }}"
+    error = caught(lambda: tokenize_chat(tokenizer, CHAT, "/data/train.jsonl:5"))
+    assert line(recorded(error, thread="coordinator")) == (
+        "/data/train.jsonl:5: the target's chat template refuses this conversation (System role not supported); "
+        "change the row, or " + FIX)
     tokenizer.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>{% endfor %}"
     error = caught(lambda: tokenize_chat(tokenizer, CHAT[:2], "/data/train.jsonl:3", truncated=True))
     assert line(recorded(error, thread="coordinator")) == (

@@ -1,12 +1,15 @@
 """`dflash launch`'s fit check end to end: the real CLI against container 204 of the fake
 node, whose PATH has a fake nvidia-smi reporting four H200s and whose Hugging Face cache
 holds Qwen3-8B's config.json. A run that cannot fit is refused before anything reaches
-the host; --dry-run prints the estimate and starts nothing; a run that fits starts. The
-estimate's own terms are tested in test_memory_plan.py."""
+the host; --dry-run prints the estimate and starts nothing; a run that fits starts; the
+shipped one-GPU config of each target family fits an H200, its target's shape being what
+bench/fit_h200.py builds at random weights. The estimate's own terms are tested in
+test_memory_plan.py."""
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,10 @@ from test_memory_plan import CONFIGS, H200_MIB, QWEN3_8B, one_gpu_config, write_
 
 from dflash_train.config import load_job_config
 from dflash_train.memory.plan import GIB, TargetShape, estimate, usable_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import fit_h200  # noqa: E402
+from gpu_trainer import TARGETS  # noqa: E402  the random-weight stand-ins bench/fit_h200.py builds
 
 pytestmark = pytest.mark.timeout(300)
 SNAPSHOT = "b968826d9c46dd6066d109eabc6255188de91218"  # a commit id, as the hub names snapshots
@@ -160,3 +167,64 @@ def test_the_probe_reads_a_model_folder_and_names_what_it_cannot(tmp_path):
     fields, problem = gpus.model_config(str(tmp_path / "missing"))
     assert fields is None and problem.startswith(f"cannot read {tmp_path / 'missing' / 'config.json'}: ")
     assert gpus.model_config("../up") == (None, "../up is neither a folder nor a Hugging Face hub id")
+
+
+# -- the shipped configs of other families -----------------------------------------------------
+
+# Each target's parameters, as its published checkpoint has them (the stand-in's config must be the model's).
+PUBLISHED_PARAMETERS = {"meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248, "openai/gpt-oss-20b": 20_914_757_184,
+                        "Qwen/Qwen3-30B-A3B": 30_532_122_624, "Qwen/Qwen3-8B": 8_190_735_360}
+ONE_H200 = ["llama3.1-8b.yaml", "gpt-oss-20b.yaml", "qwen3-30b-a3b.yaml"]
+
+
+def target_config_json(name: str, folder: Path) -> dict:
+    """The config.json transformers writes for TARGETS[name]: the fields a model folder of it has."""
+    from transformers import AutoConfig
+
+    fields = dict(TARGETS[name])
+    config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields, tie_word_embeddings=False)
+    config.save_pretrained(folder)
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+def test_the_bench_stand_ins_have_the_published_targets_shapes(name, tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = target_config_json(name, tmp_path)
+    with torch.device("meta"):  # the shapes alone, no memory
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[name]
+    assert model.config.model_type == fields["model_type"]
+
+
+@pytest.mark.parametrize("config_name", ONE_H200)
+def test_each_families_config_fits_its_h200_and_says_the_estimate_it_gets(gpu_host, tmp_path, config_name):
+    path = CONFIGS / config_name
+    config = load_job_config(path)  # the one strict loader
+    assert config.target.path in TARGETS  # bench/fit_h200.py can run it at random weights
+    fields = target_config_json(config.target.path, tmp_path / "stand-in")
+    cache_hub_model(gpu_host.hf_home, config.target.path, fields)
+    done = gpu_host.dflash("launch", "gpu", "--config", str(path), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    (device,) = estimate(config, TargetShape.from_config_json(fields)).devices
+    usable = usable_bytes(H200_MIB)
+    assert device.total <= usable
+    assert re.search(rf"total\s*│\s*│\s*{device.total / GIB:.2f}\s*│ fits: {usable / GIB:.1f} GiB usable of NVIDIA "
+                     rf"H200", done.stderr), done.stderr
+    assert not gpu_host.workspace.exists()
+    # The config's comment records what the check says.
+    comment = " ".join(line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#"))
+    assert f"{device.total / GIB:.1f} GiB of the H200's {usable / GIB:.1f} GiB usable" in comment
+
+
+@pytest.mark.parametrize("config_name", ONE_H200 + ["qwen3-8b.yaml", "evaluate-qwen3-8b.yaml"])
+def test_fit_h200_builds_and_runs_the_architecture_the_config_names(tmp_path, config_name):
+    name = load_job_config(CONFIGS / config_name).target.path
+    folder, architecture = fit_h200.target_folder(tmp_path, CONFIGS / config_name)
+    assert folder == tmp_path / "targets" / name.replace("/", "--") and architecture is TARGETS[name]
+    with pytest.raises(SystemExit, match="no target prepared for"):
+        fit_h200.prepared(tmp_path, CONFIGS / config_name)
+    with pytest.raises(SystemExit, match="target.path None has no architecture in gpu_trainer.TARGETS"):
+        fit_h200.target_folder(tmp_path, CONFIGS / "tiny-cpu.yaml")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dflash_train.config import DataConfig, DrafterConfig, load_job_config
-from dflash_train.data.batches import BatchPlan, Sample, collate, load_samples, tokenize_chat, tokenize_sample
+from dflash_train.data.batches import BatchPlan, Sample, collate, load_samples, tokenize_sample
+from dflash_train.data.chat import tokenize_chat
 from dflash_train.model.objective import NO_TURN, anchor_candidates, block_labels, position_weights
 from dflash_train.data.tiny import ensure_tiny_assets
 

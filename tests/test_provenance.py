@@ -196,7 +196,8 @@ def installed_wheel(tmp_path) -> Path:
     src = copy_release_dirs(tmp_path / "build src")
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO / name, src / name)
-    shutil.copytree(REPO / "dflash_cli", src / "dflash_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("dflash", "dflash_cli"):
+        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in dflash_env().items() if k != "PYTHONPATH"}
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     venv = tmp_path / "venv"
@@ -233,6 +234,11 @@ def test_a_wheel_install_deploys_its_bundled_copy_or_the_project_tree(installed_
     assert line.startswith("source: bundled with dflash 0.1.0 (")
     assert line.endswith("site-packages/dflash_cli/_release, not a git checkout)")
     assert str(tmp_path / "venv") in line
+
+    api = subprocess.run([str(installed_wheel.parent / "python"), "-c", "import dflash; print(dflash.__file__)"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
+    assert api.returncode == 0, api.stderr
+    assert api.stdout.startswith(str(tmp_path / "venv")), api.stdout  # the wheel's Python API, not a checkout's
 
     project, commit = patched_project(tmp_path / "proj")
     inside = installed("deploy", "local", cwd=project / "configs")

@@ -204,6 +204,40 @@ def test_the_fast_decode_runs_every_family_it_claims_losslessly(model_type):
         assert decoder.decode_alone(prompt, 24, set()).tokens == greedy
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.slow(seconds=40, why="torch.compile (Inductor's C++ on CPU) of a random target's layers and a drafter")
+def test_compiled_decode_steps_are_lossless_and_a_new_prompt_length_compiles_nothing():
+    """With `compile_steps` the verify, draft and target-alone steps run through
+    torch.compile: still `generate`'s tokens, and once a decode has compiled them, decoding
+    prompts of other lengths compiles nothing (the prefill stays eager): an evaluator that
+    is ready compiles no more."""
+    from torch._dynamo.utils import counters
+
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+    from dflash_train.model.fast_decode import FastDecoder
+    from dflash_train.model.target import FeatureTap
+
+    target = _random_target("qwen3")
+    drafter = DFlashDrafter(drafter_hf_config(target.config, DrafterConfig(num_layers=1, block_size=4), (1, 3), 5))
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    tap = FeatureTap(target, (1, 3))
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    decoder = FastDecoder(drafter.eval(), tap, embed, head, 64, compile_steps=True)
+    assert decoder.compiled
+    before = counters["stats"]["unique_graphs"]
+    first = [3, 9, 11, 20, 7, 8]
+    assert decoder.decode(first, 24, set()).tokens == _greedy(target, first, 24)
+    assert decoder.decode_alone(first, 24, set()).tokens == _greedy(target, first, 24)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > before, "nothing was compiled"
+    for prompt in ([5, 6, 7], [12, 4, 4, 9, 30, 2, 2, 17, 8, 1, 6]):
+        greedy = _greedy(target, prompt, 20)
+        assert decoder.decode(prompt, 20, set()).tokens == greedy
+        assert decoder.decode_alone(prompt, 20, set()).tokens == greedy
+    assert counters["stats"]["unique_graphs"] == compiled, "a prompt of another length compiled again"
+
+
 def test_a_target_whose_layer_types_have_their_own_rope_gets_a_drafter_that_decodes_losslessly():
     """Gemma 3 keeps RoPE parameters per layer type ({full_attention: ..., sliding_attention:
     ...}): the drafter takes its full-attention layers' (it attends to its whole context),
@@ -499,7 +533,9 @@ def test_cuda_graphed_decode_is_the_eager_one_and_the_targets_greedy_decode_in_b
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     graphed = FastDecoder(drafter, tap, embed, head, 256, cuda_graphs=True)
     eager = FastDecoder(drafter, tap, embed, head, 256, cuda_graphs=False)
-    assert graphed.cuda_graphs and not eager.cuda_graphs
+    # Inductor's kernels round differently from eager ones: compared with generate, as below
+    compiled = FastDecoder(drafter, tap, embed, head, 256, cuda_graphs=True, compile_steps=True)
+    assert graphed.cuda_graphs and not eager.cuda_graphs and compiled.compiled
     accepted_any, exact = [], 0
     for prompt in trained["prompts"]:
         on = _in_a_thread(lambda: graphed.decode(prompt, 40, set()))
@@ -508,7 +544,9 @@ def test_cuda_graphed_decode_is_the_eager_one_and_the_targets_greedy_decode_in_b
         alone = _in_a_thread(lambda: graphed.decode_alone(prompt, 40, set()))
         assert alone.tokens == eager.decode_alone(prompt, 40, set()).tokens
         greedy = _greedy_on(target, prompt, 40)
-        for tokens in (on.tokens, alone.tokens):
+        fused = _in_a_thread(lambda: compiled.decode(prompt, 40, set()))
+        fused_alone = _in_a_thread(lambda: compiled.decode_alone(prompt, 40, set()))
+        for tokens in (on.tokens, alone.tokens, fused.tokens, fused_alone.tokens):
             first = next((i for i, (a, b) in enumerate(zip(tokens, greedy)) if a != b), None)
             if first is None:
                 assert tokens == greedy

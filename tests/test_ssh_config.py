@@ -1,12 +1,15 @@
 """SSH targets resolve and connect as the user's OpenSSH client does with the same
 config (a config file made by each test, given as DFLASH_SSH_CONFIG, i.e. `ssh -F`):
-each case also runs the real `ssh` client and expects the same outcome."""
+each case also runs the real `ssh` client and expects the same outcome. A case that
+holds for both of dflash's SSH clients runs on each (`ssh_client`)."""
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,11 +25,19 @@ from support.sshd import sign_user_key, start_sshd, stop_sshd
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not shutil.which("ssh"), reason="needs an OpenSSH client")]
+#: the inventory's ssh_client values of the two clients: the `ssh` binary, in-process
+BOTH_CLIENTS = ["openssh", "paramiko"]
 
 
 @pytest.fixture
-def client(make_inventory, tmp_path, monkeypatch):
-    """client(config_text, **env) -> (transport to alias `dflash-t`, config path)."""
+def ssh_client() -> str:
+    """The inventory's ssh_client for `client`'s host (a test parametrizes it to run on both)."""
+    return "openssh"
+
+
+@pytest.fixture
+def client(make_inventory, tmp_path, monkeypatch, ssh_client):
+    """client(config_text) -> (transport to alias `dflash-t` through `ssh_client`, config path)."""
     opened = []
 
     def client(text: str):
@@ -34,7 +45,7 @@ def client(make_inventory, tmp_path, monkeypatch):
         config.write_text(text)
         monkeypatch.setenv("DFLASH_SSH_CONFIG", str(config))
         hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-t", "identity_file": None,
-                                                              "known_hosts": None}))
+                                                              "known_hosts": None, "ssh_client": ssh_client}))
         transport = open_transport(hosts.get("node"))
         opened.append(transport)
         return transport, config
@@ -52,6 +63,7 @@ def openssh_connects(config: Path, env: dict | None = None) -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.parametrize("ssh_client", BOTH_CLIENTS)
 def test_alias_in_an_included_file_with_match_host_and_user_known_hosts_file(client, ssh_node, tmp_path):
     included = tmp_path / "config.d"
     included.mkdir()
@@ -74,6 +86,7 @@ def _node_block(ssh_node, **options: str) -> str:
     return "Host dflash-t\n" + "".join(f"    {key} {value}\n" for key, value in lines.items())
 
 
+@pytest.mark.parametrize("ssh_client", BOTH_CLIENTS)
 def test_a_revoked_host_key_is_refused_although_it_is_on_record(client, ssh_node, tmp_path):
     known = tmp_path / "known_hosts"
     known.write_text(ssh_node.known_hosts.read_text() + f"@revoked * {ssh_node.host_key_line}\n")
@@ -83,14 +96,15 @@ def test_a_revoked_host_key_is_refused_although_it_is_on_record(client, ssh_node
     assert not openssh_connects(config)
 
 
+@pytest.mark.parametrize("ssh_client", BOTH_CLIENTS)
 def test_accepting_a_new_host_key_writes_the_first_user_known_hosts_file(make_inventory, ssh_node, tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, ssh_client):
     first, second = tmp_path / "first", tmp_path / "second"
     config = tmp_path / "ssh_config"
     config.write_text(_node_block(ssh_node, UserKnownHostsFile=f"{first} {second}"))
     monkeypatch.setenv("DFLASH_SSH_CONFIG", str(config))
     hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-t", "identity_file": None,
-                                                          "known_hosts": None}))
+                                                          "known_hosts": None, "ssh_client": ssh_client}))
     with open_transport(hosts.get("node"), accept_new_host_key=True) as transport:
         assert transport.run(["true"]).exit_code == 0
     assert first.read_text() == f"{ssh_node.known_hosts_name} {ssh_node.host_key_line}\n"
@@ -98,6 +112,7 @@ def test_accepting_a_new_host_key_writes_the_first_user_known_hosts_file(make_in
     assert openssh_connects(config)  # OpenSSH reads the line where it would have written it
 
 
+@pytest.mark.parametrize("ssh_client", BOTH_CLIENTS)
 def test_a_key_held_only_by_an_agent_at_identity_agent_logs_in(client, ssh_node, tmp_path, monkeypatch):
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     socket_path = tmp_path / "agent.sock"
@@ -119,6 +134,7 @@ def test_a_key_held_only_by_an_agent_at_identity_agent_logs_in(client, ssh_node,
         agent.wait()
 
 
+@pytest.mark.parametrize("ssh_client", BOTH_CLIENTS)
 def test_a_user_certificate_signed_by_the_trusted_ca_logs_in(client, ssh_node, tmp_path):
     key = tmp_path / "cert_only"
     keygen(key, "not in authorized_keys")
@@ -131,6 +147,7 @@ def test_a_user_certificate_signed_by_the_trusted_ca_logs_in(client, ssh_node, t
     assert openssh_connects(config, {"SSH_AUTH_SOCK": ""})
 
 
+@pytest.mark.parametrize("ssh_client", BOTH_CLIENTS)
 def test_a_passphrase_key_without_agent_is_named_instead_of_prompting(client, ssh_node, tmp_path, monkeypatch):
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     key = tmp_path / "locked"
@@ -152,6 +169,7 @@ def second_node(tmp_path_factory):
     stop_sshd(proc)
 
 
+@pytest.mark.parametrize("ssh_client", BOTH_CLIENTS)
 def test_proxyjump_reaches_a_second_sshd_through_the_first(client, ssh_node, second_node, tmp_path):
     known = tmp_path / "known_hosts"
     known.write_text(ssh_node.known_hosts.read_text() + second_node.known_hosts.read_text())
@@ -182,6 +200,46 @@ def test_a_host_certificate_is_trusted_through_a_cert_authority_line(client, ssh
     with pytest.raises(UnreachableError, match="host key is unknown"):
         transport.run(["true"])
     assert not openssh_connects(config)
+
+
+@pytest.mark.parametrize("ssh_client", ["paramiko"])
+def test_the_in_process_client_refuses_a_host_known_only_by_its_cert_authority(client, second_node, tmp_path):
+    # paramiko negotiates no host certificates: such a host needs its own key on record
+    known = tmp_path / "known_hosts"
+    known.write_text(f"@cert-authority {second_node.address} {second_node.host_ca_line}\n")
+    transport, config = client(_node_block(second_node, UserKnownHostsFile=str(known)))
+    with pytest.raises(UnreachableError, match="host key is unknown") as refused:
+        transport.run(["true"])
+    assert "@cert-authority lines are not used by dflash" in refused.value.hint
+    assert openssh_connects(config)  # where `ssh` exists, ssh_client auto picks it and gets in
+
+
+#: a ProxyCommand: touches the file argv[3], then relays its stdin and stdout to the TCP
+#: port argv[2] of host argv[1], as `nc HOST PORT` does
+RELAY = ("import os, pathlib, socket, sys, threading\n"
+         "pathlib.Path(sys.argv[3]).touch()\n"
+         "sock = socket.create_connection((sys.argv[1], int(sys.argv[2])))\n"
+         "def up():\n"
+         "    while data := os.read(0, 65536):\n"
+         "        sock.sendall(data)\n"
+         "    sock.shutdown(socket.SHUT_WR)\n"
+         "threading.Thread(target=up, daemon=True).start()\n"
+         "while data := sock.recv(65536):\n"
+         "    os.write(1, data)\n")
+
+
+@pytest.mark.parametrize("ssh_client", BOTH_CLIENTS)
+def test_proxycommand_gets_the_host_and_port_of_the_target(client, ssh_node, tmp_path):
+    relay, used = tmp_path / "relay.py", tmp_path / "relay used"
+    relay.write_text(RELAY)
+    # %h and %p as OpenSSH expands them: the HostName and the Port of the target (not 22)
+    command = f"{shlex.quote(sys.executable)} {shlex.quote(str(relay))} %h %p {shlex.quote(str(used))}"
+    transport, config = client(_node_block(ssh_node, ProxyCommand=command))
+    done = transport.run(["printenv", "SSH_CONNECTION"])
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout.split()[3] == str(ssh_node.port).encode()
+    assert used.exists()
+    assert openssh_connects(config)
 
 
 def test_a_user_control_master_is_joined_and_left_running(client, ssh_node, tmp_path):

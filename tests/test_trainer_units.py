@@ -24,7 +24,7 @@ from dflash_schema import SchemaError
 from dflash_train.checkpoint import folders as ckpt
 from dflash_train.checkpoint.state import TrainingState
 from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_job_config, resolved_yaml
-from dflash_train.data.batches import tokenize_chat
+from dflash_train.data.chat import tokenize_chat
 from dflash_train.model.drafter import (DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter,
                                         load_drafter)
 from dflash_train.model.modeling_dflash import dense_attention

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.timeout(60)
 PY = sys.executable  # the same interpreter on the node and in the fake containers
 ALL = ["local", "node", "ct200"]
 REMOTE = ["node", "ct200"]
-#: the same hosts through the paramiko client (the fallback without an OpenSSH client)
+#: the same hosts through the in-process client (Fabric on paramiko: the fallback
+#: without an OpenSSH client); every test of the hosts' behaviour runs on both clients
 PARAMIKO = ["node:paramiko", "ct200:paramiko"]
 
 AWKWARD_ARGS = [
@@ -80,7 +81,7 @@ def test_awkward_argv_arrives_unchanged(connect, name):
     assert done.argv == (PY, "-c", echo_argv, *AWKWARD_ARGS)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + PARAMIKO)
 def test_megabytes_of_binary_stdin_and_stdout_arrive_intact(connect, name):
     transport = connect(name)
     payload = os.urandom(6 * 1024 * 1024 + 123)
@@ -116,7 +117,7 @@ class _BreaksAfter(io.RawIOBase):
         return count
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + PARAMIKO)
 def test_input_that_breaks_off_fails_the_call_instead_of_hanging(connect, name):
     transport = connect(name)
     with pytest.raises(DflashError, match="reading its input failed: .*Input/output error"):
@@ -124,13 +125,14 @@ def test_input_that_breaks_off_fails_the_call_instead_of_hanging(connect, name):
     assert transport.run(["echo", "fine"]).stdout == b"fine\n"
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + PARAMIKO)
 def test_exit_code_and_stderr_are_the_commands_own(connect, name):
     done = connect(name).run(["sh", "-c", "echo out; echo 'went wrong' >&2; exit 7"])
     assert (done.exit_code, done.stdout, done.stderr) == (7, b"out\n", b"went wrong\n")
 
 
-@pytest.mark.parametrize("name,expected", [("local", 127), ("node", 127), ("ct200", 255)])
+@pytest.mark.parametrize("name,expected", [("local", 127), ("node", 127), ("ct200", 255),
+                                           ("node:paramiko", 127), ("ct200:paramiko", 255)])
 def test_a_missing_program_is_an_exit_code_not_an_exception(connect, name, expected):
     # a shell says 127; lxc-attach (behind pct exec) fails the exec with 255
     done = connect(name).run(["dflash-no-such-program", "x"])
@@ -139,7 +141,7 @@ def test_a_missing_program_is_an_exit_code_not_an_exception(connect, name, expec
 
 
 @pytest.mark.parametrize("name,expected", [("local", 128 + 9), ("node", 255), ("ct200", 255),
-                                           ("node:paramiko", 255)])
+                                           ("node:paramiko", 255), ("ct200:paramiko", 255)])
 def test_command_killed_by_a_signal_is_not_a_lost_connection(connect, name, expected):
     # sshd reports a signal instead of an exit status; the connection is still fine
     transport = connect(name)
@@ -147,7 +149,7 @@ def test_command_killed_by_a_signal_is_not_a_lost_connection(connect, name, expe
     assert transport.run(["true"]).exit_code == 0
 
 
-@pytest.mark.parametrize("name", ["local", "node"])
+@pytest.mark.parametrize("name", ["local", "node", "node:paramiko"])
 def test_run_timeout_gives_up_and_the_transport_stays_usable(connect, name):
     transport = connect(name)
     # Had the timeout been ignored, the call would return sleep's exit status 0 instead.
@@ -159,7 +161,7 @@ def test_run_timeout_gives_up_and_the_transport_stays_usable(connect, name):
 # -- streaming ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + PARAMIKO)
 def test_stream_yields_each_line_as_it_is_printed(connect, name, tmp_path):
     # The command prints its last line only once the test has received the first: a stream
     # that held lines back would get "given up" (after the command's own minute) instead.
@@ -175,7 +177,7 @@ def test_stream_yields_each_line_as_it_is_printed(connect, name, tmp_path):
     assert list(lines) == [b"done"]  # a last line without a newline still arrives
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + PARAMIKO)
 def test_stream_of_a_failing_command_raises_with_its_stderr(connect, name):
     lines = connect(name).stream(["sh", "-c", "echo partial; echo 'no such run' >&2; exit 2"])
     assert next(lines) == b"partial\n"
@@ -184,7 +186,7 @@ def test_stream_of_a_failing_command_raises_with_its_stderr(connect, name):
     assert failed.value.status == 2
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + PARAMIKO)
 def test_closing_a_stream_ends_the_remote_command(connect, name):
     program = "import os, time\nprint(os.getpid(), flush=True)\nfor i in range(600):\n    time.sleep(0.05); print(i, flush=True)"
     lines = connect(name).stream([PY, "-c", program])
@@ -231,14 +233,14 @@ def test_connection_dying_mid_stream_raises_then_the_next_call_reconnects(connec
 # -- one connection ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", REMOTE)
+@pytest.mark.parametrize("name", REMOTE + PARAMIKO)
 def test_many_commands_share_one_connection(connect, ssh_node, name):
     logins = ssh_node.accepted_logins()
     transport = connect(name)
     seen = {transport.run(["printenv", "SSH_CLIENT"]).stdout for _ in range(6)}
     assert ssh_node.accepted_logins() == logins + 1
     assert transport.round_trips == 6
-    if name == "node":
+    if name.startswith("node"):
         (client,) = seen  # one source port: one TCP connection
         assert client.split()[2] == str(ssh_node.port).encode()
     else:
@@ -267,9 +269,10 @@ def test_closing_the_transport_ends_its_master_connection(connect, ssh_node):
     assert not os.path.exists(folder)
 
 
-def test_threads_can_run_commands_on_one_transport_at_once(connect, ssh_node):
+@pytest.mark.parametrize("name", ["node", "node:paramiko"])
+def test_threads_can_run_commands_on_one_transport_at_once(connect, ssh_node, name):
     logins = ssh_node.accepted_logins()
-    transport = connect("node")
+    transport = connect(name)
     results: dict[int, bytes] = {}
 
     def work(index: int) -> None:
@@ -309,24 +312,26 @@ def test_unknown_host_key_is_refused_unless_accepted(make_inventory, connect, ss
     assert connect("node", hosts).run(["true"]).exit_code == 0  # now known: strict mode connects
 
 
-def test_inventory_host_key_accept_new_records_the_key(make_inventory, connect, ssh_node, tmp_path):
+@pytest.mark.parametrize("name", ["node", "node:paramiko"])
+def test_inventory_host_key_accept_new_records_the_key(make_inventory, connect, ssh_node, tmp_path, name):
     known = tmp_path / "known_hosts"
     known.write_text("# kept\n[example.invalid]:22 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIP0HCBpvAu2K4hTmnBNXjs0ZgEd6WW6eZVuNXAhNAM8v")
     hosts = load_inventory(make_inventory(tmp_path, node={"known_hosts": str(known), "host_key": "accept-new"}))
-    assert connect("node", hosts).run(["true"]).exit_code == 0
+    assert connect(name, hosts).run(["true"]).exit_code == 0
     lines = known.read_text().splitlines()
     assert lines[:2] == ["# kept", "[example.invalid]:22 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIP0HCBpvAu2K4hTmnBNXjs0ZgEd6WW6eZVuNXAhNAM8v"]
     assert lines[2:] == [f"{ssh_node.known_hosts_name} {ssh_node.host_key_line}"]
 
 
-def test_changed_host_key_is_refused_even_when_accepting_new_keys(make_inventory, connect, ssh_node, tmp_path):
+@pytest.mark.parametrize("name", ["node", "node:paramiko"])
+def test_changed_host_key_is_refused_even_when_accepting_new_keys(make_inventory, connect, ssh_node, tmp_path, name):
     impostor = keygen(tmp_path / "impostor", "impostor").split()
     known = tmp_path / "known_hosts"
     known.write_text(f"{ssh_node.known_hosts_name} {impostor[0]} {impostor[1]}\n")
     before = known.read_text()
     hosts = load_inventory(make_inventory(tmp_path, node={"known_hosts": str(known)}))
     with pytest.raises(UnreachableError, match="CHANGED") as refused:
-        connect("node", hosts, accept_new_host_key=True).run(["true"])
+        connect(name, hosts, accept_new_host_key=True).run(["true"])
     assert _fingerprint_by_ssh_keygen(ssh_node.known_hosts) in refused.value.message
     assert known.read_text() == before
 
@@ -339,17 +344,20 @@ def _ssh_config(home: Path, text: str) -> Path:
     return home / ".ssh" / "config"
 
 
-def test_ssh_config_alias_supplies_address_user_port_and_key(make_inventory, connect, ssh_node, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["node", "node:paramiko"])
+def test_ssh_config_alias_supplies_address_user_port_and_key(make_inventory, connect, ssh_node, tmp_path, monkeypatch,
+                                                             name):
     home = tmp_path / "home"
     _ssh_config(home, f"Host dflash-test-node\n    HostName {ssh_node.address}\n    Port {ssh_node.port}\n"
                       f"    User {ssh_node.user}\n    IdentityFile {ssh_node.identity_file}\n")
     monkeypatch.setenv("DFLASH_SSH_CONFIG", str(home / ".ssh" / "config"))
     hosts = load_inventory(make_inventory(tmp_path, node={"ssh": "dflash-test-node", "identity_file": None}))
-    done = connect("node", hosts).run(["printenv", "SSH_CONNECTION"])
+    done = connect(name, hosts).run(["printenv", "SSH_CONNECTION"])
     assert done.stdout.split()[3] == str(ssh_node.port).encode()
 
 
-def test_every_proxyjump_hop_has_its_host_key_checked(make_inventory, connect, ssh_node, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["node", "node:paramiko"])
+def test_every_proxyjump_hop_has_its_host_key_checked(make_inventory, connect, ssh_node, tmp_path, monkeypatch, name):
     # each hop reads the known_hosts file its own block of the config names
     home = tmp_path / "home"
     behind_only, both = tmp_path / "behind_only", tmp_path / "both"
@@ -365,23 +373,25 @@ def test_every_proxyjump_hop_has_its_host_key_checked(make_inventory, connect, s
                                                               "known_hosts": None}))
         if not reached:
             with pytest.raises(UnreachableError, match="unknown") as refused:
-                connect("node", hosts).run(["true"])
+                connect(name, hosts).run(["true"])
             assert "dflash-jump" in refused.value.message  # the hop whose key is not on record
             continue
-        done = connect("node", hosts).run(["printenv", "SSH_CONNECTION"])
+        done = connect(name, hosts).run(["printenv", "SSH_CONNECTION"])
         assert done.stdout.split()[3] == str(ssh_node.alt_port).encode()  # reached through the jump
 
 
 # -- unreachable hosts ---------------------------------------------------------------------
 
 
-def test_closed_port_is_unreachable_at_once(connect):
+@pytest.mark.parametrize("name", ["down", "down:paramiko"])
+def test_closed_port_is_unreachable_at_once(connect, name):
     with pytest.raises(UnreachableError, match="host down .* connection refused") as refused:
-        connect("down").run(["true"])
+        connect(name).run(["true"])
     assert refused.value.exit_code == 3
 
 
-def test_silent_server_times_out_after_connect_timeout(make_inventory, connect, tmp_path):
+@pytest.mark.parametrize("name", ["down", "down:paramiko"])
+def test_silent_server_times_out_after_connect_timeout(make_inventory, connect, tmp_path, name):
     with socket.socket() as silent:  # accepts TCP connections, never says a word
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -390,18 +400,21 @@ def test_silent_server_times_out_after_connect_timeout(make_inventory, connect, 
         # Had connect_timeout been ignored, the call would wait for the silent server forever
         # (until pytest's timeout) instead of raising this.
         with pytest.raises(UnreachableError, match=r"host down .* no SSH answer within 0.5 s"):
-            connect("down", hosts).run(["true"])
+            connect(name, hosts).run(["true"])
 
 
-def test_key_the_server_does_not_know_fails_authentication(make_inventory, connect, tmp_path):
+@pytest.mark.parametrize("name", ["node", "node:paramiko"])
+def test_key_the_server_does_not_know_fails_authentication(make_inventory, connect, tmp_path, name):
     keygen(tmp_path / "stranger", "stranger")
     hosts = load_inventory(make_inventory(tmp_path, node={"identity_file": str(tmp_path / "stranger")}))
     with pytest.raises(UnreachableError, match="authentication failed"):
-        connect("node", hosts).run(["true"])
+        connect(name, hosts).run(["true"])
 
 
 @pytest.mark.parametrize("name,problem", [("ct201", "container 201 on .* is not running"),
-                                          ("ct999", "container 999 on .* does not exist")])
+                                          ("ct999", "container 999 on .* does not exist"),
+                                          ("ct201:paramiko", "container 201 on .* is not running"),
+                                          ("ct999:paramiko", "container 999 on .* does not exist")])
 def test_stopped_or_unknown_container_is_unreachable(connect, name, problem):
     transport = connect(name)
     with pytest.raises(UnreachableError, match=problem):
@@ -410,15 +423,17 @@ def test_stopped_or_unknown_container_is_unreachable(connect, name, problem):
         list(transport.stream(["true"]))
 
 
-def test_a_command_exiting_255_in_a_container_is_its_own(connect):
-    done = connect("ct200").run(["sh", "-c", "echo 'CT 201 not running' >&2; exit 255"])
+@pytest.mark.parametrize("name", ["ct200", "ct200:paramiko"])
+def test_a_command_exiting_255_in_a_container_is_its_own(connect, name):
+    done = connect(name).run(["sh", "-c", "echo 'CT 201 not running' >&2; exit 255"])
     assert done.exit_code == 255  # another container's name in the message: not ours
 
 
-def test_missing_pct_on_the_node_is_named(make_inventory, connect, tmp_path):
+@pytest.mark.parametrize("name", ["ct200", "ct200:paramiko"])
+def test_missing_pct_on_the_node_is_named(make_inventory, connect, tmp_path, name):
     hosts = load_inventory(make_inventory(tmp_path, ct200={"pct": "/nonexistent/pct"}))
     with pytest.raises(UnreachableError, match="/nonexistent/pct` was not found"):
-        connect("ct200", hosts).run(["true"])
+        connect(name, hosts).run(["true"])
 
 
 # -- the container's own filesystem view -----------------------------------------------------

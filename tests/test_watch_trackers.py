@@ -4,7 +4,8 @@ an MLflow file store and trackio's local storage, each read back with its own re
 network. Every scalar TensorBoard gets reaches each once per step, in one tracker run
 per run that a re-run watch, a dropped connection and a `dflash resume` go on with;
 the config and the source commit are recorded; a tracker that fails mid-run is said and
-left while the watch goes on; a missing package stops the watch before it follows."""
+left while the watch goes on; a missing package stops the watch before it follows. The
+Python API's `dflash.watch` feeds them as the CLI's watch does."""
 from __future__ import annotations
 
 import json
@@ -12,11 +13,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
+import dflash as api  # the Python API (dflash_run's `dflash` runs the CLI)
+from dflash_cli.errors import ExitCode
 from dflash_cli.local_state import RunRef, set_latest
 from dflash_run import dflash, dflash_in_process
 from support import kill_ssh_sessions
@@ -397,7 +401,13 @@ def test_a_run_on_two_hosts_has_one_tracker_run_fed_by_rank_0(agent, hosts, trac
     assert watch.finish(FINISH_S) == 0, watch.stderr.decode()
     stderr = watch.stderr.decode()
     assert "local| tracker wandb: W&B offline run mh" in stderr and "node| tracker" not in stderr
+    # trackio's notices are dropped, every host's log is there whole.
     assert b"Trackio" not in watch.stdout
+    log = (agent.run_dir("mh") / "train.log").read_bytes()
+    for host in ("local", "node"):
+        label = f"{host}| ".encode()
+        shown = b"".join(line[len(label):] for line in watch.stdout.splitlines(keepends=True) if line.startswith(label))
+        assert shown == log, (host, watch.stdout)
     assert sent(logs / "local" / "mh") == {"wandb": 3, "mlflow": 3, "trackio": 3}
     assert not (logs / "node" / "mh" / "trackers.json").exists()
     assert_every_scalar_once(series_by_tracker(trackers, "mh"), [step_event(s) for s in (1, 2, 3)])
@@ -416,6 +426,98 @@ def test_mlflow_takes_a_sqlite_store_too(agent, hosts, tmp_path, monkeypatch):
     assert series["mlflow"]["train/loss"] == [(s, pytest.approx(step_event(s)["loss"])) for s in (1, 2, 3)]
     client, run = mlflow_run({"mlflow": {"tracking_uri": uri, "experiment": "dflash"}})
     assert run.info.run_name == "tiny on local" and run.data.tags["dflash.run_id"] == "sq"
+
+
+def test_trackio_notices_are_dropped_in_its_thread_only(capfd):
+    """Rank 0's part of a run on several hosts starts its trackers in a thread of its own
+    while the other hosts' lines are printed: those reach stdout, text and bytes."""
+    from dflash_cli.trackers.trackio_sink import quiet_this_thread
+
+    entered, printed = threading.Event(), threading.Event()
+
+    def print_log() -> None:
+        entered.wait(10)
+        sys.stdout.write("node| text\n")
+        sys.stdout.flush()
+        sys.stdout.buffer.write(b"node| bytes\n")  # as console.remote_text writes the log
+        sys.stdout.buffer.flush()
+        printed.set()
+
+    thread = threading.Thread(target=print_log)
+    thread.start()
+    with quiet_this_thread():
+        print("* Trackio project initialized: dflash")
+        entered.set()
+        assert printed.wait(10)
+    thread.join()
+    print("after")
+    assert capfd.readouterr().out == "node| text\nnode| bytes\nafter\n"
+
+
+# -- the Python API's watch ---------------------------------------------------------------------
+@pytest.fixture
+def wandb_teardown():
+    """W&B's service started in this process is stopped, and WANDB_SERVICE, which it sets
+    for the subprocesses to join it, cleared: each later watch starts its own."""
+    def teardown() -> None:
+        if "wandb" in sys.modules:
+            sys.modules["wandb"].teardown()
+            assert "WANDB_SERVICE" not in os.environ
+
+    yield teardown
+    teardown()
+
+
+@pytest.mark.slow(seconds=20, why="an in-process watch and a CLI one, each starting three trackers, and W&B's "
+                                  "reader")
+def test_the_python_api_feeds_the_tracker_run_a_cli_watch_goes_on_with(agent, hosts, trackers, tmp_path, capfd,
+                                                                       wandb_teardown):
+    agent.launch("ap", [*events_script(1, 2), {"wait_file": "go"}, *events_script(3, 4)])
+    logs = tmp_path / "logs"
+    mirror = logs / "local" / "ap"
+    items = api.watch("ap", host="local", hosts_file=hosts, logs_dir=logs)  # dflash.yaml: DFLASH_CLI_CONFIG
+    for item in items:
+        if isinstance(item, api.Events) and any(event.get("step") == 2 for event in item.events):
+            break
+    items.close()  # detaches, and ends this watch's part of each tracker run
+    assert sent(mirror) == {"wandb": 2, "mlflow": 2, "trackio": 2}
+    out, err = capfd.readouterr()
+    assert out == "", out  # the API prints nothing on stdout: trackio's notices neither
+    assert "tracker mlflow: MLflow run " in err
+    wandb_teardown()
+
+    agent.touch("ap", "go")
+    later = Watch(hosts, logs, "ap", "--host", "local")
+    assert later.finish(FINISH_S) == 0, later.stderr.decode()
+    assert sent(mirror) == {"wandb": 4, "mlflow": 4, "trackio": 4}
+    assert_every_scalar_once(series_by_tracker(trackers, "ap"), [step_event(s) for s in range(1, 5)])
+    assert len(wandb_files(trackers, "ap")) == 2  # one W&B run, a folder per watch
+
+
+def test_the_python_api_checks_the_packages_when_called_and_takes_no_trackers_or_another_file(
+        agent, hosts, trackers, tmp_path, monkeypatch):
+    agent.launch("ak", events_script(1, 3))
+    logs = tmp_path / "logs"
+    mirror = logs / "local" / "ak"
+    monkeypatch.setitem(sys.modules, "trackio", None)  # `import trackio` raises ModuleNotFoundError, as without it
+    with pytest.raises(api.DflashError) as raised:
+        api.watch("ak", host="local", hosts_file=hosts, logs_dir=logs)
+    assert raised.value.exit_code == ExitCode.USAGE
+    assert "dflash.yaml: trackers.trackio: the Python package trackio is not installed here: " \
+           "pip install 'dflash[trackio]'" in raised.value.message
+    assert not mirror.exists()  # nothing was followed
+
+    items = list(api.watch("ak", host="local", hosts_file=hosts, logs_dir=logs, trackers=False))
+    assert items[-1].exit_code == ExitCode.OK and not (mirror / "trackers.json").exists()
+
+    # Another file, naming MLflow alone: the next watch gives it what the last one brought home.
+    only_mlflow = tmp_path / "mlflow-only.yaml"
+    only_mlflow.write_text(yaml.safe_dump({"trackers": {"mlflow": trackers["mlflow"]}}))
+    items = list(api.watch("ak", host="local", hosts_file=hosts, logs_dir=logs, cli_config_file=only_mlflow))
+    assert items[-1].exit_code == ExitCode.OK
+    assert sent(mirror) == {"mlflow": 3}
+    series = series_by_tracker(trackers, "ak", trackers=("mlflow",))
+    assert series["mlflow"]["train/loss"] == [(s, pytest.approx(step_event(s)["loss"])) for s in (1, 2, 3)]
 
 
 # -- configuration and packages -------------------------------------------------------------------

@@ -2,16 +2,17 @@
 for a run that recorded no error (hung, stopped, killed), the stacks of every thread."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from dflash_agent.protocol import ReportReply, RunState, StacksReply
 from dflash_agent.state import attempt_errors
 
-from .. import console, multihost, run_hosts
+from .. import console, diagnosis, multihost, run_hosts
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef
 from ..session import Session
-from ..tracebacks import render_no_record, render_record, say_diagnosis
+from ..tracebacks import render_no_record, render_record
 
 # A run that ended with nobody recording why: what its host knows is shown instead.
 _FAILED = (RunState.FAILED, RunState.LOST)
@@ -52,11 +53,55 @@ def _reports(session: Session, ref: RunRef) -> dict[str, ReportReply]:
     return reports
 
 
+@dataclasses.dataclass(frozen=True)
+class Traceback:
+    """What `fetch-traceback` found of a run. `text`: what it prints on stdout, the
+    records' tracebacks under their headers, what is known of a run that failed without
+    one, or every thread's stacks (None: nothing recorded). `root_cause`: (host, record)
+    of the root cause shown (docs/errors.md), `diagnosis` its line for a failure dflash
+    knows, `summary` the line naming the root cause's host of a run on several.
+    `explained`: False for a failed run that no record explains (exit 1)."""
+    run_id: str
+    hosts: tuple[str, ...]  # the hosts whose report was read
+    state: RunState | None
+    text: str | None
+    root_cause: tuple[str, dict] | None = None
+    diagnosis: str | None = None
+    summary: str | None = None
+    explained: bool = True
+    stacks: bool = False  # `text` is every thread's stacks (or there is no dump)
+
+
 def run(session: Session, ref: RunRef, *, thread: str | None, all_records: bool,
         output: Path | None, stacks: bool) -> ExitCode:
+    """`find`'s text on stdout (or in `output`), its diagnosis line after it on stderr."""
+    found = find(session, ref, thread=thread, all_records=all_records, stacks=stacks)
+    if found.summary:
+        console.say(console.printable(found.summary))
+    if found.text is None:
+        console.say(f"run {ref.run_id} on {', '.join(found.hosts)}: no error recorded"
+                    f"{' and no stack dump' if found.stacks or found.state == RunState.STOPPED else ''} "
+                    f"(state {found.state})")
+        return ExitCode.OK
+    if output:
+        try:
+            output.write_text(found.text, encoding="utf-8", errors="surrogateescape")
+        except OSError as exc:
+            raise DflashError(f"-o {output}: cannot write it ({exc.strerror or exc})", ExitCode.USAGE) from exc
+        console.say(f"written to {output}")
+    else:
+        console.remote_text(found.text)
+    if found.diagnosis is not None:
+        console.say(console.printable(f"diagnosis: {found.diagnosis}"))
+    return ExitCode.OK if found.explained else ExitCode.RUN_FAILED
+
+
+def find(session: Session, ref: RunRef, *, thread: str | None = None, all_records: bool = False,
+         stacks: bool = False) -> Traceback:
     """The root cause's traceback, for a run on one host or on several: there the root
     cause is the earliest record that is not a rank stopping for a peer's failure
-    (PeerFailed), on whichever host it is, and the header names that host."""
+    (PeerFailed), on whichever host it is, and the summary names that host. The records
+    are kept under logs/<host>/<run>/ (errors.jsonl, traceback.txt)."""
     if stacks and (thread or all_records):
         raise DflashError("--stacks shows every thread's stack; it does not combine with "
                           "--thread or --all", ExitCode.USAGE)
@@ -79,56 +124,42 @@ def run(session: Session, ref: RunRef, *, thread: str | None, all_records: bool,
             raise DflashError(f"run {ref.run_id}: no error record from thread {thread!r}",
                               ExitCode.USAGE)
     state = multihost.aggregate_state({host: report.state for host, report in reports.items()})
-    code = ExitCode.OK
-    diagnosed = None  # the record whose diagnosis follows the output: the latest attempt's root cause shown
+    found = Traceback(ref.run_id, tuple(reports), state, None)
     if stacks or (not records and state in (RunState.STALLED, RunState.STOPPED)):
         # A hang records no error: where every thread is (now, or at the last dump) is the
         # diagnosis.
         texts = [render_stacks(session, RunRef(host, ref.run_id), report) for host, report in reports.items()]
-        text = "".join(t for t in texts if t) or None
-    elif records:
-        cause = multihost.root_cause(records)
-        latest_cause = multihost.root_cause(multihost.in_time_order(latest))
-        # No rank recorded its own failure: the one that died or went silent is the cause.
-        blamed = multihost.blamed_host(latest_cause, ref.hosts) if ref.multihost and latest_cause else None
-        if blamed in reports and not all_records:
-            console.say(console.printable(
-                f"root cause on {blamed} (rank {ref.hosts.index(blamed)} of {len(ref.hosts)}): "
-                + multihost.blamed_line(ref.hosts, reports[blamed].exit, latest_cause)))
-            text = render_no_record(reports[blamed], RunRef(blamed, ref.run_id), of_its_own=bool(latest[blamed]))
-            code = ExitCode.RUN_FAILED  # as for a run without a record: no traceback says why
-        else:
-            if ref.multihost and not all_records:
-                console.say(f"root cause on {cause[0]} (rank {ref.hosts.index(cause[0])} of {len(ref.hosts)})")
-            text = "".join(render_record(r, RunRef(host, ref.run_id), several_attempts)
-                           for host, r in (records if all_records else [cause]))
-        if all_records:  # and what is known of each host whose latest attempt failed without a record
-            text += "".join(render_no_record(report, RunRef(host, ref.run_id), of_its_own=bool(latest[host]))
-                            for host, report in reports.items()
-                            if report.state in _FAILED and (not latest[host] or host == blamed))
-        diagnosed = latest_cause or cause
-    elif state in _FAILED:
+        return dataclasses.replace(found, text="".join(t for t in texts if t) or None, stacks=True)
+    if not records:
+        if state not in _FAILED:
+            return found
         text = "".join(render_no_record(report, RunRef(host, ref.run_id)) for host, report in reports.items()
                        if report.state in _FAILED)
-        code = ExitCode.RUN_FAILED
+        return dataclasses.replace(found, text=text, explained=False)
+    cause = multihost.root_cause(records)
+    latest_cause = multihost.root_cause(multihost.in_time_order(latest))
+    # No rank recorded its own failure: the one that died or went silent is the cause.
+    blamed = multihost.blamed_host(latest_cause, ref.hosts) if ref.multihost and latest_cause else None
+    summary = None
+    explained = True
+    if blamed in reports and not all_records:
+        summary = (f"root cause on {blamed} (rank {ref.hosts.index(blamed)} of {len(ref.hosts)}): "
+                   + multihost.blamed_line(ref.hosts, reports[blamed].exit, latest_cause))
+        text = render_no_record(reports[blamed], RunRef(blamed, ref.run_id), of_its_own=bool(latest[blamed]))
+        explained = False  # as for a run without a record: no traceback says why
     else:
-        text = None
-    if text is None:
-        where = ", ".join(reports)
-        console.say(f"run {ref.run_id} on {where}: no error recorded"
-                    f"{' and no stack dump' if stacks or state == RunState.STOPPED else ''} (state {state})")
-        return ExitCode.OK
-    if output:
-        try:
-            output.write_text(text, encoding="utf-8", errors="surrogateescape")
-        except OSError as exc:
-            raise DflashError(f"-o {output}: cannot write it ({exc.strerror or exc})", ExitCode.USAGE) from exc
-        console.say(f"written to {output}")
-    else:
-        console.remote_text(text)
-    if diagnosed is not None:
-        say_diagnosis(diagnosed[1], RunRef(diagnosed[0], ref.run_id), _run_hosts(ref, reports))
-    return code
+        if ref.multihost and not all_records:
+            summary = f"root cause on {cause[0]} (rank {ref.hosts.index(cause[0])} of {len(ref.hosts)})"
+        text = "".join(render_record(r, RunRef(host, ref.run_id), several_attempts)
+                       for host, r in (records if all_records else [cause]))
+    if all_records:  # and what is known of each host whose latest attempt failed without a record
+        text += "".join(render_no_record(report, RunRef(host, ref.run_id), of_its_own=bool(latest[host]))
+                        for host, report in reports.items()
+                        if report.state in _FAILED and (not latest[host] or host == blamed))
+    diagnosed = latest_cause or cause  # the latest attempt's root cause shown
+    line = diagnosis.diagnose(diagnosis.Failure(diagnosed[1], ref.run_id, diagnosed[0], _run_hosts(ref, reports)))
+    return dataclasses.replace(found, text=text, root_cause=diagnosed, diagnosis=line, summary=summary,
+                               explained=explained)
 
 
 def _run_hosts(ref: RunRef, reports: dict[str, ReportReply]) -> tuple[str, ...]:

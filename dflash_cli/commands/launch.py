@@ -51,6 +51,21 @@ class LaunchOptions:
         return self.config_path.stem if self.name is None else self.name
 
 
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A run started: its id, its hosts in rank order (one for a run on one host), each
+    host's launch reply (the trainer's pid, the release it runs) and, on several hosts,
+    the rendezvous `address:port` of rank 0."""
+    run_id: str
+    hosts: tuple[str, ...]
+    started: tuple[LaunchReply, ...]
+    rendezvous: str | None = None
+
+    @property
+    def ref(self) -> RunRef:
+        return RunRef(self.hosts[0], self.run_id, self.hosts if len(self.hosts) > 1 else ())
+
+
 def load_config(path: Path, overrides: tuple[str, ...] = ()) -> JobConfig:
     """The training config with the `--set KEY=VALUE` overrides merged in, checked by the
     trainer's own schema before anything is sent."""
@@ -201,12 +216,23 @@ def dry_run(session: Session, options: LaunchOptions) -> ExitCode:
     return ExitCode.OK
 
 
-def run(session: Session, options: LaunchOptions) -> RunRef:
-    """Start a run on one host, or one run on several (a group names several); returns
-    its reference (the CLI prints the run id on stdout). The hosts get the resolved
-    config (every default filled in, the overrides applied), which the trainer loads
-    through the same schema again. A run the GPUs cannot hold (fit_check) is refused
-    before anything is deployed."""
+def run(session: Session, options: LaunchOptions) -> Launched:
+    """`start`, and what it started said: the run id on stdout, each host's trainer on stderr."""
+    launched = start(session, options)
+    for rank, (host, reply) in enumerate(zip(launched.hosts, launched.started)):
+        rank_of = f" as rank {rank} of {len(launched.hosts)}" if launched.rendezvous else ""
+        console.say(f"{host}: started run {launched.run_id}{rank_of} (pid {reply.pid}, release {reply.release_id})")
+    if launched.rendezvous:
+        console.say(f"rendezvous at {launched.rendezvous} ({launched.hosts[0]})")
+    console.data(launched.run_id + "\n")
+    return launched
+
+
+def start(session: Session, options: LaunchOptions) -> Launched:
+    """Start a run on one host, or one run on several (a group names several). The hosts
+    get the resolved config (every default filled in, the overrides applied), which the
+    trainer loads through the same schema again. A run the GPUs cannot hold (fit_check)
+    is refused before anything is deployed."""
     check_name(options.run_name)
     hosts = session.inventory.expand(options.host_names)
     config = load_config(options.config_path, options.overrides)
@@ -221,10 +247,9 @@ def run(session: Session, options: LaunchOptions) -> RunRef:
     run_id = new_run_id(options.run_name)
     reply = session.agent(host.name).call(LaunchReply, *_agent_args(host, config, run_id, options, source),
                                           stdin=_resolved(config))
-    ref = RunRef(host.name, reply.run_id)
-    set_latest(session.logs_dir, ref)
-    console.say(f"{host.name}: started run {ref.run_id} (pid {reply.pid}, release {reply.release_id})")
-    return ref
+    launched = Launched(reply.run_id, (host.name,), (reply,))
+    set_latest(session.logs_dir, launched.ref)
+    return launched
 
 
 def _resolved(config: JobConfig) -> bytes:
@@ -234,7 +259,7 @@ def _resolved(config: JobConfig) -> bytes:
     return resolved_yaml(config).encode()
 
 
-def _launch_on_hosts(session: Session, hosts: list[Host], config: JobConfig, options: LaunchOptions) -> RunRef:
+def _launch_on_hosts(session: Session, hosts: list[Host], config: JobConfig, options: LaunchOptions) -> Launched:
     """One run id on every host, rank = position in `hosts`. Every host checks what it
     can before any starts (one refusal starts nothing anywhere); a start that fails
     after that stops the parts already started: no half-started run is left."""
@@ -273,11 +298,6 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: JobConfig, opt
     # The first host's agent picked a port free there, in the round trip of its check.
     port = options.master_port or checks[first.name].master_port
     started = start_together(session, hosts, run_id, lambda host: launch_on(host, LaunchReply, port))
-    ref = RunRef(first.name, run_id, tuple(names))
-    set_latest(session.logs_dir, ref)
-    for rank, host in enumerate(hosts):
-        reply = started[host.name]
-        console.say(f"{host.name}: started run {run_id} as rank {rank} of {len(hosts)} "
-                    f"(pid {reply.pid}, release {reply.release_id})")
-    console.say(f"rendezvous at {address}:{port} ({first.name})")
-    return ref
+    launched = Launched(run_id, tuple(names), tuple(started[name] for name in names), f"{address}:{port}")
+    set_latest(session.logs_dir, launched.ref)
+    return launched

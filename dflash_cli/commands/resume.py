@@ -2,6 +2,8 @@
 (on several hosts: every host's part, from rank 0's checkpoint, docs/runs.md "Attempts")."""
 from __future__ import annotations
 
+import dataclasses
+
 from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.protocol import ResumeCheckReply, ResumeReply
 
@@ -13,7 +15,45 @@ from ..run_start import refuse, start_together
 from ..session import Session
 
 
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """The next attempt of a run started: its hosts in rank order, each host's resume
+    reply (the attempt, the checkpoint's step, the trainer's pid, the release it runs)
+    and, on several hosts, the rendezvous port on rank 0's host."""
+    run_id: str
+    hosts: tuple[str, ...]
+    started: tuple[ResumeReply, ...]
+    current_release: bool  # the host's current release was asked for instead of the run's
+    master_port: int | None = None
+
+    @property
+    def attempt(self) -> int:
+        return self.started[0].attempt
+
+    @property
+    def step(self) -> int:
+        """The checkpoint step every host resumed from."""
+        return self.started[0].step
+
+
 def run(session: Session, ref: RunRef, *, current_release: bool, step: int | None) -> ExitCode:
+    """`start`, and the attempt it started said on stderr."""
+    resumed = start(session, ref, current_release=current_release, step=step)
+    reply = resumed.started[0]
+    which = _which_release(reply, current_release)
+    if resumed.master_port is None:
+        console.say(f"{ref.host}: run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} "
+                    f"from its checkpoint at step {reply.step} (pid {reply.pid}, {which})")
+        return ExitCode.OK
+    console.say(f"run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} on "
+                f"{len(resumed.hosts)} hosts from rank 0's checkpoint at step {resumed.step} "
+                f"({which}; rendezvous port {resumed.master_port})")
+    for rank, (host, started) in enumerate(zip(resumed.hosts, resumed.started)):
+        console.say(f"{host}: rank {rank}, pid {started.pid}")
+    return ExitCode.OK
+
+
+def start(session: Session, ref: RunRef, *, current_release: bool, step: int | None) -> Resumed:
     """Start the attempt; the host refuses (exit 2, with the reason) a live run, one
     without a complete checkpoint, and a checkpoint that does not fit the config."""
     if ref.multihost:
@@ -21,9 +61,7 @@ def run(session: Session, ref: RunRef, *, current_release: bool, step: int | Non
     host = session.host(ref.host)
     reply = session.agent(host.name).call(ResumeReply, *_agent_args(host, ref, current_release, step))
     set_latest(session.logs_dir, ref)
-    console.say(f"{host.name}: run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} "
-                f"from its checkpoint at step {reply.step} (pid {reply.pid}, {_which_release(reply, current_release)})")
-    return ExitCode.OK
+    return Resumed(ref.run_id, (ref.host,), (reply,), current_release)
 
 
 def _agent_args(host: Host, ref: RunRef, current_release: bool, step: int | None) -> list[str]:
@@ -36,7 +74,7 @@ def _agent_args(host: Host, ref: RunRef, current_release: bool, step: int | None
     return args
 
 
-def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step: int | None) -> ExitCode:
+def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step: int | None) -> Resumed:
     """Every host's part as the same next attempt, from one step: rank 0's checkpoint
     (rank > 0 takes it from rank 0 when the trainers meet), at a rendezvous port picked
     free on rank 0's host. Every host checks before any starts (one refusal starts
@@ -68,13 +106,7 @@ def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step:
     started = start_together(session, hosts, ref.run_id, lambda host: session.agent(host.name).call(
         ResumeReply, *resume_args(host, chosen, port)))
     set_latest(session.logs_dir, ref)
-    reply = started[first.name]
-    console.say(f"run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} on "
-                f"{len(hosts)} hosts from rank 0's checkpoint at step {chosen} "
-                f"({_which_release(reply, current_release)}; rendezvous port {port})")
-    for rank, host in enumerate(hosts):
-        console.say(f"{host.name}: rank {rank}, pid {started[host.name].pid}")
-    return ExitCode.OK
+    return Resumed(ref.run_id, ref.hosts, tuple(started[name] for name in ref.hosts), current_release, port)
 
 
 def _which_release(reply: ResumeReply, current_release: bool) -> str:

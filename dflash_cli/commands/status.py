@@ -3,47 +3,42 @@ from __future__ import annotations
 
 import json
 
-from rich.table import Table
-from rich.text import Text
-
 from dflash_agent.protocol import RunState, RunStatus, StatusReply
 
 from .. import console, multihost, provenance, run_hosts
 from ..errors import DflashError, ExitCode, exit_code_for_state
 from ..local_state import RunRef, latest_host
-from ..multihost import HostStatus
+from ..multihost import HostStatus, RunOnHosts
 from ..release_store import ReleaseStore, change_since
 from ..session import Session
+from ..tables import Column, FittedTable
 
-_COLUMNS = ["state", "step", "errors", "started", "ended", "release"]
+# Shown in this order; left out, at a narrow terminal, from the highest priority down.
+_STATE = [Column("state", 1), Column("step", 2, wrap=True), Column("errors", 3), Column("started", 6),
+          Column("ended", 8)]
+_CHANGES = [Column("source", 4), Column("changed since previous run", 5, wrap=True)]
 
 
-def runs_table(title: str, runs: list[RunStatus], changes: dict[str, dict] | None = None) -> Table:
+def runs_table(title: str, runs: list[RunStatus], changes: dict[str, dict] | None = None) -> FittedTable:
     """One row per run; with `changes` (run id -> change_since's record), two more
     columns: the source commit (`*`: uncommitted changes) and what changed since the run
     before."""
-    table = Table(title=title, title_justify="left")
-    for column in ["run", *_COLUMNS] + (["source", "changed since previous run"] if changes is not None else []):
-        table.add_column(column)
+    columns = [Column("run", 0), *_STATE, Column("release", 7)] + (_CHANGES if changes is not None else [])
+    rows = []
     for r in runs:
         cells = [r.run_id, *_status_cells(r.state, r)]
         if changes is not None:
             cells += [source_commit(r.source), changes.get(r.run_id, {}).get("text", "")]
-        table.add_row(*map(Text, cells))  # plain text: run names may hold [brackets]
-    return table
+        rows.append(cells)
+    return FittedTable(title, columns, rows)
 
 
-def hosts_table(title: str, hosts: list[HostStatus]) -> Table:
+def hosts_table(title: str, hosts: list[HostStatus]) -> FittedTable:
     """One row per host of a run on several hosts; a host that could not be asked shows
     why in the release column."""
-    table = Table(title=title, title_justify="left")
-    for column in ["host", *_COLUMNS]:
-        table.add_column(column)
-    for h in hosts:
-        cells = [h.host, *(_status_cells(h.state, h.status) if h.status else
-                           [multihost.UNKNOWN, "", "0", "", "", h.error or ""])]
-        table.add_row(*map(Text, cells))
-    return table
+    rows = [[h.host, *(_status_cells(h.state, h.status) if h.status else
+                       [multihost.UNKNOWN, "", "0", "", "", h.error or ""])] for h in hosts]
+    return FittedTable(title, [Column("host", 0), *_STATE, Column("release", 4, wrap=True)], rows)
 
 
 def _status_cells(state: RunState, status: RunStatus) -> list[str]:
@@ -102,41 +97,51 @@ def host_statuses(session: Session, ref: RunRef) -> list[HostStatus]:
     return out
 
 
-def _status_of_hosts(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
+def status_of(session: Session, ref: RunRef) -> RunStatus | RunOnHosts:
+    """One run's status as its host's agent derives it; a run on several hosts: every
+    host's (asked in parallel) and the state of the whole (FAILED if any host failed,
+    RUNNING only if all run)."""
+    if not ref.multihost:
+        return session.agent(ref.host).run_status(ref.run_id)
     statuses = multihost.mark_silent_ranks(host_statuses(session, ref))
-    state = multihost.aggregate_state({s.host: s.state for s in statuses})
-    shown = multihost.state_name(state)
-    if as_json:
-        console.data(json.dumps({"run_id": ref.run_id, "state": shown, "hosts": [s.to_json() for s in statuses]})
-                     + "\n")
-    else:
-        console.data(f"{shown}\n")
-        console.human.print(hosts_table(f"run {ref.run_id} on {len(statuses)} hosts: {shown}", statuses))
-        for s in statuses:
-            if s.error:
-                console.warn(s.error)
-            if s.silent:
-                console.warn(f"{s.host} (rank {s.rank}) is {s.state}: {s.silent}")
-            if s.status and s.status.reason:
-                console.say(console.printable(f"{s.host}: reason: {s.status.reason}"))
-        source = next((s.status.source for s in statuses if s.status and s.status.source), None)
-        if source:
-            console.say(f"source: {provenance.summary(source)}")
-    unknown = {s.host for s in statuses if s.state is None}
-    if state is None and unknown <= set(run_hosts.left(session, ref)):
-        return ExitCode.USAGE  # unknown only for want of the hosts the inventory lost: its fix is the inventory's
-    return exit_code_for_state(state)
+    return RunOnHosts(ref.run_id, multihost.aggregate_state({s.host: s.state for s in statuses}), tuple(statuses))
+
+
+def exit_code(session: Session, ref: RunRef, status: RunStatus | RunOnHosts) -> ExitCode:
+    """`status`'s exit code: 0 fine, 1 failed, lost, degraded or stalled, 4 stopped, 3 a
+    state nobody could tell; 2 when it is unknown only for want of the hosts the
+    inventory lost (its fix is the inventory's)."""
+    if isinstance(status, RunOnHosts):
+        unknown = {s.host for s in status.hosts if s.state is None}
+        if status.state is None and unknown <= set(run_hosts.left(session, ref)):
+            return ExitCode.USAGE
+    return exit_code_for_state(status.state)
+
+
+def _show_hosts(status: RunOnHosts) -> None:
+    shown = multihost.state_name(status.state)
+    console.data(f"{shown}\n")
+    console.human.print(hosts_table(f"run {status.run_id} on {len(status.hosts)} hosts: {shown}", list(status.hosts)))
+    for s in status.hosts:
+        if s.error:
+            console.warn(s.error)
+        if s.silent:
+            console.warn(f"{s.host} (rank {s.rank}) is {s.state}: {s.silent}")
+        if s.status and s.status.reason:
+            console.say(console.printable(f"{s.host}: reason: {s.status.reason}"))
+    source = next((s.status.source for s in status.hosts if s.status and s.status.source), None)
+    if source:
+        console.say(f"source: {provenance.summary(source)}")
 
 
 def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
-    """Print one run's state; the exit code says it too (0 fine, 1 failed, lost, degraded
-    or stalled, 4 stopped). A run on several hosts: the state of the whole (FAILED if
-    any host failed, RUNNING only if all run) and a row per host."""
-    if ref.multihost:
-        return _status_of_hosts(session, ref, as_json)
-    status = session.agent(ref.host).run_status(ref.run_id)
+    """Print one run's state; the exit code says it too (`exit_code`). A run on several
+    hosts: the state of the whole and a row per host."""
+    status = status_of(session, ref)
     if as_json:
         console.data(json.dumps(status.to_json()) + "\n")
+    elif isinstance(status, RunOnHosts):
+        _show_hosts(status)
     else:
         console.data(f"{status.state}\n")
         console.human.print(runs_table(f"run {ref.run_id} on {ref.host}", [status]))
@@ -148,7 +153,7 @@ def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
             console.say(console.printable(f"reason: {status.reason}"))
         if status.state != RunState.SUCCEEDED:
             console.say(resume_point(status))
-    return exit_code_for_state(status.state)
+    return exit_code(session, ref, status)
 
 
 def run_config(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:

@@ -1,6 +1,7 @@
 """The sinks of one watch, and trackers.json (the package's docstring says how).
 
-Imported by `watch` only: the CLI's other verbs do not pay for it."""
+Imported by a watch only (watching.py, `dflash watch`, `--follow`): the other verbs do
+not pay for it."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +16,7 @@ from dflash_agent.protocol import RunState, RunStatus
 
 from .. import console
 from ..errors import DflashError, ExitCode
+from ..local_config import LocalConfig
 from ..local_state import RunLogs, RunRef, write_atomic
 from ..scalars import Scalars, scalars
 from .config import PACKAGES, TrackerSettings
@@ -36,6 +38,12 @@ def require_packages(settings: TrackerSettings, source: str) -> None:
             raise DflashError(f"{source}: trackers.{name}: the Python package {package.pip} {problem}: "
                               f"pip install 'dflash[{package.extra}]'", ExitCode.USAGE,
                               hint="or follow without trackers: dflash watch --no-trackers") from exc
+
+
+def checked_settings(local: LocalConfig) -> TrackerSettings:
+    """The trackers of dflash.yaml a watch feeds, their packages checked (require_packages)."""
+    require_packages(local.trackers, local.source)
+    return local.trackers
 
 
 def make_sink(name: str, settings: TrackerSettings) -> Sink:

@@ -3,19 +3,45 @@
 
 The trackio run is named by the run id and resumed by that name; its group is the
 run's name. trackio prints its notices on stdout, which is `watch`'s log: they are
-dropped (`watch` says where the run is; trackio's warnings go to stderr as warnings)."""
+dropped (`watch` says where the run is; trackio's warnings go to stderr as warnings).
+Only the calling thread's output is dropped: of a run on several hosts, rank 0's part is
+followed in a thread of its own while the others' lines are printed."""
 from __future__ import annotations
 
 import contextlib
-import io
 import os
-from typing import Any
+import sys
+import threading
+from typing import Any, Iterator
 
 from dflash_agent.protocol import RunState
 
 from ..scalars import Scalars
 from .config import TrackioSettings
 from .sink import KIND_MARKERS, Sink, TrackedRun
+
+
+class _DropThisThread:
+    """sys.stdout, but for what the thread that made it writes (dropped)."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self._thread = threading.get_ident()
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() == self._thread:
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def quiet_this_thread() -> Iterator[None]:
+    """Meanwhile, what this thread writes to stdout is dropped."""
+    with contextlib.redirect_stdout(_DropThisThread(sys.stdout)):
+        yield
 
 
 class TrackioSink(Sink):
@@ -36,7 +62,7 @@ class TrackioSink(Sink):
         return self._id
 
     def open(self, run: TrackedRun, known: str | None) -> None:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with quiet_this_thread():
             import trackio
 
             self._id = run.run_id
@@ -67,5 +93,5 @@ class TrackioSink(Sink):
     def close(self, outcome: RunState | None) -> None:
         import trackio
 
-        with contextlib.redirect_stdout(io.StringIO()):
+        with quiet_this_thread():
             trackio.finish()  # also forgets it as trackio's current run, which it would finish again at exit

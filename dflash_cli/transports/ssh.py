@@ -1,14 +1,22 @@
-"""The `ssh` and `pct` transports through paramiko, where no OpenSSH client is installed
-or the inventory says `ssh_client: paramiko` (openssh.py is the default): one SSH
+"""The `ssh` and `pct` transports in-process, where no OpenSSH client is installed or
+the inventory says `ssh_client: paramiko` (openssh.py is the default): one SSH
 connection per host per invocation, a channel per command.
 
 The target (`user@host[:port]` or an alias of the user's ssh config) is resolved as
-the user's OpenSSH client resolves it (ssh_options: `ssh -G`); paramiko then opens
-the connection with those options: the host and port, ProxyJump hops (a direct-tcpip
-channel of the previous hop's connection) or ProxyCommand, the host keys of every
-known_hosts file OpenSSH reads, keys from the agent (also a non-default IdentityAgent
-socket), the identity files and their OpenSSH certificates. Nothing ever prompts: a
-key protected by a passphrase that no agent holds is named in the error.
+the user's OpenSSH client resolves it (ssh_options: `ssh -G`). Fabric's Connection
+then opens it with those options and with no configuration of its own (no
+~/.ssh/config, no fabric.yaml): a ProxyJump hop is the gateway Connection of the
+next, connect_timeout bounds every step of the handshake, zlib compression is on.
+What Fabric does not do stays here: the host key checked against every known_hosts
+file OpenSSH reads, `@revoked` included (a policy on Fabric's client, which keeps no
+keys of its own), authentication as OpenSSH does it and never prompting
+(ssh_auth.py), ProxyCommand with OpenSSH's tokens (Fabric's gateway command expands
+%p to 22 and %r to the local user).
+
+Commands do not use Connection.run: Invoke's runner decodes output to text, feeds
+stdin from a file one byte per 10 ms and joins all the output captured so far again
+for every 1000 bytes it reads (docs/hosts.md has the numbers). Each command is a
+channel of the connection that the methods below pump themselves.
 
 Thread safety: opening and replacing the connection is serialized by a lock;
 paramiko multiplexes channels of one connection safely, so several threads may run
@@ -18,12 +26,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import socket
 import threading
 import time
 from typing import BinaryIO, Iterator, Sequence
 
+import fabric
 import paramiko
 from paramiko.ssh_exception import NoValidConnectionsError
 
@@ -34,7 +44,8 @@ from .common import (CHUNK, KEEPALIVE_COUNT, KEEPALIVE_S, SIGNALLED_EXIT, Comman
                      ResultThread, Tally, feed_stdin, normalize_argv, read_to_end)
 from .known_hosts import HostKeyRefused, KnownHosts, fingerprint
 from .pct import ContainerHop
-from .ssh_options import ResolvedTarget, SshOptions, resolve
+from .ssh_auth import KeyNeedsPassphrase, OpenSshKeys
+from .ssh_options import ResolvedTarget, SshOptions, resolve, split_target
 
 _CONNECTION_LOST = (paramiko.SSHException, OSError, EOFError)
 
@@ -44,91 +55,41 @@ _CONNECTION_LOST = (paramiko.SSHException, OSError, EOFError)
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
-class KeyNeedsPassphrase(paramiko.AuthenticationException):
-    def __init__(self, paths: list[str]):
-        super().__init__(f"the key {', '.join(paths)} is protected by a passphrase and no agent offers it")
-        self.paths = paths
+class _KnownHostsPolicy(paramiko.MissingHostKeyPolicy):
+    """Fabric's client is given no host keys, so it asks this policy about every key
+    (Fabric's own policy adds any): it must be on record in `options`' known_hosts
+    files and not revoked; an unknown one is recorded where accepting new keys is
+    allowed."""
 
+    def __init__(self, options: SshOptions, accept_new: bool):
+        self.options = options
+        self.accept_new = accept_new
 
-class _AgentAt(paramiko.agent.AgentSSH):
-    """The agent listening on `path` (paramiko's Agent only reads $SSH_AUTH_SOCK)."""
-
-    def __init__(self, path: str):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(path)
-        self._conn = None
-        self._keys = ()
-        self._connect(sock)
-
-
-def agent_keys(options: SshOptions) -> tuple[paramiko.AgentKey, ...]:
-    path = options.identity_agent if options.identity_agent else os.environ.get("SSH_AUTH_SOCK")
-    if not path or path == "none":
-        return ()
-    try:
-        return tuple(_AgentAt(path).get_keys())
-    except (OSError, paramiko.SSHException):
-        return ()  # OpenSSH too goes on without an agent it cannot reach
-
-
-def _public_blob(path: str) -> bytes | None:
-    try:
-        return paramiko.PublicBlob.from_file(path + ".pub").key_blob
-    except (OSError, ValueError, paramiko.SSHException):
-        return None
-
-
-def _with_certificate(key: paramiko.PKey, path: str, options: SshOptions) -> paramiko.PKey:
-    """`key` with the OpenSSH certificate OpenSSH would send along (CertificateFile,
-    else PATH-cert.pub), when there is one for it."""
-    for candidate in (*options.certificate_files, path + "-cert.pub"):
-        if os.path.isfile(candidate):
-            try:
-                key.load_certificate(candidate)
-                return key
-            except ValueError:
-                continue  # a certificate for another key
-    return key
-
-
-def authenticate(transport: paramiko.Transport, options: SshOptions) -> None:
-    """Public-key authentication in OpenSSH's order: agent keys (only those of the
-    identity files with IdentitiesOnly), then the identity files. Never prompts."""
-    tried: list[BaseException] = []
-    locked: list[str] = []
-    files = [path for path in options.identity_files if os.path.isfile(path)]
-    wanted = {_public_blob(path) for path in files}
-    in_agent = agent_keys(options)
-    for key in in_agent:
-        if options.identities_only and key.asbytes() not in wanted:
-            continue
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        known = KnownHosts(self.options.known_hosts)
         try:
-            transport.auth_publickey(options.user, key)
-            return
-        except paramiko.AuthenticationException as exc:
-            tried.append(exc)
-    offered = {key.asbytes() for key in in_agent}
-    for path in files:
-        try:
-            key = paramiko.PKey.from_path(path)
-        except (paramiko.PasswordRequiredException, TypeError):
-            # TypeError: what cryptography raises for an OpenSSH-format key with a passphrase
-            if _public_blob(path) not in offered:
-                locked.append(path)
-            continue
-        except (OSError, ValueError, paramiko.SSHException) as exc:
-            tried.append(exc)
-            continue
-        try:
-            transport.auth_publickey(options.user, _with_certificate(key, path, options))
-            return
-        except paramiko.AuthenticationException as exc:
-            tried.append(exc)
-    if locked:
-        raise KeyNeedsPassphrase(locked)
-    raise paramiko.AuthenticationException(
-        f"no key was accepted for {options.user} (tried {len(tried)}: agent keys and "
-        f"{', '.join(files) or 'no identity file found'})")
+            known.check(self.options.host_key_name, key)
+        except HostKeyRefused as exc:
+            if exc.problem != "unknown" or not self.accept_new:
+                raise
+            known.record(self.options.host_key_name, key)
+
+
+def _proxy_command(options: SshOptions) -> paramiko.ProxyCommand:
+    """options' ProxyCommand as OpenSSH runs it: its tokens expanded (`ssh -G` prints
+    them as written), by the user's shell with exec."""
+    assert options.proxy_command
+    tokens = {"h": options.hostname, "p": str(options.port), "r": options.user,
+              "n": split_target(options.target)[1], "%": "%"}
+    command = re.sub(r"%(.)", lambda found: tokens.get(found.group(1), found.group(0)), options.proxy_command)
+    return paramiko.ProxyCommand(shlex.join([os.environ.get("SHELL") or "/bin/sh", "-c", f"exec {command}"]))
+
+
+def _close(connection: fabric.Connection) -> None:
+    connection.close()
+    # Fabric's close leaves alone a client whose connect failed half-way (its transport
+    # thread still runs)
+    connection.client.close()
 
 
 class SshTransport(ResolvedTarget, Tally, Transport):
@@ -139,7 +100,7 @@ class SshTransport(ResolvedTarget, Tally, Transport):
         self.describe = host.ssh
         self._accept_new = accept_new_host_key
         self._lock = threading.Lock()  # guards _chain
-        self._chain: list[paramiko.Transport] = []  # ProxyJump hops, then the host itself
+        self._chain: list[fabric.Connection] = []  # ProxyJump hops, then the host itself
 
     # -- the connection ------------------------------------------------------------------
 
@@ -148,21 +109,22 @@ class SshTransport(ResolvedTarget, Tally, Transport):
         it died, or when the caller found `stale` dead (another thread may have
         replaced it already)."""
         with self._lock:
-            if self._chain and self._chain[-1].is_active() and self._chain[-1] is not stale:
-                return self._chain[-1]
+            if self._chain and self._chain[-1].is_connected and self._chain[-1].transport is not stale:
+                return self._chain[-1].transport
             self._close_chain()
             self._chain = self._open(self.options, via=None)
-            return self._chain[-1]
+            return self._chain[-1].transport
 
     def _close_chain(self) -> None:
-        for transport in reversed(self._chain):
-            transport.close()
+        for connection in reversed(self._chain):
+            _close(connection)
         self._chain = []
 
-    def _open(self, options: SshOptions, via: paramiko.Transport | None) -> list[paramiko.Transport]:
+    def _open(self, options: SshOptions, via: fabric.Connection | None) -> list[fabric.Connection]:
         """Connect to `options`' host (through `via`, its own ProxyJump hops or its
-        ProxyCommand); the chain of connections, the host's last."""
-        chain: list[paramiko.Transport] = []
+        ProxyCommand); the chain of connections, the host's last. Each hop is opened
+        on its own, so that a failure names the hop that failed."""
+        chain: list[fabric.Connection] = []
         if via is None and options.proxy_jump:
             for hop in options.proxy_jump.split(","):
                 chain += self._open(resolve(hop, self.host), via=chain[-1] if chain else None)
@@ -171,29 +133,25 @@ class SshTransport(ResolvedTarget, Tally, Transport):
         started = time.monotonic()
         seconds = self.host.connect_timeout
         try:
-            try:
-                if via is not None:
-                    sock = via.open_channel("direct-tcpip", (options.hostname, options.port), ("127.0.0.1", 0),
-                                            timeout=seconds)
-                elif options.proxy_command:
-                    sock = paramiko.ProxyCommand(options.proxy_command)
-                else:
-                    sock = socket.create_connection((options.hostname, options.port), timeout=seconds)
-            except ConnectionRefusedError as exc:
-                raise NoValidConnectionsError({(options.hostname, options.port): exc}) from exc
-            transport = paramiko.Transport(sock)
-            chain.append(transport)
-            # Compression: a follow stream is mostly log text, which zlib shrinks
-            # severalfold on the way from a rented box.
-            transport.use_compression(True)
-            transport.banner_timeout = transport.auth_timeout = transport.channel_timeout = seconds
-            transport.start_client(timeout=seconds)
-            self._check_host_key(options, transport.get_remote_server_key())
-            authenticate(transport, options)
+            connection = fabric.Connection(
+                options.hostname, user=options.user, port=options.port, gateway=via or False,
+                config=fabric.Config(ssh_config=paramiko.SSHConfig(), lazy=True),
+                # the timeout in connect_kwargs: Fabric's connect_timeout is cut to whole seconds
+                connect_kwargs={"timeout": seconds, "banner_timeout": seconds, "auth_timeout": seconds,
+                                "channel_timeout": seconds, "auth_strategy": OpenSshKeys(options),
+                                # a follow stream is mostly log text, which zlib shrinks
+                                # severalfold on the way from a rented box
+                                "compress": True,
+                                **({"sock": _proxy_command(options)} if via is None and options.proxy_command else {})})
+            chain.append(connection)
+            connection.client.set_missing_host_key_policy(
+                _KnownHostsPolicy(options, self._accept_new or options.accept_new))
+            connection.open()
         except (paramiko.SSHException, OSError, EOFError) as exc:
             for opened in reversed(chain):
-                opened.close()
+                _close(opened)
             raise self._unreachable(target, options, exc, time.monotonic() - started) from exc
+        transport = connection.transport
         transport.set_keepalive(options.server_alive_interval or KEEPALIVE_S)
         sock = transport.sock
         # Keepalives alone never notice a vanished peer (paramiko does not wait for
@@ -202,17 +160,12 @@ class SshTransport(ResolvedTarget, Tally, Transport):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, KEEPALIVE_S * KEEPALIVE_COUNT * 1000)
         return chain
 
-    def _check_host_key(self, options: SshOptions, key: paramiko.PKey) -> None:
-        known = KnownHosts(options.known_hosts)
-        try:
-            known.check(options.host_key_name, key)
-        except HostKeyRefused as exc:
-            if exc.problem != "unknown" or not (self._accept_new or options.accept_new):
-                raise
-            known.record(options.host_key_name, key)
-
     def _unreachable(self, target: str, options: SshOptions, exc: BaseException, elapsed: float) -> UnreachableError:
-        where = f"host {self._name()} ({target}) is unreachable"
+        if options is not self.options:  # one of its ProxyJump hops failed
+            where = f"host {self._name()} is unreachable at its ProxyJump hop {options.target} ({target})"
+        else:
+            where = f"host {self._name()} ({target}) is unreachable" + (
+                f" (through ProxyJump {options.proxy_jump})" if options.proxy_jump else "")
         if isinstance(exc, HostKeyRefused) and exc.problem == "unknown":
             return UnreachableError(
                 f"{where}: its host key is unknown ({exc.hostname} {exc.key.get_name()} "

@@ -41,7 +41,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 from dflash_files.atomic import write_atomic
 from dflash_files.diskspace import NO_SPACE
 
-from . import locks, preflight
+from . import locks, preflight, warm
 from .jsonio import AgentError, no_space, read_tail_text
 from .layout import RunDir, Workspace
 from .preflight import PathRequirement
@@ -179,6 +179,7 @@ def launch(ws: Workspace, request: LaunchRequest) -> Union[LaunchReply, LaunchCh
     config = _read_config(request, release_root)
     run = ws.run(request.run_id)
     env = trainer_env(ws, run, release_id, release_root, request.env, request.distributed)
+    warm.idle_s(dict(env))  # a bad DFLASH_WARM_IDLE_S is the launch's error, not a silent default
     preflight.check(ws.root, release_root, request.python, env, request.modules, request.paths)
     if request.check_only:
         return _check_only(ws, request, run, release_id)

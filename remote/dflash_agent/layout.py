@@ -25,6 +25,11 @@ class Workspace:
         return os.path.join(self.root, "locks")
 
     @property
+    def warm(self) -> str:
+        """The warm interpreters' folders (warm.py)."""
+        return os.path.join(self.root, "warm")
+
+    @property
     def current(self) -> str:
         return os.path.join(self.root, "current")
 

@@ -38,14 +38,36 @@ def check_resource(name: str) -> None:
 
 
 @contextlib.contextmanager
-def _guard(ws: Workspace) -> Iterator[None]:
-    os.makedirs(ws.locks, exist_ok=True)
-    fd = os.open(os.path.join(ws.locks, ".guard"), os.O_RDWR | os.O_CREAT, 0o644)
+def exclusive(path: str) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created if missing) for the body."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing drops the flock
+
+
+def is_held(path: str) -> bool:
+    """Whether some process holds a flock on `path` now (a missing file: no)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _guard(ws: Workspace) -> Iterator[None]:
+    os.makedirs(ws.locks, exist_ok=True)
+    with exclusive(os.path.join(ws.locks, ".guard")):
+        yield
 
 
 def _path(ws: Workspace, resource: str) -> str:

@@ -14,9 +14,10 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 _KILLED = re.compile(r"(?:Killed process (\d+) |oom-kill:.*\bpid=(\d+)\b)")
 
 
-def _counter_files() -> List[str]:
+def counter_files(pid: Optional[int] = None) -> List[str]:
+    """The OOM counter files of the memory cgroup of `pid` (None: this process)."""
     try:
-        with open("/proc/self/cgroup") as handle:
+        with open("/proc/%s/cgroup" % ("self" if pid is None else pid)) as handle:
             lines = handle.read().splitlines()
     except OSError:
         return []
@@ -35,9 +36,10 @@ def _counter_files() -> List[str]:
     return files
 
 
-def oom_kill_count() -> Optional[int]:
-    """OOM kills so far in this process's memory cgroup, or None when unreadable."""
-    for path in _counter_files():
+def oom_kill_count(files: Optional[List[str]] = None) -> Optional[int]:
+    """OOM kills so far in the memory cgroup of `files` (counter_files; None: this
+    process's), or None when unreadable."""
+    for path in counter_files() if files is None else files:
         try:
             with open(path) as handle:
                 for line in handle:

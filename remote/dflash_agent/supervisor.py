@@ -9,7 +9,10 @@ stdout+stderr appended to train.log and the environment launch.trainer_env makes
 DFLASH_RELEASE_ID, DFLASH_RELEASE_DIR, DFLASH_WORKSPACE, then the --env pairs) plus
 DFLASH_ATTEMPT; it execs only once run.json is written (docs/layout.md
 lists run.json's and exit.json's fields). An exec that fails writes exit_code 127,
-exec_error says why and train.log holds it.
+exec_error says why and train.log holds it. The host's warm interpreter (warm.py), when
+there is one, forks that same trainer instead of the exec; whatever keeps it from doing
+so is said in agent.log and run.json (`started_by`, `warm_reason`) and the trainer is
+exec'd.
 
 It runs detached (launch.py daemonizes it): stdin /dev/null, stdout+stderr appended to
 runs/ID/agent.log, no descriptor of the caller left open. Its own failures are lines
@@ -30,7 +33,8 @@ from typing import Any, Dict, Optional, Tuple
 from dflash_files.atomic import write_json_atomic
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
 
-from . import attempts, locks, oom, procfs
+from . import attempts, locks, oom, procfs, warm
+from .jsonio import AgentError
 from .jsonio import encode_line
 from .layout import RunDir, Workspace
 from .state import GONE, Observation, attempt_errors, derive_state, error_records, summarize_events
@@ -189,89 +193,164 @@ def _report(fd: Optional[int], message: Dict[str, Any]) -> None:
         os.close(fd)
 
 
+class _ExecTrainer:
+    """A trainer forked here that execs `python -m dflash_train` once it may start
+    (_exec_trainer): WarmTrainer's interface."""
+
+    def __init__(self, plan: TrainerPlan, report_fd: Optional[int]):
+        self.oom_files = oom.counter_files()
+        pipes = {"report": report_fd if report_fd is not None else os.open(os.devnull, os.O_RDONLY)}
+        pipes["go_r"], pipes["go_w"] = os.pipe()
+        pipes["sync_r"], pipes["sync_w"] = os.pipe()
+        pipes["exec_r"], pipes["exec_w"] = os.pipe()  # close-on-exec: EOF without data = exec worked
+        train_log_fd = os.open(plan.run.train_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.pid = os.fork()
+        if self.pid == 0:
+            _exec_trainer(plan, pipes, train_log_fd)
+        for key in ("go_r", "sync_w", "exec_w"):
+            os.close(pipes[key])
+        if report_fd is None:
+            os.close(pipes["report"])
+        os.close(train_log_fd)
+        self.go_w, self.exec_r = pipes["go_w"], pipes["exec_r"]
+        # Wait until the child is in its own session: from then on pgid == pid holds.
+        in_session = os.read(pipes["sync_r"], 1) == b"s"
+        os.close(pipes["sync_r"])
+        if not in_session:
+            self.go(False)
+            self.wait()
+            raise RuntimeError("the trainer process died before starting")
+
+    def go(self, start: bool) -> None:
+        if start:
+            os.write(self.go_w, b"g")
+        os.close(self.go_w)  # without the byte: the child reads EOF and exits without exec
+
+    def wait(self) -> Tuple[Optional[int], Optional[str]]:
+        """(its wait status, why the exec failed or None)."""
+        exec_error = _read_all(self.exec_r).decode("utf-8", "replace") or None
+        os.close(self.exec_r)
+        return os.waitpid(self.pid, 0)[1], exec_error
+
+
+def _warm_trainer(plan: TrainerPlan) -> Tuple[Optional[warm.WarmTrainer], Optional[warm.WarmFailed]]:
+    """The trainer forked by the warm interpreter, or why there is none."""
+    if warm.idle_s(dict(plan.env)) == 0:
+        return None, warm.WarmFailed("%s=0: no warm interpreter" % warm.IDLE_ENV)
+    where = warm.place(plan.workspace.warm, plan.release_id, plan.python)
+    env = dict(plan.env, DFLASH_ATTEMPT=str(plan.attempt))
+    try:
+        trainer = warm.fork_trainer(where, plan.argv[3:], env, plan.run.path, plan.run.train_log)
+    except warm.WarmFailed as exc:
+        return None, exc
+    return trainer, None
+
+
+def _start_warm(plan: TrainerPlan, failure: warm.WarmFailed) -> None:
+    """After a trainer started without the warm interpreter: start one for the next
+    launch, unless it is off or on its way. Its failures are lines in agent.log."""
+    if warm.idle_s(dict(plan.env)) == 0 or "still importing" in str(failure):
+        return
+    where = warm.place(plan.workspace.warm, plan.release_id, plan.python)
+    try:
+        if failure.hung or failure.replace:
+            warm.end(where, signal.SIGKILL if failure.hung else signal.SIGTERM)
+        log(warm.start(plan.workspace.warm, where, plan.python, dict(plan.env), plan.release_id, plan.release_root,
+                       warm.idle_s(dict(plan.env)), ending=failure.hung or failure.replace or failure.ends))
+    except (OSError, AgentError) as exc:
+        log("could not start a warm interpreter: %s: %s" % (type(exc).__name__, exc))
+
+
 def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Start one trainer process and wait for it: (its `attempts` entry, its exit record)."""
-    run = plan.run
-    oom_before = oom.oom_kill_count()
-    pipes = {"report": report_fd if report_fd is not None else os.open(os.devnull, os.O_RDONLY)}
-    pipes["go_r"], pipes["go_w"] = os.pipe()
-    pipes["sync_r"], pipes["sync_w"] = os.pipe()
-    pipes["exec_r"], pipes["exec_w"] = os.pipe()  # close-on-exec: EOF without data = exec worked
-    train_log_fd = os.open(run.train_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    pid = os.fork()
-    if pid == 0:
-        _exec_trainer(plan, pipes, train_log_fd)
-    for key in ("go_r", "sync_w", "exec_w"):
-        os.close(pipes[key])
-    if report_fd is None:
-        os.close(pipes["report"])
-    os.close(train_log_fd)
-    # Wait until the child is in its own session: from then on pgid == pid holds.
-    in_session = os.read(pipes["sync_r"], 1) == b"s"
-    os.close(pipes["sync_r"])
-    try:
-        if not in_session:
-            raise RuntimeError("the trainer process died before starting")
-        start_ticks = procfs.start_time(pid)
-        started_at = time.time()
-        entry = {"attempt": plan.attempt, "reason": plan.reason, "started_at": started_at, "pid": pid,
-                 "release_id": plan.release_id,
-                 "resume_from": None if plan.resume_from is None else
-                 {"step": plan.resume_from[0], "path": plan.resume_from[1]}}
-        record = {
-            "run_id": run.run_id, "name": plan.name, "release_id": plan.release_id,
-            "release_dir": plan.release_root, "workspace": plan.workspace.root,
-            "config": _read_text(run.config), "config_source": plan.config_source,
-            "overrides": list(plan.overrides),
-            "argv": list(plan.argv), "cwd": run.path, "env_keys": list(plan.env_keys),
-            "pid": pid, "pgid": pid, "start_time": start_ticks, "boot_id": procfs.boot_id(),
-            "host": socket.gethostname(), "started_at": started_at,
-            "stall_after": plan.stall_after, "startup_stall_after": plan.startup_stall_after,
-            "resources": list(plan.resources),
-            "supervisor": {"pid": os.getpid(), "start_time": procfs.start_time(os.getpid())},
-            "source": plan.source, "restart": plan.restart, "distributed": plan.distributed,
-            "attempt": plan.attempt, "attempts": list(plan.history) + [entry],
-        }
-        write_json_atomic(run.run_json, record)
-        if plan.attempt > 0:
-            attempts.append_markers(run, plan.attempt, plan.reason,
-                                    None if plan.resume_from is None else plan.resume_from[0], plan.release_id)
-        if plan.reason == "resume":
-            # The run is this attempt's from here on: the previous attempt's exit.json and
-            # stop_requested.json go (its entry in `attempts` keeps them). A restart has
-            # neither: its attempt's exit was never written, and a stop ends restarting.
-            attempts.clear_ended_attempt(run)
-    except BaseException as exc:
-        os.close(pipes["go_w"])  # the child reads EOF and exits without exec
-        os.waitpid(pid, 0)
-        _report(report_fd, {"ok": False, "error": "%s: %s" % (type(exc).__name__, exc),
-                            "errno": getattr(exc, "errno", None), "filename": getattr(exc, "filename", None)})
-        raise
-    # `stop` writes stop_requested.json, then reads run.json; this wrote run.json and now
-    # reads stop_requested.json: one of the two sees the other, so a stop that came as a
-    # restart began either finds the new trainer or keeps it from starting.
-    if plan.attempt > 0 and os.path.exists(run.stop_requested):
-        os.close(pipes["go_w"])
-    else:
-        os.write(pipes["go_w"], b"g")
-        os.close(pipes["go_w"])
-    log("trainer pid %d started (attempt %d): %r" % (pid, plan.attempt, list(plan.argv)))
+    trainer, failure = _warm_trainer(plan)
+    while True:
+        try:
+            if trainer is None:
+                log("not using the warm interpreter: %s; exec'ing the trainer" % failure)
+                trainer = _ExecTrainer(plan, report_fd)
+            oom_before = oom.oom_kill_count(trainer.oom_files)
+            try:
+                entry, start_ticks = _record_start(plan, trainer, failure)
+            except BaseException:
+                trainer.go(False)
+                trainer.wait()
+                raise
+        except BaseException as exc:
+            _report(report_fd, {"ok": False, "error": "%s: %s" % (type(exc).__name__, exc),
+                                "errno": getattr(exc, "errno", None), "filename": getattr(exc, "filename", None)})
+            raise
+        try:
+            _go(plan, trainer)
+            break
+        except warm.WarmFailed as exc:  # only the warm one's go can fail: then exec
+            trainer, failure = None, exc
+    pid = trainer.pid
+    log("trainer pid %d started (attempt %d) by %s: %r" % (
+        pid, plan.attempt, "exec" if failure else "the warm interpreter", list(plan.argv)))
     _report(report_fd, {"ok": True, "pid": pid, "pgid": pid})
+    if failure is not None:
+        _start_warm(plan, failure)
 
-    exec_error = _read_all(pipes["exec_r"]).decode("utf-8", "replace") or None
-    os.close(pipes["exec_r"])
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
+    status, exec_error = trainer.wait()
+    if status is None:
+        exit_code, sig = None, None
+        log_error(exec_error)
+    elif os.WIFSIGNALED(status):
         exit_code, sig = None, signal_name(os.WTERMSIG(status))
     else:
         exit_code, sig = os.WEXITSTATUS(status), None
     exit_record = {
         "exit_code": exit_code, "signal": sig,
-        "oom_killed": oom.was_oom_killed(oom_before, oom.oom_kill_count(), sig, pid, start_ticks),
+        "oom_killed": oom.was_oom_killed(oom_before, oom.oom_kill_count(trainer.oom_files), sig, pid, start_ticks),
         "ended_at": time.time(), "exec_error": exec_error, "attempt": plan.attempt,
     }
     log("trainer ended: %r" % exit_record)
     return entry, exit_record
+
+
+def _record_start(plan: TrainerPlan, trainer: Any, failure: Optional[warm.WarmFailed]) -> Tuple[Dict[str, Any], Optional[int]]:
+    """run.json for the trainer forked and waiting for its go: (its `attempts` entry, its
+    start time)."""
+    run, pid = plan.run, trainer.pid
+    start_ticks = procfs.start_time(pid)
+    started_at = time.time()
+    entry = {"attempt": plan.attempt, "reason": plan.reason, "started_at": started_at, "pid": pid,
+             "release_id": plan.release_id, "started_by": "exec" if failure else "warm",
+             "resume_from": None if plan.resume_from is None else
+             {"step": plan.resume_from[0], "path": plan.resume_from[1]}}
+    record = {
+        "run_id": run.run_id, "name": plan.name, "release_id": plan.release_id,
+        "release_dir": plan.release_root, "workspace": plan.workspace.root,
+        "config": _read_text(run.config), "config_source": plan.config_source,
+        "overrides": list(plan.overrides),
+        "argv": list(plan.argv), "cwd": run.path, "env_keys": list(plan.env_keys),
+        "pid": pid, "pgid": pid, "start_time": start_ticks, "boot_id": procfs.boot_id(),
+        "host": socket.gethostname(), "started_at": started_at,
+        "started_by": "exec" if failure else "warm", "warm_reason": None if failure is None else str(failure),
+        "stall_after": plan.stall_after, "startup_stall_after": plan.startup_stall_after,
+        "resources": list(plan.resources),
+        "supervisor": {"pid": os.getpid(), "start_time": procfs.start_time(os.getpid())},
+        "source": plan.source, "restart": plan.restart, "distributed": plan.distributed,
+        "attempt": plan.attempt, "attempts": list(plan.history) + [entry],
+    }
+    write_json_atomic(run.run_json, record)
+    if plan.attempt > 0:
+        attempts.append_markers(run, plan.attempt, plan.reason,
+                                None if plan.resume_from is None else plan.resume_from[0], plan.release_id)
+    if plan.reason == "resume":
+        # The run is this attempt's from here on: the previous attempt's exit.json and
+        # stop_requested.json go (its entry in `attempts` keeps them). A restart has
+        # neither: its attempt's exit was never written, and a stop ends restarting.
+        attempts.clear_ended_attempt(run)
+    return entry, start_ticks
+
+
+def _go(plan: TrainerPlan, trainer: Any) -> None:
+    # `stop` writes stop_requested.json, then reads run.json; this wrote run.json and now
+    # reads stop_requested.json: one of the two sees the other, so a stop that came as a
+    # restart began either finds the new trainer or keeps it from starting.
+    trainer.go(not (plan.attempt > 0 and os.path.exists(plan.run.stop_requested)))
 
 
 def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: Dict[str, Any]) -> Optional[TrainerPlan]:

@@ -99,8 +99,12 @@ STARTUP = EventType(
     details={
         "import": Detail("The interpreter's start and torch's and transformers' imports, timed from the "
                          "process's start: it has no started event.",
-                         optional("since", OneOf("process start", "trainer start"),
-                                  "what it counts from: `trainer start` without /proc")),
+                         optional("since", OneOf("process start", "trainer start", "warm interpreter"),
+                                  "what it counts from: `trainer start` without /proc; `warm interpreter`: the "
+                                  "process was forked from the warm interpreter, which had imported them "
+                                  "(docs/runs.md), and this counts from the fork"),
+                         optional("warm_import_s", NUMBER,
+                                  "warm interpreter: what the imports took it, once, when it started")),
         "find sources": Detail("Where the target and the data come from (building the tiny target's assets).",
                                optional("tiny", BOOL, "whether the target is the tiny one built here")),
         "build data": Detail("Tokenizing the data (or reading its cache) and planning the batches.",
@@ -183,6 +187,8 @@ EVAL = EventType("eval", "The drafter's acceptance length on the eval prompts: i
                      optional("prompts_file", STR, "evaluate: the prompts file"),
                      optional("max_new_tokens", INT, "evaluate: tokens decoded at most per prompt"),
                      optional("cuda_graphs", BOOL, "whether the decode's steps ran as CUDA graphs (never on CPU)"),
+                     optional("compiled", BOOL, "whether the decode's steps ran compiled by torch.compile "
+                              "(`compile_steps`; never on CPU)"),
                      optional("tokens_per_s", NUMBER, "with the speed-up (`speedup` of eval or evaluate): "
                               "speculative decoding's tokens per second, 1 / the mean over prompts of the time "
                               "per token after the prefill (the reference benchmark's throughput)"),

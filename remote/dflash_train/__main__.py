@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from .runlog import ErrorLog, EventLog, ThreadNames, emit_done, install_line_writers, say
+from . import startup_phases
 from .startup_phases import process_age_s, record, record_to, start_pulse
 
 _LOADED = time.monotonic()  # when /proc cannot tell the process's start
@@ -72,8 +73,12 @@ def main(argv: list[str] | None = None) -> None:
         job_class = getattr(importlib.import_module(module, __package__), name)
         # From the process's start: the interpreter's own start and torch's and transformers' imports.
         age = process_age_s()
-        record("import", age if age is not None else time.monotonic() - _LOADED,
-               since="process start" if age is not None else "trainer start")
+        if startup_phases.warm_import_s is not None:  # forked after the imports (warm.py)
+            record("import", age if age is not None else 0.0, since="warm interpreter",
+                   warm_import_s=startup_phases.warm_import_s)
+        else:
+            record("import", age if age is not None else time.monotonic() - _LOADED,
+                   since="process start" if age is not None else "trainer start")
     except BaseException as exc:  # noqa: BLE001 - a bad config or a broken install is this run's failure too
         latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(), phase="startup", step=None)
         finish(events, errors, writers, fault_log, 1, [])

@@ -40,6 +40,19 @@ _lock = threading.Lock()
 _under_way: list[tuple[str, str, float]] = [("import", "import", time.monotonic())]
 _between_since = time.monotonic()  # when the last phase under way ended: the work between phases
 _pulse_stop = threading.Event()
+# Set in a trainer forked by the warm interpreter (warm.py): how long its imports took,
+# paid once when it started, not by this run.
+warm_import_s: float | None = None
+
+
+def forked_from_warm(import_s: float) -> None:
+    """This process was forked from the warm interpreter just now: its start-up clock
+    starts here, and its import phase says it paid none."""
+    global _between_since, warm_import_s
+    now = time.monotonic()
+    _under_way[:] = [("import", "import", now)]
+    _between_since = now
+    warm_import_s = import_s
 
 
 def record_to(events: EventLog | None) -> None:
@@ -51,6 +64,8 @@ def record_to(events: EventLog | None) -> None:
 def label(name: str, detail: dict[str, Any]) -> str:
     """How a phase reads on screen: "build train step drafter 0 (cold)"."""
     text = name if detail.get("drafter") is None else f"{name} drafter {detail['drafter']}"
+    if detail.get("since") == "warm interpreter":
+        return f"{text} (warm interpreter)"
     return f"{text} ({detail['cache']})" if detail.get("cache") else text
 
 

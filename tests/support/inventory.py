@@ -23,8 +23,10 @@ from .sshd import SshNode, free_port
 #:   wait for a core another process holds; passive, they sleep. The in-process torch tests
 #:   then take 39 CPU-seconds instead of 78, and jobs that use every core (evaluate,
 #:   regenerate) stop burning the cores the rest of the suite needs.
+#: - no warm interpreter (runs.md): each would outlive its test by its idle timeout, with
+#:   torch imported; tests/test_warm_interpreter.py turns it on for its launches.
 HOST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0",
-            "OMP_WAIT_POLICY": "PASSIVE"}
+            "OMP_WAIT_POLICY": "PASSIVE", "DFLASH_WARM_IDLE_S": "0"}
 
 
 def container_workspace(pve: FakePve, tmp_path: Path) -> Path:

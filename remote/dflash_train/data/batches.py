@@ -2,7 +2,7 @@
 
 A line holds either {"text": ...} (every token is learnt) or {"messages": [...]} (the
 tokenizer's chat template; only assistant tokens are learnt, each turn on its own: a
-block never learns across a user turn, see model/objective.py). `"truncated": true` says the
+block never learns across a user turn, see model/objective.py; chat.py finds them). `"truncated": true` says the
 final assistant answer was cut (at max_new_tokens when it was generated): the
 end-of-turn the template closes it with, and all it renders after, is never learnt, as
 the target never produced it. The training file is tokenized once, by worker
@@ -24,7 +24,7 @@ import json
 import multiprocessing
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +37,8 @@ from ..compiling.step_build import BatchShape
 from ..config import DataConfig, DrafterConfig, blocks_per_row, padded_length, rows_per_micro_batch
 from ..model.objective import NO_TURN, anchor_candidates, anchor_seed, block_labels, position_weights, sample_anchors
 from ..runlog import say
+from . import chat
+from .chat import render, require_template, tokenize_chat
 from .tokstore import StoreWriter, TokenStore, file_sha256, open_or_build, sha256_hex
 
 # jsonl bytes per tokenizing task: about a thousand conversations of the recipe's length,
@@ -70,86 +72,38 @@ def _parse_line(line: bytes, where: str) -> dict[str, Any] | None:
     return row
 
 
+def first_chat_row(path: Path) -> tuple[int, list[Any]] | None:
+    """(line number, messages) of the file's first row when it is a chat, else None."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            row = _parse_line(line, f"{path}:{number}")
+            if row is not None:
+                messages = row.get("messages")
+                return (number, messages) if isinstance(messages, list) else None
+    return None
+
+
 def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     with open(path, "rb") as f:
         rows = [(number, _parse_line(line, f"{path}:{number}")) for number, line in enumerate(f, 1)]
     return [(number, row) for number, row in rows if row is not None]
 
 
-def _render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
-def _check_template(tokenizer, where: str) -> None:
-    """transformers' own error for a tokenizer without a chat template names no row."""
-    if tokenizer.chat_template is None:
-        raise ValueError(f"{where}: a 'messages' row needs the tokenizer's chat template, and "
-                         "tokenizer.chat_template is not set")
-
-
-def _answer_end(tokenizer, messages: list[dict[str, Any]], text: str, where: str) -> int:
-    """Character offset in `text` (the rendered conversation) where the final assistant
-    message's content ends: what the template appends from there on (its end-of-turn
-    token, a newline) is not the model's.
-
-    The content is rendered again with a probe character appended; the renderings agree
-    up to the content's end. Two probes, so a template whose text after the content
-    starts with one of them still gives the exact end."""
-    content = messages[-1].get("content")
-    if not isinstance(content, str):
-        raise ValueError(f"{where}: 'truncated' needs the last message's content to be a string")
-    ends = []
-    for probe in ("\x01", "\x02"):
-        probed = _render(tokenizer, messages[:-1] + [{**messages[-1], "content": content + probe}], False)
-        if probed == text:
-            raise ValueError(f"{where}: the chat template does not render the last message's content, so "
-                             "where the truncated answer ends cannot be located")
-        ends.append(len(os.path.commonprefix([text, probed])))
-    return min(ends)
-
-
-def tokenize_chat(tokenizer, messages: list[dict[str, Any]], where: str,
-                  truncated: bool = False) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and, per token, the index of the assistant
-    turn that wrote it (NO_TURN for every other token).
-
-    An assistant turn spans from the end of the conversation before it (rendered with
-    the generation prompt) to the end of the conversation including it -- or, for the
-    final answer when `truncated`, to the end of its content; tokens are assigned to
-    spans by their character offsets."""
-    _check_template(tokenizer, where)
-    text = _render(tokenizer, messages, False)
-    if truncated and (not messages or messages[-1].get("role") != "assistant"):
-        raise ValueError(f"{where}: 'truncated' is true but the last message is not the assistant's")
-    spans = []
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[:i + 1], False)
-        if not (text.startswith(before) and text.startswith(through)):
-            raise ValueError(f"{where}: the chat template does not render turn {i} as a prefix of the "
-                             "whole conversation, so its assistant tokens cannot be located")
-        end = _answer_end(tokenizer, messages, text, where) if truncated and i == len(messages) - 1 else len(through)
-        spans.append((len(before), end))
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    turn_ids = [next((turn for turn, (lo, hi) in enumerate(spans) if lo <= start < hi), NO_TURN)
-                for start, _ in encoded["offset_mapping"]]
-    return encoded["input_ids"], turn_ids
-
-
-def tokenize_sample(row: dict[str, Any], tokenizer, max_length: int, where: str) -> Sample | None:
+def tokenize_sample(row: dict[str, Any], tokenizer, max_length: int, where: str,
+                    template_kwargs: Mapping[str, Any] | None = None) -> Sample | None:
     """One jsonl row as a training sample, cut to `max_length` tokens; None when it has
     no anchor (nothing it could teach)."""
-    return _learnable(*tokenize_row(row, tokenizer, where), max_length)
+    return _learnable(*tokenize_row(row, tokenizer, where, template_kwargs), max_length)
 
 
-def tokenize_row(row: dict[str, Any], tokenizer, where: str) -> tuple[list[int], list[int]]:
+def tokenize_row(row: dict[str, Any], tokenizer, where: str,
+                 template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """The row's token ids and their turns (tokenize_chat), before the cut at max_length."""
     truncated = row.get("truncated", False)
     if not isinstance(truncated, bool):
         raise ValueError(f"{where}: 'truncated' must be true or false, not {truncated!r}")
     if "messages" in row:
-        return tokenize_chat(tokenizer, row["messages"], where, truncated)
+        return tokenize_chat(tokenizer, row["messages"], where, truncated, template_kwargs)
     if "text" in row:  # no template closes a text, truncated or not
         ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
         return ids, [0] * len(ids)
@@ -208,21 +162,26 @@ class StoredSamples(Sequence):
 
 
 def load_samples(path: Path, tokenizer, max_length: int, cache_dir: Path, chunk_bytes: int = CHUNK_BYTES,
-                 workers: int | None = None, progress: Callable[[float, int], None] | None = None) -> StoredSamples:
+                 workers: int | None = None, progress: Callable[[float, int], None] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> StoredSamples:
     """The samples of a training jsonl, from the store under `cache_dir` keyed by what
-    decides them: the file's bytes, the tokenizer, its chat template, max_length and the
-    code of this module (so a change of the tokenization rebuilds). Built first if absent
-    or damaged, with `workers` processes (default: one per core); while it is built,
-    `progress(fraction of the file done, samples so far)` is called every PROGRESS_EVERY_S."""
+    decides them: the file's bytes, the tokenizer, its chat template and what it is
+    rendered with (`template_kwargs`), max_length and the code of this module and chat.py
+    (so a change of the tokenization rebuilds). Built first if absent or damaged, with `workers`
+    processes (default: one per core); while it is built, `progress(fraction of the file
+    done, samples so far)` is called every PROGRESS_EVERY_S."""
+    template_kwargs = dict(template_kwargs or {})
     key = {"data_sha256": file_sha256(path, cache_dir / "hashes"),
            "tokenizer_sha256": _tokenizer_sha256(tokenizer),
            "chat_template_sha256": sha256_hex(json.dumps(tokenizer.chat_template, sort_keys=True).encode()),
+           "chat_template_kwargs": template_kwargs,
            "max_length": max_length,
-           "tokenization_sha256": sha256_hex(Path(__file__).read_bytes()),
+           "tokenization_sha256": sha256_hex(Path(__file__).read_bytes() + Path(chat.__file__).read_bytes()),
            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     return StoredSamples(open_or_build(
         cache_dir, key,
-        lambda writer: _tokenize_into(writer, path, tokenizer, max_length, chunk_bytes, workers, progress)))
+        lambda writer: _tokenize_into(writer, path, tokenizer, max_length, chunk_bytes, workers, progress,
+                                      template_kwargs)))
 
 
 def _tokenizer_sha256(tokenizer) -> str:
@@ -237,7 +196,8 @@ def _tokenizer_sha256(tokenizer) -> str:
 
 
 def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, chunk_bytes: int,
-                   workers: int | None, progress: Callable[[float, int], None] | None) -> None:
+                   workers: int | None, progress: Callable[[float, int], None] | None,
+                   template_kwargs: dict[str, Any]) -> None:
     started = last_report = time.perf_counter()
     size, done = path.stat().st_size, 0
     # Processes, not threads: the template rendering and the masks are Python.
@@ -259,7 +219,7 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
             if progress is not None:
                 progress(done / size, writer.num_samples)
 
-    tokenize = _ChunkTokenizer(tokenizer, max_length, str(path))
+    tokenize = _ChunkTokenizer(tokenizer, max_length, str(path), template_kwargs)
     chunks = _read_chunks(path, chunk_bytes)
     if workers == 1:
         for chunk in chunks:
@@ -303,6 +263,7 @@ class _ChunkTokenizer:
     tokenizer: Any
     max_length: int
     path: str  # for messages
+    template_kwargs: dict[str, Any]
 
     def __call__(self, chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray], np.ndarray, RowCounts]:
         data, first_line = chunk
@@ -315,7 +276,7 @@ class _ChunkTokenizer:
             row = _parse_line(line, where)
             if row is None:
                 continue
-            ids, turn_ids = tokenize_row(row, self.tokenizer, where)
+            ids, turn_ids = tokenize_row(row, self.tokenizer, where, self.template_kwargs)
             counts.rows, counts.longest = counts.rows + 1, max(counts.longest, len(ids))
             sample = _learnable(ids, turn_ids, self.max_length)
             if sample is None:
@@ -344,7 +305,8 @@ def _tokenize_in_worker(chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray]
     return _worker_tokenize(chunk)
 
 
-def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
+def load_prompts(path: Path, tokenizer, limit: int,
+                 template_kwargs: Mapping[str, Any] | None = None) -> list[list[int]]:
     """Held-out prompts: "text", or "messages" (a final assistant turn is dropped)."""
     prompts = []
     for number, row in _read_jsonl(path)[:limit]:
@@ -352,8 +314,8 @@ def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
             messages = row["messages"]
             if messages and messages[-1].get("role") == "assistant":
                 messages = messages[:-1]
-            _check_template(tokenizer, f"{path}:{number}")
-            text = _render(tokenizer, messages, True)
+            require_template(tokenizer, f"{path}:{number}")
+            text = render(tokenizer, messages, True, template_kwargs or {}, f"{path}:{number}")
         elif "text" in row:
             text = row["text"]
         else:

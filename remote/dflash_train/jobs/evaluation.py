@@ -84,7 +84,8 @@ class EvaluationJob(JobControl):
         cores = len(os.sched_getaffinity(0))  # one computing thread: all of them on the CPU
         torch.set_num_threads(self.config.runtime.torch_threads or (min(cores, 8) if is_cuda(device) else cores))
         tokenizer = AutoTokenizer.from_pretrained(target_source)
-        prompts = load_prompts(prompts_path, tokenizer, self.spec.num_prompts or sys.maxsize)
+        template_kwargs = self.config.data.template_kwargs() if self.config.data is not None else {}
+        prompts = load_prompts(prompts_path, tokenizer, self.spec.num_prompts or sys.maxsize, template_kwargs)
         if not prompts:
             raise ValueError(f"evaluate.prompts: {prompts_path} holds no prompt")
         target = load_target(target_source, self.config.target.dtype, device)
@@ -94,12 +95,13 @@ class EvaluationJob(JobControl):
         embed = target.get_input_embeddings().weight.detach()
         head = target.get_output_embeddings().weight.detach()
         capacity = max(map(len, prompts)) + self.spec.max_new_tokens + drafter.block_size
-        decoder, refused = evaluation_decoder(drafter, tap, embed, head, capacity, self.spec.cuda_graphs)
+        decoder, refused = evaluation_decoder(drafter, tap, embed, head, capacity, self.spec.cuda_graphs,
+                                              self.spec.compile_steps)
         if refused:
             say(f"{refused}: decoding with the reference path (transformers' KV cache, eager)")
         say(f"evaluating {drafter_dir} (block {drafter.block_size}, target layers {list(drafter.target_layer_ids)}) "
             f"on {len(prompts)} prompts of {prompts_path}, max_new_tokens {self.spec.max_new_tokens}, on {device}"
-            f"{', CUDA graphs' if decoder.cuda_graphs else ''}"
+            f"{', CUDA graphs' if decoder.cuda_graphs else ''}{', compiled steps' if decoder.compiled else ''}"
             f"{', and the target alone for the speed-up' if self.spec.speedup else ''}")
         self._set_phase("eval")
         started = time.perf_counter()
@@ -107,7 +109,7 @@ class EvaluationJob(JobControl):
                           speedup=self.spec.speedup, on_target_step=self._forwarded)
         fields = {**result.fields(time.perf_counter() - started), "drafter": str(drafter_dir),
                   "prompts_file": str(prompts_path), "max_new_tokens": self.spec.max_new_tokens,
-                  "cuda_graphs": decoder.cuda_graphs}
+                  "cuda_graphs": decoder.cuda_graphs, "compiled": decoder.compiled}
         tmp = self.run_dir / ".eval.json.tmp"
         tmp.write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, self.run_dir / "eval.json")

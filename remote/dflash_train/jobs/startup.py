@@ -22,7 +22,9 @@ from ..compiling.cache import CompileCache, compile_key_facts, open_compile_cach
 from ..compiling.policy import CompilePlan, configure_compiler, plan_compile
 from ..compiling.step_build import BatchShape
 from ..config import JobConfig
-from ..data.batches import BatchPlan, PlanEntry, anchor_counts, load_prompts, load_samples, micro_batch_shapes
+from ..data.batches import (BatchPlan, PlanEntry, anchor_counts, first_chat_row, load_prompts, load_samples,
+                            micro_batch_shapes)
+from ..data.chat import check_chat_template
 from ..data.tiny import cache_root
 from ..devices import canonical
 from ..faults import FaultInjector
@@ -98,11 +100,18 @@ def _build_data(config: JobConfig, run_dir: Path, events: EventLog, layout: Layo
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_source)
+    template_kwargs = config.data.template_kwargs()
+    first = first_chat_row(train_path)
+    if first is not None:  # a template the loss mask cannot read is refused before a row is tokenized
+        target = f"target.path {target_source}" if config.target.path is not None else f"target.tiny ({target_source})"
+        check_chat_template(tokenizer, target, first[1], f"{train_path}:{first[0]}", template_kwargs)
     samples = load_samples(train_path, tokenizer, config.data.max_length, cache_root(run_dir) / "tokenized",
                            progress=lambda fraction, count: events.emit(TOKENIZING, fraction=round(fraction, 4),
-                                                                        samples=count))
+                                                                        samples=count),
+                           template_kwargs=template_kwargs)
     # Rank 0 alone evaluates (the replicas are identical).
-    prompts = load_prompts(eval_path, tokenizer, config.eval.num_prompts) if eval_path and layout.rank == 0 else []
+    prompts = (load_prompts(eval_path, tokenizer, config.eval.num_prompts, template_kwargs)
+               if eval_path and layout.rank == 0 else [])
     plan = BatchPlan(samples, config.data, layout.global_replicas, config.optim.epochs, config.optim.max_steps,
                      config.seed, config.optim.accumulate, config.drafter)
     return tokenizer, samples, prompts, plan

@@ -15,6 +15,11 @@ positions (prompt + new tokens + a block):
 * a step's state stays on the device: the verify step computes the accepted length and
   moves the anchor position and token itself, so the host reads one small tensor a step
   (the drafts and the target's verdict: the tokens gained) and launches the next;
+* with `compile_steps` (evaluate.compile / eval.compile, on CUDA), the steps' target layers
+  (model/static_target.py) and the drafter's context extension and block run through
+  `torch.compile`, compiled at their first run (the capture's warm-up): at the Qwen3-8B
+  shape this takes a verify step from 13.2 to 8.4 ms, for about 50 s of compiling
+  (bench/RESULTS-h200.md);
 * on CUDA, with `cuda_graphs`, the draft step and the verify step (and the target-alone
   step) are CUDA graphs (compiling/decode_graphs.py), captured by `capture` (a training
   run's evaluator, in start-up) or at the first decode; the prefill, whose length
@@ -90,11 +95,12 @@ class FastDecoder:
     """`lm_head_weight` is kept in the drafter's dtype (cast once here, not per block)."""
 
     def __init__(self, drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, capacity: int, cuda_graphs: bool = True, drafter_cache: bool = True):
+                 lm_head_weight: torch.Tensor, capacity: int, cuda_graphs: bool = True, drafter_cache: bool = True,
+                 compile_steps: bool = False):
         with torch.inference_mode():
             self.drafter, self.embed = drafter, embed_weight
             self.head = lm_head_weight.to(drafter.fc.weight.dtype)
-            self.target = StaticTarget(tap, capacity)
+            self.target = StaticTarget(tap, capacity, compile_steps=compile_steps)
             self.capacity, self.device = capacity, embed_weight.device
             size, device = drafter.block_size, self.device
             self.block_size = size
@@ -114,11 +120,35 @@ class FastDecoder:
             self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
             self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.compiled = compile_steps
+        # The prefill extends the drafter's context eagerly (its length varies); a step, at
+        # one shape, through the compiled function when compiling.
+        self._extend_step = torch.compile(drafter.extend_context, dynamic=False) if compile_steps \
+            else drafter.extend_context
+        self._draft_block = torch.compile(drafter.draft_cached, dynamic=False) if compile_steps \
+            else drafter.draft_cached
+        # Each target layer's forward is the same code object to Dynamo, compiled once per
+        # layer (its index is a constant of the graph) and step shape (verify, alone).
+        self._compile_room = max(8, 2 * len(self.target.layers) + 8)
         self._steps: dict[str, Callable[[], None]] = {}
+
+    def _compiling(self, step: Callable[[], None]) -> Callable[[], None]:
+        """`step` with room in Dynamo's per-code-object cache for every layer's graphs."""
+        if not self.compiled:
+            return step
+        room = self._compile_room
+
+        def run() -> None:
+            limits = torch._dynamo.config
+            with limits.patch(cache_size_limit=max(room, limits.cache_size_limit),
+                              accumulated_cache_size_limit=max(room, limits.accumulated_cache_size_limit)):
+                step()
+        return run
 
     def _step(self, name: str, step: Callable[[], None]) -> Callable[[], None]:
         """The step, graphed at its first use when graphs are on."""
         if name not in self._steps:
+            step = self._compiling(step)
             self._steps[name] = graphed(step, self.device) if self.cuda_graphs else step
         return self._steps[name]
 
@@ -155,16 +185,16 @@ class FastDecoder:
         if self.drafter_kv is None:
             self.block[0, 1:] = draft_tokens(self.drafter, self.embed, self.head, self.context, self.block)
             return
-        self.drafter.extend_context(self.features, self.verified_start + self.offsets, self.drafter_kv)
+        self._extend_step(self.features, self.verified_start + self.offsets, self.drafter_kv)
         positions = self.start + self.offsets
         key_valid = (self.key_index < self.start + size)[None, None, None]
-        hidden = self.drafter.draft_cached(F.embedding(self.block, self.embed), positions, self.drafter_kv, key_valid)
+        hidden = self._draft_block(F.embedding(self.block, self.embed), positions, self.drafter_kv, key_valid)
         self.block[0, 1:] = F.linear(hidden[0, 1:], self.head).argmax(-1)
 
     def _verify(self) -> None:
         """The target on the block; the gained tokens into `report`; the state moved on."""
         size = self.block_size
-        logits, features = self.target.forward(self.block, self.start + self.offsets)
+        logits, features = self.target.forward(self.block, self.start + self.offsets, step=True)
         verdict = logits[0].argmax(-1)  # the target's choice after each block position
         drafts = self.block[0, 1:]
         self.report[:size - 1] = drafts
@@ -222,7 +252,7 @@ class FastDecoder:
     # -- the target alone ----------------------------------------------------------------------
 
     def _alone(self) -> None:
-        logits, _ = self.target.forward(self.token, self.position, features=False)
+        logits, _ = self.target.forward(self.token, self.position, features=False, step=True)
         self.token.view(1).copy_(logits[0, -1].argmax(-1).view(1))
         self.position.add_(1)
 

@@ -148,6 +148,7 @@ class ReferenceDecoder:
     decode's layer loop is not (static_target.static_refusal)."""
 
     cuda_graphs = False
+    compiled = False
 
     def __init__(self, drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor):
@@ -180,11 +181,14 @@ class ReferenceDecoder:
 
 def evaluation_decoder(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor,
                        lm_head_weight: torch.Tensor, capacity: int,
-                       cuda_graphs: bool) -> tuple[FastDecoder | ReferenceDecoder, str | None]:
-    """The fast decoder for `capacity` positions, or the reference one and why not."""
+                       cuda_graphs: bool, compile_steps: bool = False
+                       ) -> tuple[FastDecoder | ReferenceDecoder, str | None]:
+    """The fast decoder for `capacity` positions, or the reference one and why not.
+    `compile_steps` applies on CUDA only, as the graphs do."""
     if problem := static_refusal(tap.model.config):
         return ReferenceDecoder(drafter, tap, embed_weight, lm_head_weight), problem
-    return FastDecoder(drafter, tap, embed_weight, lm_head_weight, capacity, cuda_graphs=cuda_graphs), None
+    return FastDecoder(drafter, tap, embed_weight, lm_head_weight, capacity, cuda_graphs=cuda_graphs,
+                       compile_steps=compile_steps and embed_weight.device.type == "cuda"), None
 
 
 def _time_per_token(decoded: Decoded) -> float | None:

@@ -15,7 +15,16 @@ interfaces differ between 4.57 (a `cache_position` argument, `past_key_values`) 
 attention calls only `update(keys, values, layer_idx, ...)` on the cache object in both,
 which `StaticKV` provides. That loop is the base model's forward for the decoder-only
 families listed in SUPPORTED (no sliding-window layers, no embedding scaling); the tests
-check it against `generate` token for token.
+check it against `generate` token for token. The loop collects the tapped layers' outputs
+itself (the tap's hooks record only inside the tap's own forwards).
+
+With `compile_steps`, the decode's fixed-shape forwards (`step=True`: a verify block, the
+target alone's one token) call each decoder layer's forward through `torch.compile`
+(dynamic=False: one graph per layer and shape, captured once by the decode's CUDA graphs,
+so a replay never enters Dynamo). A step of the eager layers is hundreds of small
+elementwise kernels (norms, RoPE, residuals, the KV heads' expansion) beside the matrix
+products; Inductor fuses them. The prefill, whose length varies, stays eager: compiling it
+would compile again for every prompt length.
 """
 from __future__ import annotations
 
@@ -64,13 +73,17 @@ def static_refusal(config: Any) -> str | None:
 
 
 class StaticTarget:
-    def __init__(self, tap: FeatureTap, capacity: int):
+    def __init__(self, tap: FeatureTap, capacity: int, compile_steps: bool = False):
         model = tap.model
         config = model.config
         if problem := static_refusal(config):
             raise ValueError(problem)
-        self.tap, self.model, self.decoder = tap, model, model.get_decoder()
+        self.model, self.decoder, self.layer_ids = model, model.get_decoder(), tap.layer_ids
         self.layers = list(self.decoder.layers[:config.num_hidden_layers])
+        # Calling a layer's forward (not the module) skips its hooks: the tap's, which read a
+        # thread-local Dynamo would not trace, and which this loop does not need.
+        self.step_layers = [torch.compile(layer.forward, dynamic=False) for layer in self.layers] \
+            if compile_steps else self.layers
         self.head = model.get_output_embeddings()
         weight = self.decoder.get_input_embeddings().weight
         self.device, self.dtype, self.capacity = weight.device, weight.dtype, capacity
@@ -91,26 +104,27 @@ class StaticTarget:
         return torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill_(
             ~seen, torch.finfo(self.dtype).min)
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_logits_only: bool = False,
+                features: bool = True, step: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids (1, Q) at positions (Q,) (every earlier position already cached) ->
+        logits (1, Q, V) (or (1, 1, V) of the last position) and the tap's features
+        (1, Q, n*H), or None when not asked for. `step`: a fixed-shape decode step (the
+        compiled layers, when built with them)."""
         self.cache.positions = positions
         hidden = self.decoder.embed_tokens(input_ids)
         position_ids = positions.unsqueeze(0)
         rope = self.decoder.rotary_emb(hidden, position_ids)
         mask = self._mask(positions)
-        for layer in self.layers:
+        tapped: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.step_layers if step else self.layers):
             out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rope,
                         use_cache=True, **{self._cache_kwarg: self.cache})
             hidden = out[0] if isinstance(out, tuple) else out
-        return self.decoder.norm(hidden)
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_logits_only: bool = False,
-                features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids (1, Q) at positions (Q,) (every earlier position already cached) ->
-        logits (1, Q, V) (or (1, 1, V) of the last position) and the tap's features
-        (1, Q, n*H), or None when not asked for."""
+            if index in self.layer_ids:
+                tapped[index] = hidden  # what the tap captures: hidden_states[index + 1]
+        hidden = self.decoder.norm(hidden)
+        logits = self.head(hidden[:, -1:] if last_logits_only else hidden)
         if not features:
-            hidden = self._hidden(input_ids, positions)
-            return self.head(hidden[:, -1:] if last_logits_only else hidden), None
-        hidden, tapped = self.tap.tapped(lambda: self._hidden(input_ids, positions))
-        return self.head(hidden[:, -1:] if last_logits_only else hidden), tapped
+            return logits, None
+        return logits, torch.cat([tapped[i] for i in self.layer_ids], dim=-1)

@@ -12,16 +12,13 @@ from __future__ import annotations
 import inspect
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ..config import last_layer_refusal
 from ..devices import is_cuda
-
-
-T = TypeVar("T")
 
 
 class _EnoughLayers(Exception):
@@ -76,13 +73,6 @@ class FeatureTap:
 
     def _concat(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # (B, S, n*H)
-
-    def tapped(self, forward: Callable[[], T]) -> tuple[T, torch.Tensor]:
-        """Run `forward` (a full pass through the target's layers, in this thread) and return
-        its result with the features it tapped (B, S, n*H)."""
-        with self._capture(stop_early=False) as captured:
-            result = forward()
-            return result, self._concat(captured)
 
     @torch.inference_mode()
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,8 @@ class Evaluator:
         # serve every evaluation; a snapshot is loaded into this drafter's tensors in place.
         self.drafter = DFlashDrafter(hf_config).to(device).eval()
         capacity = max(map(len, prompts), default=0) + spec.max_new_tokens + self.drafter.block_size
-        self.decoder, refused = evaluation_decoder(self.drafter, tap, embed, head, capacity, spec.cuda_graphs)
+        self.decoder, refused = evaluation_decoder(self.drafter, tap, embed, head, capacity, spec.cuda_graphs,
+                                                   spec.compile_steps)
         if refused:
             say(f"evaluation: {refused}: decoding with the reference path (transformers' KV cache, eager)")
         # Start-up runs in the main thread before the pipeline's threads start: a capture
@@ -75,7 +76,8 @@ class Evaluator:
             self.baseline = (request.step, result.acceptance_length)
         fields: dict[str, Any] = {
             "step": request.step, **result.fields(time.perf_counter() - started),
-            "baseline": request.baseline, "final": request.final, "cuda_graphs": self.decoder.cuda_graphs}
+            "baseline": request.baseline, "final": request.final, "cuda_graphs": self.decoder.cuda_graphs,
+            "compiled": self.decoder.compiled}
         if self.baseline is not None:
             fields.update(baseline_step=self.baseline[0], baseline_acceptance_length=round(self.baseline[1], 4))
         self.events.emit(EVAL, **fields)

@@ -1,0 +1,204 @@
+"""dflash's verbs as Python functions, for notebooks and scripts (docs/api.md).
+
+    import dflash
+
+    launched = dflash.launch("local", "configs/train/tiny-cpu.yaml")
+    for item in dflash.watch(launched.run_id):
+        ...
+    print(dflash.status(launched.run_id).state)
+
+Each function is the core of its CLI verb (the CLI prints what they return) and takes
+the CLI's global options as keywords: `hosts_file` (--hosts; default DFLASH_HOSTS, else
+./configs/hosts.yaml or the built-in `local` alone), `logs_dir` (--logs-dir; default
+DFLASH_LOGS, else ./logs) and `accept_new_host_key`. A run not named is the latest one
+launched or resumed with that logs folder, as for the CLI. Progress and warnings go to
+stderr as the CLI's do; nothing is printed on stdout.
+
+Every failure is a `DflashError`: `message`, `hint` (or None) and `exit_code`, the
+`ExitCode` the CLI would exit with (USAGE 2: bad input or configuration; UNREACHABLE
+3: a host that cannot be reached or read; INTERRUPTED 130; docs/cli.md "CLI exit
+codes"). A run that fails is no error of these functions: it is the state they return.
+
+Importing this module is cheap: the functions import what they need when called.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from dflash_cli.errors import DflashError, ExitCode, exit_code_for_state
+
+if TYPE_CHECKING:
+    from dflash_agent.protocol import RunStatus
+    from dflash_cli.commands.fetch_traceback import Traceback
+    from dflash_cli.commands.launch import Launched
+    from dflash_cli.commands.pull import PullResult
+    from dflash_cli.commands.resume import Resumed
+    from dflash_cli.multihost import RunOnHosts
+    from dflash_cli.session import Session
+    from dflash_cli.watching import WatchItem
+
+__all__ = ["launch", "watch", "status", "fetch_traceback", "pull", "resume", "DflashError", "ExitCode",
+           "exit_code_for_state", "Launched", "Resumed", "Traceback", "PullResult", "RunStatus", "RunOnHosts",
+           "HostStatus", "RunState", "Following", "Log", "Rotated", "Events", "ErrorRecorded", "Gpus",
+           "StateChange", "HostEnded", "Unfollowed", "Ended"]
+
+# The result and item types, each imported from its module when first named.
+_TYPES = {
+    "Launched": "dflash_cli.commands.launch", "Resumed": "dflash_cli.commands.resume",
+    "Traceback": "dflash_cli.commands.fetch_traceback", "PullResult": "dflash_cli.commands.pull",
+    "RunStatus": "dflash_agent.protocol", "RunState": "dflash_agent.protocol",
+    "RunOnHosts": "dflash_cli.multihost", "HostStatus": "dflash_cli.multihost",
+    **{name: "dflash_cli.watching" for name in ("Following", "Log", "Rotated", "Events", "ErrorRecorded", "Gpus",
+                                                "StateChange", "HostEnded", "Unfollowed", "Ended")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TYPES:
+        return getattr(importlib.import_module(_TYPES[name]), name)
+    if name == "__version__":
+        from importlib import metadata
+
+        return metadata.version("dflash")
+    raise AttributeError(f"module 'dflash' has no attribute {name!r}")
+
+
+def launch(hosts: str | Sequence[str], config: str | os.PathLike, *, name: str | None = None,
+           overrides: Sequence[str] = (), force: bool = False, source: str | os.PathLike | None = None,
+           allow_large: bool = False, master_addr: str | None = None, master_port: int | None = None,
+           hosts_file: str | os.PathLike | None = None, logs_dir: str | os.PathLike | None = None,
+           accept_new_host_key: bool = False) -> Launched:
+    """`dflash launch HOST... --config CONFIG`: start a run (one host, or one run on
+    several: a list, or a group's name), detached; returns its id and hosts. `overrides`
+    are `--set`'s KEY=VALUE strings (VALUE read as YAML)."""
+    from dflash_cli.commands import launch as verb
+
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise DflashError(f"master_port {master_port}: a TCP port is 1 to 65535", ExitCode.USAGE)
+    options = verb.LaunchOptions((hosts,) if isinstance(hosts, str) else tuple(hosts), Path(config), name=name,
+                                 force=force, source_dir=None if source is None else Path(source),
+                                 overrides=(overrides,) if isinstance(overrides, str) else tuple(overrides),
+                                 allow_large=allow_large, master_addr=master_addr, master_port=master_port)
+    with _session(hosts_file, logs_dir, accept_new_host_key) as session:
+        return verb.start(session, options)
+
+
+def watch(run: str | None = None, *, host: str | None = None, tail: int | None = None, gpu_interval: float = 5.0,
+          retry_for: float = 60.0, trackers: bool = True, cli_config_file: str | os.PathLike | None = None,
+          hosts_file: str | os.PathLike | None = None, logs_dir: str | os.PathLike | None = None,
+          accept_new_host_key: bool = False) -> Iterator[WatchItem]:
+    """`dflash watch [RUN]`: the run's items as they come, until it ends: `Following`,
+    then `StateChange`, `Log`, `Events`, `ErrorRecorded`, `Gpus`, `Rotated` as the run
+    makes them, `HostEnded` per host, and last `Ended` (its state and exit code). The
+    log, events and tracebacks are kept under logs/<host>/<run>/ as `dflash watch` keeps
+    them, and the trackers of dflash.yaml (`cli_config_file`: --cli-config) get the
+    run's scalars unless `trackers` is False (--no-trackers). Leaving the loop (or
+    `close()`) detaches: the run keeps going, and the next watch goes on after the last
+    item received. A host that stays unreachable for `retry_for` seconds raises
+    DflashError (exit code 3)."""
+    from dflash_cli import run_hosts, watching
+    from dflash_cli.trackers.config import TrackerSettings
+
+    _at_least("tail", tail, 0)
+    _at_least("gpu_interval", gpu_interval, 0.5)
+    _at_least("retry_for", retry_for, 0)
+    session = _open(hosts_file, logs_dir, accept_new_host_key, cli_config_file)
+    try:
+        ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.ANY, naming=_naming("watch"))
+        settings = TrackerSettings()
+        if trackers:
+            from dflash_cli.trackers.hub import checked_settings
+
+            settings = checked_settings(session.local_config)  # a missing package: raised here, before following
+    except BaseException:
+        session.close()
+        raise
+
+    def items() -> Iterator[WatchItem]:
+        with contextlib.closing(session):
+            yield from watching.follow(session, ref, tail=tail, interval=gpu_interval, retry_for=retry_for,
+                                       trackers=settings)
+
+    return items()
+
+
+def status(run: str | None = None, *, host: str | None = None, hosts_file: str | os.PathLike | None = None,
+           logs_dir: str | os.PathLike | None = None, accept_new_host_key: bool = False) -> RunStatus | RunOnHosts:
+    """`dflash status [RUN]`: the run's status as its host derives it (a run on several
+    hosts: the whole run's state and each host's status). `exit_code_for_state(status.state)`
+    is what `dflash status` would exit with."""
+    from dflash_cli import run_hosts
+    from dflash_cli.commands import status as verb
+
+    with _session(hosts_file, logs_dir, accept_new_host_key) as session:
+        ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.ANY, naming=_naming("status"))
+        return verb.status_of(session, ref)
+
+
+def fetch_traceback(run: str | None = None, *, host: str | None = None, thread: str | None = None,
+                    all_records: bool = False, stacks: bool = False, hosts_file: str | os.PathLike | None = None,
+                    logs_dir: str | os.PathLike | None = None, accept_new_host_key: bool = False) -> Traceback:
+    """`dflash fetch-traceback [RUN]`: the root cause's traceback (`text`, exactly as the
+    thread formatted it, under its header; `diagnosis` for a failure dflash knows), what
+    is known of a run that failed without a record, or with `stacks` every thread's stack."""
+    from dflash_cli import run_hosts
+    from dflash_cli.commands import fetch_traceback as verb
+
+    with _session(hosts_file, logs_dir, accept_new_host_key) as session:
+        ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.ANY, naming=_naming("fetch_traceback"))
+        return verb.find(session, ref, thread=thread, all_records=all_records, stacks=stacks)
+
+
+def pull(run: str | None = None, *, host: str | None = None, checkpoint: bool = False, retry_for: float = 60.0,
+         hosts_file: str | os.PathLike | None = None, logs_dir: str | os.PathLike | None = None,
+         accept_new_host_key: bool = False) -> PullResult:
+    """`dflash pull [RUN]`: the run's export (and with `checkpoint` its newest checkpoint)
+    brought to logs/<host>/<run>/, every file checked against its sha256."""
+    from dflash_cli import run_hosts
+    from dflash_cli.commands import pull as verb
+
+    _at_least("retry_for", retry_for, 0)
+    with _session(hosts_file, logs_dir, accept_new_host_key) as session:
+        ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.FIRST, naming=_naming("pull"))
+        return verb.pull(session, ref, checkpoint, retry_for=retry_for)
+
+
+def resume(run: str | None = None, *, host: str | None = None, current_release: bool = False,
+           step: int | None = None, hosts_file: str | os.PathLike | None = None,
+           logs_dir: str | os.PathLike | None = None, accept_new_host_key: bool = False) -> Resumed:
+    """`dflash resume [RUN]`: the next attempt of a run that ended, from its newest
+    complete checkpoint (or that of `step`), on the run's release unless `current_release`."""
+    from dflash_cli import run_hosts
+    from dflash_cli.commands import resume as verb
+
+    _at_least("step", step, 1)
+    with _session(hosts_file, logs_dir, accept_new_host_key) as session:
+        ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.EVERY, naming=_naming("resume"))
+        return verb.start(session, ref, current_release=current_release, step=step)
+
+
+def _open(hosts_file: str | os.PathLike | None, logs_dir: str | os.PathLike | None,
+          accept_new_host_key: bool, cli_config_file: str | os.PathLike | None = None) -> Session:
+    from dflash_cli.session import Session
+
+    return Session.from_environment(hosts_file, logs_dir, accept_new_host_key, cli_config_file)
+
+
+def _session(hosts_file: str | os.PathLike | None, logs_dir: str | os.PathLike | None,
+             accept_new_host_key: bool) -> contextlib.closing[Session]:
+    return contextlib.closing(_open(hosts_file, logs_dir, accept_new_host_key))
+
+
+def _naming(function: str) -> str:
+    """How a call names a run and its host, for the hint when it names none."""
+    return f"dflash.{function}(RUN, host=HOST)"
+
+
+def _at_least(name: str, value: float | None, low: float) -> None:
+    """The range checks the CLI's options make."""
+    if value is not None and value < low:
+        raise DflashError(f"{name} {value}: expected at least {low}", ExitCode.USAGE)

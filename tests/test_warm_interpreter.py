@@ -1,0 +1,314 @@
+"""The warm interpreter (docs/runs.md "Warm interpreter"): the real agent
+(remote/agent.py) launching the real trainer on the tiny CPU config, from a release that
+is a copy of remote/, with the warm interpreter on (the suite's hosts have it off:
+support.inventory.HOST_ENV).
+
+Each test pays one warm interpreter's imports (about 5 CPU-s here) and one cold trainer's
+(the launch that starts it), plus a few short runs: 15-30 CPU-s a test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from dflash_agent import procfs
+from dflash_agent import warm as agent_warm
+from dflash_train import warm as trainer_warm
+from dflash_files.compile_key import CACHE_DIR
+from support.train_configs import small_config
+from support.wait import wait_until
+from support_agent.harness import kill_run
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(300)
+WHY = "a warm interpreter's imports and trainer processes"
+IDLE_S = "120"
+
+
+class Host:
+    """A workspace with a real release, driven through the real agent."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp = tmp_path
+        self.ws = tmp_path / "ws"
+        self.release("rel-a")
+        self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.runs: List[str] = []
+
+    def release(self, release_id: str) -> None:
+        remote = self.ws / "releases" / release_id / "remote"
+        shutil.copytree(REPO / "remote", remote, ignore=shutil.ignore_patterns("__pycache__"))
+        current = self.ws / "current"
+        if current.is_symlink():
+            current.unlink()
+        os.symlink(os.path.join("releases", release_id), current)
+
+    def agent(self, *args: str) -> Dict[str, Any]:
+        done = subprocess.run([sys.executable, str(self.ws / "current" / "remote" / "agent.py"),
+                               "--workspace", str(self.ws), *args], capture_output=True, env=self.env, timeout=120)
+        assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+        return json.loads(done.stdout)
+
+    def config(self, name: str, **changes: Any) -> Path:
+        return small_config(self.tmp / f"{name}.yaml", **changes)
+
+    def launch(self, run_id: str, config: Path, *extra: str) -> Dict[str, Any]:
+        self.runs.append(run_id)
+        return self.agent("launch", "--run-id", run_id, "--config", str(config), "--python", sys.executable,
+                          "--env", "DFLASH_WARM_IDLE_S=" + IDLE_S, *extra)
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.ws / "runs" / run_id
+
+    def record(self, run_id: str) -> Dict[str, Any]:
+        return json.loads((self.run_dir(run_id) / "run.json").read_text())
+
+    def exit_record(self, run_id: str, timeout: float = 120.0) -> Dict[str, Any]:
+        path = self.run_dir(run_id) / "exit.json"
+        wait_until(path.exists, timeout, f"{run_id}'s exit.json")
+        return json.loads(path.read_text())
+
+    def first_step(self, run_id: str) -> None:
+        events = self.run_dir(run_id) / "events.jsonl"
+        wait_until(lambda: events.exists() and '"type": "step"' in events.read_text(), 120.0, f"{run_id}'s first step")
+
+    def place(self, release_id: str = "rel-a") -> agent_warm.Place:
+        return agent_warm.place(str(self.ws / "warm"), release_id, sys.executable)
+
+    def ready(self, release_id: str = "rel-a") -> Dict[str, Any]:
+        """pid.json of the release's warm interpreter, once it serves."""
+        found: Dict[str, Any] = {}
+
+        def serving() -> bool:
+            found.clear()
+            found.update(agent_warm.read_info(self.place(release_id)) or {})
+            return found.get("state") == "ready"
+        wait_until(serving, 120.0, "the warm interpreter to be ready")
+        return dict(found)
+
+    def warm_pids(self) -> List[int]:
+        """The live warm interpreters of this workspace (processes running dflash_train.warm on it)."""
+        pids = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            stat = procfs.read_stat(int(name))
+            if b"dflash_train.warm" in cmdline and str(self.ws).encode() in b" ".join(cmdline) and procfs.is_running(stat):
+                # the interpreter itself (double-forked: no session leader), not a waiter or
+                # trainer forked from it (each leads a session of its own)
+                if stat.session != int(name):
+                    pids.append(int(name))
+        return pids
+
+    def cleanup(self) -> None:
+        for run_id in self.runs:
+            kill_run(self.run_dir(run_id))
+        for pid in self.warm_pids():
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def host(tmp_path: Path):
+    bed = Host(tmp_path)
+    try:
+        yield bed
+    finally:
+        bed.cleanup()
+
+
+def proc_view(pid: int) -> Dict[str, Any]:
+    """What the rest of the system sees of a trainer process."""
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    stat = procfs.read_stat(pid)
+    return {"cwd": os.readlink(f"/proc/{pid}/cwd"), "sid": stat.session, "pgid": stat.pgrp,
+            "fds": [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (0, 1, 2)],
+            "signals": {key: status[key].strip() for key in ("SigBlk", "SigIgn")}}
+
+
+def timed_first_step(host: Host, run_id: str, config: Path) -> float:
+    began = time.monotonic()
+    host.launch(run_id, config)
+    host.first_step(run_id)
+    return time.monotonic() - began
+
+
+@pytest.mark.slow(seconds=40, why=WHY)
+def test_a_launch_forked_by_the_warm_interpreter_is_the_run_an_exec_would_be(host, tmp_path):
+    hang = host.config("hang", faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
+    cold_s = timed_first_step(host, "cold", hang)
+    cold = host.record("cold")
+    assert (cold["started_by"], cold["warm_reason"]) == ("exec", "no warm interpreter for this release and interpreter")
+    agent_log = (host.run_dir("cold") / "agent.log").read_text()
+    assert "not using the warm interpreter: no warm interpreter" in agent_log
+    info = host.ready()
+    assert "started the warm interpreter (pid %d" % info["pid"] in (host.run_dir("cold") / "agent.log").read_text()
+
+    warm_s = timed_first_step(host, "warm", hang)
+    record = host.record("warm")
+    assert (record["started_by"], record["warm_reason"]) == ("warm", None)
+    assert record["argv"][1:3] == ["-m", "dflash_train"] and record["pid"] == record["pgid"]
+    print(f"\nfirst step: cold exec {cold_s:.2f} s, warm interpreter {warm_s:.2f} s "
+          f"(its imports, paid once: {info['import_s']:.1f} s)")
+
+    seen_cold, seen_warm = proc_view(cold["pid"]), proc_view(record["pid"])
+    assert seen_warm["cwd"] == str(host.run_dir("warm")) and seen_warm["sid"] == seen_warm["pgid"] == record["pid"]
+    assert seen_warm["fds"] == ["/dev/null", str(host.run_dir("warm") / "train.log"), str(host.run_dir("warm") / "train.log")]
+    assert seen_warm["signals"] == seen_cold["signals"]  # the same dispositions and mask as an exec'd trainer
+    (imports,) = [e for e in map(json.loads, (host.run_dir("warm") / "events.jsonl").read_text().splitlines())
+                  if e["type"] == "startup" and e["phase"] == "import"]
+    assert imports["since"] == "warm interpreter" and imports["label"] == "import (warm interpreter)"
+    assert imports["duration_s"] < 1.0 and imports["warm_import_s"] == info["import_s"]
+    assert "start-up: import (warm interpreter)" in (host.run_dir("warm") / "train.log").read_text()
+
+    # `stop`: SIGTERM to its group; the trainer's handler ends it as an exec'd one ends.
+    for run_id in ("cold", "warm"):
+        host.agent("stop", "--run-id", run_id)
+    assert host.exit_record("warm")["exit_code"] == host.exit_record("cold")["exit_code"] == 143
+    assert host.warm_pids() == [info["pid"]]  # one, still serving
+
+
+@pytest.mark.slow(seconds=35, why=WHY)
+def test_exit_codes_signals_env_and_the_warm_interpreter_killed_mid_run(host, tmp_path):
+    exit3 = host.config("exit3", faults=[{"thread": "coordinator", "at": "startup", "kind": "exit", "code": 3}])
+    other_ws = tmp_path / "other workspace"
+    env_pair = ("--env", f"DFLASH_WORKSPACE={other_ws}")  # the warm interpreter starts with the launch's pairs
+    host.launch("prime", exit3, *env_pair)
+    assert host.exit_record("prime")["exit_code"] == 3
+    info = host.ready()
+
+    host.launch("exit3", exit3, *env_pair)
+    assert host.record("exit3")["started_by"] == "warm"
+    ended = host.exit_record("exit3")
+    assert (ended["exit_code"], ended["signal"], ended["exec_error"]) == (3, None, None)
+
+    hang = host.config("hang", faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
+    host.launch("killed", hang, *env_pair)
+    host.first_step("killed")
+    record = host.record("killed")
+    assert record["started_by"] == "warm"
+    # The --env pair reached it: the tiny target is cached under its $DFLASH_WORKSPACE (the
+    # runs before it ended before building one).
+    assert list((other_ws / CACHE_DIR).glob("tiny-*")), sorted(other_ws.rglob("*"))
+    os.kill(info["pid"], signal.SIGKILL)  # the warm interpreter dies mid-run: the run goes on
+    time.sleep(0.5)
+    assert procfs.identity_alive(record["pid"], record["start_time"])
+    os.kill(record["pid"], signal.SIGKILL)
+    ended = host.exit_record("killed")
+    assert (ended["exit_code"], ended["signal"], ended["oom_killed"]) == (None, "SIGKILL", False)
+    state = host.agent("status", "--run-id", "killed")["runs"][0]["state"]
+    assert state == "FAILED"
+
+
+@pytest.mark.slow(seconds=40, why=WHY)
+def test_a_dead_warm_interpreter_is_an_exec_with_the_reason_and_is_replaced(host):
+    exit3 = host.config("exit3", faults=[{"thread": "coordinator", "at": "startup", "kind": "exit", "code": 3}])
+    host.launch("prime", exit3)
+    host.exit_record("prime")
+    first = host.ready()
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_until(lambda: not procfs.identity_alive(first["pid"], first["start_time"]), 10.0, "it to die")
+
+    host.launch("after-kill", exit3)
+    record = host.record("after-kill")
+    assert record["started_by"] == "exec"
+    assert record["warm_reason"].startswith("the warm interpreter is gone (")
+    assert host.exit_record("after-kill")["exit_code"] == 3
+    assert "not using the warm interpreter: the warm interpreter is gone" in (host.run_dir("after-kill") / "agent.log").read_text()
+    second = host.ready()
+    assert second["pid"] != first["pid"]
+
+    # torch "upgraded" under it: its version file is not the one it imported.
+    marker = Path(second["torch"]["path"])
+    stamp = marker.stat()
+    os.utime(marker, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000_000))
+    try:
+        host.launch("upgraded", exit3)
+    finally:
+        os.utime(marker, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    record = host.record("upgraded")
+    assert record["started_by"] == "exec"
+    assert record["warm_reason"].startswith("the warm interpreter refused: " + trainer_warm.WHY_TORCH_CHANGED)
+    wait_until(lambda: not procfs.identity_alive(second["pid"], second["start_time"]), 30.0, "the stale one to exit")
+    assert host.ready()["pid"] not in (first["pid"], second["pid"])
+
+
+@pytest.mark.slow(seconds=30, why=WHY)
+def test_a_new_release_gets_its_own_and_the_old_one_exits(host):
+    exit3 = host.config("exit3", faults=[{"thread": "coordinator", "at": "startup", "kind": "exit", "code": 3}])
+    host.launch("a", exit3)
+    host.exit_record("a")
+    old = host.ready("rel-a")
+    host.release("rel-b")  # a deploy: `current` moves on
+    host.launch("b", exit3)
+    record = host.record("b")
+    assert (record["release_id"], record["started_by"]) == ("rel-b", "exec")
+    wait_until(lambda: "ended those of releases rel-a" in (host.run_dir("b") / "agent.log").read_text(), 30.0,
+               "rel-b's launch to end rel-a's warm interpreter")
+    wait_until(lambda: not procfs.identity_alive(old["pid"], old["start_time"]), 30.0, "rel-a's to exit")
+    new = host.ready("rel-b")
+    assert new["release_dir"].endswith("rel-b") and host.warm_pids() == [new["pid"]]
+
+
+@pytest.mark.slow(seconds=30, why=WHY)
+def test_two_launches_at_once_start_one_warm_interpreter(host):
+    exit3 = host.config("exit3", faults=[{"thread": "coordinator", "at": "startup", "kind": "exit", "code": 3}])
+    threads = [threading.Thread(target=host.launch, args=(f"r{i}", exit3)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i in range(3):
+        host.exit_record(f"r{i}")
+    info = host.ready()
+    time.sleep(1.0)  # a second one would have taken its lock by now (before its imports)
+    assert host.warm_pids() == [info["pid"]]
+    log = (Path(host.place().dir) / "warm.log").read_text()
+    assert log.count("ready: imports took") == 1, log
+
+
+def test_the_run_time_variables_are_the_same_on_both_sides():
+    assert agent_warm.RUN_TIME_ENV == trainer_warm.RUN_TIME_ENV
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan", "inf"])
+def test_a_bad_idle_timeout_is_the_launchs_usage_error(host, value):
+    done = subprocess.run([sys.executable, str(host.ws / "current" / "remote" / "agent.py"), "--workspace", str(host.ws),
+                           "launch", "--run-id", "r", "--config", str(host.config("c")), "--env",
+                           f"DFLASH_WARM_IDLE_S={value}"], capture_output=True, env=host.env, timeout=120)
+    reply = json.loads(done.stdout)
+    assert done.returncode != 0 and reply["kind"] == "usage", reply
+    assert f"DFLASH_WARM_IDLE_S={value!r}" in reply["error"] and "--env" in reply["error"]
+    assert not host.run_dir("r").exists()
+
+
+@pytest.mark.slow(seconds=35, why=WHY + "; 10 s of waiting for the hung one")
+def test_a_hung_warm_interpreter_is_an_exec_and_is_killed_and_replaced(host):
+    exit3 = host.config("exit3", faults=[{"thread": "coordinator", "at": "startup", "kind": "exit", "code": 3}])
+    host.launch("prime", exit3)
+    host.exit_record("prime")
+    hung = host.ready()
+    os.kill(hung["pid"], signal.SIGSTOP)  # it accepts no connection and answers nothing
+    began = time.monotonic()
+    host.launch("after-hang", exit3)
+    waited_s = time.monotonic() - began
+    record = host.record("after-hang")
+    assert record["started_by"] == "exec"
+    assert record["warm_reason"] == "the warm interpreter did not answer before forking within 10 s (hung)"
+    assert waited_s >= agent_warm.REPLY_TIMEOUT_S
+    assert host.exit_record("after-hang")["exit_code"] == 3
+    wait_until(lambda: not procfs.identity_alive(hung["pid"], hung["start_time"]), 30.0, "the hung one to be killed")
+    assert host.ready()["pid"] != hung["pid"]
