@@ -88,30 +88,40 @@ def launch(hosts: str | Sequence[str], config: str | os.PathLike, *, name: str |
 
 
 def watch(run: str | None = None, *, host: str | None = None, tail: int | None = None, gpu_interval: float = 5.0,
-          retry_for: float = 60.0, hosts_file: str | os.PathLike | None = None,
-          logs_dir: str | os.PathLike | None = None, accept_new_host_key: bool = False) -> Iterator[WatchItem]:
+          retry_for: float = 60.0, trackers: bool = True, cli_config_file: str | os.PathLike | None = None,
+          hosts_file: str | os.PathLike | None = None, logs_dir: str | os.PathLike | None = None,
+          accept_new_host_key: bool = False) -> Iterator[WatchItem]:
     """`dflash watch [RUN]`: the run's items as they come, until it ends: `Following`,
     then `StateChange`, `Log`, `Events`, `ErrorRecorded`, `Gpus`, `Rotated` as the run
     makes them, `HostEnded` per host, and last `Ended` (its state and exit code). The
     log, events and tracebacks are kept under logs/<host>/<run>/ as `dflash watch` keeps
-    them. Leaving the loop (or `close()`) detaches: the run keeps going, and the next
-    watch goes on after the last item received. A host that stays unreachable for
-    `retry_for` seconds raises DflashError (exit code 3)."""
+    them, and the trackers of dflash.yaml (`cli_config_file`: --cli-config) get the
+    run's scalars unless `trackers` is False (--no-trackers). Leaving the loop (or
+    `close()`) detaches: the run keeps going, and the next watch goes on after the last
+    item received. A host that stays unreachable for `retry_for` seconds raises
+    DflashError (exit code 3)."""
     from dflash_cli import run_hosts, watching
+    from dflash_cli.trackers.config import TrackerSettings
 
     _at_least("tail", tail, 0)
     _at_least("gpu_interval", gpu_interval, 0.5)
     _at_least("retry_for", retry_for, 0)
-    session = _open(hosts_file, logs_dir, accept_new_host_key)
+    session = _open(hosts_file, logs_dir, accept_new_host_key, cli_config_file)
     try:
         ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.ANY, naming=_naming("watch"))
+        settings = TrackerSettings()
+        if trackers:
+            from dflash_cli.trackers.hub import checked_settings
+
+            settings = checked_settings(session.local_config)  # a missing package: raised here, before following
     except BaseException:
         session.close()
         raise
 
     def items() -> Iterator[WatchItem]:
         with contextlib.closing(session):
-            yield from watching.follow(session, ref, tail=tail, interval=gpu_interval, retry_for=retry_for)
+            yield from watching.follow(session, ref, tail=tail, interval=gpu_interval, retry_for=retry_for,
+                                       trackers=settings)
 
     return items()
 
@@ -172,10 +182,10 @@ def resume(run: str | None = None, *, host: str | None = None, current_release: 
 
 
 def _open(hosts_file: str | os.PathLike | None, logs_dir: str | os.PathLike | None,
-          accept_new_host_key: bool) -> Session:
+          accept_new_host_key: bool, cli_config_file: str | os.PathLike | None = None) -> Session:
     from dflash_cli.session import Session
 
-    return Session.from_environment(hosts_file, logs_dir, accept_new_host_key)
+    return Session.from_environment(hosts_file, logs_dir, accept_new_host_key, cli_config_file)
 
 
 def _session(hosts_file: str | os.PathLike | None, logs_dir: str | os.PathLike | None,

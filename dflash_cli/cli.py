@@ -67,10 +67,13 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
               type=click.Path(file_okay=False), help="Where fetched logs and tracebacks are kept.")
 @click.option("--accept-new-host-key", is_flag=True,
               help="Record the SSH host key of a host seen for the first time instead of refusing it.")
+@click.option("--cli-config", "cli_config_file", envvar="DFLASH_CLI_CONFIG", type=click.Path(dir_okay=False),
+              help="This machine's CLI settings, e.g. trackers (default: ./dflash.yaml; env DFLASH_CLI_CONFIG).")
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
               help="Print dflash's version and the release id the current tree would deploy, then exit.")
 @click.pass_context
-def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_host_key: bool) -> None:
+def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_host_key: bool,
+         cli_config_file: str | None) -> None:
     """Train DFlash drafters on remote GPU hosts and see why they failed, at once.
 
     Exit codes: 0 success, 1 the run failed (traceback printed; for `status`: also
@@ -78,7 +81,8 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
     was stopped, 130 interrupted (the run keeps going). Data goes to stdout; progress and
     tables to stderr.
     """
-    ctx.obj = ctx.with_resource(contextlib.closing(Session(hosts_file, Path(logs_dir), accept_new_host_key)))
+    ctx.obj = ctx.with_resource(contextlib.closing(Session(hosts_file, Path(logs_dir), accept_new_host_key,
+                                                           cli_config_file)))
 
 
 @main.command("deploy")
@@ -204,6 +208,8 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
                                    master_port=master_port)
     if dry_run:
         sys.exit(launch.dry_run(session, options))
+    if follow:
+        _require_trackers(session)
     launched = launch.run(session, options)
     if follow:
         sys.exit(_watch_after(session, launched.ref))
@@ -234,10 +240,19 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
     from .commands import resume
 
     ref = _chosen_run(session, run_id, host_name, Reach.EVERY)
+    if follow:
+        _require_trackers(session)
     code = resume.run(session, ref, current_release=release == "current", step=step)
     if follow:
         code = _watch_after(session, ref)
     sys.exit(code)
+
+
+def _require_trackers(session: Session) -> None:
+    """--follow: the trackers' packages, checked before the run starts rather than after."""
+    from .trackers.hub import checked_settings
+
+    checked_settings(session.local_config)
 
 
 def _watch_after(session: Session, ref: RunRef) -> ExitCode:
@@ -256,9 +271,11 @@ def _watch_after(session: Session, ref: RunRef) -> ExitCode:
 @click.option("--json", "as_json", is_flag=True, help="Print every message as a JSON line on stdout.")
 @click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
               help="Seconds to keep reconnecting to an unreachable host before exit 3.")
+@click.option("--trackers/--no-trackers", "use_trackers", default=True, show_default=True,
+              help="Send the run's scalars to the trackers of dflash.yaml (W&B, MLflow, trackio).")
 @click.pass_obj
 def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail: int | None,
-              interval: float, as_json: bool, retry_for: float) -> None:
+              interval: float, as_json: bool, retry_for: float, use_trackers: bool) -> None:
     """Follow RUN live (default: the latest run): log lines, GPU line, failures.
 
     When a thread records an error its full traceback is printed at once and saved
@@ -268,11 +285,16 @@ def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail:
     keeps going. A STALLED run is followed on (a stall may end: a slow compile, a long
     checkpoint; `dflash stacks` shows where it hangs). Exits when the run ends: 0
     succeeded, 1 failed or lost, 4 stopped; 3 host unreachable.
+
+    The trackers of dflash.yaml (`trackers:` W&B, MLflow, trackio) get every scalar
+    TensorBoard gets, in one tracker run per run that each watch, and each attempt's,
+    goes on with; a tracker that fails is said and left, and the watch goes on.
     """
     from .commands import watch
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(watch.run(session, ref, tail=tail, interval=interval, as_json=as_json, retry_for=retry_for))
+    sys.exit(watch.run(session, ref, tail=tail, interval=interval, as_json=as_json, retry_for=retry_for,
+                       use_trackers=use_trackers))
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:

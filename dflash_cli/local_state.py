@@ -2,7 +2,8 @@
 
 logs/<host>/<run-id>/ holds train.log (as streamed; train.log.seg1, .seg2, ... for the
 content after each truncation or replacement on the host), events.jsonl (the run's
-events but heartbeats), TensorBoard event files made from them, traceback.txt,
+events but heartbeats), TensorBoard event files made from them, trackers.json (what
+the trackers of dflash.yaml hold: trackers/hub.py), traceback.txt,
 errors.jsonl, cursor.json and watch.lock, hosts.json for a run on several hosts, and what `pull` brought: export/ and checkpoint/<step folder>/; logs/latest.json names the run `watch`, `fetch-traceback`,
 `status` and `stop` use by default. Everything read by another command is written
 atomically.

@@ -12,6 +12,7 @@ from typing import Callable, Sequence, TypeVar
 from .agent_client import AgentClient
 from .errors import DflashError
 from .inventory import Host, Inventory, load_inventory
+from .local_config import LocalConfig, load_local_config
 from .transports import open_transport
 from .transports.base import Transport
 
@@ -28,6 +29,7 @@ class Session:
     hosts_file: str | None
     logs_dir: Path
     accept_new_host_key: bool = False
+    cli_config_file: str | None = None  # dflash.yaml's place (--cli-config)
     _transports: dict[str, Transport] = dataclasses.field(default_factory=dict)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     # host name -> the release whose agent answers there instead of the current one's
@@ -39,15 +41,23 @@ class Session:
         """Read on first use, so `--help` works even with a broken inventory."""
         return load_inventory(self.hosts_file)
 
+    @functools.cached_property
+    def local_config(self) -> LocalConfig:
+        """dflash.yaml (local_config.py), read on first use."""
+        return load_local_config(self.cli_config_file)
+
     @classmethod
     def from_environment(cls, hosts_file: str | os.PathLike | None = None, logs_dir: str | os.PathLike | None = None,
-                         accept_new_host_key: bool = False) -> "Session":
+                         accept_new_host_key: bool = False,
+                         cli_config_file: str | os.PathLike | None = None) -> "Session":
         """A session as the CLI's options make it, for a caller without them (the Python
-        API): what is not passed is taken from DFLASH_HOSTS and DFLASH_LOGS, else the
-        defaults (./configs/hosts.yaml or the built-in `local`, ./logs)."""
+        API): what is not passed is taken from DFLASH_HOSTS, DFLASH_LOGS and
+        DFLASH_CLI_CONFIG, else the defaults (./configs/hosts.yaml or the built-in `local`,
+        ./logs, ./dflash.yaml when there is one)."""
         hosts = os.fspath(hosts_file) if hosts_file is not None else os.environ.get(HOSTS_ENV)
         logs = logs_dir if logs_dir is not None else os.environ.get(LOGS_ENV, DEFAULT_LOGS)
-        return cls(hosts, Path(logs), accept_new_host_key)
+        cli_config = os.fspath(cli_config_file) if cli_config_file is not None else None
+        return cls(hosts, Path(logs), accept_new_host_key, cli_config)
 
     def host(self, name: str) -> Host:
         return self.inventory.get(name)

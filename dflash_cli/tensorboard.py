@@ -11,34 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from dflash_events import EVAL, STEP, TS
-
-GIB = 1024 ** 3
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def scalars(event: dict) -> list[tuple[str, float]]:
-    """(tag, value) of every figure of a step or eval event that TensorBoard can draw."""
-    found: list[tuple[str, Any]] = []
-    if STEP.matches(event):
-        found += [("train/loss", event.get(STEP.loss)), ("train/lr", event.get(STEP.lr)),
-                  ("train/grad_norm", event.get(STEP.grad_norm)), ("train/epoch", event.get(STEP.epoch)),
-                  ("throughput/samples_per_s", event.get(STEP.samples_per_s)),
-                  ("throughput/tokens_per_s", event.get(STEP.tokens_per_s))]
-        accuracy = event.get(STEP.acc) or []
-        if accuracy:
-            found.append(("train/acc@1", accuracy[0]))
-        # acc[k-1]: the accuracy of block position k (1 = the first drafted token).
-        found += [(f"train/acc_by_position/{k}", value) for k, value in enumerate(accuracy, 1)]
-        found += [(f"memory/peak_gib/drafter-{i}", peak / GIB if _number(peak) else None)
-                  for i, peak in enumerate(event.get(STEP.peak_memory_bytes) or [])]
-    elif EVAL.matches(event):
-        found += [("eval/acceptance_length", event.get(EVAL.acceptance_length)),
-                  ("eval/mean_per_prompt", event.get(EVAL.mean_per_prompt))]
-    return [(tag, float(value)) for tag, value in found if _number(value)]
+from .scalars import scalars
 
 
 class RunBoard:
@@ -58,16 +31,15 @@ class RunBoard:
 
     def add(self, events: Iterable[dict]) -> None:
         for event in events:
-            values = scalars(event)
-            if not values:
+            found = scalars(event)
+            if found is None:
                 continue
-            step = int(event.get(STEP.step) or 0)  # an evaluate job's eval has no step (both name it alike)
-            wall_time = float(event.get(TS) or 0.0)
             if self._writer is None:
-                self._open(step, wall_time)
+                self._open(found.step, found.wall_time)
             summary = self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(tag=tag, simple_value=value)
-                                                       for tag, value in values])
-            self._writer.add_event(self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
+                                                       for tag, value in found.values])
+            self._writer.add_event(self._event_pb2.Event(wall_time=found.wall_time, step=found.step,
+                                                         summary=summary))
 
     def _open(self, step: int, wall_time: float) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2

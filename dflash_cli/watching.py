@@ -3,7 +3,8 @@
 One streaming channel to the agent per host (its `follow`): what arrives is kept here
 (the log mirrored under logs/<host>/<run>/, one file per segment, since the host's log
 may be truncated or replaced under it; the run's events beside it, as events.jsonl and
-TensorBoard files; the error records and the root cause's traceback) behind a cursor,
+TensorBoard files, and sent on to the trackers of dflash.yaml, dflash_cli/trackers; the
+error records and the root cause's traceback) behind a cursor,
 so that a dropped connection resumes with no gap and no duplicated line or event, and
 is handed on as typed items, one per message of the stream plus a few of this side's
 (docs/api.md "watch"). One watch of a run at a time keeps that local state; another
@@ -14,6 +15,7 @@ it accounted for by the next watch.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import queue
 import threading
@@ -32,6 +34,7 @@ from .local_state import Cursor, RunLogs, RunRef
 from .retry import Reconnects
 from .session import Session
 from .tensorboard import RunBoard
+from .trackers.config import TrackerSettings
 
 CURSOR_SAVE_EVERY_S = 0.5
 
@@ -181,9 +184,10 @@ FROM_STREAM = (Log, Rotated, Events, ErrorRecorded, Gpus, StateChange, HostEnded
 
 class Watcher:
     """Follows one host's part of a run; `hosts`: all the run's hosts when it has several
-    (its records are then diagnosed as a rank of the run)."""
+    (its records are then diagnosed as a rank of the run). `trackers`: those to feed."""
 
-    def __init__(self, session: Session, ref: RunRef, interval: float, hosts: tuple[str, ...] = ()):
+    def __init__(self, session: Session, ref: RunRef, interval: float, hosts: tuple[str, ...] = (),
+                 trackers: TrackerSettings = TrackerSettings()):
         self.ref = ref
         self.hosts = hosts
         self.agent = session.agent(ref.host)
@@ -195,6 +199,13 @@ class Watcher:
         self.mirror = None
         self.events_mirror = None
         self.board = RunBoard(self.logs.dir) if self.claim else None
+        # Rank 0's part holds the run's step and eval events; the trackers go with the
+        # local state, which records what they were sent.
+        self.trackers = None
+        if self.claim and trackers.named and (not hosts or hosts[0] == ref.host):
+            from .trackers.hub import Trackers  # the trackers' packages only when one is named
+
+            self.trackers = Trackers(trackers, self.logs, f"{ref.host}| " if len(hosts) > 1 else "")
         self.recent = b""  # the last bytes received before cursor.offset (its fingerprint)
         self.last_saved = 0.0
         self.end: EndMessage | None = None
@@ -212,6 +223,8 @@ class Watcher:
             args += ["--fingerprint", cursor.fingerprint]
         if tail_lines is not None:
             args += ["--tail-lines", str(tail_lines)]
+        if self.trackers is not None and not self.trackers.started:
+            self.start_trackers()
         for message in self.agent.follow(*args):
             self.messages += 1
             item = self.take(message)
@@ -240,6 +253,14 @@ class Watcher:
         if isinstance(message, EndMessage):
             self.end = message
         return None
+
+    def start_trackers(self) -> None:
+        """Open the trackers in the run's tracker runs, with its config and provenance
+        (one round trip; a dropped connection here is one like any other)."""
+        from .trackers.hub import tracked_run
+
+        status = self.agent.run_status(self.ref.run_id, "--config")
+        self.trackers.start(tracked_run(status, self.ref, self.hosts), self.cursor.events_mirrored)
 
     def on_log(self, message: LogMessage) -> None:
         data = message.data.encode("utf-8", "surrogateescape")
@@ -298,8 +319,8 @@ class Watcher:
 
     def on_events(self, message: EventsMessage) -> bool:
         """The run's events (all but heartbeats) from the cursor's events offset on, to
-        events.jsonl and the TensorBoard files (for the watch that keeps the local state),
-        each once; False for a stretch received before."""
+        events.jsonl, the TensorBoard files and the trackers (for the watch that keeps the
+        local state), each once; False for a stretch received before."""
         if message.next <= self.cursor.events_offset:
             return False  # a stream never resends, but a cursor is cheap to trust
         events = list(message.events)
@@ -307,11 +328,14 @@ class Watcher:
         if self.claim:
             if self.events_mirror is None:
                 self.events_mirror = self.logs.open_events_mirror(self.cursor)
-            data = "".join(json.dumps(event) + "\n" for event in events).encode()
-            self.events_mirror.write(data)
+            lines = [(json.dumps(event) + "\n").encode() for event in events]
+            self.events_mirror.write(b"".join(lines))
             self.events_mirror.flush()
             self.board.add(events)
-            mirrored += len(data)
+            if self.trackers is not None:  # each event with the byte of events.jsonl its line ends at
+                ends = [mirrored + length for length in itertools.accumulate(map(len, lines))]
+                self.trackers.add(zip(ends, events))
+            mirrored += sum(map(len, lines))
         self.cursor = dataclasses.replace(self.cursor, events_offset=message.next, events_mirrored=mirrored)
         self.save_cursor(force=False)
         return True
@@ -340,6 +364,9 @@ class Watcher:
         self._close_mirror()
         if self.events_mirror is not None:
             self.events_mirror.close()
+        if self.trackers is not None and self.trackers.started:
+            # before the claim goes: the next watch goes on from what they record
+            self.trackers.close(self.end.state if self.end else None)
         if self.claim:
             self.board.close()
             self.claim.close()
@@ -380,16 +407,17 @@ class Watcher:
 
 # -- the run --------------------------------------------------------------------------------
 
-def follow(session: Session, ref: RunRef, *, tail: int | None, interval: float,
-           retry_for: float) -> Iterator[WatchItem]:
+def follow(session: Session, ref: RunRef, *, tail: int | None, interval: float, retry_for: float,
+           trackers: TrackerSettings = TrackerSettings()) -> Iterator[WatchItem]:
     """The run's items until it ends on every host, then one `Ended`. A host that stays
     unreachable raises UnreachableError (a run on one host) or is an `Unfollowed` item (on
     several). Closing the iterator detaches: the run keeps going, and the next watch
-    resumes after the last item handed on."""
+    resumes after the last item handed on. `trackers` (trackers.hub.checked_settings) are
+    fed rank 0's scalars by the watch that keeps the local state."""
     if ref.multihost:
-        yield from _follow_hosts(session, ref, tail, interval, retry_for)
+        yield from _follow_hosts(session, ref, tail, interval, retry_for, trackers)
         return
-    watcher = Watcher(session, ref, interval)
+    watcher = Watcher(session, ref, interval, trackers=trackers)
     try:
         yield from watcher.follow_to_end(tail, retry_for)
     finally:
@@ -408,8 +436,8 @@ def follow(session: Session, ref: RunRef, *, tail: int | None, interval: float,
 _DONE = object()  # a host's thread has handed on its last item
 
 
-def _follow_hosts(session: Session, ref: RunRef, tail: int | None, interval: float,
-                  retry_for: float) -> Iterator[WatchItem]:
+def _follow_hosts(session: Session, ref: RunRef, tail: int | None, interval: float, retry_for: float,
+                  trackers: TrackerSettings) -> Iterator[WatchItem]:
     """Every host's part followed at once, one thread each, their items handed on one at
     a time (a traceback is never cut by another host's lines). A host that left the
     inventory is named and not followed; its part's state is unknown."""
@@ -417,7 +445,7 @@ def _follow_hosts(session: Session, ref: RunRef, tail: int | None, interval: flo
     outcomes: dict[str, DflashError] = dict(left)
     for name, exc in left.items():
         yield Unfollowed(name, exc, left_inventory=True)
-    watchers = [Watcher(session, RunRef(host.name, ref.run_id), interval, ref.hosts) for host in hosts]
+    watchers = [Watcher(session, RunRef(host.name, ref.run_id), interval, ref.hosts, trackers) for host in hosts]
     items: queue.Queue = queue.Queue()
     detached = threading.Event()
 

@@ -44,7 +44,8 @@ def test_import_is_cheap_and_the_types_come_when_named():
     assert shown.stdout.strip() == str(REPO / "dflash" / "__init__.py")
     imported = {line.rsplit("|", 1)[-1].strip() for line in shown.stderr.splitlines() if line.startswith("import time:")}
     assert "dflash_cli.errors" in imported
-    heavy = {"torch", "paramiko", "fabric", "rich", "click", "yaml", "dflash_train", "dflash_cli.session"}
+    heavy = {"torch", "paramiko", "fabric", "rich", "click", "yaml", "dflash_train", "dflash_cli.session",
+             "wandb", "mlflow", "trackio", "dflash_cli.trackers"}
     assert not heavy & imported, heavy & imported
     assert dflash.Log is watching.Log and dflash.RunStatus is RunStatus and dflash.DflashError.__name__ == "DflashError"
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):

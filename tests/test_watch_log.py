@@ -48,13 +48,13 @@ class Watch:
         wait_until(lambda: self.stderr.count(text) >= count or self.proc.poll() is not None, 60, f"{text!r} on stderr")
         assert self.stderr.count(text) >= count, self.stderr.decode()
 
-    def finish(self) -> int:
+    def finish(self, timeout: float = 60) -> int:
         try:
-            code = self.proc.wait(timeout=60)
+            code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()  # a watch that did not end must not outlive the test
             self.proc.wait()
-            pytest.fail(f"watch did not end within 60 s; its stderr:\n{self.stderr.decode()[-2000:]}")
+            pytest.fail(f"watch did not end within {timeout:.0f} s; its stderr:\n{self.stderr.decode()[-2000:]}")
         for reader in self._readers:
             reader.join(timeout=10)
         return code

@@ -4,7 +4,8 @@ Log lines and tracebacks go to stdout with their control characters escaped (unl
 --json, which prints every message of the stream as it is, one JSON line each); the
 rest goes to stderr. On a terminal a status line (step, loss, acceptance length, ETA,
 GPUs) stays below the scrolling log. A run on several hosts has each line start with
-its host's name.
+its host's name. The trackers of dflash.yaml are fed by the follow itself
+(dflash_cli/trackers), unless --no-trackers.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from ..local_state import RunRef
 from ..session import Session
 from ..status_line import RunProgress
 from ..tracebacks import render_no_record, render_record
+from ..trackers.config import TrackerSettings
+from ..trackers.hub import checked_settings
 from ..watching import (FROM_STREAM, Ended, ErrorRecorded, Events, Following, Gpus, HostEnded, Log, Rotated,
                         StateChange, Unfollowed, WatchItem, follow)
 
@@ -176,13 +179,15 @@ class Printer:
 
 
 def run(session: Session, ref: RunRef, *, tail: int | None, interval: float, as_json: bool,
-        retry_for: float) -> ExitCode:
+        retry_for: float, use_trackers: bool = True) -> ExitCode:
     """Print the run's items until it ends; its outcome as the exit code (0 succeeded, 1
-    failed or lost, 4 stopped; 3 unknown). Ctrl-C detaches: the run keeps going."""
+    failed or lost, 4 stopped; 3 unknown). Ctrl-C detaches: the run keeps going.
+    `use_trackers`: feed the trackers of dflash.yaml (their packages are checked first)."""
+    trackers = checked_settings(session.local_config) if use_trackers else TrackerSettings()
     printer = Printer(ref, as_json)
     if not ref.multihost and not as_json and console.human.is_terminal and sys.stdout.isatty():
         printer.start_status_line()
-    items = follow(session, ref, tail=tail, interval=interval, retry_for=retry_for)
+    items = follow(session, ref, tail=tail, interval=interval, retry_for=retry_for, trackers=trackers)
     try:
         for item in items:
             printer.show(item)

@@ -1,0 +1,103 @@
+"""Weights & Biases: online, or offline files that `wandb sync` uploads later.
+
+The W&B run id is the dflash run id (made safe for W&B), so every watch of a run, and
+every attempt's, resumes one W&B run (offline: one folder per watch, which `wandb sync`
+uploads in order as one run). Rows carry `train/global_step`, the x-axis of every
+metric (as transformers' WandbCallback does): an eval measured in the background may
+arrive after later steps, and W&B's own step must only grow, so it numbers rows.
+
+Rows reach the run's files through W&B's service process: they are held once the run
+finished. Rows sent again (after a watch or the service died) carry the numbers they had;
+an online run resumed says how many it holds, and those are not sent again."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from dflash_agent.protocol import RunState
+
+from ..scalars import Scalars
+from .config import WandbSettings
+from .sink import Sink, TrackedRun
+
+STEP_METRIC = "train/global_step"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+MAX_ID = 64
+
+
+def wandb_run_id(run_id: str) -> str:
+    """`run_id` if W&B takes it as it is, else a safe prefix and a hash of the whole."""
+    safe = _UNSAFE.sub("-", run_id)
+    if safe == run_id and len(run_id) <= MAX_ID:
+        return run_id
+    return f"{safe[:MAX_ID - 17]}-{hashlib.sha256(run_id.encode()).hexdigest()[:16]}"
+
+
+class WandbSink(Sink):
+    name = "wandb"
+    holds_when_closed = True
+
+    def __init__(self, settings: WandbSettings):
+        self.settings = settings
+        self.run: Any = None
+        self._id = ""
+        self._held_rows = 0  # rows the resumed run holds already (online; offline it cannot tell)
+
+    @property
+    def destination(self) -> str:
+        s = self.settings
+        where = f" in {Path(s.dir or os.environ.get('WANDB_DIR') or '.').resolve()}" if s.mode == "offline" else ""
+        return f"{s.mode} {s.entity or ''}/{s.project}{where}"
+
+    @property
+    def run_id(self) -> str:
+        return self._id
+
+    def open(self, run: TrackedRun, known: str | None) -> None:
+        import wandb
+
+        s = self.settings
+        self._id = wandb_run_id(run.run_id)
+        if s.dir:
+            Path(s.dir).mkdir(parents=True, exist_ok=True)
+        # This machine only relays the run: its console, system metrics, code, packages
+        # and checkout are not the run's; the commit is the deployed tree's.
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_machine_info=True,
+                                  save_code=False, x_save_requirements=False, git_commit=run.git_commit,
+                                  disable_git=run.git_commit is None)
+        self.run = wandb.init(project=s.project, entity=s.entity, dir=s.dir, id=self._id,
+                              name=run.run_name(s.run_name), tags=list(s.tags) or None, mode=s.mode,
+                              resume="allow", settings=settings)
+        self.run.define_metric(STEP_METRIC)
+        self.run.define_metric("*", step_metric=STEP_METRIC)
+        # An attempt on another release (resume --release current) updates the record.
+        self.run.config.update({**run.config, "dflash": run.provenance}, allow_val_change=True)
+        self._held_rows = int(self.run.step)
+
+    def where(self) -> str:
+        if self.settings.mode == "online":
+            return f"W&B run {self._id}: {self.run.url}"
+        folder = Path(self.run.dir).parent
+        return (f"W&B offline run {self._id} in {folder} (upload: wandb sync "
+                f"{folder.parent / ('offline-run-*-' + self._id + '*')})")
+
+    def send(self, batch: list[Scalars], first_row: int) -> None:
+        for row, found in enumerate(batch, first_row):
+            if row >= self._held_rows:
+                self.run.log({STEP_METRIC: found.step, **dict(found.values)}, step=row)
+
+    def close(self, outcome: RunState | None) -> None:
+        import wandb
+
+        try:
+            self.run.finish(exit_code=1 if outcome in (RunState.FAILED, RunState.LOST) else 0)
+        except Exception:
+            # Its service is gone or broken: let go of it now, or W&B's exit hook prints
+            # the same failure again as a traceback when watch exits.
+            with contextlib.suppress(Exception, SystemExit):
+                wandb.teardown()
+            raise
