@@ -5,7 +5,8 @@
 
 Cases (each in a fresh workspace of its own: no release, no compile cache, no warm
 interpreter; "cold" is its first launch, "warm" a second launch of the same config in the
-same workspace, once the warm interpreter the first one started is ready or 60 s passed):
+same workspace, once the warm interpreter the first one started is ready or 60 s passed;
+--warm-idle-s 0: with no warm interpreter, as before there was one):
   tiny-d1-dynamic   configs/train/tiny-gpu.yaml, 1 drafter, compile cudagraphs, compile_shapes dynamic
   tiny-d2-static    configs/train/tiny-gpu.yaml, 2 drafters, compile cudagraphs, compile_shapes static
   tiny-default      configs/train/tiny-gpu.yaml as shipped but compile cudagraphs (compile_shapes its default)
@@ -45,14 +46,16 @@ CASES = {
 }
 
 
-def launch(work: Path, workspace: Path, config: Path, sets: list[str], timeout_s: float) -> dict:
+def launch(work: Path, workspace: Path, config: Path, sets: list[str], timeout_s: float,
+           warm_idle_s: float | None) -> dict:
     hosts = work / "hosts.yaml"
-    hosts.write_text(f"hosts:\n  local:\n    transport: local\n    workspace: {workspace}\n")
+    env_line = "" if warm_idle_s is None else f"    env: {{DFLASH_WARM_IDLE_S: '{warm_idle_s:g}'}}\n"
+    hosts.write_text(f"hosts:\n  local:\n    transport: local\n    workspace: {workspace}\n{env_line}")
     argv = [sys.executable, "-m", "dflash_cli", "--hosts", str(hosts), "--logs-dir", str(work / "logs"),
             "launch", "local", "--config", str(config), "--follow"]
     for item in sets:
         argv += ["--set", item]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'remote'}", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     started = time.time()
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     ended = time.time()
@@ -103,6 +106,8 @@ def main() -> None:
     parser.add_argument("--train", type=Path, help="8b: the chat jsonl")
     parser.add_argument("--prompts", type=Path, help="8b: the prompts jsonl")
     parser.add_argument("--timeout-s", type=float, default=300)
+    parser.add_argument("--warm-idle-s", type=float, help="the host's DFLASH_WARM_IDLE_S (0: no warm interpreter, "
+                                                           "every launch a new interpreter; default: the agent's)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -117,9 +122,9 @@ def main() -> None:
         workspace = args.work / f"workspace-{case}"
         shutil.rmtree(workspace, ignore_errors=True)
         for label in ("cold", "warm"):
-            waited = wait_warm_ready(workspace) if label == "warm" else 0.0
+            waited = wait_warm_ready(workspace) if label == "warm" and args.warm_idle_s != 0 else 0.0
             row = {"case": case, "launch": label, "waited_for_warm_s": waited,
-                   **launch(args.work, workspace, config, sets, args.timeout_s)}
+                   **launch(args.work, workspace, config, sets, args.timeout_s, args.warm_idle_s)}
             rows.append(row)
             phases = ", ".join(f"{k} {v:.1f}" for k, v in (row.get("phases") or {}).items() if v is not None)
             print(f"{case:16} {label:4}  launch->first step {row.get('first_step_s')} s  (deploy {row.get('deploy_s')} s)  "
