@@ -374,12 +374,13 @@ def test_the_receiver_refuses_a_release_id_that_is_not_one(session, fake_pve, tm
     assert sorted(os.listdir(node_path(fake_pve, tmp_path, "releases"))) == [release.scan().release_id]
 
 
-def test_an_unchanged_deploy_is_one_round_trip_and_a_refused_one_starts_no_receiver(make_inventory, tmp_path):
+@pytest.mark.parametrize("client", ["openssh", "paramiko"])
+def test_an_unchanged_deploy_is_one_round_trip_and_a_refused_one_starts_no_receiver(make_inventory, tmp_path, client):
     started = tmp_path / "receivers started"
     python = tmp_path / "python-counting"
     python.write_text(f"#!/bin/sh\necho >> {shlex.quote(str(started))}\nexec {shlex.quote(sys.executable)} \"$@\"\n")
     python.chmod(0o755)
-    hosts = make_inventory(tmp_path, ct200={"python": str(python)})
+    hosts = make_inventory(tmp_path, ct200={"python": str(python), "ssh_client": client})
     assert dflash("deploy", "ct200", hosts=hosts).returncode == 0
     started.unlink()
     again = dflash("deploy", "ct200", hosts=hosts)
