@@ -1,15 +1,38 @@
 """Where output goes: data on stdout, everything for humans on stderr (docs/cli.md).
 
-rich renders tables and progress on stderr; it honours NO_COLOR by itself.
+rich renders tables and progress on stderr (`human`); it honours NO_COLOR by itself.
+`human` is made, and rich imported, when first used: a command reaches its hosts
+before it prints, so their connections start without waiting for rich's import.
 """
 from __future__ import annotations
 
 import datetime
 import sys
+import threading
+from typing import TYPE_CHECKING
 
-from rich.console import Console
+if TYPE_CHECKING:
+    from rich.console import Console
 
-human = Console(stderr=True, highlight=False)
+    human: Console
+
+_making = threading.Lock()
+
+
+def _human() -> Console:
+    global human
+    with _making:
+        if "human" not in globals():
+            from rich.console import Console
+
+            human = Console(stderr=True, highlight=False)
+    return human
+
+
+def __getattr__(name: str):
+    if name == "human":
+        return _human()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def data(text: str) -> None:
@@ -49,11 +72,11 @@ def remote_text(text: str) -> None:
 
 
 def say(message: str) -> None:
-    human.print(message, markup=False, soft_wrap=True)
+    _human().print(message, markup=False, soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    human.print(f"warning: {message}", style="yellow", markup=False, soft_wrap=True)
+    _human().print(f"warning: {message}", style="yellow", markup=False, soft_wrap=True)
 
 
 def utc_time(ts: float | None, timespec: str = "seconds") -> str:

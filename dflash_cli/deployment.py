@@ -1,7 +1,9 @@
 """Releases onto hosts, for `deploy`, `launch`, `hosts --check` and `--version`: the
 release of the source tree (`source_tree`), installed by the host side's receiver
-(host_scripts/deploy_receiver.py, sent with `python -c`): one round trip when the host's copy is
-intact, else one tar stream of what the host lacks."""
+(host_scripts/deploy_receiver.py, sent with `python -S -c`): one round trip when the host's copy is
+intact, else one tar stream of what the host lacks. `deploy` starts each host's probe
+(`EarlyProbe`) once the tree's files are listed, so that the connection and the host's
+interpreter start while the tree is hashed."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +11,9 @@ import io
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_files.diskspace import NO_SPACE
-from rich.progress import Progress
 
 from . import console, host_scripts, provenance, release
 from .agent_client import check_interpreter, parse_reply
@@ -20,6 +22,10 @@ from .inventory import Host
 from .progress import PROGRESS_ABOVE_BYTES
 from .retry import retry_dropped
 from .session import Session
+from .transports.common import ResultThread
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 @dataclasses.dataclass(frozen=True)
 class DeployResult:
@@ -42,20 +48,108 @@ class DeployInterrupted(DflashError):
                          "its current release", ExitCode.INTERRUPTED)
 
 
+class _ReleaseIdLine(io.RawIOBase):
+    """An early probe's stdin: nothing until `give` is called, then the release id's line
+    (or, given None, the end of the stream at once). `asked` is set once the transport
+    reads it: the command has started."""
+
+    def __init__(self) -> None:
+        self._ready, self._line, self.asked = threading.Event(), b"", threading.Event()
+
+    def give(self, release_id: str | None) -> None:
+        if not self._ready.is_set():  # the first answer stands
+            self._line = b"" if release_id is None else f"{release_id}\n".encode()
+            self._ready.set()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        self.asked.set()
+        self._ready.wait()
+        count = min(len(buffer), len(self._line))
+        buffer[:count], self._line = self._line[:count], self._line[count:]
+        return count
+
+
+class EarlyProbe:
+    """The probe of one host started before the release id is known: the connection, the
+    host's interpreter and the receiver start while the tree is hashed, and the receiver
+    waits for the id on its stdin: `ask` gives it (`deploy_host` does, if not done yet);
+    `abandon` gives none (the receiver then exits having looked at nothing)."""
+
+    def __init__(self, session: Session, host: Host, verify: bool = False, switch: bool = True):
+        self.started = time.monotonic()
+        self.verify, self.switch = verify, switch
+        self.round_trips_before = 0  # the transport's count before the probe, once it ran
+        self._line = _ReleaseIdLine()
+
+        def probe() -> dict:
+            # opened in this thread: importing the paramiko client alone takes a while
+            self.round_trips_before = session.transport(host).round_trips
+            return _receiver(session, host, "probe", "-", _check(verify), _switching(switch), stdin=self._line)
+
+        self._reply = ResultThread(f"{host.name}-probe", probe)
+        self._reply.start()
+
+    def wait_started(self, timeout: float) -> None:
+        """Until the probe's command has started on its way to the host (or failed), at most
+        `timeout` s: what this process does meanwhile (hashing, imports) holds the GIL that
+        the probe's thread needs to get there."""
+        deadline = time.monotonic() + timeout
+        while not self._line.asked.wait(0.005) and self._reply.is_alive() and time.monotonic() < deadline:
+            pass
+
+    def ask(self, release_id: str) -> None:
+        self._line.give(release_id)
+
+    def reply(self, release_id: str) -> dict:
+        self.ask(release_id)
+        return self._reply.result()
+
+    def abandon(self) -> None:
+        self._line.give(None)
+        try:
+            self._reply.result()
+        except DflashError:
+            pass  # it was never asked anything
+
+
+def _check(verify: bool) -> str:
+    return "verify" if verify else "cheap"
+
+
+def _switching(switch: bool) -> str:
+    return "switch" if switch else "keep"
+
+
 def deploy_host(session: Session, host: Host, tree: release.Release, bars: Progress | None = None,
-                verify: bool = False, cancel: threading.Event | None = None, switch: bool = True) -> DeployResult:
+                verify: bool = False, cancel: threading.Event | None = None, switch: bool = True,
+                early: EarlyProbe | None = None) -> DeployResult:
     """Make `tree` the current release of `host`; one round trip when it already is intact.
     `bars`: where to draw the upload's progress (see `progress.transfer_bars`), if anywhere;
     `verify`: re-hash the host's files instead of comparing size, mtime and ctime;
     `cancel`: set by Ctrl-C (see `progress.cancel_on_ctrl_c`), stops the upload;
-    `switch`: False installs the release and leaves `current` as it is (launch's deploy)."""
-    started = time.monotonic()
+    `switch`: False installs the release and leaves `current` as it is (launch's deploy);
+    `early`: this host's probe, already started (with the same `verify` and `switch`)."""
+    assert early is None or (early.verify, early.switch) == (verify, switch)
+    started = early.started if early else time.monotonic()
     transport = session.transport(host)
     trips_before = transport.round_trips
     release_id = tree.release_id
-    check = "verify" if verify else "cheap"
-    switching = "switch" if switch else "keep"
-    reply = retry_dropped(lambda: _receiver(session, host, "probe", release_id, check, switching))
+    check, switching = _check(verify), _switching(switch)
+    pending = early
+
+    def probe() -> dict:
+        nonlocal pending
+        if pending is None:  # no early probe, or it is made again after a dropped connection
+            return _receiver(session, host, "probe", release_id, check, switching)
+        started_probe, pending = pending, None
+        return started_probe.reply(release_id)
+
+    reply = retry_dropped(probe)
+    if early is not None:
+        trips_before = early.round_trips_before
     files_sent = bytes_sent = files_reused = 0
     modified = tuple(reply.get("modified", ()))
     if reply["status"] == "missing":
@@ -90,7 +184,9 @@ def _summary(problems: tuple[str, ...] | list[str], shown: int = 3) -> str:
 
 
 def _receiver(session: Session, host: Host, verb: str, *args: str, stdin=None) -> dict:
-    argv = [host.python, "-c", host_scripts.source("deploy_receiver.py"), verb, host.workspace, *args]
+    # -S: the receiver is stdlib only; the interpreter's site-packages (and the .pth files
+    # there) would only delay it
+    argv = [host.python, "-S", "-c", host_scripts.source("deploy_receiver.py"), verb, host.workspace, *args]
     done = session.transport(host).run(argv, stdin=stdin)
     check_interpreter(host, done)
     reply = parse_reply(done.stdout)
@@ -141,9 +237,26 @@ def source_tree(source_dir: Path | None, allow_large: bool = False) -> tuple[rel
     directory, or the copy bundled with dflash) and where it came from, said on stderr.
     A release over the size threshold is refused here, before any host is contacted,
     unless `allow_large`."""
+    return hashed_source(*listed_source(source_dir, allow_large))
+
+
+def listed_source(source_dir: Path | None, allow_large: bool = False) -> tuple[release.SourceTree, release.Listing]:
+    """`source_tree`'s first half: the tree chosen and its files listed, a release over the
+    size threshold refused (unless `allow_large`); nothing read yet."""
     source = release.find_source(source_dir)
-    tree = release.scan(source.root)
+    listing = release.list_files(source.root)
+    listing.check_size(allow_large)
+    return source, listing
+
+
+def hashed_source(source: release.SourceTree, listing: release.Listing) -> tuple[release.Release, dict]:
+    """`source_tree`'s second half: the release hashed and where it came from, said on stderr."""
+    tree = listing.hashed()
+    return tree, described_source(source, tree)
+
+
+def described_source(source: release.SourceTree, tree: release.Release) -> dict:
+    """Where `tree` came from (provenance.describe), said on stderr."""
     record = provenance.describe(source, tree)
     console.say(f"source: {provenance.summary(record)}")
-    tree.check_size(allow_large)
-    return tree, record
+    return record

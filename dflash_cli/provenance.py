@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,8 @@ _NAMES_SHOWN = 3
 
 def describe(source: release.SourceTree, tree: release.Release) -> dict[str, Any]:
     """run.json's `source` for the release `tree` scanned from `source`."""
+    from importlib import metadata  # read here: its import costs more than the rest of the module
+
     try:
         version = metadata.version("dflash")
     except metadata.PackageNotFoundError:
@@ -78,13 +79,10 @@ def _git_state(root: Path, tree: release.Release) -> dict[str, Any]:
         prefix = release.run_git(root, "rev-parse", "--show-prefix").stdout.decode().strip()
         status = release.run_git(root, "status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignored=matching",
                       "--no-renames", "--", *release.RELEASE_DIRS)
-        diff = release.run_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", "--no-textconv",
-                    "--no-renames", "--", *release.RELEASE_DIRS)
     except subprocess.TimeoutExpired:
-        return {**unknown, "git_problem": f"git did not answer within {release.GIT_TIMEOUT_S:.0f} s"}
-    for done in (status, diff):
-        if done.returncode != 0:
-            return {**unknown, "git_problem": _problem(done, "git failed")}
+        return _timed_out(unknown)
+    if status.returncode != 0:
+        return {**unknown, "git_problem": _problem(status, "git failed")}
     deployed = {f.path: f.sha256 for f in tree.files}
     changed, untracked = set(), set()
     for entry in status.stdout.decode("utf-8", "surrogateescape").split("\0"):
@@ -100,11 +98,22 @@ def _git_state(root: Path, tree: release.Release) -> dict[str, Any]:
     commit = head.stdout.decode().strip()
     if not modified:
         return {**unknown, "git_commit": commit, "dirty": False, "git_problem": None}
+    try:
+        diff = release.run_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", "--no-textconv",
+                               "--no-renames", "--", *release.RELEASE_DIRS)
+    except subprocess.TimeoutExpired:
+        return _timed_out(unknown)
+    if diff.returncode != 0:
+        return {**unknown, "git_problem": _problem(diff, "git failed")}
     digest = hashlib.sha256(diff.stdout)
     for path in sorted(untracked):
         digest.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0" + deployed[path].encode())
     return {"git_commit": commit, "dirty": True, "diff_sha256": digest.hexdigest(),
             "modified": modified[:MODIFIED_LISTED], "modified_count": len(modified), "git_problem": None}
+
+
+def _timed_out(unknown: dict[str, Any]) -> dict[str, Any]:
+    return {**unknown, "git_problem": f"git did not answer within {release.GIT_TIMEOUT_S:.0f} s"}
 
 
 def _problem(done: subprocess.CompletedProcess[bytes], default: str) -> str:

@@ -18,13 +18,13 @@ import hashlib
 import io
 import os
 import subprocess
-import tarfile
 from pathlib import Path
-from typing import Callable, Iterator
-
-import pathspec
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .errors import DflashError, ExitCode
+
+if TYPE_CHECKING:
+    import pathspec
 
 RELEASE_DIRS = ("remote", "configs")
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
@@ -35,6 +35,8 @@ DFLASHIGNORE = ".dflashignore"
 LARGE_RELEASE_BYTES = 64 << 20
 _LARGEST_SHOWN = 5
 _CHUNK = 1 << 20
+#: tar's block and record sizes (tarfile.BLOCKSIZE and RECORDSIZE)
+_TAR_BLOCK, _TAR_RECORD = 512, 20 * 512
 GIT_TIMEOUT_S = 30.0
 
 
@@ -93,6 +95,36 @@ class FileEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class Listing:
+    """The files a release of `root` holds, listed but not yet read: (path, size, mode)
+    each, sorted by path, the sizes as stat gives them. Enough to refuse a release that is
+    too large (`check_size`) before any file is hashed or any host contacted."""
+    root: Path
+    files: tuple[tuple[str, int, int], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size, _ in self.files)
+
+    def check_size(self, allow_large: bool) -> None:
+        """Refuse a release over LARGE_RELEASE_BYTES (unless `allow_large`), naming its
+        largest files, before anything is sent."""
+        if allow_large or self.total_bytes <= LARGE_RELEASE_BYTES:
+            return
+        largest = sorted(self.files, key=lambda f: -f[1])[:_LARGEST_SHOWN]
+        names = ", ".join(f"{path} ({_mib(size)})" for path, size, _ in largest)
+        raise DflashError(
+            f"the release of {self.root} holds {_mib(self.total_bytes)} (more than "
+            f"{_mib(LARGE_RELEASE_BYTES)}); largest files: {names}; nothing was sent", ExitCode.USAGE,
+            hint="data belongs on the host (point the config's paths there); list such files in "
+                 f".gitignore or {DFLASHIGNORE}, or pass --allow-large to send them anyway")
+
+    def hashed(self) -> "Release":
+        """The release itself: every listed file read and hashed."""
+        return Release(self.root, tuple(_entry(self.root / path, path, mode) for path, _, mode in self.files))
+
+
+@dataclasses.dataclass(frozen=True)
 class Release:
     root: Path
     files: tuple[FileEntry, ...]
@@ -108,19 +140,6 @@ class Release:
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
-
-    def check_size(self, allow_large: bool) -> None:
-        """Refuse a release over LARGE_RELEASE_BYTES (unless `allow_large`), naming its
-        largest files, before anything is sent."""
-        if allow_large or self.total_bytes <= LARGE_RELEASE_BYTES:
-            return
-        largest = sorted(self.files, key=lambda f: -f.size)[:_LARGEST_SHOWN]
-        names = ", ".join(f"{f.path} ({_mib(f.size)})" for f in largest)
-        raise DflashError(
-            f"the release of {self.root} holds {_mib(self.total_bytes)} (more than "
-            f"{_mib(LARGE_RELEASE_BYTES)}); largest files: {names}; nothing was sent", ExitCode.USAGE,
-            hint="data belongs on the host (point the config's paths there); list such files in "
-                 f".gitignore or {DFLASHIGNORE}, or pass --allow-large to send them anyway")
 
     def tar_stream(self, paths: set[str], check: Callable[[], None] = lambda: None) -> "TarStream":
         """An uncompressed tar of MANIFEST and the files named in `paths`, read from disk
@@ -143,7 +162,7 @@ def _mib(size: int) -> str:
 
 
 def _padding(size: int) -> int:
-    return -size % tarfile.BLOCKSIZE
+    return -size % _TAR_BLOCK
 
 
 class TarStream(io.RawIOBase):
@@ -159,8 +178,8 @@ class TarStream(io.RawIOBase):
         self._members += [(_header(f.path, f.size, f.mode), None, f) for f in files]
         body = sum(len(header) + size + _padding(size) for header, size in
                    ((h, len(data) if data is not None else f.size) for h, data, f in self._members))
-        end = body + 2 * tarfile.BLOCKSIZE
-        self._end = b"\0" * (end + (-end % tarfile.RECORDSIZE) - body)
+        end = body + 2 * _TAR_BLOCK
+        self._end = b"\0" * (end + (-end % _TAR_RECORD) - body)
         self.length = body + len(self._end)
         self._pieces, self._pending = self._generate(), memoryview(b"")
 
@@ -208,6 +227,8 @@ class TarStream(io.RawIOBase):
 
 
 def _header(path: str, size: int, mode: int) -> bytes:
+    import tarfile  # what only an upload needs
+
     info = tarfile.TarInfo(path)
     info.size, info.mode = size, mode
     return info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
@@ -215,9 +236,15 @@ def _header(path: str, size: int, mode: int) -> bytes:
 
 def scan(root: Path | None = None) -> Release:
     """The release of the tree at `root` (default: the one shipping with dflash)."""
+    return list_files(root).hashed()
+
+
+def list_files(root: Path | None = None) -> Listing:
+    """The files of the release of the tree at `root` (default: the one shipping with
+    dflash), not yet read."""
     root = root or project_root()
     chosen = _selected(root)
-    entries = []
+    files = []
     for top in RELEASE_DIRS:
         for dirpath, dirnames, filenames in os.walk(root / top):
             dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
@@ -228,18 +255,18 @@ def scan(root: Path | None = None) -> Release:
                 path = full.relative_to(root).as_posix()
                 if not full.is_file() or not chosen(path):
                     continue
-                entries.append(_entry(full, path))
-    entries.sort(key=lambda e: e.path)
-    return Release(root, tuple(entries))
+                mode = 0o755 if os.access(full, os.X_OK) else 0o644
+                files.append((path, full.stat().st_size, mode))
+    files.sort()
+    return Listing(root, tuple(files))
 
 
-def _entry(full: Path, path: str) -> FileEntry:
+def _entry(full: Path, path: str, mode: int) -> FileEntry:
     digest, size = hashlib.sha256(), 0
     with open(full, "rb") as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
-    mode = 0o755 if os.access(full, os.X_OK) else 0o644
     return FileEntry(path, size, digest.hexdigest(), mode)
 
 
@@ -276,26 +303,28 @@ def _git_committable(root: Path) -> set[str] | None:
     relative to `root`; None when `root` is not a git checkout's tree (its launcher not
     tracked: a copy inside an ignored folder of another repository is not its code)."""
     try:
-        tracked = run_git(root, "ls-files", "--error-unmatch", "--", PROJECT_MARKERS[0])
-        if tracked.returncode != 0:
-            return None
-        listed = run_git(root, "ls-files", "-z", "--full-name", "--cached", "--others", "--exclude-standard",
+        # -t tags each path: "? " untracked, any other letter tracked; paths are relative to root
+        listed = run_git(root, "ls-files", "-z", "-t", "--cached", "--others", "--exclude-standard",
                          "--", *RELEASE_DIRS)
-        prefix = run_git(root, "rev-parse", "--show-prefix")
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if listed.returncode != 0 or prefix.returncode != 0:
+    if listed.returncode != 0:
         return None
-    strip = prefix.stdout.decode().strip()
-    return {p[len(strip):] for p in listed.stdout.decode("utf-8", "surrogateescape").split("\0")
-            if p.startswith(strip) and p}
+    entries = listed.stdout.decode("utf-8", "surrogateescape").split("\0")
+    tags = {path: tag for tag, path in (entry.split(" ", 1) for entry in entries if entry)}
+    if tags.get(PROJECT_MARKERS[0], "?") == "?":
+        return None
+    return set(tags)
 
 
 def _spec(path: Path) -> pathspec.GitIgnoreSpec | None:
     try:
-        return pathspec.GitIgnoreSpec.from_lines(path.read_text().splitlines())
+        lines = path.read_text().splitlines()
     except FileNotFoundError:
         return None
+    import pathspec  # only trees outside git or with a .dflashignore pay for its import
+
+    return pathspec.GitIgnoreSpec.from_lines(lines)
 
 
 def _gitignored(root: Path, path: str, spec_of: Callable[[Path], pathspec.GitIgnoreSpec | None]) -> bool:

@@ -341,3 +341,77 @@ def test_a_partial_release_left_by_a_killed_deploy_is_removed_by_the_next(sessio
     (changed_root / "configs" / "extra.yaml").write_text("a: 1\n")
     assert deployment.deploy_host(session, host, release.scan(changed_root)).status == "installed"
     assert not left.exists()
+
+
+def test_an_early_probe_answers_once_given_the_id_and_an_abandoned_one_touches_nothing(session, fake_pve, tmp_path):
+    host = session.host("ct200")
+    workspace = node_path(fake_pve, tmp_path)
+    transport = session.transport(host)
+    abandoned = deployment.EarlyProbe(session, host)
+    abandoned.abandon()
+    assert transport.round_trips == 1 and not workspace.exists(), "the receiver ran, and looked at nothing"
+
+    tree = release.scan()
+    first = deployment.deploy_host(session, host, tree, early=deployment.EarlyProbe(session, host))
+    assert (first.status, first.round_trips, first.files_sent) == ("installed", 2, len(tree.files))
+    again = deployment.deploy_host(session, host, tree, early=deployment.EarlyProbe(session, host))
+    assert (again.status, again.round_trips, again.bytes_sent) == ("unchanged", 1, 0)
+
+    changed_root = copy_release_dirs(tmp_path / "checkout")
+    (changed_root / "configs" / "hosts.yaml").write_text("# another inventory\n")
+    changed = release.scan(changed_root)
+    result = deployment.deploy_host(session, host, changed, early=deployment.EarlyProbe(session, host))
+    assert (result.status, result.round_trips, result.files_sent) == ("installed", 2, 1)
+    assert os.readlink(workspace / "current") == f"releases/{changed.release_id}"
+
+
+def test_the_receiver_refuses_a_release_id_that_is_not_one(session, fake_pve, tmp_path):
+    host = session.host("ct200")
+    deployment.deploy_host(session, host, release.scan())
+    for bad in ("../../etc", "0123456789ABCDEF", "0123456789abcdef0"):
+        with pytest.raises(DflashError, match="a release id is 16 hex digits"):
+            deployment._receiver(session, host, "probe", "-", "cheap", "switch", stdin=f"{bad}\n".encode())
+    assert sorted(os.listdir(node_path(fake_pve, tmp_path, "releases"))) == [release.scan().release_id]
+
+
+@pytest.mark.parametrize("client", ["openssh", "paramiko"])
+def test_an_unchanged_deploy_is_one_round_trip_and_a_refused_one_starts_no_receiver(make_inventory, tmp_path, client):
+    started = tmp_path / "receivers started"
+    python = tmp_path / "python-counting"
+    python.write_text(f"#!/bin/sh\necho >> {shlex.quote(str(started))}\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
+    hosts = make_inventory(tmp_path, ct200={"python": str(python), "ssh_client": client})
+    assert dflash("deploy", "ct200", hosts=hosts).returncode == 0
+    started.unlink()
+    again = dflash("deploy", "ct200", hosts=hosts)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == f"ct200\t{release.scan().release_id}\tunchanged\n"
+    row = next(line for line in again.stderr.splitlines() if line.lstrip("│ ").startswith("ct200"))
+    assert row.replace("│", " ").split()[1:6] == ["unchanged", "0", "0", "0", "1"]  # sent, reused, bytes, trips
+    assert started.read_text() == "\n", "one interpreter started on the host"
+
+    project = copy_release_dirs(tmp_path / "p")
+    with open(project / "configs" / "dataset.jsonl", "wb") as fh:
+        fh.truncate(70 << 20)
+    started.unlink()
+    refused = dflash("deploy", "ct200", "--source", str(project), hosts=hosts)
+    assert refused.returncode == 2 and "nothing was sent" in refused.stderr, refused.stderr
+    assert not started.exists(), "a release refused for its size contacts no host"
+
+
+def test_a_file_changed_to_the_same_size_with_its_mtime_put_back_is_deployed(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    project = copy_release_dirs(tmp_path / "p")
+    config = project / "configs" / "hosts.yaml"
+    first = dflash("deploy", "local", "--source", str(project), hosts=hosts)
+    assert first.returncode == 0, first.stderr
+    before = config.stat()
+    text = config.read_text()
+    config.write_text(text[:-2] + ("x" if text[-2] != "x" else "y") + text[-1])
+    os.utime(config, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (config.stat().st_size, config.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    second = dflash("deploy", "local", "--source", str(project), hosts=hosts)
+    assert second.returncode == 0, second.stderr
+    new_id = release.scan(project).release_id
+    assert second.stdout == f"local\t{new_id}\tinstalled\n" and new_id not in first.stdout
+    assert (tmp_path / "local ws" / "current" / "configs" / "hosts.yaml").read_text() == config.read_text()

@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
 
 from .. import console, release
-from ..deployment import DeployResult, deploy_host, source_tree
+from ..deployment import DeployResult, EarlyProbe, deploy_host, described_source, listed_source
 from ..errors import DflashError, ExitCode
 from ..progress import cancel_on_ctrl_c, transfer_bars
 from ..session import Session
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+#: how long the hashing waits for a host's probe to be on its way (a slow host's
+#: connection does not hold up the others' for longer)
+_START_WAIT_S = 1.0
 
 
 def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: bool,
@@ -23,11 +28,25 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
     # Ctrl-C from here on, while the tree is hashed too, stops each host's upload and says so.
     with cancel_on_ctrl_c() as cancel:
-        tree, _ = source_tree(source_dir, allow_large)
+        source, listing = listed_source(source_dir, allow_large)  # a refusal contacts no host
+        # Each host's connection and receiver start while the tree is hashed.
+        early = {host.name: EarlyProbe(session, host, verify) for host in hosts}
+        for probe in early.values():
+            probe.wait_started(_START_WAIT_S)
+        try:
+            tree = listing.hashed()
+        except BaseException:
+            for probe in early.values():
+                probe.abandon()
+            raise
+        for probe in early.values():
+            probe.ask(tree.release_id)
+        described_source(source, tree)  # while the hosts look
+        table = _table(tree)
         with transfer_bars() as bars:
             results = session.on_each_host(
-                hosts, lambda host: deploy_host(session, host, tree, bars, verify, cancel))
-    _print_table(results, host_names, tree)
+                hosts, lambda host: deploy_host(session, host, tree, bars, verify, cancel, early=early[host.name]))
+    _print_table(table, results, host_names)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     for name in host_names:
         outcome = results[name]
@@ -45,11 +64,20 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
     return max((f.exit_code for f in failures), default=ExitCode.OK)
 
 
-def _print_table(results: dict, order: list[str], tree: release.Release) -> None:
+def _table(tree: release.Release) -> Table:
+    """The results' table, with no row yet."""
+    from rich.table import Table  # imported once the hosts were asked
+
     table = Table(title=f"release {tree.release_id} ({len(tree.files)} files, "
                         f"{tree.total_bytes / 1024:.0f} KiB)", title_justify="left")
     for column in ("host", "result", "files sent", "reused", "bytes sent", "round trips", "seconds"):
         table.add_column(column, justify="left" if column in ("host", "result") else "right")
+    return table
+
+
+def _print_table(table: Table, results: dict, order: list[str]) -> None:
+    from rich.text import Text
+
     for name in order:
         r = results[name]
         if isinstance(r, DflashError):
