@@ -376,7 +376,13 @@ compile: default
     ready = [i for i, line in enumerate(lines) if re.search(r"drafter \d ready on cpu", line)]
     compiles = [i for i, line in enumerate(lines) if "Recompiling function" in line]
     assert len(ready) == 4
-    assert compiles and max(compiles) < min(ready), "\n".join(lines[i] for i in compiles)  # all during the build
+    # graphs traced (Recompiling: the shape classes after the first) or loaded precompiled, all during the build
+    assert not compiles or max(compiles) < min(ready), "\n".join(lines[i] for i in compiles)
+    loaded, compiled = (int(n or 0) for n in re.search(
+        r"drafter 0: train step built \(default, dynamic shapes\) in [\d.]+ s, (?:(\d+) graph\(s\) loaded "
+        r"precompiled, )?(\d+) graph\(s\) compiled", run.log()).groups())
+    assert loaded + compiled > 1  # rows of 1 are a graph of their own
+    assert all("0 graph(s) compiled" in line for line in lines if re.search(r"drafter [1-3]: train step built", line))
     shapes = int(re.search(r"(\d+) micro-batch shape\(s\) to train on", run.log()).group(1))
     trained = {(e["micro_batches"], e["samples"]) for e in run.events("step")}
     assert shapes > 4 and len(trained) > 1  # mixed rows and lengths, not one shape

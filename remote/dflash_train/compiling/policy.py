@@ -23,23 +23,34 @@ the `last` the sum is in every parameter's `.grad`.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from ..config import JobConfig
 from ..devices import canonical
 from ..model.objective import DraftObjective, DrafterInputs
+from ..runlog import say
 from .cudagraphs import bucket_shapes, build_cudagraph_train_step
+from .precompiled import PrecompiledStep, open_precompiled, step_key
 from .step_build import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
-                         inputs_of_shape, is_compile_refusal, random_inputs, shape_of, warm_up)
+                         inputs_of_shape, is_compile_refusal, random_inputs, shape_of, stray_shape, warm_up)
 
 _BUILD_LOCK = threading.Lock()
 # compile: default's DraftObjective.forward, compiled once for the process (under the
 # build lock) and called with each replica's objective: the first drafter's build
 # compiles the graphs of every shape, the others' find them.
 _SHARED_FORWARD: dict[str | Callable, object] = {}  # by backend
+# compile: default's precompiled graphs (precompiled.py), by file: loaded or compiled by the
+# first drafter's build, found by the others'.
+_SHARED_PRECOMPILED: dict[tuple[Path, str], PrecompiledStep] = {}
+# Why building from precompiled graphs failed in this process, once it did: the drafters
+# after it trace their steps too.
+_PRECOMPILE_FAILED: list[str] = []
 # Held around every call of a shared forward once built. Dynamo keeps one list of cache
 # entries per code object and, on torch 2.11, walks it live while a Python guard can
 # hand the GIL to another thread, whose hit moves its entry to the front: the walk then
@@ -68,6 +79,9 @@ class CompilePlan:
     # guards are in question (the tests of the build), a cheaper backend of torch's, or a
     # test's own callable
     backend: str | Callable = "inductor"
+    # compile: default: the compile cache's key folder, where the graphs of the step are
+    # saved and loaded (precompiled.py); None: Dynamo traces the step in every process
+    precompiled: Path | None = None
 
     def __post_init__(self) -> None:
         if self.mode == "cudagraphs" and not self.buckets:
@@ -92,6 +106,15 @@ class CompilePlan:
         if self.mode == "cudagraphs":
             return build_cudagraph_train_step(objective, example, self.buckets, shapes=self.shapes,
                                               drafters_share_a_device=self.drafters_share_a_device)
+        if self.mode == "default" and self.precompiled is not None and self.backend == "inductor" \
+                and not _PRECOMPILE_FAILED:
+            try:
+                return _build_precompiled(objective, self.data_shapes or (shape_of(example),), example,
+                                          self.precompiled)
+            except Exception as exc:  # noqa: BLE001 - torch's AOT path failed: trace, as without it
+                _PRECOMPILE_FAILED.append(f"{type(exc).__name__}: {exc}")
+                say(f"precompiled train step not used: {_PRECOMPILE_FAILED[0][:500]}; Dynamo traces the step")
+                objective.drafter.zero_grad(set_to_none=True)
         if self.mode == "default":
             return _build_compiled(objective, self.data_shapes or (shape_of(example),), example, self.backend)
         return _build_eager(objective, self.data_shapes[0] if self.data_shapes else shape_of(example), example)
@@ -145,7 +168,8 @@ def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = D
     # graphs of earlier runs in the host's compile cache (cache.py) instead of
     # compiling again: on by default in the torch releases we run, set here so an
     # environment variable (TORCHINDUCTOR_FX_GRAPH_CACHE=0, ...) cannot turn a warm start
-    # cold unnoticed. Dynamo still traces every graph in every process.
+    # cold unnoticed. Dynamo still traces every graph in every process, but compile:
+    # default's when they are loaded precompiled (precompiled.py).
     if dynamic_shapes:
         # Duck sizing gives dimensions equal at the first trace one symbol, and a later batch
         # where they differ a recompile: sizes of a micro-batch coincide by chance.
@@ -252,3 +276,61 @@ def _build_compiled(objective: DraftObjective, data_shapes: tuple[BatchShape, ..
             timings.append(BucketTiming(shape, seconds, 0.0, graphs))
     objective.drafter.zero_grad(set_to_none=True)
     return BuiltStep(train_step, BuildReport("default", "dynamic", tuple(timings), checked=checked))
+
+
+def _build_precompiled(objective: DraftObjective, data_shapes: tuple[BatchShape, ...], like: DrafterInputs,
+                       folder: Path) -> BuiltStep:
+    """compile: default from the saved graphs of the key folder (precompiled.py), by the
+    rules of _build_compiled: a step at the largest shape of each specialization class,
+    then each other shape of the data checked against the graphs' guards; a shape no graph
+    serves gets a graph of its own, traced now. New graphs are saved (a failed save is said;
+    the run goes on)."""
+    key = (folder, step_key(objective, like))
+    if key not in _SHARED_PRECOMPILED:
+        _SHARED_PRECOMPILED[key] = open_precompiled(folder, objective, like)
+    precompiled = _SHARED_PRECOMPILED[key]
+    had = len(precompiled.functions)
+
+    def forward(inputs: DrafterInputs):
+        with _FORWARD_LOCK:
+            function = precompiled.find(objective, inputs)
+            if function is None:
+                raise stray_shape(inputs, precompiled.refusal(objective, inputs))
+            return function(objective, inputs)
+
+    train_step = _steps_from(forward, objective)
+
+    def step_at(shape: BatchShape, inputs: DrafterInputs) -> BucketTiming:
+        started, graphs = time.perf_counter(), len(precompiled.functions)
+        if precompiled.find(objective, inputs) is None:
+            precompiled.compile(objective, inputs)
+        train_step(inputs)
+        return BucketTiming(shape, time.perf_counter() - started, 0.0, len(precompiled.functions) - graphs)
+
+    timings = [step_at(shape, inputs_of_shape(objective, shape, like, seed=0))
+               for shape in specialization_classes(data_shapes)]
+    warmed = {timing.shape for timing in timings}
+    checked = 0
+    for shape in data_shapes:
+        if shape in warmed:
+            continue
+        inputs = inputs_of_shape(objective, shape, like, seed=0)
+        if precompiled.find(objective, inputs) is not None:
+            checked += 1
+        else:
+            timings.append(step_at(shape, inputs))
+    objective.drafter.zero_grad(set_to_none=True)
+    if len(precompiled.functions) > had:
+        _save(precompiled)
+    return BuiltStep(train_step, BuildReport("default", "dynamic", tuple(timings), checked=checked,
+                                             graphs_loaded=had))
+
+
+def _save(precompiled: PrecompiledStep) -> None:
+    try:
+        size = precompiled.save()
+    except (OSError, RuntimeError, pickle.PicklingError) as exc:
+        say(f"precompiled train step not saved to {precompiled.path}: {type(exc).__name__}: {exc}")
+    else:
+        say(f"precompiled train step saved: {precompiled.path} ({len(precompiled.functions)} graph(s), "
+            f"{size:,} bytes)")

@@ -87,6 +87,7 @@ class BuildReport:
     shapes: CompileShapes
     buckets: tuple[BucketTiming, ...]  # the shapes a step was run at to build it
     checked: int = 0  # compile: default: other shapes of the data found to run the compiled graphs
+    graphs_loaded: int = 0  # compile: default: graphs loaded precompiled from the compile cache
 
     @property
     def graphs_compiled(self) -> int:
@@ -102,7 +103,8 @@ class BuildReport:
                                + (f" ({b.graphs_compiled} graph(s) compiled)" if b.graphs_compiled else "")
                                for b in self.buckets)
         checked = f"; {self.checked} other shape(s) of the data run them" if self.checked else ""
-        return (f"train step built ({self.mode}, {self.shapes} shapes) in {self.seconds:.1f} s, "
+        loaded = f"{self.graphs_loaded} graph(s) loaded precompiled, " if self.graphs_loaded else ""
+        return (f"train step built ({self.mode}, {self.shapes} shapes) in {self.seconds:.1f} s, {loaded}"
                 f"{self.graphs_compiled} graph(s) compiled for {len(self.buckets)} shape(s): {per_bucket}{checked}")
 
 
@@ -126,6 +128,11 @@ def stray_compile(exc: BaseException, inputs: DrafterInputs) -> StrayCompile:
     text = str(exc)
     guards = text.split(_GUARDS, 1)[1] if _GUARDS in text else text
     guard = "; ".join(line.strip().removeprefix("- ") for line in guards.strip(" .\n").splitlines() if line.strip())
+    return stray_shape(inputs, guard)
+
+
+def stray_shape(inputs: DrafterInputs, guard: str) -> StrayCompile:
+    """StrayCompile naming the thread, the micro-batch's shape and the guard that refused it."""
     rows, length = inputs.input_ids.shape
     return StrayCompile(f"{threading.current_thread().name}: torch.compile would compile again after ready, for a "
                         f"micro-batch of {rows} x {length} tokens with {inputs.anchors.shape[1]} blocks (guard: "

@@ -20,6 +20,7 @@ from ..checkpoint.folders import LoadedCheckpoint, load_checkpoint, resolve_resu
 from ..checkpoint.state import fits
 from ..compiling.cache import CompileCache, compile_key_facts, open_compile_cache
 from ..compiling.policy import CompilePlan, configure_compiler, plan_compile
+from ..compiling.precompiled import unsupported_reason
 from ..compiling.step_build import BatchShape
 from ..config import JobConfig
 from ..data.batches import (BatchPlan, PlanEntry, anchor_counts, first_chat_row, load_prompts, load_samples,
@@ -201,6 +202,12 @@ def _set_up_compiler(config: JobConfig, run_dir: Path, shapes: tuple[BatchShape,
     plan = plan_compile(config, shapes)
     cache = open_compile_cache(run_dir, compile_key_facts(device)) if plan.mode != "off" else None
     configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
+    if plan.mode == "default" and cache is not None:
+        reason = unsupported_reason()
+        if reason is None:
+            plan = dataclasses.replace(plan, precompiled=cache.folder)
+        else:
+            say(f"precompiled train step not used: {reason}; Dynamo traces the step")
     if plan.buckets:
         say(f"compile: cudagraphs captures {len(plan.buckets)} shape bucket(s) per drafter: "
             f"{', '.join(f'{b.rows}x{b.length} ({b.blocks} blocks)' for b in plan.buckets)}")
