@@ -14,7 +14,8 @@ there: an AOT-compiled function never traces).
 Saved in the key folder of the compile cache (cache.py): train_step/<16 hex>.aot, the
 serialized graphs, and <16 hex>.json {size, sha256, torch, graphs, saved_at} beside it.
 The 16 hex name what the graphs were traced from: the sources of dflash_train/model, the
-transformers version, and the objective's parameters, settings and input dtypes. A file
+transformers version, the objective's parameters, settings and input dtypes, and the
+drafter's config. A file
 whose manifest does not name its bytes, or that torch cannot load, is moved aside
 (`.corrupt`), said in the log, and the step is traced as if none were there: never a
 failure of the run.
@@ -73,6 +74,8 @@ def step_key(objective: DraftObjective, like: DrafterInputs) -> str:
              "embed": [list(objective.embed_weight.shape), str(objective.embed_weight.dtype)],
              "head": [list(objective.lm_head_weight.shape), str(objective.lm_head_weight.dtype)],
              "modules": repr(objective), "use_flex": objective.use_flex, "chunk": objective.loss_chunk_rows,
+             # every setting a trace may take as a constant (block size, mask token, ...)
+             "drafter_config": objective.drafter.config.to_json_string(use_diff=False),
              "inputs": {name: str(getattr(like, name).dtype) for name in ("input_ids", "features", "anchors",
                                                                          "anchor_valid", "labels", "weights")},
              "features": like.features.shape[-1], "device": like.input_ids.device.type}
