@@ -11,7 +11,7 @@ from typing import Iterator
 
 from click.testing import CliRunner
 
-from dflash_cli import cli
+from dflash_cli import cli, console
 
 REPO = Path(__file__).resolve().parent.parent
 WIDE = 200  # columns: tables are never wrapped
@@ -58,9 +58,13 @@ def dflash_in_process(*args: str, hosts: Path | None = None, cwd: Path | None = 
     where the process boundary is not what is tested; signals, Ctrl-C, detaching and
     following a live run need `dflash()` / `popen_dflash()`."""
     argv = [*(["--hosts", str(hosts)] if hosts is not None else []), *args]
-    # COLUMNS is read at each print: the console made at import is as wide as a new
-    # process's (setting its width instead would pin it for every later test).
-    with _working_directory(cwd):
-        result = CliRunner().invoke(cli.main, argv, prog_name="python -m dflash_cli", catch_exceptions=False,
-                                    env={"NO_COLOR": "1", "COLUMNS": str(WIDE), **(env or {})})
+    # The console is made at its first use and reads COLUMNS then: each invocation makes its
+    # own, as a new process would, and leaves none behind pinned to its width.
+    console.__dict__.pop("human", None)
+    try:
+        with _working_directory(cwd):
+            result = CliRunner().invoke(cli.main, argv, prog_name="python -m dflash_cli", catch_exceptions=False,
+                                        env={"NO_COLOR": "1", "COLUMNS": str(WIDE), **(env or {})})
+    finally:
+        console.__dict__.pop("human", None)
     return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, result.stderr)

@@ -72,14 +72,14 @@ def label(name: str, detail: dict[str, Any]) -> str:
 def record(name: str, duration_s: float, state: str = StartupState.DONE, **detail: Any) -> None:
     """A phase measured by its caller: one `startup` event and one log line."""
     global _between_since
-    duration_s = max(0.0, duration_s)
+    duration_s = round(max(0.0, duration_s), 3)  # the event's figure, which the log line shows rounded again
     with _lock:
         ended = [entry for entry in _under_way if entry[:2] == (name, label(name, detail))]
         if ended:
             _under_way.remove(ended[-1])
             _between_since = time.monotonic()
     if _events is not None:
-        _events.emit(STARTUP, phase=name, state=state, label=label(name, detail), duration_s=round(duration_s, 3),
+        _events.emit(STARTUP, phase=name, state=state, label=label(name, detail), duration_s=duration_s,
                      **detail)
     failed = "failed after " if state == StartupState.FAILED else ""
     say(f"start-up: {label(name, detail)} {failed}{duration_s:.1f} s")
