@@ -18,20 +18,12 @@ from dflash_train.compiling.step_build import BatchShape, StrayCompile, inputs_o
 from support.trainer import end, start_trainer
 
 from test_head_loss import objective
+from test_trainer_runs import SMALL
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(unsupported_reason() is not None, reason=str(unsupported_reason()))]
 
-CONFIG = """
-target: {tiny: {}}
-data:
-  synthetic: {num_train: 64, num_eval: 2}
-  max_length: 128
-  token_budget: 512
-  pad_multiple: 16
-drafter: {num_layers: 1, block_size: 4, num_anchors: 8, num_target_features: 2}
-devices: {target: [cpu], drafters: [cpu, cpu]}
-runtime: {heartbeat_s: 0.5, torch_threads: 1}
+CONFIG = SMALL + """
 optim: {max_steps: 3}
 eval: {num_prompts: 0}
 checkpoint: {every: 0}
@@ -64,7 +56,7 @@ def test_a_warm_start_loads_the_saved_graphs_and_a_truncated_file_is_traced_agai
     saved = re.search(r"precompiled train step saved: (\S+\.aot) \((\d+) graph\(s\)", cold_log)
     assert saved, cold_log[-3000:]
     path, graphs = saved.group(1), int(saved.group(2))
-    assert f"/cache/compile/" in path and f"/{PRECOMPILED_DIR}/" in path
+    assert "/cache/compile/" in path and f"/{PRECOMPILED_DIR}/" in path
     assert built(cold_log) == (0, graphs) and graphs >= 1
 
     warm_log, warm_losses = run_to_end(workspace, tmp_path, "warm")

@@ -287,7 +287,7 @@ def _build_precompiled(objective: DraftObjective, data_shapes: tuple[BatchShape,
     the run goes on)."""
     key = (folder, step_key(objective, like))
     if key not in _SHARED_PRECOMPILED:
-        _SHARED_PRECOMPILED[key] = open_precompiled(folder, objective, like)
+        _SHARED_PRECOMPILED[key] = open_precompiled(folder, key[1])
     precompiled = _SHARED_PRECOMPILED[key]
     had = len(precompiled.functions)
 

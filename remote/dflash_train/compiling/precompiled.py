@@ -123,12 +123,12 @@ class PrecompiledStep:
         return len(data)
 
 
-def open_precompiled(folder: Path | None, objective: DraftObjective, like: DrafterInputs) -> PrecompiledStep:
-    """The saved graphs of this objective in the key folder `folder`, loaded; none (traced
+def open_precompiled(folder: Path | None, key: str) -> PrecompiledStep:
+    """The saved graphs of step_key `key` in the key folder `folder`, loaded; none (traced
     by the build) where there are none or they cannot be used, said in the log."""
     if folder is None:
         return PrecompiledStep(None, [], ABSENT)
-    path = folder / PRECOMPILED_DIR / f"{step_key(objective, like)}.aot"
+    path = folder / PRECOMPILED_DIR / f"{key}.aot"
     if not path.exists():
         return PrecompiledStep(path, [], ABSENT)
     try:
