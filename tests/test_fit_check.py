@@ -174,7 +174,7 @@ def test_the_probe_reads_a_model_folder_and_names_what_it_cannot(tmp_path):
 # Each target's parameters, as its published checkpoint has them (the stand-in's config must be the model's).
 PUBLISHED_PARAMETERS = {"meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248, "openai/gpt-oss-20b": 20_914_757_184,
                         "Qwen/Qwen3-30B-A3B": 30_532_122_624, "Qwen/Qwen3-8B": 8_190_735_360}
-ONE_H200 = ["llama3.1-8b.yaml", "qwen3-30b-a3b.yaml"]
+ONE_H200 = ["llama3.1-8b.yaml", "gpt-oss-20b.yaml", "qwen3-30b-a3b.yaml"]
 
 
 def target_config_json(name: str, folder: Path) -> dict:
