@@ -450,6 +450,32 @@ def test_a_training_evaluation_reports_the_speedup_when_eval_speedup_asks(tiny_a
 
 # --- logging, errors, checkpoints ----------------------------------------------------
 
+# A logger made before the trainer's line writers, as torch's and transformers' imports make
+# theirs in the warm interpreter before it forks a trainer; then one line logged by a thread.
+LOGGER_BEFORE_WRITERS = """
+import logging, sys, threading
+early = logging.getLogger("made.by.an.import")
+early.addHandler(logging.StreamHandler(sys.stderr))
+early.propagate = False
+from dflash_train.runlog import install_line_writers
+writers = install_line_writers()
+thread = threading.Thread(target=lambda: early.warning("from the drafter"), name="drafter-0")
+thread.start()
+thread.join()
+writers[1].flush_all()
+"""
+
+
+def test_a_logger_made_before_the_line_writers_writes_prefixed_lines(tmp_path):
+    log = tmp_path / "train.log"
+    with open(log, "wb") as out:
+        done = subprocess.run([sys.executable, "-c", LOGGER_BEFORE_WRITERS], stdout=out, stderr=out, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(REPO / "remote")})
+    assert done.returncode == 0, log.read_text()
+    (line,) = log.read_text().splitlines()
+    assert re.fullmatch(r"\S+ \[drafter-0\] from the drafter", line), line
+
+
 def test_line_writer_never_mixes_threads_inside_a_line(tmp_path):
     path = tmp_path / "log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)

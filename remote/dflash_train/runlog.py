@@ -138,17 +138,29 @@ class LineWriter(io.TextIOBase):
 
 
 def install_line_writers() -> tuple[LineWriter, LineWriter]:
-    """Replace sys.stdout/sys.stderr; call before importing torch or transformers so
-    their loggers pick up the prefixed stream."""
+    """Replace sys.stdout/sys.stderr, and the stream of every logging handler already
+    writing to them: a trainer forked from the warm interpreter finds torch's and
+    transformers' loggers made by its imports, holding the streams it had then; their
+    lines are prefixed as an exec'd trainer's are."""
+    import logging
     import sys
 
-    for stream in (sys.stdout, sys.stderr):
+    old_out, old_err = sys.stdout, sys.stderr
+    for stream in (old_out, old_err):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     out, err = LineWriter(1), LineWriter(2)
     sys.stdout, sys.stderr = out, err
+    loggers = [logging.getLogger()] + [logger for logger in list(logging.Logger.manager.loggerDict.values())
+                                       if isinstance(logger, logging.Logger)]
+    for handler in [h for logger in loggers for h in logger.handlers]:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            if handler.stream is old_out or handler.stream is sys.__stdout__:
+                handler.setStream(out)
+            elif handler.stream is old_err or handler.stream is sys.__stderr__:
+                handler.setStream(err)
     return out, err
 
 
