@@ -9,14 +9,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_files.compile_key import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, compile_key
-from dflash_train.compiling.cache import CORRUPT, LOADED, MISMATCH, compile_key_facts, load_artifacts
+from dflash_train.compiling.cache import (CORRUPT, LOADED, MISMATCH, bundle, compile_key_facts, load_artifacts,
+                                         memory_format, stable_cache_keys)
+from dflash_train.compiling.precompiled import PRECOMPILED_DIR, unsupported_reason
+from support.checkout import REPO
 from support.train_configs import small_config
 from test_multihost import Pair, pair_config
 
@@ -110,8 +117,93 @@ def test_start_up_phases_corrupt_fallback_and_artifacts_copied_to_another_host(p
     status, message = load_artifacts(received, facts)
     assert status == LOADED, message
     assert any((tmp_path / "inductor").iterdir())
+    if unsupported_reason() is None:  # the precompiled train step travels inside them, for the receiver's runs
+        sent = {f.name: f.read_bytes() for f in (on_ct200 / PRECOMPILED_DIR).glob("*") if f.suffix in (".aot", ".json")}
+        assert sent and {f.name: f.read_bytes() for f in (received / PRECOMPILED_DIR).iterdir()} == sent
+        assert f"{len(sent)} file(s) of the precompiled train step" in message
     other = {**facts, "triton": "0.0.1"}
     plant(received, saved, {**manifest, "facts": other})
     status, message = load_artifacts(received, facts)
     assert status == MISMATCH and "not loaded" in message
     assert not (received / ARTIFACTS_FILE).exists() and (received / f"{ARTIFACTS_FILE}.mismatch").read_bytes() == saved
+
+
+def bundled(folder: Path, files: dict[str, bytes], blob: bytes = b"") -> bytes:
+    for name, content in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(content)
+    return bundle(blob, folder)
+
+
+def test_a_bundle_gives_the_receiver_the_precompiled_step_and_keeps_what_it_has(tmp_path):
+    facts = compile_key_facts("cpu")
+    step = {f"{PRECOMPILED_DIR}/{'a' * 16}.aot": b"graphs", f"{PRECOMPILED_DIR}/{'a' * 16}.json": b"{}",
+            f"{PRECOMPILED_DIR}/{'b' * 16}.aot": b"other graphs", f"{PRECOMPILED_DIR}/{'b' * 16}.json": b"{}"}
+    data = bundled(tmp_path / "sender", step)
+    assert bundle(b"torch", tmp_path / "nothing") == b"torch"  # no precompiled step: torch's blob as it is
+    receiver = tmp_path / "receiver"
+    (receiver / PRECOMPILED_DIR).mkdir(parents=True)
+    (receiver / PRECOMPILED_DIR / f"{'b' * 16}.aot").write_bytes(b"its own")  # a graph it has stays
+    plant(receiver, data, {"facts": facts, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    status, message = load_artifacts(receiver, facts)
+    assert status == LOADED and "4 file(s) of the precompiled train step" in message, message
+    assert (receiver / PRECOMPILED_DIR / f"{'a' * 16}.aot").read_bytes() == b"graphs"
+    assert (receiver / PRECOMPILED_DIR / f"{'b' * 16}.aot").read_bytes() == b"its own"
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda data: data[:-3], "its bundle holds 27 bytes after the header, which names 30"),
+    (lambda data: data.replace(b'"files"', b'"fi1es"'), "its bundle header is unreadable"),
+    (lambda data: data.replace(PRECOMPILED_DIR.encode() + b"/", b"../x/"), "names files outside the precompiled"),
+])
+def test_a_bundle_not_whole_is_set_aside_and_writes_nothing(tmp_path, damage, why):
+    facts = compile_key_facts("cpu")
+    data = damage(bundled(tmp_path / "sender", {f"{PRECOMPILED_DIR}/{'a' * 16}.aot": b"x" * 28,
+                                                f"{PRECOMPILED_DIR}/{'a' * 16}.json": b"{}"}))
+    receiver = tmp_path / "receiver"
+    plant(receiver, data, {"facts": facts, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    status, message = load_artifacts(receiver, facts)
+    assert status == CORRUPT and why in message, message
+    assert (receiver / f"{ARTIFACTS_FILE}.corrupt").read_bytes() == data and not (receiver / PRECOMPILED_DIR).exists()
+
+
+# Inductor's cache key of a tensor's metadata, in a new interpreter: argv[1] "first" imports,
+# before torch, a module that binds `torch` (as a module of the warm interpreter's imports
+# may come before torch's own in sys.modules); argv[2] "stable" calls stable_cache_keys first.
+METADATA_KEY = """
+import sys, types
+if sys.argv[1] == "first":
+    first = types.ModuleType("a_module_before_torch")
+    sys.modules[first.__name__] = first
+import torch
+if sys.argv[1] == "first":
+    first.torch = torch
+if sys.argv[2] == "stable":
+    from dflash_train.compiling.cache import stable_cache_keys
+    stable_cache_keys()
+from torch._inductor.codecache import FxGraphCachePickler, extract_tensor_metadata_for_cache_key
+pickler = FxGraphCachePickler(torch.fx.symbolic_trace(torch.nn.Identity()))
+print(pickler.get_hash(extract_tensor_metadata_for_cache_key(torch.zeros(2, 3))))
+"""
+
+
+def metadata_key(imports: str, keys: str) -> str:
+    done = subprocess.run([sys.executable, "-c", METADATA_KEY, imports, keys], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "remote")}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.slow(seconds=20, why="four new interpreters importing torch and Inductor")
+def test_the_compile_caches_keys_do_not_depend_on_the_order_of_imports():
+    # As torch has it, the key follows the import order: the forked trainer's misses.
+    assert metadata_key("first", "as torch has it") != metadata_key("plain", "as torch has it")
+    assert metadata_key("first", "stable") == metadata_key("plain", "stable")
+
+
+def test_a_memory_format_pickled_for_stable_keys_loads_back():
+    stable_cache_keys()
+    for value in (torch.contiguous_format, torch.channels_last, torch.preserve_format):
+        assert pickle.loads(pickle.dumps(value)) is value
+    with pytest.raises(ValueError, match="torch.float32 is no memory format"):
+        memory_format("float32")

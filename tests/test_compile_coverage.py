@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from dflash_schema import SchemaError
-from dflash_train.compiling import cudagraphs
-from dflash_train.compiling.policy import CompilePlan, build_train_step, example_inputs, specialization_classes
+from dflash_train.compiling import cudagraphs, policy
+from dflash_train.compiling.policy import (CompilePlan, build_train_step, configure_compiler, example_inputs,
+                                         specialization_classes)
 from dflash_train.config import (DataConfig, DrafterConfig, TinyTargetSpec, load_job_config, padded_length,
                                  rows_per_micro_batch)
 from dflash_train.data.batches import (BatchPlan, Sample, StoredSamples, anchor_counts, collate, load_samples,
@@ -191,3 +192,24 @@ def test_compile_default_drafters_stepping_at_once_enter_the_compiled_forward_on
     assert not failures, failures[0]
     assert graphs_compiled() == compiled
     assert most[0] == 1
+
+
+@pytest.mark.slow(seconds=45, why="an Inductor compile of the tiny step on CPU, then the step traced again from "
+                                  "its caches")
+def test_a_build_reports_its_tracing_and_what_the_compile_caches_answered(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(policy, "_SHARED_FORWARD", {})
+    plan = CompilePlan("default", data_shapes=(BatchShape(2, 32, 6),))  # traced: nothing precompiled
+    configure_compiler("default", 1, plan.shapes_per_drafter, True)
+    model = objective(None)
+    example = example_inputs(model, 16, model.drafter.fc.in_features, "cpu")
+    cold = build_train_step(plan, model, example).report
+    torch._dynamo.reset()  # as a new process of the same host finds it: nothing traced, the caches on disk
+    monkeypatch.setattr(policy, "_SHARED_FORWARD", {})
+    warm = build_train_step(plan, model, example).report
+    assert cold.compiler.trace_s > 0 and cold.compiler.inductor_misses >= 1 and cold.compiler.inductor_hits == 0
+    assert warm.compiler.trace_s > 0  # the trace is paid again
+    assert warm.compiler.inductor_misses == warm.compiler.autograd_misses == 0  # nothing compiled again
+    assert warm.compiler.inductor_hits + warm.compiler.autograd_hits >= 1
+    assert warm.compiler.inductor_s < cold.compiler.inductor_s
+    assert warm.event_detail()["graphs_traced"] == 1 and "tracing" in warm.describe()

@@ -23,10 +23,11 @@ import torch
 from transformers import Qwen3Config
 
 from dflash_schema import SchemaError
-from dflash_train.compiling import cudagraphs
+from dflash_train.compiling import cudagraphs, precompiled
 from dflash_train.compiling.policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
                                          configure_compiler, example_inputs, plan_compile)
-from dflash_train.compiling.step_build import compile_for_shapes, inputs_of_shape, random_inputs, warm_up
+from dflash_train.compiling.step_build import (CompilerWork, compile_for_shapes, inputs_of_shape, random_inputs,
+                                              shape_of, warm_up)
 from dflash_train.config import DataConfig, DrafterConfig, load_job_config
 from dflash_train.data.batches import BatchPlan, Sample, collate
 from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
@@ -342,6 +343,38 @@ def test_static_shapes_compile_every_bucket_on_its_own():
     assert compiled == pytest.approx(eager, rel=1e-4)
 
 
+# ------------------------------------------------------------------ CPU: the objective from saved graphs
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow(seconds=45, why="an Inductor compile of the step ahead of time on CPU, then a load of what it saved")
+@pytest.mark.skipif(precompiled.unsupported_reason() is not None, reason=str(precompiled.unsupported_reason()))
+def test_the_whole_step_objective_is_compiled_once_saved_and_loaded_by_the_next_process(tmp_path, monkeypatch,
+                                                                                      compiler_settings):
+    """What whole_step captures, from the compile cache's saved graphs (precompiled.py),
+    with dynamic shapes: the first build compiles one graph for the four buckets and saves
+    it; a new process's build loads it, traces nothing, and gives eager's losses."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(precompiled, "_SHARED", {})
+    monkeypatch.setattr(precompiled, "FAILED", [])
+    configure_compiler("cudagraphs", 1, 4, dynamic_shapes=True)
+    objective = tiny_objective("cpu")
+    statics = [cudagraphs._Bucket(shape_of(inputs), inputs) for inputs in _bucket_inputs(objective, FOUR_BUCKETS)]
+    with torch.no_grad():
+        eager = [float(objective(bucket.static)[0]) for bucket in statics]
+    call, made, loaded = cudagraphs._precompiled_objective(objective, statics, "dynamic", tmp_path / "key")
+    assert loaded == 0 and [graphs for _, graphs in made.values()] == [1, 0, 0, 0]
+    (saved,) = (tmp_path / "key" / precompiled.PRECOMPILED_DIR).glob("*.aot")
+    assert [float(call(bucket.static)[0]) for bucket in statics] == pytest.approx(eager, rel=1e-4)
+
+    monkeypatch.setattr(precompiled, "_SHARED", {})  # as a new process finds it: only the file
+    before = CompilerWork.snapshot()
+    call, made, loaded = cudagraphs._precompiled_objective(objective, statics, "dynamic", tmp_path / "key")
+    assert loaded == 1 and [graphs for _, graphs in made.values()] == [0, 0, 0, 0]
+    assert [float(call(bucket.static)[0]) for bucket in statics] == pytest.approx(eager, rel=1e-4)
+    assert CompilerWork.since(before).trace_s == 0  # nothing traced
+    assert precompiled.FAILED == [] and saved.stat().st_size > 0
+
+
 # ------------------------------------------------------------------ GPU: real graphs
 
 
@@ -601,3 +634,60 @@ def test_graphed_micro_batches_add_up_and_a_step_starts_from_zero():
     handed_out = [g.clone() for g in got]
     train_step(batches[0])  # the handed-out sums are copies the next step leaves alone
     assert all(torch.equal(a, b) for a, b in zip(got, handed_out))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(precompiled.unsupported_reason() is not None, reason=str(precompiled.unsupported_reason()))
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("shapes", ["static", "dynamic"])
+def test_a_whole_step_from_saved_graphs_traces_nothing_and_replays_eagers_losses(shapes, tmp_path, monkeypatch,
+                                                                                 compiler_settings):
+    """compile: cudagraphs on a warm start: the first build compiles the step ahead of time
+    and saves it in the key folder; the next process's build loads it, traces nothing,
+    captures every bucket, and every replay gives eager's loss for its batch (sdpa: a flex
+    drafter's step is traced, FLEX_NOT_PRECOMPILED)."""
+    attention = "sdpa"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(precompiled, "_SHARED", {})
+    monkeypatch.setattr(precompiled, "FAILED", [])
+    torch._dynamo.reset()
+    device = "cuda:0"
+    buckets = cudagraphs.bucket_shapes(FOUR_BUCKETS, DrafterConfig(block_size=BLOCK, num_anchors=8))
+    configure_compiler("cudagraphs", 1, len(buckets), dynamic_shapes=shapes == "dynamic")
+    plan = CompilePlan("cudagraphs", buckets=buckets, shapes=shapes, precompiled=tmp_path / "key")
+    first_objective = tiny_objective(device, use_flex=attention == "flex", head_dim=16)
+    like = example_inputs(first_objective, 16, FEATURE_LAYERS * HIDDEN, device)
+    first = build_train_step(plan, first_objective, like)
+    assert first.report.graphs_loaded == 0 and first.report.graphs_compiled == (1 if shapes == "dynamic" else 4)
+    assert list((tmp_path / "key" / precompiled.PRECOMPILED_DIR).glob("*.aot"))
+
+    monkeypatch.setattr(precompiled, "_SHARED", {})  # as a new process finds it: only the file
+    objective = tiny_objective(device, use_flex=attention == "flex", head_dim=16)
+    step = build_train_step(plan, objective, like)
+    assert (step.report.graphs_loaded, step.report.graphs_compiled) == (first.report.graphs_compiled, 0), \
+        step.report.describe()
+    assert step.report.compiler.trace_s == 0 and all(b.capture_s > 0 for b in step.report.buckets)
+    for i, shape in enumerate(buckets):
+        batch = inputs_of_shape(objective, shape, like, seed=50 + i)
+        graphed = float(step(batch).loss)
+        eager = _eager_loss_and_grads(objective, batch)[0]
+        assert graphed == pytest.approx(float(eager), rel=2e-2), shape
+    assert precompiled.FAILED == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(600)
+def test_a_flex_drafter_traces_its_whole_step_and_says_why_once(tmp_path, monkeypatch, capsys, compiler_settings):
+    monkeypatch.setattr(precompiled, "_SHARED", {})
+    monkeypatch.setattr(precompiled, "FAILED", [])
+    torch._dynamo.reset()
+    buckets = cudagraphs.bucket_shapes(FOUR_BUCKETS, DrafterConfig(block_size=BLOCK, num_anchors=8))
+    configure_compiler("cudagraphs", 1, len(buckets), dynamic_shapes=True)
+    plan = CompilePlan("cudagraphs", buckets=buckets, shapes="dynamic", precompiled=tmp_path / "key")
+    objective = tiny_objective("cuda:0", use_flex=True, head_dim=16)
+    step = build_train_step(plan, objective, example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cuda:0"))
+    assert (step.report.graphs_loaded, step.report.graphs_compiled) == (0, 1)
+    assert precompiled.FAILED == [cudagraphs.FLEX_NOT_PRECOMPILED] and not (tmp_path / "key").exists()
+    assert capsys.readouterr().out.count("precompiled train step not used: flex attention under cudagraphs") == 1

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from dflash_train.compiling import policy
+from dflash_train.compiling import precompiled
 from dflash_train.compiling.policy import CompilePlan, build_train_step, configure_compiler, example_inputs
 from dflash_train.compiling.precompiled import PRECOMPILED_DIR, unsupported_reason
 from dflash_train.compiling.step_build import BatchShape, StrayCompile, inputs_of_shape
@@ -33,11 +33,14 @@ BUILT = re.compile(r"drafter 0: train step built \(default, dynamic shapes\) in 
                    r"(?:(\d+) graph\(s\) loaded precompiled, )?(\d+) graph\(s\) compiled")
 
 
-def run_to_end(workspace, tmp_path, run_id: str) -> tuple[str, dict[int, float]]:
+def run_to_end(workspace, tmp_path, run_id: str) -> tuple[str, dict[int, float], dict]:
+    """The run's log, its losses by step, and drafter 0's `build train step` done event."""
     launched = start_trainer(workspace, tmp_path / run_id, CONFIG, run_id)
     try:
         assert launched.wait(600) == 0, launched.log()[-3000:]
-        return launched.log(), {e["step"]: e["loss"] for e in launched.events("step")}
+        (build,) = [e for e in launched.events("startup")
+                    if e["phase"] == "build train step" and e["state"] == "done" and e["drafter"] == 0]
+        return launched.log(), {e["step"]: e["loss"] for e in launched.events("step")}, build
     finally:
         end(launched)
 
@@ -52,27 +55,35 @@ def built(log: str) -> tuple[int, int]:
                                    "a start from a truncated file")
 def test_a_warm_start_loads_the_saved_graphs_and_a_truncated_file_is_traced_again(tmp_path):
     workspace = tmp_path / "ws"
-    cold_log, cold_losses = run_to_end(workspace, tmp_path, "cold")
+    cold_log, cold_losses, cold_build = run_to_end(workspace, tmp_path, "cold")
     saved = re.search(r"precompiled train step saved: (\S+\.aot) \((\d+) graph\(s\)", cold_log)
     assert saved, cold_log[-3000:]
     path, graphs = saved.group(1), int(saved.group(2))
     assert "/cache/compile/" in path and f"/{PRECOMPILED_DIR}/" in path
     assert built(cold_log) == (0, graphs) and graphs >= 1
+    # The build's event says where its time went, by torch's own timers and cache counters.
+    assert (cold_build["graphs_traced"], cold_build["graphs_loaded"]) == (graphs, 0)
+    assert cold_build["trace_s"] > 0 and cold_build["inductor_s"] > 0
+    assert cold_build["autograd_cache_misses"] + cold_build["inductor_cache_misses"] >= graphs
+    assert cold_build["trace_s"] + cold_build["inductor_s"] <= cold_build["duration_s"]
 
-    warm_log, warm_losses = run_to_end(workspace, tmp_path, "warm")
+    warm_log, warm_losses, warm_build = run_to_end(workspace, tmp_path, "warm")
     assert f"precompiled train step loaded: {path} ({graphs} graph(s))" in warm_log
     assert built(warm_log) == (graphs, 0)  # nothing traced
+    assert (warm_build["graphs_traced"], warm_build["graphs_loaded"]) == (0, graphs)
+    assert warm_build["trace_s"] == 0  # its seconds are Inductor's loads
     assert "precompiled train step saved" not in warm_log
     assert warm_losses == pytest.approx(cold_losses, rel=1e-5) and len(warm_losses) == 3
 
     data = open(path, "rb").read()
     with open(path, "wb") as f:  # cut short, as by a full disk
         f.write(data[: len(data) // 2])
-    cut_log, cut_losses = run_to_end(workspace, tmp_path, "cut")
+    cut_log, cut_losses, cut_build = run_to_end(workspace, tmp_path, "cut")
     assert re.search(rf"precompiled train step {re.escape(path)} not loaded: ValueError: {len(data) // 2} bytes of "
                      rf"sha256 \w+, its manifest says {len(data)}; moved to \S+\.aot\.corrupt, Dynamo traces the step",
                      cut_log), cut_log[-3000:]
     assert built(cut_log) == (0, graphs)
+    assert (cut_build["graphs_traced"], cut_build["graphs_loaded"]) == (graphs, 0) and cut_build["trace_s"] > 0
     assert open(path + ".corrupt", "rb").read() == data[: len(data) // 2]
     assert f"precompiled train step saved: {path} ({graphs} graph(s)" in cut_log
     assert cut_losses == pytest.approx(cold_losses, rel=1e-5)
@@ -90,7 +101,7 @@ def eager_loss_and_grads(model, inputs):
 @pytest.mark.slow(seconds=60, why="an Inductor compile of the step on CPU, then loads of what it saved")
 def test_saved_graphs_serve_replicas_of_other_weights_and_refuse_a_stray_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(policy, "_SHARED_PRECOMPILED", {})
+    monkeypatch.setattr(precompiled, "_SHARED", {})
     shapes = (BatchShape(2, 48, 8), BatchShape(2, 32, 6), BatchShape(1, 48, 8))
     plan = CompilePlan("default", data_shapes=shapes, precompiled=tmp_path / "key")
     configure_compiler("default", 2, plan.shapes_per_drafter, True)
@@ -100,7 +111,7 @@ def test_saved_graphs_serve_replicas_of_other_weights_and_refuse_a_stray_shape(t
     assert step.report.graphs_compiled == 2 and step.report.checked == 1  # a graph for rows of 1
     (saved,) = (tmp_path / "key" / PRECOMPILED_DIR).glob("*.aot")
 
-    monkeypatch.setattr(policy, "_SHARED_PRECOMPILED", {})  # as a new process finds it: only the file
+    monkeypatch.setattr(precompiled, "_SHARED", {})  # as a new process finds it: only the file
     other = objective(None)
     with torch.no_grad():
         for p in other.drafter.parameters():

@@ -139,7 +139,23 @@ STARTUP = EventType(
                                    optional("drafter", INT, "which drafter"),
                                    optional("compile", OneOf("off", "default", "cudagraphs"), "the config's"),
                                    optional("cache", Nullable(CACHE), "the compiler's caches; null with compile: "
-                                            "off")),
+                                            "off"),
+                                   optional("graphs_traced", INT, "done: graphs Dynamo traced for it (none where "
+                                            "an earlier drafter's serve it)"),
+                                   optional("graphs_loaded", INT, "done: graphs loaded precompiled from the "
+                                            "compile cache, which Dynamo does not trace"),
+                                   optional("capture_s", NUMBER, "done: cudagraphs: the CUDA-graph captures' share"),
+                                   optional("trace_s", NUMBER, "done, compiled: Dynamo and AOTAutograd tracing "
+                                            "the step, by torch's own timers: what a warm start still pays"),
+                                   optional("inductor_s", NUMBER, "done, compiled: Inductor compiling the traced "
+                                            "graphs, forward and backward, or loading them from its caches"),
+                                   optional("inductor_cache_hits", INT, "done, compiled: graphs Inductor loaded "
+                                            "from its FX graph cache"),
+                                   optional("inductor_cache_misses", INT, "done, compiled: graphs Inductor compiled"),
+                                   optional("autograd_cache_hits", INT, "done, compiled: forward+backward pairs "
+                                            "loaded from AOTAutograd's cache"),
+                                   optional("autograd_cache_misses", INT, "done, compiled: pairs AOTAutograd "
+                                            "compiled")),
         "save compile artifacts": Detail("After the first drafter's compile, when the key folder holds no valid "
                                          "artifacts; a failed write is said and the run goes on.",
                                          optional("key", STR, "the key folder's name"),

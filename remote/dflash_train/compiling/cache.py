@@ -11,9 +11,13 @@ Portable artifacts: after a run's first compile (its first drafter's train step 
 PyTorch's cache artifacts (`torch.compiler.save_cache_artifacts`: every Inductor/Triton
 entry the process compiled or loaded, as one blob) go to artifacts.bin in the key folder,
 with artifacts.json {facts, size, sha256, torch, saved_at} beside it, once per key folder
-(by the first run that finds none valid). A run whose key folder is cold loads them before
-anything compiles; another host of the same facts receives them from the agent (`dflash
-cache copy`, or `dflash launch` seeding the hosts of a run), so it starts warm. Before
+(by the first run that finds none valid). Where the key folder holds the train step's
+precompiled graphs (precompiled.py: train_step/<16 hex>.aot and .json), artifacts.bin
+bundles them with torch's blob (`bundle`), so the host that receives it loads the step
+without a trace too: torch's ahead-of-time compile does not read Inductor's caches. A run
+whose key folder is cold loads them before anything compiles; another host of the same
+facts receives them from the agent (`dflash cache copy`, or `dflash launch` seeding the
+hosts of a run), so it starts warm. Before
 loading: the manifest's facts must equal this process's and the file its size and sha256;
 a file that fails (truncated, corrupt, another toolchain's) is moved aside
 (`artifacts.bin.corrupt` / `.mismatch`), said in the log and the `compile cache` start-up
@@ -21,12 +25,14 @@ event, and the run compiles as if cold: a bad file never fails a run.
 """
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import hashlib
 import importlib.metadata
 import json
 import os
 import platform
+import re
 import tempfile
 import threading
 import time
@@ -38,6 +44,7 @@ from dflash_files.atomic import write_atomic
 from dflash_files.compile_key import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, COMPILE_DIR, KEY_FILE, compile_key
 
 from ..data.tiny import cache_root
+from .precompiled import PRECOMPILED_DIR
 from ..runlog import say
 from ..startup_phases import phase
 
@@ -56,6 +63,30 @@ def compile_key_facts(device: str) -> dict[str, str]:
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton, "cuda": torch.version.cuda or "none",
             "python": platform.python_version()}
+
+
+def stable_cache_keys() -> None:
+    """Make a torch.memory_format pickle the same in every process, as Inductor's and
+    AOTAutograd's cache keys need: they hash pickles of the example inputs' metadata, which
+    holds the memory format, and pickle names an object without a __module__ (a memory
+    format) after the first module in sys.modules through which `torch.<name>` reaches it.
+    So a trainer forked from the warm interpreter, whose imports ran in another order than
+    an exec'd trainer's, hashed other keys and missed every entry the exec'd runs had
+    written (H200, torch 2.11: 0 hits where an exec'd warm start had 2). Registered with
+    copyreg, whose table those picklers copy; once per process, before anything compiles."""
+    copyreg.pickle(torch.memory_format, _reduce_memory_format)
+
+
+def memory_format(name: str) -> torch.memory_format:
+    """torch.<name>: what a memory format pickled by stable_cache_keys unpickles to."""
+    value = getattr(torch, name)
+    if not isinstance(value, torch.memory_format):
+        raise ValueError(f"torch.{name} is no memory format")
+    return value
+
+
+def _reduce_memory_format(value: torch.memory_format):
+    return memory_format, (str(value).removeprefix("torch."),)
 
 
 def use_compile_cache(run_dir: Path, facts: dict[str, str]) -> Path:
@@ -116,13 +147,68 @@ def load_artifacts(folder: Path, facts: dict[str, str]) -> tuple[str, str]:
         return _set_aside(path, CORRUPT, f"{len(data)} bytes of sha256 {hashlib.sha256(data).hexdigest()[:16]}, "
                                          f"its manifest says {manifest.get('size')} of {str(manifest.get('sha256'))[:16]}")
     try:
-        # None: torch could not unpickle them (it logs a warning and loads nothing)
-        info = torch.compiler.load_cache_artifacts(data)
-    except Exception as exc:  # noqa: BLE001 - whatever torch makes of a bad blob, the run compiles instead
-        return _set_aside(path, CORRUPT, f"torch could not load them ({type(exc).__name__}: {exc})")
-    if info is None:
-        return _set_aside(path, CORRUPT, "torch could not load them (not cache artifacts of this torch)")
-    return LOADED, f"compile artifacts loaded ({len(data):,} bytes)"
+        blob, files = unbundle(data)
+    except ValueError as exc:
+        return _set_aside(path, CORRUPT, str(exc))
+    if blob:
+        try:
+            # None: torch could not unpickle them (it logs a warning and loads nothing)
+            info = torch.compiler.load_cache_artifacts(blob)
+        except Exception as exc:  # noqa: BLE001 - whatever torch makes of a bad blob, the run compiles instead
+            return _set_aside(path, CORRUPT, f"torch could not load them ({type(exc).__name__}: {exc})")
+        if info is None:
+            return _set_aside(path, CORRUPT, "torch could not load them (not cache artifacts of this torch)")
+    for name, content in files.items():  # a graph of the step this host already has stays
+        if not (folder / name).exists():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(str(folder / name), content)
+    step = f", {len(files)} file(s) of the precompiled train step" if files else ""
+    return LOADED, f"compile artifacts loaded ({len(data):,} bytes{step})"
+
+
+# artifacts.bin holding precompiled graphs too: this line, then a JSON line {"torch": size of
+# torch's blob, "files": [[name in the key folder, size], ...]}, then torch's blob, then
+# each file's bytes in that order. Any other artifacts.bin is torch's blob alone.
+_BUNDLE_MAGIC = b"dflash compile artifacts 1\n"
+_BUNDLED_NAME = re.compile(rf"^{PRECOMPILED_DIR}/[0-9a-f]{{16}}\.(aot|json)$")
+
+
+def bundle(blob: bytes, folder: Path) -> bytes:
+    """What artifacts.bin holds: torch's `blob`, with the key folder's precompiled train-step
+    files when it has any (each .aot with its manifest; a .aot without one is not whole)."""
+    names = [f"{PRECOMPILED_DIR}/{aot.name}" for aot in sorted((folder / PRECOMPILED_DIR).glob("*.aot"))
+             if aot.with_suffix(".json").exists()]
+    names = [n for name in names for n in (name, name[:-len(".aot")] + ".json")]
+    if not names:
+        return blob
+    contents = [(folder / name).read_bytes() for name in names]
+    header = {"torch": len(blob), "files": [[name, len(content)] for name, content in zip(names, contents)]}
+    return b"".join([_BUNDLE_MAGIC, json.dumps(header).encode() + b"\n", blob, *contents])
+
+
+def unbundle(data: bytes) -> tuple[bytes, dict[str, bytes]]:
+    """(torch's blob, {name in the key folder: bytes}) of an artifacts.bin; ValueError
+    naming what is wrong with a bundle that is not whole."""
+    if not data.startswith(_BUNDLE_MAGIC):
+        return data, {}
+    header_end = data.find(b"\n", len(_BUNDLE_MAGIC))
+    try:
+        header = json.loads(data[len(_BUNDLE_MAGIC):header_end])
+        sizes = [int(header["torch"])] + [int(size) for _, size in header["files"]]
+        names = [str(name) for name, _ in header["files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"its bundle header is unreadable ({exc})") from exc
+    bad = [name for name in names if not _BUNDLED_NAME.match(name)]
+    if bad:
+        raise ValueError(f"its bundle names files outside the precompiled train step: {', '.join(bad)}")
+    body = data[header_end + 1:]
+    if header_end < 0 or len(body) != sum(sizes):
+        raise ValueError(f"its bundle holds {len(body)} bytes after the header, which names {sum(sizes)}")
+    parts, offset = [], 0
+    for size in sizes:
+        parts.append(body[offset:offset + size])
+        offset += size
+    return parts[0], dict(zip(names, parts[1:]))
 
 
 def _set_aside(path: Path, status: str, why: str) -> tuple[str, str]:
@@ -134,15 +220,16 @@ def _set_aside(path: Path, status: str, why: str) -> tuple[str, str]:
 
 
 def save_artifacts(folder: Path, facts: dict[str, str]) -> int | None:
-    """Save what this process compiled as the key folder's portable artifacts; their size,
-    or None when torch has nothing (or no API) to save. Raises OSError when the write
-    fails (no space, say): the caller logs it, the run goes on."""
+    """Save what this process compiled, with the key folder's precompiled train step
+    (`bundle`), as the key folder's portable artifacts; their size, or None when there is
+    nothing (or no API) to save. Raises OSError when the write fails (no space, say): the
+    caller logs it, the run goes on."""
     if not hasattr(torch.compiler, "save_cache_artifacts"):
         return None
     saved = torch.compiler.save_cache_artifacts()
-    if saved is None or not saved[0]:
+    data = bundle(saved[0] if saved is not None else b"", folder)
+    if not data:
         return None
-    data = saved[0]
     write_atomic(str(folder / ARTIFACTS_FILE), data)
     # The manifest last: until it names these bytes a reader finds a mismatch and compiles.
     manifest = {"facts": facts, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),

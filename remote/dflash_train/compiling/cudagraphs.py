@@ -39,17 +39,21 @@ loss weight, and padded context lies after every real anchor.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from ..config import DataConfig, DrafterConfig, blocks_per_row, rows_per_micro_batch
 from ..model.objective import DraftObjective, DrafterInputs
+from . import precompiled as precompiled_step
+from .precompiled import step_key
 from .step_build import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
-                         compile_for_shapes, inputs_of_shape, shape_of, warm_up)
+                         compile_for_shapes, inputs_of_shape, mark_dynamic, shape_of, varying_dims, warm_up)
 
 Strategy = Literal["auto", "whole_step", "upstream"]
 
@@ -58,6 +62,12 @@ Strategy = Literal["auto", "whole_step", "upstream"]
 CAPTURE_LOCK = threading.Lock()
 UPSTREAM_THREAD_SAFE_TORCH = (2, 13)  # first release with pytorch PR #184357
 WARMUP_STEPS = 3  # eager-allocator steps before capture: compile, autotune, cuBLAS handles
+
+
+# Why whole_step traces a flex-attention drafter's step even where precompiled graphs are
+# used (precompiled.py): torch 2.11's aot_compile fails in flex attention's trace (H200).
+FLEX_NOT_PRECOMPILED = ("flex attention under cudagraphs: torch 2.11's ahead-of-time compile fails in its trace "
+                        "(\"TracingContext.get() must be called within an ongoing trace\")")
 
 
 class CudaGraphsUnavailable(RuntimeError):
@@ -131,12 +141,15 @@ class _Bucket:
 
 def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs,
                                buckets: Sequence[BatchShape] | None = None, *, shapes: CompileShapes = "static",
-                               drafters_share_a_device: bool = True, strategy: Strategy = "auto") -> BuiltStep:
+                               drafters_share_a_device: bool = True, strategy: Strategy = "auto",
+                               precompiled: Path | None = None) -> BuiltStep:
     """Compile and capture one replica's forward+backward; call in its thread before ready.
 
     `example` gives dtypes, feature width and device; `buckets` the shapes to capture
     (default: the example's own); `shapes` whether one compile serves every bucket
-    (dynamic) or each is compiled on its own (static; see step_build.compile_for_shapes).
+    (dynamic) or each is compiled on its own (static; see step_build.compile_for_shapes);
+    `precompiled` the compile cache's key folder whose saved graphs whole_step loads
+    instead of tracing (precompiled.py; None: traced).
     The returned step pads each batch to the smallest bucket that holds it, replays, and
     leaves the gradients in every parameter's `.grad` (the same tensors every step), like
     the eager step does; its report has each bucket's warm-up and capture time.
@@ -150,11 +163,12 @@ def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs
     # Largest first: smaller buckets' captures then fit in memory the largest freed.
     ordered = sorted(set(buckets), key=lambda s: (s.tokens, s), reverse=True)
     statics = [_Bucket(shape, inputs_of_shape(objective, shape, example, seed=i)) for i, shape in enumerate(ordered)]
+    loaded = 0
     with CAPTURE_LOCK, torch.cuda.device(device):
         if chosen == "upstream":
             replay, timings = _warm_up_upstream(objective, statics)
         else:
-            replay, timings = _capture_whole_step(objective, statics, shapes)
+            replay, timings, loaded = _capture_whole_step(objective, statics, shapes, precompiled)
 
     def train_step(inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats:
         # Smallest padded size that holds the batch (statics is sorted largest first).
@@ -169,7 +183,7 @@ def build_cudagraph_train_step(objective: DraftObjective, example: DrafterInputs
         return replay(bucket, first, last)
 
     compiled_shapes = "static" if chosen == "upstream" else shapes
-    return BuiltStep(train_step, BuildReport(chosen, compiled_shapes, tuple(timings)))
+    return BuiltStep(train_step, BuildReport(chosen, compiled_shapes, tuple(timings), graphs_loaded=loaded))
 
 
 def _trainable(objective: DraftObjective) -> list[torch.nn.Parameter]:
@@ -187,7 +201,40 @@ def _hand_out_gradients(params: list[torch.nn.Parameter], grads: list[torch.Tens
         param.grad = fresh
 
 
-def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shapes: CompileShapes):
+def _precompiled_objective(objective: DraftObjective, statics: list[_Bucket], shapes: CompileShapes, folder: Path):
+    """The objective from the saved graphs of the key folder (precompiled.py), by the rules
+    of compile_for_shapes: each bucket runs the first graph whose guards pass it, and a
+    bucket none passes gets a graph compiled now; new graphs are saved for the next run.
+    -> (what the step calls, {bucket shape: (seconds, graphs compiled) of getting its
+    graph}, graphs loaded)."""
+    varying = varying_dims([bucket.shape for bucket in statics]) if shapes == "dynamic" else frozenset()
+    key = step_key(objective, statics[0].static, f"cudagraphs whole_step {shapes}")
+    step = precompiled_step.shared_step(folder, key)
+    had = len(step.functions)
+    functions, made = {}, {}
+    for bucket in statics:
+        started = time.perf_counter()
+        function = step.find(objective, bucket.static)
+        compiles = function is None
+        if compiles:
+            # The marks go on a copy: the guards of a saved graph refuse a tensor marked dynamic.
+            example = DrafterInputs(*(getattr(bucket.static, field.name).clone()
+                                      for field in dataclasses.fields(DrafterInputs)))
+            mark_dynamic(example, varying)
+            function = step.compile(objective, example, dynamic=False if shapes == "static" else None)
+        functions[bucket.shape] = function
+        made[bucket.shape] = (time.perf_counter() - started, int(compiles))
+    precompiled_step.save_new(step, had)
+
+    def call(inputs: DrafterInputs) -> tuple:
+        # Only the buckets' own tensors reach here (warm-up and capture): their graph is known.
+        return functions[shape_of(inputs)](objective, inputs)
+
+    return call, made, had
+
+
+def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shapes: CompileShapes,
+                        precompiled: Path | None):
     params = _trainable(objective)
     # Gradients live outside any graph pool, allocated once: backward accumulates into
     # them in place, so every bucket's graph writes the same tensors and the code after
@@ -195,23 +242,43 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shape
     # graph, before a step's first micro-batch: the micro-batches of optim.accumulate
     # replay the same graphs and add up.
     grads = [torch.zeros_like(p) for p in params]
-    compiled = compile_for_shapes(objective, [bucket.static for bucket in statics], shapes, fullgraph=True)
 
-    def body(inputs: DrafterInputs):
-        for param, grad in zip(params, grads):
-            param.grad = grad  # Python only; what the graph records is the in-place add
-        loss, correct, counted = compiled(inputs)
-        loss.backward()
-        return loss.detach(), correct, counted
+    def body_of(compiled: Callable[[DrafterInputs], tuple]):
+        def body(inputs: DrafterInputs):
+            for param, grad in zip(params, grads):
+                param.grad = grad  # Python only; what the graph records is the in-place add
+            loss, correct, counted = compiled(inputs)
+            loss.backward()
+            return loss.detach(), correct, counted
+        return body
 
-    # Warm up on a side stream (the allocator and autograd must see a non-default stream
-    # before capture): compiles (once, or per bucket with static shapes), autotunes,
-    # creates cuBLAS handles.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        warmed = warm_up(body, [bucket.static for bucket in statics], WARMUP_STEPS, side.synchronize)
-    torch.cuda.current_stream().wait_stream(side)
+    def warm_up_on_side_stream(body) -> list[tuple[float, int]]:
+        # Warm up on a side stream (the allocator and autograd must see a non-default
+        # stream before capture): compiles (once, or per bucket with static shapes),
+        # autotunes, creates cuBLAS handles.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warmed = warm_up(body, [bucket.static for bucket in statics], WARMUP_STEPS, side.synchronize)
+        torch.cuda.current_stream().wait_stream(side)
+        return warmed
+
+    body, loaded = None, 0
+    if precompiled is not None and objective.use_flex and not precompiled_step.FAILED:
+        precompiled_step.give_up(FLEX_NOT_PRECOMPILED)
+    if precompiled is not None and not precompiled_step.FAILED:
+        try:
+            compiled, made, loaded = _precompiled_objective(objective, statics, shapes, precompiled)
+            body = body_of(compiled)
+            # The graphs were made before the warm-up, not by it.
+            warmed = [(seconds + made[bucket.shape][0], made[bucket.shape][1])
+                      for bucket, (seconds, _) in zip(statics, warm_up_on_side_stream(body))]
+        except Exception as exc:  # noqa: BLE001 - torch's AOT path failed: trace, as without it
+            precompiled_step.give_up(exc)
+            body, loaded = None, 0
+    if body is None:
+        body = body_of(compile_for_shapes(objective, [bucket.static for bucket in statics], shapes, fullgraph=True))
+        warmed = warm_up_on_side_stream(body)
 
     pool = torch.cuda.graph_pool_handle()  # this drafter's own; its buckets take turns in it
     # A capture stream on this drafter's device. torch.cuda.graph's default one is made
@@ -241,7 +308,7 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shape
         # The next replay (any bucket: they share the pool) overwrites the outputs; copy now.
         return StepStats(loss.clone(), correct.clone(), counted.clone())
 
-    return replay, timings
+    return replay, timings, loaded
 
 
 def _warm_up_upstream(objective: DraftObjective, statics: list[_Bucket]):

@@ -23,7 +23,6 @@ the `last` the sum is in every parameter's `.grad`.
 from __future__ import annotations
 
 import dataclasses
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -35,9 +34,11 @@ from ..config import JobConfig
 from ..devices import canonical
 from ..model.objective import DraftObjective, DrafterInputs
 from ..runlog import say
+from .cache import stable_cache_keys
 from .cudagraphs import bucket_shapes, build_cudagraph_train_step
-from .precompiled import PrecompiledStep, open_precompiled, step_key
-from .step_build import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
+from . import precompiled as precompiled_step
+from .precompiled import step_key
+from .step_build import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompilerWork, CompileShapes, StepStats,
                          inputs_of_shape, is_compile_refusal, random_inputs, shape_of, stray_shape, warm_up)
 
 _BUILD_LOCK = threading.Lock()
@@ -45,12 +46,6 @@ _BUILD_LOCK = threading.Lock()
 # build lock) and called with each replica's objective: the first drafter's build
 # compiles the graphs of every shape, the others' find them.
 _SHARED_FORWARD: dict[str | Callable, object] = {}  # by backend
-# compile: default's precompiled graphs (precompiled.py), by file: loaded or compiled by the
-# first drafter's build, found by the others'.
-_SHARED_PRECOMPILED: dict[tuple[Path, str], PrecompiledStep] = {}
-# Why building from precompiled graphs failed in this process, once it did: the drafters
-# after it trace their steps too.
-_PRECOMPILE_FAILED: list[str] = []
 # Held around every call of a shared forward once built. Dynamo keeps one list of cache
 # entries per code object and, on torch 2.11, walks it live while a Python guard can
 # hand the GIL to another thread, whose hit moves its entry to the front: the walk then
@@ -79,8 +74,9 @@ class CompilePlan:
     # guards are in question (the tests of the build), a cheaper backend of torch's, or a
     # test's own callable
     backend: str | Callable = "inductor"
-    # compile: default: the compile cache's key folder, where the graphs of the step are
-    # saved and loaded (precompiled.py); None: Dynamo traces the step in every process
+    # compile: default and cudagraphs (whole_step): the compile cache's key folder, where the
+    # graphs of the step are saved and loaded (precompiled.py); None: Dynamo traces the
+    # step in every process
     precompiled: Path | None = None
 
     def __post_init__(self) -> None:
@@ -103,17 +99,16 @@ class CompilePlan:
 
     def build(self, objective: DraftObjective, example: DrafterInputs) -> BuiltStep:
         """One replica's train step for this plan, compiled and warmed up (not locked)."""
+        precompiled = self.precompiled if self.backend == "inductor" and not precompiled_step.FAILED else None
         if self.mode == "cudagraphs":
             return build_cudagraph_train_step(objective, example, self.buckets, shapes=self.shapes,
-                                              drafters_share_a_device=self.drafters_share_a_device)
-        if self.mode == "default" and self.precompiled is not None and self.backend == "inductor" \
-                and not _PRECOMPILE_FAILED:
+                                              drafters_share_a_device=self.drafters_share_a_device,
+                                              precompiled=precompiled)
+        if self.mode == "default" and precompiled is not None:
             try:
-                return _build_precompiled(objective, self.data_shapes or (shape_of(example),), example,
-                                          self.precompiled)
+                return _build_precompiled(objective, self.data_shapes or (shape_of(example),), example, precompiled)
             except Exception as exc:  # noqa: BLE001 - torch's AOT path failed: trace, as without it
-                _PRECOMPILE_FAILED.append(f"{type(exc).__name__}: {exc}")
-                say(f"precompiled train step not used: {_PRECOMPILE_FAILED[0][:500]}; Dynamo traces the step")
+                precompiled_step.give_up(exc)
                 objective.drafter.zero_grad(set_to_none=True)
         if self.mode == "default":
             return _build_compiled(objective, self.data_shapes or (shape_of(example),), example, self.backend)
@@ -177,6 +172,10 @@ def configure_compiler(mode: str, num_drafters: int, shapes_per_drafter: int = D
     torch._inductor.config.fx_graph_cache = True
     torch._inductor.config.autotune_local_cache = True
     torch._functorch.config.enable_autograd_cache = True
+    stable_cache_keys()  # a forked trainer finds what an exec'd one compiled, and the other way round
+    # The precompiled train step (precompiled.py) compiles with torch.compile(...).aot_compile,
+    # which torch 2.11 and 2.12 give a compiled function only with this set (2.13 sets it).
+    torch._dynamo.config.enable_aot_compile = True
 
 
 def example_inputs(objective: DraftObjective, seq_len: int, num_features: int, device: str) -> DrafterInputs:
@@ -197,7 +196,11 @@ def build_train_step(plan: CompilePlan | str, objective: DraftObjective, example
     if isinstance(plan, str):
         plan = CompilePlan(plan)
     with _BUILD_LOCK:
-        return plan.build(objective, example)
+        if plan.mode == "off":
+            return plan.build(objective, example)
+        before = CompilerWork.snapshot()
+        built = plan.build(objective, example)
+        return dataclasses.replace(built, report=dataclasses.replace(built.report, compiler=CompilerWork.since(before)))
 
 
 def forbid_compiles() -> None:
@@ -285,10 +288,7 @@ def _build_precompiled(objective: DraftObjective, data_shapes: tuple[BatchShape,
     then each other shape of the data checked against the graphs' guards; a shape no graph
     serves gets a graph of its own, traced now. New graphs are saved (a failed save is said;
     the run goes on)."""
-    key = (folder, step_key(objective, like))
-    if key not in _SHARED_PRECOMPILED:
-        _SHARED_PRECOMPILED[key] = open_precompiled(folder, key[1])
-    precompiled = _SHARED_PRECOMPILED[key]
+    precompiled = precompiled_step.shared_step(folder, step_key(objective, like, "default"))
     had = len(precompiled.functions)
 
     def forward(inputs: DrafterInputs):
@@ -320,17 +320,6 @@ def _build_precompiled(objective: DraftObjective, data_shapes: tuple[BatchShape,
         else:
             timings.append(step_at(shape, inputs))
     objective.drafter.zero_grad(set_to_none=True)
-    if len(precompiled.functions) > had:
-        _save(precompiled)
+    precompiled_step.save_new(precompiled, had)
     return BuiltStep(train_step, BuildReport("default", "dynamic", tuple(timings), checked=checked,
                                              graphs_loaded=had))
-
-
-def _save(precompiled: PrecompiledStep) -> None:
-    try:
-        size = precompiled.save()
-    except (OSError, RuntimeError, pickle.PicklingError) as exc:
-        say(f"precompiled train step not saved to {precompiled.path}: {type(exc).__name__}: {exc}")
-    else:
-        say(f"precompiled train step saved: {precompiled.path} ({len(precompiled.functions)} graph(s), "
-            f"{size:,} bytes)")

@@ -1,33 +1,41 @@
-"""compile: default's train step as Dynamo's own saved graphs: a warm start loads them
-instead of tracing the step again.
+"""The train step's graphs as Dynamo's own saved graphs: a warm start loads them instead
+of tracing the step again, under `compile: default` and under `compile: cudagraphs`
+(whole_step) alike.
 
 Each graph of the step is compiled ahead of time by torch (`torch.compile(fullgraph=True,
-dynamic=True).aot_compile`), which gives a function holding the compiled forward and
+dynamic=...).aot_compile`), which gives a function holding the compiled forward and
 backward and the guards Dynamo made for it; torch serializes it, and
 `torch.compiler.load_compiled_function` makes it again in another process without a trace.
-The build (policy._build_compiled) follows the rules of the traced build: one graph per
-specialization class at its largest shape, then one more for each shape of the data whose
-guards no graph passes. A call runs the first graph whose guards pass its inputs; one that
-none passes, after the build, is a StrayCompile naming its shape (nothing ever compiles
-there: an AOT-compiled function never traces).
+Each build follows the rules of its traced twin: compile: default's (policy._build_precompiled)
+one graph per specialization class at its largest shape, then one more for each shape of
+the data whose guards no graph passes; cudagraphs' (cudagraphs._compiled_objective) one
+graph per bucket with `compile_shapes: static`, or one serving every bucket with the
+dimensions that differ between them dynamic. A call runs the first graph whose guards pass
+its inputs; under compile: default one that none passes, after the build, is a
+StrayCompile naming its shape (nothing ever compiles there: an AOT-compiled function
+never traces); under cudagraphs only the captured buckets' shapes ever run.
 
 Saved in the key folder of the compile cache (cache.py): train_step/<16 hex>.aot, the
 serialized graphs, and <16 hex>.json {size, sha256, torch, graphs, saved_at} beside it.
 The 16 hex name what the graphs were traced from: the sources of dflash_train/model, the
-transformers version, the objective's parameters, settings and input dtypes, and the
-drafter's config. A file
-whose manifest does not name its bytes, or that torch cannot load, is moved aside
-(`.corrupt`), said in the log, and the step is traced as if none were there: never a
-failure of the run.
+transformers version, the objective's parameters, settings and input dtypes, the drafter's
+config, and the way the step is built (its variant). A file whose manifest does not name
+its bytes, or that torch cannot load, is moved aside (`.corrupt`), said in the log, and
+the step is traced as if none were there: never a failure of the run.
 
-Used on torch >= 2.13 (the first release it was verified on, on CPU); on older releases,
-or one without these APIs, the step is traced as before, and the log says so once.
+Used on torch >= 2.11, but for cudagraphs drafters with flex attention, whose ahead-of-time
+compile fails in torch 2.11 ("TracingContext.get() must be called within an ongoing
+trace", H200) and ran nowhere newer; on older releases, or one without these APIs, the
+step is traced as before, and the log says so once. Verified: compile: default on 2.11 and
+2.13 (CPU); cudagraphs' whole_step with sdpa, static shapes on 2.11 (H200) and dynamic on
+2.13 (CPU, without the capture).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import importlib.metadata
+import importlib.util
 import io
 import json
 import os
@@ -44,7 +52,7 @@ from ..model.objective import DraftObjective, DrafterInputs
 from ..runlog import say
 
 PRECOMPILED_DIR = "train_step"  # in the compile cache's key folder
-VERIFIED_TORCH = (2, 13)
+VERIFIED_TORCH = (2, 11)
 LOADED, ABSENT, CORRUPT, UNSUPPORTED = "loaded", "absent", "corrupt", "unsupported"
 _MODEL_SOURCES = Path(objective_module.__file__).parent
 
@@ -57,14 +65,15 @@ def unsupported_reason(version: tuple[int, int] | None = None) -> str | None:
     if version < VERIFIED_TORCH:
         return (f"torch {version[0]}.{version[1]}: a precompiled train step is used from torch "
                 f"{VERIFIED_TORCH[0]}.{VERIFIED_TORCH[1]} on")
-    if not hasattr(torch.compiler, "load_compiled_function") or not getattr(torch._dynamo.config,
-                                                                             "enable_aot_compile", False):
+    if not hasattr(torch.compiler, "load_compiled_function") \
+            or importlib.util.find_spec("torch._dynamo.aot_compile") is None:
         return f"torch {torch.__version__} has no torch.compiler.load_compiled_function / aot_compile"
     return None
 
 
-def step_key(objective: DraftObjective, like: DrafterInputs) -> str:
-    """16 hex of what the graphs were traced from (see the module docstring)."""
+def step_key(objective: DraftObjective, like: DrafterInputs, variant: str) -> str:
+    """16 hex of what the graphs were traced from (see the module docstring); `variant`
+    names how the step is built ("default", "cudagraphs static", ...)."""
     sources = hashlib.sha256()
     for path in sorted(_MODEL_SOURCES.glob("*.py")):
         sources.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -78,7 +87,7 @@ def step_key(objective: DraftObjective, like: DrafterInputs) -> str:
              "drafter_config": objective.drafter.config.to_json_string(use_diff=False),
              "inputs": {name: str(getattr(like, name).dtype) for name in ("input_ids", "features", "anchors",
                                                                          "anchor_valid", "labels", "weights")},
-             "features": like.features.shape[-1], "device": like.input_ids.device.type}
+             "features": like.features.shape[-1], "device": like.input_ids.device.type, "variant": variant}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -94,13 +103,26 @@ class PrecompiledStep:
         """The first graph whose guards pass these inputs, or None."""
         return next((f for f in self.functions if f.guard_check(objective, inputs)), None)
 
-    def compile(self, objective: DraftObjective, inputs: DrafterInputs) -> None:
-        """Trace and compile one more graph, for these inputs' shape (in the build only).
-        Without gradients: torch 2.13 saves a parameter's gradient among the guards' state
-        and cannot load it again ("assigned grad expected to be a Tensor or None")."""
+    def compile(self, objective: DraftObjective, inputs: DrafterInputs, dynamic: bool | None = True):
+        """Trace and compile one more graph, for these inputs' shape (in the build only),
+        with torch.compile's `dynamic` (None: the dimensions marked dynamic on the inputs);
+        the new graph. Without gradients: torch 2.13 saves a parameter's gradient among
+        the guards' state and cannot load it again ("assigned grad expected to be a
+        Tensor or None"); the guards do not look at them, so a call with gradients passes."""
+        held = [p.grad for p in objective.drafter.parameters()]
         objective.drafter.zero_grad(set_to_none=True)
-        compiled = torch.compile(DraftObjective.forward, fullgraph=True, dynamic=True)
-        self.functions.append(compiled.aot_compile(((objective, inputs), {})))
+        try:
+            compiled = torch.compile(DraftObjective.forward, fullgraph=True, dynamic=dynamic)
+            function = compiled.aot_compile(((objective, inputs), {}))
+        finally:
+            for param, grad in zip(objective.drafter.parameters(), held):
+                param.grad = grad
+        # Held as a later process loads it: its guards as saved, which differ from the
+        # compiled function's own (a dimension marked dynamic on the example is no guard
+        # of the saved one, whose guards refuse a tensor so marked), so this process runs
+        # by the rules the next one will, and what is saved is what ran.
+        self.functions.append(_deserialize(_serialize(function)))
+        return self.functions[-1]
 
     def refusal(self, objective: DraftObjective, inputs: DrafterInputs) -> str:
         """The guards of the first graph that fail these inputs, in Dynamo's words."""
@@ -112,15 +134,48 @@ class PrecompiledStep:
         """Write every graph to `path` (manifest last); its size. Raises OSError (disk full)."""
         if self.path is None:
             return None
-        from torch._dynamo.aot_compile import AOTCompiledFunction
-
-        data = pickle.dumps([AOTCompiledFunction.serialize(f).serialized_data for f in self.functions])
+        data = pickle.dumps([_serialize(f) for f in self.functions])
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(str(self.path), data)
         manifest = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "torch": torch.__version__,
                     "graphs": len(self.functions), "saved_at": time.time()}
         write_atomic(str(self.path.with_suffix(".json")), json.dumps(manifest, sort_keys=True).encode())
         return len(data)
+
+
+# The graphs of each (key folder, step key), loaded or compiled by the first drafter's
+# build, found by the others'.
+_SHARED: dict[tuple[Path, str], PrecompiledStep] = {}
+# Why building from precompiled graphs failed in this process, once it did: the drafters
+# after it trace their steps too.
+FAILED: list[str] = []
+
+
+def shared_step(folder: Path, key: str) -> PrecompiledStep:
+    """The process's PrecompiledStep of `key` in `folder`, opened at the first ask."""
+    if (folder, key) not in _SHARED:
+        _SHARED[(folder, key)] = open_precompiled(folder, key)
+    return _SHARED[(folder, key)]
+
+
+def give_up(why: BaseException | str) -> None:
+    """Building from precompiled graphs failed, or cannot work here: say why, once; this
+    process traces from now on."""
+    FAILED.append(why if isinstance(why, str) else f"{type(why).__name__}: {why}")
+    say(f"precompiled train step not used: {FAILED[0][:500]}; Dynamo traces the step")
+
+
+def save_new(step: PrecompiledStep, had: int) -> None:
+    """Save `step` when its build added graphs to the `had` it found (a failed save is
+    said; the run goes on)."""
+    if len(step.functions) <= had:
+        return
+    try:
+        size = step.save()
+    except (OSError, RuntimeError, pickle.PicklingError) as exc:
+        say(f"precompiled train step not saved to {step.path}: {type(exc).__name__}: {exc}")
+    else:
+        say(f"precompiled train step saved: {step.path} ({len(step.functions)} graph(s), {size:,} bytes)")
 
 
 def open_precompiled(folder: Path | None, key: str) -> PrecompiledStep:
@@ -150,5 +205,14 @@ def _load(path: Path) -> list:
             or manifest.get("sha256") != hashlib.sha256(data).hexdigest():
         raise ValueError(f"{len(data)} bytes of sha256 {hashlib.sha256(data).hexdigest()[:16]}, its manifest "
                          f"says {manifest.get('size') if isinstance(manifest, dict) else manifest!r}")
-    return [torch.compiler.load_compiled_function(io.BytesIO(blob), f_globals=objective_module.__dict__)
-            for blob in pickle.loads(data)]
+    return [_deserialize(blob) for blob in pickle.loads(data)]
+
+
+def _serialize(function) -> bytes:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    return AOTCompiledFunction.serialize(function).serialized_data
+
+
+def _deserialize(blob: bytes):
+    return torch.compiler.load_compiled_function(io.BytesIO(blob), f_globals=objective_module.__dict__)

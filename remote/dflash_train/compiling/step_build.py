@@ -79,6 +79,57 @@ class BucketTiming:
     graphs_compiled: int  # Dynamo graphs its warm-up compiled: 0 when an earlier bucket's graph served
 
 
+# torch's own timers (torch._dynamo.utils.compilation_time_metrics; the same names in
+# torch 2.11 through 2.13). All of a compile: a traced frame's, an AOT-compiled function's
+# (precompiled.py) and a backward's that AOTAutograd compiles lazily at its first call.
+_COMPILE_TIMERS = ("_compile.compile_inner", "fullgraph_capture", "backward._backward_impl")
+# Inductor's part of it, forward and backward: compiling a traced graph (its FX graph
+# cache looked up first) or loading it through AOTAutograd's cache.
+_INDUCTOR_TIMERS = ("compile_fx_inner", "AOTAutogradCache.inductor_load")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilerWork:
+    """What torch's compiler did during one build, by its own timers and counters: where a
+    build's seconds went, and whether the caches of a warm start answered."""
+
+    trace_s: float  # Dynamo and AOTAutograd tracing the step: what a warm start still pays
+    inductor_s: float  # Inductor compiling the traced graphs, or loading them from its caches
+    inductor_hits: int  # Inductor's FX graph cache: graphs loaded compiled
+    inductor_misses: int  # graphs Inductor compiled
+    autograd_hits: int  # AOTAutograd's cache: forward+backward pairs loaded
+    autograd_misses: int
+
+    @staticmethod
+    def snapshot() -> dict[str, float]:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        def seconds(names: tuple[str, ...]) -> float:
+            return sum(sum(compilation_time_metrics.get(name, ())) for name in names)
+
+        return {"compile_s": seconds(_COMPILE_TIMERS), "inductor_s": seconds(_INDUCTOR_TIMERS),
+                "inductor_hits": counters["inductor"]["fxgraph_cache_hit"],
+                "inductor_misses": counters["inductor"]["fxgraph_cache_miss"],
+                "autograd_hits": counters["aot_autograd"]["autograd_cache_hit"],
+                "autograd_misses": counters["aot_autograd"]["autograd_cache_miss"]}
+
+    @classmethod
+    def since(cls, before: dict[str, float]) -> CompilerWork:
+        """The work between `before` (a snapshot) and now: in this process, so a build
+        measured so must be the only one compiling (policy's build lock)."""
+        now = cls.snapshot()
+        moved = {key: now[key] - before[key] for key in now}
+        return cls(trace_s=round(max(0.0, moved["compile_s"] - moved["inductor_s"]), 3),
+                   inductor_s=round(moved["inductor_s"], 3),
+                   inductor_hits=int(moved["inductor_hits"]), inductor_misses=int(moved["inductor_misses"]),
+                   autograd_hits=int(moved["autograd_hits"]), autograd_misses=int(moved["autograd_misses"]))
+
+    def describe(self) -> str:
+        return (f"tracing {self.trace_s:.1f} s, Inductor {self.inductor_s:.1f} s (its cache: {self.inductor_hits} "
+                f"hit(s), {self.inductor_misses} miss(es); AOTAutograd's: {self.autograd_hits} hit(s), "
+                f"{self.autograd_misses} miss(es))")
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildReport:
     """What building one replica's train step cost, for the log now and start-up events later."""
@@ -87,7 +138,8 @@ class BuildReport:
     shapes: CompileShapes
     buckets: tuple[BucketTiming, ...]  # the shapes a step was run at to build it
     checked: int = 0  # compile: default: other shapes of the data found to run the compiled graphs
-    graphs_loaded: int = 0  # compile: default: graphs loaded precompiled from the compile cache
+    graphs_loaded: int = 0  # graphs loaded precompiled from the compile cache
+    compiler: CompilerWork | None = None  # None: compile off
 
     @property
     def graphs_compiled(self) -> int:
@@ -97,6 +149,22 @@ class BuildReport:
     def seconds(self) -> float:
         return sum(b.warmup_s + b.capture_s for b in self.buckets)
 
+    @property
+    def capture_s(self) -> float:
+        return sum(b.capture_s for b in self.buckets)
+
+    def event_detail(self) -> dict[str, object]:
+        """The `build train step` event's fields of this build (dflash_events STARTUP)."""
+        detail: dict[str, object] = {"graphs_traced": self.graphs_compiled, "graphs_loaded": self.graphs_loaded,
+                                     "capture_s": round(self.capture_s, 3)}
+        if self.compiler is not None:
+            detail.update(trace_s=self.compiler.trace_s, inductor_s=self.compiler.inductor_s,
+                          inductor_cache_hits=self.compiler.inductor_hits,
+                          inductor_cache_misses=self.compiler.inductor_misses,
+                          autograd_cache_hits=self.compiler.autograd_hits,
+                          autograd_cache_misses=self.compiler.autograd_misses)
+        return detail
+
     def describe(self) -> str:
         per_bucket = ", ".join(f"{b.shape}: warm-up {b.warmup_s:.1f} s"
                                + (f" + capture {b.capture_s:.1f} s" if b.capture_s else "")
@@ -104,8 +172,10 @@ class BuildReport:
                                for b in self.buckets)
         checked = f"; {self.checked} other shape(s) of the data run them" if self.checked else ""
         loaded = f"{self.graphs_loaded} graph(s) loaded precompiled, " if self.graphs_loaded else ""
+        compiler = f"; {self.compiler.describe()}" if self.compiler is not None else ""
         return (f"train step built ({self.mode}, {self.shapes} shapes) in {self.seconds:.1f} s, {loaded}"
-                f"{self.graphs_compiled} graph(s) compiled for {len(self.buckets)} shape(s): {per_bucket}{checked}")
+                f"{self.graphs_compiled} graph(s) compiled for {len(self.buckets)} shape(s): {per_bucket}{checked}"
+                f"{compiler}")
 
 
 class StrayCompile(RuntimeError):
@@ -204,18 +274,28 @@ def compile_for_shapes(objective: DraftObjective, bucket_inputs: Sequence[Drafte
     bounds, such a guard is an error (ConstraintViolationError) that would fail the run
     instead of costing one more compile.
     """
-    import torch._dynamo
-
     if shapes == "static":
         return torch.compile(objective, dynamic=False, **options)
-    sizes = [shape_of(inputs) for inputs in bucket_inputs]
-    varying = {name for name in ("rows", "length", "blocks") if len({getattr(s, name) for s in sizes}) > 1}
+    varying = varying_dims([shape_of(inputs) for inputs in bucket_inputs])
     for inputs in bucket_inputs:
-        for field, dims in _SHAPED_DIMS.items():
-            for index, name in enumerate(dims):
-                if name in varying:
-                    torch._dynamo.maybe_mark_dynamic(getattr(inputs, field), index)
+        mark_dynamic(inputs, varying)
     return torch.compile(objective, dynamic=None, **options)
+
+
+def varying_dims(shapes: Sequence[BatchShape]) -> frozenset[str]:
+    """The dimensions (rows, length, blocks) that differ between `shapes`: those a compile
+    serving all of them marks dynamic."""
+    return frozenset(name for name in ("rows", "length", "blocks") if len({getattr(s, name) for s in shapes}) > 1)
+
+
+def mark_dynamic(inputs: DrafterInputs, varying: frozenset[str]) -> None:
+    """Mark the `varying` dimensions of every tensor of `inputs` dynamic for Dynamo."""
+    import torch._dynamo
+
+    for field, dims in _SHAPED_DIMS.items():
+        for index, name in enumerate(dims):
+            if name in varying:
+                torch._dynamo.maybe_mark_dynamic(getattr(inputs, field), index)
 
 
 def warm_up(run: Callable[[DrafterInputs], object], bucket_inputs: Sequence[DrafterInputs], steps: int,

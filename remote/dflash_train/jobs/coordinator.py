@@ -147,9 +147,10 @@ class Coordinator(JobControl):
             replica = session.make_replica(index)
             example = example_inputs(replica.objective, self.config.data.pad_multiple,
                                      replica.drafter.fc.in_features, replica.device)
-        with phase("build train step", drafter=index, compile=self.config.compile,
-                   cache=None if cache is None else "warm" if cache.warm or is_warm(cache.folder) else "cold"):
+        cache_state = None if cache is None else "warm" if cache.warm or is_warm(cache.folder) else "cold"
+        with phase("build train step", drafter=index, compile=self.config.compile, cache=cache_state) as detail:
             built = build_train_step(session.compile_plan, replica.objective, example)
+            detail.update(built.report.event_detail())
             replica.train_step = built
             replica.prepare_optimizer()  # under cudagraphs, captures the optimizer step too
         ledger.note_since(before, f"drafter-{index}")

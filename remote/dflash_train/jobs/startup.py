@@ -202,7 +202,7 @@ def _set_up_compiler(config: JobConfig, run_dir: Path, shapes: tuple[BatchShape,
     plan = plan_compile(config, shapes)
     cache = open_compile_cache(run_dir, compile_key_facts(device)) if plan.mode != "off" else None
     configure_compiler(plan.mode, plan.num_drafters, plan.shapes_per_drafter, plan.dynamic_shapes)
-    if plan.mode == "default" and cache is not None:
+    if cache is not None:
         reason = unsupported_reason()
         if reason is None:
             plan = dataclasses.replace(plan, precompiled=cache.folder)
