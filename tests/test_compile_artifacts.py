@@ -153,6 +153,7 @@ def test_a_bundle_gives_the_receiver_the_precompiled_step_and_keeps_what_it_has(
 
 @pytest.mark.parametrize("damage,why", [
     (lambda data: data[:-3], "its bundle holds 27 bytes after the header, which names 30"),
+    (lambda data: data[:30], "its bundle ends inside its header"),
     (lambda data: data.replace(b'"files"', b'"fi1es"'), "its bundle header is unreadable"),
     (lambda data: data.replace(PRECOMPILED_DIR.encode() + b"/", b"../x/"), "names files outside the precompiled"),
 ])

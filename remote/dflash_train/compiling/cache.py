@@ -192,6 +192,8 @@ def unbundle(data: bytes) -> tuple[bytes, dict[str, bytes]]:
     if not data.startswith(_BUNDLE_MAGIC):
         return data, {}
     header_end = data.find(b"\n", len(_BUNDLE_MAGIC))
+    if header_end < 0:
+        raise ValueError("its bundle ends inside its header")
     try:
         header = json.loads(data[len(_BUNDLE_MAGIC):header_end])
         sizes = [int(header["torch"])] + [int(size) for _, size in header["files"]]
@@ -202,7 +204,7 @@ def unbundle(data: bytes) -> tuple[bytes, dict[str, bytes]]:
     if bad:
         raise ValueError(f"its bundle names files outside the precompiled train step: {', '.join(bad)}")
     body = data[header_end + 1:]
-    if header_end < 0 or len(body) != sum(sizes):
+    if len(body) != sum(sizes):
         raise ValueError(f"its bundle holds {len(body)} bytes after the header, which names {sum(sizes)}")
     parts, offset = [], 0
     for size in sizes:

@@ -8,7 +8,7 @@ backward and the guards Dynamo made for it; torch serializes it, and
 `torch.compiler.load_compiled_function` makes it again in another process without a trace.
 Each build follows the rules of its traced twin: compile: default's (policy._build_precompiled)
 one graph per specialization class at its largest shape, then one more for each shape of
-the data whose guards no graph passes; cudagraphs' (cudagraphs._compiled_objective) one
+the data whose guards no graph passes; cudagraphs' (cudagraphs._precompiled_objective) one
 graph per bucket with `compile_shapes: static`, or one serving every bucket with the
 dimensions that differ between them dynamic. A call runs the first graph whose guards pass
 its inputs; under compile: default one that none passes, after the build, is a
@@ -73,7 +73,7 @@ def unsupported_reason(version: tuple[int, int] | None = None) -> str | None:
 
 def step_key(objective: DraftObjective, like: DrafterInputs, variant: str) -> str:
     """16 hex of what the graphs were traced from (see the module docstring); `variant`
-    names how the step is built ("default", "cudagraphs static", ...)."""
+    names how the step is built ("default", "cudagraphs whole_step static", ...)."""
     sources = hashlib.sha256()
     for path in sorted(_MODEL_SOURCES.glob("*.py")):
         sources.update(path.name.encode() + b"\0" + path.read_bytes())
