@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from dflash_files.compile_key import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, compile_key
-from dflash_train.compiling.cache import (CORRUPT, LOADED, MISMATCH, bundle, compile_key_facts, load_artifacts,
-                                         memory_format, stable_cache_keys)
+from dflash_train.compiling.cache import CORRUPT, LOADED, MISMATCH, bundle, compile_key_facts, load_artifacts
+from dflash_train.compiling.stable_pickles import memory_format, stable_cache_keys
 from dflash_train.compiling.precompiled import PRECOMPILED_DIR, unsupported_reason
 from support.checkout import REPO
 from support.train_configs import small_config
@@ -180,7 +180,7 @@ import torch
 if sys.argv[1] == "first":
     first.torch = torch
 if sys.argv[2] == "stable":
-    from dflash_train.compiling.cache import stable_cache_keys
+    from dflash_train.compiling.stable_pickles import stable_cache_keys
     stable_cache_keys()
 from torch._inductor.codecache import FxGraphCachePickler, extract_tensor_metadata_for_cache_key
 pickler = FxGraphCachePickler(torch.fx.symbolic_trace(torch.nn.Identity()))
@@ -208,3 +208,8 @@ def test_a_memory_format_pickled_for_stable_keys_loads_back():
         assert pickle.loads(pickle.dumps(value)) is value
     with pytest.raises(ValueError, match="torch.float32 is no memory format"):
         memory_format("float32")
+    # and in another interpreter of the trainer's PYTHONPATH (a compile worker) that registered nothing
+    done = subprocess.run([sys.executable, "-c", "import pickle, sys; print(pickle.loads(bytes.fromhex(sys.argv[1])))",
+                           pickle.dumps(torch.channels_last).hex()], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "remote")})
+    assert (done.returncode, done.stdout.strip()) == (0, "torch.channels_last"), done.stderr

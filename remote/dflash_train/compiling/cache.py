@@ -25,7 +25,6 @@ event, and the run compiles as if cold: a bad file never fails a run.
 """
 from __future__ import annotations
 
-import copyreg
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -63,30 +62,6 @@ def compile_key_facts(device: str) -> dict[str, str]:
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton, "cuda": torch.version.cuda or "none",
             "python": platform.python_version()}
-
-
-def stable_cache_keys() -> None:
-    """Make a torch.memory_format pickle the same in every process, as Inductor's and
-    AOTAutograd's cache keys need: they hash pickles of the example inputs' metadata, which
-    holds the memory format, and pickle names an object without a __module__ (a memory
-    format) after the first module in sys.modules through which `torch.<name>` reaches it.
-    So a trainer forked from the warm interpreter, whose imports ran in another order than
-    an exec'd trainer's, hashed other keys and missed every entry the exec'd runs had
-    written (H200, torch 2.11: 0 hits where an exec'd warm start had 2). Registered with
-    copyreg, whose table those picklers copy; once per process, before anything compiles."""
-    copyreg.pickle(torch.memory_format, _reduce_memory_format)
-
-
-def memory_format(name: str) -> torch.memory_format:
-    """torch.<name>: what a memory format pickled by stable_cache_keys unpickles to."""
-    value = getattr(torch, name)
-    if not isinstance(value, torch.memory_format):
-        raise ValueError(f"torch.{name} is no memory format")
-    return value
-
-
-def _reduce_memory_format(value: torch.memory_format):
-    return memory_format, (str(value).removeprefix("torch."),)
 
 
 def use_compile_cache(run_dir: Path, facts: dict[str, str]) -> Path:

@@ -34,7 +34,7 @@ from ..config import JobConfig
 from ..devices import canonical
 from ..model.objective import DraftObjective, DrafterInputs
 from ..runlog import say
-from .cache import stable_cache_keys
+from .stable_pickles import stable_cache_keys
 from .cudagraphs import bucket_shapes, build_cudagraph_train_step
 from . import precompiled as precompiled_step
 from .precompiled import step_key
