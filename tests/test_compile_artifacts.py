@@ -195,7 +195,7 @@ def metadata_key(imports: str, keys: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.slow(seconds=20, why="four new interpreters importing torch and Inductor")
+@pytest.mark.slow(seconds=55, why="four new interpreters importing torch and Inductor")
 def test_the_compile_caches_keys_do_not_depend_on_the_order_of_imports():
     # As torch has it, the key follows the import order: the forked trainer's misses.
     assert metadata_key("first", "as torch has it") != metadata_key("plain", "as torch has it")

@@ -194,7 +194,7 @@ def test_compile_default_drafters_stepping_at_once_enter_the_compiled_forward_on
     assert most[0] == 1
 
 
-@pytest.mark.slow(seconds=45, why="an Inductor compile of the tiny step on CPU, then the step traced again from "
+@pytest.mark.slow(seconds=75, why="an Inductor compile of the tiny step on CPU, then the step traced again from "
                                   "its caches")
 def test_a_build_reports_its_tracing_and_what_the_compile_caches_answered(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
