@@ -19,7 +19,9 @@ Each launch is the CLI in a new process, as typed: the clock starts before it st
 the first step is the first `step` event's timestamp in the run's events.jsonl (the line
 `watch` prints comes from it). Printed per launch: launch -> first step, the deploy's
 share (until run.json's started_at), run.json's started_by and warm_reason, and each
-start-up phase's seconds from its `done` event. $WORK/cli_startup.json holds the rows
+start-up phase's seconds from its `done` event, and each drafter's build as its event
+breaks it down (tracing, Inductor, the caches' hits and misses, graphs traced and loaded:
+a warm launch that compiles again shows as misses). $WORK/cli_startup.json holds the rows
 ($OUT/cli_startup.json too when OUT is set).
 """
 from __future__ import annotations
@@ -77,10 +79,17 @@ def launch(work: Path, workspace: Path, config: Path, sets: list[str], timeout_s
                deploy_s=round(run["started_at"] - started, 1) if isinstance(run.get("started_at"), (int, float)) else None,
                started_by=run.get("started_by"), warm_reason=run.get("warm_reason"),
                phases={e["label"]: e.get("duration_s") for e in events
-                       if e.get("type") == "startup" and e.get("state") == "done"})
+                       if e.get("type") == "startup" and e.get("state") == "done"},
+               builds=[{k: e.get(k) for k in BUILD_FIELDS} for e in events
+                       if e.get("type") == "startup" and e.get("phase") == "build train step" and e.get("state") == "done"])
     if not steps:
         row["stderr_tail"] = proc.stderr.splitlines()[-30:]
     return row
+
+
+# What each drafter's `build train step` event says of its build (docs/events.md).
+BUILD_FIELDS = ("drafter", "duration_s", "trace_s", "inductor_s", "inductor_cache_hits", "inductor_cache_misses",
+                "autograd_cache_hits", "autograd_cache_misses", "graphs_traced", "graphs_loaded", "capture_s")
 
 
 def wait_warm_ready(workspace: Path, limit_s: float = 60.0) -> float:
@@ -130,6 +139,11 @@ def main() -> None:
             print(f"{case:16} {label:4}  launch->first step {row.get('first_step_s')} s  (deploy {row.get('deploy_s')} s)  "
                   f"exit {row['exit_code']}  started_by {row.get('started_by')} {row.get('warm_reason') or ''}\n"
                   f"    phases (s): {phases}", flush=True)
+            for build in row.get("builds") or []:
+                print(f"    build drafter {build['drafter']}: {build['duration_s']} s, tracing {build['trace_s']} s, "
+                      f"Inductor {build['inductor_s']} s (cache {build['inductor_cache_hits']} hit(s) "
+                      f"{build['inductor_cache_misses']} miss(es)), {build['graphs_traced']} graph(s) traced, "
+                      f"{build['graphs_loaded']} loaded", flush=True)
             for line in row.get("stderr_tail", []):
                 print(f"    | {line}", flush=True)
     text = json.dumps(rows, indent=1)
