@@ -212,6 +212,30 @@ def test_a_launch_forked_by_the_warm_interpreter_is_the_run_an_exec_would_be(hos
     assert host.warm_pids() == [info["pid"]]  # one, still serving
 
 
+def build_event(host: Host, run_id: str) -> Dict[str, Any]:
+    (build,) = [e for e in map(json.loads, (host.run_dir(run_id) / "events.jsonl").read_text().splitlines())
+                if e["type"] == "startup" and e["phase"] == "build train step" and e["state"] == "done"]
+    return build
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow(seconds=60, why="an exec'd trainer compiling the step on CPU, then one forked by the warm interpreter")
+def test_a_forked_trainer_builds_its_step_from_what_an_exec_d_one_compiled(host):
+    config = host.config("compiled", compile="default", devices={"drafters": ["cpu"]}, optim={"max_steps": 2},
+                         eval={"num_prompts": 0})
+    host.launch("cold", config)
+    assert host.exit_record("cold", timeout=600)["exit_code"] == 0, (host.run_dir("cold") / "train.log").read_text()
+    host.ready()
+    host.launch("warm", config)
+    assert host.exit_record("warm", timeout=300)["exit_code"] == 0, (host.run_dir("warm") / "train.log").read_text()
+    assert (host.record("cold")["started_by"], host.record("warm")["started_by"]) == ("exec", "warm")
+    cold, warm = build_event(host, "cold"), build_event(host, "warm")
+    assert cold["graphs_traced"] >= 1 and cold["graphs_loaded"] == 0
+    # The compile cache the exec'd trainer filled serves the forked one: nothing traced or compiled.
+    assert (warm["graphs_traced"], warm["graphs_loaded"]) == (0, cold["graphs_traced"]), warm
+    assert warm["trace_s"] == 0 and warm["inductor_cache_misses"] == warm["autograd_cache_misses"] == 0, warm
+
+
 @pytest.mark.slow(seconds=35, why=WHY)
 def test_exit_codes_signals_env_and_the_warm_interpreter_killed_mid_run(host, tmp_path):
     exit3 = host.config("exit3", faults=[{"thread": "coordinator", "at": "startup", "kind": "exit", "code": 3}])
