@@ -646,7 +646,7 @@ def test_a_whole_step_from_saved_graphs_traces_nothing_and_replays_eagers_losses
     """compile: cudagraphs on a warm start: the first build compiles the step ahead of time
     and saves it in the key folder; the next process's build loads it, traces nothing,
     captures every bucket, and every replay gives eager's loss for its batch (sdpa: a flex
-    drafter's step is traced, FLEX_NOT_PRECOMPILED)."""
+    drafter's step is traced, precompiled.FLEX_NOT_PRECOMPILED)."""
     attention = "sdpa"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(precompiled, "_SHARED", {})
@@ -689,5 +689,5 @@ def test_a_flex_drafter_traces_its_whole_step_and_says_why_once(tmp_path, monkey
     objective = tiny_objective("cuda:0", use_flex=True, head_dim=16)
     step = build_train_step(plan, objective, example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cuda:0"))
     assert (step.report.graphs_loaded, step.report.graphs_compiled) == (0, 1)
-    assert precompiled.FAILED == [cudagraphs.FLEX_NOT_PRECOMPILED] and not (tmp_path / "key").exists()
-    assert capsys.readouterr().out.count("precompiled train step not used: flex attention under cudagraphs") == 1
+    assert precompiled.FAILED == [precompiled.FLEX_NOT_PRECOMPILED] and not (tmp_path / "key").exists()
+    assert capsys.readouterr().out.count("precompiled train step not used: flex attention: torch 2.11") == 1

@@ -64,12 +64,6 @@ UPSTREAM_THREAD_SAFE_TORCH = (2, 13)  # first release with pytorch PR #184357
 WARMUP_STEPS = 3  # eager-allocator steps before capture: compile, autotune, cuBLAS handles
 
 
-# Why whole_step traces a flex-attention drafter's step even where precompiled graphs are
-# used (precompiled.py): torch 2.11's aot_compile fails in flex attention's trace (H200).
-FLEX_NOT_PRECOMPILED = ("flex attention under cudagraphs: torch 2.11's ahead-of-time compile fails in its trace "
-                        "(\"TracingContext.get() must be called within an ongoing trace\")")
-
-
 class CudaGraphsUnavailable(RuntimeError):
     """`compile: cudagraphs` was asked for where it cannot work (no CUDA, old torch)."""
 
@@ -264,8 +258,6 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shape
         return warmed
 
     body, loaded = None, 0
-    if precompiled is not None and objective.use_flex and not precompiled_step.FAILED:
-        precompiled_step.give_up(FLEX_NOT_PRECOMPILED)
     if precompiled is not None and not precompiled_step.FAILED:
         try:
             compiled, made, loaded = _precompiled_objective(objective, statics, shapes, precompiled)

@@ -23,10 +23,10 @@ config, and the way the step is built (its variant). A file whose manifest does 
 its bytes, or that torch cannot load, is moved aside (`.corrupt`), said in the log, and
 the step is traced as if none were there: never a failure of the run.
 
-Used on torch >= 2.11, but for cudagraphs drafters with flex attention, whose ahead-of-time
-compile fails in torch 2.11 ("TracingContext.get() must be called within an ongoing
-trace", H200) and ran nowhere newer; on older releases, or one without these APIs, the
-step is traced as before, and the log says so once. Verified: compile: default on 2.11 and
+Used on torch >= 2.11, but for drafters with flex attention, whose ahead-of-time compile
+failed in torch 2.11 ("TracingContext.get() must be called within an ongoing trace", H200,
+cudagraphs' whole_step) and ran nowhere newer; on older releases, or one without these
+APIs, the step is traced as before, and the log says so once. Verified: compile: default on 2.11 and
 2.13 (CPU); cudagraphs' whole_step with sdpa, static shapes on 2.11 (H200) and dynamic on
 2.13 (CPU, without the capture).
 """
@@ -52,6 +52,10 @@ from ..model.objective import DraftObjective, DrafterInputs
 from ..runlog import say
 
 PRECOMPILED_DIR = "train_step"  # in the compile cache's key folder
+# Why a flex-attention drafter's step is traced where precompiled graphs are used: torch
+# 2.11's aot_compile failed in flex attention's trace (H200, cudagraphs' whole_step).
+FLEX_NOT_PRECOMPILED = ("flex attention: torch 2.11's ahead-of-time compile fails in its trace "
+                        "(\"TracingContext.get() must be called within an ongoing trace\")")
 VERIFIED_TORCH = (2, 11)
 LOADED, ABSENT, CORRUPT, UNSUPPORTED = "loaded", "absent", "corrupt", "unsupported"
 _MODEL_SOURCES = Path(objective_module.__file__).parent
