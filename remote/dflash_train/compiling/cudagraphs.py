@@ -258,7 +258,7 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shape
         return warmed
 
     body, loaded = None, 0
-    if precompiled is not None and not precompiled_step.FAILED:
+    if precompiled is not None:  # policy passes none once this process gave precompiled graphs up
         try:
             compiled, made, loaded = _precompiled_objective(objective, statics, shapes, precompiled)
             body = body_of(compiled)

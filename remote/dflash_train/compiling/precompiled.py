@@ -26,9 +26,9 @@ the step is traced as if none were there: never a failure of the run.
 Used on torch >= 2.11, but for drafters with flex attention, whose ahead-of-time compile
 failed in torch 2.11 ("TracingContext.get() must be called within an ongoing trace", H200,
 cudagraphs' whole_step) and ran nowhere newer; on older releases, or one without these
-APIs, the step is traced as before, and the log says so once. Verified: compile: default on 2.11 and
-2.13 (CPU); cudagraphs' whole_step with sdpa, static shapes on 2.11 (H200) and dynamic on
-2.13 (CPU, without the capture).
+APIs, the step is traced as before, and the log says so once. Verified: compile: default
+on 2.11 and 2.13 (CPU); cudagraphs' whole_step with sdpa, static shapes on 2.11 (H200)
+and dynamic on 2.13 (CPU, without the capture).
 """
 from __future__ import annotations
 
