@@ -26,7 +26,7 @@ from dflash_train.checkpoint.state import TrainingState
 from dflash_train.config import DrafterConfig, SyntheticDataSpec, TinyTargetSpec, load_job_config, resolved_yaml
 from dflash_train.data.chat import tokenize_chat
 from dflash_train.model.drafter import (DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter,
-                                        load_drafter)
+                                        fresh_weights, load_drafter)
 from dflash_train.model.modeling_dflash import dense_attention
 from dflash_train.model.objective import (block_labels, dense_block_mask, flex_block_mask, position_weights,
                                           sample_anchors)
@@ -239,6 +239,29 @@ def small_drafter(block_size: int = 4, layers: int = 2) -> DFlashDrafter:
     drafter = DFlashDrafter(drafter_hf_config(target, spec, (1, 3), mask_token_id=7))
     drafter.reset_parameters(torch.Generator().manual_seed(0))
     return drafter.eval()
+
+
+def test_fresh_weights_are_the_seeds_alone_whatever_the_threads_and_start_as_a_qwen3_checkpoint():
+    """A new run's drafter weights: decided by the seed (not by how many threads drew them,
+    so every host starts alike), every weight of the drafter and nothing else, linears
+    Normal(0, initializer_range) with zero biases and norms at one, and no module's draws
+    repeated in another's (each has a generator of its own)."""
+    config = small_drafter().config
+    one, four = fresh_weights(config, 3, threads=1), fresh_weights(config, 3, threads=4)
+    assert sorted(one) == sorted(DFlashDrafter(config).state_dict())
+    assert all(torch.equal(one[name], four[name]) for name in one)
+    other = fresh_weights(config, 4, threads=4)
+    assert not any(torch.equal(one[name], other[name]) for name in one if name.endswith("proj.weight"))
+    linears = {name: w for name, w in one.items() if w.dim() == 2}
+    norms = {name: w for name, w in one.items() if w.dim() == 1}
+    assert linears and norms and all(torch.equal(w, torch.ones_like(w)) for w in norms.values())
+    drawn = torch.cat([w.flatten() for w in linears.values()])
+    assert float(drawn.mean()) == pytest.approx(0.0, abs=3e-3)
+    assert float(drawn.std()) == pytest.approx(config.initializer_range, rel=0.05)
+    firsts = [tuple(w.flatten()[:4].tolist()) for w in linears.values()]
+    assert len(set(firsts)) == len(firsts)
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(one)  # strict: the weights a replica loads
 
 
 def run_blocks(drafter, tokens, features, anchors, valid, mask=None):

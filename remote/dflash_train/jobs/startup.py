@@ -30,7 +30,7 @@ from ..data.tiny import cache_root
 from ..devices import canonical
 from ..faults import FaultInjector
 from ..memory import ledger
-from ..model.drafter import DFlashDrafter, default_target_layer_ids, drafter_hf_config
+from ..model.drafter import default_target_layer_ids, drafter_hf_config, fresh_weights
 from ..model.target import FeatureTap, load_target
 from ..runlog import EventLog, say
 from ..startup_phases import phase
@@ -162,9 +162,7 @@ def prepare(config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch
             say(f"resuming from {resumed.folder} at step {resumed.state.step}")
             weights = resumed.weights
         else:
-            fresh = DFlashDrafter(hf_config)
-            fresh.reset_parameters(torch.Generator().manual_seed(config.seed))
-            weights = fresh.state_dict()
+            weights = fresh_weights(hf_config, config.seed, torch.get_num_threads())
         weights_detail.update(step=resumed.state.step if resumed else 0)
 
     start_step = resumed.state.step if resumed else 0

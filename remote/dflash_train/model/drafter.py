@@ -6,10 +6,12 @@ layers and computation live in modeling_dflash.py, the file every export ships s
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -80,19 +82,56 @@ class DFlashDrafter(DFlashModules, nn.Module):
         self.build_modules(config)
 
     def reset_parameters(self, generator: torch.Generator) -> None:
-        """Normal(0, initializer_range) linears and unit norms, like a Qwen3 checkpoint."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                with torch.no_grad():
-                    module.weight.normal_(0.0, self.config.initializer_range, generator=generator)
-                    if module.bias is not None:
-                        module.bias.zero_()
-            elif isinstance(module, Qwen3RMSNorm):
-                nn.init.ones_(module.weight)
+        """Normal(0, initializer_range) linears and unit norms, like a Qwen3 checkpoint; the
+        random weights drawn from `generator` one after another, in module order."""
+        for fill in self.initializers():
+            fill(generator)
+
+    def initializers(self) -> list[Callable[[torch.Generator], None]]:
+        """One function per module that sets its weights as a Qwen3 checkpoint starts, in
+        module order: a linear's weight from Normal(0, initializer_range) drawn from the
+        generator it is given, its bias zero; a norm's weight one."""
+        def linear(module: nn.Linear, generator: torch.Generator) -> None:
+            with torch.no_grad():
+                module.weight.normal_(0.0, self.config.initializer_range, generator=generator)
+                if module.bias is not None:
+                    module.bias.zero_()
+
+        def norm(module: Qwen3RMSNorm, generator: torch.Generator) -> None:
+            nn.init.ones_(module.weight)
+
+        return [functools.partial(linear, module) if isinstance(module, nn.Linear) else functools.partial(norm, module)
+                for module in self.modules() if isinstance(module, (nn.Linear, Qwen3RMSNorm))]
 
     def forward(self, block_embeds: torch.Tensor, features: torch.Tensor, context_positions: torch.Tensor,
                 block_positions: torch.Tensor, mask: Any) -> torch.Tensor:
         return self.draft(block_embeds, features, context_positions, block_positions, mask)
+
+
+def drafter_on(config: Qwen3Config, device: str | torch.device) -> DFlashDrafter:
+    """A drafter built where it will live, for weights loaded into it next: torch's default
+    initialization, which those replace, runs there (at the Qwen3-8B shape, a billion
+    weights: seconds on the CPU, milliseconds on a GPU), and the rotary buffers are made
+    there."""
+    with torch.device(device):
+        return DFlashDrafter(config)
+
+
+def fresh_weights(config: Qwen3Config, seed: int, threads: int) -> dict[str, torch.Tensor]:
+    """A new drafter's weights, on the CPU, the same on every host and device: each module's
+    drawn from a CPU generator of its own, seeded from `seed` and its place in module
+    order, `threads` modules at a time (a CPU normal_ is serial: at the Qwen3-8B shape, a
+    billion draws take seconds on one core). The drafter is laid out on the meta device
+    first, so torch's default initialization, which these replace whole, is never computed;
+    its buffers (rotary frequencies) are not weights and stay unset."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    drafter.to_empty(device="cpu")
+    fills = drafter.initializers()
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        list(pool.map(lambda i: fills[i](torch.Generator().manual_seed((seed << 20) + i)), range(len(fills))))
+    # What state_dict holds (the buffers are not persistent; a strict load would name one that became so).
+    return {name: weight.detach() for name, weight in drafter.named_parameters()}
 
 
 def cpu_weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -178,6 +217,6 @@ def load_drafter(folder: Path, device: str | torch.device = "cpu") -> DFlashDraf
 
     config = Qwen3Config.from_pretrained(str(folder))
     complete_dflash_config(config, str(folder / "config.json"))
-    drafter = DFlashDrafter(config)
+    drafter = drafter_on(config, device)
     drafter.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
-    return drafter.to(device)
+    return drafter

@@ -18,7 +18,7 @@ from ..compiling.step_build import StepStats, TrainStep
 from ..config import JobConfig
 from ..data.batches import HostBatch
 from ..devices import Fence, is_cuda
-from ..model.drafter import DFlashDrafter
+from ..model.drafter import DFlashDrafter, drafter_on
 from ..model.objective import DraftObjective, DrafterInputs
 from .distributed import Layout
 from .gradients import Averaged, Posted, step_facts
@@ -99,9 +99,9 @@ class Replica:
         self.layout = layout
         self.global_index = layout.global_index(index)  # in the run: which micro-batches it trains on
         self.device = device
-        self.drafter = DFlashDrafter(hf_config)
+        self.drafter = drafter_on(hf_config, device)
         self.drafter.load_state_dict(weights)
-        self.drafter.to(device).train()
+        self.drafter.train()
         embed, head = frozen.on(device)
         self.objective = DraftObjective(self.drafter, embed, head, config.uses_flex)
         self.optimizer_step = OptimizerStep(list(self.drafter.parameters()), config.optim, total_steps,

@@ -22,7 +22,7 @@ from ..checkpoint.writer import CheckpointWriter
 from ..config import EvalConfig, resolved_yaml
 from ..devices import is_cuda
 from ..faults import FaultInjector
-from ..model.drafter import DFlashDrafter, cpu_weights, export_drafter
+from ..model.drafter import DFlashDrafter, cpu_weights, drafter_on, export_drafter
 from ..model.speculative import evaluate, evaluation_decoder
 from ..model.target import FeatureTap
 from ..runlog import EventLog, say
@@ -51,7 +51,7 @@ class Evaluator:
         self.device, self.prompts, self.stop_ids = device, prompts, stop_ids
         # Built once: the decoder's buffers and CUDA graphs (captured at the first evaluation)
         # serve every evaluation; a snapshot is loaded into this drafter's tensors in place.
-        self.drafter = DFlashDrafter(hf_config).to(device).eval()
+        self.drafter = drafter_on(hf_config, device).eval()
         capacity = max(map(len, prompts), default=0) + spec.max_new_tokens + self.drafter.block_size
         self.decoder, refused = evaluation_decoder(self.drafter, tap, embed, head, capacity, spec.cuda_graphs,
                                                    spec.compile_steps)
