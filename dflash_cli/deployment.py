@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from dflash_files.diskspace import NO_SPACE
 
 from . import console, host_scripts, provenance, release
-from .agent_client import check_interpreter, parse_reply
 from .errors import DflashError, ExitCode
+from .host_replies import check_interpreter, parse_reply
 from .inventory import Host
 from .progress import PROGRESS_ABOVE_BYTES
 from .retry import retry_dropped
