@@ -27,6 +27,11 @@ from .transports.common import ResultThread
 if TYPE_CHECKING:
     from rich.progress import Progress
 
+#: how long the hashing waits for a host's probe to be on its way (a slow host's
+#: connection does not hold up the others' for longer)
+_START_WAIT_S = 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class DeployResult:
     host: str
@@ -113,6 +118,17 @@ class EarlyProbe:
             self._reply.result()
         except DflashError:
             pass  # it was never asked anything
+
+
+def start_probes(session: Session, hosts: list[Host], verify: bool, source_dir: Path | None,
+                 allow_large: bool) -> tuple[release.SourceTree, release.Listing, dict[str, EarlyProbe]]:
+    """`dflash deploy`'s first step: the tree listed (a release refused for its size
+    contacts no host), then each host's probe started, for the release id once hashed."""
+    source, listing = listed_source(source_dir, allow_large)
+    probes = {host.name: EarlyProbe(session, host, verify) for host in hosts}
+    for probe in probes.values():
+        probe.wait_started(_START_WAIT_S)
+    return source, listing, probes
 
 
 def _check(verify: bool) -> str:
