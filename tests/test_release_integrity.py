@@ -188,3 +188,28 @@ def test_repairing_the_release_of_a_running_run_leaves_the_run_alone(make_invent
     assert (folder / "configs" / "hosts.yaml").read_bytes() == (release.project_root() / "configs" / "hosts.yaml").read_bytes()
     stopped = dflash(*logs, "stop", "--grace", "2", hosts=hosts)
     assert (stopped.returncode, stopped.stdout.strip()) == (0, "STOPPED"), stopped.stderr
+
+
+def test_a_release_with_a_file_gone_or_its_record_cut_short_is_not_unchanged(session, tmp_path):
+    host = session.host("local")
+    project = copy_release_dirs(tmp_path / "p")
+    tree = release.scan(project)
+    deployment.deploy_host(session, host, tree)
+    folder = tmp_path / "local ws" / "releases" / tree.release_id
+    gone = folder / "configs" / "hosts.yaml"
+    os.chmod(gone.parent, 0o755)
+    gone.unlink()  # as an install cut short by hand would leave it
+    os.chmod(gone.parent, 0o555)
+    result = deployment.deploy_host(session, host, tree)
+    assert (result.status, result.modified) == ("repaired", ("configs/hosts.yaml: missing",))
+
+    folder = tmp_path / "local ws" / "releases" / tree.release_id
+    record = folder / "INSTALLED"
+    os.chmod(folder, 0o755)
+    os.chmod(record, 0o644)
+    record.write_bytes(record.read_bytes()[:-40])  # half written
+    with open(folder / "remote" / "agent.py", "ab") as fh:  # and a file edited
+        fh.write(b"# edited\n")
+    result = deployment.deploy_host(session, host, tree)
+    assert (result.status, result.modified) == ("repaired", ("remote/agent.py: content differs from MANIFEST",))
+

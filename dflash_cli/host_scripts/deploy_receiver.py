@@ -220,7 +220,8 @@ def _put_in_place(incoming, target, release_id):
     except OSError:
         if not os.path.isdir(target):
             raise
-    aside = os.path.join(os.path.dirname(target), ".modified-%s-%d" % (release_id, time.time()))
+    # in nanoseconds: a second repair within the same second must not meet the first one's copy
+    aside = os.path.join(os.path.dirname(target), ".modified-%s-%d" % (release_id, time.time_ns()))
     if _exchange(incoming, target):
         os.rename(incoming, aside)
     else:
