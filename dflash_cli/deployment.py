@@ -271,8 +271,9 @@ def hashed_source(source: release.SourceTree, listing: release.Listing) -> tuple
     return tree, described_source(source, tree)
 
 
-def described_source(source: release.SourceTree, tree: release.Release) -> dict:
-    """Where `tree` came from (provenance.describe), said on stderr."""
-    record = provenance.describe(source, tree)
+def described_source(source: release.SourceTree, tree: release.Release, *, kept: bool = True) -> dict:
+    """Where `tree` came from (provenance.describe), said on stderr; `kept`: the record is
+    kept (run.json), so it names dflash's version even where the line does not."""
+    record = provenance.describe(source, tree, version=kept)
     console.say(f"source: {provenance.summary(record)}")
     return record

@@ -36,7 +36,7 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
             raise
         for probe in early.values():
             probe.ask(tree.release_id)
-        described_source(source, tree)  # while the hosts look
+        described_source(source, tree, kept=False)  # while the hosts look
         table = _table(tree)
         with transfer_bars() as bars:
             results = session.on_each_host(
