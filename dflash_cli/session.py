@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from .errors import DflashError
 from .inventory import Host, Inventory, load_inventory
-from .local_config import LocalConfig, load_local_config
 from .transports import open_transport
 from .transports.base import Transport
 
 if TYPE_CHECKING:
     from .agent_client import AgentClient
+    from .local_config import LocalConfig
 
 T = TypeVar("T")
 
@@ -44,7 +44,10 @@ class Session:
 
     @functools.cached_property
     def local_config(self) -> LocalConfig:
-        """dflash.yaml (local_config.py), read on first use."""
+        """dflash.yaml (local_config.py), read on first use (and imported then: deploy,
+        which never reads it, starts its probes sooner without the trackers' settings)."""
+        from .local_config import load_local_config
+
         return load_local_config(self.cli_config_file)
 
     @classmethod
