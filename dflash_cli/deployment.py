@@ -124,7 +124,16 @@ def start_probes(session: Session, hosts: list[Host], verify: bool, source_dir: 
                  allow_large: bool) -> tuple[release.SourceTree, release.Listing, dict[str, EarlyProbe]]:
     """`dflash deploy`'s first step: the tree listed (a release refused for its size
     contacts no host), then each host's probe started, for the release id once hashed."""
-    source, listing = listed_source(source_dir, allow_large)
+    # Meanwhile each host's transport is made and its options resolved (`ssh -G`), which
+    # contacts no host either; a failure there is the probe's to meet and report.
+    prepared = [ResultThread(f"{host.name}-prepare", session.transport(host).prepare) for host in hosts]
+    for thread in prepared:
+        thread.start()
+    try:
+        source, listing = listed_source(source_dir, allow_large)
+    finally:
+        for thread in prepared:
+            thread.join()
     probes = {host.name: EarlyProbe(session, host, verify) for host in hosts}
     for probe in probes.values():
         probe.wait_started(_START_WAIT_S)

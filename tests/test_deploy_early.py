@@ -4,12 +4,14 @@ it started but the click layer does not take touches nothing on the host."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash_cli import cli, deploy_early, release
 from dflash_cli.session import Session
@@ -182,3 +184,14 @@ def test_a_session_made_early_is_made_as_the_click_layer_makes_it(make_inventory
         assert (early.hosts_file, early.logs_dir) == (str(hosts), tmp_path / "env logs")
     finally:
         deploy_early.abandon()
+
+
+def test_a_host_whose_options_cannot_be_resolved_fails_alone(make_inventory, tmp_path):
+    # its `ssh -G` runs while the tree is listed; its failure is that host's row, as before
+    odd = {**yaml.safe_load(make_inventory(tmp_path).read_text())["hosts"]["ct200"], "ssh": "root@bad;host"}
+    hosts = make_inventory(tmp_path, odd=odd)
+    done = subprocess.run(dflash_argv("deploy", "ct200", "odd", hosts=hosts), capture_output=True, text=True,
+                          env=dflash_env(), timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == f"ct200\t{release.scan().release_id}\tinstalled\n"
+    assert re.search(r"odd +│ failed: `ssh -G .*bad;host` failed: hostname contains invalid", done.stderr)
