@@ -36,27 +36,43 @@ sys.modules["click"] = importlib.import_module("click")
 '''
 
 
-def gated_deploy(tmp_path: Path, hosts: Path, *args: str) -> tuple[subprocess.Popen[str], Path, Path]:
-    """`dflash deploy ARGS` started with its click import held until the test creates the
-    gate file; the host's interpreter creates the `started` file as it starts (the probe)."""
+def marking_python(tmp_path: Path) -> Path:
+    """An interpreter for the host that creates tmp_path/'receiver started' as it starts."""
+    python = tmp_path / "python-marking"
+    python.write_text(f"#!/bin/sh\ntouch {shlex.quote(str(tmp_path / 'receiver started'))}\n"
+                      f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
+    return python
+
+
+def project_on_ct200(make_inventory, tmp_path: Path, deployed: bool) -> tuple[Path, Path, str | None]:
+    """(inventory, a copy of the project, the release id ct200 has of it, if `deployed`);
+    ct200's interpreter marks its start (marking_python)."""
+    hosts = make_inventory(tmp_path, ct200={"python": str(marking_python(tmp_path))})
+    project = copy_release_dirs(tmp_path / "p")
+    if not deployed:
+        return hosts, project, None
+    first = subprocess.run(dflash_argv("deploy", "ct200", "--source", str(project), hosts=hosts),
+                           capture_output=True, text=True, env=dflash_env())
+    assert first.returncode == 0, first.stderr
+    (tmp_path / "receiver started").unlink()
+    return hosts, project, first.stdout.split()[1]
+
+
+def gated_deploy(tmp_path: Path, hosts: Path, project: Path) -> tuple[subprocess.Popen[str], Path]:
+    """`dflash deploy ct200 --source PROJECT` with its click import held until the test
+    creates the returned gate file; returns once the probe's receiver started on ct200."""
     shim = tmp_path / "click gate"
     (shim / "click").mkdir(parents=True)
     (shim / "click" / "__init__.py").write_text(CLICK_GATE)
-    gate, started = tmp_path / "gate", tmp_path / "receiver started"
+    gate = tmp_path / "gate"
     env = dflash_env({"TEST_CLICK_GATE": str(gate),
                       "PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))})
-    proc = subprocess.Popen(dflash_argv("deploy", *args, hosts=hosts), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    return proc, gate, started
-
-
-def counting_python(tmp_path: Path) -> Path:
-    """An interpreter for the host that creates tmp_path/'receiver started' as it starts."""
-    python = tmp_path / "python-marking"
-    started = tmp_path / "receiver started"
-    python.write_text(f"#!/bin/sh\ntouch {shlex.quote(str(started))}\nexec {shlex.quote(sys.executable)} \"$@\"\n")
-    python.chmod(0o755)
-    return python
+    proc = subprocess.Popen(dflash_argv("deploy", "ct200", "--source", str(project), hosts=hosts),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    wait_until((tmp_path / "receiver started").exists, what="the probe's receiver to start",
+               interval=FIRST_INTERVAL_S)
+    return proc, gate
 
 
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
@@ -68,10 +84,8 @@ def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
 
 
 def test_the_probe_is_on_the_host_before_the_cli_imports_click(make_inventory, tmp_path):
-    hosts = make_inventory(tmp_path, ct200={"python": str(counting_python(tmp_path))})
-    project = copy_release_dirs(tmp_path / "p")
-    proc, gate, started = gated_deploy(tmp_path, hosts, "ct200", "--source", str(project))
-    wait_until(started.exists, what="the probe's receiver to start", interval=FIRST_INTERVAL_S)
+    hosts, project, _ = project_on_ct200(make_inventory, tmp_path, deployed=False)
+    proc, gate = gated_deploy(tmp_path, hosts, project)
     gate.touch()
     code, out, err = finish(proc)
     assert code == 0, err
@@ -79,14 +93,8 @@ def test_the_probe_is_on_the_host_before_the_cli_imports_click(make_inventory, t
 
 
 def test_a_file_changed_after_the_probe_started_is_what_is_deployed(make_inventory, fake_pve, tmp_path):
-    hosts = make_inventory(tmp_path, ct200={"python": str(counting_python(tmp_path))})
-    project = copy_release_dirs(tmp_path / "p")
-    first = subprocess.run(dflash_argv("deploy", "ct200", "--source", str(project), hosts=hosts),
-                           capture_output=True, text=True, env=dflash_env())
-    assert first.returncode == 0, first.stderr
-    (tmp_path / "receiver started").unlink()
-    proc, gate, started = gated_deploy(tmp_path, hosts, "ct200", "--source", str(project))
-    wait_until(started.exists, what="the probe's receiver to start", interval=FIRST_INTERVAL_S)
+    hosts, project, first_id = project_on_ct200(make_inventory, tmp_path, deployed=True)
+    proc, gate = gated_deploy(tmp_path, hosts, project)
     # Listed before the probe started; changed now, to the same size and mtime: only the
     # content, hashed after this, can tell.
     config = project / "configs" / "hosts.yaml"
@@ -98,29 +106,23 @@ def test_a_file_changed_after_the_probe_started_is_what_is_deployed(make_invento
     code, out, err = finish(proc)
     assert code == 0, err
     changed_id = release.scan(project).release_id
-    assert out == f"ct200\t{changed_id}\tinstalled\n" and changed_id not in first.stdout
+    assert out == f"ct200\t{changed_id}\tinstalled\n" and changed_id != first_id
     current = workspace_on_node(fake_pve, tmp_path) / "current"
     assert (current / "configs" / "hosts.yaml").read_text() == config.read_text()
 
 
 def test_a_file_removed_after_it_was_listed_is_an_error_and_changes_nothing(make_inventory, fake_pve, tmp_path):
-    hosts = make_inventory(tmp_path, ct200={"python": str(counting_python(tmp_path))})
-    project = copy_release_dirs(tmp_path / "p")
-    first = subprocess.run(dflash_argv("deploy", "ct200", "--source", str(project), hosts=hosts),
-                           capture_output=True, text=True, env=dflash_env())
-    assert first.returncode == 0, first.stderr
-    (tmp_path / "receiver started").unlink()
+    hosts, project, first_id = project_on_ct200(make_inventory, tmp_path, deployed=True)
     releases = workspace_on_node(fake_pve, tmp_path) / "releases"
     before = sorted(os.listdir(releases))
-    proc, gate, started = gated_deploy(tmp_path, hosts, "ct200", "--source", str(project))
-    wait_until(started.exists, what="the probe's receiver to start", interval=FIRST_INTERVAL_S)
+    proc, gate = gated_deploy(tmp_path, hosts, project)
     (project / "configs" / "hosts.yaml").unlink()
     gate.touch()
     code, out, err = finish(proc)
     assert code == 2 and out == "", err
     assert "cannot read configs/hosts.yaml" in err and "Traceback" not in err
     assert sorted(os.listdir(releases)) == before
-    assert os.readlink(releases.parent / "current") == f"releases/{first.stdout.split()[1]}"
+    assert os.readlink(releases.parent / "current") == f"releases/{first_id}"
 
 
 def test_what_the_click_layer_does_not_take_is_abandoned_untouched(make_inventory, fake_pve, tmp_path):
