@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import sys
 
+from . import deploy_early  # the standard library only, until a deploy is started
+
 
 def main() -> None:
-    from . import deploy_early
-
     deploying = False
     try:
         deploying = deploy_early.start(sys.argv[1:])
@@ -34,8 +34,6 @@ def _exit_now(code: object) -> None:
     by one (~20 ms, a tenth of an unchanged deploy over a ControlMaster). Only for deploy:
     once its hosts answered and its output is written, nothing is left to do at exit
     (its session was closed, no tracker or other atexit work is pending)."""
-    from . import deploy_early
-
     deploy_early.abandon()
     if code is not None and not isinstance(code, int):
         sys.stderr.write(f"{code}\n")
