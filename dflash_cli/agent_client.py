@@ -11,15 +11,15 @@ releases/<id> (launch's, installed but not yet current).
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import Iterator, Sequence, TypeVar
 
 from dflash_agent.protocol import (ErrorKind, ErrorReply, FollowMessage, Message, ProtocolError, Reply, RunStatus,
                                    StatusReply, follow_message)
 
 from .errors import DflashError, ExitCode, UnreachableError
+from .host_replies import check_interpreter, parse_reply
 from .inventory import Host
-from .transports.base import Completed, Transport
+from .transports.base import Transport
 
 # Bytecode is never written: not into the release (installed releases are never
 # written to; a .pyc cut short by a full disk made every later import fail), and not
@@ -151,14 +151,6 @@ def python_argv(host: Host, source: str, workspace: str, *args: str) -> list[str
     return [host.python, "-c", prelude + source, workspace, *args]
 
 
-def check_interpreter(host: Host, done: Completed) -> None:
-    """A `host.python -c ...` that exited 127 never ran: the interpreter is missing."""
-    if done.exit_code == 127:
-        raise DflashError(f"host {host.name}: interpreter {host.python!r} not found "
-                          f"({done.stderr.decode(errors='replace').strip()})", ExitCode.USAGE,
-                          hint=f"set python: in the inventory entry of {host.name}")
-
-
 def read_probe(host: Host, answer: type[M], obj: dict) -> M:
     """What a probe (a source of this tree sent with `python -c`, dflash_agent/gpus.py)
     answered, read as its type."""
@@ -166,17 +158,3 @@ def read_probe(host: Host, answer: type[M], obj: dict) -> M:
         return answer.from_json(obj)
     except ProtocolError as exc:
         raise DflashError(f"host {host.name}: {exc}", ExitCode.UNREACHABLE) from exc
-
-
-def parse_reply(raw: bytes) -> dict | None:
-    """The JSON object on the last line of `raw`, or None when there is none. Lines end
-    at "\n" only: str.splitlines would also split at U+2028 or U+0085, which the agent
-    leaves raw inside JSON strings (a log line may hold them)."""
-    text = raw.decode("utf-8", errors="replace").strip()
-    if not text:
-        return None
-    try:
-        value = json.loads(text.rsplit("\n", 1)[-1])
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from . import console, retry, run_hosts
+from . import console, deploy_early, retry, run_hosts
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, resolve_run
@@ -81,8 +81,9 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
     was stopped, 130 interrupted (the run keeps going). Data goes to stdout; progress and
     tables to stderr.
     """
-    ctx.obj = ctx.with_resource(contextlib.closing(Session(hosts_file, Path(logs_dir), accept_new_host_key,
-                                                           cli_config_file)))
+    # deploy_early's session when the `dflash` command made one for these options (its probes under way)
+    ctx.obj = ctx.with_resource(contextlib.closing(deploy_early.session(hosts_file, Path(logs_dir), accept_new_host_key,
+                                                                        cli_config_file)))
 
 
 @main.command("deploy")

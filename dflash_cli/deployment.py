@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from dflash_files.diskspace import NO_SPACE
 
 from . import console, host_scripts, provenance, release
-from .agent_client import check_interpreter, parse_reply
 from .errors import DflashError, ExitCode
+from .host_replies import check_interpreter, parse_reply
 from .inventory import Host
 from .progress import PROGRESS_ABOVE_BYTES
 from .retry import retry_dropped
@@ -26,6 +26,11 @@ from .transports.common import ResultThread
 
 if TYPE_CHECKING:
     from rich.progress import Progress
+
+#: how long the hashing waits for a host's probe to be on its way (a slow host's
+#: connection does not hold up the others' for longer)
+_START_WAIT_S = 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class DeployResult:
@@ -113,6 +118,26 @@ class EarlyProbe:
             self._reply.result()
         except DflashError:
             pass  # it was never asked anything
+
+
+def start_probes(session: Session, hosts: list[Host], verify: bool, source_dir: Path | None,
+                 allow_large: bool) -> tuple[release.SourceTree, release.Listing, dict[str, EarlyProbe]]:
+    """`dflash deploy`'s first step: the tree listed (a release refused for its size
+    contacts no host), then each host's probe started, for the release id once hashed."""
+    # Meanwhile each host's transport is made and its options resolved (`ssh -G`), which
+    # contacts no host either; a failure there is the probe's to meet and report.
+    prepared = [ResultThread(f"{host.name}-prepare", session.transport(host).prepare) for host in hosts]
+    for thread in prepared:
+        thread.start()
+    try:
+        source, listing = listed_source(source_dir, allow_large)
+    finally:
+        for thread in prepared:
+            thread.join()
+    probes = {host.name: EarlyProbe(session, host, verify) for host in hosts}
+    for probe in probes.values():
+        probe.wait_started(_START_WAIT_S)
+    return source, listing, probes
 
 
 def _check(verify: bool) -> str:
@@ -255,8 +280,9 @@ def hashed_source(source: release.SourceTree, listing: release.Listing) -> tuple
     return tree, described_source(source, tree)
 
 
-def described_source(source: release.SourceTree, tree: release.Release) -> dict:
-    """Where `tree` came from (provenance.describe), said on stderr."""
-    record = provenance.describe(source, tree)
+def described_source(source: release.SourceTree, tree: release.Release, *, kept: bool = True) -> dict:
+    """Where `tree` came from (provenance.describe), said on stderr; `kept`: the record is
+    kept (run.json), so it names dflash's version even where the line does not."""
+    record = provenance.describe(source, tree, version=kept)
     console.say(f"source: {provenance.summary(record)}")
     return record

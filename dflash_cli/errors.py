@@ -6,8 +6,10 @@ into a message on stderr and a process exit status.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-from dflash_agent.protocol import RunState
+if TYPE_CHECKING:
+    from dflash_agent.protocol import RunState
 
 
 class ExitCode(enum.IntEnum):
@@ -19,20 +21,22 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130  # the user pressed Ctrl-C; the run keeps going
 
 
-# docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
-# well (no progress for stall_after seconds), and `dflash stacks` shows where it hangs.
-_EXIT_FOR_STATE = {
-    RunState.STARTING: ExitCode.OK, RunState.RUNNING: ExitCode.OK, RunState.SUCCEEDED: ExitCode.OK,
-    RunState.FAILED: ExitCode.RUN_FAILED, RunState.LOST: ExitCode.RUN_FAILED,
-    RunState.DEGRADED: ExitCode.RUN_FAILED, RunState.STALLED: ExitCode.RUN_FAILED,
-    RunState.STOPPED: ExitCode.STOPPED,
-}
-
-
 def exit_code_for_state(state: RunState | None) -> ExitCode:
     """The exit code of `status` and `watch` for a run state; None, a state nobody could
     tell (a host that could not be asked), is a state this CLI cannot vouch for (3)."""
-    return ExitCode.UNREACHABLE if state is None else _EXIT_FOR_STATE[state]
+    # imported here: the protocol's dataclasses take ~17 ms to define, and the verbs that
+    # never see a run state (deploy, setup) import this module first thing
+    from dflash_agent.protocol import RunState
+
+    # docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
+    # well (no progress for stall_after seconds), and `dflash stacks` shows where it hangs.
+    exit_for_state = {
+        RunState.STARTING: ExitCode.OK, RunState.RUNNING: ExitCode.OK, RunState.SUCCEEDED: ExitCode.OK,
+        RunState.FAILED: ExitCode.RUN_FAILED, RunState.LOST: ExitCode.RUN_FAILED,
+        RunState.DEGRADED: ExitCode.RUN_FAILED, RunState.STALLED: ExitCode.RUN_FAILED,
+        RunState.STOPPED: ExitCode.STOPPED,
+    }
+    return ExitCode.UNREACHABLE if state is None else exit_for_state[state]
 
 
 class DflashError(Exception):

@@ -21,7 +21,8 @@ from dflash_train.memory.plan import GIB, DevicePlan, MemoryPlan, TargetShape, e
 from rich.table import Table
 
 from . import console
-from .agent_client import check_interpreter, parse_reply, python_argv, read_probe
+from .agent_client import python_argv, read_probe
+from .host_replies import check_interpreter, parse_reply
 from .errors import DflashError, ExitCode
 from .inventory import Host
 from .session import Session

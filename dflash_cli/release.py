@@ -120,8 +120,16 @@ class Listing:
                  f".gitignore or {DFLASHIGNORE}, or pass --allow-large to send them anyway")
 
     def hashed(self) -> "Release":
-        """The release itself: every listed file read and hashed."""
-        return Release(self.root, tuple(_entry(self.root / path, path, mode) for path, _, mode in self.files))
+        """The release itself: every listed file read and hashed. A file that cannot be
+        read (removed since it was listed, say) is an error: nothing is sent then."""
+        entries = []
+        for path, _, mode in self.files:
+            try:
+                entries.append(_entry(self.root / path, path, mode))
+            except OSError as exc:
+                raise DflashError(f"cannot read {path} of {self.root}: {exc.strerror} (changed since it was "
+                                  "listed?); nothing was sent", ExitCode.USAGE) from exc
+        return Release(self.root, tuple(entries))
 
 
 @dataclasses.dataclass(frozen=True)

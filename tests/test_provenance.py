@@ -127,6 +127,19 @@ def test_launch_records_the_source_in_run_json_and_status_shows_it(make_inventor
     assert launch_line.startswith(f"source: {project} (git {commit[:7]}, modified: 2 files")
 
 
+def test_dflash_version_is_looked_up_for_a_kept_record_or_a_line_that_shows_it():
+    from importlib import metadata
+
+    tree = release.scan(REPO)
+    checkout, bundled = release.SourceTree(REPO, "checkout"), release.SourceTree(REPO, "bundled")
+    installed = metadata.version("dflash")
+    assert provenance.describe(checkout, tree)["dflash_version"] == installed  # launch keeps it in run.json
+    assert provenance.describe(checkout, tree, version=False)["dflash_version"] is None  # deploy's line
+    shown = provenance.describe(bundled, tree, version=False)
+    assert shown["dflash_version"] == installed
+    assert provenance.summary(shown).startswith(f"bundled with dflash {installed} ")
+
+
 def test_a_tree_inside_a_larger_repository_counts_the_untracked_files_it_deploys(tmp_path):
     repo = tmp_path / "mono"
     tree = copy_release_dirs(repo / "vendor" / "dflash")

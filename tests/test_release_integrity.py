@@ -7,12 +7,13 @@ import json
 import os
 import py_compile
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from dflash_cli import deployment, release
+from dflash_cli import deployment, host_scripts, release
 from dflash_cli.session import Session
 from dflash_run import dflash
 from support import copy_release_dirs, wait_until, workspace_on_node
@@ -188,3 +189,55 @@ def test_repairing_the_release_of_a_running_run_leaves_the_run_alone(make_invent
     assert (folder / "configs" / "hosts.yaml").read_bytes() == (release.project_root() / "configs" / "hosts.yaml").read_bytes()
     stopped = dflash(*logs, "stop", "--grace", "2", hosts=hosts)
     assert (stopped.returncode, stopped.stdout.strip()) == (0, "STOPPED"), stopped.stderr
+
+
+def test_a_release_with_a_file_gone_or_its_record_cut_short_is_not_unchanged(session, tmp_path):
+    host = session.host("local")
+    project = copy_release_dirs(tmp_path / "p")
+    tree = release.scan(project)
+    deployment.deploy_host(session, host, tree)
+    folder = tmp_path / "local ws" / "releases" / tree.release_id
+    gone = folder / "configs" / "hosts.yaml"
+    os.chmod(gone.parent, 0o755)
+    gone.unlink()  # as an install cut short by hand would leave it
+    os.chmod(gone.parent, 0o555)
+    result = deployment.deploy_host(session, host, tree)
+    assert (result.status, result.modified) == ("repaired", ("configs/hosts.yaml: missing",))
+
+    folder = tmp_path / "local ws" / "releases" / tree.release_id
+    record = folder / "INSTALLED"
+    os.chmod(folder, 0o755)
+    os.chmod(record, 0o644)
+    record.write_bytes(record.read_bytes()[:-40])  # half written
+    with open(folder / "remote" / "agent.py", "ab") as fh:  # and a file edited
+        fh.write(b"# edited\n")
+    result = deployment.deploy_host(session, host, tree)
+    assert (result.status, result.modified) == ("repaired", ("remote/agent.py: content differs from MANIFEST",))
+
+
+def test_paths_json_escapes_are_checked_as_plain_ones_are(session, tmp_path):
+    host = session.host("local")
+    project = copy_release_dirs(tmp_path / "p")
+    odd = project / "configs" / 'naïve "quoted" \\ name.yaml'
+    odd.write_text("a: 1\n")
+    tree = release.scan(project)
+    assert deployment.deploy_host(session, host, tree).status == "installed"
+    assert deployment.deploy_host(session, host, tree).status == "unchanged"
+    installed = tmp_path / "local ws" / "releases" / tree.release_id / "configs" / odd.name
+    with open(installed, "a") as fh:  # root writes through read-only bits
+        fh.write("b: 2\n")
+    result = deployment.deploy_host(session, host, tree)
+    assert (result.status, result.modified) == ("repaired", (f"configs/{odd.name}: changed since install",))
+
+
+def test_an_unchanged_probe_does_not_import_json_on_the_host(session, tmp_path):
+    # json's import is a third of the receiver's start-up, which every unchanged deploy waits for
+    host = session.host("local")
+    tree = release.scan()
+    deployment.deploy_host(session, host, tree)
+    probe = subprocess.run([sys.executable, "-S", "-X", "importtime", "-c",
+                            host_scripts.source("deploy_receiver.py"), "probe", host.workspace, tree.release_id,
+                            "cheap"], capture_output=True, text=True, timeout=60)
+    assert json.loads(probe.stdout) == {"status": "unchanged", "release_id": tree.release_id}
+    imported = {line.rsplit("|", 1)[-1].strip() for line in probe.stderr.splitlines() if "|" in line}
+    assert "hashlib" in imported and "json" not in imported

@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -255,6 +256,26 @@ def test_a_user_control_master_is_joined_and_left_running(client, ssh_node, tmp_
         transport.close()
         still = subprocess.run([*ssh, "-O", "check", "dflash-t"], capture_output=True, timeout=30)
         assert still.returncode == 0, still.stderr  # the user's master is theirs to end
+    finally:
+        subprocess.run([*ssh, "-O", "exit", "dflash-t"], capture_output=True, timeout=30)
+        shutil.rmtree(control)
+
+
+def test_a_stale_socket_of_a_user_control_master_is_replaced_by_the_first_command(client, ssh_node, tmp_path):
+    control = tempfile.mkdtemp(prefix="cm")
+    transport, config = client(_node_block(ssh_node, ControlMaster="auto", ControlPath=f"{control}/%C",
+                                           ControlPersist="60"))
+    ssh = ["ssh", "-F", str(config), "-o", "BatchMode=yes"]
+    socket_path = subprocess.run([*ssh, "-G", "dflash-t"], capture_output=True, text=True,
+                                 check=True).stdout.split("controlpath ", 1)[1].splitlines()[0]
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(socket_path)  # a master's socket left behind, nobody listening on it
+    stale.close()
+    try:
+        assert transport.run(["true"]).exit_code == 0
+        transport.close()
+        live = subprocess.run([*ssh, "-O", "check", "dflash-t"], capture_output=True, timeout=30)
+        assert live.returncode == 0, live.stderr  # the command became the user's master
     finally:
         subprocess.run([*ssh, "-O", "exit", "dflash-t"], capture_output=True, timeout=30)
         shutil.rmtree(control)

@@ -4,18 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import console, release
-from ..deployment import DeployResult, EarlyProbe, deploy_host, described_source, listed_source
+from .. import console, deploy_early, release
+from ..deployment import DeployResult, deploy_host, described_source, start_probes
 from ..errors import DflashError, ExitCode
 from ..progress import cancel_on_ctrl_c, transfer_bars
 from ..session import Session
 
 if TYPE_CHECKING:
     from rich.table import Table
-
-#: how long the hashing waits for a host's probe to be on its way (a slow host's
-#: connection does not hold up the others' for longer)
-_START_WAIT_S = 1.0
 
 
 def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: bool,
@@ -28,11 +24,10 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
     # Ctrl-C from here on, while the tree is hashed too, stops each host's upload and says so.
     with cancel_on_ctrl_c() as cancel:
-        source, listing = listed_source(source_dir, allow_large)  # a refusal contacts no host
-        # Each host's connection and receiver start while the tree is hashed.
-        early = {host.name: EarlyProbe(session, host, verify) for host in hosts}
-        for probe in early.values():
-            probe.wait_started(_START_WAIT_S)
+        # Each host's connection and receiver start while the tree is hashed: started
+        # already by the `dflash` command when it could (deploy_early), else here.
+        source, listing, early = (deploy_early.claim(session, host_names, verify, source_dir, allow_large)
+                                  or start_probes(session, hosts, verify, source_dir, allow_large))
         try:
             tree = listing.hashed()
         except BaseException:
@@ -41,7 +36,7 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
             raise
         for probe in early.values():
             probe.ask(tree.release_id)
-        described_source(source, tree)  # while the hosts look
+        described_source(source, tree, kept=False)  # while the hosts look
         table = _table(tree)
         with transfer_bars() as bars:
             results = session.on_each_host(

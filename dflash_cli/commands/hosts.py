@@ -13,7 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console, requirements
-from ..agent_client import check_interpreter, parse_reply, python_argv, read_probe
+from ..agent_client import python_argv, read_probe
+from ..host_replies import check_interpreter, parse_reply
 from ..deployment import check_host
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host

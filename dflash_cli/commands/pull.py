@@ -24,7 +24,8 @@ from dflash_files.atomic import fsync_path
 from dflash_files.checkpoint_files import EXPORT_DIR
 
 from .. import console
-from ..agent_client import AgentClient, parse_reply
+from ..agent_client import AgentClient
+from ..host_replies import parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..local_state import RunLogs, RunRef
 from ..progress import PROGRESS_ABOVE_BYTES, transfer_bars

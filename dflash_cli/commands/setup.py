@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console, host_scripts, requirements
-from ..agent_client import check_interpreter, parse_reply
+from ..host_replies import check_interpreter, parse_reply
 from ..errors import DflashError, ExitCode
 from ..inventory import Host
 from ..progress import cancel_on_ctrl_c

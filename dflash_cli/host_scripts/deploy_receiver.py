@@ -39,17 +39,20 @@ makes its release current): probe answers {"status": "present"} for an intact re
 that is not current, install installs without the switch.
 """
 import hashlib
-import json
 import os
 import stat
 import sys
 
 # What only install needs (ctypes, fcntl, shutil, tarfile, time) is imported where it is
-# used: the probe, all an unchanged deploy runs, starts sooner without them.
+# used: the probe, all an unchanged deploy runs, starts sooner without them. So is json:
+# its import (re, enum) is a third of this script's start-up on the host, and an unchanged
+# probe reads INSTALLED and writes its answer without it (_installed_stamps, _answer).
 
 INSTALLED = "INSTALLED"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+#: the characters json writes as they are in a string (ensure_ascii): printable ASCII but " and \
+_PLAIN = frozenset(chr(code) for code in range(0x20, 0x7f)) - {'"', "\\"}
 
 
 def _manifest(text):
@@ -140,23 +143,43 @@ def _stamp(st):
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _problems(folder, files, verify):
-    """What differs in `folder` from its MANIFEST `files`: ["path: why", ...], sorted.
-    Cheap by default: size, mtime and ctime against INSTALLED (a file edited, even with
-    its mtime put back, has a new ctime); a release without INSTALLED, or `verify`,
-    re-hashes every file."""
-    installed = None
-    if not verify:
-        try:
-            with open(os.path.join(folder, INSTALLED)) as fh:
-                installed = json.load(fh)["files"]
-        except (OSError, ValueError, KeyError):
-            installed = None
-    problems = []
+def _installed_text(release_id, stamps):
+    """INSTALLED as install writes it (json.dump of {"release_id", "files"}, sort_keys) for
+    these stamps, where every path is plain (see _PLAIN); else None."""
+    if not all(_PLAIN.issuperset(path) for path in stamps):
+        return None
+    files = ", ".join('"%s": [%d, %d, %d]' % (path, *stamps[path]) for path in sorted(stamps))
+    return ('{"files": {%s}, "release_id": "%s"}' % (files, release_id)).encode()
+
+
+def _installed_stamps(folder, release_id, stamps):
+    """INSTALLED's record {path: [size, mtime_ns, ctime_ns]} of `folder`, or None without a
+    readable one. `stamps`: the files' own, as found: where INSTALLED is exactly what
+    install writes for them, they are its record, with no need to parse it."""
+    try:
+        with open(os.path.join(folder, INSTALLED), "rb") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    if text == _installed_text(release_id, stamps):
+        return stamps
+    import json
+
+    try:
+        return json.loads(text.decode())["files"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _problems(folder, release_id, files, verify):
+    """What differs in `folder` (release `release_id`) from its MANIFEST `files`: ["path:
+    why", ...], sorted. Cheap by default: size, mtime and ctime against INSTALLED (a file
+    edited, even with its mtime put back, has a new ctime); a release without INSTALLED, or
+    `verify`, re-hashes every file."""
+    problems, found = [], {}
     for path, (sha, size, mode) in files.items():
-        full = os.path.join(folder, path)
         try:
-            st = os.lstat(full)
+            st = os.lstat(os.path.join(folder, path))
         except OSError:
             problems.append("%s: missing" % path)
             continue
@@ -164,10 +187,15 @@ def _problems(folder, files, verify):
             problems.append("%s: not a regular file" % path)
         elif stat.S_IMODE(st.st_mode) != _release_mode(mode):
             problems.append("%s: mode %o" % (path, stat.S_IMODE(st.st_mode)))
-        elif installed is not None:
-            if installed.get(path) != _stamp(st):
+        else:
+            found[path] = _stamp(st)
+    installed = None if verify else _installed_stamps(folder, release_id, found)
+    for path, stamp in found.items():
+        sha, size, _ = files[path]
+        if installed is not None:
+            if installed.get(path) != stamp:
                 problems.append("%s: changed since install" % path)
-        elif st.st_size != size or _sha256(full) != sha:
+        elif stamp[0] != size or _sha256(os.path.join(folder, path)) != sha:
             problems.append("%s: content differs from MANIFEST" % path)
     expected = set(files) | {"MANIFEST", INSTALLED}
     for dirpath, _, filenames in os.walk(folder):
@@ -183,7 +211,7 @@ def _intact_files(folder, release_id, verify):
     files = _read_manifest(folder, release_id)
     if files is None:
         return {}
-    bad = {problem.split(": ", 1)[0] for problem in _problems(folder, files, verify)}
+    bad = {problem.split(": ", 1)[0] for problem in _problems(folder, release_id, files, verify)}
     return {path: value[0] for path, value in files.items() if path not in bad}
 
 
@@ -220,7 +248,8 @@ def _put_in_place(incoming, target, release_id):
     except OSError:
         if not os.path.isdir(target):
             raise
-    aside = os.path.join(os.path.dirname(target), ".modified-%s-%d" % (release_id, time.time()))
+    # in nanoseconds: a second repair within the same second must not meet the first one's copy
+    aside = os.path.join(os.path.dirname(target), ".modified-%s-%d" % (release_id, time.time_ns()))
     if _exchange(incoming, target):
         os.rename(incoming, aside)
     else:
@@ -288,7 +317,7 @@ def probe(workspace, release_id, mode, switch="switch"):
     target = os.path.join(workspace, "releases", release_id)
     current = _current_id(workspace)
     files = _read_manifest(target, release_id)
-    modified = _problems(target, files, verify) if files is not None else []
+    modified = _problems(target, release_id, files, verify) if files is not None else []
     if files is not None and not modified:
         if current == release_id:
             return {"status": "unchanged", "release_id": release_id}
@@ -309,7 +338,7 @@ def check(workspace, mode):
     files = _read_manifest(folder, current)
     if files is None:
         return {"current": current, "modified": ["MANIFEST: missing or does not hash to %s" % current]}
-    return {"current": current, "modified": _problems(folder, files, mode == "verify")}
+    return {"current": current, "modified": _problems(folder, current, files, mode == "verify")}
 
 
 def install(workspace, release_id, expected_bytes, switch="switch"):
@@ -354,6 +383,8 @@ def install(workspace, release_id, expected_bytes, switch="switch"):
             raise ValueError("files not in MANIFEST: %s" % sorted(extra)[:5])
         os.chmod(os.path.join(incoming, "MANIFEST"), 0o444)
         stamps = {path: _stamp(os.stat(os.path.join(incoming, path))) for path in files}
+        import json
+
         with open(os.path.join(incoming, INSTALLED), "w") as fh:
             json.dump({"release_id": release_id, "files": stamps}, fh, sort_keys=True)
         os.chmod(os.path.join(incoming, INSTALLED), 0o444)
@@ -363,7 +394,7 @@ def install(workspace, release_id, expected_bytes, switch="switch"):
         existing = _read_manifest(target, release_id)
         # Re-hashed: the probe found this copy modified, perhaps only by hashing (--verify);
         # intact, it was installed meanwhile by a concurrent deploy of the same tree.
-        if existing is not None and not _problems(target, existing, verify=True):
+        if existing is not None and not _problems(target, release_id, existing, verify=True):
             _remove_tree(incoming)
             aside = None
         else:
@@ -390,11 +421,21 @@ def main(argv):
     try:
         result = {"probe": probe, "install": install, "check": check}[verb](workspace, *arg)
     except Exception as exc:  # reported to the CLI as data, with the exact cause
-        print(json.dumps({"status": "error", "error": "%s: %s" % (type(exc).__name__, exc),
-                          "errno": getattr(exc, "errno", None)}))
+        print(_answer({"status": "error", "error": "%s: %s" % (type(exc).__name__, exc),
+                       "errno": getattr(exc, "errno", None)}))
         return 1
-    print(json.dumps(result))
+    print(_answer(result))
     return 0
+
+
+def _answer(result):
+    """`result` as one line of JSON: json.dumps's, which a flat object of plain strings
+    (an unchanged probe's answer) gets without importing json."""
+    if all(isinstance(value, str) and _PLAIN.issuperset(key + value) for key, value in result.items()):
+        return "{%s}" % ", ".join('"%s": "%s"' % item for item in result.items())
+    import json
+
+    return json.dumps(result)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ class Transport(abc.ABC):
         if rest := splitter.rest():
             yield rest
 
+    def prepare(self) -> None:
+        """What the first command needs that contacts no host, done ahead (the SSH
+        transports resolve the target's options: `ssh -G`); nothing for `local`."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections. Safe to call twice."""

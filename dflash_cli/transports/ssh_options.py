@@ -214,6 +214,10 @@ class ResolvedTarget:
         """The inventory name and the hop chain, for messages: "ct200 (root@node -> pct 200)"."""
         return f"{self.host.name} ({self.describe})" if self.host.name else self.describe
 
+    def prepare(self) -> None:
+        """Resolve the options now, ahead of the first command (Transport.prepare)."""
+        self.options
+
     @property
     def options(self) -> SshOptions:
         """The host's resolved options (`ssh -G` runs once per transport)."""

@@ -1,0 +1,158 @@
+"""`dflash deploy HOST...` started before the CLI's own imports: the connection, the
+host's interpreter and the receiver start while click, rich and the rest of the CLI
+are imported (about 100 ms of start-up that the host's side now runs beside).
+
+`start(argv)`, called by the `dflash` command first thing (entry.py), reads the command
+line with a parser of the forms `deploy` takes; for any other command line, or a word
+it does not know, it starts nothing. For a deploy it does what `dflash deploy` does
+first (deployment.start_probes: the hosts looked up, the tree listed, a release refused
+for its size contacting no host, each host's probe started), and nothing at all where
+that fails: the click layer then fails the same way, with its own message.
+
+The click layer parses the command line again, as always, and takes over only what
+matches it: `session` hands over the early session if the global options are the same,
+`claim` the listing and probes if the deploy's options and hosts are. `abandon` ends
+what was not taken: each probe's stdin ends without a release id, so its receiver exits
+having looked at nothing, and the session closes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from .deployment import EarlyProbe
+    from .release import Listing, SourceTree
+    from .session import Session
+
+#: the options `start` knows, as click spells them, and the parameter each sets
+_GLOBAL_VALUES = {"--hosts": "hosts_file", "--logs-dir": "logs_dir", "--cli-config": "cli_config_file"}
+_GLOBAL_FLAGS = {"--accept-new-host-key": "accept_new_host_key"}
+_DEPLOY_VALUES = {"--source": "source_dir"}
+_DEPLOY_FLAGS = {"--all": "all_hosts", "--verify": "verify", "--allow-large": "allow_large"}
+
+
+@dataclasses.dataclass
+class _Started:
+    session: Session
+    host_names: list[str]
+    verify: bool
+    source_dir: Path | None
+    allow_large: bool
+    source: SourceTree
+    listing: Listing
+    probes: dict[str, EarlyProbe]
+    adopted: bool = False  # the click layer took the session (and closes it)
+
+
+_started: _Started | None = None
+
+
+def _parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str]] | None:
+    """The options and host names of `dflash [OPTIONS] deploy [OPTIONS] HOST...`, None for
+    any other command line (another verb, --help, --version, an option it does not know)."""
+    options: dict[str, str | bool] = {}
+    names: list[str] = []
+    deploy = False
+    words = iter(argv)
+    for word in words:
+        values, flags = (_DEPLOY_VALUES, _DEPLOY_FLAGS) if deploy else (_GLOBAL_VALUES, _GLOBAL_FLAGS)
+        option, equals, value = word.partition("=")
+        if option in values:
+            if not equals:
+                value = next(words, None)
+                if value is None:
+                    return None
+            options[values[option]] = value
+        elif word in flags:
+            options[flags[word]] = True
+        elif word.startswith("-"):
+            return None
+        elif deploy:
+            names.append(word)
+        elif word == "deploy":
+            deploy = True
+        else:
+            return None
+    return (options, names) if deploy else None
+
+
+def start(argv: Sequence[str]) -> bool:
+    """For `dflash ... deploy ...`: each host's probe started, for `claim`; else nothing.
+    Whether the command line is a deploy's."""
+    global _started
+    parsed = _parse(argv)
+    if parsed is None:
+        return False
+    from .deployment import start_probes
+    from .errors import DflashError
+    from .session import DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
+
+    options, names = parsed
+    # the defaults as the click layer takes them: its options, else their environment variables
+    session = Session(options.get("hosts_file") or os.environ.get(HOSTS_ENV) or None,
+                      Path(options.get("logs_dir") or os.environ.get(LOGS_ENV) or DEFAULT_LOGS),
+                      bool(options.get("accept_new_host_key")),
+                      options.get("cli_config_file") or os.environ.get("DFLASH_CLI_CONFIG") or None)
+    source_dir = Path(options["source_dir"]) if "source_dir" in options else None
+    verify, allow_large = bool(options.get("verify")), bool(options.get("allow_large"))
+    try:
+        if options.get("all_hosts"):
+            names = sorted(session.inventory.hosts)
+        if not names:
+            return True
+        hosts = [session.host(name) for name in names]
+        source, listing, probes = start_probes(session, hosts, verify, source_dir, allow_large)
+    except DflashError:
+        session.close()
+        return True  # the click layer meets the same failure, and says it
+    _started = _Started(session, names, verify, source_dir, allow_large, source, listing, probes)
+    return True
+
+
+def session(hosts_file: str | None, logs_dir: Path, accept_new_host_key: bool,
+            cli_config_file: str | None) -> Session:
+    """The session for the click layer's global options: the one `start` made if made from
+    the same options, else a new one (and what was started is abandoned)."""
+    from .session import Session
+
+    wanted = Session(hosts_file, logs_dir, accept_new_host_key, cli_config_file)
+    if _started is not None:
+        early = _started.session
+        if (early.hosts_file, early.logs_dir, early.accept_new_host_key, early.cli_config_file) == (
+                hosts_file, logs_dir, accept_new_host_key, cli_config_file):
+            _started.adopted = True
+            return early
+        abandon()
+    return wanted
+
+
+def claim(session: Session, host_names: list[str], verify: bool, source_dir: Path | None,
+          allow_large: bool) -> tuple[SourceTree, Listing, dict[str, EarlyProbe]] | None:
+    """What `start` started, if it is this deploy's (same session, hosts and options):
+    the source, its listing and each host's probe; else None, and it is abandoned."""
+    global _started
+    started = _started
+    if started is None:
+        return None
+    if (started.session is not session or started.host_names != host_names or started.verify != verify
+            or started.source_dir != source_dir or started.allow_large != allow_large):
+        abandon()
+        return None
+    _started = None
+    return started.source, started.listing, started.probes
+
+
+def abandon() -> None:
+    """Ends what `start` started and nobody claimed: each receiver exits having looked at
+    nothing; the session closes unless the click layer took it (it closes it then)."""
+    global _started
+    started, _started = _started, None
+    if started is None:
+        return
+    for probe in started.probes.values():
+        probe.abandon()
+    if not started.adopted:
+        started.session.close()
