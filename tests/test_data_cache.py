@@ -128,20 +128,6 @@ def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path
     assert plans[0].entries == plans[1].entries and plans[0].total_steps == plans[1].total_steps
 
 
-def test_a_file_past_one_chunk_is_cut_so_that_every_core_tokenizes_a_part():
-    """In this process up to one chunk (a worker's imports cost about what that takes);
-    past it, a chunk per core, none under MIN_SPLIT_BYTES and none over the chunk size."""
-    mib, chunk = 1 << 20, batches.CHUNK_BYTES
-    assert batches.tokenizing_split(3 * mib, chunk, 16) == (1, chunk)
-    assert batches.tokenizing_split(chunk, chunk, 16) == (1, chunk)
-    assert batches.tokenizing_split(7 * mib, chunk, 1) == (1, chunk)
-    workers, size = batches.tokenizing_split(7 * mib, chunk, 16)
-    assert workers == 16 and workers * size >= 7 * mib and (workers - 1) * size < 7 * mib
-    assert batches.tokenizing_split(5 * mib, chunk, 64) == (20, batches.MIN_SPLIT_BYTES)
-    assert batches.tokenizing_split(400 * mib, chunk, 16) == (16, chunk)
-    assert batches.tokenizing_split(10_000, 4096, 2) == (2, 4096)
-
-
 @pytest.mark.parametrize("change", ["content", "max_length", "chat_template"])
 def test_a_change_of_what_decides_the_tokens_rebuilds(tmp_path, tokenizer, change, capsys):
     path, cache = write_data(tmp_path / "train.jsonl", 40), tmp_path / "cache"

@@ -44,7 +44,6 @@ from .tokstore import StoreWriter, TokenStore, file_sha256, open_or_build, sha25
 # jsonl bytes per tokenizing task: about a thousand conversations of the recipe's length,
 # few enough tasks to keep every worker busy, small enough to bound each one's memory.
 CHUNK_BYTES = 4 << 20
-MIN_SPLIT_BYTES = 256 << 10  # the smallest chunk a file is cut into to give every core one
 # A build of the recipe's data takes minutes: it says how far it is this often, and the
 # event it emits meanwhile keeps a starting run from looking stalled.
 PROGRESS_EVERY_S = 30.0
@@ -202,7 +201,7 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
     started = last_report = time.perf_counter()
     size, done = path.stat().st_size, 0
     # Processes, not threads: the template rendering and the masks are Python.
-    workers, chunk_bytes = tokenizing_split(size, chunk_bytes, workers or len(os.sched_getaffinity(0)))
+    workers = max(1, min(workers or len(os.sched_getaffinity(0)), -(-size // chunk_bytes)))
     say(f"tokenizing {path} ({size / 2**20:.1f} MiB) with {workers} process{'es' if workers > 1 else ''}")
 
     counts = RowCounts()
@@ -244,19 +243,6 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
     if writer.num_samples == 0:
         raise counts.nothing_learnable(path, max_length)
     say(f"tokenized {writer.num_samples} samples ({writer.num_tokens} tokens) in {time.perf_counter() - started:.1f}s")
-
-
-def tokenizing_split(size: int, chunk_bytes: int, cores: int) -> tuple[int, int]:
-    """(processes, bytes per chunk) to tokenize a file of `size` bytes with. A file of up
-    to `chunk_bytes` is tokenized in this process: a worker process first pays an
-    interpreter and the trainer's imports (10 s or more on a GPU host), about what a core
-    takes to tokenize chunk_bytes of chat rows. A larger one is cut so that every core
-    gets a chunk (at least MIN_SPLIT_BYTES each): in chunks of chunk_bytes, a 7 MiB file
-    kept 2 of 16 cores busy (28.6 s on an H200 host, where the trainer's imports take 11 s)."""
-    if size <= chunk_bytes or cores <= 1:
-        return 1, chunk_bytes
-    chunk_bytes = min(chunk_bytes, max(MIN_SPLIT_BYTES, -(-size // cores)))
-    return min(cores, -(-size // chunk_bytes)), chunk_bytes
 
 
 def _read_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
