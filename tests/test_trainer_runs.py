@@ -122,8 +122,8 @@ def test_every_event_of_a_trained_run_fits_the_event_schema(tiny_cpu_run):
         dflash_events.check(event)
     assert {"phase", "startup", "ready", "heartbeat", "step", "eval", "checkpoint", "export", "replicas",
             "done"} <= {e["type"] for e in events}
-    assert {"import", "find sources", "build data", "load target", "drafter weights", "plan shapes", "set up",
-            "build train step"} <= {
+    assert {"import", "find sources", "build data", "load target", "drafter weights", "plan shapes",
+            "set up evaluator", "set up", "build train step"} <= {
         e["phase"] for e in tiny_cpu_run.events("startup")}
 
 

@@ -124,6 +124,10 @@ STARTUP = EventType(
                                   optional("step", INT, "the step they are from: 0 for fresh ones")),
         "plan shapes": Detail("The micro-batch shapes to compile for.",
                               optional("shapes", INT, "how many distinct shapes")),
+        "set up evaluator": Detail("Rank 0 of a run that evaluates: the evaluator's drafter and decoder, built "
+                                   "once for every evaluation.",
+                                   optional("device", STR, "where it decodes"),
+                                   optional("prompts", INT, "how many prompts it decodes")),
         "compile cache": Detail("Unless `compile: off`: the compile cache's key folder, its saved artifacts "
                                 "loaded when the caches are cold.",
                                 optional("key", STR, "the key folder's name"), optional("folder", STR, "its path"),

@@ -177,9 +177,10 @@ def prepare(config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch
     frozen = FrozenTargetWeights(targets)
     evaluator = None
     if prompts:
-        embed, head = frozen.on(target_devices[0])
-        evaluator = Evaluator(events, latch, faults, config.eval, hf_config, taps[0],
-                              target_devices[0], embed, head, prompts, stop_ids(tokenizer))
+        with phase("set up evaluator", device=target_devices[0], prompts=len(prompts)):
+            embed, head = frozen.on(target_devices[0])
+            evaluator = Evaluator(events, latch, faults, config.eval, hf_config, taps[0],
+                                  target_devices[0], embed, head, prompts, stop_ids(tokenizer))
     say(f"target layers {list(layer_ids)} -> drafter ({config.drafter.num_layers} layers, block "
         f"{config.drafter.block_size}, mask token id {mask_id}); compile {config.compile}; "
         f"attention {'flex' if config.uses_flex else 'sdpa'}")
