@@ -262,6 +262,8 @@ def test_fresh_weights_are_the_seeds_alone_whatever_the_threads_and_start_as_a_q
     assert len(set(firsts)) == len(firsts)
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(one)  # strict: the weights a replica loads
+    for seed in (-1, 2**70):  # any int the config takes
+        assert sorted(fresh_weights(config, seed, threads=2)) == sorted(one)
 
 
 def run_blocks(drafter, tokens, features, anchors, valid, mask=None):

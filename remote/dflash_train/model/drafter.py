@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -120,18 +121,25 @@ def drafter_on(config: Qwen3Config, device: str | torch.device) -> DFlashDrafter
 def fresh_weights(config: Qwen3Config, seed: int, threads: int) -> dict[str, torch.Tensor]:
     """A new drafter's weights, on the CPU, the same on every host and device: each module's
     drawn from a CPU generator of its own, seeded from `seed` and its place in module
-    order, `threads` modules at a time (a CPU normal_ is serial: at the Qwen3-8B shape, a
-    billion draws take seconds on one core). The drafter is laid out on the meta device
-    first, so torch's default initialization, which these replace whole, is never computed;
-    its buffers (rotary frequencies) are not weights and stay unset."""
+    order (`_module_seed`), `threads` modules at a time (a CPU normal_ is serial: at the
+    Qwen3-8B shape, a billion draws take seconds on one core). The drafter is laid out on
+    the meta device first, so torch's default initialization, which these replace whole,
+    is never computed; its buffers (rotary frequencies) are not weights and stay unset."""
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
     drafter.to_empty(device="cpu")
     fills = drafter.initializers()
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-        list(pool.map(lambda i: fills[i](torch.Generator().manual_seed((seed << 20) + i)), range(len(fills))))
+        list(pool.map(lambda i: fills[i](torch.Generator().manual_seed(_module_seed(seed, i))), range(len(fills))))
     # What state_dict holds (the buffers are not persistent; a strict load would name one that became so).
     return {name: weight.detach() for name, weight in drafter.named_parameters()}
+
+
+def _module_seed(seed: int, index: int) -> int:
+    """The seed of the module at `index` for the run's `seed`: 63 bits of a hash of both, so
+    any int the config allows (negative, past 64 bits) gives one torch takes, and the
+    modules' streams are unrelated."""
+    return int.from_bytes(hashlib.sha256(f"drafter weights {seed} {index}".encode()).digest()[:8], "little") >> 1
 
 
 def cpu_weights(module: nn.Module) -> dict[str, torch.Tensor]:
