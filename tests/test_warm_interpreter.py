@@ -200,7 +200,8 @@ def test_a_launch_forked_by_the_warm_interpreter_is_the_run_an_exec_would_be(hos
     phases = {run_id: [(e["phase"], e["state"], e.get("drafter")) for e in map(json.loads, (
         host.run_dir(run_id) / "events.jsonl").read_text().splitlines()) if e["type"] == "startup" and e["state"] != "alive"]
         for run_id in ("cold", "warm")}
-    order = [(name, None) for name in ("find sources", "build data", "load target", "drafter weights", "plan shapes")]
+    order = [(name, None) for name in ("find sources", "build data", "load target", "drafter weights", "plan shapes",
+                                       "set up evaluator")]
     order += [("set up", 0), ("build train step", 0), ("set up", 1), ("build train step", 1)]  # one drafter at a time
     assert phases["warm"] == phases["cold"] == [("import", "done", None)] + [
         (name, state, drafter) for name, drafter in order for state in ("started", "done")]
