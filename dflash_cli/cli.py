@@ -17,7 +17,7 @@ from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, resolve_run
 from .run_hosts import Reach
-from .session import DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
+from .session import CLI_CONFIG_ENV, DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
 
 
 class _Group(click.Group):
@@ -67,8 +67,8 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
               type=click.Path(file_okay=False), help="Where fetched logs and tracebacks are kept.")
 @click.option("--accept-new-host-key", is_flag=True,
               help="Record the SSH host key of a host seen for the first time instead of refusing it.")
-@click.option("--cli-config", "cli_config_file", envvar="DFLASH_CLI_CONFIG", type=click.Path(dir_okay=False),
-              help="This machine's CLI settings, e.g. trackers (default: ./dflash.yaml; env DFLASH_CLI_CONFIG).")
+@click.option("--cli-config", "cli_config_file", envvar=CLI_CONFIG_ENV, type=click.Path(dir_okay=False),
+              help=f"This machine's CLI settings, e.g. trackers (default: ./dflash.yaml; env {CLI_CONFIG_ENV}).")
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
               help="Print dflash's version and the release id the current tree would deploy, then exit.")
 @click.pass_context

@@ -88,14 +88,14 @@ def start(argv: Sequence[str]) -> bool:
         return False
     from .deployment import start_probes
     from .errors import DflashError
-    from .session import DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
+    from .session import CLI_CONFIG_ENV, DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
 
     options, names = parsed
     # the defaults as the click layer takes them: its options, else their environment variables
     session = Session(options.get("hosts_file") or os.environ.get(HOSTS_ENV) or None,
                       Path(options.get("logs_dir") or os.environ.get(LOGS_ENV) or DEFAULT_LOGS),
                       bool(options.get("accept_new_host_key")),
-                      options.get("cli_config_file") or os.environ.get("DFLASH_CLI_CONFIG") or None)
+                      options.get("cli_config_file") or os.environ.get(CLI_CONFIG_ENV) or None)
     source_dir = Path(options["source_dir"]) if "source_dir" in options else None
     verify, allow_large = bool(options.get("verify")), bool(options.get("allow_large"))
     try:
@@ -118,7 +118,6 @@ def session(hosts_file: str | None, logs_dir: Path, accept_new_host_key: bool,
     the same options, else a new one (and what was started is abandoned)."""
     from .session import Session
 
-    wanted = Session(hosts_file, logs_dir, accept_new_host_key, cli_config_file)
     if _started is not None:
         early = _started.session
         if (early.hosts_file, early.logs_dir, early.accept_new_host_key, early.cli_config_file) == (
@@ -126,7 +125,7 @@ def session(hosts_file: str | None, logs_dir: Path, accept_new_host_key: bool,
             _started.adopted = True
             return early
         abandon()
-    return wanted
+    return Session(hosts_file, logs_dir, accept_new_host_key, cli_config_file)
 
 
 def claim(session: Session, host_names: list[str], verify: bool, source_dir: Path | None,

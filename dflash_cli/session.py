@@ -19,9 +19,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: where the inventory and the logs folder are named when not passed (`--hosts`, `--logs-dir`)
+#: where the inventory, the logs folder and dflash.yaml are named when not passed (`--hosts`,
+#: `--logs-dir`, `--cli-config`; local_config reads its variable itself)
 HOSTS_ENV = "DFLASH_HOSTS"
 LOGS_ENV = "DFLASH_LOGS"
+CLI_CONFIG_ENV = "DFLASH_CLI_CONFIG"
 DEFAULT_LOGS = "logs"
 
 

@@ -25,10 +25,10 @@ the step is traced as if none were there: never a failure of the run.
 
 Used on torch >= 2.11, but for drafters with flex attention, whose ahead-of-time compile
 failed in torch 2.11 ("TracingContext.get() must be called within an ongoing trace", H200,
-cudagraphs' whole_step) and ran nowhere newer; on older releases, or one without these
-APIs, the step is traced as before, and the log says so once. Verified: compile: default
-on 2.11 and 2.13 (CPU); cudagraphs' whole_step with sdpa, static shapes on 2.11 (H200)
-and dynamic on 2.13 (CPU, without the capture).
+cudagraphs' whole_step, static and dynamic shapes) and was not tried on a newer one; on
+older releases, or one without these APIs, the step is traced as before, and the log says
+so once. Verified: compile: default on 2.11 and 2.13 (CPU); cudagraphs' whole_step with
+sdpa, static and dynamic shapes, on 2.11 (H200).
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ from ..runlog import say
 
 PRECOMPILED_DIR = "train_step"  # in the compile cache's key folder
 # Why a flex-attention drafter's step is traced where precompiled graphs are used: torch
-# 2.11's aot_compile failed in flex attention's trace (H200, cudagraphs' whole_step).
+# 2.11's aot_compile failed in flex attention's trace (H200, cudagraphs' whole_step, with
+# static shapes and dynamic ones).
 FLEX_NOT_PRECOMPILED = ("flex attention: torch 2.11's ahead-of-time compile fails in its trace "
                         "(\"TracingContext.get() must be called within an ongoing trace\")")
 VERIFIED_TORCH = (2, 11)
