@@ -170,7 +170,14 @@ def timed_first_step(host: Host, run_id: str, config: Path) -> float:
 @pytest.mark.slow(seconds=40, why=WHY)
 def test_a_launch_forked_by_the_warm_interpreter_is_the_run_an_exec_would_be(host, tmp_path):
     hang = host.config("hang", faults=[{"thread": "drafter-0", "at": "step:2", "kind": "hang"}])
-    cold_s = timed_first_step(host, "cold", hang)
+    # The agent inherits an ignored SIGHUP, as under `nohup` (and SIGQUIT, as a shell's
+    # background job): neither trainer may keep it, the exec'd one no more than the forked.
+    ignored = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        cold_s = timed_first_step(host, "cold", hang)
+    finally:
+        for signum, handler in ignored.items():
+            signal.signal(signum, handler)
     cold = host.record("cold")
     assert (cold["started_by"], cold["warm_reason"]) == ("exec", "no warm interpreter for this release and interpreter")
     agent_log = (host.run_dir("cold") / "agent.log").read_text()
@@ -190,6 +197,7 @@ def test_a_launch_forked_by_the_warm_interpreter_is_the_run_an_exec_would_be(hos
     assert seen_warm["cwd"] == str(host.run_dir("warm")) and seen_warm["sid"] == seen_warm["pgid"] == record["pid"]
     assert seen_warm["fds"] == ["/dev/null", str(host.run_dir("warm") / "train.log"), str(host.run_dir("warm") / "train.log")]
     assert seen_warm["signals"] == seen_cold["signals"]  # the same dispositions and mask as an exec'd trainer
+    assert int(seen_cold["signals"]["SigIgn"], 16) & (1 << signal.SIGHUP - 1 | 1 << signal.SIGQUIT - 1) == 0
     (imports,) = [e for e in map(json.loads, (host.run_dir("warm") / "events.jsonl").read_text().splitlines())
                   if e["type"] == "startup" and e["phase"] == "import"]
     assert imports["since"] == "warm interpreter" and imports["label"] == "import (warm interpreter)"

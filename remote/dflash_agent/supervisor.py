@@ -119,10 +119,19 @@ def _exec_trainer(plan: TrainerPlan, pipes: Dict[str, int], train_log_fd: int) -
         os.close(devnull)
         os.close(train_log_fd)
         os.chdir(plan.run.path)
-        # Python ignores these; an exec'd program must start with the defaults (as
-        # subprocess's restore_signals does).
-        for name in ("SIGPIPE", "SIGXFSZ"):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        # Every disposition at its default and an empty mask, whatever the agent was
+        # started with (a signal ignored by `nohup`, or by a shell for a job it put in the
+        # background, would stay ignored across the exec): the trainer starts as the warm
+        # interpreter's forks start (dflash_train/warm.py), and as Python's own ignores
+        # (SIGPIPE, SIGXFSZ) must not reach an exec'd program (subprocess's restore_signals).
+        for signum in range(1, signal.NSIG):
+            if signum in (signal.SIGKILL, signal.SIGSTOP) or signal.SIGRTMIN <= signum <= signal.SIGRTMAX:
+                continue
+            try:
+                signal.signal(signum, signal.SIG_DFL)
+            except (OSError, ValueError):
+                continue
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
         if os.read(pipes["go_r"], 1) != b"g":
             os._exit(125)  # the supervisor gave up before run.json existed: never start
         os.execvpe(plan.python, list(plan.argv), dict(plan.env, DFLASH_ATTEMPT=str(plan.attempt)))
