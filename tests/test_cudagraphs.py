@@ -640,14 +640,13 @@ def test_graphed_micro_batches_add_up_and_a_step_starts_from_zero():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(precompiled.unsupported_reason() is not None, reason=str(precompiled.unsupported_reason()))
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
 @pytest.mark.parametrize("shapes", ["static", "dynamic"])
-def test_a_whole_step_from_saved_graphs_traces_nothing_and_replays_eagers_losses(shapes, tmp_path, monkeypatch,
-                                                                                 compiler_settings):
+def test_a_whole_step_from_saved_graphs_traces_nothing_and_replays_eagers_losses(shapes, attention, tmp_path,
+                                                                                 monkeypatch, compiler_settings):
     """compile: cudagraphs on a warm start: the first build compiles the step ahead of time
     and saves it in the key folder; the next process's build loads it, traces nothing,
-    captures every bucket, and every replay gives eager's loss for its batch (sdpa: a flex
-    drafter's step is traced, precompiled.FLEX_NOT_PRECOMPILED)."""
-    attention = "sdpa"
+    captures every bucket, and every replay gives eager's loss for its batch."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(precompiled, "_SHARED", {})
     monkeypatch.setattr(precompiled, "FAILED", [])
@@ -676,18 +675,3 @@ def test_a_whole_step_from_saved_graphs_traces_nothing_and_replays_eagers_losses
     assert precompiled.FAILED == []
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.timeout(600)
-def test_a_flex_drafter_traces_its_whole_step_and_says_why_once(tmp_path, monkeypatch, capsys, compiler_settings):
-    monkeypatch.setattr(precompiled, "_SHARED", {})
-    monkeypatch.setattr(precompiled, "FAILED", [])
-    torch._dynamo.reset()
-    buckets = cudagraphs.bucket_shapes(FOUR_BUCKETS, DrafterConfig(block_size=BLOCK, num_anchors=8))
-    configure_compiler("cudagraphs", 1, len(buckets), dynamic_shapes=True)
-    plan = CompilePlan("cudagraphs", buckets=buckets, shapes="dynamic", precompiled=tmp_path / "key")
-    objective = tiny_objective("cuda:0", use_flex=True, head_dim=16)
-    step = build_train_step(plan, objective, example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cuda:0"))
-    assert (step.report.graphs_loaded, step.report.graphs_compiled) == (0, 1)
-    assert precompiled.FAILED == [precompiled.FLEX_NOT_PRECOMPILED] and not (tmp_path / "key").exists()
-    assert capsys.readouterr().out.count("precompiled train step not used: flex attention: torch 2.11") == 1

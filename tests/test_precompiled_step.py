@@ -135,3 +135,25 @@ def test_saved_graphs_serve_replicas_of_other_weights_and_refuse_a_stray_shape(t
     doubles.features = doubles.features.double()
     with pytest.raises(StrayCompile, match=r"2 x 48 tokens with 8 blocks \(guard: .*features"):
         replica(doubles)
+
+
+def doubled_leaf(x: torch.Tensor) -> torch.Tensor:
+    """Guarded on `__import__('torch').utils._pytree.SUPPORTED_NODES`, as flex attention's mask."""
+    return x * 2 if torch.utils._pytree.tree_is_leaf((x,)) is False else x
+
+
+def test_a_graph_whose_guards_import_torch_is_saved_and_loaded_again(tmp_path, monkeypatch):
+    """Flex attention's block mask asks pytree whether a value is a leaf, and Dynamo guards
+    that on `__import__('torch').utils._pytree.SUPPORTED_NODES`: torch re-makes that source
+    when it loads the guards, and the load must not need an ongoing trace (it did: every
+    flex drafter's saved step failed to load). The same guard, in a graph small enough for
+    the CPU, through the train step's save and open."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", True)  # as configure_compiler sets it
+    x = torch.randn(4, 8)
+    function = torch.compile(doubled_leaf, fullgraph=True).aot_compile(((x,), {}))
+    precompiled.PrecompiledStep(tmp_path / "key" / PRECOMPILED_DIR / "leaf.aot", [function], precompiled.ABSENT).save()
+
+    loaded = precompiled.open_precompiled(tmp_path / "key", "leaf")
+    assert (loaded.status, len(loaded.functions)) == (precompiled.LOADED, 1)
+    assert loaded.functions[0].guard_check(x) and torch.equal(loaded.functions[0](x), x * 2)

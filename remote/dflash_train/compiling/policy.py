@@ -100,8 +100,6 @@ class CompilePlan:
     def build(self, objective: DraftObjective, example: DrafterInputs) -> BuiltStep:
         """One replica's train step for this plan, compiled and warmed up (not locked)."""
         precompiled = self.precompiled if self.backend == "inductor" else None
-        if precompiled is not None and objective.use_flex and not precompiled_step.FAILED:
-            precompiled_step.give_up(precompiled_step.FLEX_NOT_PRECOMPILED)
         if precompiled_step.FAILED:
             precompiled = None
         if self.mode == "cudagraphs":

@@ -23,12 +23,10 @@ config, and the way the step is built (its variant). A file whose manifest does 
 its bytes, or that torch cannot load, is moved aside (`.corrupt`), said in the log, and
 the step is traced as if none were there: never a failure of the run.
 
-Used on torch >= 2.11, but for drafters with flex attention, whose ahead-of-time compile
-failed in torch 2.11 ("TracingContext.get() must be called within an ongoing trace", H200,
-cudagraphs' whole_step, static and dynamic shapes) and was not tried on a newer one; on
-older releases, or one without these APIs, the step is traced as before, and the log says
-so once. Verified: compile: default on 2.11 and 2.13 (CPU); cudagraphs' whole_step with
-sdpa, static and dynamic shapes, on 2.11 (H200).
+Used on torch >= 2.11; on older releases, or one without these APIs, the step is traced
+as before, and the log says so once. Verified: compile: default on 2.11 and 2.13 (CPU);
+cudagraphs' whole_step with sdpa and with flex attention, static and dynamic shapes, on
+2.11 (H200).
 """
 from __future__ import annotations
 
@@ -52,11 +50,6 @@ from ..model.objective import DraftObjective, DrafterInputs
 from ..runlog import say
 
 PRECOMPILED_DIR = "train_step"  # in the compile cache's key folder
-# Why a flex-attention drafter's step is traced where precompiled graphs are used: torch
-# 2.11's aot_compile failed in flex attention's trace (H200, cudagraphs' whole_step, with
-# static shapes and dynamic ones).
-FLEX_NOT_PRECOMPILED = ("flex attention: torch 2.11's ahead-of-time compile fails in its trace "
-                        "(\"TracingContext.get() must be called within an ongoing trace\")")
 VERIFIED_TORCH = (2, 11)
 LOADED, ABSENT, CORRUPT, UNSUPPORTED = "loaded", "absent", "corrupt", "unsupported"
 _MODEL_SOURCES = Path(objective_module.__file__).parent
@@ -220,4 +213,10 @@ def _serialize(function) -> bytes:
 
 
 def _deserialize(blob: bytes):
-    return torch.compiler.load_compiled_function(io.BytesIO(blob), f_globals=objective_module.__dict__)
+    # Inside a throwaway tracing context: a graph guarded on a module reached by import
+    # (flex attention's block mask is, on `__import__('torch').utils._pytree.SUPPORTED_NODES`)
+    # re-makes that ImportSource when its guards are unpickled, which installs a guard in
+    # the ongoing trace and raises where there is none ("TracingContext.get() must be
+    # called within an ongoing trace"). The guards that check calls come from the file.
+    with torch._guards.tracing(torch._guards.TracingContext(None)):
+        return torch.compiler.load_compiled_function(io.BytesIO(blob), f_globals=objective_module.__dict__)
