@@ -256,7 +256,7 @@ class Coordinator(JobControl):
                 self._set_phase("eval")
             session.evaluator.measure(request)
 
-        schedule.before_training(lead, evaluate)
+        schedule.before_training(evaluate)
         self._set_phase("train")
         schedule.training_started()
         for step in range(run.start_step + 1, run.total_steps + 1):

@@ -188,7 +188,7 @@ def prepare(config: JobConfig, run_dir: Path, events: EventLog, latch: StopLatch
         say(f"{len(shapes)} micro-batch shape(s) to train on, the largest {shapes[0]}")
     channels = make_channels(run, evaluates=evaluator is not None) if config.pipeline.mode != "sequential" else None
     schedule = OutputSchedule(run, evaluator, channels.queues if channels else [],
-                              losses=list(resumed.state.losses) if resumed else [])
+                              losses=list(resumed.state.losses) if resumed else [], starting_weights=weights)
     compile_plan, compile_cache = _set_up_compiler(config, run_dir, shapes, drafter_devices[0])
     return Session(run, hf_config, weights, resumed, frozen, evaluator, shapes, channels, schedule, compile_plan,
                    compile_cache)

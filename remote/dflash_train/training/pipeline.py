@@ -124,7 +124,7 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
                 return averaged
 
             if lead:
-                schedule.before_training(replica, evaluate)
+                schedule.before_training(evaluate)
                 if run.peers is not None:  # the first all-reduce must not time out on a slower host's warm-up
                     run.peers.wait_for_all(READY, run.config.runtime.ready_timeout_s)
             for step in range(run.start_step + 1, run.total_steps + 1):

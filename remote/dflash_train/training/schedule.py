@@ -93,11 +93,14 @@ class OutputSchedule:
 
     `evaluator` is None when the run has no eval prompts (or on another rank); `queues`
     are reported in step events (none in a sequential run); `losses` is the loss curve
-    so far (carried across resumes, saved in checkpoints).
+    so far (carried across resumes, saved in checkpoints); `starting_weights` the CPU
+    weights every replica is loaded from, the baseline evaluation's.
     """
 
-    def __init__(self, run: Run, evaluator: Evaluator | None, queues: list[StoppableQueue], losses: list[float]):
+    def __init__(self, run: Run, evaluator: Evaluator | None, queues: list[StoppableQueue], losses: list[float],
+                 starting_weights: dict[str, torch.Tensor]):
         self.run, self.evaluator, self.queues, self.losses = run, evaluator, queues, losses
+        self._starting_weights: dict[str, torch.Tensor] | None = starting_weights
         self.config, self.run_dir, self.events, self.plan = run.config, run.run_dir, run.events, run.plan
         self.checkpoints = CheckpointWriter(self.run_dir / CHECKPOINTS_DIR, self.config.checkpoint.keep,
                                             resolved_yaml(self.config), self.events, run.latch)
@@ -125,11 +128,15 @@ class OutputSchedule:
         """An attempt resumed from the last step's checkpoint: it only finishes the run."""
         return self.run.start_step == self.total_steps
 
-    def before_training(self, lead: Replica, evaluate: Callable[[EvalRequest], None]) -> None:
+    def before_training(self, evaluate: Callable[[EvalRequest], None]) -> None:
         """The untrained drafter's acceptance length, the baseline of the final one (none
-        when nothing is left to train: the drafter as found is the final one)."""
+        when nothing is left to train: the drafter as found is the final one). Of the
+        weights the replicas were loaded from, which they still hold: a copy back from
+        the lead's GPU (4 GiB at the Qwen3-8B drafter shape) would share the bus with the
+        next drafter's set-up."""
+        weights, self._starting_weights = self._starting_weights, None
         if self.evaluator is not None and self.config.eval.at_start and not self.nothing_to_train:
-            evaluate(EvalRequest(self.run.start_step, cpu_weights(lead.drafter), baseline=True))
+            evaluate(EvalRequest(self.run.start_step, weights, baseline=True))
 
     def after_step(self, step: int, lead: Replica, applied: AppliedStep,
                    evaluate: Callable[[EvalRequest], None]) -> None:
