@@ -22,29 +22,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from .errors import DflashError, ExitCode
+from .project_tree import (BUNDLED_DIR, LARGE_RELEASE_BYTES, PROJECT_MARKERS, RELEASE_DIRS, is_project_tree,
+                           nearest_project_tree, shipped_tree)
 
 if TYPE_CHECKING:
     import pathspec
 
-RELEASE_DIRS = ("remote", "configs")
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo", ".swp")
 #: Files git tracks that hosts do not need, in gitignore syntax, at the tree's root.
 DFLASHIGNORE = ".dflashignore"
-#: Above this a release is refused (unless --allow-large): code and configs are small.
-LARGE_RELEASE_BYTES = 64 << 20
 _LARGEST_SHOWN = 5
 _CHUNK = 1 << 20
 #: tar's block and record sizes (tarfile.BLOCKSIZE and RECORDSIZE)
 _TAR_BLOCK, _TAR_RECORD = 512, 20 * 512
 GIT_TIMEOUT_S = 30.0
-
-
-#: What makes a folder a project tree dflash can deploy: the agent's launcher and its
-#: package. configs/ goes along when it is there; a patched tree may hold nothing else.
-PROJECT_MARKERS = ("remote/agent.py", "remote/dflash_agent/__init__.py")
-#: Where an installed wheel keeps its copy of remote/ and configs/ (setup.py puts it there).
-BUNDLED_DIR = Path(__file__).resolve().parent / "_release"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +47,12 @@ class SourceTree:
     kind: str  # checkout | bundled
 
 
-def is_project_tree(folder: Path) -> bool:
-    return all((folder / marker).is_file() for marker in PROJECT_MARKERS)
-
-
 def project_root() -> Path:
     """The tree that ships with this dflash: the wheel's copy, or else the checkout
     dflash_cli/ lives in (an editable install, or a run from the checkout)."""
-    for root in (BUNDLED_DIR, Path(__file__).resolve().parent.parent):
-        if is_project_tree(root):
-            return root
+    root = shipped_tree()
+    if root is not None:
+        return Path(root)
     raise DflashError(f"this dflash ships no remote/agent.py (looked in {BUNDLED_DIR}): "
                       "reinstall it, or deploy a project tree with --source DIR", ExitCode.USAGE)
 
@@ -79,10 +67,9 @@ def find_source(explicit: Path | None = None, cwd: Path | None = None) -> Source
             raise DflashError(f"--source {explicit}: not a dflash project tree (it needs "
                               f"{' and '.join(PROJECT_MARKERS)})", ExitCode.USAGE)
         return SourceTree(explicit.resolve(), "checkout")
-    here = (cwd or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        if is_project_tree(folder):
-            return SourceTree(folder, "checkout")
+    found = nearest_project_tree(str(cwd or Path.cwd()))
+    if found is not None:
+        return SourceTree(Path(found), "checkout")
     return SourceTree(project_root(), "bundled")
 
 

@@ -1,0 +1,54 @@
+"""Which folder a deploy sends, and how large its release can be at most, decided with
+the standard library only: `dflash deploy` asks this before it has imported the rest of
+the CLI (probe_cache), and release.py decides with the same functions."""
+from __future__ import annotations
+
+import os
+
+RELEASE_DIRS = ("remote", "configs")
+#: What makes a folder a project tree dflash can deploy: the agent's launcher and its
+#: package. configs/ goes along when it is there; a patched tree may hold nothing else.
+PROJECT_MARKERS = ("remote/agent.py", "remote/dflash_agent/__init__.py")
+#: Above this a release is refused (unless --allow-large): code and configs are small.
+LARGE_RELEASE_BYTES = 64 << 20
+#: Where an installed wheel keeps its copy of remote/ and configs/ (setup.py puts it there).
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_release")
+#: The copies that ship with this dflash, in the order they are looked for: the wheel's,
+#: else the checkout dflash_cli/ lives in (an editable install, or a run from the checkout).
+SHIPPED = (BUNDLED_DIR, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
+
+def is_project_tree(folder: str | os.PathLike[str]) -> bool:
+    return all(os.path.isfile(os.path.join(folder, marker)) for marker in PROJECT_MARKERS)
+
+
+def nearest_project_tree(cwd: str) -> str | None:
+    """The nearest folder holding `cwd` (itself included) that is a project tree."""
+    folder = os.path.realpath(cwd)
+    while True:
+        if is_project_tree(folder):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+def shipped_tree() -> str | None:
+    """The tree that ships with this dflash, if it ships one."""
+    return next((root for root in SHIPPED if is_project_tree(root)), None)
+
+
+def size_bound(root: str) -> int:
+    """The bytes of every file under the release folders of `root`: no smaller than the
+    release of `root`, whatever git or .dflashignore leave out of it (release.list_files
+    walks the same folders the same way and keeps a part of these files)."""
+    total = 0
+    for top in RELEASE_DIRS:
+        for dirpath, _, filenames in os.walk(os.path.join(root, top)):
+            for name in filenames:
+                try:
+                    total += os.stat(os.path.join(dirpath, name)).st_size
+                except OSError:
+                    pass  # not a file release.list_files would keep (a dangling link), or gone
+    return total
