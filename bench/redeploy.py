@@ -108,6 +108,9 @@ def main() -> None:
     if not shutil.which("rsync"):
         raise SystemExit("rsync is not installed (apt-get install -y rsync)")
     with test_bed() as bed:
+        # dflash keeps its probes' command lines in the user's cache folder (probe_cache.py):
+        # the bench's own, which the warm-up deploy of each row fills as a user's last deploy did
+        os.environ["XDG_CACHE_HOME"] = str(bed.work / "cache")
         session = Session(str(bed.hosts), bed.logs)
         host = session.host("ct200")
         tree = release.scan()

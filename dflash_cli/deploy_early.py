@@ -2,12 +2,15 @@
 host's interpreter and the receiver start while click, rich and the rest of the CLI
 are imported (about 100 ms of start-up that the host's side now runs beside).
 
-`start(argv)`, called by the `dflash` command first thing (entry.py), reads the command
-line with a parser of the forms `deploy` takes; for any other command line, or a word
-it does not know, it starts nothing. For a deploy it does what `dflash deploy` does
-first (deployment.start_probes: the hosts looked up, the tree listed, a release refused
-for its size contacting no host, each host's probe started), and nothing at all where
-that fails: the click layer then fails the same way, with its own message.
+`start(argv)`, called by the `dflash` command first thing (entry.py, once probe_cache
+started what it keeps for this command line), reads the command line with a parser of
+the forms `deploy` takes (probe_cache.parse); for any other command line, or a word it
+does not know, it starts nothing. For a deploy it does what `dflash deploy` does first
+(deployment.start_probes: the hosts looked up, the tree listed, a release refused for
+its size contacting no host, each host's probe started, or adopted from probe_cache), and
+nothing at all where that fails: the click layer then fails the same way, with its own
+message. Once the probes are on their way, each one's command line is kept for the next
+deploy of this command line (probe_cache.record).
 
 The click layer parses the command line again, as always, and takes over only what
 matches it: `session` hands over the early session if the global options are the same,
@@ -22,16 +25,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from . import probe_cache
+
 if TYPE_CHECKING:
     from .deployment import EarlyProbe
     from .release import Listing, SourceTree
     from .session import Session
-
-#: the options `start` knows, as click spells them, and the parameter each sets
-_GLOBAL_VALUES = {"--hosts": "hosts_file", "--logs-dir": "logs_dir", "--cli-config": "cli_config_file"}
-_GLOBAL_FLAGS = {"--accept-new-host-key": "accept_new_host_key"}
-_DEPLOY_VALUES = {"--source": "source_dir"}
-_DEPLOY_FLAGS = {"--all": "all_hosts", "--verify": "verify", "--allow-large": "allow_large"}
 
 
 @dataclasses.dataclass
@@ -50,43 +49,14 @@ class _Started:
 _started: _Started | None = None
 
 
-def _parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str]] | None:
-    """The options and host names of `dflash [OPTIONS] deploy [OPTIONS] HOST...`, None for
-    any other command line (another verb, --help, --version, an option it does not know)."""
-    options: dict[str, str | bool] = {}
-    names: list[str] = []
-    deploy = False
-    words = iter(argv)
-    for word in words:
-        values, flags = (_DEPLOY_VALUES, _DEPLOY_FLAGS) if deploy else (_GLOBAL_VALUES, _GLOBAL_FLAGS)
-        option, equals, value = word.partition("=")
-        if option in values:
-            if not equals:
-                value = next(words, None)
-                if value is None:
-                    return None
-            options[values[option]] = value
-        elif word in flags:
-            options[flags[word]] = True
-        elif word.startswith("-"):
-            return None
-        elif deploy:
-            names.append(word)
-        elif word == "deploy":
-            deploy = True
-        else:
-            return None
-    return (options, names) if deploy else None
-
-
 def start(argv: Sequence[str]) -> bool:
     """For `dflash ... deploy ...`: each host's probe started, for `claim`; else nothing.
     Whether the command line is a deploy's."""
     global _started
-    parsed = _parse(argv)
+    parsed = probe_cache.parse(argv)
     if parsed is None:
         return False
-    from .deployment import start_probes
+    from .deployment import probe_argv, start_probes
     from .errors import DflashError
     from .session import CLI_CONFIG_ENV, DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
 
@@ -104,12 +74,28 @@ def start(argv: Sequence[str]) -> bool:
         if not names:
             return True
         hosts = [session.host(name) for name in names]
-        source, listing, probes = start_probes(session, hosts, verify, source_dir, allow_large)
+        source, listing, probes = start_probes(session, hosts, verify, source_dir, allow_large, probe_cache.take())
     except DflashError:
         session.close()
         return True  # the click layer meets the same failure, and says it
     _started = _Started(session, names, verify, source_dir, allow_large, source, listing, probes)
+    probe_cache.record({host.name: _first_command_line(session, host, probe_argv(host, verify)) for host in hosts})
     return True
+
+
+def _first_command_line(session: Session, host, argv: list[str]) -> tuple[list[str], list[str] | None] | None:
+    """The command line `host`'s transport starts first for `argv`, for probe_cache to keep;
+    None where it keeps none (another transport, options that cannot be resolved)."""
+    from .errors import DflashError
+    from .transports.openssh import OpenSshTransport
+
+    transport = session.transport(host)
+    if not isinstance(transport, OpenSshTransport):
+        return None
+    try:
+        return transport.first_command_line(argv, probe_cache.FOLDER)
+    except DflashError:
+        return None
 
 
 def session(hosts_file: str | None, logs_dir: Path, accept_new_host_key: bool,

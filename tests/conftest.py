@@ -190,6 +190,21 @@ def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
         os.environ["DFLASH_SSH_CONFIG"] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The user's cache folder (XDG_CACHE_HOME) of dflash and its subprocesses: one per
+    worker, never the machine's ~/.cache (deploy keeps its probes' command lines there,
+    probe_cache.py). Tests that need one of their own set the variable again."""
+    path = tmp_path_factory.mktemp("user-cache")
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test marked slow says what it costs and why: @pytest.mark.slow(seconds=N, why="...")
     (`make test-fast` leaves them out); a test of tiny_cpu_run is one.

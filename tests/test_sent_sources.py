@@ -52,7 +52,7 @@ def test_the_guard_knows_every_source_sent_with_python_c():
     # A new `-c` in the CLI fails here until its source is added to SENT (or, a shell's, to SHELL_C).
     assert _python_c_argvs() - SHELL_C == {
         ("agent_client.py", "python_argv"), ("agent_client.py", "_BOOTSTRAP"), ("commands/hosts.py", "_PROBE"),
-        ("fit_check.py", "PROBE"), ("deployment.py", "_receiver"), ("commands/setup.py", "setup_host")}
+        ("fit_check.py", "PROBE"), ("deployment.py", "_receiver_argv"), ("commands/setup.py", "setup_host")}
     assert SHELL_C <= _python_c_argvs()  # each still there: a stale entry would hide a new one of its name
 
 
