@@ -181,13 +181,7 @@ def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     OpenSSH's `ssh -F`). Tests that need a config of their own set the variable again."""
     path = tmp_path_factory.mktemp("ssh-client") / "config"
     path.write_text("")
-    before = os.environ.get("DFLASH_SSH_CONFIG")
-    os.environ["DFLASH_SSH_CONFIG"] = str(path)
-    yield path
-    if before is None:
-        os.environ.pop("DFLASH_SSH_CONFIG", None)
-    else:
-        os.environ["DFLASH_SSH_CONFIG"] = before
+    yield from _variable_set("DFLASH_SSH_CONFIG", path)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -195,14 +189,18 @@ def user_cache_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     """The user's cache folder (XDG_CACHE_HOME) of dflash and its subprocesses: one per
     worker, never the machine's ~/.cache (deploy keeps its probes' command lines there,
     probe_cache.py). Tests that need one of their own set the variable again."""
-    path = tmp_path_factory.mktemp("user-cache")
-    before = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(path)
+    yield from _variable_set("XDG_CACHE_HOME", tmp_path_factory.mktemp("user-cache"))
+
+
+def _variable_set(name: str, path: Path) -> Iterator[Path]:
+    """A session fixture's body: `name` set to `path` for its life, then as it was."""
+    before = os.environ.get(name)
+    os.environ[name] = str(path)
     yield path
     if before is None:
-        os.environ.pop("XDG_CACHE_HOME", None)
+        os.environ.pop(name, None)
     else:
-        os.environ["XDG_CACHE_HOME"] = before
+        os.environ[name] = before
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

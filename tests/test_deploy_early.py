@@ -17,23 +17,8 @@ from dflash_cli import cli, deploy_early, probe_cache, release
 from dflash_cli.session import Session
 from dflash_run import dflash_argv, dflash_env
 from support import copy_release_dirs, wait_until, workspace_on_node
+from support.import_gate import finish, gated_import
 from support.wait import FIRST_INTERVAL_S
-
-#: a stand-in for click, first on the CLI's path: its import waits for a file, then loads
-#: the real click. The CLI imports click only after the early start, so a probe that is
-#: started before it can make that file appear; one started after it never can.
-CLICK_GATE = '''\
-import importlib, os, sys, time
-gate = os.environ["TEST_CLICK_GATE"]
-deadline = time.monotonic() + 60
-while not os.path.exists(gate):
-    if time.monotonic() > deadline:
-        raise SystemExit("click was imported before any probe started")
-    time.sleep(0.01)
-sys.path.remove(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-del sys.modules["click"]
-sys.modules["click"] = importlib.import_module("click")
-'''
 
 
 def marking_python(tmp_path: Path) -> Path:
@@ -62,25 +47,13 @@ def project_on_ct200(make_inventory, tmp_path: Path, deployed: bool) -> tuple[Pa
 def gated_deploy(tmp_path: Path, hosts: Path, project: Path) -> tuple[subprocess.Popen[str], Path]:
     """`dflash deploy ct200 --source PROJECT` with its click import held until the test
     creates the returned gate file; returns once the probe's receiver started on ct200."""
-    shim = tmp_path / "click gate"
-    (shim / "click").mkdir(parents=True)
-    (shim / "click" / "__init__.py").write_text(CLICK_GATE)
-    gate = tmp_path / "gate"
-    env = dflash_env({"TEST_CLICK_GATE": str(gate),
-                      "PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))})
+    gate, variables = gated_import(tmp_path, "click")  # the CLI imports click only after the early start
+    env = dflash_env(variables)
     proc = subprocess.Popen(dflash_argv("deploy", "ct200", "--source", str(project), hosts=hosts),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     wait_until((tmp_path / "receiver started").exists, what="the probe's receiver to start",
                interval=FIRST_INTERVAL_S)
     return proc, gate
-
-
-def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    return proc.returncode, out, err
 
 
 def test_the_probe_is_on_the_host_before_the_cli_imports_click(make_inventory, tmp_path):

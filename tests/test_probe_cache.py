@@ -20,23 +20,8 @@ import pytest
 from dflash_cli import release
 from dflash_run import dflash_argv, dflash_env
 from support import copy_release_dirs, wait_until, workspace_on_node
+from support.import_gate import finish, gated_import
 from support.wait import FIRST_INTERVAL_S
-
-#: a stand-in for yaml, first on the CLI's path: its import waits for a file, then loads the
-#: real yaml. The CLI reads the inventory with yaml, so a probe started before it was read
-#: can make that file appear; one started after it never can.
-YAML_GATE = '''\
-import importlib, os, sys, time
-gate = os.environ["TEST_YAML_GATE"]
-deadline = time.monotonic() + 60
-while not os.path.exists(gate):
-    if time.monotonic() > deadline:
-        raise SystemExit("yaml was imported before any probe started")
-    time.sleep(0.01)
-sys.path.remove(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-del sys.modules["yaml"]
-sys.modules["yaml"] = importlib.import_module("yaml")
-'''
 
 
 class Bed:
@@ -82,13 +67,11 @@ class Bed:
 
     def gated(self) -> tuple[subprocess.Popen[str], Path]:
         """The deploy with its yaml import held until the test creates the returned gate file."""
-        shim = self.tmp / "yaml gate"
-        (shim / "yaml").mkdir(parents=True, exist_ok=True)
-        (shim / "yaml" / "__init__.py").write_text(YAML_GATE)
-        gate = self.tmp / "gate"
-        path = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
+        # The CLI reads the inventory with yaml: a probe started before it was read can
+        # make the gate appear, one started after it never can.
+        gate, variables = gated_import(self.tmp, "yaml")
         proc = subprocess.Popen(self.argv(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=self.env(TEST_YAML_GATE=str(gate), PYTHONPATH=path))
+                                env=self.env(**variables))
         return proc, gate
 
 
@@ -106,14 +89,6 @@ def unchanged(bed: Bed, done: subprocess.CompletedProcess[str] | tuple[int, str,
     assert code == 0, err
     assert "Traceback" not in err
     return out == f"ct200\t{release.scan(bed.project).release_id}\tunchanged\n"
-
-
-def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    return proc.returncode, out, err
 
 
 def test_a_repeated_deploy_starts_its_probe_before_reading_the_inventory(bed):
