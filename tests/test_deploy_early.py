@@ -46,9 +46,11 @@ def project_on_ct200(make_inventory, tmp_path: Path, deployed: bool) -> tuple[Pa
 
 def gated_deploy(tmp_path: Path, hosts: Path, project: Path) -> tuple[subprocess.Popen[str], Path]:
     """`dflash deploy ct200 --source PROJECT` with its click import held until the test
-    creates the returned gate file; returns once the probe's receiver started on ct200."""
+    creates the returned gate file; returns once the probe's receiver started on ct200,
+    which this deploy starts once the tree is listed: it has a cache folder of its own, so
+    no command line kept by an earlier deploy starts a probe before that (probe_cache)."""
     gate, variables = gated_import(tmp_path, "click")  # the CLI imports click only after the early start
-    env = dflash_env(variables)
+    env = dflash_env({**variables, "XDG_CACHE_HOME": str(tmp_path / "no kept probes")})
     proc = subprocess.Popen(dflash_argv("deploy", "ct200", "--source", str(project), hosts=hosts),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     wait_until((tmp_path / "receiver started").exists, what="the probe's receiver to start",
