@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 
-from .project_tree import LARGE_RELEASE_BYTES, is_project_tree, nearest_project_tree, shipped_tree, size_bound
+from .project_tree import LARGE_RELEASE_BYTES, size_bound, source_folder
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (~3 ms) before the first ssh
 if TYPE_CHECKING:
@@ -222,11 +222,8 @@ def _may_contact_hosts(options: dict[str, str | bool]) -> bool:
     if options.get("allow_large"):
         return True
     explicit = options.get("source_dir")
-    if isinstance(explicit, str):
-        root = explicit if is_project_tree(explicit) else None
-    else:
-        root = nearest_project_tree(os.getcwd()) or shipped_tree()
-    return root is not None and size_bound(root) <= LARGE_RELEASE_BYTES
+    found = source_folder(explicit if isinstance(explicit, str) else None, os.getcwd())
+    return found is not None and size_bound(found[0]) <= LARGE_RELEASE_BYTES
 
 
 def _key(argv: Sequence[str], options: dict[str, str | bool]) -> dict:

@@ -39,6 +39,19 @@ def shipped_tree() -> str | None:
     return next((root for root in SHIPPED if is_project_tree(root)), None)
 
 
+def source_folder(explicit: str | None, cwd: str) -> tuple[str, str] | None:
+    """The folder a deploy sends and its kind: `explicit` (--source) where it is a project
+    tree, else the nearest project tree holding `cwd` ("checkout"), else the one that
+    ships with this dflash ("bundled"); None where there is none (the deploy refuses)."""
+    if explicit is not None:
+        return (os.path.realpath(explicit), "checkout") if is_project_tree(explicit) else None
+    found = nearest_project_tree(cwd)
+    if found is not None:
+        return found, "checkout"
+    shipped = shipped_tree()
+    return None if shipped is None else (shipped, "bundled")
+
+
 def size_bound(root: str) -> int:
     """The bytes of every file under the release folders of `root`: no smaller than the
     release of `root`, whatever git or .dflashignore leave out of it (release.list_files

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from .errors import DflashError, ExitCode
-from .project_tree import (BUNDLED_DIR, LARGE_RELEASE_BYTES, PROJECT_MARKERS, RELEASE_DIRS, is_project_tree,
-                           nearest_project_tree, shipped_tree)
+from .project_tree import (BUNDLED_DIR, LARGE_RELEASE_BYTES, PROJECT_MARKERS, RELEASE_DIRS, shipped_tree,
+                           source_folder)
 
 if TYPE_CHECKING:
     import pathspec
@@ -51,26 +51,30 @@ def project_root() -> Path:
     """The tree that ships with this dflash: the wheel's copy, or else the checkout
     dflash_cli/ lives in (an editable install, or a run from the checkout)."""
     root = shipped_tree()
-    if root is not None:
-        return Path(root)
-    raise DflashError(f"this dflash ships no remote/agent.py (looked in {BUNDLED_DIR}): "
-                      "reinstall it, or deploy a project tree with --source DIR", ExitCode.USAGE)
+    if root is None:
+        raise _ships_no_tree()
+    return Path(root)
 
 
 def find_source(explicit: Path | None = None, cwd: Path | None = None) -> SourceTree:
     """What to deploy: `explicit` (--source) if given, else the nearest folder holding
-    `cwd` (default: the current directory) that is a project tree, else the bundled copy."""
-    if explicit is not None:
-        if not explicit.is_dir():
-            raise DflashError(f"--source {explicit}: no such directory", ExitCode.USAGE)
-        if not is_project_tree(explicit):
-            raise DflashError(f"--source {explicit}: not a dflash project tree (it needs "
-                              f"{' and '.join(PROJECT_MARKERS)})", ExitCode.USAGE)
-        return SourceTree(explicit.resolve(), "checkout")
-    found = nearest_project_tree(str(cwd or Path.cwd()))
-    if found is not None:
-        return SourceTree(Path(found), "checkout")
-    return SourceTree(project_root(), "bundled")
+    `cwd` (default: the current directory) that is a project tree, else the bundled copy
+    (project_tree.source_folder, which the early deploy asks too)."""
+    if explicit is not None and not explicit.is_dir():
+        raise DflashError(f"--source {explicit}: no such directory", ExitCode.USAGE)
+    found = source_folder(None if explicit is None else str(explicit), str(cwd or Path.cwd()))
+    if found is None and explicit is not None:
+        raise DflashError(f"--source {explicit}: not a dflash project tree (it needs "
+                          f"{' and '.join(PROJECT_MARKERS)})", ExitCode.USAGE)
+    if found is None:
+        raise _ships_no_tree()
+    folder, kind = found
+    return SourceTree(Path(folder), kind)
+
+
+def _ships_no_tree() -> DflashError:
+    return DflashError(f"this dflash ships no remote/agent.py (looked in {BUNDLED_DIR}): "
+                       "reinstall it, or deploy a project tree with --source DIR", ExitCode.USAGE)
 
 
 @dataclasses.dataclass(frozen=True)
