@@ -89,7 +89,8 @@ def launch(work: Path, workspace: Path, config: Path, sets: list[str], timeout_s
 
 # What each drafter's `build train step` event says of its build (docs/events.md).
 BUILD_FIELDS = ("drafter", "duration_s", "trace_s", "inductor_s", "inductor_cache_hits", "inductor_cache_misses",
-                "autograd_cache_hits", "autograd_cache_misses", "graphs_traced", "graphs_loaded", "capture_s")
+                "autograd_cache_hits", "autograd_cache_misses", "graphs_traced", "graphs_loaded", "warmup_s",
+                "capture_s", "optimizer_s")
 
 
 def wait_warm_ready(workspace: Path, limit_s: float = 60.0) -> float:

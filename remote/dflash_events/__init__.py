@@ -148,7 +148,11 @@ STARTUP = EventType(
                                             "an earlier drafter's serve it)"),
                                    optional("graphs_loaded", INT, "done: graphs loaded precompiled from the "
                                             "compile cache, which Dynamo does not trace"),
+                                   optional("warmup_s", NUMBER, "done: the steps run before any capture, the "
+                                            "compile or the loading of the graphs they ran included"),
                                    optional("capture_s", NUMBER, "done: cudagraphs: the CUDA-graph captures' share"),
+                                   optional("optimizer_s", NUMBER, "done: the optimizer's state made and (cudagraphs) "
+                                            "its step captured"),
                                    optional("trace_s", NUMBER, "done, compiled: Dynamo and AOTAutograd tracing "
                                             "the step, by torch's own timers: what a warm start still pays"),
                                    optional("inductor_s", NUMBER, "done, compiled: Inductor compiling the traced "

@@ -61,7 +61,14 @@ Strategy = Literal["auto", "whole_step", "upstream"]
 # workspace map, the allocator's capture pools): one thread at a time, process-wide.
 CAPTURE_LOCK = threading.Lock()
 UPSTREAM_THREAD_SAFE_TORCH = (2, 13)  # first release with pytorch PR #184357
-WARMUP_STEPS = 3  # eager-allocator steps before capture: compile, autotune, cuBLAS handles
+# Eager steps per bucket before its capture. whole_step: one does everything a first call
+# does lazily (the compile or the loading of its kernels, their autotuning, AOTAutograd's
+# backward, this thread's cuBLAS handle and workspace), and a capture repeats the same
+# calls; each more is a step of the largest head loss paid again at every start (about
+# 0.28 s a step at the Qwen3-8B drafter shape). upstream: CUDA-graph trees warm a function
+# up on its first call and record on the second; the third replays what was recorded.
+WHOLE_STEP_WARMUP_STEPS = 1
+UPSTREAM_WARMUP_STEPS = 3
 
 
 class CudaGraphsUnavailable(RuntimeError):
@@ -253,7 +260,7 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shape
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            warmed = warm_up(body, [bucket.static for bucket in statics], WARMUP_STEPS, side.synchronize)
+            warmed = warm_up(body, [bucket.static for bucket in statics], WHOLE_STEP_WARMUP_STEPS, side.synchronize)
         torch.cuda.current_stream().wait_stream(side)
         return warmed
 
@@ -323,7 +330,7 @@ def _warm_up_upstream(objective: DraftObjective, statics: list[_Bucket]):
     # CUDA-graph trees warm up on a function's first call and record on the next: all of
     # it here, under the capture lock, for every bucket (the recording is in the warm-up
     # time; there is no capture step of its own).
-    warmed = warm_up(step, [bucket.static for bucket in statics], WARMUP_STEPS, torch.cuda.synchronize)
+    warmed = warm_up(step, [bucket.static for bucket in statics], UPSTREAM_WARMUP_STEPS, torch.cuda.synchronize)
     objective.drafter.zero_grad(set_to_none=True)
     torch.cuda.current_stream().synchronize()
     timings = [BucketTiming(bucket.shape, seconds, 0.0, graphs) for bucket, (seconds, graphs) in zip(statics, warmed)]

@@ -152,7 +152,9 @@ class Coordinator(JobControl):
             built = build_train_step(session.compile_plan, replica.objective, example)
             detail.update(built.report.event_detail())
             replica.train_step = built
+            started = time.perf_counter()
             replica.prepare_optimizer()  # under cudagraphs, captures the optimizer step too
+            detail["optimizer_s"] = round(time.perf_counter() - started, 3)
         ledger.note_since(before, f"drafter-{index}")
         say(f"drafter {index}: {built.report.describe()}")
         if index == 0 and cache is not None:  # the first compile is done: what it made can serve the next run
@@ -256,7 +258,7 @@ class Coordinator(JobControl):
                 self._set_phase("eval")
             session.evaluator.measure(request)
 
-        schedule.before_training(evaluate)
+        schedule.evaluate_baseline(evaluate)
         self._set_phase("train")
         schedule.training_started()
         for step in range(run.start_step + 1, run.total_steps + 1):
