@@ -266,6 +266,22 @@ def test_exit_fault_sets_the_exit_code(launch):
     assert "injecting fault: exit in prefetch at step 2" in run.log()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.slow(seconds=4, why="a trainer run on CPU whose first step is made 3 s long")
+def test_the_baseline_evaluation_starts_once_the_first_step_is_taken(launch):
+    """Beside the first step the baseline would share its GPU: the lead queues it after that
+    step (of the starting weights all the same). The first step is made 3 s long; an
+    evaluation queued before it would start 3 s before its step event."""
+    run = launch(SMALL + "optim: {max_steps: 2}\nfaults: [{thread: drafter-0, at: 'step:1', kind: busy, seconds: 3}]\n")
+    assert run.wait(100) == 0, run.log()[-3000:]
+    first_step = run.events("step")[0]
+    baseline = run.events("eval")[0]
+    assert first_step["step"] == 1 and baseline["baseline"] and baseline["step"] == 0
+    # The step event follows the queueing by a report's work: allow it a second.
+    assert baseline["ts"] - baseline["seconds"] >= first_step["ts"] - 1.0, (baseline, first_step)
+    assert run.events("eval")[-1]["baseline_acceptance_length"] == baseline["acceptance_length"]
+
+
 @pytest.mark.timeout(180)
 def test_resume_continues_step_count_and_loss_curve(launch, tmp_path):
     base = SMALL + "optim: {max_steps: 8}\ncheckpoint: {every: 3}\neval: {num_prompts: 0}\n"

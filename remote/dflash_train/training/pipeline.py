@@ -123,16 +123,19 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
                 run.waits.add(worker.name, time.perf_counter() - started)
                 return averaged
 
-            if lead:
-                schedule.before_training(evaluate)
-                if run.peers is not None:  # the first all-reduce must not time out on a slower host's warm-up
-                    run.peers.wait_for_all(READY, run.config.runtime.ready_timeout_s)
+            if lead and run.peers is not None:  # the first all-reduce must not time out on a slower host's warm-up
+                run.peers.wait_for_all(READY, run.config.runtime.ready_timeout_s)
             for step in range(run.start_step + 1, run.total_steps + 1):
                 worker.step = step
                 micro_batches = _queued(run, channels.drafter_queues[index], worker.name, step)
                 applied = training_step([replica], [micro_batches], waited_exchange, run.faults, step, peers=run.peers)
                 run.latch.progressed()
                 if lead:
+                    if step == run.start_step + 1:
+                        # Queued once the first step is taken, ahead of any evaluation that
+                        # step is due: the baseline is of the starting weights whenever it
+                        # runs, and beside the first step it would share the GPU with it.
+                        schedule.evaluate_baseline(evaluate)
                     schedule.after_step(step, replica, applied, evaluate)
             worker.phase = "shutdown"
             if lead:

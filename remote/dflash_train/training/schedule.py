@@ -2,7 +2,7 @@
 requests and the export.
 
 The lead replica (drafter-0, or the main thread in a sequential run) calls
-`before_training`, `after_step` and `after_training`; `evaluate` runs an evaluation
+`evaluate_baseline`, `after_step` and `after_training`; `evaluate` runs an evaluation
 request or hands it to the evaluation thread, where an `Evaluator` measures it.
 """
 from __future__ import annotations
@@ -128,12 +128,12 @@ class OutputSchedule:
         """An attempt resumed from the last step's checkpoint: it only finishes the run."""
         return self.run.start_step == self.total_steps
 
-    def before_training(self, evaluate: Callable[[EvalRequest], None]) -> None:
+    def evaluate_baseline(self, evaluate: Callable[[EvalRequest], None]) -> None:
         """The untrained drafter's acceptance length, the baseline of the final one (none
-        when nothing is left to train: the drafter as found is the final one). Of the
-        weights the replicas were loaded from, which they still hold: a copy back from
-        the lead's GPU (4 GiB at the Qwen3-8B drafter shape) would share the bus with the
-        next drafter's set-up."""
+        when nothing is left to train: the drafter as found is the final one). Of the CPU
+        weights the replicas were loaded from, kept here, so it may run after training
+        has begun: a copy back from the lead's GPU (4 GiB at the Qwen3-8B drafter shape)
+        would share the bus with the next drafter's set-up."""
         weights, self._starting_weights = self._starting_weights, None
         if self.evaluator is not None and self.config.eval.at_start and not self.nothing_to_train:
             evaluate(EvalRequest(self.run.start_step, weights, baseline=True))
