@@ -66,6 +66,9 @@ def test_a_warm_start_loads_the_saved_graphs_and_a_truncated_file_is_traced_agai
     assert cold_build["trace_s"] > 0 and cold_build["inductor_s"] > 0
     assert cold_build["autograd_cache_misses"] + cold_build["inductor_cache_misses"] >= graphs
     assert cold_build["trace_s"] + cold_build["inductor_s"] <= cold_build["duration_s"]
+    # ... and its own parts: the steps before any capture (none on a CPU) and the optimizer's set-up.
+    assert cold_build["capture_s"] == 0 and cold_build["warmup_s"] > 0 and cold_build["optimizer_s"] >= 0
+    assert cold_build["warmup_s"] + cold_build["optimizer_s"] <= cold_build["duration_s"]
 
     warm_log, warm_losses, warm_build = run_to_end(workspace, tmp_path, "warm")
     assert f"precompiled train step loaded: {path} ({graphs} graph(s))" in warm_log
