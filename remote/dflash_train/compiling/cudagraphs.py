@@ -64,9 +64,9 @@ UPSTREAM_THREAD_SAFE_TORCH = (2, 13)  # first release with pytorch PR #184357
 # Eager steps per bucket before its capture. whole_step: one does everything a first call
 # does lazily (the compile or the loading of its kernels, their autotuning, AOTAutograd's
 # backward, this thread's cuBLAS handle and workspace), and a capture repeats the same
-# calls; each more is a step of the largest head loss paid again at every start (about
-# 0.28 s a step at the Qwen3-8B drafter shape). upstream: CUDA-graph trees warm a function
-# up on its first call and record on the second; the third replays what was recorded.
+# calls; each more is another step of the bucket's head loss, paid at every start.
+# upstream: CUDA-graph trees warm a function up on its first call and record on the
+# second; the third replays what was recorded.
 WHOLE_STEP_WARMUP_STEPS = 1
 UPSTREAM_WARMUP_STEPS = 3
 

@@ -241,8 +241,7 @@ def random_inputs(rows: int, length: int, blocks: int, *, block_size: int, vocab
     anchors a row, of which the first min(blocks, length - 2) are real (an anchor needs a
     token before and after it) and the rest invalid padding. The features, by far the
     largest (2 x 3072 x 20480 at the Qwen3-8B drafter shape), are drawn where they are
-    used, in their own dtype: on the CPU, with one generator, every bucket's took seconds
-    of every start-up."""
+    used, in their own dtype: a CPU draw from one generator is serial, seconds at that size."""
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (rows, length), generator=generator)
     real = min(blocks, length - 2)
