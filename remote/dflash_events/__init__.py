@@ -206,8 +206,9 @@ STEP = EventType("step", "One per optimizer step, from rank 0 only: the run's fi
                            "a GPU share it"),
                  ))
 
-EVAL = EventType("eval", "The drafter's acceptance length on the eval prompts: in training at the start "
-                 "(the baseline), every `eval.every` steps and at the end; the evaluate job's one result.",
+EVAL = EventType("eval", "The drafter's acceptance length on the eval prompts: in training, of the weights it "
+                 "started from (the baseline; a threaded run measures it once its first step is taken), every "
+                 "`eval.every` steps and at the end; the evaluate job's one result.",
                  BY_TRAINER, (
                      Field("step", Nullable(INT), "the steps the drafter was trained (null in the evaluate job)"),
                      Field("acceptance_length", NUMBER, "tokens per verify forward, pooled over all prompts"),
@@ -217,7 +218,7 @@ EVAL = EventType("eval", "The drafter's acceptance length on the eval prompts: i
                      Field("verify_steps", INT, "verify forwards, all prompts"),
                      Field("new_tokens", INT, "tokens decoded, all prompts"),
                      Field("seconds", NUMBER, "how long the evaluation took"),
-                     Field("baseline", BOOL, "whether this is the untrained drafter's, before the run trains"),
+                     Field("baseline", BOOL, "whether this is the untrained drafter's: the weights this run started from"),
                      Field("final", BOOL, "whether this is the trained drafter's, after the last step"),
                      optional("baseline_step", INT, "training, once there is a baseline: its step"),
                      optional("baseline_acceptance_length", NUMBER, "and its acceptance length"),
