@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.data import batches
+from dflash_train.data import batches, tokenizing
 from dflash_train.config import DataConfig, SyntheticDataSpec, TinyTargetSpec
 from dflash_train.data.batches import BatchPlan, _read_jsonl, load_samples, tokenize_sample
 from dflash_train.data.tiny import _build_tokenizer, ensure_tiny_assets
@@ -80,17 +81,17 @@ def builds(output: str) -> tuple[int, int]:
 
 
 class CountingTokenizeRow:
-    """Counts the per-sample tokenizations (the in-process build calls batches.tokenize_row)."""
+    """Counts the per-sample tokenizations (the in-process build calls tokenizing.tokenize_row)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = batches.tokenize_row
+        real = tokenizing.tokenize_row
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(batches, "tokenize_row", counted)
+        monkeypatch.setattr(tokenizing, "tokenize_row", counted)
 
 
 def test_a_second_load_is_a_cache_hit_that_tokenizes_nothing(tmp_path, tokenizer, monkeypatch, capsys):
@@ -109,7 +110,7 @@ def test_a_second_load_is_a_cache_hit_that_tokenizes_nothing(tmp_path, tokenizer
     assert_same_samples(second, uncached(path, tokenizer))
 
 
-@pytest.mark.slow(seconds=12, why="tokenizes in worker processes, each importing transformers")
+@pytest.mark.slow(seconds=12, why="tokenizes in worker processes, each importing the tokenizer's classes")
 def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path, tokenizer, capsys, monkeypatch):
     path = write_data(tmp_path / "train.jsonl", 300)
     monkeypatch.setattr(batches, "PROGRESS_EVERY_S", 0.0)  # a report after every chunk
@@ -126,6 +127,53 @@ def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path
     config = DataConfig(train=str(path), max_length=MAX_LENGTH, token_budget=400, pad_multiple=16)
     plans = [BatchPlan(samples, config, replicas=2, epochs=3, max_steps=None, seed=5) for samples in (loaded, expected)]
     assert plans[0].entries == plans[1].entries and plans[0].total_steps == plans[1].total_steps
+
+
+WORKER = """
+import os, pickle, sys
+from dflash_train.data import tokenizing
+tokenizing.start_worker(pickle.loads(sys.stdin.buffer.read()), os.getppid())  # what a worker's initializer gets
+result = tokenizing.tokenize_in_worker((open(sys.argv[1], "rb").read(), 1))
+heavy = sorted(name for name in sys.modules if name.split(".")[0] == "torch" or name.startswith("dflash_train.model"))
+sys.stdout.buffer.write(pickle.dumps((result, heavy)))
+"""
+
+
+def test_a_tokenizing_worker_imports_no_torch_and_tokenizes_as_the_trainer_does(tmp_path, tokenizer):
+    """What a worker runs, in a fresh interpreter: the task object unpickled, one chunk
+    tokenized. The server the workers are forked from imports what it needs first (at
+    every build that starts workers), so torch and the model code (seconds on a GPU host)
+    must stay out of it."""
+    path = write_data(tmp_path / "train.jsonl", 40)
+    task = tokenizing.ChunkTokenizer(tokenizer, MAX_LENGTH, str(path), {})
+    env = {**os.environ, "PYTHONPATH": str(REPO / "remote")}
+    done = subprocess.run([sys.executable, "-c", WORKER, str(path)], input=pickle.dumps(task), capture_output=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    (arrays, lengths, counts), heavy = pickle.loads(done.stdout)
+    assert heavy == []
+    want_arrays, want_lengths, want_counts = task((path.read_bytes(), 1))
+    assert counts == want_counts and counts.rows == 40 and lengths.tolist() == want_lengths.tolist()
+    assert arrays.keys() == want_arrays.keys() and all((arrays[k] == want_arrays[k]).all() for k in arrays)
+
+
+@pytest.mark.parametrize("file_mib, workers, tasks", [(6.7, 16, 54), (0.1, 16, 1), (0.5, 2, 4), (400, 16, 100)])
+def test_a_file_is_cut_into_tasks_for_every_worker_within_the_bounds(file_mib, workers, tasks):
+    """6.7 MiB over 16 cores was 2 tasks of 4 MiB, so 2 of the 16 worked; a task is never
+    so small that the pool costs more than it saves, nor larger than MAX_CHUNK_BYTES."""
+    size = int(file_mib * 2**20)
+    chunk = tokenizing.chunk_bytes_for(size, workers)
+    assert tokenizing.MIN_CHUNK_BYTES <= chunk <= tokenizing.MAX_CHUNK_BYTES
+    assert -(-size // chunk) == tasks
+
+
+def test_a_small_file_is_tokenized_in_the_trainer_and_a_large_one_by_every_core(tmp_path, tokenizer, capsys):
+    path = write_data(tmp_path / "train.jsonl", 600)
+    assert path.stat().st_size > tokenizing.MIN_CHUNK_BYTES  # more than one task, yet no worker started
+    load_samples(path, tokenizer, MAX_LENGTH, tmp_path / "cache")
+    assert "with 1 process" in capsys.readouterr().out
+    assert tokenizing.default_workers(tokenizing.IN_PROCESS_BYTES) == 1
+    assert tokenizing.default_workers(tokenizing.IN_PROCESS_BYTES + 1) == len(os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize("change", ["content", "max_length", "chat_template"])
@@ -184,16 +232,19 @@ LOADER = textwrap.dedent("""
     from dflash_train.config import TinyTargetSpec
     from dflash_train.data.batches import load_samples
     from dflash_train.data.tiny import _build_tokenizer
-    path, cache, chunk_bytes = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-    samples = load_samples(path, _build_tokenizer(TinyTargetSpec()), %d, cache, chunk_bytes=chunk_bytes, workers=1)
+    path, cache, chunk_bytes, workers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    samples = load_samples(path, _build_tokenizer(TinyTargetSpec()), %d, cache, chunk_bytes=chunk_bytes,
+                           workers=workers)
     print("loaded", len(samples), flush=True)
 """ % MAX_LENGTH)
 
 
-def start_loader(path: Path, cache: Path, chunk_bytes: int) -> subprocess.Popen:
+def start_loader(path: Path, cache: Path, chunk_bytes: int, workers: int = 1,
+                 new_session: bool = False) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'remote'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.Popen([sys.executable, "-c", LOADER, str(path), str(cache), str(chunk_bytes)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-c", LOADER, str(path), str(cache), str(chunk_bytes), str(workers)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)
 
 
 @pytest.mark.timeout(240)
@@ -216,6 +267,44 @@ def test_a_build_killed_midway_leaves_no_store_and_the_next_load_builds_it(tmp_p
 
     assert_same_samples(load_samples(path, tokenizer, MAX_LENGTH, cache), uncached(path, tokenizer))
     assert len(stores(cache)) == 1 and not list(cache.glob(".*.build-*"))  # the leftover is cleaned up
+
+
+def session_members(session: int) -> list[int]:
+    """Processes of a session this test started (start_new_session), by /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            fields = (Path("/proc") / entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[3]) == session:
+            members.append(int(entry))
+    return members
+
+
+@pytest.mark.timeout(240)
+def test_a_trainer_killed_while_workers_tokenize_leaves_no_process_behind(tmp_path):
+    """SIGKILL (the OOM killer's way) gives the trainer no chance to stop its pool: the
+    workers and the server they were forked from end by themselves."""
+    path, cache = write_data(tmp_path / "train.jsonl", 3000, answer_words=60), tmp_path / "cache"
+    loader = start_loader(path, cache, chunk_bytes=2048, workers=2, new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while not [p for p in cache.glob(".*.build-*/ids.bin") if p.stat().st_size > 0]:
+            assert loader.poll() is None, loader.stdout.read()
+            assert time.monotonic() < deadline, "the build never started writing"
+            time.sleep(0.05)
+        assert len(session_members(loader.pid)) >= 4  # the loader, the server, two workers
+        loader.send_signal(signal.SIGKILL)
+        loader.wait()
+        deadline = time.monotonic() + 20
+        while (left := session_members(loader.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == [], [(Path(f"/proc/{pid}/cmdline").read_bytes()[:120]) for pid in left]
+    finally:
+        loader.kill()
+        for pid in session_members(loader.pid):  # only this test's session: never another's process
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(240)

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -35,15 +36,13 @@ import transformers
 
 from ..compiling.step_build import BatchShape
 from ..config import DataConfig, DrafterConfig, blocks_per_row, padded_length, rows_per_micro_batch
-from ..model.objective import NO_TURN, anchor_candidates, anchor_seed, block_labels, position_weights, sample_anchors
+from ..model.objective import anchor_candidates, anchor_seed, block_labels, position_weights, sample_anchors
 from ..runlog import say
-from . import chat
-from .chat import render, require_template, tokenize_chat
+from . import chat, tokenizing
+from .chat import NO_TURN, render, require_template
+from .tokenizing import learnable, parse_line, tokenize_row
 from .tokstore import StoreWriter, TokenStore, file_sha256, open_or_build, sha256_hex
 
-# jsonl bytes per tokenizing task: about a thousand conversations of the recipe's length,
-# few enough tasks to keep every worker busy, small enough to bound each one's memory.
-CHUNK_BYTES = 4 << 20
 # A build of the recipe's data takes minutes: it says how far it is this often, and the
 # event it emits meanwhile keeps a starting run from looking stalled.
 PROGRESS_EVERY_S = 30.0
@@ -55,28 +54,11 @@ class Sample:
     turn_ids: torch.Tensor  # (L,) int32: the assistant turn a token is learnt in, NO_TURN if none
 
 
-def _parse_line(line: bytes, where: str) -> dict[str, Any] | None:
-    """One jsonl line as its object, or None for a blank line."""
-    try:
-        text = line.decode("utf-8").strip()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{where}: not UTF-8 ({exc})") from exc
-    if not text:
-        return None
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not JSON ({exc})") from exc
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    return row
-
-
 def first_chat_row(path: Path) -> tuple[int, list[Any]] | None:
     """(line number, messages) of the file's first row when it is a chat, else None."""
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
-            row = _parse_line(line, f"{path}:{number}")
+            row = parse_line(line, f"{path}:{number}")
             if row is not None:
                 messages = row.get("messages")
                 return (number, messages) if isinstance(messages, list) else None
@@ -85,7 +67,7 @@ def first_chat_row(path: Path) -> tuple[int, list[Any]] | None:
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     with open(path, "rb") as f:
-        rows = [(number, _parse_line(line, f"{path}:{number}")) for number, line in enumerate(f, 1)]
+        rows = [(number, parse_line(line, f"{path}:{number}")) for number, line in enumerate(f, 1)]
     return [(number, row) for number, row in rows if row is not None]
 
 
@@ -93,55 +75,8 @@ def tokenize_sample(row: dict[str, Any], tokenizer, max_length: int, where: str,
                     template_kwargs: Mapping[str, Any] | None = None) -> Sample | None:
     """One jsonl row as a training sample, cut to `max_length` tokens; None when it has
     no anchor (nothing it could teach)."""
-    return _learnable(*tokenize_row(row, tokenizer, where, template_kwargs), max_length)
-
-
-def tokenize_row(row: dict[str, Any], tokenizer, where: str,
-                 template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
-    """The row's token ids and their turns (tokenize_chat), before the cut at max_length."""
-    truncated = row.get("truncated", False)
-    if not isinstance(truncated, bool):
-        raise ValueError(f"{where}: 'truncated' must be true or false, not {truncated!r}")
-    if "messages" in row:
-        return tokenize_chat(tokenizer, row["messages"], where, truncated, template_kwargs)
-    if "text" in row:  # no template closes a text, truncated or not
-        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
-        return ids, [0] * len(ids)
-    raise ValueError(f"{where}: expected a 'text' or a 'messages' key")
-
-
-def _learnable(ids: list[int], turn_ids: list[int], max_length: int) -> Sample | None:
-    """The sample cut to `max_length` tokens, or None when what is left has no anchor.
-
-    A cut at max_length drops the end-of-turn with the rest, so nothing closes the
-    answer inside the loss either way."""
-    sample = Sample(torch.tensor(ids[:max_length], dtype=torch.int32),
-                    torch.tensor(turn_ids[:max_length], dtype=torch.int32))
-    return sample if anchor_candidates(sample.turn_ids).numel() else None
-
-
-@dataclasses.dataclass
-class RowCounts:
-    """What the rows of a file were, for the message of a file that gives no sample."""
-    rows: int = 0  # non-blank lines
-    cut_out: int = 0  # rows with a learnable token only beyond max_length
-    longest: int = 0  # tokens of the longest row, before the cut
-
-    def add(self, other: RowCounts) -> None:
-        self.rows += other.rows
-        self.cut_out += other.cut_out
-        self.longest = max(self.longest, other.longest)
-
-    def nothing_learnable(self, path: Path, max_length: int) -> ValueError:
-        if not self.rows:
-            return ValueError(f"{path}: the file holds no conversation (it is empty)")
-        over = (f"{self.cut_out} of {self.rows} conversations are longer than data.max_length {max_length} "
-                f"(the longest {self.longest} tokens)")
-        if self.cut_out == self.rows:
-            return ValueError(f"{path}: {over}: cut there, none keeps a learnable token; raise "
-                              "data.max_length or shorten them")
-        return ValueError(f"{path}: no sample has a learnable (assistant or text) token followed by another of "
-                          f"its turn, to anchor a block on" + (f"; {over}" if self.cut_out else ""))
+    arrays = learnable(*tokenize_row(row, tokenizer, where, template_kwargs), max_length)
+    return Sample(*map(torch.from_numpy, arrays)) if arrays is not None else None
 
 
 class StoredSamples(Sequence):
@@ -161,22 +96,25 @@ class StoredSamples(Sequence):
         return Sample(**{name: torch.from_numpy(values) for name, values in self.store.row(index).items()})
 
 
-def load_samples(path: Path, tokenizer, max_length: int, cache_dir: Path, chunk_bytes: int = CHUNK_BYTES,
+def load_samples(path: Path, tokenizer, max_length: int, cache_dir: Path, chunk_bytes: int | None = None,
                  workers: int | None = None, progress: Callable[[float, int], None] | None = None,
                  template_kwargs: Mapping[str, Any] | None = None) -> StoredSamples:
     """The samples of a training jsonl, from the store under `cache_dir` keyed by what
     decides them: the file's bytes, the tokenizer, its chat template and what it is
-    rendered with (`template_kwargs`), max_length and the code of this module and chat.py
-    (so a change of the tokenization rebuilds). Built first if absent or damaged, with `workers`
-    processes (default: one per core); while it is built, `progress(fraction of the file
-    done, samples so far)` is called every PROGRESS_EVERY_S."""
+    rendered with (`template_kwargs`), max_length and the code that tokenizes (this
+    module, tokenizing.py and chat.py: a change of the tokenization rebuilds). Built first
+    if absent or damaged, by `workers` processes (default: tokenizing.default_workers) over tasks of
+    `chunk_bytes` (default: tokenizing.chunk_bytes_for the file and the workers); while it
+    is built, `progress(fraction of the file done, samples so far)` is called every
+    PROGRESS_EVERY_S."""
     template_kwargs = dict(template_kwargs or {})
+    code = b"".join(Path(module.__file__).read_bytes() for module in (sys.modules[__name__], tokenizing, chat))
     key = {"data_sha256": file_sha256(path, cache_dir / "hashes"),
            "tokenizer_sha256": _tokenizer_sha256(tokenizer),
            "chat_template_sha256": sha256_hex(json.dumps(tokenizer.chat_template, sort_keys=True).encode()),
            "chat_template_kwargs": template_kwargs,
            "max_length": max_length,
-           "tokenization_sha256": sha256_hex(Path(__file__).read_bytes() + Path(chat.__file__).read_bytes()),
+           "tokenization_sha256": sha256_hex(code),
            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     return StoredSamples(open_or_build(
         cache_dir, key,
@@ -195,18 +133,20 @@ def _tokenizer_sha256(tokenizer) -> str:
                                   "special_tokens": tokenizer.special_tokens_map}, sort_keys=True).encode())
 
 
-def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, chunk_bytes: int,
+def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, chunk_bytes: int | None,
                    workers: int | None, progress: Callable[[float, int], None] | None,
                    template_kwargs: dict[str, Any]) -> None:
     started = last_report = time.perf_counter()
     size, done = path.stat().st_size, 0
     # Processes, not threads: the template rendering and the masks are Python.
-    workers = max(1, min(workers or len(os.sched_getaffinity(0)), -(-size // chunk_bytes)))
+    workers = workers or tokenizing.default_workers(size)
+    chunk_bytes = chunk_bytes or tokenizing.chunk_bytes_for(size, workers)
+    workers = max(1, min(workers, -(-size // chunk_bytes)))
     say(f"tokenizing {path} ({size / 2**20:.1f} MiB) with {workers} process{'es' if workers > 1 else ''}")
 
-    counts = RowCounts()
+    counts = tokenizing.RowCounts()
 
-    def write(result: tuple[dict[str, np.ndarray], np.ndarray, RowCounts], chunk_size: int) -> None:
+    def write(result: tokenizing.ChunkResult, chunk_size: int) -> None:
         nonlocal done, last_report
         arrays, lengths, chunk_counts = result
         writer.append(arrays, lengths)
@@ -219,19 +159,19 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
             if progress is not None:
                 progress(done / size, writer.num_samples)
 
-    tokenize = _ChunkTokenizer(tokenizer, max_length, str(path), template_kwargs)
-    chunks = _read_chunks(path, chunk_bytes)
+    tokenize = tokenizing.ChunkTokenizer(tokenizer, max_length, str(path), template_kwargs)
+    chunks = tokenizing.read_chunks(path, chunk_bytes)
     if workers == 1:
         for chunk in chunks:
             write(tokenize(chunk), len(chunk[0]))
     else:
-        # spawn: the trainer has threads (and OpenMP pools) by now, which fork would copy half-held.
         executor = concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(tokenize,))
+            workers, mp_context=_worker_context(tokenizer), initializer=tokenizing.start_worker,
+            initargs=(tokenize, os.getpid()))
         try:
             pending: collections.deque = collections.deque()
             for chunk in chunks:  # a window of tasks in flight: the file is never held whole
-                pending.append((executor.submit(_tokenize_in_worker, chunk), len(chunk[0])))
+                pending.append((executor.submit(tokenizing.tokenize_in_worker, chunk), len(chunk[0])))
                 if len(pending) >= 2 * workers:
                     future, chunk_size = pending.popleft()
                     write(future.result(), chunk_size)
@@ -245,64 +185,16 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
     say(f"tokenized {writer.num_samples} samples ({writer.num_tokens} tokens) in {time.perf_counter() - started:.1f}s")
 
 
-def _read_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
-    """(whole lines of about chunk_bytes, the number of their first line), in file order."""
-    with open(path, "rb") as f:
-        first_line = 1
-        while chunk := f.read(chunk_bytes):
-            chunk += f.readline()  # on to the end of the line
-            yield chunk, first_line
-            first_line += chunk.count(b"\n")
-
-
-@dataclasses.dataclass(frozen=True)
-class _ChunkTokenizer:
-    """Tokenizes a chunk of jsonl lines into the store's form: per array, the samples'
-    values concatenated, and the samples' lengths."""
-
-    tokenizer: Any
-    max_length: int
-    path: str  # for messages
-    template_kwargs: dict[str, Any]
-
-    def __call__(self, chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray], np.ndarray, RowCounts]:
-        data, first_line = chunk
-        names = [field.name for field in dataclasses.fields(Sample)]
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
-        lengths = []
-        counts = RowCounts()
-        for number, line in enumerate(data.split(b"\n"), first_line):
-            where = f"{self.path}:{number}"
-            row = _parse_line(line, where)
-            if row is None:
-                continue
-            ids, turn_ids = tokenize_row(row, self.tokenizer, where, self.template_kwargs)
-            counts.rows, counts.longest = counts.rows + 1, max(counts.longest, len(ids))
-            sample = _learnable(ids, turn_ids, self.max_length)
-            if sample is None:
-                if len(ids) > self.max_length and anchor_candidates(torch.tensor(turn_ids, dtype=torch.int32)).numel():
-                    counts.cut_out += 1  # it had something to teach, past the cut
-                continue
-            for name in names:
-                parts[name].append(getattr(sample, name).numpy())
-            lengths.append(len(sample.ids))
-        if not lengths:
-            return {}, np.zeros(0, dtype=np.int64), counts
-        return ({name: np.concatenate(values) for name, values in parts.items()}, np.array(lengths, dtype=np.int64),
-                counts)
-
-
-_worker_tokenize: _ChunkTokenizer | None = None  # set in each tokenizing process by _start_worker
-
-
-def _start_worker(tokenize: _ChunkTokenizer) -> None:
-    global _worker_tokenize
-    _worker_tokenize = tokenize
-
-
-def _tokenize_in_worker(chunk: tuple[bytes, int]) -> tuple[dict[str, np.ndarray], np.ndarray, RowCounts]:
-    assert _worker_tokenize is not None
-    return _worker_tokenize(chunk)
+def _worker_context(tokenizer) -> multiprocessing.context.BaseContext:
+    """Where the tokenizing workers come from: forked from one server process that has
+    imported tokenizing.py and the tokenizer's class, not from the trainer, which has
+    threads (and OpenMP pools) by now that a fork would copy half-held; nor spawned, since
+    every spawned worker imports for itself, and on a GPU host 16 workers importing at once
+    spent 45 s before their first result (bench/RESULTS-h200.md). The server ends with
+    this process."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([tokenizing.__name__, type(tokenizer).__module__])
+    return context
 
 
 def load_prompts(path: Path, tokenizer, limit: int,

@@ -16,7 +16,7 @@ from typing import Any
 
 import jinja2
 
-from ..model.objective import NO_TURN
+NO_TURN = -1  # the turn id of a token no assistant turn learns
 
 
 def render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: Mapping[str, Any],

@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.chat import NO_TURN
 from .drafter import DFlashDrafter
 from .head_loss import chunk_rows, head_cross_entropy
-
-NO_TURN = -1  # the turn id of a token no assistant turn learns
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""A training jsonl's lines as token ids and turn ids, in the trainer or in the worker
+processes that tokenize a large file in parallel (batches.py builds the store from them).
+
+This module and chat.py import no torch: a spawned worker imports them, numpy and the
+tokenizer's own classes, in a fraction of what torch and the model code would take, and
+every worker imports them again. Arrays are numpy; batches.py makes tensors of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .chat import NO_TURN, tokenize_chat
+
+# jsonl bytes per tokenizing task, at most: about a thousand conversations of the recipe's
+# length, which bounds each task's memory and its result's size.
+MAX_CHUNK_BYTES = 4 << 20
+# At least: a task of fewer bytes would cost more in the pool than it saves.
+MIN_CHUNK_BYTES = 128 << 10
+# A file of at most this many bytes is tokenized in the trainer. Workers come from a
+# server that first imports the tokenizer's classes: about 4 s on a GPU host
+# (bench/RESULTS-h200.md), in which the trainer itself tokenizes more than this.
+IN_PROCESS_BYTES = 1 << 20
+# Tasks per worker a file is cut into, so workers that finish early take more and none
+# is left with a long tail.
+TASKS_PER_WORKER = 4
+
+
+def chunk_bytes_for(file_bytes: int, workers: int) -> int:
+    """The size of a tokenizing task for a file of `file_bytes` and that many workers."""
+    return min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, -(-file_bytes // (workers * TASKS_PER_WORKER))))
+
+
+def default_workers(file_bytes: int) -> int:
+    """Tokenizing processes for a file: one per core this process may run on, or none
+    (1: the trainer tokenizes it) for a file of at most IN_PROCESS_BYTES."""
+    return 1 if file_bytes <= IN_PROCESS_BYTES else len(os.sched_getaffinity(0))
+
+
+def parse_line(line: bytes, where: str) -> dict[str, Any] | None:
+    """One jsonl line as its object, or None for a blank line."""
+    try:
+        text = line.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 ({exc})") from exc
+    if not text:
+        return None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from exc
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def tokenize_row(row: dict[str, Any], tokenizer, where: str,
+                 template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
+    """The row's token ids and their turns (tokenize_chat), before the cut at max_length."""
+    truncated = row.get("truncated", False)
+    if not isinstance(truncated, bool):
+        raise ValueError(f"{where}: 'truncated' must be true or false, not {truncated!r}")
+    if "messages" in row:
+        return tokenize_chat(tokenizer, row["messages"], where, truncated, template_kwargs)
+    if "text" in row:  # no template closes a text, truncated or not
+        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+        return ids, [0] * len(ids)
+    raise ValueError(f"{where}: expected a 'text' or a 'messages' key")
+
+
+def has_anchor(turn_ids: np.ndarray) -> bool:
+    """Whether a sequence (L,) has a position that may anchor a block: objective.py's
+    anchor_candidates, non-empty (a token of a turn, not the first, followed by one of
+    the same turn)."""
+    middle = turn_ids[1:-1]
+    return bool(np.any((middle != NO_TURN) & (middle == turn_ids[2:])))
+
+
+def learnable(ids: list[int], turn_ids: list[int], max_length: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids, turn_ids), int32, cut to `max_length` tokens, or None when what is left has
+    no anchor.
+
+    A cut at max_length drops the end-of-turn with the rest, so nothing closes the
+    answer inside the loss either way."""
+    turns = np.asarray(turn_ids[:max_length], dtype=np.int32)
+    return (np.asarray(ids[:max_length], dtype=np.int32), turns) if has_anchor(turns) else None
+
+
+@dataclasses.dataclass
+class RowCounts:
+    """What the rows of a file were, for the message of a file that gives no sample."""
+    rows: int = 0  # non-blank lines
+    cut_out: int = 0  # rows with a learnable token only beyond max_length
+    longest: int = 0  # tokens of the longest row, before the cut
+
+    def add(self, other: RowCounts) -> None:
+        self.rows += other.rows
+        self.cut_out += other.cut_out
+        self.longest = max(self.longest, other.longest)
+
+    def nothing_learnable(self, path: Path, max_length: int) -> ValueError:
+        if not self.rows:
+            return ValueError(f"{path}: the file holds no conversation (it is empty)")
+        over = (f"{self.cut_out} of {self.rows} conversations are longer than data.max_length {max_length} "
+                f"(the longest {self.longest} tokens)")
+        if self.cut_out == self.rows:
+            return ValueError(f"{path}: {over}: cut there, none keeps a learnable token; raise "
+                              "data.max_length or shorten them")
+        return ValueError(f"{path}: no sample has a learnable (assistant or text) token followed by another of "
+                          f"its turn, to anchor a block on" + (f"; {over}" if self.cut_out else ""))
+
+
+def read_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+    """(whole lines of about chunk_bytes, the number of their first line), in file order."""
+    with open(path, "rb") as f:
+        first_line = 1
+        while chunk := f.read(chunk_bytes):
+            chunk += f.readline()  # on to the end of the line
+            yield chunk, first_line
+            first_line += chunk.count(b"\n")
+
+
+ChunkResult = tuple[dict[str, np.ndarray], np.ndarray, RowCounts]
+SAMPLE_ARRAYS = ("ids", "turn_ids")  # what a stored sample holds, in batches.Sample's order
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkTokenizer:
+    """Tokenizes a chunk of jsonl lines into the store's form: per array, the samples'
+    values concatenated, and the samples' lengths."""
+
+    tokenizer: Any
+    max_length: int
+    path: str  # for messages
+    template_kwargs: dict[str, Any]
+
+    def __call__(self, chunk: tuple[bytes, int]) -> ChunkResult:
+        data, first_line = chunk
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in SAMPLE_ARRAYS}
+        lengths = []
+        counts = RowCounts()
+        for number, line in enumerate(data.split(b"\n"), first_line):
+            where = f"{self.path}:{number}"
+            row = parse_line(line, where)
+            if row is None:
+                continue
+            ids, turn_ids = tokenize_row(row, self.tokenizer, where, self.template_kwargs)
+            counts.rows, counts.longest = counts.rows + 1, max(counts.longest, len(ids))
+            sample = learnable(ids, turn_ids, self.max_length)
+            if sample is None:
+                if len(ids) > self.max_length and has_anchor(np.asarray(turn_ids, dtype=np.int32)):
+                    counts.cut_out += 1  # it had something to teach, past the cut
+                continue
+            for name, values in zip(SAMPLE_ARRAYS, sample):
+                parts[name].append(values)
+            lengths.append(len(sample[0]))
+        if not lengths:
+            return {}, np.zeros(0, dtype=np.int64), counts
+        return ({name: np.concatenate(values) for name, values in parts.items()}, np.array(lengths, dtype=np.int64),
+                counts)
+
+
+_worker_tokenize: ChunkTokenizer | None = None  # set in each tokenizing process by start_worker
+
+
+def start_worker(tokenize: ChunkTokenizer, trainer_pid: int) -> None:
+    """A worker's start: the task object, and a watch on the trainer. A worker waits for
+    tasks on a queue whose writing end it holds itself, so a trainer killed outright
+    (SIGKILL, the OOM killer) would leave it waiting for ever: it ends when the trainer
+    does."""
+    global _worker_tokenize
+    _worker_tokenize = tokenize
+    threading.Thread(target=_end_with, args=(trainer_pid,), name="trainer-watch", daemon=True).start()
+
+
+def _end_with(trainer_pid: int) -> None:
+    try:
+        trainer = os.pidfd_open(trainer_pid)
+        select.select([trainer], [], [])  # readable once that process has ended
+    except ProcessLookupError:  # ended already
+        pass
+    except OSError:  # no pidfd (Linux before 5.3): look once a second
+        while _alive(trainer_pid):
+            time.sleep(1.0)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, and another user's: not ours any more (its pid was reused)
+        return False
+    return True
+
+
+def tokenize_in_worker(chunk: tuple[bytes, int]) -> ChunkResult:
+    assert _worker_tokenize is not None
+    return _worker_tokenize(chunk)
