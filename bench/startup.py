@@ -26,7 +26,8 @@ as bench/gpu_threads.py's step benchmarks): a child process per run builds the Q
 drafter (bench/gpu_threads.QWEN3_8B, flex attention) and its cudagraphs train step for
 the buckets of `max_length = token_budget = 3072` padded to `--pad-multiple` (768: four
 buckets, 4x768 ... 1x3072), then replays every bucket; printed: process start -> step
-built, the build report, and the median ms of a replayed step per bucket. "cold": a fresh
+built, the build report, torch's own compile timers (`timers`: seconds per timer name,
+nested, the largest 30) and the median ms of a replayed step per bucket. "cold": a fresh
 TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, "warm": the same again. `--drafter-shape micro
 --device cpu` checks that path on a CPU (compile only: no graphs there).
 $WORK/startup.json holds the numbers.
@@ -127,6 +128,8 @@ def step_builds(args: argparse.Namespace) -> list[dict]:
         cache = args.work / f"cache-{args.drafter_shape}-{shapes}"
         env = {**os.environ, "PYTHONPATH": f"{REPO / 'remote'}{os.pathsep}{REPO / 'bench'}",
                "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+        if args.compile_threads:
+            env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
         for label in ("cold", "warm"):
             started = time.time()
             child = subprocess.run(
@@ -143,6 +146,16 @@ def step_builds(args: argparse.Namespace) -> list[dict]:
             results.append(row)
             print(json.dumps(row), flush=True)
     return results
+
+
+def torch_timers(top: int = 30) -> dict[str, float]:
+    """torch's own compile timers (torch._dynamo.utils.compilation_time_metrics), seconds
+    summed per name, the largest first. Timers nest (a compile's contains its Inductor's),
+    so they do not add up."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    totals = {name: round(sum(times), 2) for name, times in compilation_time_metrics.items()}
+    return dict(sorted(totals.items(), key=lambda item: -item[1])[:top])
 
 
 def step_child(args: argparse.Namespace) -> None:
@@ -177,6 +190,7 @@ def step_child(args: argparse.Namespace) -> None:
         timings = warm_up(step, batches, steps=1)
         built = {"graphs_compiled": sum(g for _, g in timings), "build_s": round(sum(s for s, _ in timings), 1)}
     built["built_at"] = time.time()
+    built["timers"] = torch_timers()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     step_ms = {}
     for bucket, batch in zip(buckets, batches):
@@ -202,6 +216,8 @@ def main() -> None:
     parser.add_argument("--drafter-shape", choices=["8b", "micro"], help="the train step alone at this shape")
     parser.add_argument("--pad-multiple", type=int, default=768, help="--drafter-shape: bucket lengths")
     parser.add_argument("--replays", type=int, default=10, help="--drafter-shape: timed steps per bucket")
+    parser.add_argument("--compile-threads", type=int, help="--drafter-shape: TORCHINDUCTOR_COMPILE_THREADS "
+                        "(default: torch's, one per core up to 32)")
     parser.add_argument("--step-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=float, default=400)
     parser.add_argument("--host2", default="folder", choices=["folder", "artifacts"],
