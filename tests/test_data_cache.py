@@ -130,28 +130,32 @@ def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path
 
 
 WORKER = """
-import os, pickle, sys
+import importlib, os, pickle, sys
+importlib.import_module(sys.argv[2])  # the tokenizer's class, which the workers' server imports too
+before = set(sys.modules)
 from dflash_train.data import tokenizing
 tokenizing.start_worker(pickle.loads(sys.stdin.buffer.read()), os.getppid())  # what a worker's initializer gets
 result = tokenizing.tokenize_in_worker((open(sys.argv[1], "rb").read(), 1))
-heavy = sorted(name for name in sys.modules if name.split(".")[0] == "torch" or name.startswith("dflash_train.model"))
-sys.stdout.buffer.write(pickle.dumps((result, heavy)))
+added = sorted(name for name in set(sys.modules) - before
+               if name.split(".")[0] == "torch" or name.startswith("dflash_train.model"))
+sys.stdout.buffer.write(pickle.dumps((result, added)))
 """
 
 
 def test_a_tokenizing_worker_imports_no_torch_and_tokenizes_as_the_trainer_does(tmp_path, tokenizer):
     """What a worker runs, in a fresh interpreter: the task object unpickled, one chunk
-    tokenized. The server the workers are forked from imports what it needs first (at
-    every build that starts workers), so torch and the model code (seconds on a GPU host)
-    must stay out of it."""
+    tokenized. The server the workers are forked from imports tokenizing.py and the
+    tokenizer's class at every build that starts workers, so our code must add neither
+    torch nor the model code (seconds on a GPU host) to what that class imports: with some
+    transformers releases the class imports torch itself (5.17 does, 5.24 does not)."""
     path = write_data(tmp_path / "train.jsonl", 40)
     task = tokenizing.ChunkTokenizer(tokenizer, MAX_LENGTH, str(path), {})
     env = {**os.environ, "PYTHONPATH": str(REPO / "remote")}
-    done = subprocess.run([sys.executable, "-c", WORKER, str(path)], input=pickle.dumps(task), capture_output=True,
-                          env=env, timeout=120)
+    done = subprocess.run([sys.executable, "-c", WORKER, str(path), type(tokenizer).__module__],
+                          input=pickle.dumps(task), capture_output=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr.decode()
-    (arrays, lengths, counts), heavy = pickle.loads(done.stdout)
-    assert heavy == []
+    (arrays, lengths, counts), added = pickle.loads(done.stdout)
+    assert added == []
     want_arrays, want_lengths, want_counts = task((path.read_bytes(), 1))
     assert counts == want_counts and counts.rows == 40 and lengths.tolist() == want_lengths.tolist()
     assert arrays.keys() == want_arrays.keys() and all((arrays[k] == want_arrays[k]).all() for k in arrays)

@@ -187,10 +187,11 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
 
 def _worker_context(tokenizer) -> multiprocessing.context.BaseContext:
     """Where the tokenizing workers come from: forked from one server process that has
-    imported tokenizing.py and the tokenizer's class, not from the trainer, which has
-    threads (and OpenMP pools) by now that a fork would copy half-held; nor spawned, since
-    every spawned worker imports for itself: on a GPU host 16 of them had done 2% of a
-    6.7 MiB file 46 s in (bench/RESULTS-h200.md). The server ends with this process."""
+    imported tokenizing.py and the tokenizer's class, once for all of them. Not forked
+    from the trainer, which has threads (and OpenMP pools) by now that a fork would copy
+    half-held; nor spawned, since every spawned worker imports for itself: on a GPU host
+    16 of them had done 2% of a 6.7 MiB file 46 s in (bench/RESULTS-h200.md). The server
+    ends with this process."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([tokenizing.__name__, type(tokenizer).__module__])
     return context

@@ -1,9 +1,10 @@
 """A training jsonl's lines as token ids and turn ids, in the trainer or in the worker
 processes that tokenize a large file in parallel (batches.py builds the store from them).
 
-This module and chat.py import no torch: a spawned worker imports them, numpy and the
-tokenizer's own classes, in a fraction of what torch and the model code would take, and
-every worker imports them again. Arrays are numpy; batches.py makes tensors of them.
+This module and chat.py import neither torch nor the model code: the server the workers
+are forked from imports them, numpy and the tokenizer's class, and nothing more than
+that class brings (which with some transformers releases is torch). Arrays are numpy;
+batches.py makes tensors of them.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ MAX_CHUNK_BYTES = 4 << 20
 # At least: a task of fewer bytes would cost more in the pool than it saves.
 MIN_CHUNK_BYTES = 128 << 10
 # A file of at most this many bytes is tokenized in the trainer. Workers come from a
-# server that first imports the tokenizer's classes: about 4 s on a GPU host
-# (bench/RESULTS-h200.md), in which the trainer itself tokenizes more than this.
+# server that first imports the tokenizer's class: 4-5 s on a GPU host, where the trainer
+# tokenized 0.2 MiB in 0.1 s (bench/RESULTS-h200.md).
 IN_PROCESS_BYTES = 1 << 20
 # Tasks per worker a file is cut into, so workers that finish early take more and none
 # is left with a long tail.
