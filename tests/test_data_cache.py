@@ -17,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from dflash_train.data import batches, tokenizing
 from dflash_train.config import DataConfig, SyntheticDataSpec, TinyTargetSpec
 from dflash_train.data.batches import BatchPlan, _read_jsonl, load_samples, tokenize_sample
 from dflash_train.data.tiny import _build_tokenizer, ensure_tiny_assets
+from dflash_train.model.objective import NO_TURN, anchor_candidates
 from support.disk import tmpfs
 from test_trainer_runs import launch  # noqa: F401 - the fixture that runs the real trainer
 
@@ -161,6 +163,17 @@ def test_a_tokenizing_worker_imports_no_torch_and_tokenizes_as_the_trainer_does(
     assert arrays.keys() == want_arrays.keys() and all((arrays[k] == want_arrays[k]).all() for k in arrays)
 
 
+def test_the_workers_anchor_rule_is_the_objectives():
+    """tokenizing.has_anchor (numpy, in the workers) decides which samples are stored;
+    objective.anchor_candidates (torch) draws their anchors in training: a stored sample
+    must have one."""
+    rng = random.Random(3)
+    for _ in range(2000):
+        turns = [rng.choice([NO_TURN, NO_TURN, 0, 1, 2]) for _ in range(rng.randrange(0, 9))]
+        assert tokenizing.has_anchor(np.array(turns, dtype=np.int32)) == bool(
+            anchor_candidates(torch.tensor(turns, dtype=torch.int32)).numel()), turns
+
+
 @pytest.mark.parametrize("file_mib, workers, tasks", [(6.7, 16, 54), (0.1, 16, 1), (0.5, 2, 4), (400, 16, 100)])
 def test_a_file_is_cut_into_tasks_for_every_worker_within_the_bounds(file_mib, workers, tasks):
     """6.7 MiB over 16 cores was 2 tasks of 4 MiB, so 2 of the 16 worked; a task is never
@@ -251,17 +264,21 @@ def start_loader(path: Path, cache: Path, chunk_bytes: int, workers: int = 1,
                             start_new_session=new_session)
 
 
+def wait_until_the_build_writes(loader: subprocess.Popen, cache: Path) -> None:
+    deadline = time.monotonic() + 200
+    while not [p for p in cache.glob(".*.build-*/ids.bin") if p.stat().st_size > 0]:
+        assert loader.poll() is None, loader.stdout.read()
+        assert time.monotonic() < deadline, "the build never started writing"
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.slow(seconds=7, why="a tokenizing process killed midway, then another build")
 def test_a_build_killed_midway_leaves_no_store_and_the_next_load_builds_it(tmp_path, tokenizer, capsys):
     path, cache = write_data(tmp_path / "train.jsonl", 3000, answer_words=60), tmp_path / "cache"
     loader = start_loader(path, cache, chunk_bytes=2048)  # in-process, written chunk by chunk
     try:
-        deadline = time.monotonic() + 200
-        while not [p for p in cache.glob(".*.build-*/ids.bin") if p.stat().st_size > 0]:
-            assert loader.poll() is None, loader.stdout.read()
-            assert time.monotonic() < deadline, "the build never started writing"
-            time.sleep(0.05)
+        wait_until_the_build_writes(loader, cache)
         loader.send_signal(signal.SIGKILL)
     finally:
         loader.kill()
@@ -293,11 +310,7 @@ def test_a_trainer_killed_while_workers_tokenize_leaves_no_process_behind(tmp_pa
     path, cache = write_data(tmp_path / "train.jsonl", 3000, answer_words=60), tmp_path / "cache"
     loader = start_loader(path, cache, chunk_bytes=2048, workers=2, new_session=True)
     try:
-        deadline = time.monotonic() + 200
-        while not [p for p in cache.glob(".*.build-*/ids.bin") if p.stat().st_size > 0]:
-            assert loader.poll() is None, loader.stdout.read()
-            assert time.monotonic() < deadline, "the build never started writing"
-            time.sleep(0.05)
+        wait_until_the_build_writes(loader, cache)
         assert len(session_members(loader.pid)) >= 4  # the loader, the server, two workers
         loader.send_signal(signal.SIGKILL)
         loader.wait()

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -108,7 +107,7 @@ def load_samples(path: Path, tokenizer, max_length: int, cache_dir: Path, chunk_
     is built, `progress(fraction of the file done, samples so far)` is called every
     PROGRESS_EVERY_S."""
     template_kwargs = dict(template_kwargs or {})
-    code = b"".join(Path(module.__file__).read_bytes() for module in (sys.modules[__name__], tokenizing, chat))
+    code = b"".join(Path(source).read_bytes() for source in (__file__, tokenizing.__file__, chat.__file__))
     key = {"data_sha256": file_sha256(path, cache_dir / "hashes"),
            "tokenizer_sha256": _tokenizer_sha256(tokenizer),
            "chat_template_sha256": sha256_hex(json.dumps(tokenizer.chat_template, sort_keys=True).encode()),
