@@ -112,7 +112,6 @@ def test_a_second_load_is_a_cache_hit_that_tokenizes_nothing(tmp_path, tokenizer
     assert_same_samples(second, uncached(path, tokenizer))
 
 
-@pytest.mark.slow(seconds=12, why="tokenizes in worker processes, each importing the tokenizer's classes")
 def test_worker_processes_give_exactly_the_uncached_samples_and_batches(tmp_path, tokenizer, capsys, monkeypatch):
     path = write_data(tmp_path / "train.jsonl", 300)
     monkeypatch.setattr(batches, "PROGRESS_EVERY_S", 0.0)  # a report after every chunk
