@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_agent import procfs
 from dflash_train.data import batches, tokenizing
 from dflash_train.config import DataConfig, SyntheticDataSpec, TinyTargetSpec
 from dflash_train.data.batches import BatchPlan, _read_jsonl, load_samples, tokenize_sample
@@ -289,19 +290,6 @@ def test_a_build_killed_midway_leaves_no_store_and_the_next_load_builds_it(tmp_p
     assert len(stores(cache)) == 1 and not list(cache.glob(".*.build-*"))  # the leftover is cleaned up
 
 
-def session_members(session: int) -> list[int]:
-    """Processes of a session this test started (start_new_session), by /proc."""
-    members = []
-    for entry in os.listdir("/proc"):
-        try:
-            fields = (Path("/proc") / entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if entry.isdigit() and int(fields[3]) == session:
-            members.append(int(entry))
-    return members
-
-
 @pytest.mark.timeout(240)
 def test_a_trainer_killed_while_workers_tokenize_leaves_no_process_behind(tmp_path):
     """SIGKILL (the OOM killer's way) gives the trainer no chance to stop its pool: the
@@ -310,17 +298,17 @@ def test_a_trainer_killed_while_workers_tokenize_leaves_no_process_behind(tmp_pa
     loader = start_loader(path, cache, chunk_bytes=2048, workers=2, new_session=True)
     try:
         wait_until_the_build_writes(loader, cache)
-        assert len(session_members(loader.pid)) >= 4  # the loader, the server, two workers
+        assert len(procfs.group_members(loader.pid)) >= 4  # the loader, the server, two workers
         loader.send_signal(signal.SIGKILL)
         loader.wait()
         deadline = time.monotonic() + 20
-        while (left := session_members(loader.pid)) and time.monotonic() < deadline:
+        while (left := [p.pid for p in procfs.group_members(loader.pid)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert left == [], [(Path(f"/proc/{pid}/cmdline").read_bytes()[:120]) for pid in left]
     finally:
         loader.kill()
-        for pid in session_members(loader.pid):  # only this test's session: never another's process
-            os.kill(pid, signal.SIGKILL)
+        for member in procfs.group_members(loader.pid):  # only this test's group: never another's process
+            os.kill(member.pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(240)
