@@ -29,7 +29,11 @@ buckets, 4x768 ... 1x3072), then replays every bucket; printed: process start ->
 built, the build report, torch's own compile timers (`timers`: seconds per timer name,
 nested, the largest 30) and the median ms of a replayed step per bucket. "cold": a fresh
 TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, "warm": the same again. `--drafter-shape micro
---device cpu` checks that path on a CPU (compile only: no graphs there).
+--device cpu` checks that path on a CPU (compile only: no graphs there). `--layer-region`
+compiles the drafter's decoder layer as one nested compile region
+(`torch.compiler.nested_compile_region`: traced and compiled once, stamped out for every
+layer) instead of inlining the five, the experiment of bench/RESULTS-h200.md's
+"The drafter's layer as one nested compile region".
 $WORK/startup.json holds the numbers.
 """
 from __future__ import annotations
@@ -135,7 +139,7 @@ def step_builds(args: argparse.Namespace) -> list[dict]:
             child = subprocess.run(
                 [sys.executable, __file__, "--step-child", "--work", str(args.work), "--drafter-shape",
                  args.drafter_shape, "--device", args.device, "--compile-shapes", shapes, "--pad-multiple",
-                 str(args.pad_multiple)], env=env, capture_output=True, text=True, timeout=args.timeout_s)
+                 str(args.pad_multiple)] + (["--layer-region"] if args.layer_region else []), env=env, capture_output=True, text=True, timeout=args.timeout_s)
             lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
             row = {"shape": args.drafter_shape, "compile_shapes": shapes, "cache": label, "exit_code": child.returncode}
             if lines:
@@ -158,6 +162,21 @@ def torch_timers(top: int = 30) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda item: -item[1])[:top])
 
 
+def nest_decoder_layers() -> None:
+    """Make every DFlashDecoderLayer call one nested compile region (--layer-region)."""
+    import torch
+    from dflash_train.model.modeling_dflash import DFlashDecoderLayer
+
+    region = torch.compiler.nested_compile_region(DFlashDecoderLayer.forward)
+
+    def forward(self, hidden, context, rope_q, rope_k, mask):
+        # A region's inputs may not alias one another (Dynamo refuses it), and rope_q is a
+        # slice of rope_k: the region gets a copy, (B, Q, d) twice, a few MiB at 8B.
+        return region(self, hidden, context, tuple(t.clone() for t in rope_q), rope_k, mask)
+
+    DFlashDecoderLayer.forward = forward
+
+
 def step_child(args: argparse.Namespace) -> None:
     """Build the train step at `--drafter-shape`; print one JSON line (see step_builds)."""
     import torch
@@ -168,6 +187,8 @@ def step_child(args: argparse.Namespace) -> None:
     from dflash_train.compiling.cudagraphs import bucket_shapes, build_cudagraph_train_step
     from dflash_train.compiling.step_build import compile_for_shapes, inputs_of_shape, warm_up
 
+    if args.layer_region:
+        nest_decoder_layers()
     shape = {"8b": QWEN3_8B, "micro": MICRO}[args.drafter_shape]
     data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len, token_budget=shape.seq_len,
                       pad_multiple=args.pad_multiple)
@@ -218,6 +239,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=10, help="--drafter-shape: timed steps per bucket")
     parser.add_argument("--compile-threads", type=int, help="--drafter-shape: TORCHINDUCTOR_COMPILE_THREADS "
                         "(default: torch's, one per core up to 32)")
+    parser.add_argument("--layer-region", action="store_true",
+                        help="--drafter-shape: the decoder layer as one nested compile region")
     parser.add_argument("--step-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=float, default=400)
     parser.add_argument("--host2", default="folder", choices=["folder", "artifacts"],
