@@ -8,7 +8,13 @@ for (interpreter start, imports, SSH handshake included): `dflash deploy ct200` 
 ControlMaster in the user's ssh config (given to both). dflash's figures come from its own transport
 counters; rsync's from `--stats` ("Total bytes sent"). Prints numbers; asserts nothing.
 
-    sudo .venv/bin/python bench/redeploy.py [--repeat 5]     (needs rsync installed)
+The "node" shares this machine's cores with the client: the remote shell, pct and the
+receiver (or rsync's server) compete for them with the client's own work. `--node-cores N`
+pins sshd, and so everything a session runs, to the last N cores and this process, and so
+every client it starts, to the others: two machines, as a user's laptop and GPU node
+are, on one of more than N cores.
+
+    sudo .venv/bin/python bench/redeploy.py [--repeat 5] [--whole 7] [--node-cores N]     (needs rsync installed)
 """
 from __future__ import annotations
 
@@ -100,14 +106,30 @@ def whole_process(bed, rsh: Path, staged: Path, dest: str, repeat: int) -> None:
         print(f"{label:<20} {dflash_ms:>11.0f} ms {rsync_ms:>7.0f} ms {dflash_ms / rsync_ms:>6.2f}x")
 
 
+def separate_cores(sshd_pid: int, node_cores: int) -> None:
+    """sshd on the last `node_cores` cores of this process's, this process on the rest (children inherit both)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not 0 < node_cores < len(cores):
+        raise SystemExit(f"--node-cores {node_cores}: this process may use {len(cores)} core(s); "
+                         "the node and the client need at least one each")
+    node, client = cores[-node_cores:], cores[:-node_cores]
+    os.sched_setaffinity(sshd_pid, node)
+    os.sched_setaffinity(0, client)
+    print(f"node (sshd {sshd_pid}) on core(s) {', '.join(map(str, node))}, client on {', '.join(map(str, client))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--whole", type=int, default=7, help="whole-process runs of each, for the medians")
+    parser.add_argument("--node-cores", type=int, default=0,
+                        help="the node (sshd and all it runs) on the last N cores, the client on the others")
     args = parser.parse_args()
     if not shutil.which("rsync"):
         raise SystemExit("rsync is not installed (apt-get install -y rsync)")
     with test_bed() as bed:
+        if args.node_cores:
+            separate_cores(bed.sshd_pid, args.node_cores)
         # dflash keeps its probes' command lines in the user's cache folder (probe_cache.py):
         # the bench's own, which the warm-up deploy of each row fills as a user's last deploy did
         os.environ["XDG_CACHE_HOME"] = str(bed.work / "cache")

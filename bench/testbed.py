@@ -21,8 +21,9 @@ from support.train_configs import small_config  # noqa: E402,F401  (re-exported 
 
 
 class Bed:
-    def __init__(self, work: Path, node: SshNode, pve: FakePve):
+    def __init__(self, work: Path, node: SshNode, pve: FakePve, sshd_pid: int):
         self.work, self.node, self.pve = work, node, pve
+        self.sshd_pid = sshd_pid  # the listener: every session (and what it runs) is forked from it
         self.hosts = write_inventory(work, node, pve)
         self.logs = work / "logs"
         self.workspace = container_workspace(pve, work)  # as container 200 sees it
@@ -42,6 +43,6 @@ def test_bed() -> Iterator[Bed]:
         (work / "sshd").mkdir()
         node, proc = start_sshd(work / "sshd")
         try:
-            yield Bed(work, node, make_fake_pve(work / "pve node"))
+            yield Bed(work, node, make_fake_pve(work / "pve node"), proc.pid)
         finally:
             stop_sshd(proc)
