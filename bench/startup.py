@@ -139,9 +139,11 @@ def step_builds(args: argparse.Namespace) -> list[dict]:
             child = subprocess.run(
                 [sys.executable, __file__, "--step-child", "--work", str(args.work), "--drafter-shape",
                  args.drafter_shape, "--device", args.device, "--compile-shapes", shapes, "--pad-multiple",
-                 str(args.pad_multiple)] + (["--layer-region"] if args.layer_region else []), env=env, capture_output=True, text=True, timeout=args.timeout_s)
+                 str(args.pad_multiple), *(["--layer-region"] if args.layer_region else [])],
+                env=env, capture_output=True, text=True, timeout=args.timeout_s)
             lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
-            row = {"shape": args.drafter_shape, "compile_shapes": shapes, "cache": label, "exit_code": child.returncode}
+            row = {"shape": args.drafter_shape, "compile_shapes": shapes, "layer_region": args.layer_region,
+                   "cache": label, "exit_code": child.returncode}
             if lines:
                 report = json.loads(lines[-1])
                 row.update(report, start_to_built_s=round(report.pop("built_at") - started, 1))
