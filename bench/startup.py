@@ -173,7 +173,7 @@ def nest_decoder_layers() -> None:
 
     def forward(self, hidden, context, rope_q, rope_k, mask):
         # A region's inputs may not alias one another (Dynamo refuses it), and rope_q is a
-        # slice of rope_k: the region gets a copy, (B, Q, d) twice, a few MiB at 8B.
+        # slice of rope_k: the region gets a copy, (B, Q, d) twice, up to 32 MiB at 8B.
         return region(self, hidden, context, tuple(t.clone() for t in rope_q), rope_k, mask)
 
     DFlashDecoderLayer.forward = forward
