@@ -311,34 +311,6 @@ def test_a_trainer_killed_while_workers_tokenize_leaves_no_process_behind(tmp_pa
             os.kill(member.pid, signal.SIGKILL)
 
 
-WATCHER = """
-import os, sys
-from dflash_train.data import tokenizing
-def no_pidfd(pid):
-    raise OSError(38, "Function not implemented")  # what Linux before 5.3 answers
-os.pidfd_open = no_pidfd
-tokenizing._end_with(int(sys.argv[1]))
-"""
-
-
-def test_without_pidfds_a_worker_ends_once_the_trainer_has_exited_though_not_yet_reaped():
-    """The workers' watch on a kernel without pidfds: a trainer killed outright stays a
-    zombie until its parent reaps it, and has ended all the same."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "remote")}
-    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    watcher = subprocess.Popen([sys.executable, "-c", WATCHER, str(trainer.pid)], env=env)
-    try:
-        time.sleep(1.5)
-        assert watcher.poll() is None  # watches while the trainer runs
-        trainer.kill()  # not waited for: a zombie until the end of this test
-        assert watcher.wait(timeout=20) == 1
-    finally:
-        watcher.kill()
-        trainer.kill()
-        trainer.wait()
-        watcher.wait()
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.slow(seconds=13, why="two processes importing transformers build one store at once")
 def test_concurrent_loads_of_one_key_build_it_once(tmp_path):

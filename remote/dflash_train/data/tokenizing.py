@@ -20,8 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from dflash_agent import procfs
-
 from .chat import NO_TURN, tokenize_chat
 
 # jsonl bytes per tokenizing task, at most: about a thousand conversations of the recipe's
@@ -192,12 +190,19 @@ def _end_with(trainer_pid: int) -> None:
     except ProcessLookupError:  # ended already
         pass
     except OSError:  # no pidfd (Linux before 5.3): look once a second
-        # By pid and start time: a killed trainer stays a zombie until its parent reaps
-        # it, and its pid may then go to another process.
-        started = procfs.start_time(trainer_pid)
-        while procfs.identity_alive(trainer_pid, started):
+        while _alive(trainer_pid):
             time.sleep(1.0)
     os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, and another user's: not ours any more (its pid was reused)
+        return False
+    return True
 
 
 def tokenize_in_worker(chunk: tuple[bytes, int]) -> ChunkResult:
