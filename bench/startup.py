@@ -33,12 +33,19 @@ TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, "warm": the same again. `--drafter-sha
 compiles the drafter's decoder layer as one nested compile region
 (`torch.compiler.nested_compile_region`: traced and compiled once, stamped out for every
 layer) instead of inlining the five, the experiment of bench/RESULTS-h200.md's
-"The drafter's layer as one nested compile region".
-$WORK/startup.json holds the numbers.
+"The drafter's layer as one nested compile region". `--regional layers` compiles each
+decoder layer on its own (`nn.Module.compile`; the layers share their code, so Dynamo's
+cache serves all five with one graph) and the flex block mask's build, and runs the rest
+of the step eager inside the captured graph; `--regional all` also compiles the drafter's
+code before and after its layers: the experiment of "Regional compilation of the
+drafter's step". The peak of allocated GPU memory is printed too (`peak_gib`).
+$WORK/startup.json holds the numbers; each step child's stderr is kept in
+$WORK/step-<shapes>-<cold|warm>.stderr (where TORCH_LOGS=recompiles writes).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -139,11 +146,13 @@ def step_builds(args: argparse.Namespace) -> list[dict]:
             child = subprocess.run(
                 [sys.executable, __file__, "--step-child", "--work", str(args.work), "--drafter-shape",
                  args.drafter_shape, "--device", args.device, "--compile-shapes", shapes, "--pad-multiple",
-                 str(args.pad_multiple), *(["--layer-region"] if args.layer_region else [])],
+                 str(args.pad_multiple), *(["--layer-region"] if args.layer_region else []),
+                 *(["--regional", args.regional] if args.regional else [])],
                 env=env, capture_output=True, text=True, timeout=args.timeout_s)
+            (args.work / f"step-{shapes}-{label}.stderr").write_text(child.stderr)  # TORCH_LOGS land here
             lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
             row = {"shape": args.drafter_shape, "compile_shapes": shapes, "layer_region": args.layer_region,
-                   "cache": label, "exit_code": child.returncode}
+                   "regional": args.regional, "cache": label, "exit_code": child.returncode}
             if lines:
                 report = json.loads(lines[-1])
                 row.update(report, start_to_built_s=round(report.pop("built_at") - started, 1))
@@ -179,6 +188,51 @@ def nest_decoder_layers() -> None:
     DFlashDecoderLayer.forward = forward
 
 
+def compile_regions(objective, bucket_inputs, shapes, *, glue: bool, **options):
+    """--regional: in place of step_build.compile_for_shapes, each decoder layer and the
+    flex block mask's build under torch.compile on their own (with `glue`, also the
+    drafter's code before and after its layers), the rest of the step eager.
+    dynamic=True for dynamic shapes: the regions' inputs are made inside the step, where
+    no mark on the step's inputs reaches them."""
+    import torch
+    from dflash_train.model import objective as objective_module
+
+    dynamic = shapes != "static"
+    drafter = objective.drafter
+    for layer in drafter.layers:
+        layer.compile(dynamic=dynamic, **options)
+    # Layer 0's input (the frozen embeddings) does not require grad, the others' do: a
+    # graph each (Dynamo guards on requires_grad). Given one that does, layer 0 shares them.
+    first = drafter.layers[0]
+    compiled_call = first._compiled_call_impl
+
+    def call_requiring_grad(hidden, *args, **kwargs):
+        return compiled_call(hidden if hidden.requires_grad else hidden.detach().requires_grad_(), *args, **kwargs)
+
+    first._compiled_call_impl = call_requiring_grad
+    objective_module.flex_block_mask = torch.compile(objective_module.flex_block_mask, dynamic=dynamic, **options)
+    if glue:
+        @torch.compile(dynamic=dynamic, **options)
+        def before_layers(block_embeds, features, context_positions, block_positions):
+            context = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.dtype)))  # (B, S, H)
+            hidden = block_embeds.to(context.dtype)
+            cos, sin = drafter.rotary_emb(hidden, torch.cat([context_positions, block_positions], dim=1))
+            q_len = block_positions.shape[1]
+            return context, hidden, (cos[:, -q_len:], sin[:, -q_len:]), (cos, sin)
+
+        after_layers = torch.compile(drafter.norm, dynamic=dynamic, **options)
+
+        def draft(block_embeds, features, context_positions, block_positions, mask):
+            context, hidden, rope_q, rope_k = before_layers(block_embeds, features, context_positions,
+                                                            block_positions)
+            for layer in drafter.layers:
+                hidden = layer(hidden, context, rope_q, rope_k, mask)
+            return after_layers(hidden)
+
+        drafter.draft = draft
+    return objective
+
+
 def step_child(args: argparse.Namespace) -> None:
     """Build the train step at `--drafter-shape`; print one JSON line (see step_builds)."""
     import torch
@@ -191,6 +245,10 @@ def step_child(args: argparse.Namespace) -> None:
 
     if args.layer_region:
         nest_decoder_layers()
+    if args.regional:
+        import dflash_train.compiling.cudagraphs as cudagraphs_module
+
+        cudagraphs_module.compile_for_shapes = functools.partial(compile_regions, glue=args.regional == "all")
     shape = {"8b": QWEN3_8B, "micro": MICRO}[args.drafter_shape]
     data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len, token_budget=shape.seq_len,
                       pad_multiple=args.pad_multiple)
@@ -206,7 +264,9 @@ def step_child(args: argparse.Namespace) -> None:
         built = {"report": report.describe(), "graphs_compiled": report.graphs_compiled,
                  "build_s": round(report.seconds, 1)}
     else:  # no CUDA graphs on a CPU: the compile and warm-up alone
-        compiled = compile_for_shapes(objective, batches, args.compile_shapes, fullgraph=True)
+        compiled = (functools.partial(compile_regions, glue=args.regional == "all") if args.regional
+                    else compile_for_shapes)(
+            objective, batches, args.compile_shapes, fullgraph=True)
         def step(batch):
             compiled(batch)[0].backward()
 
@@ -225,7 +285,8 @@ def step_child(args: argparse.Namespace) -> None:
             sync()
             times.append(1000 * (time.perf_counter() - began))
         step_ms[str(bucket)] = round(statistics.median(times[2:]), 2)
-    print(json.dumps({**built, "step_ms": step_ms}), flush=True)
+    peak = {"peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)} if cuda else {}
+    print(json.dumps({**built, "step_ms": step_ms, **peak}), flush=True)
 
 
 def main() -> None:
@@ -243,6 +304,9 @@ def main() -> None:
                         "(default: torch's, one per core up to 32)")
     parser.add_argument("--layer-region", action="store_true",
                         help="--drafter-shape: the decoder layer as one nested compile region")
+    parser.add_argument("--regional", choices=["layers", "all"],
+                        help="--drafter-shape: each decoder layer compiled on its own and the rest eager "
+                        "(layers), or also the drafter's code before and after the layers (all)")
     parser.add_argument("--step-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=float, default=400)
     parser.add_argument("--host2", default="folder", choices=["folder", "artifacts"],
