@@ -10,7 +10,7 @@ from importlib import metadata
 
 import pytest
 
-from dflash_agent import procfs
+from dflash_files import procfs
 from support.old_python import old_python_problems
 from support.wait import wait_until
 from support_agent.harness import REPO

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_agent import preflight, procfs
+from dflash_agent import preflight
+from dflash_files import procfs
 from support.disk import fill, tmpfs
 from support_agent.harness import agent  # noqa: F401  (fixture)
 from support_agent.harness import RELEASE_ID, Agent, dead_pid, make_workspace

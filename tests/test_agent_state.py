@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from dflash_agent import attempts, jsonio, procfs
+from dflash_agent import attempts, jsonio
+from dflash_files import procfs
 from dflash_agent.layout import RunDir
 from dflash_agent.protocol import RunState
 from dflash_agent.state import ALIVE, ENDING, GONE, EventSummary, Observation, derive_state, summarize_events

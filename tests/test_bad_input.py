@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_agent import preflight, procfs
+from dflash_agent import preflight
+from dflash_files import procfs
 from dflash_cli import release as release_tree
 from dflash_run import dflash_in_process
 from support import container_workspace, workspace_on_node

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_agent import procfs
+from dflash_files import procfs
 from dflash_train.data import batches, tokenizing
 from dflash_train.config import DataConfig, SyntheticDataSpec, TinyTargetSpec
 from dflash_train.data.batches import BatchPlan, _read_jsonl, load_samples, tokenize_sample
@@ -135,8 +135,10 @@ WORKER = """
 import importlib, os, pickle, sys
 importlib.import_module(sys.argv[2])  # the tokenizer's class, which the workers' server imports too
 before = set(sys.modules)
+from dflash_files import procfs
 from dflash_train.data import tokenizing
-tokenizing.start_worker(pickle.loads(sys.stdin.buffer.read()), os.getppid())  # what a worker's initializer gets
+# What a worker's initializer gets: the task, the trainer's pid and its start time.
+tokenizing.start_worker(pickle.loads(sys.stdin.buffer.read()), os.getppid(), procfs.start_time(os.getppid()))
 result = tokenizing.tokenize_in_worker((open(sys.argv[1], "rb").read(), 1))
 added = sorted(name for name in set(sys.modules) - before
                if name.split(".")[0] == "torch" or name.startswith("dflash_train.model"))
@@ -309,6 +311,55 @@ def test_a_trainer_killed_while_workers_tokenize_leaves_no_process_behind(tmp_pa
         loader.kill()
         for member in procfs.group_members(loader.pid):  # only this test's group: never another's process
             os.kill(member.pid, signal.SIGKILL)
+
+
+WATCHER = """
+import os, sys
+from dflash_train.data import tokenizing
+def no_pidfd(pid):
+    raise OSError(38, "Function not implemented")  # what Linux before 5.3 answers
+os.pidfd_open = no_pidfd
+tokenizing._end_with(int(sys.argv[1]), int(sys.argv[2]))
+"""
+
+
+def watch_without_pidfds(pid: int, start_time: int) -> subprocess.Popen:
+    """A worker's watch on the trainer `pid` that started at `start_time`, in a process of
+    its own, on a kernel without pidfds (os.pidfd_open fails as Linux before 5.3 makes it)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "remote")}
+    return subprocess.Popen([sys.executable, "-c", WATCHER, str(pid), str(start_time)], env=env)
+
+
+def test_without_pidfds_a_worker_ends_once_the_trainer_has_exited_though_not_yet_reaped():
+    """A trainer killed outright stays a zombie until its parent reaps it, and has ended
+    all the same: kill(pid, 0) takes a zombie for alive."""
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    watcher = watch_without_pidfds(trainer.pid, procfs.start_time(trainer.pid))
+    try:
+        time.sleep(1.5)
+        assert watcher.poll() is None  # watches while the trainer runs
+        trainer.kill()  # not waited for: a zombie until the end of this test
+        assert watcher.wait(timeout=20) == 1
+        assert procfs.read_stat(trainer.pid).state == "Z"  # what the watch saw through
+    finally:
+        watcher.kill()
+        trainer.kill()
+        trainer.wait()
+        watcher.wait()
+
+
+def test_without_pidfds_a_worker_ends_when_the_trainers_pid_belongs_to_another_process():
+    """The trainer's pid, reused: a live process whose start time is not the trainer's."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    watcher = watch_without_pidfds(other.pid, procfs.start_time(other.pid) - 1)
+    try:
+        assert watcher.wait(timeout=20) == 1
+        assert other.poll() is None  # it ended though that pid's process runs on
+    finally:
+        watcher.kill()
+        other.kill()
+        other.wait()
+        watcher.wait()
 
 
 @pytest.mark.timeout(240)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_agent import procfs
+from dflash_files import procfs
 from dflash_run import dflash_in_process, popen_dflash
 from support import kill_ssh_sessions, workspace_on_node
 from support.events import read_events

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_agent import procfs
+from dflash_files import procfs
 from dflash_agent.protocol import RunState, RunStatus
 from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory

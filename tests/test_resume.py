@@ -11,7 +11,8 @@ from pathlib import Path
 import dflash_events
 import pytest
 import yaml
-from dflash_agent import attempts, procfs
+from dflash_agent import attempts
+from dflash_files import procfs
 from dflash_run import dflash_in_process
 from support.events import read_events
 from support.train_configs import small_config

@@ -24,7 +24,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from dflash_agent import procfs
+from dflash_files import procfs
 from dflash_agent import warm as agent_warm
 from dflash_train import warm as trainer_warm
 from dflash_files.compile_key import CACHE_DIR

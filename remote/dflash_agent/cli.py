@@ -307,7 +307,7 @@ def _gpus(ws: Workspace, args: argparse.Namespace) -> Reply:
 
 def _info(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .gpus import host_facts
-    from .procfs import boot_id
+    from dflash_files.procfs import boot_id
     return InfoReply.from_json(dict(host_facts(ws.root), boot_id=boot_id()))
 
 

@@ -7,9 +7,11 @@ import signal
 import time
 from typing import Any, Dict
 
+from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 
-from . import procfs, stackdump
+
+from . import stackdump
 from .jsonio import AgentError, decode_bytes
 from .layout import RunDir
 from .protocol import StacksReply, StopReply

@@ -21,9 +21,9 @@ import re
 import time
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
+from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 
-from . import procfs
 from .jsonio import AgentError, read_json
 from .layout import Workspace
 from .protocol import RunState

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
 
-from . import procfs
+from dflash_files import procfs
 from .attempts import newest_checkpoint
 from .jsonio import decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
 from .layout import RunDir

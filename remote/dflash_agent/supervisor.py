@@ -30,10 +30,12 @@ import subprocess
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
 
-from . import attempts, locks, oom, procfs, warm
+
+from . import attempts, locks, oom, warm
 from .jsonio import AgentError
 from .jsonio import encode_line
 from .layout import RunDir, Workspace

@@ -28,7 +28,9 @@ import socket
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from . import locks, oom, procfs
+from dflash_files import procfs
+
+from . import locks, oom
 from .jsonio import AgentError, encode_line
 
 IDLE_ENV = "DFLASH_WARM_IDLE_S"

@@ -1,7 +1,8 @@
-"""What the agent and the trainer both need of the files they write on a host: atomic
-writes and fsync (atomic.py), a full disk said and room kept to say it (diskspace.py),
-and the names both spell: a run's checkpoints and export (checkpoint_files.py), the
-compile cache's folders and files (compile_key.py).
+"""What the agent and the trainer both need on a host: atomic writes and fsync
+(atomic.py), a full disk said and room kept to say it (diskspace.py), a process known by
+its pid and start time as /proc tells it (procfs.py), and the names both spell: a run's
+checkpoints and export (checkpoint_files.py), the compile cache's folders and files
+(compile_key.py).
 
 Neither half imports the other: both take these from here, as both take the strict
 loader from dflash_schema, and the CLI takes them from here too. Shipped in every

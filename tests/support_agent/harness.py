@@ -20,7 +20,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
-from dflash_agent import procfs, protocol
+from dflash_agent import protocol
+from dflash_files import procfs
 from support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -33,6 +33,8 @@ import tokenizers
 import torch
 import transformers
 
+from dflash_files import procfs
+
 from ..compiling.step_build import BatchShape
 from ..config import DataConfig, DrafterConfig, blocks_per_row, padded_length, rows_per_micro_batch
 from ..model.objective import anchor_candidates, anchor_seed, block_labels, position_weights, sample_anchors
@@ -166,7 +168,7 @@ def _tokenize_into(writer: StoreWriter, path: Path, tokenizer, max_length: int, 
     else:
         executor = concurrent.futures.ProcessPoolExecutor(
             workers, mp_context=_worker_context(tokenizer), initializer=tokenizing.start_worker,
-            initargs=(tokenize, os.getpid()))
+            initargs=(tokenize, os.getpid(), procfs.start_time(os.getpid())))
         try:
             pending: collections.deque = collections.deque()
             for chunk in chunks:  # a window of tasks in flight: the file is never held whole

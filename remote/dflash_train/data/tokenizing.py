@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash_files import procfs
+
 from .chat import NO_TURN, tokenize_chat
 
 # jsonl bytes per tokenizing task, at most: about a thousand conversations of the recipe's
@@ -173,36 +175,28 @@ class ChunkTokenizer:
 _worker_tokenize: ChunkTokenizer | None = None  # set in each tokenizing process by start_worker
 
 
-def start_worker(tokenize: ChunkTokenizer, trainer_pid: int) -> None:
-    """A worker's start: the task object, and a watch on the trainer. A worker waits for
-    tasks on a queue whose writing end it holds itself, so a trainer killed outright
-    (SIGKILL, the OOM killer) would leave it waiting for ever: it ends when the trainer
-    does."""
+def start_worker(tokenize: ChunkTokenizer, trainer_pid: int, trainer_start: int | None) -> None:
+    """A worker's start: the task object, and a watch on the trainer (its pid and its
+    start time in /proc). A worker waits for tasks on a queue whose writing end it holds
+    itself, so a trainer killed outright (SIGKILL, the OOM killer) would leave it waiting
+    for ever: it ends when the trainer does."""
     global _worker_tokenize
     _worker_tokenize = tokenize
-    threading.Thread(target=_end_with, args=(trainer_pid,), name="trainer-watch", daemon=True).start()
+    threading.Thread(target=_end_with, args=(trainer_pid, trainer_start), name="trainer-watch", daemon=True).start()
 
 
-def _end_with(trainer_pid: int) -> None:
+def _end_with(trainer_pid: int, trainer_start: int | None) -> None:
     try:
         trainer = os.pidfd_open(trainer_pid)
         select.select([trainer], [], [])  # readable once that process has ended
     except ProcessLookupError:  # ended already
         pass
     except OSError:  # no pidfd (Linux before 5.3): look once a second
-        while _alive(trainer_pid):
+        # By pid and start time, not kill(pid, 0): a killed trainer stays a zombie until
+        # its parent reaps it, and its pid may then go to another process.
+        while procfs.identity_alive(trainer_pid, trainer_start):
             time.sleep(1.0)
     os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, and another user's: not ours any more (its pid was reused)
-        return False
-    return True
 
 
 def tokenize_in_worker(chunk: tuple[bytes, int]) -> ChunkResult:
