@@ -318,23 +318,25 @@ import os, sys
 from dflash_train.data import tokenizing
 def no_pidfd(pid):
     raise OSError(38, "Function not implemented")  # what Linux before 5.3 answers
-os.pidfd_open = no_pidfd
+if sys.argv[3] == "no-pidfds":
+    os.pidfd_open = no_pidfd
 tokenizing._end_with(int(sys.argv[1]), int(sys.argv[2]))
 """
 
 
-def watch_without_pidfds(pid: int, start_time: int) -> subprocess.Popen:
+def watch(pid: int, start_time: int, kernel: str) -> subprocess.Popen:
     """A worker's watch on the trainer `pid` that started at `start_time`, in a process of
-    its own, on a kernel without pidfds (os.pidfd_open fails as Linux before 5.3 makes it)."""
+    its own; kernel "no-pidfds": os.pidfd_open fails as Linux before 5.3 makes it."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "remote")}
-    return subprocess.Popen([sys.executable, "-c", WATCHER, str(pid), str(start_time)], env=env)
+    return subprocess.Popen([sys.executable, "-c", WATCHER, str(pid), str(start_time), kernel], env=env)
 
 
-def test_without_pidfds_a_worker_ends_once_the_trainer_has_exited_though_not_yet_reaped():
+@pytest.mark.parametrize("kernel", ["pidfds", "no-pidfds"])
+def test_a_worker_ends_once_the_trainer_has_exited_though_not_yet_reaped(kernel):
     """A trainer killed outright stays a zombie until its parent reaps it, and has ended
-    all the same: kill(pid, 0) takes a zombie for alive."""
+    all the same: kill(pid, 0), the check without pidfds, takes a zombie for alive."""
     trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    watcher = watch_without_pidfds(trainer.pid, procfs.start_time(trainer.pid))
+    watcher = watch(trainer.pid, procfs.start_time(trainer.pid), kernel)
     try:
         time.sleep(1.5)
         assert watcher.poll() is None  # watches while the trainer runs
@@ -348,10 +350,11 @@ def test_without_pidfds_a_worker_ends_once_the_trainer_has_exited_though_not_yet
         watcher.wait()
 
 
-def test_without_pidfds_a_worker_ends_when_the_trainers_pid_belongs_to_another_process():
+@pytest.mark.parametrize("kernel", ["pidfds", "no-pidfds"])
+def test_a_worker_ends_when_the_trainers_pid_belongs_to_another_process(kernel):
     """The trainer's pid, reused: a live process whose start time is not the trainer's."""
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    watcher = watch_without_pidfds(other.pid, procfs.start_time(other.pid) - 1)
+    watcher = watch(other.pid, procfs.start_time(other.pid) - 1, kernel)
     try:
         assert watcher.wait(timeout=20) == 1
         assert other.poll() is None  # it ended though that pid's process runs on

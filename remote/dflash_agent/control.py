@@ -10,7 +10,6 @@ from typing import Any, Dict
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 
-
 from . import stackdump
 from .jsonio import AgentError, decode_bytes
 from .layout import RunDir

@@ -34,7 +34,6 @@ from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
 
-
 from . import attempts, locks, oom, warm
 from .jsonio import AgentError
 from .jsonio import encode_line

@@ -182,20 +182,25 @@ def start_worker(tokenize: ChunkTokenizer, trainer_pid: int, trainer_start: int 
     for ever: it ends when the trainer does."""
     global _worker_tokenize
     _worker_tokenize = tokenize
-    threading.Thread(target=_end_with, args=(trainer_pid, trainer_start), name="trainer-watch", daemon=True).start()
+    watch = threading.Thread(target=_end_with, args=(trainer_pid, trainer_start), name="trainer-watch", daemon=True)
+    watch.start()
 
 
 def _end_with(trainer_pid: int, trainer_start: int | None) -> None:
     try:
         trainer = os.pidfd_open(trainer_pid)
-        select.select([trainer], [], [])  # readable once that process has ended
     except ProcessLookupError:  # ended already
-        pass
+        os._exit(1)
     except OSError:  # no pidfd (Linux before 5.3): look once a second
         # By pid and start time, not kill(pid, 0): a killed trainer stays a zombie until
         # its parent reaps it, and its pid may then go to another process.
         while procfs.identity_alive(trainer_pid, trainer_start):
             time.sleep(1.0)
+        os._exit(1)
+    # The pidfd is of whatever process has that pid now: the trainer's only if it still
+    # runs (neither a zombie nor gone, its pid then another's).
+    if procfs.identity_alive(trainer_pid, trainer_start):
+        select.select([trainer], [], [])  # readable once that process has ended
     os._exit(1)
 
 
