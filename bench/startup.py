@@ -245,10 +245,12 @@ def step_child(args: argparse.Namespace) -> None:
 
     if args.layer_region:
         nest_decoder_layers()
+    compile_step = functools.partial(compile_regions, glue=args.regional == "all") if args.regional \
+        else compile_for_shapes
     if args.regional:
         import dflash_train.compiling.cudagraphs as cudagraphs_module
 
-        cudagraphs_module.compile_for_shapes = functools.partial(compile_regions, glue=args.regional == "all")
+        cudagraphs_module.compile_for_shapes = compile_step
     shape = {"8b": QWEN3_8B, "micro": MICRO}[args.drafter_shape]
     data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len, token_budget=shape.seq_len,
                       pad_multiple=args.pad_multiple)
@@ -264,9 +266,7 @@ def step_child(args: argparse.Namespace) -> None:
         built = {"report": report.describe(), "graphs_compiled": report.graphs_compiled,
                  "build_s": round(report.seconds, 1)}
     else:  # no CUDA graphs on a CPU: the compile and warm-up alone
-        compiled = (functools.partial(compile_regions, glue=args.regional == "all") if args.regional
-                    else compile_for_shapes)(
-            objective, batches, args.compile_shapes, fullgraph=True)
+        compiled = compile_step(objective, batches, args.compile_shapes, fullgraph=True)
         def step(batch):
             compiled(batch)[0].backward()
 
