@@ -5,7 +5,7 @@ compile cache folder; and the train step's build alone at the Qwen3-8B drafter s
     PYTHONPATH=remote python3 bench/startup.py --work /tmp/startup [--threads 1,2,4] [--compile cudagraphs]
         [--compile-shapes dynamic,static] [--steps 3] [--host2 folder|artifacts]
     PYTHONPATH=remote python3 bench/startup.py --work /tmp/startup-8b --drafter-shape 8b \
-        [--compile-shapes dynamic,static] [--pad-multiple 768]
+        [--compile-shapes dynamic,static] [--pad-multiple 768] [--token-budget N --block-token-budget N]
 
 Each run is the trainer itself (`python -m dflash_train`, as the agent starts it) on
 configs/train/tiny-gpu.yaml with its drafters on cuda:0 (`--device cpu` with
@@ -25,7 +25,8 @@ once per setting of the config's `compile_shapes` (cudagraphs only).
 as bench/gpu_threads.py's step benchmarks): a child process per run builds the Qwen3-8B
 drafter (bench/gpu_threads.QWEN3_8B, flex attention) and its cudagraphs train step for
 the buckets of `max_length = token_budget = 3072` padded to `--pad-multiple` (768: four
-buckets, 4x768 ... 1x3072), then replays every bucket; printed: process start -> step
+buckets, 4x768 ... 1x3072; `--token-budget 12288 --block-token-budget 16384` gives
+qwen3-8b.yaml's layout instead, 2x768 ... 2x3072), then replays every bucket; printed: process start -> step
 built, the build report, torch's own compile timers (`timers`: seconds per timer name,
 nested, the largest 30) and the median ms of a replayed step per bucket. "cold": a fresh
 TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, "warm": the same again. `--drafter-shape micro
@@ -146,7 +147,9 @@ def step_builds(args: argparse.Namespace) -> list[dict]:
             child = subprocess.run(
                 [sys.executable, __file__, "--step-child", "--work", str(args.work), "--drafter-shape",
                  args.drafter_shape, "--device", args.device, "--compile-shapes", shapes, "--pad-multiple",
-                 str(args.pad_multiple), *(["--layer-region"] if args.layer_region else []),
+                 str(args.pad_multiple), "--token-budget", str(args.token_budget or 0),
+                 "--block-token-budget", str(args.block_token_budget or 0),
+                 *(["--layer-region"] if args.layer_region else []),
                  *(["--regional", args.regional] if args.regional else [])],
                 env=env, capture_output=True, text=True, timeout=args.timeout_s)
             (args.work / f"step-{shapes}-{label}.stderr").write_text(child.stderr)  # TORCH_LOGS land here
@@ -252,7 +255,8 @@ def step_child(args: argparse.Namespace) -> None:
 
         cudagraphs_module.compile_for_shapes = compile_step
     shape = {"8b": QWEN3_8B, "micro": MICRO}[args.drafter_shape]
-    data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len, token_budget=shape.seq_len,
+    data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len,
+                      token_budget=args.token_budget or shape.seq_len, block_token_budget=args.block_token_budget or None,
                       pad_multiple=args.pad_multiple)
     buckets = bucket_shapes(data, DrafterConfig(block_size=shape.block, num_anchors=shape.anchors))
     configure_compiler("cudagraphs", 1, max(2, len(buckets)), dynamic_shapes=args.compile_shapes == "dynamic")
@@ -299,6 +303,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="optim.max_steps of each trainer run")
     parser.add_argument("--drafter-shape", choices=["8b", "micro"], help="the train step alone at this shape")
     parser.add_argument("--pad-multiple", type=int, default=768, help="--drafter-shape: bucket lengths")
+    parser.add_argument("--token-budget", type=int, help="--drafter-shape: data.token_budget (default: the "
+                        "shape's context, one sequence of it a micro-batch)")
+    parser.add_argument("--block-token-budget", type=int, help="--drafter-shape: data.block_token_budget "
+                        "(qwen3-8b.yaml's layout: --token-budget 12288 --block-token-budget 16384)")
     parser.add_argument("--replays", type=int, default=10, help="--drafter-shape: timed steps per bucket")
     parser.add_argument("--compile-threads", type=int, help="--drafter-shape: TORCHINDUCTOR_COMPILE_THREADS "
                         "(default: torch's, one per core up to 32)")
