@@ -26,9 +26,10 @@ as bench/gpu_threads.py's step benchmarks): a child process per run builds the Q
 drafter (bench/gpu_threads.QWEN3_8B, flex attention) and its cudagraphs train step for
 the buckets of `max_length = token_budget = 3072` padded to `--pad-multiple` (768: four
 buckets, 4x768 ... 1x3072; `--token-budget 12288 --block-token-budget 16384` gives
-qwen3-8b.yaml's layout instead, 2x768 ... 2x3072), then replays every bucket; printed: process start -> step
-built, the build report, torch's own compile timers (`timers`: seconds per timer name,
-nested, the largest 30) and the median ms of a replayed step per bucket. "cold": a fresh
+qwen3-8b.yaml's layout instead, 2x768 ... 2x3072), then replays every bucket; printed:
+process start -> step built, the build report, torch's own compile timers (`timers`:
+seconds per timer name, nested, the largest 30) and the median ms of a replayed step per
+bucket. "cold": a fresh
 TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, "warm": the same again. `--drafter-shape micro
 --device cpu` checks that path on a CPU (compile only: no graphs there). `--layer-region`
 compiles the drafter's decoder layer as one nested compile region
@@ -256,8 +257,8 @@ def step_child(args: argparse.Namespace) -> None:
         cudagraphs_module.compile_for_shapes = compile_step
     shape = {"8b": QWEN3_8B, "micro": MICRO}[args.drafter_shape]
     data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len,
-                      token_budget=args.token_budget or shape.seq_len, block_token_budget=args.block_token_budget or None,
-                      pad_multiple=args.pad_multiple)
+                      token_budget=args.token_budget or shape.seq_len,
+                      block_token_budget=args.block_token_budget or None, pad_multiple=args.pad_multiple)
     buckets = bucket_shapes(data, DrafterConfig(block_size=shape.block, num_anchors=shape.anchors))
     configure_compiler("cudagraphs", 1, max(2, len(buckets)), dynamic_shapes=args.compile_shapes == "dynamic")
     cuda = args.device.startswith("cuda")
