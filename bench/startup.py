@@ -29,9 +29,8 @@ buckets, 4x768 ... 1x3072; `--token-budget 12288 --block-token-budget 16384` giv
 qwen3-8b.yaml's layout instead, 2x768 ... 2x3072), then replays every bucket; printed:
 process start -> step built, the build report, torch's own compile timers (`timers`:
 seconds per timer name, nested, the largest 30) and the median ms of a replayed step per
-bucket. "cold": a fresh
-TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, "warm": the same again. `--drafter-shape micro
---device cpu` checks that path on a CPU (compile only: no graphs there). `--layer-region`
+bucket. "cold": a fresh TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, "warm": the same again.
+`--drafter-shape micro --device cpu` checks that path on a CPU (compile only: no graphs there). `--layer-region`
 compiles the drafter's decoder layer as one nested compile region
 (`torch.compiler.nested_compile_region`: traced and compiled once, stamped out for every
 layer) instead of inlining the five, the experiment of bench/RESULTS-h200.md's
@@ -148,8 +147,8 @@ def step_builds(args: argparse.Namespace) -> list[dict]:
             child = subprocess.run(
                 [sys.executable, __file__, "--step-child", "--work", str(args.work), "--drafter-shape",
                  args.drafter_shape, "--device", args.device, "--compile-shapes", shapes, "--pad-multiple",
-                 str(args.pad_multiple), "--token-budget", str(args.token_budget or 0),
-                 "--block-token-budget", str(args.block_token_budget or 0),
+                 str(args.pad_multiple), *(["--token-budget", str(args.token_budget)] if args.token_budget else []),
+                 *(["--block-token-budget", str(args.block_token_budget)] if args.block_token_budget else []),
                  *(["--layer-region"] if args.layer_region else []),
                  *(["--regional", args.regional] if args.regional else [])],
                 env=env, capture_output=True, text=True, timeout=args.timeout_s)
@@ -258,7 +257,7 @@ def step_child(args: argparse.Namespace) -> None:
     shape = {"8b": QWEN3_8B, "micro": MICRO}[args.drafter_shape]
     data = DataConfig(synthetic=None, train="unused.jsonl", max_length=shape.seq_len,
                       token_budget=args.token_budget or shape.seq_len,
-                      block_token_budget=args.block_token_budget or None, pad_multiple=args.pad_multiple)
+                      block_token_budget=args.block_token_budget, pad_multiple=args.pad_multiple)
     buckets = bucket_shapes(data, DrafterConfig(block_size=shape.block, num_anchors=shape.anchors))
     configure_compiler("cudagraphs", 1, max(2, len(buckets)), dynamic_shapes=args.compile_shapes == "dynamic")
     cuda = args.device.startswith("cuda")
