@@ -127,6 +127,9 @@ def main() -> None:
     parser.add_argument("--bandwidth-tbs", type=float, default=4.8, help="the GPU's memory bandwidth, TB/s")
     parser.add_argument("--tau", type=float, default=6.0, help="an acceptance length to project the speed-up to")
     parser.add_argument("--cpu-check", action="store_true", help="micro target on the CPU, fp32")
+    parser.add_argument("--drafter-dtype", default=None,
+                        help="the drafter's dtype (default: the target's); float32 is what an export loaded as "
+                             "stored in fp32 runs in")
     args = parser.parse_args()
     import torch
 
@@ -151,7 +154,7 @@ def main() -> None:
     layer_ids = default_target_layer_ids(architecture["num_hidden_layers"], spec.num_target_features or spec.num_layers)
     drafter = DFlashDrafter(drafter_hf_config(target.config, spec, layer_ids, mask_token_id=tokenizer.pad_token_id))
     drafter.reset_parameters(torch.Generator().manual_seed(0))
-    drafter = drafter.to(device=device, dtype=getattr(torch, dtype)).eval()
+    drafter = drafter.to(device=device, dtype=getattr(torch, args.drafter_dtype or dtype)).eval()
     tap = FeatureTap(target, layer_ids)
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     print(f"target ({'micro' if cpu else 'Qwen3-8B architecture'}, {dtype}) and drafter ({spec.num_layers} layers, "
@@ -177,7 +180,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         started = time.perf_counter()
         decoder = FastDecoder(drafter, tap, embed, head, capacity, cuda_graphs=mode != "eager",
-                              compile_steps=mode == "compiled")
+                              compile_steps=mode == "compiled", fuse=True)
         decoder.capture()
         captured = time.perf_counter() - started
         result = measure(decoder, prompts, max_new_tokens, cuda=not cpu)

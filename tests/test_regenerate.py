@@ -115,7 +115,7 @@ def test_prompts_file_forms_and_bad_lines(tmp_path):
 
 
 def test_resume_drops_a_partial_last_line_and_refuses_a_foreign_output(tmp_path):
-    from dflash_train.jobs.regenerate import Answer, RegenerateError, answered_indices, plan_batches, read_prompts
+    from dflash_train.jobs.regenerate import Answer, RegenerateError, answered_indices, read_prompts
 
     prompts_path = tmp_path / "prompts.jsonl"
     prompts_path.write_text("".join(json.dumps({"text": f"w{i}"}) + "\n" for i in range(5)))
@@ -125,8 +125,6 @@ def test_resume_drops_a_partial_last_line_and_refuses_a_foreign_output(tmp_path)
     output.write_text(whole + Answer(prompts[1], "w7", False, 2).line()[:25])  # killed mid-write
     assert answered_indices(output, prompts) == {0, 2}
     assert output.read_text() == whole
-    assert [(b.number, [p.index for p in b.prompts]) for b in plan_batches(prompts, 2, {0, 2})] == [
-        (0, [1]), (1, [3]), (2, [4])]
     output.write_text(Answer(prompts[3], "w1", False, 2).line().replace('"w3"', '"w4"'))
     with pytest.raises(RegenerateError, match=r"out.jsonl:1: answers prompt 3, but its turns differ from line 4"):
         answered_indices(output, prompts)
@@ -169,8 +167,8 @@ def greedy_reference(workspace: Path, prompts: list[list[dict]], device: str) ->
 @pytest.mark.slow(seconds=8, why="a regeneration job on the tiny target")
 def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspace, tmp_path, device):
     synthetic = [json.loads(line) for line in TINY_PROMPTS.read_text().splitlines()]
-    # Shorter prompts among the synthetic ones are left-padded in their batch; a "text" line
-    # is a user turn; a final assistant turn is answered anew.
+    # 7 rows for 66 prompts: answers end at varied lengths, so rows are refilled mid-flight;
+    # a "text" line is a user turn; a final assistant turn is answered anew.
     extra = [{"text": "w5 w6"}, {"messages": [{"role": "user", "content": "w7"},
                                               {"role": "assistant", "content": "w8 w9"}]}]
     rows = synthetic[:30] + extra + synthetic[30:]
@@ -203,9 +201,10 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
     # The synthetic data's responses are the same greedy answers, made by the tiny build itself.
     built = [json.loads(line)["messages"][1]["content"] for line in assets.train_path.read_text().splitlines()]
     assert [a["messages"][-1]["content"] for a in answers[:30] + answers[32:]] == built
-    # progress: events for every batch, log lines watch shows
+    # progress: events as answers are written (at most one a second, and the last), log lines watch shows
     progress = run.events("progress")
-    assert [p["answered"] for p in progress] == [min(7 * k, len(rows)) for k in range(1, len(progress) + 1)]
+    answered = [p["answered"] for p in progress]
+    assert answered == sorted(set(answered)) and answered[-1] == len(rows)
     last = progress[-1]
     assert last["total"] == len(rows) and last["eta_s"] == 0 and last["tokens_per_s"] > 0
     assert last["truncated"] == sum(a["truncated"] for a in answers)
@@ -228,15 +227,16 @@ def test_stopped_and_failed_jobs_resume_to_the_one_shot_output(launch, tmp_path)
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     one_shot, resumed = tmp_path / "one-shot.jsonl", tmp_path / "resumed.jsonl"
 
-    # 1. SIGTERM once answers are being written: the batch being answered is finished and written.
+    # 1. SIGTERM once answers are being written: no prompt is started, those being decoded are
+    #    finished and written, so the output is every prompt up to some index.
     first = launch(regen_config(prompts, resumed, batch_size=2), run_id="stopped")
     first.wait_for("a written answer", lambda: resumed.exists() and resumed.read_text().count("\n") >= 2, 200)
     os.kill(first.proc.pid, signal.SIGTERM)
     assert first.wait(120) == 128 + signal.SIGTERM, first.log()[-3000:]
     stopped_at = output_rows(resumed)
-    assert 2 <= len(stopped_at) < len(rows) and len(stopped_at) % 2 == 0  # whole batches
+    assert 2 <= len(stopped_at) < len(rows)
     assert [a["index"] for a in stopped_at] == list(range(len(stopped_at)))
-    assert "received SIGTERM: stopping after the batches being answered" in first.log()
+    assert "received SIGTERM: stopping after the answers being decoded" in first.log()
     assert first.events("done")[-1]["exit_code"] == 143 and first.errors() == []
 
     # 2. A kill in the middle of a write leaves part of a line: the next launch drops it.
@@ -244,7 +244,7 @@ def test_stopped_and_failed_jobs_resume_to_the_one_shot_output(launch, tmp_path)
     with open(resumed, "a") as f:
         f.write(partial)
 
-    # 3. A worker fails at its 2nd batch: recorded, exit 1, the output keeps whole answers only.
+    # 3. A worker fails at its 2nd decode step: recorded, exit 1, the output keeps whole answers only.
     failing = launch(regen_config(prompts, resumed, batch_size=2,
                                   extra="faults: [{thread: target-0, at: 'step:2', kind: raise}]\n"), run_id="failing")
     assert failing.wait(200) == 1, failing.log()[-3000:]
@@ -253,7 +253,8 @@ def test_stopped_and_failed_jobs_resume_to_the_one_shot_output(launch, tmp_path)
     assert root["exc_type"] == "InjectedFault"
     assert "dropping a partial last line (30 bytes)" in failing.log()
     after_failure = output_rows(resumed)
-    assert [a["index"] for a in after_failure] == list(range(len(stopped_at) + 2))  # its 1st batch only
+    assert len(stopped_at) <= len(after_failure) < len(rows)
+    assert [a["index"] for a in after_failure] == list(range(len(after_failure)))
 
     # 4. The last launch answers the rest; the result equals an uninterrupted job's, byte for byte.
     last = launch(regen_config(prompts, resumed, batch_size=2), run_id="last")
@@ -284,45 +285,43 @@ def test_a_bad_prompts_file_fails_the_job_naming_the_line(launch, tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-@pytest.mark.slow(seconds=1, why="two regeneration jobs")
-def test_sampling_is_seeded_per_batch_and_the_template_gets_enable_thinking(workspace, tmp_path):
-    """In-process, on the tiny target: a batch's sample depends on the seed and the batch
-    number only (what makes a resumed sampled job draw what an unbroken one would);
+@pytest.mark.slow(seconds=2, why="batched decodes of the tiny target")
+def test_sampling_is_seeded_per_prompt_and_the_template_gets_enable_thinking(workspace, tmp_path):
+    """In-process, on the tiny target: a prompt's sampled answer depends on the seed and its
+    index only, not on how many rows decode at once nor on which prompts share its steps
+    (what makes a resumed or re-batched sampled job draw what an unbroken one would);
     enable_thinking reaches the chat template."""
-    import threading
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_train.config import RegenerateConfig, SamplingConfig, TinyTargetSpec
-    from dflash_train.jobs.regenerate import Answerer, Batch, read_prompts
-    from dflash_train.runlog import ErrorLog, ThreadNames
-    from dflash_train.threads import StopLatch
+    from dflash_train.config import SamplingConfig, TinyTargetSpec
     from dflash_train.data.tiny import TARGET_DATA, ensure_tiny_assets
+    from dflash_train.jobs.regenerate import end_ids, read_prompts, render
+    from dflash_train.model.batched_decode import BatchedDecoder, Request
 
     target = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache").target_dir
-    tokenizer = AutoTokenizer.from_pretrained(str(target), padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    latch = StopLatch(ErrorLog(tmp_path / "errors.jsonl"), ThreadNames(tmp_path / "threads.json"))
-    prompts = read_prompts(TINY_PROMPTS)[:4]
+    prompts = read_prompts(TINY_PROMPTS)[:6]
+    encoded = [tuple(tokenizer(render(tokenizer, p, None), add_special_tokens=False)["input_ids"]) for p in prompts]
 
-    def answers(sampling: SamplingConfig | None, number: int) -> list[str]:
-        settings = RegenerateConfig(prompts="p", output="/o", max_new_tokens=12, sampling=sampling)
-        answerer = Answerer(model, tokenizer, threading.Lock(), settings, "cpu", latch)
-        torch.manual_seed(12345)  # whatever the generator held before: the batch's seed decides
-        return [a.text for a in answerer.answer(Batch(number, tuple(prompts)))]
+    def answers(sampling: SamplingConfig | None, rows: int, which: list[int]) -> dict[int, list[int]]:
+        decoder = BatchedDecoder(model, rows, max(map(len, encoded)) + 12, 12, end_ids(tokenizer, model), sampling)
+        got: dict[int, list[int]] = {}
+        decoder.run(iter([Request(i, encoded[i]) for i in which]), lambda g: got.__setitem__(g.index, g.tokens))
+        return got
 
     hot = SamplingConfig(temperature=2.0, seed=7)
-    assert answers(hot, 3) == answers(hot, 3)
-    assert answers(hot, 3) != answers(hot, 4) and answers(hot, 3) != answers(SamplingConfig(2.0, seed=8), 3)
-    assert answers(hot, 3) != answers(None, 3)
-    assert latch.progress > 0  # every decoding step counted: heartbeats go on during a batch
+    everything = answers(hot, 4, list(range(6)))
+    assert answers(hot, 1, [5, 2, 0]) == {i: everything[i] for i in (5, 2, 0)}  # resumed, re-batched
+    assert everything != answers(SamplingConfig(2.0, seed=8), 4, list(range(6)))
+    assert everything != answers(None, 4, list(range(6)))
+    nucleus = SamplingConfig(temperature=0.8, top_p=0.5, top_k=5, seed=7)
+    assert answers(nucleus, 3, list(range(6))) == answers(nucleus, 6, list(range(6)))
 
     tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                                "{% if enable_thinking is defined and not enable_thinking %}w0 w0 {% endif %}")
     for thinking, rendered in ((None, "w1 "), (True, "w1 "), (False, "w1 w0 w0 ")):
-        settings = RegenerateConfig(prompts="p", output="/o", enable_thinking=thinking)
-        answerer = Answerer(model, tokenizer, threading.Lock(), settings, "cpu", latch)
-        assert answerer.render(read_prompts(write_prompt(tmp_path, "w1"))[0]) == rendered
+        assert render(tokenizer, read_prompts(write_prompt(tmp_path, "w1"))[0], thinking) == rendered
 
 
 def write_prompt(tmp_path: Path, text: str) -> Path:
@@ -348,3 +347,19 @@ def test_launch_names_a_prompts_file_missing_on_the_host_before_anything_starts(
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
     assert error == f"dflash: error: host ct200: regenerate.prompts: {release}/data/prompts.jsonl does not exist"
     nothing_started(workspace_on_node(fake_pve, tmp_path))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow(seconds=10, why="the batched decoder's CPU check, a subprocess of its own")
+def test_the_regeneration_bench_cpu_check_passes():
+    """bench/regen_speed.py --cpu-check: the batched decoder's greedy answers equal each
+    prompt's own `generate` with rows refilled mid-flight, and sampled answers do not
+    depend on the number of rows; it exits non-zero otherwise."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "regen_speed.py"), "--cpu-check"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "remote")}, capture_output=True, text=True,
+                          timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "17/17 answers equal generate's" in done.stdout

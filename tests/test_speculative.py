@@ -187,7 +187,7 @@ def test_the_fast_decode_runs_every_family_it_claims_losslessly(model_type):
     from dflash_train.config import DrafterConfig
     from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
     from dflash_train.model.fast_decode import FastDecoder
-    from dflash_train.model.static_target import SUPPORTED
+    from dflash_train.model.fast_layers import SUPPORTED
     from dflash_train.model.target import FeatureTap
 
     assert model_type in SUPPORTED

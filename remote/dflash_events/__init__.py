@@ -261,13 +261,14 @@ REPLICAS = EventType("replicas", "After the last step: every drafter replica's w
                          optional("sha256_by_rank", ListOf(ListOf(STR)), "several hosts: every rank's checksums"),
                      ))
 
-PROGRESS = EventType("progress", "The regenerate job wrote a batch of answers.", BY_TRAINER, (
+PROGRESS = EventType("progress", "The regenerate job wrote answers (at most one event a second, and one for the "
+                     "last answer).", BY_TRAINER, (
     Field("answered", INT, "prompts answered, over the whole file"),
     Field("total", INT, "prompts in the file"),
     Field("truncated", INT, "answers cut at max_new_tokens, in this launch"),
     Field("new_tokens", INT, "tokens generated in this launch"),
-    Field("tokens_per_s", NUMBER, "over this launch"),
-    Field("eta_s", Nullable(NUMBER), "seconds left at this launch's pace; null before a batch is answered"),
+    Field("tokens_per_s", NUMBER, "over this launch's decoding (from its first decode step, after start-up)"),
+    Field("eta_s", Nullable(NUMBER), "seconds left at this launch's pace; null before an answer is written"),
 ))
 
 DONE = EventType("done", "The trainer's last act: its own record of how it ended, which decides the state of a "

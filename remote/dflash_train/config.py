@@ -409,12 +409,12 @@ class DistributedConfig:
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """Sampled answers (the `regenerate.sampling` section; without it answers are greedy).
-    Every value is passed to generate, so none comes from the model's generation_config."""
+    None of them comes from the model's generation_config."""
 
     temperature: float = 1.0
     top_p: float = 1.0  # 1.0: no nucleus cut
     top_k: int = 0  # 0: no top-k cut
-    seed: int = 0  # batch j samples with seed + j, so a resumed job draws what an unbroken one would
+    seed: int = 0  # prompt i's t-th token draws noise keyed by (seed, i, t): a resumed or re-batched job draws the same
 
     def __post_init__(self) -> None:
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
@@ -427,9 +427,9 @@ class RegenerateConfig:
     """job: regenerate: answer every prompt with the target; the output is a data.train file."""
 
     prompts: str  # jsonl of "text" (one user turn) or chat "messages" (a final assistant turn is re-answered)
-    output: str  # jsonl, appended batch by batch; an existing one is resumed (absolute or ~/...)
+    output: str  # jsonl, appended in prompt order; an existing one is resumed (absolute or ~/...)
     max_new_tokens: int = 2048
-    batch_size: int = 32
+    batch_size: int = 32  # prompts decoded at once per device: the KV cache's slots
     enable_thinking: bool | None = None  # passed to the chat template (Qwen3); null: the template's default
     sampling: SamplingConfig | None = None  # null: greedy
 

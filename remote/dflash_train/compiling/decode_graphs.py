@@ -26,8 +26,10 @@ from .cudagraphs import CAPTURE_LOCK
 DECODE_WARMUP_STEPS = 2
 
 
-def graphed(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    """`step` replayed from a CUDA graph on `device`; on any other device, `step` itself."""
+def graphed(step: Callable[[], None], device: torch.device, pool=None) -> Callable[[], None]:
+    """`step` replayed from a CUDA graph on `device`; on any other device, `step` itself.
+    `pool`: a graph memory pool shared with other graphs never replayed at once (default:
+    the graph's own)."""
     if device.type != "cuda":
         return step
     with CAPTURE_LOCK, torch.cuda.device(device):
@@ -38,7 +40,7 @@ def graphed(step: Callable[[], None], device: torch.device) -> Callable[[], None
                 step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
             step()
         torch.cuda.current_stream().synchronize()
     return graph.replay

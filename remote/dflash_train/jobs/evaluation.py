@@ -89,14 +89,15 @@ class EvaluationJob(JobControl):
         if not prompts:
             raise ValueError(f"evaluate.prompts: {prompts_path} holds no prompt")
         target = load_target(target_source, self.config.target.dtype, device)
-        drafter = load_drafter(drafter_dir, device).eval()
+        # the drafter in the target's dtype, as the reference decodes (load_drafter says why)
+        drafter = load_drafter(drafter_dir, device, dtype=target.get_input_embeddings().weight.dtype).eval()
         _check_pairing(drafter.config, target.config, drafter_dir)
         tap = FeatureTap(target, drafter.target_layer_ids)
         embed = target.get_input_embeddings().weight.detach()
         head = target.get_output_embeddings().weight.detach()
         capacity = max(map(len, prompts)) + self.spec.max_new_tokens + drafter.block_size
         decoder, refused = evaluation_decoder(drafter, tap, embed, head, capacity, self.spec.cuda_graphs,
-                                              self.spec.compile_steps)
+                                              self.spec.compile_steps, fuse=True)
         if refused:
             say(f"{refused}: decoding with the reference path (transformers' KV cache, eager)")
         say(f"evaluating {drafter_dir} (block {drafter.block_size}, target layers {list(drafter.target_layer_ids)}) "

@@ -1,8 +1,8 @@
 """job: regenerate: answer a prompts file with the target itself; the answers are a data.train file.
 
 The published DFlash recipe trains the drafter on responses the target wrote, so this job
-runs the target over every prompt (its own chat template, greedy or sampled, batched,
-left-padded, KV-cached `generate`) and appends one line per prompt to `regenerate.output`:
+runs the target over every prompt (its own chat template, greedy or sampled) and appends
+one line per prompt to `regenerate.output`:
 
     {"index": 17, "messages": [...the prompt's turns, {"role": "assistant", "content": answer}],
      "truncated": false}
@@ -10,13 +10,16 @@ left-padded, KV-cached `generate`) and appends one line per prompt to `regenerat
 `index` is the prompt's position among the prompts file's non-blank lines; `truncated` is
 true when the answer was cut at max_new_tokens (no end-of-turn token was generated).
 
-Batch j is always prompts [j*batch_size, (j+1)*batch_size) less those already answered, and
-answers are appended in batch order, whole lines, flushed and fsynced per batch, so the
-output is in prompt order. A relaunch with the same config resumes: it reads the output,
-drops a partial last line (a kill during a write), checks that every line answers the
-prompt of its index, and answers only the rest, so no prompt is answered twice or skipped.
-One worker thread per entry of devices.target (`target-i`) takes the next batch; SIGTERM
-lets each finish the batch it is answering, writes it, and exits 128+signal.
+One worker thread per entry of devices.target (`target-i`) decodes `batch_size` prompts at
+once with its own copy of the target (model/batched_decode.py: a KV cache of batch_size
+rows, graphed decode steps, and a row whose answer ended takes the next prompt at once).
+Answers are appended in prompt order, whole lines, flushed and fsynced as they are
+written, so a relaunch with the same config resumes: it reads the output, drops a partial
+last line (a kill during a write), checks that every line answers the prompt of its index,
+and answers only the rest, so no prompt is answered twice or skipped. Sampled answers
+draw noise keyed by the prompt's index (model/sampling.py), so a resumed or re-batched job
+draws what an unbroken one would. SIGTERM: no new prompt is started, the answers being
+decoded are finished and written, and the job exits 128+signal.
 """
 from __future__ import annotations
 
@@ -32,15 +35,23 @@ from typing import Any
 import torch
 from dflash_events import PROGRESS
 
-from ..config import RegenerateConfig, JobConfig, resolve_path
+from ..config import JobConfig, resolve_path
 from ..data.batches import _read_jsonl
-from ..devices import canonical, thread_stream
+from ..devices import canonical, is_cuda, thread_stream
 from ..faults import FaultInjector
+from ..model.batched_decode import PAD_MULTIPLE, BatchedDecoder, Generated, Request, round_up
 from ..model.target import load_target
 from ..runlog import EventLog, say
 from ..threads import StopLatch, StopRequested, JobThread
 from .common import (EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, report_threads_still_running, sources,
                    torch_threads)
+
+
+GIB = 1 << 30
+PROGRESS_EVERY_S = 1.0  # at most one progress event a second: answers end many a second
+SAMPLING_PASSES = 4  # fp32 copies of a row's logits a step's choice holds at once
+PREFILL_TOKENS = 8192  # BatchedDecoder's default prefill chunk
+PREFILL_WIDTHS = 8  # hidden-sized activations a prefill layer holds at once (q/k/v, residual, norms)
 
 
 class RegenerateError(ValueError):
@@ -112,23 +123,6 @@ def answered_indices(path: Path, prompts: list[Prompt]) -> set[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Batch:
-    number: int  # j: prompts [j*batch_size, (j+1)*batch_size)
-    prompts: tuple[Prompt, ...]  # those not answered yet
-
-
-def plan_batches(prompts: list[Prompt], batch_size: int, answered: set[int]) -> list[Batch]:
-    """Fixed batches of consecutive prompts, less the answered ones; empty batches dropped.
-    A batch's number seeds its sampling, so a resumed job draws what an unbroken one would."""
-    batches = []
-    for start in range(0, len(prompts), batch_size):
-        pending = tuple(p for p in prompts[start:start + batch_size] if p.index not in answered)
-        if pending:
-            batches.append(Batch(start // batch_size, pending))
-    return batches
-
-
-@dataclasses.dataclass(frozen=True)
 class Answer:
     prompt: Prompt
     text: str
@@ -142,29 +136,41 @@ class Answer:
 
 
 class AnswerWriter:
-    """Appends finished batches to the output in batch order, whole lines, flushed and
-    fsynced per batch; reports progress (a log line every `log_every` batches and a
-    `progress` event per batch)."""
+    """Appends answers to the output in prompt order (an answer that ends before an earlier
+    prompt's waits for it), whole lines, flushed and fsynced per write; reports progress:
+    a `progress` event at most every PROGRESS_EVERY_S and at the last answer, and a log
+    line for every `log_every` x batch_size answers and at the last."""
 
-    def __init__(self, path: Path, batches: list[Batch], total: int, already: int, events: EventLog,
-                 log_every: int):
+    def __init__(self, path: Path, order: list[int], total: int, already: int, events: EventLog,
+                 log_every_answers: int):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")
-        self._order = [b.number for b in batches]
+        self._order = order  # the indices this launch answers, in prompt order
         self._next = 0
-        self._ready: dict[int, list[Answer]] = {}
+        self._ready: dict[int, Answer] = {}
         self._lock = threading.Lock()
-        self._events, self._log_every = events, log_every
+        self._events, self._log_every = events, max(1, log_every_answers)
         self.total, self.answered, self._already = total, already, already
-        self.truncated = self.tokens = self._written_batches = 0
-        self._started = time.monotonic()
+        self.truncated = self.tokens = 0
+        self._started: float | None = None
+        self._last_event = self._logged_at = 0.0
+        self._logged = already
 
-    def deliver(self, batch: Batch, answers: list[Answer]) -> None:
+    def begin(self) -> None:
+        """The clock of tokens/s starts with the first decode (not with loading and compiling)."""
         with self._lock:
-            self._ready[batch.number] = answers
+            if self._started is None:
+                self._started = time.monotonic()
+
+    def deliver(self, answer: Answer) -> None:
+        with self._lock:
+            self._ready[answer.prompt.index] = answer
+            ready = []
             while self._next < len(self._order) and self._order[self._next] in self._ready:
-                self._write(self._ready.pop(self._order[self._next]))
+                ready.append(self._ready.pop(self._order[self._next]))
                 self._next += 1
+            if ready:
+                self._write(ready)
 
     def _write(self, answers: list[Answer]) -> None:
         self._file.write("".join(a.line() for a in answers))
@@ -173,13 +179,18 @@ class AnswerWriter:
         self.answered += len(answers)
         self.truncated += sum(a.truncated for a in answers)
         self.tokens += sum(a.tokens for a in answers)
-        self._written_batches += 1
-        elapsed = max(time.monotonic() - self._started, 1e-9)
+        now = time.monotonic()
+        elapsed = max(now - (self._started or now), 1e-9)
+        last = self.answered == self.total
+        if not last and now - self._last_event < PROGRESS_EVERY_S:
+            return
+        self._last_event = now
         rate = (self.answered - self._already) / elapsed  # prompts per second in this launch
         eta = (self.total - self.answered) / rate if rate > 0 else None
         self._events.emit(PROGRESS, answered=self.answered, total=self.total, truncated=self.truncated,
                           new_tokens=self.tokens, tokens_per_s=self.tokens / elapsed, eta_s=eta)
-        if self._written_batches % self._log_every == 0 or self.answered == self.total:
+        if self.answered - self._logged >= self._log_every or last:
+            self._logged = self.answered
             eta_text = "--:--:--" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
             say(f"answered {self.answered}/{self.total} prompts ({self.truncated} cut at max_new_tokens), "
                 f"{self.tokens / elapsed:.1f} tokens/s, ETA {eta_text}")
@@ -188,65 +199,55 @@ class AnswerWriter:
         self._file.close()
 
 
-class _Pulse:
-    """A stopping criterion that stops nothing: called once per decoding step, it counts
-    progress, so heartbeats go on during a long batch (the run is not STALLED)."""
+class Feed:
+    """The prompts still to answer, in prompt order, shared by the workers: each takes the
+    next one as a row of its decoder frees up."""
 
-    def __init__(self, latch: StopLatch):
-        self._latch = latch
+    def __init__(self, requests: list[Request]):
+        self._requests = iter(requests)
+        self._lock = threading.Lock()
 
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        self._latch.progressed()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    def __iter__(self) -> "Feed":
+        return self
+
+    def __next__(self) -> Request:
+        with self._lock:
+            return next(self._requests)
 
 
-class Answerer:
-    """The target on one device, answering one batch at a time."""
+def render(tokenizer, prompt: Prompt, enable_thinking: bool | None) -> str:
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True, **extra)
 
-    def __init__(self, model, tokenizer, tokenizer_lock: threading.Lock, settings: RegenerateConfig,
-                 device: str, latch: StopLatch):
-        from transformers import GenerationConfig, StoppingCriteriaList
 
-        self.model, self.tokenizer, self._tokenizer_lock = model, tokenizer, tokenizer_lock
-        self.settings, self.device = settings, device
-        eos = model.generation_config.eos_token_id
-        self.stop_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
-        sampling = settings.sampling
-        # Every sampling value is given, so none is taken from the model's generation_config.
-        self.generation = GenerationConfig(
-            max_new_tokens=settings.max_new_tokens, do_sample=sampling is not None,
-            temperature=sampling.temperature if sampling else None, top_p=sampling.top_p if sampling else None,
-            top_k=sampling.top_k if sampling else None, eos_token_id=sorted(self.stop_ids), pad_token_id=pad)
-        self.criteria = StoppingCriteriaList([_Pulse(latch)])
+def end_ids(tokenizer, model) -> set[int]:
+    """The tokens that end an answer: the tokenizer's eos and the model's generation_config eos ids."""
+    eos = model.generation_config.eos_token_id
+    return {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
 
-    def render(self, prompt: Prompt) -> str:
-        extra = {} if self.settings.enable_thinking is None else {"enable_thinking": self.settings.enable_thinking}
-        return self.tokenizer.apply_chat_template(list(prompt.messages), tokenize=False,
-                                                  add_generation_prompt=True, **extra)
 
-    @torch.inference_mode()
-    def answer(self, batch: Batch) -> list[Answer]:
-        with self._tokenizer_lock:  # a fast tokenizer refuses concurrent use from two threads
-            encoded = self.tokenizer([self.render(p) for p in batch.prompts], add_special_tokens=False,
-                                     padding=True, return_tensors="pt")
-        if self.settings.sampling is not None:
-            seed = self.settings.sampling.seed + batch.number
-            if self.device.startswith("cuda"):
-                torch.cuda.manual_seed(seed)  # this thread's device only; other workers sample on theirs
-            else:
-                torch.random.default_generator.manual_seed(seed)
-        input_ids = encoded["input_ids"].to(self.device)
-        output = self.model.generate(input_ids=input_ids, attention_mask=encoded["attention_mask"].to(self.device),
-                                     generation_config=self.generation, stopping_criteria=self.criteria)
-        answers = []
-        for prompt, row in zip(batch.prompts, output[:, input_ids.shape[1]:].tolist()):
-            end = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
-            ids = row if end is None else row[:end]
-            with self._tokenizer_lock:
-                text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            answers.append(Answer(prompt, text, truncated=end is None, tokens=len(ids) + (end is not None)))
-        return answers
+def check_cache_fits(model, slots: int, capacity: int, device: str) -> None:
+    """Refuse, before allocating it, a KV cache the device's free memory cannot hold beside
+    the loaded target, naming the figures and the batch_size that would fit."""
+    if not is_cuda(device):
+        return
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    per_row = round_up(capacity, PAD_MULTIPLE) * config.num_hidden_layers * 2 * config.num_key_value_heads \
+        * head_dim * element
+    # beside the cache: a step's logits and sampling over the vocabulary (fp32, a few
+    # passes) per row, and a prefill chunk's activations
+    per_row += SAMPLING_PASSES * config.vocab_size * 4
+    prefill = PREFILL_TOKENS * (PREFILL_WIDTHS * config.hidden_size + 3 * config.intermediate_size) * element
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    need = slots * per_row + prefill
+    if need > free:
+        fits = max(0, (free - prefill) // per_row)
+        raise RegenerateError(
+            f"regenerate.batch_size {slots}: {slots} rows of {round_up(capacity, PAD_MULTIPLE)} positions (the "
+            f"longest prompt + max_new_tokens) need {need / GIB:.1f} GiB beside the target on {device}, which has "
+            f"{free / GIB:.1f} GiB free; at most {fits} rows fit (lower batch_size or max_new_tokens)")
 
 
 class Regeneration(JobControl):
@@ -262,9 +263,12 @@ class Regeneration(JobControl):
         self.workers: list[JobThread] = []
         self.alive: list[str] = []
         self.writer: AnswerWriter | None = None
+        self.tokenizer = None
+        self._tokenizer_lock = threading.Lock()
+        self.prompts: dict[int, Prompt] = {}
 
     def poll(self) -> None:
-        self.act_on_signal("stopping after the batches being answered")
+        self.act_on_signal("stopping after the answers being decoded")
         self.heartbeat_if_due(step=None, answered=self.writer.answered if self.writer else None)
 
     def run(self) -> int:
@@ -272,12 +276,11 @@ class Regeneration(JobControl):
             self._set_phase("startup")
             faults = FaultInjector(self.config.faults)
             faults.fire("coordinator")
-            batches, answerers = self._prepare()
+            requests, decoders = self._prepare()
             self._set_phase("regenerate")
-            queue = iter(batches)
-            queue_lock = threading.Lock()
-            for index, answerer in enumerate(answerers):
-                self._start(f"target-{index}", self._body(answerer, faults, queue, queue_lock))
+            feed = Feed(requests)
+            for index, decoder in enumerate(decoders):
+                self._start(f"target-{index}", self._body(decoder, faults, feed))
             while not all(w.done.is_set() for w in self.workers):
                 self.poll()
                 if self.latch.failure is not None:
@@ -301,7 +304,7 @@ class Regeneration(JobControl):
             self._finish()
             return EXIT_FAILED
 
-    def _prepare(self) -> tuple[list[Batch], list[Answerer]]:
+    def _prepare(self) -> tuple[list[Request], list[BatchedDecoder]]:
         from transformers import AutoTokenizer
 
         settings = self.settings
@@ -310,38 +313,53 @@ class Regeneration(JobControl):
         prompts = read_prompts(resolve_path(settings.prompts))
         output = resolve_path(settings.output)
         answered = answered_indices(output, prompts)
-        batches = plan_batches(prompts, settings.batch_size, answered)
-        say(f"{len(prompts)} prompts, {len(answered)} already answered in {output}, {len(batches)} batches "
-            f"of up to {settings.batch_size} to go; max_new_tokens {settings.max_new_tokens}, "
+        pending = [p for p in prompts if p.index not in answered]
+        say(f"{len(prompts)} prompts, {len(answered)} already answered in {output}, {len(pending)} to go, "
+            f"up to {settings.batch_size} at once per device; max_new_tokens {settings.max_new_tokens}, "
             f"{'sampled' if settings.sampling else 'greedy'}, enable_thinking {settings.enable_thinking}")
-        self.writer = AnswerWriter(output, batches, len(prompts), len(answered), self.events, self.config.log_every)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        tokenizer.padding_side = "left"  # generate appends to the right end of every row
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        lock = threading.Lock()
-        devices = [canonical(d) for d in self.config.devices.target] if batches else []
-        answerers = [Answerer(load_target(source, self.config.target.dtype, device), tokenizer, lock, settings,
-                              device, self.latch) for device in devices]
-        return batches, answerers
+        self.writer = AnswerWriter(output, [p.index for p in pending], len(prompts), len(answered), self.events,
+                                   self.config.log_every * settings.batch_size)
+        if not pending:
+            return [], []
+        self.tokenizer = AutoTokenizer.from_pretrained(source)
+        texts = [render(self.tokenizer, p, settings.enable_thinking) for p in pending]
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        requests = [Request(p.index, tuple(ids)) for p, ids in zip(pending, encoded)]
+        self.prompts = {p.index: p for p in pending}
+        capacity = max(map(len, encoded)) + settings.max_new_tokens
+        decoders = []
+        for device in (canonical(d) for d in self.config.devices.target):
+            model = load_target(source, self.config.target.dtype, device)
+            check_cache_fits(model, settings.batch_size, capacity, device)
+            decoders.append(BatchedDecoder(model, settings.batch_size, capacity, settings.max_new_tokens,
+                                           end_ids(self.tokenizer, model), settings.sampling))
+        say(f"prompts of up to {capacity - settings.max_new_tokens} tokens: "
+            f"{settings.batch_size} rows of {decoders[0].capacity} positions per device")
+        return requests, decoders
 
-    def _body(self, answerer: Answerer, faults: FaultInjector, queue, queue_lock: threading.Lock):
+    def _answer(self, generated: Generated) -> Answer:
+        with self._tokenizer_lock:  # a fast tokenizer refuses concurrent use from two threads
+            text = self.tokenizer.decode(generated.tokens, skip_special_tokens=False)
+        return Answer(self.prompts[generated.index], text, truncated=not generated.ended, tokens=generated.count)
+
+    def _body(self, decoder: BatchedDecoder, faults: FaultInjector, feed: Feed):
         def body(worker: JobThread) -> None:
-            with thread_stream(answerer.device):
+            assert self.writer is not None
+            writer = self.writer
+
+            def stepped() -> None:
+                self.latch.progressed()
+                worker.step += 1  # this thread's Nth decode step: what faults' step:N means here
+                faults.fire(worker.name, worker.step)
+
+            with thread_stream(decoder.device):
                 faults.fire(worker.name)
+                decoder.warm_up()  # compiles and captures every step shape: none after ready
                 worker.mark_ready()
                 worker.phase, worker.step = "regenerate", 0
-                while True:
-                    self.latch.check()
-                    with queue_lock:
-                        batch = next(queue, None)
-                    if batch is None:
-                        return
-                    worker.step += 1  # this thread's Nth batch: what faults' step:N means here
-                    faults.fire(worker.name, worker.step)
-                    answers = answerer.answer(batch)
-                    assert self.writer is not None
-                    self.writer.deliver(batch, answers)
+                writer.begin()
+                decoder.run(feed, lambda generated: writer.deliver(self._answer(generated)), on_step=stepped,
+                            stopping=self.latch.stop.is_set)
 
         return body
 
@@ -352,8 +370,8 @@ class Regeneration(JobControl):
         return worker
 
     def _finish(self) -> None:
-        """Let every worker finish the batch it is answering (it is written), as long as it
-        makes progress: a worker with no decoding step for stop_grace_s is left behind."""
+        """Let every worker finish the answers it is decoding (they are written), as long as
+        it makes progress: a worker with no decoding step for stop_grace_s is left behind."""
         self.latch.request_stop(self.latch.stop_reason or "run over")
         grace = self.config.runtime.stop_grace_s
         last_progress, since = self.latch.progress, time.monotonic()

@@ -219,12 +219,15 @@ def complete_dflash_config(config: Qwen3Config, source: str) -> None:
     config.dflash_config = dflash
 
 
-def load_drafter(folder: Path, device: str | torch.device = "cpu") -> DFlashDrafter:
-    """Load an exported drafter back, ours or another tool's (strict: every weight must match)."""
+def load_drafter(folder: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load an exported drafter back, ours or another tool's (strict: every weight must match),
+    in `dtype` (default fp32): an inference decode runs it in its target's dtype, as the
+    reference does, since an fp32 drafter beside a bf16 target costs a decode step several
+    times the draft's own time."""
     from safetensors.torch import load_file
 
     config = Qwen3Config.from_pretrained(str(folder))
     complete_dflash_config(config, str(folder / "config.json"))
     drafter = drafter_on(config, device)
     drafter.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
-    return drafter
+    return drafter if dtype is None else drafter.to(dtype)

@@ -96,11 +96,11 @@ class FastDecoder:
 
     def __init__(self, drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, capacity: int, cuda_graphs: bool = True, drafter_cache: bool = True,
-                 compile_steps: bool = False):
+                 compile_steps: bool = False, fuse: bool = False):
         with torch.inference_mode():
             self.drafter, self.embed = drafter, embed_weight
             self.head = lm_head_weight.to(drafter.fc.weight.dtype)
-            self.target = StaticTarget(tap, capacity, compile_steps=compile_steps)
+            self.target = StaticTarget(tap, capacity, compile_steps=compile_steps, fuse=fuse)
             self.capacity, self.device = capacity, embed_weight.device
             size, device = drafter.block_size, self.device
             self.block_size = size
@@ -127,28 +127,11 @@ class FastDecoder:
             else drafter.extend_context
         self._draft_block = torch.compile(drafter.draft_cached, dynamic=False) if compile_steps \
             else drafter.draft_cached
-        # Each target layer's forward is the same code object to Dynamo, compiled once per
-        # layer (its index is a constant of the graph) and step shape (verify, alone).
-        self._compile_room = max(8, 2 * len(self.target.layers) + 8)
         self._steps: dict[str, Callable[[], None]] = {}
-
-    def _compiling(self, step: Callable[[], None]) -> Callable[[], None]:
-        """`step` with room in Dynamo's per-code-object cache for every layer's graphs."""
-        if not self.compiled:
-            return step
-        room = self._compile_room
-
-        def run() -> None:
-            limits = torch._dynamo.config
-            with limits.patch(cache_size_limit=max(room, limits.cache_size_limit),
-                              accumulated_cache_size_limit=max(room, limits.accumulated_cache_size_limit)):
-                step()
-        return run
 
     def _step(self, name: str, step: Callable[[], None]) -> Callable[[], None]:
         """The step, graphed at its first use when graphs are on."""
         if name not in self._steps:
-            step = self._compiling(step)
             self._steps[name] = graphed(step, self.device) if self.cuda_graphs else step
         return self._steps[name]
 

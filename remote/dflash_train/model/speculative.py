@@ -181,14 +181,15 @@ class ReferenceDecoder:
 
 def evaluation_decoder(drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor,
                        lm_head_weight: torch.Tensor, capacity: int,
-                       cuda_graphs: bool, compile_steps: bool = False
+                       cuda_graphs: bool, compile_steps: bool = False, fuse: bool = False
                        ) -> tuple[FastDecoder | ReferenceDecoder, str | None]:
     """The fast decoder for `capacity` positions, or the reference one and why not.
-    `compile_steps` applies on CUDA only, as the graphs do."""
+    `compile_steps` applies on CUDA only, as the graphs do; `fuse` (fast_layers.
+    fuse_projections) only for a target no other thread runs."""
     if problem := static_refusal(tap.model.config):
         return ReferenceDecoder(drafter, tap, embed_weight, lm_head_weight), problem
     return FastDecoder(drafter, tap, embed_weight, lm_head_weight, capacity, cuda_graphs=cuda_graphs,
-                       compile_steps=compile_steps and embed_weight.device.type == "cuda"), None
+                       compile_steps=compile_steps and embed_weight.device.type == "cuda", fuse=fuse), None
 
 
 def _time_per_token(decoded: Decoded) -> float | None:

@@ -1,0 +1,299 @@
+"""The target's decoder layers as functions of their weights, for decoding at fixed shapes.
+
+The decode paths (model/static_target.py for the evaluator, model/batched_decode.py for
+`job: regenerate`) run the target's layers through these functions rather than through the
+modules, for three reasons:
+
+* one compiled graph serves every layer: the weights are arguments, so Dynamo compiles
+  `project_and_store` and `output_and_mlp` once per step shape, not once per layer (a
+  compiled module's forward bakes its layer in);
+* attention reads each key-value head once: the query heads that share a KV head are laid
+  along the query axis (`attend`), where the modules' attention first copies every KV head
+  once per query head (transformers' repeat_kv), which at a batch of hundreds of cached
+  sequences is most of a decode step's memory traffic;
+* `fuse_projections` makes q, k and v one matrix and gate and up another, as views that the
+  modules keep using: fewer, larger matrix products, with no second copy of the weights.
+
+The functions compute what the modules of the families in SUPPORTED compute (RMSNorm in
+fp32 before the weight, q/k RMSNorm of Qwen3, optional q/k/v/o biases, RoPE by
+rotate_half, SiLU-gated MLP); tests hold the decodes to `generate` token for token.
+
+Shapes: B rows (cached sequences), Q new positions per row, H query heads, KVH key-value
+heads, D head dim, C cached positions per row.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED = ("qwen3", "qwen2", "llama")
+ATTENTION = ("sdpa", "eager")
+# RoPE types whose frequencies depend on the sequence's length (transformers'
+# dynamic_rope_update): a table made once would be wrong past the original length.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def _rope_type(config: Any) -> str:
+    """transformers 5 keeps it in rope_parameters, 4.x in rope_scaling (None: default)."""
+    for field in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, field, None)
+        if isinstance(value, dict):
+            return value.get("rope_type") or value.get("type") or "default"
+    return "default"
+
+
+def fast_refusal(config: Any) -> str | None:
+    """Why these functions cannot run the layers of a target with this config, or None."""
+    model_type = getattr(config, "model_type", "")
+    if model_type not in SUPPORTED:
+        return f"the fast decode supports targets of type {', '.join(SUPPORTED)}; this one is {model_type!r}"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "the fast decode supports full-attention layers only; this target has sliding-window layers"
+    implementation = getattr(config, "_attn_implementation", "sdpa")
+    if implementation not in ATTENTION:
+        return f"the fast decode runs attention as sdpa or eager; this target uses {implementation!r}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"the fast decode supports SiLU-gated MLPs; this target's activation is {config.hidden_act!r}"
+    if getattr(config, "mlp_bias", False):
+        return "the fast decode supports MLPs without biases; this target's have biases"
+    if (rope := _rope_type(config)) in DYNAMIC_ROPE:
+        return f"the fast decode needs fixed RoPE frequencies; this target's RoPE is {rope!r}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's tensors. `qkv` and `gate_up` are one fused matrix each after
+    fuse_projections, else a tuple of the separate ones."""
+    input_norm: torch.Tensor
+    qkv: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    qkv_bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    q_norm: torch.Tensor | None  # Qwen3's per-head RMSNorm of queries and keys
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    down: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What every layer shares: constants of the compiled graphs."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float  # the layers' RMSNorm epsilon (one value in these families' configs)
+    scale: float
+
+
+def geometry(model: nn.Module) -> Geometry:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = model.get_decoder().layers[0].self_attn
+    return Geometry(config.num_attention_heads, config.num_key_value_heads, head_dim, float(config.rms_norm_eps),
+                    float(attention.scaling))
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return linear.bias if linear.bias is not None else None
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Make each layer's q/k/v weights (and biases) rows of one tensor, and gate/up rows of
+    another; the modules' parameters become views of them, so the model computes what it
+    did and holds no second copy. Done once per model (later calls see it done); only for
+    a model no other thread is using, since its parameters are replaced."""
+    if getattr(model, "_dflash_fused", False):
+        return
+    with torch.no_grad():
+        for layer in model.get_decoder().layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
+            _fuse(mlp.gate_proj, mlp.up_proj)
+    model._dflash_fused = True
+
+
+def _fuse(*linears: nn.Linear) -> None:
+    fused = torch.cat([linear.weight for linear in linears])
+    biases = [linear.bias for linear in linears]
+    fused_bias = torch.cat(biases) if all(b is not None for b in biases) else None
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+        if fused_bias is not None:
+            linear.bias = nn.Parameter(fused_bias[start:start + rows], requires_grad=False)
+        start += rows
+
+
+def _rows_of(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose consecutive row ranges `parts` are (fuse_projections' work), or None."""
+    base = parts[0]
+    offset = base.storage_offset()
+    for part in parts:
+        if part.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
+                or part.storage_offset() != offset or not part.is_contiguous():
+            return None
+        offset += part.numel()
+    rows = sum(part.shape[0] for part in parts)
+    return base.as_strided((rows, *base.shape[1:]), base.stride(), base.storage_offset())
+
+
+def layer_weights(layer: nn.Module) -> LayerWeights:
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    qkv = _rows_of([p.weight for p in projections])
+    biases = [_bias(p) for p in projections]
+    qkv_bias = None if biases[0] is None else (_rows_of(biases) if qkv is not None else tuple(biases))
+    gate_up = _rows_of([mlp.gate_proj.weight, mlp.up_proj.weight])
+    q_norm = getattr(attention, "q_norm", None)
+    k_norm = getattr(attention, "k_norm", None)
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight,
+        qkv=qkv if qkv is not None else tuple(p.weight for p in projections),
+        qkv_bias=qkv_bias,
+        q_norm=q_norm.weight if q_norm is not None else None,
+        k_norm=k_norm.weight if k_norm is not None else None,
+        o=attention.o_proj.weight, o_bias=_bias(attention.o_proj),
+        post_norm=layer.post_attention_layernorm.weight,
+        gate_up=gate_up if gate_up is not None else (mlp.gate_proj.weight, mlp.up_proj.weight),
+        down=mlp.down_proj.weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As the families' RMSNorm: the statistics in fp32, the weight applied in x's dtype."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _linear3(x: torch.Tensor, weights, biases) -> tuple[torch.Tensor, ...]:
+    if isinstance(weights, tuple):
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases or (None,) * len(weights)))
+    return (F.linear(x, weights, biases),)
+
+
+def project_and_store(hidden: torch.Tensor, w: LayerWeights, g: Geometry, cos: torch.Tensor, sin: torch.Tensor,
+                      keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+                      ) -> torch.Tensor:
+    """hidden (B, Q, hidden) -> the queries (B, H, Q, D), RoPE applied; the keys and values
+    are written into `keys`/`values` (rows' caches, (N, KVH, C, D)) at `positions` (B, Q).
+    cos, sin (B, Q, D): the positions' RoPE."""
+    batch, length, _ = hidden.shape
+    x = rms_norm(hidden, w.input_norm, g.eps)
+    parts = _linear3(x, w.qkv, w.qkv_bias)
+    if len(parts) == 1:
+        q, k, v = parts[0].split([g.heads * g.head_dim, g.kv_heads * g.head_dim, g.kv_heads * g.head_dim], dim=-1)
+    else:
+        q, k, v = parts
+    q = q.view(batch, length, g.heads, g.head_dim)
+    k = k.view(batch, length, g.kv_heads, g.head_dim)
+    v = v.view(batch, length, g.kv_heads, g.head_dim)
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, g.eps), rms_norm(k, w.k_norm, g.eps)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, Q, 1, D): every head
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    index = rows.unsqueeze(1).expand(batch, length)
+    keys[index, :, positions] = k  # (B, Q, KVH, D) into (N, KVH, C, D)
+    values[index, :, positions] = v
+    return q.transpose(1, 2)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, scale: float
+           ) -> torch.Tensor:
+    """q (B, H, Q, D) over keys/values (B, KVH, L, D) where `seen` (B, Q, L) is true ->
+    (B, H, Q, D). The G = H/KVH query heads of a KV head are rows of one attention over
+    it, so each key and value is read once and nothing is copied per query head."""
+    batch, heads, length, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    grouped = q.reshape(batch, kv_heads, group * length, dim)  # head h = kv*G + g: rows (g, q)
+    mask = seen.unsqueeze(1).unsqueeze(1).expand(batch, 1, group, length, seen.shape[-1])
+    out = F.scaled_dot_product_attention(grouped, keys, values,
+                                         attn_mask=mask.reshape(batch, 1, group * length, seen.shape[-1]),
+                                         scale=scale)
+    return out.view(batch, heads, length, dim)
+
+
+def attend_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, H, Q, D) of positions 0..Q-1 over their own keys/values (B, KVH, Q, D): a
+    prefill from position 0, where causality is the whole mask. The KV heads are repeated
+    per query head (a prefill's keys are few beside its compute), which keeps SDPA on its
+    flash kernel: its grouped-query path is not taken on every backend."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+
+
+def output_and_mlp(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeights, g: Geometry) -> torch.Tensor:
+    """attention (B, H, Q, D) and the layer's input (B, Q, hidden) -> the layer's output."""
+    batch, _, length, _ = attention.shape
+    hidden = residual + F.linear(attention.transpose(1, 2).reshape(batch, length, -1), w.o, w.o_bias)
+    x = rms_norm(hidden, w.post_norm, g.eps)
+    if isinstance(w.gate_up, tuple):
+        gate, up = F.linear(x, w.gate_up[0]), F.linear(x, w.gate_up[1])
+    else:
+        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, w.down)
+
+
+class FastLayers:
+    """A target's layers as LayerWeights, with the two per-layer functions: compiled for
+    fixed-shape steps when `compile_steps` (one graph per step shape for every layer),
+    plain otherwise. `fuse`: fuse_projections first (only for a model this decode owns)."""
+
+    def __init__(self, model: nn.Module, compile_steps: bool = False, fuse: bool = False):
+        if problem := fast_refusal(model.config):
+            raise ValueError(problem)
+        if fuse:
+            fuse_projections(model)
+        self.model, self.decoder = model, model.get_decoder()
+        self.config = model.config
+        self.geometry = geometry(model)
+        self.weights = [layer_weights(layer) for layer in self.decoder.layers[:self.config.num_hidden_layers]]
+        self.final_norm = self.decoder.norm.weight
+        self.head = model.get_output_embeddings()
+        self.embed = self.decoder.get_input_embeddings()
+        weight = self.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.compiled = compile_steps
+        # dynamic=False: a step's shapes are fixed, and a graph per shape is what the
+        # decode's CUDA graphs capture.
+        self.step_project = torch.compile(project_and_store, dynamic=False) if compile_steps else project_and_store
+        self.step_output = torch.compile(output_and_mlp, dynamic=False) if compile_steps else output_and_mlp
+
+    def rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (positions, D) in the model's dtype: the rotary module's own values at
+        0..positions-1, looked up per step instead of computed."""
+        with torch.inference_mode():
+            ids = torch.arange(positions, device=self.device).unsqueeze(0)
+            cos, sin = self.decoder.rotary_emb(self.embed.weight[:1].unsqueeze(0), ids)
+        return cos[0], sin[0]
+
+    def kv_cache(self, rows: int, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, keys and values (rows, KVH, capacity, D), zeroed: stale entries are
+        never attended to, but SDPA adds its mask to the scores, so they must be finite."""
+        g = self.geometry
+        shape = (rows, g.kv_heads, capacity, g.head_dim)
+        make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        return [make() for _ in self.weights], [make() for _ in self.weights]
+
+    def kv_bytes_per_position(self) -> int:
+        g = self.geometry
+        return len(self.weights) * 2 * g.kv_heads * g.head_dim * self.embed.weight.element_size()
+
+    def final(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(rms_norm(hidden, self.final_norm, self.geometry.eps))
+
