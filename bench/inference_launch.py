@@ -85,10 +85,10 @@ def main() -> None:
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             output = work / f"answers-{batch}.jsonl"
             output.unlink(missing_ok=True)
-            row = launch(work, workspace, REGEN, [f"target.path={target}", f"regenerate.prompts={work / 'prompts.jsonl'}",
-                                                  f"regenerate.output={output}", f"regenerate.batch_size={batch}",
-                                                  f"regenerate.max_new_tokens={args.max_new_tokens}",
-                                                  "devices.target=[cuda:0]"], args.timeout_s, None)
+            sets = [f"target.path={target}", f"regenerate.prompts={work / 'prompts.jsonl'}",
+                    f"regenerate.output={output}", f"regenerate.batch_size={batch}",
+                    f"regenerate.max_new_tokens={args.max_new_tokens}", "devices.target=[cuda:0]"]
+            row = launch(work, workspace, REGEN, sets, args.timeout_s, None)
             run_dir = workspace / "runs" / str(row.get("run_id"))
             progress = [e for e in events(run_dir) if e.get("type") == "progress"] if run_dir.exists() else []
             row = {"job": "regenerate", "batch_size": batch, "exit_code": row["exit_code"], "wall_s": row["wall_s"],

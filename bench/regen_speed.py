@@ -65,7 +65,7 @@ def cpu_check() -> bool:
                                  length_step=16)
         decoder.warm_up()
         got: dict[int, list[int]] = {}
-        decoder.run(iter(requests), lambda g: got.__setitem__(g.index, g.tokens))
+        decoder.run(iter(requests), lambda done: got.update((g.index, g.tokens) for g in done))
         return got
 
     greedy = answers(3)
@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--bandwidth-tbs", type=float, default=4.8)
+    parser.add_argument("--attention", default="auto", help="the decoder's attention: auto, flex or sdpa")
     parser.add_argument("--cpu-check", action="store_true")
     args = parser.parse_args()
     if args.cpu_check:
@@ -109,11 +110,11 @@ def main() -> None:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         capacity = max(map(len, prompts)) + args.max_new_tokens
         built = time.perf_counter()
-        decoder = BatchedDecoder(target, batch, capacity, args.max_new_tokens, set(), None)
+        decoder = BatchedDecoder(target, batch, capacity, args.max_new_tokens, set(), None, attention=args.attention)
         decoder.warm_up()
         torch.cuda.synchronize()
         warm = time.perf_counter() - built
-        prefill_s, steps, live_kv = 0.0, [0], []
+        prefill_s, live_kv, counts = 0.0, [], []
         prefill = decoder._prefill
 
         def timed_prefill(*a):
@@ -124,44 +125,35 @@ def main() -> None:
             return out
 
         decoder._prefill = timed_prefill
-        lengths: dict[int, int] = {}
-        done: list[int] = []
-
-        def on_step():
-            steps[0] += 1
-            live = [i for i in range(len(prompts)) if i in lengths and i not in done_set]
-            live_kv.append(sum(len(prompts[i]) + lengths[i] for i in live))
-
-        done_set: set[int] = set()
-        requests = [Request(i, p) for i, p in enumerate(prompts)]
+        live: dict[int, int] = {}  # prompt index -> the positions its row holds
 
         def feed():
-            for request in requests:
-                lengths[request.index] = 0
-                yield request
+            for index, prompt in enumerate(prompts):
+                live[index] = len(prompt)
+                yield Request(index, prompt)
 
-        def deliver(generated):
-            done.append(generated.count)
-            done_set.add(generated.index)
+        def deliver(ended):
+            for generated in ended:
+                counts.append(generated.count)
+                live.pop(generated.index)
 
-        def step_hook():
-            for i in lengths:
-                if i not in done_set:
-                    lengths[i] += 1
-            on_step()
+        def stepped():  # after a step: every live row holds one position more
+            for index in live:
+                live[index] += 1
+            live_kv.append(sum(live.values()))
 
         begin = time.perf_counter()
-        decoder.run(feed(), deliver, on_step=step_hook)
+        decoder.run(feed(), deliver, on_step=stepped)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - begin
-        tokens = sum(done)
+        tokens, steps = sum(counts), len(live_kv)
         decode_s = seconds - prefill_s
         mean_kv = sum(live_kv) / max(len(live_kv), 1) * kv_per_position
         bound_step = (weights + mean_kv) / (args.bandwidth_tbs * 1e12)
-        run = {"batch_size": batch, "capacity": decoder.capacity, "warm_up_s": round(warm, 1),
-               "seconds": round(seconds, 2), "prefill_s": round(prefill_s, 2), "tokens": tokens,
-               "tokens_per_s": round(tokens / seconds, 1), "decode_steps": steps[0],
-               "ms_per_step": round(1000 * decode_s / max(steps[0], 1), 3),
+        run = {"batch_size": batch, "attention": decoder.attention, "capacity": decoder.capacity,
+               "warm_up_s": round(warm, 1), "seconds": round(seconds, 2), "prefill_s": round(prefill_s, 2),
+               "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1), "decode_steps": steps,
+               "ms_per_step": round(1000 * decode_s / max(steps, 1), 3),
                "bound_ms_per_step": round(1000 * bound_step, 3),
                "bound_tokens_per_s": round(batch / bound_step, 1),
                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}

@@ -307,7 +307,8 @@ def test_sampling_is_seeded_per_prompt_and_the_template_gets_enable_thinking(wor
     def answers(sampling: SamplingConfig | None, rows: int, which: list[int]) -> dict[int, list[int]]:
         decoder = BatchedDecoder(model, rows, max(map(len, encoded)) + 12, 12, end_ids(tokenizer, model), sampling)
         got: dict[int, list[int]] = {}
-        decoder.run(iter([Request(i, encoded[i]) for i in which]), lambda g: got.__setitem__(g.index, g.tokens))
+        decoder.run(iter([Request(i, encoded[i]) for i in which]),
+                    lambda done: got.update((g.index, g.tokens) for g in done))
         return got
 
     hot = SamplingConfig(temperature=2.0, seed=7)

@@ -114,6 +114,9 @@ class JobThread(threading.Thread):
         self._ready.set()
         self._settled.set()
 
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
     def run(self) -> None:
         try:
             self.latch.thread_names.add(self)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from dflash_events import PROGRESS
 
+from ..compiling.policy import forbid_compiles
 from ..config import JobConfig, resolve_path
 from ..data.batches import _read_jsonl
 from ..devices import canonical, is_cuda, thread_stream
@@ -162,9 +163,11 @@ class AnswerWriter:
             if self._started is None:
                 self._started = time.monotonic()
 
-    def deliver(self, answer: Answer) -> None:
+    def deliver(self, answers: list[Answer]) -> None:
+        """Answers that ended together: written at once (one fsync), with any earlier ones
+        they were waiting for."""
         with self._lock:
-            self._ready[answer.prompt.index] = answer
+            self._ready.update((answer.prompt.index, answer) for answer in answers)
             ready = []
             while self._next < len(self._order) and self._order[self._next] in self._ready:
                 ready.append(self._ready.pop(self._order[self._next]))
@@ -281,7 +284,13 @@ class Regeneration(JobControl):
             feed = Feed(requests)
             for index, decoder in enumerate(decoders):
                 self._start(f"target-{index}", self._body(decoder, faults, feed))
+            forbidden = False
             while not all(w.done.is_set() for w in self.workers):
+                if not forbidden and all(w.is_ready() for w in self.workers):
+                    # Every worker compiled its steps in warm_up; a compile now would be a
+                    # shape warm_up missed, racing the other workers on Dynamo's caches.
+                    forbid_compiles()
+                    forbidden = True
                 self.poll()
                 if self.latch.failure is not None:
                     name, exc = self.latch.failure
@@ -358,7 +367,7 @@ class Regeneration(JobControl):
                 worker.mark_ready()
                 worker.phase, worker.step = "regenerate", 0
                 writer.begin()
-                decoder.run(feed, lambda generated: writer.deliver(self._answer(generated)), on_step=stepped,
+                decoder.run(feed, lambda ended: writer.deliver([self._answer(g) for g in ended]), on_step=stepped,
                             stopping=self.latch.stop.is_set)
 
         return body

@@ -35,6 +35,7 @@ from .fast_layers import FastLayers, attend, attend_causal, output_and_mlp, proj
 from .sampling import Chooser
 
 PAD_MULTIPLE = 64  # a prefill row's length is rounded up to this
+FLEX_BLOCK = 128  # FlexAttention's key block: the capacity is a multiple of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +65,17 @@ def round_up(value: int, multiple: int) -> int:
 class BatchedDecoder:
     def __init__(self, model: torch.nn.Module, slots: int, capacity: int, max_new_tokens: int, stop_ids: set[int],
                  sampling: SamplingConfig | None, compile_steps: bool = True, cuda_graphs: bool = True,
-                 length_step: int = 256, prefill_tokens: int = 8192):
+                 length_step: int = 256, prefill_tokens: int = 8192, attention: str = "auto"):
         """`compile_steps` and `cuda_graphs` apply on CUDA only. `fuse`s the model's
-        projections: the model must be this decoder's alone."""
+        projections: the model must be this decoder's alone. `attention`: "flex" reads
+        each row's keys up to its own position (FlexAttention, compiled: CUDA only),
+        "sdpa" every row's up to the step's attention length; "auto": flex when compiling
+        on CUDA."""
         on_cuda = next(model.parameters()).device.type == "cuda"
         self.layers = FastLayers(model, compile_steps=compile_steps and on_cuda, fuse=True)
-        self.slots, self.capacity = slots, round_up(capacity, PAD_MULTIPLE)
+        self.attention = ("flex" if self.layers.compiled else "sdpa") if attention == "auto" else attention
+        multiple = FLEX_BLOCK if self.attention == "flex" else PAD_MULTIPLE
+        self.slots, self.capacity = slots, round_up(capacity, multiple)
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.length_step, self.prefill_tokens = length_step, prefill_tokens
         self.cuda_graphs = cuda_graphs and on_cuda
@@ -89,9 +95,32 @@ class BatchedDecoder:
         self.chosen = zeros()
         self._steps: dict[int, Callable[[], None]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        if self.attention == "flex":
+            self._flex_mask()
+
+    def _flex_mask(self) -> None:
+        """A block mask whose per-row block counts the step sets from the rows' positions
+        (on the device, inside the graph): each row's attention reads its own blocks only."""
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        blocks = self.capacity // FLEX_BLOCK
+        self.kv_blocks = torch.zeros(self.slots, 1, 1, dtype=torch.int32, device=self.device)
+        indices = torch.arange(blocks, dtype=torch.int32, device=self.device)
+        position = self.position
+
+        def seen(batch, head, query, key):
+            return key <= position[batch]
+
+        self.block_mask = BlockMask.from_kv_blocks(
+            self.kv_blocks, indices.expand(self.slots, 1, 1, blocks).contiguous(), BLOCK_SIZE=FLEX_BLOCK,
+            mask_mod=seen, seq_lengths=(1, self.capacity), compute_q_blocks=False)
+        self._flex = torch.compile(flex_attention, dynamic=False) if self.layers.compiled else flex_attention
 
     def lengths(self) -> list[int]:
-        """The attention lengths the steps use: multiples of length_step up to capacity."""
+        """The attention lengths the steps use: multiples of length_step up to capacity
+        (flex: the capacity alone, each row's own length being read from the mask)."""
+        if self.attention == "flex":
+            return [self.capacity]
         return sorted({min(round_up(n, self.length_step), self.capacity)
                        for n in range(self.length_step, self.capacity + self.length_step, self.length_step)})
 
@@ -115,10 +144,15 @@ class BatchedDecoder:
         hidden = layers.embed(self.token.unsqueeze(1))  # (S, 1, hidden)
         cos, sin = self.cos[at], self.sin[at]  # (S, 1, D)
         seen = (self.key_index[:length] <= at).unsqueeze(1)  # (S, 1, L)
+        if self.attention == "flex":
+            self.kv_blocks.copy_((self.position // FLEX_BLOCK + 1).view(-1, 1, 1))
         for w, keys, values in zip(layers.weights, self.keys, self.values):
             q = layers.step_project(hidden, w, g, cos, sin, keys, values, self.rows, at)
-            hidden = layers.step_output(attend(q, keys[:, :, :length], values[:, :, :length], seen, g.scale),
-                                        hidden, w, g)
+            if self.attention == "flex":
+                attended = self._flex(q, keys, values, block_mask=self.block_mask, scale=g.scale, enable_gqa=True)
+            else:
+                attended = attend(q, keys[:, :, :length], values[:, :, :length], seen, g.scale)
+            hidden = layers.step_output(attended, hidden, w, g)
         logits = layers.final(hidden)[:, 0]  # (S, V)
         self.chosen.copy_(self._step_choose(logits, self.prompt_index, self.count))
         self.token.copy_(self.chosen)
@@ -183,11 +217,12 @@ class BatchedDecoder:
                              f"{self.capacity}")
 
     @torch.inference_mode()
-    def run(self, requests: Iterator[Request], deliver: Callable[[Generated], None],
+    def run(self, requests: Iterator[Request], deliver: Callable[[list[Generated]], None],
             on_step: Callable[[], None] = lambda: None, stopping: Callable[[], bool] = lambda: False) -> None:
         """Answer `requests` (taken as rows free up) until there are none or `stopping()`;
-        then the answers being decoded are finished. `deliver` gets each answer as it
-        ends, `on_step` runs after every decode step (it may raise to abort)."""
+        then the answers being decoded are finished. `deliver` gets the answers that ended
+        together (at one step, or at their first token), `on_step` runs after every decode
+        step (it may raise to abort)."""
         live: dict[int, _Row] = {}
         exhausted = False
         while True:
@@ -203,14 +238,16 @@ class BatchedDecoder:
             if admitted:
                 slots = [slot for slot, _ in admitted]
                 firsts = self._prefill(slots, [request for _, request in admitted])
-                started = []
+                started, ended_at_once = [], []
                 for (slot, request), first in zip(admitted, firsts):
                     row = _Row(request, [first])
                     if (done := self._finished(row)) is not None:
-                        deliver(done)
+                        ended_at_once.append(done)
                     else:
                         live[slot] = row
                         started.append(slot)
+                if ended_at_once:
+                    deliver(ended_at_once)
                 if started:
                     self._set(started, token=[live[s].tokens[0] for s in started],
                               position=[len(live[s].request.tokens) for s in started],
@@ -220,16 +257,19 @@ class BatchedDecoder:
             if not live:
                 return
             furthest = max(len(row.request.tokens) + len(row.tokens) for row in live.values())
-            self._step_for(min(round_up(furthest, self.length_step), self.capacity))()
+            length = self.capacity if self.attention == "flex" else \
+                min(round_up(furthest, self.length_step), self.capacity)
+            self._step_for(length)()
             chosen = self.chosen.tolist()  # the step's one host read
-            ended = []
+            ended, answers = [], []
             for slot, row in live.items():
                 row.tokens.append(chosen[slot])
                 if (done := self._finished(row)) is not None:
-                    deliver(done)
+                    answers.append(done)
                     ended.append(slot)
             for slot in ended:
                 del live[slot]
             if ended:
                 self._set(ended, live=[0] * len(ended), position=[0] * len(ended))
+                deliver(answers)
             on_step()

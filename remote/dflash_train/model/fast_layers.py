@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SUPPORTED = ("qwen3", "qwen2", "llama")
 ATTENTION = ("sdpa", "eager")
@@ -230,11 +231,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torc
 def attend_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """q (B, H, Q, D) of positions 0..Q-1 over their own keys/values (B, KVH, Q, D): a
     prefill from position 0, where causality is the whole mask. The KV heads are repeated
-    per query head (a prefill's keys are few beside its compute), which keeps SDPA on its
-    flash kernel: its grouped-query path is not taken on every backend."""
+    per query head (a prefill's keys are few beside its compute), and SDPA is held to its
+    flash kernel (or the math one, where flash cannot run): cuDNN's, which SDPA prefers
+    on Hopper, builds a plan for every new shape, and a prefill's shapes vary."""
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
 
 
 def output_and_mlp(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeights, g: Geometry) -> torch.Tensor:
