@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -288,3 +289,54 @@ def test_a_host_whose_release_predates_pull_gets_a_hint_to_deploy(tmp_path):
     done = dflash("--logs-dir", str(tmp_path / "logs"), "pull", "some-run", "--host", "local", hosts=hosts)
     assert done.returncode == 2, done.stderr
     assert "hint: the host's current release predates pull: dflash deploy local" in done.stderr
+
+
+# --- what a host lists decides nothing about local files it did not send ----------------------
+
+def copy_of_the_run(trained: Trained, suffix: str) -> tuple[str, Path]:
+    """A copy of the trained run beside it on the host (id, folder as the node sees it),
+    for a test that spoils it: the module's other tests keep theirs."""
+    run_id = f"{trained.run_id}-{suffix}"
+    copy = trained.run_dir.parent / run_id
+    shutil.copytree(trained.run_dir, copy, symlinks=True)
+    return run_id, copy
+
+
+def earlier_watch_files(local: Path) -> dict[str, str]:
+    """What a watch keeps in a run's local folder, made up; {path: sha256} of the folder."""
+    (local / "train.log").write_text("step 1\n")
+    (local / "events.jsonl").write_text('{"type": "step", "step": 1}\n')
+    (local / "events.out.tfevents.1.here").write_bytes(b"\0" * 64)
+    return local_files(local)
+
+
+@pytest.mark.slow(seconds=6,
+                  why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
+def test_a_checkpoints_latest_that_is_no_step_folder_is_refused_by_the_host(trained, tmp_path):
+    """`latest -> ..` (or a step folder that is a link) would have the host list the run
+    folder as the newest checkpoint."""
+    run_id, copy = copy_of_the_run(trained, "latest-up")
+    logs = tmp_path / "logs"
+    try:
+        first = trained.dflash(logs, "pull", run_id, "--host", HOST, "--checkpoint")
+        assert first.returncode == 0, first.stderr
+        before = earlier_watch_files(logs / HOST / run_id)
+        latest = copy / "checkpoints" / "latest"
+        step = os.readlink(latest)
+        for target, problem in (("..", f"checkpoints/latest points to '..', which is not a checkpoint folder of the run"),
+                                ("step_999999", "checkpoints/step_999999 is a link, not a folder of the run")):
+            if target != "..":
+                os.symlink("..", copy / "checkpoints" / target)
+            latest.unlink()
+            latest.symlink_to(target)
+            done = trained.dflash(logs, "pull", run_id, "--host", HOST, "--checkpoint")
+            assert done.returncode == 2, done.stderr
+            assert f"dflash: error: host {HOST}: run {run_id!r}: {problem}" in " ".join(done.stderr.split())
+            assert local_files(logs / HOST / run_id) == before  # nothing written, nothing removed
+        latest.unlink()
+        latest.symlink_to(step)
+        again = trained.dflash(logs, "pull", run_id, "--host", HOST, "--checkpoint")
+        assert again.returncode == 0 and "removed" not in again.stderr, again.stderr
+    finally:
+        shutil.rmtree(copy)
+

@@ -467,8 +467,9 @@ class ArtifactsReply(Reply):
     """`artifacts`: what `dflash pull` fetches, export/ and with --checkpoint the step folder
     checkpoints/latest names now, each read through one open descriptor of the folder so
     the listing is of one version even while the trainer replaces it. A run without
-    export/ (or checkpoint) -> not_found, naming the run's state. `send-file` then sends a
-    listed file's bytes."""
+    export/ (or checkpoint) -> not_found, naming the run's state; a `latest` that is not a
+    link to a step folder's name, or a listed folder that is a link -> host. `send-file`
+    then sends a listed file's bytes."""
 
     VERB = "artifacts"
     run_id: str
