@@ -4,7 +4,7 @@ logs/<host>/<run-id>/ holds train.log (as streamed; train.log.seg1, .seg2, ... f
 content after each truncation or replacement on the host), events.jsonl (the run's
 events but heartbeats), TensorBoard event files made from them, trackers.json (what
 the trackers of dflash.yaml hold: trackers/hub.py), traceback.txt,
-errors.jsonl, cursor.json and watch.lock, hosts.json for a run on several hosts, and what `pull` brought: export/ and checkpoint/<step folder>/; logs/latest.json names the run `watch`, `fetch-traceback`,
+errors.jsonl, cursor.json and watch.lock, hosts.json for a run on several hosts, and what `pull` brought: export/ and checkpoint/<step folder>/, listed in pulled.json; logs/latest.json names the run `watch`, `fetch-traceback`,
 `status` and `stop` use by default. Everything read by another command is written
 atomically.
 """
@@ -14,7 +14,7 @@ import dataclasses
 import fcntl
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from dflash_agent import jsonio
 from dflash_files import atomic
@@ -24,6 +24,30 @@ from .errors import DflashError, ExitCode
 
 HOSTS_FILE = "hosts.json"  # logs/<host>/<run>/: the hosts of a run on several hosts
 LATEST_FILE = "latest.json"  # logs/: the latest run launched or resumed with this logs/
+
+
+def is_name(name: str) -> bool:
+    """Whether `name` is one folder or file name: what a host name, a run id or a name a
+    host lists must be before it becomes part of a path under logs/."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+
+
+def inside(root: Path, relative: str, host: str) -> Path:
+    """root/relative, for a relative path that `host` sent (a file of its listing):
+    refused (exit 3, naming the host) when it is empty, absolute, not in its plain form
+    (`a//b`, `./a`), holds `..`, or leads through a symlink under root, so that nothing a
+    host names is read, written or removed outside root."""
+    path = PurePosixPath(relative)
+    if path.is_absolute() or not path.parts or path.as_posix() != relative or not all(map(is_name, path.parts)):
+        raise DflashError(f"host {host}: refusing the path {relative!r}: not a plain relative path inside {root}",
+                          ExitCode.UNREACHABLE)
+    full = root
+    for part in path.parts:
+        full = full / part
+        if full.is_symlink():
+            raise DflashError(f"host {host}: refusing the path {relative!r}: {full} is a symlink, which could "
+                              f"lead out of {root}", ExitCode.UNREACHABLE)
+    return full
 
 
 def write_atomic(path: Path, data: bytes) -> None:
