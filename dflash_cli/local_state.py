@@ -100,6 +100,13 @@ class RunRef:
 
 class RunLogs:
     def __init__(self, logs_dir: Path, ref: RunRef):
+        # Checked before any path is made of them: `/tmp/x` or `../x` would put the run's
+        # files (watch.lock, cursor.json, a pull) outside logs/.
+        for what, name in (("host", ref.host), ("run id", ref.run_id)):
+            if not is_name(name):
+                raise DflashError(f"run {ref.run_id!r} on host {ref.host!r}: its {what} cannot name a folder under "
+                                  f"{logs_dir} (one path component, without '/', not '.' or '..'); nothing was "
+                                  "written", ExitCode.USAGE)
         self.ref = ref
         self.dir = logs_dir / ref.host / ref.run_id
 
@@ -207,11 +214,18 @@ def set_latest(logs_dir: Path, ref: RunRef) -> None:
 
 
 def latest_run(logs_dir: Path) -> RunRef | None:
-    """The latest run this checkout launched, or None when none is recorded."""
+    """The latest run this checkout launched, or None when none is recorded. One whose
+    names cannot be folders under logs/ is refused naming the file."""
     try:
-        return RunRef.from_json(json.loads((logs_dir / LATEST_FILE).read_text()))
+        ref = RunRef.from_json(json.loads((logs_dir / LATEST_FILE).read_text()))
     except (OSError, ValueError, TypeError, KeyError):
         return None
+    hosts = ref.hosts or (ref.host,)
+    if not all(isinstance(name, str) and is_name(name) for name in (ref.run_id, ref.host, *hosts)):
+        raise DflashError(f"{logs_dir / LATEST_FILE} names run {ref.run_id!r} on {', '.join(map(repr, hosts))}, "
+                          f"which cannot name folders under {logs_dir}", ExitCode.USAGE,
+                          hint=f"remove {logs_dir / LATEST_FILE} and name the run: RUN --host HOST")
+    return ref
 
 
 def _recorded(logs_dir: Path, ref: RunRef) -> RunRef:
