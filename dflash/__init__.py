@@ -16,7 +16,8 @@ stderr as the CLI's do; nothing is printed on stdout.
 
 Every failure is a `DflashError`: `message`, `hint` (or None) and `exit_code`, the
 `ExitCode` the CLI would exit with (USAGE 2: bad input or configuration; UNREACHABLE
-3: a host that cannot be reached or read; INTERRUPTED 130; docs/cli.md "CLI exit
+3: a host that cannot be reached or read; LOCAL_DISK_FULL 5: this machine's disk, where
+`watch` and `pull` keep the run's files; INTERRUPTED 130; docs/cli.md "CLI exit
 codes"). A run that fails is no error of these functions: it is the state they return.
 
 Importing this module is cheap: the functions import what they need when called.

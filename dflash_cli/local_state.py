@@ -10,14 +10,16 @@ atomically.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
 import os
 from pathlib import Path, PurePosixPath
+from typing import Iterator
 
 from dflash_agent import jsonio
-from dflash_files import atomic
+from dflash_files import atomic, diskspace
 
 from .errors import DflashError, ExitCode
 
@@ -48,6 +50,29 @@ def inside(root: Path, relative: str, host: str) -> Path:
             raise DflashError(f"host {host}: refusing the path {relative!r}: {full} is a symlink, which could "
                               f"lead out of {root}", ExitCode.UNREACHABLE)
     return full
+
+
+def local_disk_full(path: Path) -> DflashError:
+    """The error for a write under logs/ that failed for want of space: this machine's
+    disk, not the run's, with an exit code of its own (docs/cli.md "CLI exit codes")."""
+    where = str(path)
+    return DflashError(f"the local disk is full: cannot write {path} ({diskspace.free_bytes(where)} bytes free on "
+                       f"{diskspace.mount_point(where)}); the run on its host is not affected",
+                       ExitCode.LOCAL_DISK_FULL,
+                       hint="make room there (or give --logs-dir on another disk) and run the command again: "
+                            "it goes on from what is kept")
+
+
+@contextlib.contextmanager
+def local_writes(folder: Path) -> Iterator[None]:
+    """A write under `folder` that fails for want of space raises `local_disk_full`,
+    naming the file when the failure names one."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in diskspace.NO_SPACE:
+            raise
+        raise local_disk_full(Path(exc.filename) if exc.filename else folder) from exc
 
 
 def write_atomic(path: Path, data: bytes) -> None:

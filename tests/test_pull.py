@@ -24,6 +24,7 @@ from dflash_cli.local_state import RunLogs, RunRef
 from dflash_cli.session import Session
 from dflash_run import dflash
 from support import kill_ssh_sessions, workspace_on_node, write_inventory
+from support.disk import tmpfs
 from support.train_configs import small_config
 
 # On one xdist worker: the module's trained run is made once, not once per worker.
@@ -421,3 +422,21 @@ def test_a_listed_file_whose_local_path_leads_through_a_symlink_is_refused(train
                      + re.escape(f"': {local}/export is a symlink, which could lead out of {local}"),
                      " ".join(done.stderr.split())), done.stderr
     assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.slow(seconds=6,
+                  why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
+def test_a_full_local_disk_ends_pull_with_its_own_exit_code_leaving_no_part(trained, tmp_path):
+    with tmpfs(tmp_path / "logs", size_mib=8) as logs:  # the export holds a 16 MiB file
+        done = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
+        assert done.returncode == 5, done.stderr
+        local = logs / HOST / trained.run_id
+        assert re.search(re.escape(f"dflash: error: the local disk is full: cannot write {local}/export/")
+                         + r"\S+\.[0-9a-f]{16}\.part \(\d+ bytes free on " + re.escape(f"{logs}); the run on its host "
+                                                                                       "is not affected"),
+                         " ".join(done.stderr.split())), done.stderr
+        assert "Traceback" not in done.stderr and done.stdout == ""
+        assert [p.name for p in logs.rglob("*") if p.name.endswith((".part", ".tmp"))] == []
+        subprocess.run(["mount", "-o", "remount,size=64m", str(logs)], check=True)  # room made
+        trained.pull(logs)
+        assert local_files(local / "export") == trained.host_files("export")

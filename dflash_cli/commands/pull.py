@@ -14,7 +14,8 @@ What a host lists decides nothing about where files go here: a folder is export 
 checkpoints/step_NNNNNN, a file a plain relative path inside it with a sha256 of 64 hex
 digits, and none leads through a symlink; anything else is refused before a byte is
 written. pulled.json, beside the folders, lists every file pull put there (and every
-part it began); the tidy-up after a pull removes only files it lists.
+part it began); the tidy-up after a pull removes only files it lists. A full local disk
+ends the pull with an exit code of its own, the part being received removed.
 """
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ from rich.progress import Progress
 from dflash_agent.protocol import ArtifactsReply, ErrorKind, ErrorReply
 from dflash_files.atomic import fsync_path
 from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, STEP_FOLDER
+from dflash_files.diskspace import NO_SPACE
 
 from .. import console
 from ..agent_client import AgentClient
 from ..host_replies import parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
-from ..local_state import RunLogs, RunRef, inside, write_atomic
+from ..local_state import RunLogs, RunRef, inside, local_disk_full, local_writes, write_atomic
 from ..progress import PROGRESS_ABOVE_BYTES, transfer_bars
 from ..retry import RETRY_FOR_S, Reconnects, retry_dropped
 from ..session import Session
@@ -103,7 +105,7 @@ def _remote_files(host: str, reply: ArtifactsReply) -> list[tuple[str, list[Remo
     they are written here (`inside` checks each path against the local folder)."""
     folders = []
     for entry in reply.folders:
-        local_name(host, entry.folder)
+        local_name(host, entry.folder)  # refuses a folder that is none of the run's
         files = []
         for item in entry.files:
             if not _SHA256.fullmatch(item.sha256):
@@ -228,6 +230,12 @@ class Puller:
         return inside(self.logs.dir, self.pulled.relative(part_path(local, remote.sha256)), self.ref.host)
 
     def sync(self, checkpoint: bool) -> PullResult:
+        """Pull what the host lists now (listing again while it replaces a folder). A full
+        local disk ends it (`local_disk_full`), the part being received removed."""
+        with local_writes(self.logs.dir):
+            return self._sync(checkpoint)
+
+    def _sync(self, checkpoint: bool) -> PullResult:
         for _ in range(LISTINGS):
             listing = self.list(checkpoint)
             wanted = [(self.local_path(f), f) for _, files in listing for f in files]
@@ -263,7 +271,14 @@ class Puller:
         self.pulled.add({local, part})  # listed already when sync asks: no write then
         local.parent.mkdir(parents=True, exist_ok=True)
         for attempt in range(2):
-            if not self.receive(remote, part):
+            try:
+                received = self.receive(remote, part)
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise
+                part.unlink(missing_ok=True)  # its bytes would only hold the disk full
+                raise local_disk_full(part) from exc
+            if not received:
                 return False
             digest = sha256_file(part)
             if digest == remote.sha256:
