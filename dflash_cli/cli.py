@@ -453,7 +453,8 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
 
     The table (stderr) adds each run's source commit (`*`: with uncommitted changes) and
     what its release changed since the run before it on that host: `2 files (+14 −3)`,
-    or `same release as RUN`.
+    or `same release as RUN`. A run whose run.json cannot be read is named on stderr
+    instead (exit 2); the others are listed all the same.
     """
     from .commands import status
 

@@ -248,6 +248,25 @@ def test_the_supervisors_last_error_is_shown_when_nothing_else_says_why_the_run_
     assert "agent.log, the supervisor's last error: OSError: [Errno 5] Input/output error\n" in fetched.stdout
 
 
+def test_a_cut_short_run_json_is_named_and_the_hosts_other_runs_are_listed(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
+    fabricate_run(tmp_path / "node ws", "done-1", 0)
+    fabricate_run(tmp_path / "node ws", "cut-1", 1)
+    run_json = tmp_path / "node ws" / "runs" / "cut-1" / "run.json"
+    run_json.write_bytes(run_json.read_bytes()[:40])
+    named = f"host node: run 'cut-1': {run_json} cannot be read (JSONDecodeError: "
+    for verb in ("status", "resume", "pull"):
+        done = dflash_in_process(verb, "cut-1", "--host", "node", hosts=hosts)
+        assert done.returncode == 2, done.stderr
+        assert f"dflash: error: {named}" in " ".join(done.stderr.split()), done.stderr
+    runs = dflash_in_process("runs", "--host", "node", hosts=hosts)
+    assert runs.returncode == 2, runs.stderr
+    assert runs.stdout == "node\tdone-1\tSUCCEEDED\n"
+    assert f"warning: host node: run cut-1 not listed: {run_json} cannot be read (JSONDecodeError: " in \
+        " ".join(runs.stderr.split())
+
+
 def test_hosts_json_is_the_whole_answer(make_inventory, tmp_path):
     done = dflash_in_process("hosts", "--json", hosts=make_inventory(tmp_path))
     assert done.returncode == 0

@@ -16,7 +16,7 @@ from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TY
 
 from dflash_files import procfs
 from .attempts import newest_checkpoint
-from .jsonio import decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
+from .jsonio import AgentError, decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
 from .layout import RunDir
 from .protocol import RunState, RunStatus
 
@@ -203,10 +203,29 @@ def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
     )
 
 
+class UnreadableRecord(AgentError):
+    """run.json is there but holds no JSON object (cut short, spoiled): kind host, naming
+    the file. The run cannot be shown, followed or resumed until it is repaired or
+    removed; the host's other runs are not its concern."""
+
+    def __init__(self, run: RunDir, problem: str):
+        super().__init__("run %r: %s cannot be read (%s): the run cannot be shown, followed or resumed until "
+                         "it is repaired or removed" % (run.run_id, run.run_json, problem), "host",
+                         path=run.run_json)
+        self.problem = problem
+
+
 def read_record(run: RunDir) -> Dict[str, Any]:
-    record = read_json(run.run_json)
-    if not isinstance(record, dict):
+    """run.json; FileNotFoundError when there is none, UnreadableRecord when it holds no
+    JSON object."""
+    try:
+        record = read_json(run.run_json)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise UnreadableRecord(run, "%s: %s" % (type(exc).__name__, exc))
+    if record is None:
         raise FileNotFoundError(run.run_json)
+    if not isinstance(record, dict):
+        raise UnreadableRecord(run, "a JSON %s, not an object" % type(record).__name__)
     return record
 
 
