@@ -60,6 +60,7 @@ class RemoteFile:
     size: int
     sha256: str
     identity: str  # what send-file checks: the file listed is the file sent
+    local: Path  # where it goes here: checked to stay inside the run's local folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,18 +101,20 @@ def part_path(local: Path, sha256: str) -> Path:
     return local.with_name(f"{local.name}.{sha256[:16]}{PART_SUFFIX}")
 
 
-def _remote_files(host: str, reply: ArtifactsReply) -> list[tuple[str, list[RemoteFile]]]:
-    """The listing, checked: a host names folders and files, it does not choose where
-    they are written here (`inside` checks each path against the local folder)."""
+def remote_files(logs: RunLogs, reply: ArtifactsReply) -> list[tuple[str, list[RemoteFile]]]:
+    """The listing, checked before anything is read or written here: a host names
+    folders and files, it does not choose where they go (`local_name`, `inside`)."""
+    host = logs.ref.host
     folders = []
     for entry in reply.folders:
-        local_name(host, entry.folder)  # refuses a folder that is none of the run's
+        folder = local_name(host, entry.folder)
         files = []
         for item in entry.files:
             if not _SHA256.fullmatch(item.sha256):
                 raise DflashError(f"host {host}: refusing {entry.folder}/{item.path!r}: its sha256 "
                                   f"{item.sha256!r} is not 64 hex digits", ExitCode.UNREACHABLE)
-            files.append(RemoteFile(entry.folder, item.path, item.size, item.sha256, item.identity))
+            local = inside(logs.dir, f"{folder}/{item.path}", host)
+            files.append(RemoteFile(entry.folder, item.path, item.size, item.sha256, item.identity, local))
         if len({f.path for f in files}) != len(files):
             raise DflashError(f"host {host}: refusing the listing of {entry.folder}: it names a file twice",
                               ExitCode.UNREACHABLE)
@@ -209,7 +212,7 @@ class Puller:
             raise
         if not reply.state.terminal:
             console.say(f"run {self.ref.run_id} is {reply.state}: pulling what it wrote so far")
-        return _remote_files(self.ref.host, reply)
+        return remote_files(self.logs, reply)
 
     def is_current(self, local: Path, remote: RemoteFile) -> bool:
         """The local copy is the listed file (a size check first spares hashing most
@@ -220,10 +223,6 @@ class Puller:
             return local.stat().st_size == remote.size and sha256_file(local) == remote.sha256
         except FileNotFoundError:
             return False
-
-    def local_path(self, remote: RemoteFile) -> Path:
-        """Where a listed file goes, checked to stay inside the run's local folder."""
-        return inside(self.logs.dir, f"{local_name(self.ref.host, remote.folder)}/{remote.path}", self.ref.host)
 
     def part(self, local: Path, remote: RemoteFile) -> Path:
         """The part `remote` is received into, beside `local`, checked as `local` was."""
@@ -238,7 +237,7 @@ class Puller:
     def _sync(self, checkpoint: bool) -> PullResult:
         for _ in range(LISTINGS):
             listing = self.list(checkpoint)
-            wanted = [(self.local_path(f), f) for _, files in listing for f in files]
+            wanted = [(f.local, f) for _, files in listing for f in files]
             missing = [(local, f) for local, f in wanted if not self.is_current(local, f)]
             # Listed before a byte is written: every file this pull may make, final or part.
             self.pulled.add({local for local, _ in wanted} | {self.part(local, f) for local, f in missing})
