@@ -16,7 +16,8 @@ stderr as the CLI's do; nothing is printed on stdout.
 
 Every failure is a `DflashError`: `message`, `hint` (or None) and `exit_code`, the
 `ExitCode` the CLI would exit with (USAGE 2: bad input or configuration; UNREACHABLE
-3: a host that cannot be reached or read; INTERRUPTED 130; docs/cli.md "CLI exit
+3: a host that cannot be reached or read; LOCAL_DISK_FULL 5: this machine's disk, where
+`watch` and `pull` keep the run's files; INTERRUPTED 130; docs/cli.md "CLI exit
 codes"). A run that fails is no error of these functions: it is the state they return.
 
 Importing this module is cheap: the functions import what they need when called.
@@ -24,10 +25,11 @@ Importing this module is cheap: the functions import what they need when called.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 from dflash_cli.errors import DflashError, ExitCode, exit_code_for_state
 
@@ -67,6 +69,24 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'dflash' has no attribute {name!r}")
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _typed(function: F) -> F:
+    """Arguments are checked against the function's annotations before anything is done,
+    as the CLI's option parser checks its options: one of another type (`launch(42, ...)`,
+    `status(5)`, `retry_for='soon'`) is a DflashError (USAGE) naming the function, the
+    argument, what it takes and what it got, not a TypeError from somewhere inside."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _check_arguments(function, args, kwargs)
+        return function(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+@_typed
 def launch(hosts: str | Sequence[str], config: str | os.PathLike, *, name: str | None = None,
            overrides: Sequence[str] = (), force: bool = False, source: str | os.PathLike | None = None,
            allow_large: bool = False, master_addr: str | None = None, master_port: int | None = None,
@@ -87,6 +107,7 @@ def launch(hosts: str | Sequence[str], config: str | os.PathLike, *, name: str |
         return verb.start(session, options)
 
 
+@_typed
 def watch(run: str | None = None, *, host: str | None = None, tail: int | None = None, gpu_interval: float = 5.0,
           retry_for: float = 60.0, trackers: bool = True, cli_config_file: str | os.PathLike | None = None,
           hosts_file: str | os.PathLike | None = None, logs_dir: str | os.PathLike | None = None,
@@ -126,6 +147,7 @@ def watch(run: str | None = None, *, host: str | None = None, tail: int | None =
     return items()
 
 
+@_typed
 def status(run: str | None = None, *, host: str | None = None, hosts_file: str | os.PathLike | None = None,
            logs_dir: str | os.PathLike | None = None, accept_new_host_key: bool = False) -> RunStatus | RunOnHosts:
     """`dflash status [RUN]`: the run's status as its host derives it (a run on several
@@ -139,6 +161,7 @@ def status(run: str | None = None, *, host: str | None = None, hosts_file: str |
         return verb.status_of(session, ref)
 
 
+@_typed
 def fetch_traceback(run: str | None = None, *, host: str | None = None, thread: str | None = None,
                     all_records: bool = False, stacks: bool = False, hosts_file: str | os.PathLike | None = None,
                     logs_dir: str | os.PathLike | None = None, accept_new_host_key: bool = False) -> Traceback:
@@ -153,6 +176,7 @@ def fetch_traceback(run: str | None = None, *, host: str | None = None, thread: 
         return verb.find(session, ref, thread=thread, all_records=all_records, stacks=stacks)
 
 
+@_typed
 def pull(run: str | None = None, *, host: str | None = None, checkpoint: bool = False, retry_for: float = 60.0,
          hosts_file: str | os.PathLike | None = None, logs_dir: str | os.PathLike | None = None,
          accept_new_host_key: bool = False) -> PullResult:
@@ -167,6 +191,7 @@ def pull(run: str | None = None, *, host: str | None = None, checkpoint: bool = 
         return verb.pull(session, ref, checkpoint, retry_for=retry_for)
 
 
+@_typed
 def resume(run: str | None = None, *, host: str | None = None, current_release: bool = False,
            step: int | None = None, hosts_file: str | os.PathLike | None = None,
            logs_dir: str | os.PathLike | None = None, accept_new_host_key: bool = False) -> Resumed:
@@ -202,3 +227,39 @@ def _at_least(name: str, value: float | None, low: float) -> None:
     """The range checks the CLI's options make."""
     if value is not None and value < low:
         raise DflashError(f"{name} {value}: expected at least {low}", ExitCode.USAGE)
+
+
+def _check_arguments(function: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    import inspect
+
+    signature = inspect.signature(function)
+    where = f"dflash.{function.__name__}"
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise DflashError(f"{where}: {exc}", ExitCode.USAGE) from None
+    for name, value in bound.arguments.items():
+        annotation = signature.parameters[name].annotation  # a string: this module's annotations are postponed
+        if not _matches(value, eval(annotation, globals())):  # noqa: S307 - our own annotations, not input
+            raise DflashError(f"{where}: {name}={value!r:.80}: expected {annotation}, got {type(value).__name__}",
+                              ExitCode.USAGE)
+
+
+def _matches(value: Any, kind: Any) -> bool:
+    """isinstance for the annotations of this module: classes, `X | Y`, Sequence[X];
+    bool is no number here, as for the CLI's options."""
+    import collections.abc
+    import types
+    import typing
+
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, option) for option in typing.get_args(kind))
+    if origin is collections.abc.Sequence:
+        (item,) = typing.get_args(kind)
+        return isinstance(value, collections.abc.Sequence) and all(_matches(entry, item) for entry in value)
+    if kind is type(None):
+        return value is None
+    if kind in (int, float):
+        return isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    return isinstance(value, kind)

@@ -78,8 +78,8 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
 
     Exit codes: 0 success, 1 the run failed (traceback printed; for `status`: also
     degraded or stalled), 2 usage or configuration error, 3 host unreachable, 4 the run
-    was stopped, 130 interrupted (the run keeps going). Data goes to stdout; progress and
-    tables to stderr.
+    was stopped, 5 the local disk (logs/) is full, 130 interrupted (the run keeps going).
+    Data goes to stdout; progress and tables to stderr.
     """
     # deploy_early's session when the `dflash` command made one for these options (its probes under way)
     ctx.obj = ctx.with_resource(contextlib.closing(deploy_early.session(hosts_file, Path(logs_dir), accept_new_host_key,
@@ -453,7 +453,8 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
 
     The table (stderr) adds each run's source commit (`*`: with uncommitted changes) and
     what its release changed since the run before it on that host: `2 files (+14 −3)`,
-    or `same release as RUN`.
+    or `same release as RUN`. A run whose run.json cannot be read is named on stderr
+    instead (exit 2); the others are listed all the same.
     """
     from .commands import status
 

@@ -18,6 +18,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # usage or configuration error
     UNREACHABLE = 3  # host unreachable, or run state unknown after retries
     STOPPED = 4  # the run was stopped
+    LOCAL_DISK_FULL = 5  # this machine's disk (logs/) is full; the run itself is not affected
     INTERRUPTED = 130  # the user pressed Ctrl-C; the run keeps going
 
 

@@ -4,26 +4,75 @@ logs/<host>/<run-id>/ holds train.log (as streamed; train.log.seg1, .seg2, ... f
 content after each truncation or replacement on the host), events.jsonl (the run's
 events but heartbeats), TensorBoard event files made from them, trackers.json (what
 the trackers of dflash.yaml hold: trackers/hub.py), traceback.txt,
-errors.jsonl, cursor.json and watch.lock, hosts.json for a run on several hosts, and what `pull` brought: export/ and checkpoint/<step folder>/; logs/latest.json names the run `watch`, `fetch-traceback`,
+errors.jsonl, cursor.json and watch.lock, hosts.json for a run on several hosts, and what `pull` brought: export/ and checkpoint/<step folder>/, listed in pulled.json; logs/latest.json names the run `watch`, `fetch-traceback`,
 `status` and `stop` use by default. Everything read by another command is written
 atomically.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Iterator
 
 from dflash_agent import jsonio
-from dflash_files import atomic
+from dflash_files import atomic, diskspace
 
 from .errors import DflashError, ExitCode
 
 
 HOSTS_FILE = "hosts.json"  # logs/<host>/<run>/: the hosts of a run on several hosts
 LATEST_FILE = "latest.json"  # logs/: the latest run launched or resumed with this logs/
+
+
+def is_name(name: str) -> bool:
+    """Whether `name` is one folder or file name: what a host name, a run id or a name a
+    host lists must be before it becomes part of a path under logs/."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+
+
+def inside(root: Path, relative: str, host: str) -> Path:
+    """root/relative, for a relative path that `host` sent (a file of its listing):
+    refused (exit 3, naming the host) when it is empty, absolute, not in its plain form
+    (`a//b`, `./a`), holds `..`, or leads through a symlink under root, so that nothing a
+    host names is read, written or removed outside root."""
+    path = PurePosixPath(relative)
+    if path.is_absolute() or not path.parts or path.as_posix() != relative or not all(map(is_name, path.parts)):
+        raise DflashError(f"host {host}: refusing the path {relative!r}: not a plain relative path inside {root}",
+                          ExitCode.UNREACHABLE)
+    full = root
+    for part in path.parts:
+        full = full / part
+        if full.is_symlink():
+            raise DflashError(f"host {host}: refusing the path {relative!r}: {full} is a symlink, which could "
+                              f"lead out of {root}", ExitCode.UNREACHABLE)
+    return full
+
+
+def local_disk_full(path: Path) -> DflashError:
+    """The error for a write under logs/ that failed for want of space: this machine's
+    disk, not the run's, with an exit code of its own (docs/cli.md "CLI exit codes")."""
+    where = str(path)
+    return DflashError(f"the local disk is full: cannot write {path} ({diskspace.free_bytes(where)} bytes free on "
+                       f"{diskspace.mount_point(where)}); the run on its host is not affected",
+                       ExitCode.LOCAL_DISK_FULL,
+                       hint="make room there (or give --logs-dir on another disk) and run the command again: "
+                            "it goes on from what is kept")
+
+
+@contextlib.contextmanager
+def local_writes(folder: Path) -> Iterator[None]:
+    """A write under `folder` that fails for want of space raises `local_disk_full`,
+    naming the file when the failure names one."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in diskspace.NO_SPACE:
+            raise
+        raise local_disk_full(Path(exc.filename) if exc.filename else folder) from exc
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -76,6 +125,13 @@ class RunRef:
 
 class RunLogs:
     def __init__(self, logs_dir: Path, ref: RunRef):
+        # Checked before any path is made of them: `/tmp/x` or `../x` would put the run's
+        # files (watch.lock, cursor.json, a pull) outside logs/.
+        for what, name in (("host", ref.host), ("run id", ref.run_id)):
+            if not is_name(name):
+                raise DflashError(f"run {ref.run_id!r} on host {ref.host!r}: its {what} cannot name a folder under "
+                                  f"{logs_dir} (one path component, without '/', not '.' or '..'); nothing was "
+                                  "written", ExitCode.USAGE)
         self.ref = ref
         self.dir = logs_dir / ref.host / ref.run_id
 
@@ -183,11 +239,18 @@ def set_latest(logs_dir: Path, ref: RunRef) -> None:
 
 
 def latest_run(logs_dir: Path) -> RunRef | None:
-    """The latest run this checkout launched, or None when none is recorded."""
+    """The latest run this checkout launched, or None when none is recorded. One whose
+    names cannot be folders under logs/ is refused naming the file."""
     try:
-        return RunRef.from_json(json.loads((logs_dir / LATEST_FILE).read_text()))
+        ref = RunRef.from_json(json.loads((logs_dir / LATEST_FILE).read_text()))
     except (OSError, ValueError, TypeError, KeyError):
         return None
+    hosts = ref.hosts or (ref.host,)
+    if not all(isinstance(name, str) and is_name(name) for name in (ref.run_id, ref.host, *hosts)):
+        raise DflashError(f"{logs_dir / LATEST_FILE} names run {ref.run_id!r} on {', '.join(map(repr, hosts))}, "
+                          f"which cannot name folders under {logs_dir}", ExitCode.USAGE,
+                          hint=f"remove {logs_dir / LATEST_FILE} and name the run: RUN --host HOST")
+    return ref
 
 
 def _recorded(logs_dir: Path, ref: RunRef) -> RunRef:

@@ -13,6 +13,7 @@ import base64
 import dataclasses
 import difflib
 import hashlib
+import re
 from pathlib import Path
 
 from dflash_agent.protocol import ReleaseFilesReply, RunStatus
@@ -24,6 +25,8 @@ from .session import Session
 
 #: Bytes tested for a NUL to call a file binary, as git does.
 _BINARY_PROBE = 8000
+_RELEASE_ID = re.compile(r"[0-9a-f]{16}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +55,12 @@ class ReleaseStore:
         return self.root / "objects" / sha256
 
     def manifest(self, host: str, release_id: str) -> tuple[FileEntry, ...]:
-        """The release's files, from the cache or the host."""
+        """The release's files, from the cache or the host. The id and each file's sha256
+        name files of the cache: a host's that is not hex digits is refused before any
+        path is made of it."""
+        if not _RELEASE_ID.fullmatch(release_id):
+            raise DflashError(f"host {host}: refusing the release id {release_id!r}: not 16 hex digits",
+                              ExitCode.UNREACHABLE)
         cached = self.root / "manifests" / release_id
         if not cached.is_file():
             text = self.session.agent(host).call(ReleaseFilesReply, f"--release-id={release_id}").manifest
@@ -60,7 +68,16 @@ class ReleaseStore:
                 raise DflashError(f"host {host}: the MANIFEST of release {release_id} does not hash to its id",
                                   ExitCode.UNREACHABLE)
             self._write(cached, text.encode())
-        return parse_manifest(cached.read_text())
+        try:
+            entries = parse_manifest(cached.read_text())
+        except ValueError as exc:
+            raise DflashError(f"host {host}: the MANIFEST of release {release_id} ({cached}) cannot be read: {exc}",
+                              ExitCode.UNREACHABLE) from exc
+        for entry in entries:
+            if not _SHA256.fullmatch(entry.sha256):
+                raise DflashError(f"host {host}: the MANIFEST of release {release_id} ({cached}) gives {entry.path} "
+                                  f"the sha256 {entry.sha256!r}, which is not 64 hex digits", ExitCode.UNREACHABLE)
+        return entries
 
     def add_local(self, tree: Release) -> None:
         """The release a deploy just sent, from its own tree: nothing to fetch for it."""

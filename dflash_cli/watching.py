@@ -27,10 +27,11 @@ from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
 from dflash_agent.protocol import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage,
                                    LogMessage, ReportReply, RotatedMessage, RunState, StateMessage)
 from dflash_agent.state import attempt_errors
+from dflash_files.diskspace import NO_SPACE
 
 from . import diagnosis, multihost, run_hosts
 from .errors import DflashError, ExitCode, UnreachableError, exit_code_for_state
-from .local_state import Cursor, RunLogs, RunRef
+from .local_state import Cursor, RunLogs, RunRef, local_disk_full, local_writes
 from .retry import Reconnects
 from .session import Session
 from .tensorboard import RunBoard
@@ -193,7 +194,8 @@ class Watcher:
         self.agent = session.agent(ref.host)
         self.logs = RunLogs(session.logs_dir, ref)
         self.interval = interval
-        self.claim = self.logs.claim()  # None: another watch keeps this run's local state
+        with local_writes(self.logs.dir):
+            self.claim = self.logs.claim()  # None: another watch keeps this run's local state
         self.cursor = self.logs.load_cursor() if self.claim else Cursor()
         self.records = self.logs.load_errors()[: self.cursor.errors_seen] if self.claim else []
         self.mirror = None
@@ -210,6 +212,7 @@ class Watcher:
         self.last_saved = 0.0
         self.end: EndMessage | None = None
         self.messages = 0  # received so far; tells a reconnect that made progress
+        self.disk_full: Path | None = None  # what `close` could not write for want of space here
 
     # -- one connection's worth of messages ---------------------------------------
     def follow_once(self, tail_lines: int | None) -> Iterator[WatchItem]:
@@ -356,20 +359,38 @@ class Watcher:
 
     def _close_mirror(self) -> None:
         if self.mirror is not None:
-            self.mirror.close()
-            self.mirror = None
+            mirror, self.mirror = self.mirror, None
+            mirror.close()
 
     def close(self) -> None:
-        self.save_cursor(force=True)
-        self._close_mirror()
+        """Save the cursor and let go of the local state. A full local disk stops no step
+        of it: what could not be written is left to the next watch (the cursor on disk
+        accounts only for what is), and the file is kept in `disk_full`."""
+        for step in (lambda: self.save_cursor(force=True), self._close_mirror, self._close_events_mirror,
+                     self._close_trackers, self._let_go):
+            try:
+                step()
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise
+                self.disk_full = self.disk_full or Path(exc.filename or self.logs.dir)
+
+    def _close_events_mirror(self) -> None:
         if self.events_mirror is not None:
-            self.events_mirror.close()
+            mirror, self.events_mirror = self.events_mirror, None
+            mirror.close()
+
+    def _close_trackers(self) -> None:
         if self.trackers is not None and self.trackers.started:
             # before the claim goes: the next watch goes on from what they record
             self.trackers.close(self.end.state if self.end else None)
+
+    def _let_go(self) -> None:
         if self.claim:
-            self.board.close()
-            self.claim.close()
+            try:
+                self.board.close()
+            finally:
+                self.claim.close()
 
     # -- the outcome -----------------------------------------------------------------
     @property
@@ -385,7 +406,12 @@ class Watcher:
         return HostEnded(self.ref.host, self.ref.run_id, self.end, unexplained)
 
     def follow_to_end(self, tail: int | None, retry_for: float) -> Iterator[WatchItem]:
-        """Follow until the part ends, reconnecting after dropped connections."""
+        """Follow until the part ends, reconnecting after dropped connections. A full
+        local disk ends it (`local_disk_full`): the run goes on."""
+        with local_writes(self.logs.dir):
+            yield from self._follow_to_end(tail, retry_for)
+
+    def _follow_to_end(self, tail: int | None, retry_for: float) -> Iterator[WatchItem]:
         resumed_at = self.cursor.offset if self.claim and tail is None and self.cursor.offset else None
         yield Following(self.ref.host, self.ref.run_id, self.logs.dir, self.claim is not None, resumed_at,
                         tuple(self.logs.recent_events(self.cursor)) if self.claim else ())
@@ -422,6 +448,8 @@ def follow(session: Session, ref: RunRef, *, tail: int | None, interval: float, 
         yield from watcher.follow_to_end(tail, retry_for)
     finally:
         watcher.close()
+    if watcher.disk_full is not None:
+        raise local_disk_full(watcher.disk_full)
     state = watcher.end.state
     records = watcher.latest_records
     code = exit_code_for_state(state)
@@ -482,6 +510,13 @@ def _follow_hosts(session: Session, ref: RunRef, tail: int | None, interval: flo
                 yield item
     finally:
         detached.set()
+    # this machine's disk is every part's: a full one is the watch's outcome, whatever the run's
+    full = [exc for exc in outcomes.values() if exc.exit_code == ExitCode.LOCAL_DISK_FULL]
+    if full:
+        raise full[0]
+    for watcher in watchers:
+        if watcher.disk_full is not None:
+            raise local_disk_full(watcher.disk_full)
     yield _ended(ref, watchers, outcomes)
 
 

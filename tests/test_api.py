@@ -210,6 +210,28 @@ def test_bad_input_is_one_error_type_with_its_exit_code(make_inventory, tmp_path
     assert str(broken) in refused(lambda: dflash.status("r", host="local", hosts_file=broken), ExitCode.USAGE).message
 
 
+@pytest.mark.parametrize("call, problem", [
+    (lambda **where: dflash.launch(42, "c.yaml", **where), "dflash.launch: hosts=42: expected str | Sequence[str], got int"),
+    (lambda **where: dflash.launch("local", 123, **where), "dflash.launch: config=123: expected str | os.PathLike, got int"),
+    (lambda **where: dflash.launch("local", "c.yaml", overrides=[1], **where),
+     "dflash.launch: overrides=[1]: expected Sequence[str], got list"),
+    (lambda **where: dflash.launch("local", "c.yaml", master_port="x", **where),
+     "dflash.launch: master_port='x': expected int | None, got str"),
+    (lambda **where: dflash.status(5, **where), "dflash.status: run=5: expected str | None, got int"),
+    (lambda **where: dflash.watch("r", retry_for="soon", **where), "dflash.watch: retry_for='soon': expected float, got str"),
+    (lambda **where: dflash.watch("r", tail=True, **where), "dflash.watch: tail=True: expected int | None, got bool"),
+    (lambda **where: dflash.resume("r", step="five", **where), "dflash.resume: step='five': expected int | None, got str"),
+    (lambda **where: dflash.pull("r", checkpoint="yes", **where), "dflash.pull: checkpoint='yes': expected bool, got str"),
+    (lambda **where: dflash.fetch_traceback("r", logs_dir=7), "dflash.fetch_traceback: logs_dir=7: expected str | "
+                                                               "os.PathLike | None, got int"),
+    (lambda **where: dflash.status("r", colour="blue", **where), "dflash.status: got an unexpected keyword argument 'colour'"),
+])
+def test_an_argument_of_another_type_is_a_usage_error_naming_it(make_inventory, tmp_path, call, problem):
+    where = {"hosts_file": make_inventory(tmp_path), "logs_dir": tmp_path / "logs"}
+    assert refused(lambda: call(**where), ExitCode.USAGE).message == problem
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "local ws").exists()  # nothing was done
+
+
 # --- launch ----------------------------------------------------------------------------------
 
 def test_launch_returns_the_run_id_and_hosts_and_the_run_becomes_the_latest(make_inventory, tmp_path):

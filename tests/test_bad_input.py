@@ -248,6 +248,52 @@ def test_the_supervisors_last_error_is_shown_when_nothing_else_says_why_the_run_
     assert "agent.log, the supervisor's last error: OSError: [Errno 5] Input/output error\n" in fetched.stdout
 
 
+def test_status_says_the_oom_killer_ended_a_run(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
+    runs = tmp_path / "node ws" / "runs"
+    fabricate_run(tmp_path / "node ws", "oom-1", None)
+    (runs / "oom-1" / "exit.json").write_text(json.dumps({"exit_code": None, "signal": "SIGKILL", "oom_killed": True,
+                                                          "ended_at": time.time(), "exec_error": None}))
+    status = dflash_in_process("status", "oom-1", "--host", "node", hosts=hosts)
+    assert (status.returncode, status.stdout) == (1, "FAILED\n"), status.stderr
+    assert ("reason: the kernel's OOM killer ended the trainer (SIGKILL): the host, or its container's limit, ran "
+            "out of memory") in " ".join(status.stderr.split())
+
+
+def test_status_says_a_lost_run_ended_with_a_boot_of_its_host(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
+    runs = tmp_path / "node ws" / "runs"
+    fabricate_run(tmp_path / "node ws", "rebooted-1", None)
+    record = json.loads((runs / "rebooted-1" / "run.json").read_text())
+    record["boot_id"] = before = "0f0f0f0f-0000-4000-8000-000000000000"  # the boot the run started in
+    (runs / "rebooted-1" / "run.json").write_text(json.dumps(record))
+    status = dflash_in_process("status", "rebooted-1", "--host", "node", hosts=hosts)
+    assert (status.returncode, status.stdout) == (1, "LOST\n"), status.stderr
+    assert (f"reason: the host booted again since the run started (boot id {before} then, {procfs.boot_id()} now): "
+            "its trainer ended with it") in " ".join(status.stderr.split())
+
+
+def test_a_cut_short_run_json_is_named_and_the_hosts_other_runs_are_listed(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
+    fabricate_run(tmp_path / "node ws", "done-1", 0)
+    fabricate_run(tmp_path / "node ws", "cut-1", 1)
+    run_json = tmp_path / "node ws" / "runs" / "cut-1" / "run.json"
+    run_json.write_bytes(run_json.read_bytes()[:40])
+    named = f"host node: run 'cut-1': {run_json} cannot be read (JSONDecodeError: "
+    for verb in ("status", "resume", "pull"):
+        done = dflash_in_process(verb, "cut-1", "--host", "node", hosts=hosts)
+        assert done.returncode == 2, done.stderr
+        assert f"dflash: error: {named}" in " ".join(done.stderr.split()), done.stderr
+    runs = dflash_in_process("runs", "--host", "node", hosts=hosts)
+    assert runs.returncode == 2, runs.stderr
+    assert runs.stdout == "node\tdone-1\tSUCCEEDED\n"
+    assert f"warning: host node: run cut-1 not listed: {run_json} cannot be read (JSONDecodeError: " in \
+        " ".join(runs.stderr.split())
+
+
 def test_hosts_json_is_the_whole_answer(make_inventory, tmp_path):
     done = dflash_in_process("hosts", "--json", hosts=make_inventory(tmp_path))
     assert done.returncode == 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from importlib import metadata
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from support import workspace_on_node
 
 from dflash_cli import cli
+from dflash_cli.errors import ExitCode
 from dflash_run import REPO, dflash_in_process
 
 COMMANDS = ["setup", "deploy", "launch", "resume", "diff", "gc", "watch", "fetch-traceback", "stacks", "status", "stop", "runs", "hosts", "plot"]
@@ -63,7 +65,11 @@ def test_top_level_help_lists_every_command_and_exit_codes():
     assert done.returncode == 0
     for command in COMMANDS:
         assert command in done.stdout
-    assert "130 interrupted" in " ".join(done.stdout.split())
+    text = " ".join(done.stdout.split())
+    assert "130 interrupted" in text
+    codes = text.split("Exit codes: ", 1)[1].split(". ", 1)[0]
+    assert [int(code) for code in re.findall(r"(?:^|, )(\d+) ", codes)] == [int(code) for code in ExitCode]
+    assert "5 the local disk (logs/) is full" in text
 
 
 def test_bad_inventory_is_a_usage_error_naming_file_host_and_key(tmp_path):

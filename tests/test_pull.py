@@ -9,6 +9,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ from dflash_cli.local_state import RunLogs, RunRef
 from dflash_cli.session import Session
 from dflash_run import dflash
 from support import kill_ssh_sessions, workspace_on_node, write_inventory
+from support.disk import tmpfs
 from support.train_configs import small_config
 
 # On one xdist worker: the module's trained run is made once, not once per worker.
@@ -207,12 +210,10 @@ def test_a_spoiled_local_copy_is_fetched_again(trained, tmp_path):
     spoiled = bytearray(weights.read_bytes())
     spoiled[len(spoiled) // 2] ^= 0xFF  # same size, one byte off
     weights.write_bytes(bytes(spoiled))
-    (export / "left over from an older export.json").write_text("{}")
 
     again = trained.pull(logs)
     host = trained.host_files("export")
     assert f"pulled 1 files, {weights.stat().st_size} bytes, {len(host) - 1} skipped" in again.stderr
-    assert "1 removed" in again.stderr
     assert local_files(export) == host
 
 
@@ -288,3 +289,154 @@ def test_a_host_whose_release_predates_pull_gets_a_hint_to_deploy(tmp_path):
     done = dflash("--logs-dir", str(tmp_path / "logs"), "pull", "some-run", "--host", "local", hosts=hosts)
     assert done.returncode == 2, done.stderr
     assert "hint: the host's current release predates pull: dflash deploy local" in done.stderr
+
+
+# --- what a host lists decides nothing about local files it did not send ----------------------
+
+def copy_of_the_run(trained: Trained, suffix: str) -> tuple[str, Path]:
+    """A copy of the trained run beside it on the host (id, folder as the node sees it),
+    for a test that spoils it: the module's other tests keep theirs."""
+    run_id = f"{trained.run_id}-{suffix}"
+    copy = trained.run_dir.parent / run_id
+    shutil.copytree(trained.run_dir, copy, symlinks=True)
+    return run_id, copy
+
+
+def earlier_watch_files(local: Path) -> dict[str, str]:
+    """What a watch keeps in a run's local folder, made up; {path: sha256} of the folder."""
+    (local / "train.log").write_text("step 1\n")
+    (local / "events.jsonl").write_text('{"type": "step", "step": 1}\n')
+    (local / "events.out.tfevents.1.here").write_bytes(b"\0" * 64)
+    return local_files(local)
+
+
+@pytest.mark.slow(seconds=6,
+                  why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
+def test_a_checkpoints_latest_that_is_no_step_folder_is_refused_by_the_host(trained, tmp_path):
+    """`latest -> ..` (or a step folder that is a link) would have the host list the run
+    folder as the newest checkpoint."""
+    run_id, copy = copy_of_the_run(trained, "latest-up")
+    logs = tmp_path / "logs"
+    try:
+        first = trained.dflash(logs, "pull", run_id, "--host", HOST, "--checkpoint")
+        assert first.returncode == 0, first.stderr
+        before = earlier_watch_files(logs / HOST / run_id)
+        latest = copy / "checkpoints" / "latest"
+        step = os.readlink(latest)
+        for target, problem in (("..", f"checkpoints/latest points to '..', which is not a checkpoint folder of the run"),
+                                ("step_999999", "checkpoints/step_999999 is a link, not a folder of the run")):
+            if target != "..":
+                os.symlink("..", copy / "checkpoints" / target)
+            latest.unlink()
+            latest.symlink_to(target)
+            done = trained.dflash(logs, "pull", run_id, "--host", HOST, "--checkpoint")
+            assert done.returncode == 2, done.stderr
+            assert f"dflash: error: host {HOST}: run {run_id!r}: {problem}" in " ".join(done.stderr.split())
+            assert local_files(logs / HOST / run_id) == before  # nothing written, nothing removed
+        latest.unlink()
+        latest.symlink_to(step)
+        again = trained.dflash(logs, "pull", run_id, "--host", HOST, "--checkpoint")
+        assert again.returncode == 0 and "removed" not in again.stderr, again.stderr
+    finally:
+        shutil.rmtree(copy)
+
+
+def hostile_tree(tmp_path: Path, old: str, new: str) -> Path:
+    """This project's remote/ and configs/ with one change to the agent's artifacts.py: a
+    source tree whose release answers as a compromised host would."""
+    tree = tmp_path / "hostile tree"
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / "remote", tree / "remote", ignore=ignore)
+    shutil.copytree(REPO / "configs", tree / "configs", ignore=ignore)
+    artifacts = tree / "remote" / "dflash_agent" / "artifacts.py"
+    text = artifacts.read_text()
+    assert text.count(old) == 1, old
+    artifacts.write_text(text.replace(old, new))
+    return tree
+
+
+@pytest.mark.slow(seconds=12, why="deploys a changed release to the ssh host and pulls the module's run from it")
+def test_a_host_listing_a_folder_outside_the_checkpoints_removes_nothing_here(trained, ssh_node, fake_pve, tmp_path):
+    """A compromised agent lists `checkpoints/..`, empty: the local folder it maps to is the
+    run's own, whose files (the watch's mirror, an earlier export) a tidy-up would delete."""
+    hosts = write_inventory(tmp_path, ssh_node, fake_pve)
+    tree = hostile_tree(tmp_path, "folders.append(_listing(run, _latest_checkpoint(run, state), state))",
+                        "folders.append(ArtifactFolder(folder='checkpoints/..', files=(), hashed_on_host=()))")
+    logs = tmp_path / "logs"
+    deployed = dflash("--logs-dir", str(logs), "deploy", "node", "--source", str(tree), hosts=hosts)
+    assert deployed.returncode == 0, deployed.stderr
+    shutil.copytree(trained.run_dir, tmp_path / "node ws" / "runs" / trained.run_id, symlinks=True)
+    local = logs / "node" / trained.run_id
+    (local / "export").mkdir(parents=True)
+    (local / "export" / "from an earlier pull.json").write_text("{}")
+    before = earlier_watch_files(local)
+
+    done = dflash("--logs-dir", str(logs), "pull", trained.run_id, "--host", "node", "--checkpoint", hosts=hosts)
+    assert done.returncode == 3, done.stderr
+    assert ("dflash: error: host node: refusing the listed folder 'checkpoints/..': expected export or "
+            "checkpoints/step_NNNNNN") in done.stderr
+    assert local_files(local) == before and done.stdout == ""
+
+
+@pytest.mark.slow(seconds=8,
+                  why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
+def test_the_tidy_up_removes_only_files_pull_brought(trained, tmp_path):
+    """A file the host's folder no longer has is removed when a pull brought it, and
+    never when it is the user's own (pulled.json lists what pull brought)."""
+    run_id, copy = copy_of_the_run(trained, "tidy")
+    logs = tmp_path / "logs"
+    export = logs / HOST / run_id / "export"
+    try:
+        (copy / "export" / "dropped later.txt").write_text("an older export's\n")
+        trained.dflash(logs, "pull", run_id, "--host", HOST)
+        assert (export / "dropped later.txt").exists()
+        assert "export/dropped later.txt" in json.loads((logs / HOST / run_id / "pulled.json").read_text())["files"]
+        (copy / "export" / "dropped later.txt").unlink()
+        (export / "my notes.txt").write_text("mine\n")
+        (export / "mine").mkdir()
+        (export / "mine" / "eval.json").write_text("{}")
+
+        again = trained.dflash(logs, "pull", run_id, "--host", HOST)
+        assert again.returncode == 0, again.stderr
+        assert "1 removed (no longer on the host)" in again.stderr
+        assert not (export / "dropped later.txt").exists()
+        assert (export / "my notes.txt").read_text() == "mine\n" and (export / "mine" / "eval.json").exists()
+        assert {name: digest for name, digest in local_files(export).items()
+                if name not in ("my notes.txt", "mine/eval.json")} == local_files(copy / "export")
+    finally:
+        shutil.rmtree(copy)
+
+
+@pytest.mark.slow(seconds=4,
+                  why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
+def test_a_listed_file_whose_local_path_leads_through_a_symlink_is_refused(trained, tmp_path):
+    logs = tmp_path / "logs"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (logs / HOST / trained.run_id).mkdir(parents=True)
+    (logs / HOST / trained.run_id / "export").symlink_to(elsewhere)
+    done = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
+    assert done.returncode == 3, done.stderr
+    local = logs / HOST / trained.run_id
+    assert re.search(re.escape(f"dflash: error: host {HOST}: refusing the path 'export/") + r"[^']+"
+                     + re.escape(f"': {local}/export is a symlink, which could lead out of {local}"),
+                     " ".join(done.stderr.split())), done.stderr
+    assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.slow(seconds=6,
+                  why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
+def test_a_full_local_disk_ends_pull_with_its_own_exit_code_leaving_no_part(trained, tmp_path):
+    with tmpfs(tmp_path / "logs", size_mib=8) as logs:  # the export holds a 16 MiB file
+        done = trained.dflash(logs, "pull", trained.run_id, "--host", HOST)
+        assert done.returncode == 5, done.stderr
+        local = logs / HOST / trained.run_id
+        assert re.search(re.escape(f"dflash: error: the local disk is full: cannot write {local}/export/")
+                         + r"\S+\.[0-9a-f]{16}\.part \(\d+ bytes free on " + re.escape(f"{logs}); the run on its host "
+                                                                                       "is not affected"),
+                         " ".join(done.stderr.split())), done.stderr
+        assert "Traceback" not in done.stderr and done.stdout == ""
+        assert [p.name for p in logs.rglob("*") if p.name.endswith((".part", ".tmp"))] == []
+        subprocess.run(["mount", "-o", "remount,size=64m", str(logs)], check=True)  # room made
+        trained.pull(logs)
+        assert local_files(local / "export") == trained.host_files("export")

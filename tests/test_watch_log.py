@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from dflash_run import dflash_argv, dflash_env
 from support import kill_ssh_sessions
+from support.disk import fill, tmpfs
 from support_agent.harness import agent  # noqa: F401  (fixture)
 from support.wait import wait_until
 
@@ -222,3 +224,24 @@ def test_watch_started_again_after_a_truncation_resumes_in_the_new_content(agent
     assert (mirror / "train.log.seg1").read_bytes() == burst(300, 12)
     cursor = json.loads((mirror / "cursor.json").read_text())
     assert (cursor["segment"], cursor["offset"]) == (1, len(burst(300, 12)))
+
+
+def test_a_full_local_disk_ends_watch_with_its_own_exit_code_while_the_run_goes_on(agent, hosts, tmp_path):  # noqa: F811
+    agent.launch("full", [{"print": "[coordinator] the first line"}, {"wait_file": "go"},
+                          {"lines": {"count": 4000, "width": 200}}, {"wait_file": "end"}])
+    try:
+        with tmpfs(tmp_path / "logs", size_mib=1) as logs:
+            watch = Watch(hosts, logs, "full", "--host", "local")
+            watch.wait_out(b"the first line")
+            fill(logs)  # to its last byte
+            agent.touch("full", "go")
+            assert watch.finish() == 5, watch.stderr.decode()
+            stderr = " ".join(watch.stderr.decode().split())
+            local = logs / "local" / "full"
+            assert re.search(re.escape(f"dflash: error: the local disk is full: cannot write {local}") + r"\S* \(\d+ "
+                             + re.escape(f"bytes free on {logs}); the run on its host is not affected"), stderr), stderr
+            assert "Traceback" not in stderr
+            assert agent.status("full")["state"] in ("STARTING", "RUNNING")  # the run is not the watch's failure
+            assert [p.name for p in local.iterdir() if p.name.endswith(".tmp")] == []
+    finally:
+        agent.touch("full", "end")

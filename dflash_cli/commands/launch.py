@@ -247,7 +247,7 @@ def start(session: Session, options: LaunchOptions) -> Launched:
     run_id = new_run_id(options.run_name)
     reply = session.agent(host.name).call(LaunchReply, *_agent_args(host, config, run_id, options, source),
                                           stdin=_resolved(config))
-    launched = Launched(reply.run_id, (host.name,), (reply,))
+    launched = Launched(run_id, (host.name,), (reply,))  # the id sent: an answer picks no local folder
     set_latest(session.logs_dir, launched.ref)
     return launched
 

@@ -9,31 +9,45 @@ matches is not sent again. A part left by a dropped connection, Ctrl-C or a kill
 goes on from its length: the prefix names the version it belongs to, so bytes of two
 versions are never joined. The run may still be training: a folder the trainer replaced
 since the listing is refused by the host before a byte is sent, and listed again.
+
+What a host lists decides nothing about where files go here: a folder is export or
+checkpoints/step_NNNNNN, a file a plain relative path inside it with a sha256 of 64 hex
+digits, and none leads through a symlink; anything else is refused before a byte is
+written. pulled.json, beside the folders, lists every file pull put there (and every
+part it began); the tidy-up after a pull removes only files it lists. A full local disk
+ends the pull with an exit code of its own, the part being received removed.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import json
 import os
-from pathlib import Path, PurePosixPath
+import re
+import stat
+from pathlib import Path
 
 from rich.progress import Progress
 
 from dflash_agent.protocol import ArtifactsReply, ErrorKind, ErrorReply
 from dflash_files.atomic import fsync_path
-from dflash_files.checkpoint_files import EXPORT_DIR
+from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, STEP_FOLDER
+from dflash_files.diskspace import NO_SPACE
 
 from .. import console
 from ..agent_client import AgentClient
 from ..host_replies import parse_reply
 from ..errors import DflashError, ExitCode, UnreachableError
-from ..local_state import RunLogs, RunRef
+from ..local_state import RunLogs, RunRef, inside, local_disk_full, local_writes, write_atomic
 from ..progress import PROGRESS_ABOVE_BYTES, transfer_bars
 from ..retry import RETRY_FOR_S, Reconnects, retry_dropped
 from ..session import Session
 from ..transports import CommandFailed
 
 PART_SUFFIX = ".part"
+MANIFEST = "pulled.json"  # in logs/<host>/<run>/: {"files": [path under that folder, ...]}
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 #: listings made in one pull before giving up on a run that keeps replacing its export
 LISTINGS = 5
 _HASH_CHUNK = 1 << 20
@@ -46,6 +60,7 @@ class RemoteFile:
     size: int
     sha256: str
     identity: str  # what send-file checks: the file listed is the file sent
+    local: Path  # where it goes here: checked to stay inside the run's local folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,29 +80,111 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def local_name(host: str, folder: str) -> str:
+    """Where a listed folder goes, under logs/<host>/<run>/: export -> export,
+    checkpoints/step_X -> checkpoint/step_X; any other name `host` lists is refused."""
+    parts = folder.split("/")
+    if parts == [EXPORT_DIR]:
+        return EXPORT_DIR
+    if len(parts) == 2 and parts[0] == CHECKPOINTS_DIR and STEP_FOLDER.fullmatch(parts[1]):
+        return f"checkpoint/{parts[1]}"
+    raise DflashError(f"host {host}: refusing the listed folder {folder!r}: expected {EXPORT_DIR} or "
+                      f"{CHECKPOINTS_DIR}/step_NNNNNN", ExitCode.UNREACHABLE)
+
+
 def local_folder(logs: RunLogs, folder: str) -> Path:
-    """export -> logs/<host>/<run>/export; checkpoints/step_X -> .../checkpoint/step_X."""
-    return logs.export if folder == EXPORT_DIR else logs.checkpoint(PurePosixPath(folder).name)
+    """The local folder of a listed folder (`local_name`), checked as a path of the host's."""
+    return inside(logs.dir, local_name(logs.ref.host, folder), logs.ref.host)
 
 
 def part_path(local: Path, sha256: str) -> Path:
     return local.with_name(f"{local.name}.{sha256[:16]}{PART_SUFFIX}")
 
 
-def _remote_files(host: str, reply: ArtifactsReply) -> list[tuple[str, list[RemoteFile]]]:
-    """The listing, each path checked to stay inside its folder: a host names files, it
-    does not choose where they are written here."""
+def remote_files(logs: RunLogs, reply: ArtifactsReply) -> list[tuple[str, list[RemoteFile]]]:
+    """The listing, checked before anything is read or written here: a host names
+    folders and files, it does not choose where they go (`local_name`, `inside`)."""
+    host = logs.ref.host
     folders = []
     for entry in reply.folders:
+        folder = local_name(host, entry.folder)
         files = []
         for item in entry.files:
-            path = PurePosixPath(item.path)
-            if path.is_absolute() or ".." in path.parts or not path.parts:
-                raise DflashError(f"host {host}: refusing the listed path {item.path!r} "
-                                  f"of {entry.folder}", ExitCode.UNREACHABLE)
-            files.append(RemoteFile(entry.folder, path.as_posix(), item.size, item.sha256, item.identity))
+            if not _SHA256.fullmatch(item.sha256):
+                raise DflashError(f"host {host}: refusing {entry.folder}/{item.path!r}: its sha256 "
+                                  f"{item.sha256!r} is not 64 hex digits", ExitCode.UNREACHABLE)
+            local = inside(logs.dir, f"{folder}/{item.path}", host)
+            files.append(RemoteFile(entry.folder, item.path, item.size, item.sha256, item.identity, local))
+        if len({f.path for f in files}) != len(files):
+            raise DflashError(f"host {host}: refusing the listing of {entry.folder}: it names a file twice",
+                              ExitCode.UNREACHABLE)
         folders.append((entry.folder, files))
+    if len({entry.folder for entry in reply.folders}) != len(reply.folders):
+        raise DflashError(f"host {host}: refusing the listing: it names a folder twice", ExitCode.UNREACHABLE)
     return folders
+
+
+class Pulled:
+    """pulled.json: the files (and parts) pull put under logs/<host>/<run>/, as paths
+    relative to it. Written atomically before a file is begun, so that a pull killed
+    anywhere leaves nothing of its own unlisted."""
+
+    def __init__(self, logs: RunLogs):
+        self.root = logs.dir
+        self.path = logs.dir / MANIFEST
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            data = {"files": []}
+        except (OSError, ValueError) as exc:
+            raise DflashError(f"cannot read {self.path}: {exc}", ExitCode.USAGE,
+                              hint="remove it: pull then removes none of the files it brought before") from exc
+        files = data.get("files") if isinstance(data, dict) else None
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise DflashError(f"{self.path}: expected {{\"files\": [paths]}}", ExitCode.USAGE,
+                              hint="remove it: pull then removes none of the files it brought before")
+        self.files = set(files)
+
+    def relative(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+    def add(self, paths: set[Path]) -> None:
+        new = {self.relative(path) for path in paths} - self.files
+        if new:
+            self.files |= new
+            self.save()
+
+    def save(self) -> None:
+        write_atomic(self.path, json.dumps({"files": sorted(self.files)}, indent=1).encode())
+
+    def remove_others(self, folder: Path, keep: set[Path], host: str) -> int:
+        """Delete the files of `folder` this list holds and `keep` lacks (an older
+        export's, parts of another version), then the subfolders that left empty; a
+        file it lists that is gone or no longer a plain file is dropped from it, not
+        touched. How many were deleted."""
+        prefix = self.relative(folder) + "/"
+        kept = {self.relative(path) for path in keep}
+        removed, emptied = 0, set()
+        for name in sorted(f for f in self.files if f.startswith(prefix) and f not in kept):
+            self.files.discard(name)
+            try:
+                path = inside(self.root, name, host)
+            except DflashError:  # a symlink on its way now: not a file of pull's any more
+                continue
+            try:
+                regular = stat.S_ISREG(path.lstat().st_mode)
+            except FileNotFoundError:
+                continue
+            if regular:
+                path.unlink()
+                removed += 1
+                emptied.add(path.parent)
+        self.save()
+        for parent in sorted(emptied, key=lambda p: -len(p.parts)):
+            while parent != folder and parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+                parent = parent.parent
+        return removed
 
 
 class Puller:
@@ -103,6 +200,7 @@ class Puller:
         self.reconnects = Reconnects(retry_for)
         self.bytes_received = 0
         self.received: dict[Path, str] = {}  # local path -> sha256 this pull put there
+        self.pulled = Pulled(logs)
 
     def list(self, checkpoint: bool) -> list[tuple[str, list[RemoteFile]]]:
         args = ["--run-id", self.ref.run_id] + (["--checkpoint"] if checkpoint else [])
@@ -114,7 +212,7 @@ class Puller:
             raise
         if not reply.state.terminal:
             console.say(f"run {self.ref.run_id} is {reply.state}: pulling what it wrote so far")
-        return _remote_files(self.ref.host, reply)
+        return remote_files(self.logs, reply)
 
     def is_current(self, local: Path, remote: RemoteFile) -> bool:
         """The local copy is the listed file (a size check first spares hashing most
@@ -126,15 +224,28 @@ class Puller:
         except FileNotFoundError:
             return False
 
+    def part(self, local: Path, remote: RemoteFile) -> Path:
+        """The part `remote` is received into, beside `local`, checked as `local` was."""
+        return inside(self.logs.dir, self.pulled.relative(part_path(local, remote.sha256)), self.ref.host)
+
     def sync(self, checkpoint: bool) -> PullResult:
+        """Pull what the host lists now (listing again while it replaces a folder). A full
+        local disk ends it (`local_disk_full`), the part being received removed."""
+        with local_writes(self.logs.dir):
+            return self._sync(checkpoint)
+
+    def _sync(self, checkpoint: bool) -> PullResult:
         for _ in range(LISTINGS):
             listing = self.list(checkpoint)
-            wanted = [(local_folder(self.logs, folder) / f.path, f) for folder, files in listing for f in files]
+            wanted = [(f.local, f) for _, files in listing for f in files]
             missing = [(local, f) for local, f in wanted if not self.is_current(local, f)]
+            # Listed before a byte is written: every file this pull may make, final or part.
+            self.pulled.add({local for local, _ in wanted} | {self.part(local, f) for local, f in missing})
             self._show_progress(missing)
             if all(self.fetch(local, f) for local, f in missing):
                 folders = tuple(local_folder(self.logs, folder) for folder, _ in listing)
-                removed = sum(_remove_others(folder, {local for local, _ in wanted}) for folder in folders)
+                keep = {local for local, _ in wanted}
+                removed = sum(self.pulled.remove_others(folder, keep, self.ref.host) for folder in folders)
                 skipped = sum(1 for local, f in wanted if self.received.get(local) != f.sha256)
                 return PullResult(folders, len(wanted) - skipped, self.bytes_received, skipped, removed)
             console.say(f"run {self.ref.run_id}: a folder was replaced on {self.ref.host} while it was "
@@ -155,10 +266,18 @@ class Puller:
     def fetch(self, local: Path, remote: RemoteFile) -> bool:
         """Receive `remote` into its part, verify it and move it into place. False when
         the host's folder was replaced since it was listed."""
-        part = part_path(local, remote.sha256)
+        part = self.part(local, remote)
+        self.pulled.add({local, part})  # listed already when sync asks: no write then
         local.parent.mkdir(parents=True, exist_ok=True)
         for attempt in range(2):
-            if not self.receive(remote, part):
+            try:
+                received = self.receive(remote, part)
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise
+                part.unlink(missing_ok=True)  # its bytes would only hold the disk full
+                raise local_disk_full(part) from exc
+            if not received:
                 return False
             digest = sha256_file(part)
             if digest == remote.sha256:
@@ -204,11 +323,11 @@ class Puller:
                 return False  # the file ended early: it changed under its identity; list again
 
     def _send_file(self, remote: RemoteFile, part: Path, have: int) -> None:
-        with open(part, "ab") as out:
+        chunks = self.agent.chunks("send-file", "--run-id", self.ref.run_id, "--folder", remote.folder,
+                                   "--path", remote.path, "--offset", str(have), "--identity", remote.identity)
+        with open(part, "ab") as out, contextlib.closing(chunks):  # closed: a write that fails ends the command
             try:
-                for chunk in self.agent.chunks("send-file", "--run-id", self.ref.run_id,
-                                               "--folder", remote.folder, "--path", remote.path,
-                                               "--offset", str(have), "--identity", remote.identity):
+                for chunk in chunks:
                     out.write(chunk)
                     self.bytes_received += len(chunk)
                     if self.task is not None:
@@ -233,22 +352,6 @@ def _part_length(part: Path, size: int) -> int:
         part.unlink()
         return 0
     return have
-
-
-def _remove_others(folder: Path, keep: set[Path]) -> int:
-    """Delete files of `folder` the host's folder no longer has (an older export's, parts
-    of another version), so the folder is the host's; empty subfolders go too."""
-    removed = 0
-    if not folder.is_dir():  # the host's folder is empty
-        return 0
-    for path in sorted(folder.rglob("*"), reverse=True):
-        if path.is_dir() and not path.is_symlink():
-            if not any(path.iterdir()):
-                path.rmdir()
-        elif path not in keep:
-            path.unlink()
-            removed += 1
-    return removed
 
 
 def pull(session: Session, ref: RunRef, checkpoint: bool, bars: Progress | None = None,

@@ -176,7 +176,8 @@ def run_config(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
 def list_runs(session: Session, *, host_names: list[str], as_json: bool) -> ExitCode:
     """Each host's runs, newest first, with what each changed since the run before it on
     that host (MANIFESTs compared, differing files fetched once into the local cache).
-    No host named: the latest run's, else local."""
+    No host named: the latest run's, else local. A run whose run.json cannot be read is
+    named on stderr, the others listed all the same, and the exit code is 2."""
     if not host_names:
         latest = latest_host(session.logs_dir)
         if latest not in session.inventory.hosts:  # the inventory changed since that run
@@ -185,8 +186,10 @@ def list_runs(session: Session, *, host_names: list[str], as_json: bool) -> Exit
             latest = "local"
         host_names = [latest]
     store = ReleaseStore(session)
+    code = ExitCode.OK
     for name in host_names:
-        runs = list(session.agent(name).call(StatusReply).runs)
+        reply = session.agent(name).call(StatusReply)
+        runs = list(reply.runs)
         changes = {newer.run_id: change_since(store, name, older, newer.release_id)
                    for newer, older in zip(runs, runs[1:]) if newer.release_id and older.release_id}
         if as_json:
@@ -196,4 +199,8 @@ def list_runs(session: Session, *, host_names: list[str], as_json: bool) -> Exit
             for r in runs:
                 console.data(f"{name}\t{r.run_id}\t{r.state}\n")
             console.human.print(runs_table(f"runs on {name}", runs, changes))
-    return ExitCode.OK
+        for bad in reply.unreadable or ():
+            console.warn(console.printable(f"host {name}: run {bad.run_id} not listed: {bad.path} cannot be read "
+                                          f"({bad.error})"))
+            code = ExitCode.USAGE
+    return code

@@ -11,8 +11,8 @@ before sending a byte, so a client resuming at an offset never splices two versi
 `send-file --run-id ID --folder F --path P --identity I [--offset N]` writes F/P's bytes
 from N to its end on stdout, nothing else. Refused before any byte, the error reply the
 one line on stderr: kind "conflict" when the file is gone or its identity is no longer I
-(list again); "usage" for F other than export or checkpoints/<one name>, a P leading out
-of F, or N past the end.
+(list again); "usage" for F other than export or checkpoints/step_NNNNNN, a P leading
+out of F, or N past the end.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import stat
 import sys
 from typing import Dict, List
 
-from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, LATEST, SHA256SUMS
+from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, LATEST, SHA256SUMS, STEP_FOLDER
 
 from .jsonio import AgentError
 from .layout import RunDir
@@ -43,17 +43,29 @@ def artifacts(run: RunDir, checkpoint: bool) -> ArtifactsReply:
 
 
 def _latest_checkpoint(run: RunDir, state: RunState) -> str:
-    """checkpoints/<step folder> that `latest` names now."""
+    """checkpoints/<step folder> that `latest` names now. The trainer makes `latest` a
+    link to a step folder's bare name beside it; anything else (`..`, a path, a file
+    that is no link) would have a listing of some other folder sent as the checkpoint."""
+    link = os.path.join(CHECKPOINTS_DIR, LATEST)
     try:
-        name = os.readlink(run.file(os.path.join(CHECKPOINTS_DIR, LATEST)))
-    except OSError:
+        name = os.readlink(run.file(link))
+    except FileNotFoundError:
         raise AgentError("run %r has no checkpoint yet (state %s)" % (run.run_id, state), "not_found")
-    return CHECKPOINTS_DIR + "/" + os.path.basename(name)
+    except OSError:
+        raise AgentError("run %r: %s is not a link to a checkpoint folder" % (run.run_id, link), "host")
+    if not STEP_FOLDER.fullmatch(name):
+        raise AgentError("run %r: %s points to %r, which is not a checkpoint folder of the run (step_NNNNNN)"
+                         % (run.run_id, link, name), "host")
+    return CHECKPOINTS_DIR + "/" + name
 
 
 def _listing(run: RunDir, folder: str, state: RunState) -> ArtifactFolder:
+    # A step folder (or export/) that is a link would have another folder listed as it.
+    if os.path.islink(run.file(folder)):
+        raise AgentError("run %r: %s is a link, not a folder of the run" % (run.run_id, folder), "host")
     try:
-        fd = os.open(run.file(folder), os.O_RDONLY | os.O_DIRECTORY)
+        # O_NOFOLLOW: a link put there since is not followed either (it fails as not a folder)
+        fd = os.open(run.file(folder), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except (FileNotFoundError, NotADirectoryError):
         # export/ appears when training ends; a checkpoint only vanishes when pruned
         missing = "has no export yet" if folder == EXPORT_DIR else "lost %s meanwhile (pruned)" % folder
@@ -113,7 +125,7 @@ def identity(info: os.stat_result) -> str:
 def _check_folder(folder: str) -> None:
     parts = folder.split("/")
     if not (parts == [EXPORT_DIR] or (len(parts) == 2 and parts[0] == CHECKPOINTS_DIR
-                                  and parts[1] not in ("", ".", ".."))):
+                                  and STEP_FOLDER.fullmatch(parts[1]))):
         raise AgentError("--folder: expected %s or %s/<step folder>, got %r" % (EXPORT_DIR, CHECKPOINTS_DIR, folder),
                          "usage")
 

@@ -27,7 +27,7 @@ from dflash_files.atomic import write_json_atomic
 from .jsonio import AgentError, read_json
 from .layout import Workspace
 from .protocol import RunState
-from .state import derive_state, observe, read_record
+from .state import UnreadableRecord, derive_state, observe, read_record
 
 _RESOURCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -103,6 +103,8 @@ def holder_state(ws: Workspace, holder: Dict[str, Any]) -> RunState:
     try:
         run = ws.run(str(holder.get("run_id") or ""))
         record = read_record(run)
+    except UnreadableRecord:
+        raise  # whether that run still holds the resource cannot be told: named, not guessed
     except AgentError:
         return RunState.LOST
     except FileNotFoundError:

@@ -213,7 +213,7 @@ class ErrorReply(Message):
     error: str  # the message, for people
     kind: ErrorKind
     hint: Optional[str] = optional()  # what to do instead, shown under the message
-    path: Optional[str] = optional()  # kind host, no space left: the file it could not write
+    path: Optional[str] = optional()  # kind host: the file it could not write (no space left) or read (run.json)
     resource: Optional[str] = optional()  # a lock conflict: the resource in use...
     holders: Optional[Tuple[str, ...]] = optional()  # ... and the ids of the runs using it
     state: Optional[RunState] = optional()  # a refused resume: the run's state
@@ -317,12 +317,24 @@ class RunStatus(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class UnreadableRun(Message):
+    """A run whose run.json holds no JSON object (cut short, spoiled): named instead of listed."""
+
+    run_id: str
+    path: str  # its run.json
+    error: str  # what is wrong with it
+
+
+@dataclasses.dataclass(frozen=True)
 class StatusReply(Reply):
     """`status`: one run (--run-id), or every run of the host, newest first; --config (with
-    --run-id only, else kind usage) adds each RunStatus's config."""
+    --run-id only, else kind usage) adds each RunStatus's config. A run whose run.json
+    cannot be read is, with --run-id, an error of kind host naming the file; in the list,
+    one of `unreadable`, the others listed all the same."""
 
     VERB = "status"
     runs: Tuple[RunStatus, ...]
+    unreadable: Optional[Tuple[UnreadableRun, ...]] = optional()  # by run id; left out when there is none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,8 +479,9 @@ class ArtifactsReply(Reply):
     """`artifacts`: what `dflash pull` fetches, export/ and with --checkpoint the step folder
     checkpoints/latest names now, each read through one open descriptor of the folder so
     the listing is of one version even while the trainer replaces it. A run without
-    export/ (or checkpoint) -> not_found, naming the run's state. `send-file` then sends a
-    listed file's bytes."""
+    export/ (or checkpoint) -> not_found, naming the run's state; a `latest` that is not a
+    link to a step folder's name, or a listed folder that is a link -> host. `send-file`
+    then sends a listed file's bytes."""
 
     VERB = "artifacts"
     run_id: str

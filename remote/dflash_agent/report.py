@@ -7,8 +7,8 @@ from typing import Optional
 from . import stackdump
 from .jsonio import decode_bytes, read_tail_text
 from .layout import RunDir, Workspace
-from .protocol import ReportReply, StatusReply
-from .state import agent_error, derive_state, error_records, observe, read_record, run_status
+from .protocol import ReportReply, StatusReply, UnreadableRun
+from .state import UnreadableRecord, agent_error, derive_state, error_records, observe, read_record, run_status
 
 FAULTHANDLER_MAX_BYTES = 4 * 1024 * 1024
 
@@ -17,13 +17,16 @@ def status(ws: Workspace, run_id: Optional[str], with_config: bool = False) -> S
     if run_id is not None:
         return StatusReply(runs=(run_status(ws.existing_run(run_id), with_config),))
     runs = []
+    unreadable = []
     for run in ws.all_runs():
         try:
             runs.append(run_status(run))
         except FileNotFoundError:
             continue  # removed while we looked
+        except UnreadableRecord as exc:  # named; the other runs are listed all the same
+            unreadable.append(UnreadableRun(run_id=run.run_id, path=run.run_json, error=exc.problem))
     runs.sort(key=lambda r: (r.started_at or 0.0, r.run_id), reverse=True)
-    return StatusReply(runs=tuple(runs))
+    return StatusReply(runs=tuple(runs), unreadable=tuple(sorted(unreadable, key=lambda u: u.run_id)) or None)
 
 
 def _read_end(path: str, max_bytes: int) -> str:

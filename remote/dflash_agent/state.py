@@ -16,7 +16,7 @@ from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TY
 
 from dflash_files import procfs
 from .attempts import newest_checkpoint
-from .jsonio import decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
+from .jsonio import AgentError, decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
 from .layout import RunDir
 from .protocol import RunState, RunStatus
 
@@ -203,10 +203,29 @@ def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
     )
 
 
+class UnreadableRecord(AgentError):
+    """run.json is there but holds no JSON object (cut short, spoiled): kind host, naming
+    the file. The run cannot be shown, followed or resumed until it is repaired or
+    removed; the host's other runs are not its concern."""
+
+    def __init__(self, run: RunDir, problem: str):
+        super().__init__("run %r: %s cannot be read (%s): the run cannot be shown, followed or resumed until "
+                         "it is repaired or removed" % (run.run_id, run.run_json, problem), "host",
+                         path=run.run_json)
+        self.problem = problem
+
+
 def read_record(run: RunDir) -> Dict[str, Any]:
-    record = read_json(run.run_json)
-    if not isinstance(record, dict):
+    """run.json; FileNotFoundError when there is none, UnreadableRecord when it holds no
+    JSON object."""
+    try:
+        record = read_json(run.run_json)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise UnreadableRecord(run, "%s: %s" % (type(exc).__name__, exc))
+    if record is None:
         raise FileNotFoundError(run.run_json)
+    if not isinstance(record, dict):
+        raise UnreadableRecord(run, "a JSON %s, not an object" % type(record).__name__)
     return record
 
 
@@ -224,8 +243,10 @@ def agent_error(run: RunDir, record: Dict[str, Any]) -> Optional[str]:
 
 def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state: RunState) -> Optional[str]:
     """Why a FAILED, LOST or DEGRADED run's latest attempt failed, in one line: its first
-    error record (`exc_type: message`), else what its supervisor said (exit.json's
-    `error`, else its last error in agent.log); None when nothing says, or for another state."""
+    error record (`exc_type: message`), else exit.json's `error`, else the kernel's OOM
+    killer when exit.json says it ended the trainer, else a boot of the host since the
+    attempt started (no exit.json), else its supervisor's last error in agent.log, else
+    how exit.json says the trainer ended; None when nothing says, or for another state."""
     if state not in (RunState.FAILED, RunState.LOST, RunState.DEGRADED):
         return None
     errors = attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))
@@ -233,7 +254,35 @@ def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state:
         first = errors[0]
         text = first["raw"] if "raw" in first else "%s: %s" % (first.get("exc_type"), first.get("message"))
         return text.splitlines()[0]  # never empty: error_records skips blank lines
-    return (obs.exit or {}).get("error") or agent_error(run, record)
+    ended = obs.exit or {}
+    if ended.get("error"):
+        return ended["error"]
+    if ended.get("oom_killed"):
+        return ("the kernel's OOM killer ended the trainer (%s): the host, or its container's limit, ran out of "
+                "memory" % ended.get("signal"))
+    booted = _booted_since(record) if obs.exit is None else None
+    if booted:
+        return booted
+    return agent_error(run, record) or _ended_by(ended)
+
+
+def _booted_since(record: Dict[str, Any]) -> Optional[str]:
+    """The host booted again since the attempt started (its boot id changed): every
+    process of the run ended with it."""
+    recorded, current = record.get("boot_id"), procfs.boot_id()
+    if not recorded or not current or recorded == current:
+        return None
+    return ("the host booted again since the run started (boot id %s then, %s now): its trainer ended with it"
+            % (recorded, current))
+
+
+def _ended_by(ended: Dict[str, Any]) -> Optional[str]:
+    """How exit.json says the trainer ended, when it says it failed."""
+    if ended.get("signal"):
+        return "the trainer was killed by %s" % ended["signal"]
+    if ended.get("exit_code"):
+        return "the trainer exited with code %s" % ended["exit_code"]
+    return None
 
 
 def run_status(run: RunDir, with_config: bool = False) -> RunStatus:

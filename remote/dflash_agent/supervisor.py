@@ -185,8 +185,11 @@ def _tell_peers(plan: TrainerPlan, exit_record: Dict[str, Any]) -> None:
         return
     if plan.distributed.get("rank") == 0:  # the store lived in this trainer: the peers see it gone
         return
+    rank, hosts = plan.distributed.get("rank"), plan.distributed.get("hosts") or []
+    # The name the peers and the CLI know this host by (the inventory's), not the machine's own.
+    name = hosts[rank] if isinstance(rank, int) and 0 <= rank < len(hosts) else socket.gethostname()
     message = "the trainer on %s was killed by %s%s" % (
-        socket.gethostname(), exit_record["signal"], " (the kernel's OOM killer)" if exit_record.get("oom_killed") else "")
+        name, exit_record["signal"], " (the kernel's OOM killer)" if exit_record.get("oom_killed") else "")
     argv = [plan.python, "-m", "dflash_train.peer_notice", "--message", message,
             "--timeout-s", str(PEER_NOTICE_TIMEOUT_S)]
     log("telling the peers: %s" % message)
