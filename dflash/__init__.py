@@ -65,7 +65,9 @@ def __getattr__(name: str) -> Any:
     if name == "__version__":
         from importlib import metadata
 
-        return metadata.version("dflash")
+        from dflash_cli import DISTRIBUTION
+
+        return metadata.version(DISTRIBUTION)
     raise AttributeError(f"module 'dflash' has no attribute {name!r}")
 
 

@@ -16,6 +16,7 @@ from . import console, deploy_early, retry, run_hosts
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, resolve_run
+from .project_tree import in_state_root
 from .run_hosts import Reach
 from .session import CLI_CONFIG_ENV, DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
 
@@ -32,6 +33,14 @@ class _Group(click.Group):
             console.say("interrupted")
             ctx.exit(int(ExitCode.INTERRUPTED))
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Each command's first sentence whole, wrapped: click cuts it to one line with `...`."""
+        rows = [(name, command.get_short_help_str(limit=sys.maxsize)) for name in self.list_commands(ctx)
+                if (command := self.get_command(ctx, name)) is not None and not command.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
 
 def _fail(ctx: click.Context, exc: DflashError) -> None:
     """The core's error as a message and its exit code."""
@@ -45,6 +54,8 @@ def _fail(ctx: click.Context, exc: DflashError) -> None:
 def _chosen_run(session: Session, run_id: str | None, host_name: str | None, reach: Reach) -> RunRef:
     """RUN and --host of the command running, as run_hosts.chosen_run reads them."""
     verb = click.get_current_context().info_name
+    if host_name is not None and host_name not in session.inventory.hosts and not (session.logs_dir / host_name).is_dir():
+        session.host(host_name)  # a host neither known nor recorded: that is the error, not a missing run
     return run_hosts.chosen_run(session, run_id, host_name, reach, naming=f"dflash {verb} RUN --host HOST")
 
 
@@ -62,9 +73,10 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--hosts", "hosts_file", envvar=HOSTS_ENV, type=click.Path(dir_okay=False),
-              help=f"Host inventory (default: ./configs/hosts.yaml; env {HOSTS_ENV}).")
-@click.option("--logs-dir", default=DEFAULT_LOGS, envvar=LOGS_ENV, show_default=True,
-              type=click.Path(file_okay=False), help="Where fetched logs and tracebacks are kept.")
+              help=f"Host inventory (default: configs/hosts.yaml of the project root; env {HOSTS_ENV}).")
+@click.option("--logs-dir", envvar=LOGS_ENV, type=click.Path(file_okay=False),
+              help=f"Where fetched logs and tracebacks are kept (default: {DEFAULT_LOGS}/ of the project root, the "
+                   f"nearest folder up holding configs/hosts.yaml, dflash.yaml or {DEFAULT_LOGS}/; env {LOGS_ENV}).")
 @click.option("--accept-new-host-key", is_flag=True,
               help="Record the SSH host key of a host seen for the first time instead of refusing it.")
 @click.option("--cli-config", "cli_config_file", envvar=CLI_CONFIG_ENV, type=click.Path(dir_okay=False),
@@ -72,7 +84,7 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
               help="Print dflash's version and the release id the current tree would deploy, then exit.")
 @click.pass_context
-def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_host_key: bool,
+def main(ctx: click.Context, hosts_file: str | None, logs_dir: str | None, accept_new_host_key: bool,
          cli_config_file: str | None) -> None:
     """Train DFlash drafters on remote GPU hosts and see why they failed, at once.
 
@@ -82,7 +94,7 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str, accept_new_h
     Data goes to stdout; progress and tables to stderr.
     """
     # deploy_early's session when the `dflash` command made one for these options (its probes under way)
-    ctx.obj = ctx.with_resource(contextlib.closing(deploy_early.session(hosts_file, Path(logs_dir), accept_new_host_key,
+    ctx.obj = ctx.with_resource(contextlib.closing(deploy_early.session(hosts_file, Path(logs_dir or in_state_root(DEFAULT_LOGS)), accept_new_host_key,
                                                                         cli_config_file)))
 
 

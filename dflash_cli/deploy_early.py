@@ -58,12 +58,13 @@ def start(argv: Sequence[str]) -> bool:
         return False
     from .deployment import probe_argv, start_probes
     from .errors import DflashError
+    from .project_tree import in_state_root
     from .session import CLI_CONFIG_ENV, DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
 
     options, names = parsed
     # the defaults as the click layer takes them: its options, else their environment variables
     session = Session(options.get("hosts_file") or os.environ.get(HOSTS_ENV) or None,
-                      Path(options.get("logs_dir") or os.environ.get(LOGS_ENV) or DEFAULT_LOGS),
+                      Path(options.get("logs_dir") or os.environ.get(LOGS_ENV) or in_state_root(DEFAULT_LOGS)),
                       bool(options.get("accept_new_host_key")),
                       options.get("cli_config_file") or os.environ.get(CLI_CONFIG_ENV) or None)
     source_dir = Path(options["source_dir"]) if "source_dir" in options else None

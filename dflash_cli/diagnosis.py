@@ -211,6 +211,13 @@ def _disk_full(match: re.Match[str], failure: Failure) -> str:
             f"`dflash gc {shlex.quote(failure.host)}`), then `dflash resume {shlex.quote(failure.run_id)}`")
 
 
+def _hub_unreachable(match: re.Match[str], failure: Failure) -> str:
+    return (f"a model was not in {failure.host}'s Hugging Face cache and the hub could not be reached from there "
+            "(no network, or HF_HUB_OFFLINE); download it on the host into the cache its HF_HOME names "
+            "(`hf download ID`), or name a model folder in target.path (evaluate.drafter); `dflash launch --dry-run` "
+            "checks this before a run starts")
+
+
 # -- CUDA-graph trees in threads ------------------------------------------------------------
 
 def _cudagraph_trees_tls(match: re.Match[str], failure: Failure) -> str:
@@ -293,6 +300,9 @@ SIGNATURES: tuple[Signature, ...] = (
     Signature("disk full", ("DiskFull",),
               re.compile(r"no space left on device writing (?P<path>.+?) \((?P<free>\d+) bytes free on "
                          r"(?P<mount>[^;)]+)"), _disk_full),
+    Signature("hub unreachable", ("OSError",),
+              re.compile(r"We couldn't connect to '(?P<endpoint>[^']+)' to load the files, and couldn't find them in "
+                         r"the cached files"), _hub_unreachable),
     Signature("CUDA-graph trees in threads", ("AssertionError",),
               re.compile(r"cudagraph_trees\.py\", line \d+, in get_obj\n\s*assert torch\._C\._is_key_in_tls\("),
               _cudagraph_trees_tls),

@@ -2,11 +2,10 @@
 a host (dflash_train.memory.plan) against that host's GPUs, before anything is deployed
 or started (docs/fit-check.md).
 
-The host's facts come in one round trip: the agent's gpus.py, sent with `python -c` (it
-imports nothing of its package, so it runs on a fresh host and whatever release is
-current there), answers nvidia-smi's GPUs and the target's config.json (an absolute
-folder, or a hub id in the host's HF cache). A relative target.path is the release's,
-which is this tree's: its config.json is read here.
+The host's facts come in the round trip of the launch's host check (host_check.py): the
+agent's gpus.fit_facts answers nvidia-smi's GPUs and the target's config.json (an
+absolute folder, or a hub id in the host's HF cache). A relative target.path is the
+release's, which is this tree's: its config.json is read here.
 """
 from __future__ import annotations
 
@@ -15,24 +14,15 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_agent import gpus
 from dflash_agent.protocol import FitFacts, Gpu
 from dflash_train.memory.plan import GIB, DevicePlan, MemoryPlan, TargetShape, estimate, usable_bytes
 from rich.table import Table
 
 from . import console
-from .agent_client import python_argv, read_probe
-from .host_replies import check_interpreter, parse_reply
 from .errors import DflashError, ExitCode
-from .inventory import Host
-from .session import Session
 
 if TYPE_CHECKING:
     from dflash_train.config import JobConfig
-
-PROBE = Path(gpus.__file__).read_text()
-PROBE_TIMEOUT_S = gpus.NVIDIA_SMI_TIMEOUT_S + 45
-
 
 def unchecked(config: JobConfig) -> str | None:
     """Why a config needs no fit check, or None when it does."""
@@ -85,41 +75,35 @@ def _times(count: int) -> str:
     return f" x{count}" if count > 1 else ""
 
 
-def probe(session: Session, host: Host, model: str | None) -> FitFacts:
-    """The host's GPUs and, for `model`, the target's config.json (gpus.fit_facts)."""
-    args = ["--fit-facts", *([f"--model={model}"] if model is not None else []),
-            *(f"--env={key}={value}" for key, value in host.env.items())]
-    done = session.transport(host).run(python_argv(host, PROBE, host.workspace, *args), timeout=PROBE_TIMEOUT_S)
-    check_interpreter(host, done)
-    answer = parse_reply(done.stdout)
-    if done.exit_code != 0 or answer is None:
-        raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}) reading its GPUs: "
-                          f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
-    return read_probe(host, FitFacts, answer)
+def remote_model(config: JobConfig, tree_root: Path) -> str | None:
+    """The target whose config.json the host is asked for: none for a tiny target or a
+    folder of the tree being deployed (read here)."""
+    if config.target.tiny is not None or _local_target(config, tree_root) is not None:
+        return None
+    return config.target.path
 
 
-def assess(session: Session, host: Host, config: JobConfig, tree_root: Path, world_size: int = 1,
+def assess(host_name: str, config: JobConfig, facts: FitFacts, tree_root: Path, world_size: int = 1,
            rank: int = 0) -> HostFit:
-    """`host`'s part of the run (rank `rank` of `world_size`) planned against its GPUs."""
+    """`host_name`'s part of the run (rank `rank` of `world_size`) planned against its
+    GPUs, as `facts` (gpus.fit_facts for remote_model) report them."""
     local = _local_target(config, tree_root)
-    remote_model = None if config.target.tiny is not None or local is not None else config.target.path
-    facts = probe(session, host, remote_model)
     found = {gpu.index: gpu for gpu in facts.gpus}
     if facts.problem:
-        return HostFit(host.name, None, found, f"not checked: {facts.problem}")
+        return HostFit(host_name, None, found, f"not checked: {facts.problem}")
     if any(gpu.memory_total_mib is None for gpu in found.values()):
-        return HostFit(host.name, None, found, "not checked: nvidia-smi does not report memory.total")
+        return HostFit(host_name, None, found, "not checked: nvidia-smi does not report memory.total")
     if config.target.tiny is not None:
         target = TargetShape.from_tiny(config.target.tiny)
     else:
         fields, where = local or (facts.target, facts.target_source or facts.target_problem)
         if fields is None:
-            return HostFit(host.name, None, found, f"not checked: target.path: {where}")
+            return HostFit(host_name, None, found, f"not checked: target.path: {where}")
         try:
             target = TargetShape.from_config_json(fields)
         except ValueError as exc:
-            return HostFit(host.name, None, found, f"not checked: {where}: {exc}")
-    return HostFit(host.name, estimate(config, target, world_size=world_size, rank=rank), found)
+            return HostFit(host_name, None, found, f"not checked: {where}: {exc}")
+    return HostFit(host_name, estimate(config, target, world_size=world_size, rank=rank), found)
 
 
 def _local_target(config: JobConfig, tree_root: Path) -> tuple[dict, str] | None:
@@ -147,13 +131,6 @@ def report(fits: list[HostFit]) -> None:
         console.say(f"{fit.host}: GPU memory fits (estimated peak of usable): " + ", ".join(
             f"{device.device} {_gib(device.total)} of {_gib(usable_bytes(fit.gpus[device.index].memory_total_mib))}"
             for device in fit.plan.devices))
-
-
-def refuse_unless_fits(fits: list[HostFit], consequence: str, hint: str | None = None) -> None:
-    """DflashError (exit 2) naming every device that cannot hold its part."""
-    problems = [problem for fit in fits for problem in fit.problems()]
-    if problems:
-        raise DflashError("; ".join(problems) + f" ({consequence})", ExitCode.USAGE, hint=hint)
 
 
 def show(fits: list[HostFit]) -> None:

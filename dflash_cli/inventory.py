@@ -15,6 +15,7 @@ from typing import Literal, Mapping, Sequence
 import dflash_schema
 
 from .errors import DflashError, ExitCode
+from .project_tree import in_state_root
 
 DEFAULT_INVENTORY = Path("configs/hosts.yaml")
 LOCAL_WORKSPACE = "~/.dflash/local"
@@ -150,7 +151,7 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
     A file named explicitly must exist; the default one may be absent (then only the
     built-in `local` host exists)."""
     explicit = path or os.environ.get("DFLASH_HOSTS")
-    file = Path(explicit) if explicit else DEFAULT_INVENTORY
+    file = Path(explicit) if explicit else Path(in_state_root(str(DEFAULT_INVENTORY)))
     hosts: dict[str, Host] = {"local": builtin_local()}
     if not file.exists():
         if explicit:

@@ -14,6 +14,7 @@ from pathlib import Path
 import dflash_schema
 
 from .errors import DflashError, ExitCode
+from .project_tree import in_state_root
 from .trackers.config import TrackerSettings
 
 DEFAULT_LOCAL_CONFIG = Path("dflash.yaml")
@@ -29,7 +30,7 @@ def load_local_config(path: str | os.PathLike[str] | None = None) -> LocalConfig
     """The file named by `path`, DFLASH_CLI_CONFIG or ./dflash.yaml. A file named
     explicitly must exist; without the default one nothing is configured."""
     explicit = path or os.environ.get("DFLASH_CLI_CONFIG")
-    file = Path(explicit) if explicit else DEFAULT_LOCAL_CONFIG
+    file = Path(explicit) if explicit else Path(in_state_root(str(DEFAULT_LOCAL_CONFIG)))
     if not file.exists():
         if explicit:
             raise DflashError(f"{file}: CLI config file not found", ExitCode.USAGE)

@@ -22,6 +22,7 @@ from dflash_agent import jsonio
 from dflash_files import atomic, diskspace
 
 from .errors import DflashError, ExitCode
+from .project_tree import STATE_MARKERS, state_root
 
 
 HOSTS_FILE = "hosts.json"  # logs/<host>/<run>/: the hosts of a run on several hosts
@@ -282,8 +283,10 @@ def resolve_run(logs_dir: Path, run_id: str | None, host: str | None, naming: st
         if latest is not None and host and host in latest.hosts:
             return RunRef(host, latest.run_id)
         if latest is None or (host and latest.host != host):
+            no_root = "" if state_root() else (f" (no project root above {os.getcwd()}: no folder there holds "
+                                               f"{', '.join(STATE_MARKERS)})")
             raise DflashError("no run given and no latest run recorded in "
-                              f"{logs_dir / LATEST_FILE}", ExitCode.USAGE,
+                              f"{logs_dir / LATEST_FILE}{no_root}", ExitCode.USAGE,
                               hint=f"name the run: {naming or 'RUN and --host HOST'}")
         return latest
     if latest and latest.run_id == run_id:

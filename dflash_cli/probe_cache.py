@@ -231,7 +231,9 @@ def _key(argv: Sequence[str], options: dict[str, str | bool]) -> dict:
     current directory, the variables in _ENVIRONMENT, the inventory file and its bytes
     (as latin-1 text: every byte kept), and the size, times and inode of each ssh config
     file and of the receiver."""
-    hosts_file = options.get("hosts_file") or os.environ.get("DFLASH_HOSTS") or _DEFAULT_INVENTORY
+    from .project_tree import in_state_root  # the standard library's os alone
+
+    hosts_file = options.get("hosts_file") or os.environ.get("DFLASH_HOSTS") or in_state_root(_DEFAULT_INVENTORY)
     assert isinstance(hosts_file, str)
     config = os.environ.get("DFLASH_SSH_CONFIG")
     configs = [config] if config else [os.path.expanduser(path) for path in _SSH_CONFIGS]

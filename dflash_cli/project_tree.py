@@ -18,6 +18,32 @@ BUNDLED_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_releas
 SHIPPED = (BUNDLED_DIR, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
+#: What makes a folder the root of a project's local state, as `.git` makes git's: the
+#: inventory, dflash.yaml or the logs folder. The defaults of --hosts, --cli-config and
+#: --logs-dir are found there from any folder under it (docs/cli.md "Local state").
+STATE_MARKERS = ("configs/hosts.yaml", "dflash.yaml", "logs")
+
+
+def state_root(cwd: str | None = None) -> str | None:
+    """The nearest folder holding `cwd` (default: the current one, itself included) that
+    holds one of STATE_MARKERS; None when no folder up to / does."""
+    folder = os.path.realpath(cwd or os.getcwd())
+    while True:
+        if any(os.path.exists(os.path.join(folder, marker)) for marker in STATE_MARKERS):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+def in_state_root(relative: str) -> str:
+    """`relative` (a default: logs, configs/hosts.yaml, dflash.yaml) in the state root,
+    or as given (under the current folder) when there is none."""
+    root = state_root()
+    return relative if root is None else os.path.join(root, relative)
+
+
 def is_project_tree(folder: str | os.PathLike[str]) -> bool:
     return all(os.path.isfile(os.path.join(folder, marker)) for marker in PROJECT_MARKERS)
 

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from . import release
+from . import DISTRIBUTION, release
 
 #: run.json lists at most this many modified paths: the record travels to the host as one
 #: argument (Linux caps one at 128 KiB), and diff_sha256 covers every change anyway.
@@ -34,7 +34,7 @@ def _dflash_version() -> str | None:
     from importlib import metadata  # read here: its import costs more than the rest of the module
 
     try:
-        return metadata.version("dflash")
+        return metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return None
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from .errors import DflashError
 from .inventory import Host, Inventory, load_inventory
+from .project_tree import in_state_root
 from .transports import open_transport
 from .transports.base import Transport
 
@@ -61,7 +62,7 @@ class Session:
         DFLASH_CLI_CONFIG, else the defaults (./configs/hosts.yaml or the built-in `local`,
         ./logs, ./dflash.yaml when there is one)."""
         hosts = os.fspath(hosts_file) if hosts_file is not None else os.environ.get(HOSTS_ENV)
-        logs = logs_dir if logs_dir is not None else os.environ.get(LOGS_ENV, DEFAULT_LOGS)
+        logs = logs_dir if logs_dir is not None else os.environ.get(LOGS_ENV) or in_state_root(DEFAULT_LOGS)
         cli_config = os.fspath(cli_config_file) if cli_config_file is not None else None
         return cls(hosts, Path(logs), accept_new_host_key, cli_config)
 

@@ -143,8 +143,8 @@ def make_inventory(ssh_node: SshNode, fake_pve: FakePve) -> Iterator[Callable[..
 
 @pytest.fixture(autouse=True)
 def logs_outside_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CLI's default logs folder is `logs` in the working directory, the checkout when
-    the suite runs: every test gets its own instead (DFLASH_LOGS is --logs-dir's
+    """The CLI's default logs folder is `logs` in the project root, the checkout when the
+    suite runs: every test gets its own instead (DFLASH_LOGS is --logs-dir's
     variable), so no test writes into the checkout."""
     monkeypatch.setenv("DFLASH_LOGS", str(tmp_path / "logs"))
 

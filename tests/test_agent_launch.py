@@ -363,8 +363,11 @@ def test_preflight_accepts_what_the_trainer_can_load(agent):
     checkpoint = agent.workspace / "step_000010"
     checkpoint.mkdir()
     (checkpoint / "state.json").write_text("{}")
-    agent.launch("fine", [], "--require-path=model:target.path=model",
-                 "--require-path=model:target.path=Qwen/Qwen3-8B",  # a hub id: found by the trainer
+    from test_fit_check import cache_hub_model
+
+    cache_hub_model(agent.workspace / "hf", "Qwen/Qwen3-8B", {"model_type": "qwen3"})
+    agent.launch("fine", [], "--require-path=model:target.path=model", f"--env=HF_HOME={agent.workspace / 'hf'}",
+                 "--require-path=model:target.path=Qwen/Qwen3-8B",  # a hub id in the host's cache
                  "--require-path=file:data.train=data/train.jsonl",
                  f"--require-path=checkpoint:checkpoint.resume={checkpoint}",
                  "--require-module=json")

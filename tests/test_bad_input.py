@@ -13,8 +13,7 @@ import yaml
 
 from dflash_agent import preflight
 from dflash_files import procfs
-from dflash_cli import release as release_tree
-from dflash_run import dflash_in_process
+from dflash_run import REPO, dflash_in_process
 from support import container_workspace, workspace_on_node
 from support.disk import fill, tmpfs
 from support.train_configs import small_config
@@ -121,16 +120,15 @@ def test_paths_missing_on_the_host_are_named_before_anything_starts(make_invento
     done = dflash_in_process("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
-    # Relative paths are the release's, the one this launch installed: `current` stays where it was.
-    release_id = release_tree.scan().release_id
-    assert not (workspace_on_node(fake_pve, tmp_path) / "current").exists()
-    release = container_workspace(fake_pve, tmp_path) / "releases" / release_id  # as the container sees it
-    (error,) = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
+    # Relative paths are the release's, this tree: checked here, before anything is deployed.
+    assert not (workspace_on_node(fake_pve, tmp_path) / "releases").exists()
+    (error,) = [line for line in " ".join(done.stderr.split()).split(" hint: ") if line.startswith("dflash: error:")]
     assert error == (
         "dflash: error: host ct200: target.path: /nonexistent/model does not exist "
         "(and '/nonexistent/model' is not a Hugging Face hub id); "
         "data.train: /nonexistent/chats.jsonl does not exist; "
-        f"data.eval: {release}/data/eval.jsonl does not exist")
+        f"data.eval: data/eval.jsonl is not in the release: the deploy sends what git would commit of remote/ and "
+        f"configs/ of {REPO}, which holds no such file or folder (nothing was deployed or started)")
     nothing_started(workspace_on_node(fake_pve, tmp_path))
 
 
@@ -162,14 +160,20 @@ def test_a_full_disk_is_named_with_its_host_and_path(make_inventory, tmp_path):
     hosts = make_inventory(tmp_path)
     config = small_config(tmp_path / "c.yaml")
     with tmpfs(tmp_path / "node ws", size_mib=16) as workspace:
-        filler = fill(workspace)  # before the release is there: the deploy of the launch fails
+        filler = fill(workspace)
+        done = dflash_in_process("deploy", "node", hosts=hosts)
+        assert done.returncode == 2, done.stderr
+        assert (f"host node: no space left on device in {workspace}: deploy install failed; "
+                "the previous release stays current") in " ".join(done.stderr.replace("│", " ").split())
+        # The launch checks the room before its deploy: it refuses with nothing sent.
         done = dflash_in_process("launch", "node", "--config", str(config), hosts=hosts)
         assert done.returncode == 2, done.stderr
-        assert (f"dflash: error: host node: no space left on device in {workspace}: deploy install failed; "
-                "the previous release stays current") in done.stderr
+        assert (f"dflash: error: host node: only 0.0 MiB free on the filesystem of {workspace}; "
+                f"a run needs at least {preflight.MIN_FREE_MIB} MiB (nothing was deployed or started)"
+                ) in " ".join(done.stderr.split())
         filler.unlink()
         assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
-        fill(workspace)  # the release is there: the agent's preflight refuses the run
+        fill(workspace)  # the release is there: the launch refuses the run all the same
         done = dflash_in_process("launch", "node", "--config", str(config), hosts=hosts)
         assert done.returncode == 2, done.stderr
         assert (f"dflash: error: host node: only 0.0 MiB free on the filesystem of {workspace}; "

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import dflash_schema
-from dflash_cli import release
+from dflash_cli import DISTRIBUTION, release
 from dflash_cli.cli import main
 from dflash_run import REPO, dflash
 from dflash_train.config import load_job_config, resolved_yaml
@@ -192,7 +192,7 @@ def test_version_names_the_release_deploy_sends_without_loading_ssh(tmp_path):
     shown = dflash("--version", cwd=REPO, env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert shown.returncode == 0, shown.stderr
     tree = release.scan(REPO)
-    assert shown.stdout == f"dflash {metadata.version('dflash')}\nrelease {tree.release_id}\n"
+    assert shown.stdout == f"dflash {metadata.version(DISTRIBUTION)}\nrelease {tree.release_id}\n"
     assert f"source: {REPO} (" in shown.stderr  # the line deploy prints
     imported = {line.rsplit("|", 1)[-1].strip() for line in shown.stderr.splitlines() if line.startswith("import time:")}
     assert "click" in imported and not {"fabric", "paramiko", "invoke"} & imported

@@ -141,6 +141,17 @@ def test_a_full_disk_names_its_mount_and_the_resume(tmp_path):
     assert said.endswith("then `dflash resume 'my run-1'`")
 
 
+def test_a_model_neither_cached_nor_downloadable_names_the_hosts_cache(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty hf home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as a host without the hub's network fails, at once
+    said = line(recorded(caught(lambda: AutoConfig.from_pretrained("Qwen/Qwen3-8B")), thread="target-0"))
+    assert said is not None and said.startswith(
+        "a model was not in ct200's Hugging Face cache and the hub could not be reached from there"), said
+    assert "`dflash launch --dry-run` checks this before a run starts" in said
+
+
 # -- CUDA out of memory -------------------------------------------------------------------
 
 def test_cuda_oom_says_the_gpu_and_the_sizes_and_without_a_ledger_the_token_budget():

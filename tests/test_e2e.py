@@ -292,6 +292,8 @@ def test_a_hung_run_is_stalled_and_its_stacks_show_the_hanging_thread_by_name(be
 
     status = wait_until(stalled, 120, "the run to be STALLED")
     assert status.returncode == 1  # not fine
+    shown = bed.dflash("status", run_id, "--host", "ct200")
+    assert f"where its threads hang: dflash stacks {run_id} --host ct200" in shown.stderr
 
     stacks = bed.dflash("stacks", run_id, "--host", "ct200")
     assert stacks.returncode == 0, stacks.stderr

@@ -242,7 +242,7 @@ def test_a_host_that_refuses_starts_nothing_anywhere(pair, tmp_path):
     done = pair.dflash("launch", "ct200", "ct202", "--config", str(config))
     assert done.returncode == 2, done.stderr
     assert f"host ct202: data.train: {data} does not exist" in done.stderr
-    assert "nothing was started on any host" in done.stderr and "host ct200" not in done.stderr
+    assert "(nothing was deployed or started)" in done.stderr and "host ct200" not in done.stderr
     assert done.stdout == ""
     for vmid in (200, 202):
         assert not pair.on_node(vmid, "runs").exists()

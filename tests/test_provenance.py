@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_cli import provenance, release
+from dflash_cli import DISTRIBUTION, provenance, release
 from dflash_run import REPO, dflash, dflash_env
 from support import copy_release_dirs, workspace_on_node
+from support.checkout import build_wheel
 from support.inventory import HOST_ENV
 from support.train_configs import small_config
 
@@ -132,7 +133,7 @@ def test_dflash_version_is_looked_up_for_a_kept_record_or_a_line_that_shows_it()
 
     tree = release.scan(REPO)
     checkout, bundled = release.SourceTree(REPO, "checkout"), release.SourceTree(REPO, "bundled")
-    installed = metadata.version("dflash")
+    installed = metadata.version(DISTRIBUTION)
     assert provenance.describe(checkout, tree)["dflash_version"] == installed  # launch keeps it in run.json
     assert provenance.describe(checkout, tree, version=False)["dflash_version"] is None  # deploy's line
     shown = provenance.describe(bundled, tree, version=False)
@@ -206,11 +207,6 @@ def installed_wheel(tmp_path) -> Path:
     isolation) and installed, not editable, into a fresh venv; returns its `dflash`.
     The venv reaches this interpreter's packages (click, fabric, …) through a .pth
     written after the install, so pip never sees the editable dflash there."""
-    src = copy_release_dirs(tmp_path / "build src")
-    for name in ("pyproject.toml", "setup.py", "README.md"):
-        shutil.copy(REPO / name, src / name)
-    for package in ("dflash", "dflash_cli"):
-        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in dflash_env().items() if k != "PYTHONPATH"}
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     venv = tmp_path / "venv"
@@ -220,10 +216,8 @@ def installed_wheel(tmp_path) -> Path:
         assert done.returncode == 0, f"{argv} failed:\n{done.stdout}\n{done.stderr}"
         return done.stdout
 
-    run(*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-        "-w", str(tmp_path / "dist"), str(src))
+    wheel = build_wheel(tmp_path)
     run(sys.executable, "-m", "venv", "--without-pip", str(venv))
-    (wheel,) = (tmp_path / "dist").glob("dflash-*.whl")
     run(*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", "-q", str(wheel))
     site = run(str(venv / "bin" / "python"), "-c",
                "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()

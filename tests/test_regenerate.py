@@ -16,7 +16,6 @@ import torch
 
 import dflash_events
 import dflash_schema
-from dflash_cli import release as release_tree
 from dflash_cli.commands.launch import host_paths
 from dflash_train.config import load_job_config
 from test_trainer_runs import launch  # noqa: F401 - `launch` is a fixture
@@ -332,8 +331,8 @@ def write_prompt(tmp_path: Path, text: str) -> Path:
 
 
 def test_launch_names_a_prompts_file_missing_on_the_host_before_anything_starts(make_inventory, fake_pve, tmp_path):
-    from dflash_run import dflash
-    from support import container_workspace, workspace_on_node
+    from dflash_run import REPO, dflash
+    from support import workspace_on_node
     from test_bad_input import nothing_started
 
     config = tmp_path / "regen.yaml"
@@ -341,12 +340,11 @@ def test_launch_names_a_prompts_file_missing_on_the_host_before_anything_starts(
                       "regenerate: {prompts: data/prompts.jsonl, output: /tmp/answers.jsonl}\n")
     done = dflash("launch", "ct200", "--config", str(config), hosts=make_inventory(tmp_path))
     assert done.returncode == 2, done.stderr
-    # Relative paths are the release's, the one this launch installed: `current` stays where it was.
-    release_id = release_tree.scan().release_id
-    assert not (workspace_on_node(fake_pve, tmp_path) / "current").exists()
-    release = container_workspace(fake_pve, tmp_path) / "releases" / release_id  # as the container sees it
-    (error,) = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
-    assert error == f"dflash: error: host ct200: regenerate.prompts: {release}/data/prompts.jsonl does not exist"
+    # Relative paths are the release's, this tree: checked here, before anything is deployed.
+    assert not (workspace_on_node(fake_pve, tmp_path) / "releases").exists()
+    assert (f"dflash: error: host ct200: regenerate.prompts: data/prompts.jsonl is not in the release: the deploy "
+            f"sends what git would commit of remote/ and configs/ of {REPO}, which holds no such file or folder "
+            "(nothing was deployed or started)") in " ".join(done.stderr.split())
     nothing_started(workspace_on_node(fake_pve, tmp_path))
 
 

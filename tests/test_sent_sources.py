@@ -1,15 +1,17 @@
 """Every source the CLI runs on a host with `python -c` runs on an unprepared host: deploy's
-receiver, setup's script, `hosts --check`'s probe, launch's fit probe and the agent's
-bootstrap, each as sent (the probes and the bootstrap after the prelude that prefers
-setup's environment)."""
+receiver, setup's script, `hosts --check`'s probe, launch's host check loader and the
+agent's bootstrap, each as sent (the probes and the bootstrap after the prelude that
+prefers setup's environment). The agent modules the loader serves are held to the same
+rules with the rest of the agent."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
 
-from dflash_cli import agent_client, fit_check, host_scripts
+from dflash_cli import agent_client, host_check, host_scripts
 from dflash_cli.commands import hosts
 from dflash_cli.inventory import Host
 from support.old_python import old_python_problems
@@ -20,9 +22,12 @@ SENT = {
     "deploy_receiver.py": host_scripts.source("deploy_receiver.py"),
     "host_setup.py": host_scripts.source("host_setup.py"),
     "hosts --check probe": agent_client.python_argv(HOST, hosts._PROBE, HOST.workspace)[2],
-    "launch fit probe": agent_client.python_argv(HOST, fit_check.PROBE, HOST.workspace)[2],
+    "launch host check loader": agent_client.python_argv(HOST, host_check._LOADER, HOST.workspace)[2],
     "agent bootstrap": agent_client.python_argv(HOST, agent_client._BOOTSTRAP, HOST.workspace)[2],
 }
+
+# What a sent source may import besides the standard library: the loader's, the modules it serves.
+SERVED = {"launch host check loader": frozenset({"dflash_agent"})}
 
 
 def _python_c_argvs() -> set[tuple[str, str]]:
@@ -52,13 +57,33 @@ def test_the_guard_knows_every_source_sent_with_python_c():
     # A new `-c` in the CLI fails here until its source is added to SENT (or, a shell's, to SHELL_C).
     assert _python_c_argvs() - SHELL_C == {
         ("agent_client.py", "python_argv"), ("agent_client.py", "_BOOTSTRAP"), ("commands/hosts.py", "_PROBE"),
-        ("fit_check.py", "PROBE"), ("deployment.py", "_receiver_argv"), ("commands/setup.py", "setup_host")}
+        ("host_check.py", "_LOADER"), ("deployment.py", "_receiver_argv"), ("commands/setup.py", "setup_host")}
     assert SHELL_C <= _python_c_argvs()  # each still there: a stale entry would hide a new one of its name
 
 
 @pytest.mark.parametrize("name", sorted(SENT))
 def test_sent_source_runs_on_python38_with_the_stdlib_only(name):
-    assert old_python_problems(SENT[name], name) == []
+    assert old_python_problems(SENT[name], name, SERVED.get(name, frozenset())) == []
+
+
+def test_the_host_check_loader_serves_every_module_its_modules_import():
+    sources = json.loads(host_check._sources())
+    assert "dflash_agent.host_check" in sources
+    for module, (source, is_package) in sources.items():
+        name = f"{module} (served)"
+        assert old_python_problems(source, name, frozenset({"dflash_agent", "dflash_files"}), True) == []
+        package = module if is_package else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level:  # relative: a sibling (or the package)
+                target = ".".join([package, *([node.module] if node.module else [])])
+                found = [target] if node.module else [f"{target}.{alias.name}" for alias in node.names]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module]
+                found = [n for n in names if n.split(".")[0] in ("dflash_agent", "dflash_files")]
+            else:
+                continue
+            missing = [n for n in found if n not in sources and f"{n}" != package]
+            assert not missing, f"{module} imports {missing}, which the loader does not serve"
 
 
 @pytest.mark.parametrize("addition, problem", [
@@ -71,5 +96,5 @@ def test_sent_source_runs_on_python38_with_the_stdlib_only(name):
 ])
 def test_the_guard_finds_what_fails_on_an_unprepared_host(addition, problem):
     for name, source in SENT.items():
-        problems = old_python_problems(source + "\n" + addition, name)
+        problems = old_python_problems(source + "\n" + addition, name, SERVED.get(name, frozenset()))
         assert len(problems) >= 1 and all(problem in p and name in p for p in problems), problems

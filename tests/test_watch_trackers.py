@@ -504,7 +504,7 @@ def test_the_python_api_checks_the_packages_when_called_and_takes_no_trackers_or
         api.watch("ak", host="local", hosts_file=hosts, logs_dir=logs)
     assert raised.value.exit_code == ExitCode.USAGE
     assert "dflash.yaml: trackers.trackio: the Python package trackio is not installed here: " \
-           "pip install 'dflash[trackio]'" in raised.value.message
+           "pip install 'dflash-trainer[trackio]'" in raised.value.message
     assert not mirror.exists()  # nothing was followed
 
     items = list(api.watch("ak", host="local", hosts_file=hosts, logs_dir=logs, trackers=False))
@@ -530,7 +530,7 @@ def test_a_tracker_whose_package_is_missing_stops_the_watch_before_it_follows(
     done = dflash_in_process("--logs-dir", str(logs), "watch", "np", "--host", "local", hosts=hosts)
     assert done.returncode == 2, done.stderr
     assert f"dflash.yaml: trackers.{tracker}: the Python package {pip} is not installed here: " \
-           f"pip install 'dflash[{tracker}]'" in done.stderr
+           f"pip install 'dflash-trainer[{tracker}]'" in done.stderr
     assert "hint: or follow without trackers: dflash watch --no-trackers" in done.stderr
     assert not (logs / "local" / "np").exists()  # nothing was followed
 

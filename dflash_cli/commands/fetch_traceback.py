@@ -119,9 +119,12 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
     records = multihost.in_time_order(every if all_records else latest)
     several_attempts = any(attempt > 0 for attempt in attempts.values())
     if thread:
+        threads = sorted({str(r.get("thread")) for _, r in records})
         records = [(host, r) for host, r in records if r.get("thread") == thread]
         if not records:
-            raise DflashError(f"run {ref.run_id}: no error record from thread {thread!r}",
+            have = (f"threads with records: {', '.join(threads)}" if threads else
+                    "no thread has a record" + ("" if all_records else " in the latest attempt (--all: every one)"))
+            raise DflashError(f"run {ref.run_id}: no error record from thread {thread!r}; {have}",
                               ExitCode.USAGE)
     state = multihost.aggregate_state({host: report.state for host, report in reports.items()})
     found = Traceback(ref.run_id, tuple(reports), state, None)

@@ -15,7 +15,7 @@ from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.layout import MAX_RUN_ID
 from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply
 
-from .. import console, fit_check
+from .. import console, fit_check, host_check
 from ..compile_artifacts import seed_hosts
 from ..deployment import deploy_host, source_tree
 from ..errors import DflashError, ExitCode
@@ -115,6 +115,12 @@ def host_paths(config: JobConfig) -> list[tuple[str, str, str]]:
     return paths
 
 
+def rank_paths(config: JobConfig, rank: int) -> list[tuple[str, str, str]]:
+    """host_paths that rank `rank`'s host must hold: only rank 0 reads checkpoint.resume
+    (it sends the checkpoint to the others)."""
+    return [(kind, key, path) for kind, key, path in host_paths(config) if rank == 0 or key != "checkpoint.resume"]
+
+
 def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
     """One line: what this release changed since the newest run on the host, so the same
     patch is not launched twice by mistake (nothing before the host's first run)."""
@@ -160,17 +166,14 @@ def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_
 def _agent_args(host: Host, config: JobConfig, run_id: str, options: LaunchOptions, source: dict,
                 rank: int = 0) -> list[str]:
     """The agent's launch options for `host`, rank `rank` of the run. Every value in the
-    option's own word (--key=value): none can read as an option. Only rank 0 reads
-    checkpoint.resume (it sends the checkpoint to the others), so only its host must
-    hold it."""
+    option's own word (--key=value): none can read as an option."""
     args = [f"--run-id={run_id}", "--config=-", f"--name={options.run_name}", f"--stall-after={config.stall_after}",
             f"--startup-stall-after={config.startup_stall_after}",
             f"--source-json={json.dumps(source)}", f"--restart-json={json.dumps(config.restart.as_json())}"]
     args += [f"--resource={resource}" for resource in config.resources()]
     args += [f"--env={key}={value}" for key, value in host.env.items()]
     args += [f"--require-module={package}" for package in TRAINER_PACKAGES]
-    args += [f"--require-path={kind}:{key}={path}" for kind, key, path in host_paths(config)
-             if rank == 0 or key != "checkpoint.resume"]
+    args += [f"--require-path={kind}:{key}={path}" for kind, key, path in rank_paths(config, rank)]
     args += [f"--override={override}" for override in options.overrides]
     args.append(f"--release={source['release_id']}")  # installed by _deploy; current once the run starts
     if options.force:
@@ -178,41 +181,66 @@ def _agent_args(host: Host, config: JobConfig, run_id: str, options: LaunchOptio
     return args
 
 
-def check_fit(session: Session, hosts: list[Host], config: JobConfig,
-              source_dir: Path | None) -> list[fit_check.HostFit]:
-    """Every host's part of the run planned against its GPUs, in parallel, one round trip
-    each (none for a config the check does not cover); a host that cannot be asked
-    stops the launch here, before anything is deployed."""
-    if fit_check.unchecked(config) is not None:
-        return []
+def check_hosts(session: Session, hosts: list[Host], config: JobConfig,
+                source_dir: Path | None) -> list[host_check.HostReport]:
+    """Every host's checks (host_check.py: what its agent's preflight will check, its
+    devices, the memory estimate), in parallel, one round trip each; a host that cannot
+    be asked stops the launch here, before anything is deployed."""
     root = find_source(source_dir).root
     names = [host.name for host in hosts]
-    fits = session.on_each_host(hosts, lambda host: fit_check.assess(session, host, config, root, len(hosts),
-                                                                     names.index(host.name)))
-    refuse(hosts, fits, "nothing was deployed or started")
-    return [fits[name] for name in names]
+    reports = session.on_each_host(hosts, lambda host: host_check.check_host(
+        session, host, config, rank_paths(config, names.index(host.name)), root, len(hosts), names.index(host.name)))
+    refuse(hosts, reports, "nothing was deployed or started")
+    return [reports[name] for name in names]
 
 
-def _refuse_unless_fits(session: Session, hosts: list[Host], config: JobConfig, source_dir: Path | None) -> None:
-    fits = check_fit(session, hosts, config, source_dir)
-    fit_check.refuse_unless_fits(fits, "nothing was deployed or started",
-                                 hint="`dflash launch … --dry-run` prints every term of the estimate")
-    fit_check.report(fits)
+def _check_layout(hosts: list[Host], config: JobConfig, options: LaunchOptions) -> str | None:
+    """The run's layout over its hosts checked: on several hosts, where the others reach
+    rank 0 (returned); None for a run on one host."""
+    if len(hosts) == 1:
+        if options.master_addr is not None or options.master_port is not None:
+            raise DflashError("--master-addr and --master-port are for a run on several hosts; "
+                              f"{hosts[0].name} is one", ExitCode.USAGE)
+        return None
+    if options.master_addr is not None and not is_address(options.master_addr):
+        raise DflashError(f"--master-addr {options.master_addr!r}: expected a host name or IP address", ExitCode.USAGE)
+    if config.restart.max > 0:
+        # Each host's supervisor restarts only its own trainer, which would wait for peers
+        # that ended: restarting together needs a coordinator (docs/multihost.md "Resume and restart").
+        raise DflashError(f"restart.max {config.restart.max}: a run on several hosts is not restarted "
+                          "automatically (the hosts' supervisors cannot restart together without a "
+                          "coordinator); set restart.max: 0 and resume it by hand with `dflash resume RUN`",
+                          ExitCode.USAGE)
+    address = options.master_addr or hosts[0].rendezvous_address()
+    if address is None:
+        raise DflashError(f"{hosts[0].name} (rank 0) has no address the other hosts can reach it at",
+                          ExitCode.USAGE, hint=f"set address: in the inventory entry of {hosts[0].name} "
+                          "(a container's own, not its node's), or pass --master-addr")
+    return address
+
+
+def _refuse_unless_ready(session: Session, hosts: list[Host], config: JobConfig, source_dir: Path | None) -> None:
+    reports = check_hosts(session, hosts, config, source_dir)
+    host_check.refuse(reports, "nothing was deployed or started",
+                      hint="`dflash launch … --dry-run` prints every check's verdict and every term of the estimate")
+    fit_check.report([report.fit for report in reports if report.fit is not None])
 
 
 def dry_run(session: Session, options: LaunchOptions) -> ExitCode:
-    """`run`'s fit check with its estimate printed, and nothing deployed or started: OK when
-    the run fits every GPU (or is not checked, the output says why), else a DflashError
-    (exit 2) naming the devices it does not fit."""
+    """Every check `run` makes before it starts anything, each one's verdict printed, and
+    nothing deployed or started: OK when all pass, else a DflashError (exit 2) naming every
+    problem. The checks the agent makes as it starts the run (the run id, the GPUs' locks)
+    are not made."""
     check_name(options.run_name)
     hosts = session.inventory.expand(options.host_names)
     config = load_config(options.config_path, options.overrides)
+    _check_layout(hosts, config, options)
+    reports = check_hosts(session, hosts, config, options.source_dir)
+    host_check.show(reports)
     if (reason := fit_check.unchecked(config)) is not None:
         console.say(f"{options.config_path}: {reason}")
-        return ExitCode.OK
-    fits = check_fit(session, hosts, config, options.source_dir)
-    fit_check.show(fits)
-    fit_check.refuse_unless_fits(fits, "a dry run: nothing was deployed or started")
+    fit_check.show([report.fit for report in reports if report.fit is not None])
+    host_check.refuse(reports, "a dry run: nothing was deployed or started")
     return ExitCode.OK
 
 
@@ -236,13 +264,11 @@ def start(session: Session, options: LaunchOptions) -> Launched:
     check_name(options.run_name)
     hosts = session.inventory.expand(options.host_names)
     config = load_config(options.config_path, options.overrides)
-    if len(hosts) > 1:
-        return _launch_on_hosts(session, hosts, config, options)
-    if options.master_addr is not None or options.master_port is not None:
-        raise DflashError("--master-addr and --master-port are for a run on several hosts; "
-                          f"{hosts[0].name} is one", ExitCode.USAGE)
+    address = _check_layout(hosts, config, options)
+    if address is not None:
+        return _launch_on_hosts(session, hosts, config, options, address)
     (host,) = hosts
-    _refuse_unless_fits(session, hosts, config, options.source_dir)
+    _refuse_unless_ready(session, hosts, config, options.source_dir)
     source = _deploy(session, hosts, options.source_dir, options.allow_large)
     run_id = new_run_id(options.run_name)
     reply = session.agent(host.name).call(LaunchReply, *_agent_args(host, config, run_id, options, source),
@@ -259,26 +285,14 @@ def _resolved(config: JobConfig) -> bytes:
     return resolved_yaml(config).encode()
 
 
-def _launch_on_hosts(session: Session, hosts: list[Host], config: JobConfig, options: LaunchOptions) -> Launched:
-    """One run id on every host, rank = position in `hosts`. Every host checks what it
-    can before any starts (one refusal starts nothing anywhere); a start that fails
-    after that stops the parts already started: no half-started run is left."""
-    if options.master_addr is not None and not is_address(options.master_addr):
-        raise DflashError(f"--master-addr {options.master_addr!r}: expected a host name or IP address", ExitCode.USAGE)
-    if config.restart.max > 0:
-        # Each host's supervisor restarts only its own trainer, which would wait for peers
-        # that ended: restarting together needs a coordinator (docs/multihost.md "Resume and restart").
-        raise DflashError(f"restart.max {config.restart.max}: a run on several hosts is not restarted "
-                          "automatically (the hosts' supervisors cannot restart together without a "
-                          "coordinator); set restart.max: 0 and resume it by hand with `dflash resume RUN`",
-                          ExitCode.USAGE)
+def _launch_on_hosts(session: Session, hosts: list[Host], config: JobConfig, options: LaunchOptions,
+                     address: str) -> Launched:
+    """One run id on every host, rank = position in `hosts`, rank 0 reached at `address`.
+    Every host checks what it can before any starts (one refusal starts nothing
+    anywhere); a start that fails after that stops the parts already started: no
+    half-started run is left."""
     first = hosts[0]
-    address = options.master_addr or first.rendezvous_address()
-    if address is None:
-        raise DflashError(f"{first.name} (rank 0) has no address the other hosts can reach it at",
-                          ExitCode.USAGE, hint=f"set address: in the inventory entry of {first.name} "
-                          "(a container's own, not its node's), or pass --master-addr")
-    _refuse_unless_fits(session, hosts, config, options.source_dir)
+    _refuse_unless_ready(session, hosts, config, options.source_dir)
     source = _deploy(session, hosts, options.source_dir, options.allow_large)
     run_id = new_run_id(options.run_name)
     config_bytes = _resolved(config)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 from dflash_agent.protocol import RunState, RunStatus, StatusReply
 
@@ -129,9 +130,16 @@ def _show_hosts(status: RunOnHosts) -> None:
             console.warn(f"{s.host} (rank {s.rank}) is {s.state}: {s.silent}")
         if s.status and s.status.reason:
             console.say(console.printable(f"{s.host}: reason: {s.status.reason}"))
+        if s.state == RunState.STALLED:
+            console.say(stacks_hint(status.run_id, s.host))
     source = next((s.status.source for s in status.hosts if s.status and s.status.source), None)
     if source:
         console.say(f"source: {provenance.summary(source)}")
+
+
+def stacks_hint(run_id: str, host: str) -> str:
+    """Where a STALLED run's threads hang is what to look at next."""
+    return f"where its threads hang: dflash stacks {shlex.quote(run_id)} --host {shlex.quote(host)}"
 
 
 def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
@@ -151,6 +159,8 @@ def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
             console.say(line)
         if status.reason:
             console.say(console.printable(f"reason: {status.reason}"))
+        if status.state == RunState.STALLED:
+            console.say(stacks_hint(ref.run_id, ref.host))
         if status.state != RunState.SUCCEEDED:
             console.say(resume_point(status))
     return exit_code(session, ref, status)

@@ -14,7 +14,7 @@ import yaml
 from dflash_agent import jsonio
 from dflash_agent.protocol import RunState, RunStatus
 
-from .. import console
+from .. import DISTRIBUTION, console
 from ..errors import DflashError, ExitCode
 from ..local_config import LocalConfig
 from ..local_state import RunLogs, RunRef, write_atomic
@@ -36,7 +36,7 @@ def require_packages(settings: TrackerSettings, source: str) -> None:
             missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == package.module
             problem = "is not installed here" if missing else f"cannot be imported ({type(exc).__name__}: {exc})"
             raise DflashError(f"{source}: trackers.{name}: the Python package {package.pip} {problem}: "
-                              f"pip install 'dflash[{package.extra}]'", ExitCode.USAGE,
+                              f"pip install '{DISTRIBUTION}[{package.extra}]'", ExitCode.USAGE,
                               hint="or follow without trackers: dflash watch --no-trackers") from exc
 
 

@@ -57,6 +57,8 @@ gc -> GcReply
 
 Not a verb: gpus.py's source run alone with `python -c SOURCE WORKSPACE` (it imports
 nothing of this package, so it answers on a host with no release or an older one)
-answers a protocol.HostProbe (`dflash hosts --check`), and with `--fit-facts
-[--model=PATH] [--env=KEY=VALUE]...` a protocol.FitFacts (`dflash launch`).
+answers a protocol.HostProbe (`dflash hosts --check`). Nor host_check.py: `dflash
+launch` sends it, with the modules it imports, as sources to a loader run with `python
+-c` before its deploy, and reads its protocol.HostCheck (the fit facts and the verdict
+of each preflight check the `launch` verb makes).
 """

@@ -2,9 +2,10 @@
 current release (`host_facts`, the `info` verb), and what `dflash launch` plans a run's
 GPU memory with: the GPUs and the target model's config.json (`fit_facts`).
 
-Standard library only and no imports from this package: `dflash hosts --check` and
-`dflash launch` send this file's source with `python -c SOURCE WORKSPACE [--fit-facts
-...]` to hosts where nothing may be deployed yet, and read what it answers. No torch
+Standard library only and no imports from this package: `dflash hosts --check` sends
+this file's source with `python -c SOURCE WORKSPACE` to hosts where nothing may be
+deployed yet, and reads what it answers; `dflash launch` sends it among host_check.py's
+modules. No torch
 import here: it must stay fast and must work where torch is broken; package versions
 come from importlib.metadata. Run as a script, it also reports `imports`
 (`import_check`): what a child interpreter importing torch and transformers finds.
@@ -16,7 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 QUERY_FIELDS = ("index", "name", "memory.used", "memory.total", "utilization.gpu",
                 "temperature.gpu", "power.draw")
@@ -141,21 +142,24 @@ def is_hub_id(path: str) -> bool:
     return bool(_HUB_ID.match(path)) and ".." not in path
 
 
-def hub_cache() -> str:
+def hub_cache(environ: Optional[Mapping[str, str]] = None) -> str:
     """The folder huggingface_hub caches hub models in, by its own precedence:
-    HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub."""
-    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub,
+    in `environ` (default: this process's environment)."""
+    env = os.environ if environ is None else environ
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
     if not cache:
-        home = os.environ.get("HF_HOME") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+        home = env.get("HF_HOME") or os.path.join(
+            env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
         cache = os.path.join(home, "hub")
     return os.path.expandvars(os.path.expanduser(cache))
 
 
-def hub_file(repo_id: str, name: str) -> Optional[str]:
-    """`name` of hub model `repo_id` in the cache, at the revision `main` resolves to
-    offline (refs/main), else in its newest snapshot holding it; None when not cached."""
-    repo = os.path.join(hub_cache(), "models--" + repo_id.replace("/", "--"))
+def hub_file(repo_id: str, name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """`name` of hub model `repo_id` in the cache (hub_cache(environ)), at the revision
+    `main` resolves to offline (refs/main), else in its newest snapshot holding it; None
+    when not cached."""
+    repo = os.path.join(hub_cache(environ), "models--" + repo_id.replace("/", "--"))
     snapshots = os.path.join(repo, "snapshots")
     try:
         with open(os.path.join(repo, "refs", "main")) as handle:
@@ -182,7 +186,7 @@ def model_config(path: str) -> Tuple[Optional[Dict[str, Any]], str]:
     elif is_hub_id(path):
         where = hub_file(path, "config.json")
         if where is None:
-            return None, ("%s is not in the Hugging Face cache %s (the trainer would download it)"
+            return None, ("%s is not in the Hugging Face cache %s"
                           % (path, hub_cache()))
     else:
         return None, "%s is neither a folder nor a Hugging Face hub id" % path
@@ -209,15 +213,7 @@ def fit_facts(model: Optional[str]) -> Dict[str, Any]:
     return answer
 
 
-if __name__ == "__main__":  # as `dflash hosts --check` runs it, or `dflash launch` with --fit-facts
-    if sys.argv[2:3] == ["--fit-facts"]:
-        # argv: --fit-facts [--model=PATH] [--env=KEY=VALUE]...: the host's environment
-        # for the trainer (the inventory's `env`), where the HF cache is found
-        options = sys.argv[3:]
-        os.environ.update(o[len("--env="):].split("=", 1) for o in options if o.startswith("--env="))
-        models = [o[len("--model="):] for o in options if o.startswith("--model=")]
-        print(json.dumps(fit_facts(models[0] if models else None)))
-    else:
-        facts = host_facts(os.path.abspath(os.path.expanduser(sys.argv[1])))
-        facts["imports"] = import_check()
-        print(json.dumps(facts))
+if __name__ == "__main__":  # as `dflash hosts --check` runs it
+    facts = host_facts(os.path.abspath(os.path.expanduser(sys.argv[1])))
+    facts["imports"] = import_check()
+    print(json.dumps(facts))

@@ -15,18 +15,23 @@ root), KEY the config key it came from, KIND one of: file (an existing file), js
 file that is not empty or blank and whose first row is a JSON object with "text" or
 "messages": the training data), checkpoint (a folder holding state.json), model (a
 folder holding config.json or, where no such path exists, a Hugging Face hub id such as
-org/name).
+org/name whose config.json the host's Hugging Face cache holds: the trainer loads
+nothing from the hub, which a host without its network cannot reach half an hour
+into a launch).
+
+`problems` gives every check's verdict by name; `dflash launch` runs it on the host
+before anything is deployed (host_check.py), the `launch` verb again, as `check`.
 """
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-from typing import Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from dflash_files.checkpoint_files import STATE_FILE
 
-from .gpus import is_hub_id
+from .gpus import hub_cache, hub_file, is_hub_id
 from .jsonio import AgentError
 
 # Below this a run cannot even be sure to write its logs and a tiny model's checkpoint;
@@ -48,13 +53,21 @@ PathRequirement = Tuple[str, str, str]  # (kind, config key, path as the config 
 def check(workspace: str, release_root: str, python: str, env: Sequence[Tuple[str, str]],
           modules: Sequence[str], paths: Sequence[PathRequirement]) -> None:
     """Raise AgentError(kind="host") listing every problem found; return when none."""
-    problems = [_free_space_problem(workspace)]
-    problems += [_path_problem(kind, key, path, release_root) for kind, key, path in paths]
-    if modules:
-        problems.append(_module_problem(python, env, modules))
-    found = [problem for problem in problems if problem]
+    found = [problem for _, problem in problems(workspace, release_root, python, env, modules, paths) if problem]
     if found:
         raise AgentError("; ".join(found), "host")
+
+
+def problems(workspace: str, release_root: str, python: str, env: Sequence[Tuple[str, str]],
+             modules: Sequence[str], paths: Sequence[PathRequirement]) -> List[Tuple[str, Optional[str]]]:
+    """(what was checked, the problem or None) of every check, in order: free space,
+    each path, the modules."""
+    verdicts = [("free space in %s" % workspace, _free_space_problem(workspace))]
+    verdicts += [("%s %s" % (key, path), path_problem(kind, key, path, release_root, dict(env)))
+                 for kind, key, path in paths]
+    if modules:
+        verdicts.append(("%s imports %s" % (python, ", ".join(modules)), _module_problem(python, env, modules)))
+    return verdicts
 
 
 def resolve(path: str, release_root: str) -> str:
@@ -63,7 +76,9 @@ def resolve(path: str, release_root: str) -> str:
     return os.path.normpath(os.path.join(release_root, os.path.expanduser(path)))
 
 
-def _path_problem(kind: str, key: str, path: str, release_root: str) -> Optional[str]:
+def path_problem(kind: str, key: str, path: str, release_root: str, environ: Mapping[str, str]) -> Optional[str]:
+    """Why `path` (of config key `key`) cannot be what `kind` needs, or None; `environ`
+    (the trainer's) says where the Hugging Face cache is."""
     where = resolve(path, release_root)
     if kind in ("file", "jsonl"):
         if not os.path.isfile(where):
@@ -78,9 +93,13 @@ def _path_problem(kind: str, key: str, path: str, release_root: str) -> Optional
         if os.path.isfile(os.path.join(where, "config.json")):
             return None
         return "%s: %s is not a Hugging Face model folder (no config.json)" % (key, where)
-    if is_hub_id(path):
+    if not is_hub_id(path):
+        return "%s: %s does not exist (and %r is not a Hugging Face hub id)" % (key, where, path)
+    if hub_file(path, "config.json", environ) is not None:
         return None
-    return "%s: %s does not exist (and %r is not a Hugging Face hub id)" % (key, where, path)
+    return ("%s: %s is neither a folder on the host nor in its Hugging Face cache %s (HF_HOME=%s): download it "
+            "there on the host (`hf download %s`, with the host's HF_HOME), or name a model folder"
+            % (key, path, hub_cache(environ), environ.get("HF_HOME", "unset"), path))
 
 
 def _rows_problem(key: str, where: str) -> Optional[str]:
@@ -134,7 +153,10 @@ def _module_problem(python: str, env: Sequence[Tuple[str, str]], modules: Sequen
 
 
 def _free_space_problem(workspace: str) -> Optional[str]:
-    stat = os.statvfs(workspace)
+    folder = workspace
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # a workspace not made yet: the filesystem it will be on
+    stat = os.statvfs(folder)
     free_mib = stat.f_bavail * stat.f_frsize / (1 << 20)
     if free_mib >= MIN_FREE_MIB:
         return None

@@ -440,8 +440,8 @@ class HostProbe(HostFacts):
 
 @dataclasses.dataclass(frozen=True)
 class FitFacts(Message):
-    """What gpus.py --fit-facts [--model=PATH] [--env=KEY=VALUE]... answers (`dflash
-    launch` sends it with `python -c` before its deploy, docs/fit-check.md):
+    """What gpus.fit_facts answers in host_check.py's HostCheck (`dflash launch`, before
+    its deploy, docs/fit-check.md):
     the GPUs and PATH's config.json, PATH an absolute or ~ model folder, or a hub id found
     in the host's Hugging Face cache (gpus.hub_file), looked up with the --env pairs (the
     inventory's env) applied, as the trainer gets them."""
@@ -454,7 +454,29 @@ class FitFacts(Message):
 
     @classmethod
     def describe(cls) -> str:
-        return "gpus.py --fit-facts answer"
+        return "gpus.fit_facts answer"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreflightVerdict(Message):
+    """One of the `launch` verb's preflight checks (preflight.problems) as a host made it."""
+
+    check: str  # what was checked: "free space in WS", "data.train /data/x.jsonl", "PYTHON imports torch, ..."
+    problem: Optional[str]  # None: it passed
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCheck(Message):
+    """What host_check.py answers (`dflash launch` sends it with `python -c` before its
+    deploy, and `launch --dry-run` for its verdicts): the fit check's facts and every
+    preflight verdict."""
+
+    fit: FitFacts
+    checks: Tuple[PreflightVerdict, ...]
+
+    @classmethod
+    def describe(cls) -> str:
+        return "host_check.py answer"
 
 
 # -- pull and compile artifacts ---------------------------------------------------------------

@@ -2,8 +2,11 @@
 the suite added to the checkout."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 from dflash_cli import release
@@ -16,6 +19,25 @@ def copy_release_dirs(dest: Path) -> Path:
     for top in release.RELEASE_DIRS:
         shutil.copytree(REPO / top, dest / top, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
+
+
+def build_wheel(tmp_path: Path) -> Path:
+    """This checkout built as a wheel (offline, no build isolation) from a copy in
+    `tmp_path`: what `pip install` of the published distribution installs."""
+    src = copy_release_dirs(tmp_path / "build src")
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package, folder in settings["package-dir"].items():
+        if not folder.startswith("remote/"):  # the CLI's and the API's; remote/ was copied whole
+            shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "wheel",
+                           "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(tmp_path / "dist"),
+                           str(src)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"pip wheel failed:\n{done.stdout}\n{done.stderr}"
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    return wheel
 
 
 # Written by Python itself (where PYTHONDONTWRITEBYTECODE is not set), not by a test.

@@ -1,0 +1,197 @@
+"""`dflash launch`'s checks of a host before anything is deployed, in one round trip per
+host: what the `launch` verb's preflight will check there (free space, the config's
+paths, the trainer's packages), the devices the config names against nvidia-smi's
+GPUs, and the fit check's facts (docs/runs.md "What `launch` checks"). A launch
+refuses on any problem before its deploy; `launch --dry-run` prints every verdict.
+
+The host may have no release yet (or another one): dflash_agent/host_check.py and the
+few modules it imports travel as sources on stdin, run by a loader sent with `python
+-c`, so the checks made are the agent's own code of this tree. Relative paths are the
+release's, which is this tree: they are checked here, in the files the deploy sends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import dflash_agent
+import dflash_files
+from dflash_agent import gpus, preflight
+from dflash_agent.gpus import TRAINER_PACKAGES, is_hub_id
+from dflash_agent.protocol import HostCheck
+
+from . import fit_check
+from .agent_client import python_argv, read_probe
+from .errors import DflashError, ExitCode
+from .host_replies import check_interpreter, parse_reply
+from .inventory import Host
+from .release import list_files
+from .session import Session
+
+if TYPE_CHECKING:
+    from dflash_train.config import JobConfig
+
+# What host_check.py imports, by module name, and whether each is a package.
+_MODULES = {"dflash_files": True, "dflash_files.checkpoint_files": False, "dflash_agent": True,
+            "dflash_agent.jsonio": False, "dflash_agent.gpus": False, "dflash_agent.preflight": False,
+            "dflash_agent.host_check": False}
+_ROOTS = {"dflash_files": dflash_files, "dflash_agent": dflash_agent}
+# Serves the modules of stdin's {name: [source, is_package]} before any installed copy,
+# then prints host_check's answer. No bytecode is written on the host.
+_LOADER = (
+    "import importlib.abc, importlib.util, json, sys\n"
+    "sys.dont_write_bytecode = True\n"
+    "_sources = json.loads(sys.stdin.buffer.read().decode('utf-8'))\n"
+    "class _Sources(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name not in _sources:\n"
+    "            return None\n"
+    "        return importlib.util.spec_from_loader(name, self, is_package=_sources[name][1])\n"
+    "    def create_module(self, spec):\n"
+    "        return None\n"
+    "    def exec_module(self, module):\n"
+    "        source = _sources[module.__name__][0]\n"
+    "        exec(compile(source, '<dflash ' + module.__name__ + '>', 'exec'), module.__dict__)\n"
+    "sys.meta_path.insert(0, _Sources())\n"
+    "from dflash_agent.host_check import main\n"
+    "print(json.dumps(main(sys.argv[1:])))\n"
+)
+TIMEOUT_S = gpus.NVIDIA_SMI_TIMEOUT_S + preflight.MODULE_CHECK_TIMEOUT_S + 45
+
+
+def _sources() -> bytes:
+    sources = {}
+    for name, is_package in _MODULES.items():
+        root, _, rest = name.partition(".")
+        folder = Path(_ROOTS[root].__file__).parent
+        path = folder / "__init__.py" if is_package else folder / f"{rest.replace('.', '/')}.py"
+        sources[name] = [path.read_text(), is_package]
+    return json.dumps(sources).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    check: str  # what was checked
+    problem: str | None  # None: it passed
+
+
+@dataclasses.dataclass(frozen=True)
+class HostReport:
+    """One host's verdicts and its part of the run against its GPUs (None: a config the
+    fit check does not plan, fit_check.unchecked)."""
+    host: str
+    verdicts: tuple[Verdict, ...]
+    fit: fit_check.HostFit | None
+
+    def problems(self) -> list[str]:
+        """Every problem: the preflight's as the host's agent words its refusal (`host H:
+        P; P`), the devices' and the memory estimate's as the fit check words them (`H:
+        cuda:N …`), the estimate's only when every device is there (a missing one is said
+        once)."""
+        preflight_problems = [v.problem for v in self.verdicts if v.problem and not v.check.startswith("devices")]
+        found = [f"host {self.host}: " + "; ".join(preflight_problems)] if preflight_problems else []
+        devices = [v.problem for v in self.verdicts if v.problem and v.check.startswith("devices")]
+        found += [f"{self.host}: {problem}" for problem in devices]
+        if self.fit is not None and not devices:
+            found += self.fit.problems()
+        return found
+
+
+def _devices(config: JobConfig) -> dict[int, list[str]]:
+    """The CUDA devices the config names, by nvidia-smi index, with the threads on each."""
+    roles: dict[int, list[str]] = {}
+    for kind, devices in (("target", config.devices.target), ("drafter", config.devices.drafters)):
+        for i, device in enumerate(devices):
+            if device.startswith("cuda"):
+                roles.setdefault(int(device.split(":")[1]) if ":" in device else 0, []).append(f"{kind}-{i}")
+    return roles
+
+
+def _devices_verdict(config: JobConfig, answer: HostCheck) -> Verdict | None:
+    wanted = _devices(config)
+    if not wanted:
+        return None
+    names = ", ".join(f"cuda:{index}" for index in sorted(wanted))
+    if answer.fit.problem:
+        return Verdict(f"devices {names}: not checked ({answer.fit.problem})", None)
+    have = sorted(gpu.index for gpu in answer.fit.gpus if gpu.index is not None)
+    has = (f"{len(have)} GPU(s): {', '.join(f'cuda:{i}' for i in have)}" if have
+           else "no GPU (nvidia-smi lists none)")
+    missing = [f"cuda:{index} ({', '.join(roles)}) is not there: the host has {has}"
+               for index, roles in sorted(wanted.items()) if index not in have]
+    return Verdict(f"devices {names}", "; ".join(missing) or None)
+
+
+def _in_tree(path: str, files: frozenset[str]) -> bool:
+    """Whether the release (the files the deploy sends) holds `path`, a file or a folder."""
+    normal = os.path.normpath(path)
+    return normal in files or any(name.startswith(normal + "/") for name in files)
+
+
+def _split_paths(paths: list[preflight.PathRequirement],
+                 tree_root: Path) -> tuple[list[Verdict], list[preflight.PathRequirement]]:
+    """The relative paths' verdicts, made here; the other paths, for the host."""
+    relative = [entry for entry in paths if not entry[2].startswith(("/", "~"))]
+    files = frozenset(path for path, _, _ in list_files(tree_root).files) if relative else frozenset()
+    here, there = [], []
+    for kind, key, path in paths:
+        if (kind, key, path) not in relative:
+            there.append((kind, key, path))
+        elif _in_tree(path, files):
+            here.append(Verdict(f"{key} {path} (in this tree)",
+                                preflight.path_problem(kind, key, path, str(tree_root), {})))
+        elif kind == "model" and is_hub_id(path):
+            there.append((kind, key, path))
+        else:
+            here.append(Verdict(f"{key} {path}", f"{key}: {path} is not in the release: the deploy sends what "
+                                                 f"git would commit of remote/ and configs/ of {tree_root}, "
+                                                 "which holds no such file or folder"))
+    return here, there
+
+
+def check_host(session: Session, host: Host, config: JobConfig, paths: list[preflight.PathRequirement],
+               tree_root: Path, world_size: int = 1, rank: int = 0) -> HostReport:
+    """`host`'s verdicts for rank `rank` of a run of `world_size` hosts; `paths` are the
+    --require-path the launch sends this host's agent."""
+    here, there = _split_paths(paths, tree_root)
+    model = fit_check.remote_model(config, tree_root) if fit_check.unchecked(config) is None else None
+    args = [*(f"--model={model}" for _ in [model] if model is not None),
+            *(f"--env={key}={value}" for key, value in host.env.items()),
+            *(f"--require-module={package}" for package in TRAINER_PACKAGES),
+            *(f"--require-path={kind}:{key}={path}" for kind, key, path in there)]
+    done = session.transport(host).run(python_argv(host, _LOADER, host.workspace, *args), stdin=_sources(),
+                                       timeout=TIMEOUT_S)
+    check_interpreter(host, done)
+    obj = parse_reply(done.stdout)
+    if done.exit_code != 0 or obj is None:
+        raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}) checking the launch: "
+                          f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
+    answer = read_probe(host, HostCheck, obj)
+    verdicts = [Verdict(v.check, v.problem) for v in answer.checks] + here
+    if (devices := _devices_verdict(config, answer)) is not None:
+        verdicts.append(devices)
+    fit = None
+    if fit_check.unchecked(config) is None:
+        fit = fit_check.assess(host.name, config, answer.fit, tree_root, world_size, rank)
+    return HostReport(host.name, tuple(verdicts), fit)
+
+
+def show(reports: list[HostReport]) -> None:
+    """Every verdict, a line each on stderr: `HOST: CHECK: ok` or `HOST: CHECK: REFUSED: why`."""
+    from . import console
+
+    for report in reports:
+        for verdict in report.verdicts:
+            console.say(f"{report.host}: {verdict.check}: " +
+                        ("ok" if verdict.problem is None else f"REFUSED: {verdict.problem}"))
+
+
+def refuse(reports: list[HostReport], consequence: str, hint: str | None = None) -> None:
+    """DflashError (exit 2) naming every problem of every host."""
+    problems = [problem for report in reports for problem in report.problems()]
+    if problems:
+        raise DflashError("; ".join(problems) + f" ({consequence})", ExitCode.USAGE, hint=hint)
+

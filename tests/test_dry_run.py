@@ -1,0 +1,153 @@
+"""`dflash launch --dry-run` makes every check the launch makes before it starts anything,
+in one round trip per host, and says each one's verdict: a dry run per refusal, each
+against the real CLI and a real host (container 204 of the fake node, whose fake
+nvidia-smi reports four H200s; ct200, which has no GPU), and the launch itself refusing
+the same before anything is deployed."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_run import dflash_in_process
+from support import container_workspace
+from support.inventory import HOST_ENV, container_host, workspace_on_node
+from test_fit_check import cache_hub_model
+from test_memory_plan import CONFIGS, QWEN3_8B, write_model_folder
+
+pytestmark = pytest.mark.timeout(300)
+CHATS = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+
+
+class Hosts:
+    """Host `gpu` (container 204, HF_HOME holding Qwen3-8B's config.json) and ct200 (no
+    GPU), with training data and prompts in files both see."""
+
+    def __init__(self, make_inventory, ssh_node, fake_pve, vmid: int, tmp_path: Path):
+        self.hf_home = tmp_path / "hf home"
+        cache_hub_model(self.hf_home, "Qwen/Qwen3-8B", QWEN3_8B)
+        entry = container_host(tmp_path, ssh_node, fake_pve, vmid)
+        entry["env"] = {**HOST_ENV, "HF_HOME": str(self.hf_home)}
+        self.inventory = make_inventory(tmp_path, gpu=entry)
+        self.logs = tmp_path / "logs"
+        self.gpu_workspace = fake_pve.on_node(vmid, container_workspace(fake_pve, tmp_path))
+        self.ct200_workspace = workspace_on_node(fake_pve, tmp_path)
+        self.chats = tmp_path / "chats.jsonl"
+        self.chats.write_text(CHATS + "\n")
+        self.drafter = write_model_folder(tmp_path / "drafter", {"model_type": "qwen3"})
+
+    def dflash(self, *args: str):
+        return dflash_in_process("--logs-dir", str(self.logs), *args, hosts=self.inventory)
+
+    def data(self) -> list[str]:
+        return ["--set", f"data.train={self.chats}", "--set", f"data.eval={self.chats}"]
+
+    def evaluate(self) -> list[str]:
+        return ["--set", f"evaluate.drafter={self.drafter}", "--set", f"evaluate.prompts={self.chats}"]
+
+
+@pytest.fixture
+def hosts(make_inventory, ssh_node, fake_pve, gpu_container, tmp_path) -> Hosts:
+    return Hosts(make_inventory, ssh_node, fake_pve, gpu_container, tmp_path)
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def verdicts(stderr: str, host: str) -> dict[str, str]:
+    """`HOST: CHECK: VERDICT` lines by check."""
+    found = {}
+    for line in stderr.splitlines():
+        if line.startswith(f"{host}: ") and (": ok" in line or ": REFUSED: " in line):
+            check, _, verdict = line[len(host) + 2:].partition(": REFUSED: " if ": REFUSED: " in line else ": ok")
+            found[check] = verdict or "ok"
+    return found
+
+
+def test_a_dry_run_that_passes_says_each_checks_verdict(hosts):
+    done = hosts.dflash("launch", "gpu", "--config", str(CONFIGS / "qwen3-8b.yaml"), "--dry-run", *hosts.data())
+    assert done.returncode == 0, done.stderr
+    said = verdicts(done.stderr, "gpu")
+    assert said.pop("target.path Qwen/Qwen3-8B") == "ok"
+    assert said.pop(f"data.train {hosts.chats}") == "ok"
+    assert said.pop(f"data.eval {hosts.chats}") == "ok"
+    assert said.pop("devices cuda:0") == "ok"
+    (space,) = [check for check in said if check.startswith("free space in ")]
+    (imports,) = [check for check in said if check.endswith(" imports torch, transformers")]
+    assert said == {space: "ok", imports: "ok"}
+    assert "gpu cuda:0: target-0, eval, drafter-0, drafter-1" in done.stderr  # the estimate's table
+    assert not hosts.gpu_workspace.exists()
+
+
+def test_evaluate_drafter_missing_is_refused_by_the_dry_run_and_the_launch(hosts, tmp_path):
+    config = ["--config", str(CONFIGS / "evaluate-qwen3-8b.yaml"), "--set", f"evaluate.prompts={hosts.chats}",
+              "--set", f"evaluate.drafter={tmp_path / 'no drafter'}"]
+    dry = hosts.dflash("launch", "gpu", *config, "--dry-run")
+    assert dry.returncode == 2, dry.stderr
+    assert verdicts(dry.stderr, "gpu")[f"evaluate.drafter {tmp_path / 'no drafter'}"] == (
+        f"evaluate.drafter: {tmp_path / 'no drafter'} does not exist (and '{tmp_path / 'no drafter'}' is not a "
+        "Hugging Face hub id)")
+    assert one_line(dry.stderr).endswith("(a dry run: nothing was deployed or started)")
+    launched = hosts.dflash("launch", "gpu", *config)
+    assert launched.returncode == 2, launched.stderr
+    assert (f"gpu: evaluate.drafter: {tmp_path / 'no drafter'} does not exist" in one_line(launched.stderr))
+    assert "(nothing was deployed or started)" in one_line(launched.stderr)
+    assert not hosts.gpu_workspace.exists()
+
+
+def test_training_data_missing_is_refused_by_the_dry_run(hosts):
+    done = hosts.dflash("launch", "gpu", "--config", str(CONFIGS / "qwen3-8b.yaml"), "--dry-run")
+    assert done.returncode == 2, done.stderr
+    said = verdicts(done.stderr, "gpu")
+    assert said["data.train /workspace/data/qwen3-8b-responses.jsonl"] == (
+        "data.train: /workspace/data/qwen3-8b-responses.jsonl does not exist")
+    assert said["target.path Qwen/Qwen3-8B"] == "ok"
+
+
+def test_a_cuda_device_on_a_host_without_a_gpu_is_refused_before_anything_starts(hosts):
+    args = ["--config", str(CONFIGS / "evaluate-qwen3-8b.yaml"), *hosts.evaluate(), "--set",
+            f"target.path={hosts.drafter}"]
+    dry = hosts.dflash("launch", "ct200", *args, "--dry-run")
+    assert dry.returncode == 2, dry.stderr
+    assert verdicts(dry.stderr, "ct200")["devices cuda:0"] == (
+        "cuda:0 (target-0, drafter-0) is not there: the host has no GPU (nvidia-smi lists none)")
+    launched = hosts.dflash("launch", "ct200", *args)
+    assert launched.returncode == 2, launched.stderr
+    assert ("ct200: cuda:0 (target-0, drafter-0) is not there: the host has no GPU (nvidia-smi lists none) "
+            "(nothing was deployed or started)") in one_line(launched.stderr)
+    assert not hosts.ct200_workspace.exists()
+    assert hosts.dflash("launch", "gpu", *args, "--dry-run").returncode == 0  # the GPU host has it
+
+
+def test_a_hub_id_the_hosts_cache_lacks_is_refused_naming_hf_home(hosts):
+    done = hosts.dflash("launch", "gpu", "--config", str(CONFIGS / "qwen3-8b.yaml"), "--dry-run", *hosts.data(),
+                        "--set", "target.path=Qwen/Qwen3-32B")
+    assert done.returncode == 2, done.stderr
+    assert verdicts(done.stderr, "gpu")["target.path Qwen/Qwen3-32B"] == (
+        f"target.path: Qwen/Qwen3-32B is neither a folder on the host nor in its Hugging Face cache "
+        f"{hosts.hf_home / 'hub'} (HF_HOME={hosts.hf_home}): download it there on the host (`hf download "
+        "Qwen/Qwen3-32B`, with the host's HF_HOME), or name a model folder")
+
+
+def test_a_target_folder_without_config_json_is_refused_by_the_dry_run(hosts, tmp_path):
+    (tmp_path / "not a model").mkdir()
+    done = hosts.dflash("launch", "gpu", "--config", str(CONFIGS / "qwen3-8b.yaml"), "--dry-run", *hosts.data(),
+                        "--set", f"target.path={tmp_path / 'not a model'}")
+    assert done.returncode == 2, done.stderr
+    assert verdicts(done.stderr, "gpu")[f"target.path {tmp_path / 'not a model'}"] == (
+        f"target.path: {tmp_path / 'not a model'} is not a Hugging Face model folder (no config.json)")
+
+
+def test_a_relative_path_is_checked_in_the_tree_the_deploy_sends(hosts):
+    base = ["launch", "gpu", "--config", str(CONFIGS / "qwen3-8b.yaml"), "--dry-run", "--set",
+            f"data.train={hosts.chats}"]
+    sent = hosts.dflash(*base, "--set", "data.eval=configs/data/tiny-prompts.jsonl")
+    assert sent.returncode == 0, sent.stderr
+    assert verdicts(sent.stderr, "gpu")["data.eval configs/data/tiny-prompts.jsonl (in this tree)"] == "ok"
+    missing = hosts.dflash(*base, "--set", "data.eval=data/eval.jsonl")
+    assert missing.returncode == 2, missing.stderr
+    assert verdicts(missing.stderr, "gpu")["data.eval data/eval.jsonl"].startswith(
+        "data.eval: data/eval.jsonl is not in the release: the deploy sends what git would commit of remote/ "
+        "and configs/ of ")

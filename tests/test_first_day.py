@@ -1,0 +1,75 @@
+"""What a new user trips on first (issue: a new user's first day): messages that say what
+to do next, help that says where a setting comes from."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+from dflash_run import dflash_in_process
+from test_bad_input import fabricate_run
+
+from dflash_cli.local_state import RunRef, set_latest
+from dflash_cli.session import LOGS_ENV
+from dflash_train.runlog import error_record
+
+
+def _record(thread: str) -> dict:
+    try:
+        raise RuntimeError(f"{thread} broke")
+    except RuntimeError as exc:
+        return {**error_record(exc, thread=thread, thread_ident=threading.get_ident(), phase="train", step=3),
+                "attempt": 0}
+
+
+def test_fetch_traceback_of_a_thread_without_a_record_lists_those_that_have_one(make_inventory, tmp_path):
+    hosts = make_inventory(tmp_path)
+    assert dflash_in_process("deploy", "node", hosts=hosts).returncode == 0
+    fabricate_run(tmp_path / "node ws", "died-1", 1)
+    errors = tmp_path / "node ws" / "runs" / "died-1" / "errors.jsonl"
+    errors.write_text("".join(json.dumps(_record(thread)) + "\n" for thread in ("drafter-1", "target-0")))
+    done = dflash_in_process("--logs-dir", str(tmp_path / "logs"), "fetch-traceback", "died-1", "--host", "node",
+                             "--thread", "nosuch", hosts=hosts)
+    assert done.returncode == 2, done.stderr
+    assert ("dflash: error: run died-1: no error record from thread 'nosuch'; threads with records: drafter-1, "
+            "target-0") in " ".join(done.stderr.split())
+
+
+def test_logs_dir_help_names_its_environment_variable():
+    done = dflash_in_process("--help")
+    assert f"env {LOGS_ENV})" in " ".join(done.stdout.split())
+
+
+def test_the_top_level_help_says_each_commands_first_sentence_whole():
+    done = dflash_in_process("--help")
+    text = " ".join(done.stdout.split())
+    assert "launch Start a training run on HOST, detached; print its run id on stdout." in text
+    assert "deploy Send remote/ and configs/ to HOSTs as a content-addressed release." in text
+    assert "..." not in done.stdout.split("Commands:")[1]
+
+
+def test_state_is_found_from_any_folder_of_the_project(make_inventory, tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    shutil.copy(make_inventory(tmp_path), project / "configs" / "hosts.yaml")
+    monkeypatch.delenv(LOGS_ENV)  # the project's own logs/, as a user has it
+    assert dflash_in_process("deploy", "node", cwd=project).returncode == 0
+    fabricate_run(tmp_path / "node ws", "done-1", 0)
+    set_latest(project / "logs", RunRef("node", "done-1"))
+    (project / "docs").mkdir()
+    done = dflash_in_process("status", cwd=project / "docs")
+    assert (done.returncode, done.stdout) == (0, "SUCCEEDED\n"), done.stderr
+    listed = dflash_in_process("runs", cwd=project / "docs")
+    assert listed.returncode == 0, listed.stderr
+    assert not (project / "docs" / "logs").exists()  # nothing of the project's state under docs/
+    unknown = dflash_in_process("status", "--host", "nowhere", cwd=project / "docs")
+    assert unknown.returncode == 2 and "unknown host 'nowhere'" in unknown.stderr
+
+
+def test_no_project_root_is_said_when_no_run_is_found(tmp_path, monkeypatch):
+    monkeypatch.delenv(LOGS_ENV)
+    (tmp_path / "empty").mkdir()
+    done = dflash_in_process("status", cwd=tmp_path / "empty")
+    assert done.returncode == 2
+    assert f"(no project root above {tmp_path / 'empty'}: no folder there holds configs/hosts.yaml, dflash.yaml, " \
+           "logs)" in " ".join(done.stderr.split())
