@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash_files import procfs
 from dflash_agent.protocol import RunState, RunStatus
@@ -29,6 +30,8 @@ from support.inventory import default_hosts
 from support.events import read_events
 from support.train_configs import small_config
 from support.wait import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -594,3 +597,60 @@ def test_a_frozen_rank_is_stalled_on_its_row_and_the_silence_is_the_root_cause(p
     assert watch.returncode == 1
     assert ("root cause on ct202 (rank 1): no sign of life from rank 1 for 6s (killed, or frozen) (seen by ct200, "
             "rank 0); its trainer ended with exit code 1, with no error record of its own") in watch.stderr
+
+
+# -- job: regenerate on two hosts ---------------------------------------------------------------
+
+def regen_pair_config(pair: Pair, path: Path, output: str) -> Path:
+    """The tiny target answers the committed synthetic prompts (relative: each host's release)."""
+    path.write_text(yaml.safe_dump({
+        "job": "regenerate", "target": {"tiny": {}, "dtype": "float32"}, "devices": {"target": ["cpu"]},
+        "regenerate": {"prompts": "configs/data/tiny-prompts.jsonl", "output": f"{pair.workspace}/{output}",
+                       "max_new_tokens": 40, "batch_size": 5},
+        "runtime": {"heartbeat_s": 1, "torch_threads": 1}}))
+    return path
+
+
+@pytest.mark.slow(seconds=40, why="a regeneration on two hosts, and the same on one")
+def test_a_regeneration_on_two_hosts_answers_each_prompt_once_into_one_file_on_rank_0(pair, tmp_path):
+    run_id = launch_pair(pair, regen_pair_config(pair, tmp_path / "regen-pair.yaml", "pair.jsonl"))
+    watch = pair.dflash("watch", run_id)
+    assert watch.returncode == 0, watch.stderr
+    assert f"run {run_id} ended: SUCCEEDED (ct200 SUCCEEDED, ct202 SUCCEEDED)" in watch.stderr
+    rows = [json.loads(line) for line in pair.on_node(200, "pair.jsonl").read_text().splitlines()]
+    prompts = (REPO / "configs" / "data" / "tiny-prompts.jsonl").read_text().splitlines()
+    assert [row["index"] for row in rows] == list(range(len(prompts)))  # each once, in prompt order
+    assert not pair.on_node(202, "pair.jsonl").exists()  # rank 1 sent its answers to rank 0
+    log1 = (pair.on_node(202, f"runs/{run_id}") / "train.log").read_text()
+    assert f"{len(prompts) // 2} of them on this host (rank 1 of 2)" in log1
+    # The same prompts answered on one host: the same bytes.
+    one = pair.dflash("launch", "ct200", "--config", str(regen_pair_config(pair, tmp_path / "regen-one.yaml",
+                                                                            "one.jsonl")), "--follow")
+    assert one.returncode == 0, one.stderr
+    assert pair.on_node(200, "one.jsonl").read_bytes() == pair.on_node(200, "pair.jsonl").read_bytes()
+
+
+@pytest.mark.slow(seconds=45, why="a regeneration on two hosts whose second fails, relaunched, and one on one host")
+def test_a_regeneration_whose_second_host_failed_is_completed_by_a_relaunch_without_a_prompt_twice(pair, tmp_path):
+    """Rank 1 fails at its 3rd decode step: rank 0 ends too (PeerFailed), its output holds
+    whole answers in prompt order up to the first one missing; launching the same config
+    again answers only the rest, and the file is what one unbroken run writes."""
+    config = regen_pair_config(pair, tmp_path / "regen-fault.yaml", "broken.jsonl")
+    text = yaml.safe_load(config.read_text())
+    text["faults"] = [{"thread": "target-0", "at": "step:3", "kind": "raise", "rank": 1}]
+    config.write_text(yaml.safe_dump(text))
+    run_id = launch_pair(pair, config)
+    watch = pair.dflash("watch", run_id)
+    assert watch.returncode == 1, watch.stderr
+    assert "root cause on ct202 (rank 1)" in watch.stderr and "InjectedFault" in watch.stderr
+    output = pair.on_node(200, "broken.jsonl")
+    before = [json.loads(line)["index"] for line in output.read_text().splitlines()] if output.exists() else []
+    prompts = (REPO / "configs" / "data" / "tiny-prompts.jsonl").read_text().splitlines()
+    assert before == list(range(len(before))) and len(before) < len(prompts)
+    again = launch_pair(pair, regen_pair_config(pair, tmp_path / "regen-again.yaml", "broken.jsonl"))
+    assert pair.dflash("watch", again).returncode == 0
+    assert f"{len(before)} already answered" in (pair.on_node(200, f"runs/{again}") / "train.log").read_text()
+    one = pair.dflash("launch", "ct200", "--config", str(regen_pair_config(pair, tmp_path / "regen-one.yaml",
+                                                                            "whole.jsonl")), "--follow")
+    assert one.returncode == 0, one.stderr
+    assert output.read_bytes() == pair.on_node(200, "whole.jsonl").read_bytes()

@@ -42,8 +42,10 @@ from ..devices import canonical, is_cuda, thread_stream
 from ..faults import FaultInjector
 from ..model.batched_decode import PAD_MULTIPLE, BatchedDecoder, Generated, Request, round_up
 from ..model.target import load_target
-from ..runlog import EventLog, say
+from ..runlog import EventLog, emit_done, say
 from ..threads import StopLatch, StopRequested, JobThread
+from ..training.distributed import PeerFailed, Peers, join
+from .answer_exchange import Sender, answered_on_rank0, receive, share
 from .common import (EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, report_threads_still_running, sources,
                    torch_threads)
 
@@ -136,26 +138,60 @@ class Answer:
                           ensure_ascii=False) + "\n"
 
 
-class AnswerWriter:
-    """Appends answers to the output in prompt order (an answer that ends before an earlier
-    prompt's waits for it), whole lines, flushed and fsynced per write; reports progress:
-    a `progress` event at most every PROGRESS_EVERY_S and at the last answer, and a log
-    line for every `log_every` x batch_size answers and at the last."""
+class OutputFile:
+    """The output, appended to: whole lines, flushed and fsynced per write."""
 
-    def __init__(self, path: Path, order: list[int], total: int, already: int, events: EventLog,
-                 log_every_answers: int):
+    def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")
-        self._order = order  # the indices this launch answers, in prompt order
+
+    def write(self, answers: list["Answer"]) -> None:
+        self._file.write("".join(a.line() for a in answers))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class SentToRank0:
+    """A rank > 0's output: its answers go to rank 0, which writes them (answer_exchange.py)."""
+
+    def __init__(self, sender: Sender):
+        self.sender = sender
+
+    def write(self, answers: list["Answer"]) -> None:
+        for a in answers:
+            self.sender.send(a.prompt.index, a.text, a.truncated, a.tokens)
+
+    def close(self) -> None:
+        self.sender.done()
+
+
+class AnswerWriter:
+    """Hands answers to `sink` in prompt order (an answer that ends before an earlier
+    prompt's waits for it); reports progress: a `progress` event at most every
+    PROGRESS_EVERY_S and at the last answer, and a log line for every `log_every` answers
+    and at the last."""
+
+    def __init__(self, sink: OutputFile | SentToRank0, order: list[int], total: int, already: int,
+                 events: EventLog, log_every: int, what: str = "prompts"):
+        self._sink = sink
+        self._order = order  # the indices to write in this launch, in prompt order
         self._next = 0
         self._ready: dict[int, Answer] = {}
         self._lock = threading.Lock()
-        self._events, self._log_every = events, max(1, log_every_answers)
+        self._events, self._log_every, self._what = events, max(1, log_every), what
         self.total, self.answered, self._already = total, already, already
         self.truncated = self.tokens = 0
         self._started: float | None = None
-        self._last_event = self._logged_at = 0.0
+        self._last_event = 0.0
         self._logged = already
+        self.closed = False
+
+    @property
+    def writes_file(self) -> bool:
+        return isinstance(self._sink, OutputFile)
 
     def begin(self) -> None:
         """The clock of tokens/s starts with the first decode (not with loading and compiling)."""
@@ -176,9 +212,7 @@ class AnswerWriter:
                 self._write(ready)
 
     def _write(self, answers: list[Answer]) -> None:
-        self._file.write("".join(a.line() for a in answers))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._sink.write(answers)
         self.answered += len(answers)
         self.truncated += sum(a.truncated for a in answers)
         self.tokens += sum(a.tokens for a in answers)
@@ -195,11 +229,14 @@ class AnswerWriter:
         if self.answered - self._logged >= self._log_every or last:
             self._logged = self.answered
             eta_text = "--:--:--" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
-            say(f"answered {self.answered}/{self.total} prompts ({self.truncated} cut at max_new_tokens), "
+            say(f"answered {self.answered}/{self.total} {self._what} ({self.truncated} cut at max_new_tokens), "
                 f"{self.tokens / elapsed:.1f} tokens/s, ETA {eta_text}")
 
     def close(self) -> None:
-        self._file.close()
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._sink.close()
 
 
 class Feed:
@@ -275,15 +312,21 @@ class Regeneration(JobControl):
         self.heartbeat_if_due(step=None, answered=self.writer.answered if self.writer else None)
 
     def run(self) -> int:
+        peers: Peers | None = None
         try:
             self._set_phase("startup")
-            faults = FaultInjector(self.config.faults)
+            # Several hosts join as a training run's do: a failed or silent rank ends the others.
+            peers = join(self.config.distributed, 1, False, self.latch, where=lambda: (self.phase, None),
+                         on_stuck=self._end_now, exit_after_s=self.config.runtime.stop_grace_s + 10.0)
+            faults = FaultInjector(self.config.faults, peers.rank if peers is not None else 0)
             faults.fire("coordinator")
-            requests, decoders = self._prepare()
+            requests, decoders, remote = self._prepare(peers)
             self._set_phase("regenerate")
             feed = Feed(requests)
             for index, decoder in enumerate(decoders):
                 self._start(f"target-{index}", self._body(decoder, faults, feed))
+            if remote:
+                self._start("answers-in", self._receiver(peers, remote))
             forbidden = False
             while not all(w.done.is_set() for w in self.workers):
                 if not forbidden and all(w.is_ready() for w in self.workers):
@@ -297,23 +340,40 @@ class Regeneration(JobControl):
                     raise ThreadFailed(f"{name} failed: {type(exc).__name__}: {exc}") from exc
                 self.latch.check()
                 time.sleep(0.1)
-            if self.latch.failure is not None:  # a worker failed as the last batch was taken
+            if self.latch.failure is not None:  # a worker failed as the last prompt was taken
                 name, exc = self.latch.failure
                 raise ThreadFailed(f"{name} failed: {type(exc).__name__}: {exc}") from exc
             self._set_phase("shutdown")
             self._finish()
+            if peers is not None:
+                peers.leave(ok=True)
             return EXIT_OK
-        except StopRequested:
+        except (StopRequested, PeerFailed):
+            stopped = self.latch.failure is None
             self._set_phase("shutdown")
             self._finish()
-            return 128 + int(self._signal or signal.SIGTERM)
+            if peers is not None:
+                peers.leave(ok=False)
+            return 128 + int(self._signal or signal.SIGTERM) if stopped else EXIT_FAILED
         except BaseException as exc:  # noqa: BLE001 - the coordinator's own failure is recorded too
             self.latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(),
                                       phase=self.phase, step=None)
             self._finish()
+            if peers is not None:
+                peers.leave(ok=False)
             return EXIT_FAILED
 
-    def _prepare(self) -> tuple[list[Request], list[BatchedDecoder]]:
+    def _end_now(self, code: int) -> None:
+        """A peer ended the run, and this process did not follow (the main thread is in a
+        startup step that does not look at the stop event): stacks, the done event, exit."""
+        alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        report_threads_still_running(alive, self.config.runtime.stop_grace_s + 10.0, self.fault_log)
+        emit_done(self.events, code, alive)
+        os._exit(code)
+
+    def _prepare(self, peers: Peers | None) -> tuple[list[Request], list[BatchedDecoder], list[int]]:
+        """This rank's prompts as requests, its decoders, and (rank 0 of several hosts) the
+        indices the other ranks answer, in order."""
         from transformers import AutoTokenizer
 
         settings = self.settings
@@ -321,20 +381,33 @@ class Regeneration(JobControl):
         torch.set_num_threads(torch_threads(self.config))
         prompts = read_prompts(resolve_path(settings.prompts))
         output = resolve_path(settings.output)
-        answered = answered_indices(output, prompts)
-        pending = [p for p in prompts if p.index not in answered]
-        say(f"{len(prompts)} prompts, {len(answered)} already answered in {output}, {len(pending)} to go, "
+        rank, world = (peers.rank, peers.layout.world_size) if peers is not None else (0, 1)
+        answered = answered_indices(output, prompts) if rank == 0 else None
+        if peers is not None:
+            answered = answered_on_rank0(peers, answered, self.config.distributed.join_timeout_s)
+        assert answered is not None
+        pending = [p.index for p in prompts if p.index not in answered]
+        mine = share(pending, rank, world)
+        where = f"{output}" if world == 1 else f"{output} on rank 0"
+        say(f"{len(prompts)} prompts, {len(answered)} already answered in {where}, {len(pending)} to go"
+            f"{'' if world == 1 else f', {len(mine)} of them on this host (rank {rank} of {world})'}, "
             f"up to {settings.batch_size} at once per device; max_new_tokens {settings.max_new_tokens}, "
             f"{'sampled' if settings.sampling else 'greedy'}, enable_thinking {settings.enable_thinking}")
-        self.writer = AnswerWriter(output, [p.index for p in pending], len(prompts), len(answered), self.events,
-                                   self.config.log_every * settings.batch_size)
-        if not pending:
-            return [], []
+        log_every = self.config.log_every * settings.batch_size
+        if rank == 0:
+            self.writer = AnswerWriter(OutputFile(output), pending, len(prompts), len(answered), self.events,
+                                       log_every)
+        else:
+            self.writer = AnswerWriter(SentToRank0(Sender(peers)), mine, len(mine), 0, self.events, log_every,
+                                       what=f"prompts of rank {rank}")
+        self.prompts = {p.index: p for p in prompts if p.index not in answered}
+        remote = [index for index in pending if index % world != 0] if rank == 0 else []
+        if not mine:
+            return [], [], remote
         self.tokenizer = AutoTokenizer.from_pretrained(source)
-        texts = [render(self.tokenizer, p, settings.enable_thinking) for p in pending]
+        texts = [render(self.tokenizer, self.prompts[i], settings.enable_thinking) for i in mine]
         encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        requests = [Request(p.index, tuple(ids)) for p, ids in zip(pending, encoded)]
-        self.prompts = {p.index: p for p in pending}
+        requests = [Request(index, tuple(ids)) for index, ids in zip(mine, encoded)]
         capacity = max(map(len, encoded)) + settings.max_new_tokens
         decoders = []
         for device in (canonical(d) for d in self.config.devices.target):
@@ -344,7 +417,24 @@ class Regeneration(JobControl):
                                            end_ids(self.tokenizer, model), settings.sampling))
         say(f"prompts of up to {capacity - settings.max_new_tokens} tokens: "
             f"{settings.batch_size} rows of {decoders[0].capacity} positions per device")
-        return requests, decoders
+        return requests, decoders, remote
+
+    def _receiver(self, peers: Peers, indices: list[int]):
+        """Rank 0's thread that writes the other ranks' answers in their places."""
+        def body(worker: JobThread) -> None:
+            assert self.writer is not None
+            writer = self.writer
+            worker.mark_ready()
+            worker.phase = "regenerate"
+            writer.begin()
+
+            def deliver(index: int, answer: dict) -> None:
+                self.latch.progressed()
+                writer.deliver([Answer(self.prompts[index], answer["text"], answer["truncated"], answer["tokens"])])
+
+            receive(peers, indices, deliver, stopped=lambda: self.latch.failure is not None)
+
+        return body
 
     def _answer(self, generated: Generated) -> Answer:
         with self._tokenizer_lock:  # a fast tokenizer refuses concurrent use from two threads
@@ -392,7 +482,9 @@ class Regeneration(JobControl):
         self.alive = [w.name for w in self.workers if w.is_alive()]
         report_threads_still_running(self.alive, grace, self.fault_log)
         if self.writer is not None:
-            if not self.alive:  # a worker left behind may still deliver; the process exits at once anyway
+            # A worker left behind may still deliver (the process exits at once anyway); a
+            # rank that failed sends no word that it sent all: rank 0 learns of it as a failure.
+            if not self.alive and (self.latch.failure is None or self.writer.writes_file):
                 self.writer.close()
             say(f"{self.writer.answered}/{self.writer.total} prompts answered "
                 f"({self.writer.truncated} of them in this launch cut at max_new_tokens)")
