@@ -654,3 +654,45 @@ def test_a_regeneration_whose_second_host_failed_is_completed_by_a_relaunch_with
                                                                             "whole.jsonl")), "--follow")
     assert one.returncode == 0, one.stderr
     assert output.read_bytes() == pair.on_node(200, "whole.jsonl").read_bytes()
+
+
+@pytest.mark.slow(seconds=40, why="an evaluation on two hosts and the same on one")
+def test_an_evaluation_on_two_hosts_pools_both_shares_into_rank_0s_eval_json(pair, tmp_path):
+    """Each host decodes every second prompt; rank 0's eval.json holds the figures of all
+    of them, the same as one host measuring them all (the CPU decodes deterministically)."""
+    import torch
+    from transformers import AutoConfig
+
+    from dflash_train.config import load_job_config
+    from dflash_train.data.tiny import ensure_tiny_assets
+    from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids, drafter_hf_config, export_drafter
+    from support.train_configs import TINY_CPU
+
+    spec = load_job_config(TINY_CPU)
+    assets = ensure_tiny_assets(spec.target.tiny, spec.data.synthetic, tmp_path / "cache")
+    target = AutoConfig.from_pretrained(str(assets.target_dir))
+    layers = default_target_layer_ids(target.num_hidden_layers, spec.drafter.num_target_features or 1)
+    drafter = DFlashDrafter(drafter_hf_config(target, spec.drafter, layers, mask_token_id=0))
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    folder = pair.workspace.parent / f"drafter {tmp_path.name}"
+    for vmid in (200, 202):
+        export_drafter(drafter, pair.pve.on_node(vmid, folder))
+    text = TINY_CPU.read_text()
+    config = tmp_path / "eval.yaml"
+    config.write_text(text[text.index("target:"):text.index("drafter:")] + "job: evaluate\nevaluate: "
+                      f"{{drafter: {json.dumps(str(folder))}, max_new_tokens: 24, num_prompts: 6}}\n")
+    run_id = launch_pair(pair, config)
+    watch = pair.dflash("watch", run_id)
+    assert watch.returncode == 0, watch.stderr
+    pooled = json.loads((pair.on_node(200, f"runs/{run_id}") / "eval.json").read_text())
+    assert not (pair.on_node(202, f"runs/{run_id}") / "eval.json").exists()
+    assert "rank 1 of 2: 3 of the 6 prompts" in (pair.on_node(202, f"runs/{run_id}") / "train.log").read_text()
+    one = pair.dflash("launch", "ct200", "--config", str(config), "--follow")
+    assert one.returncode == 0, one.stderr
+    (alone_id,) = [line for line in one.stdout.splitlines() if line.strip()][:1]
+    alone = json.loads((pair.on_node(200, f"runs/{alone_id.strip()}") / "eval.json").read_text())
+    assert pooled["hosts"] == 2 and alone["hosts"] == 1 and pooled["prompts"] == alone["prompts"] == 6
+    for key in ("verify_steps", "new_tokens", "acceptance_length"):
+        assert pooled[key] == alone[key], key
+    assert pooled["mean_per_prompt"] == pytest.approx(alone["mean_per_prompt"], abs=1e-4)
+    assert sorted(pooled["per_prompt"]) == sorted(alone["per_prompt"])

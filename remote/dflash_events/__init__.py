@@ -225,6 +225,8 @@ EVAL = EventType("eval", "The drafter's acceptance length on the eval prompts: i
                      optional("drafter", STR, "evaluate: the drafter folder evaluated"),
                      optional("prompts_file", STR, "evaluate: the prompts file"),
                      optional("max_new_tokens", INT, "evaluate: tokens decoded at most per prompt"),
+                     optional("hosts", INT, "evaluate: the hosts whose shares of the prompts are pooled here "
+                              "(rank 0's event)"),
                      optional("cuda_graphs", BOOL, "whether the decode's steps ran as CUDA graphs (never on CPU)"),
                      optional("compiled", BOOL, "whether the decode's steps ran compiled by torch.compile "
                               "(`compile_steps`; never on CPU)"),

@@ -25,11 +25,12 @@ from ..config import JobConfig, resolve_path
 from ..data.batches import load_prompts
 from ..devices import canonical, is_cuda
 from ..model.drafter import load_drafter
-from ..model.speculative import evaluate, evaluation_decoder
+from ..model.speculative import EvalResult, evaluate, evaluation_decoder
 from ..model.target import FeatureTap, load_target
-from ..runlog import EventLog, say
+from ..runlog import EventLog, emit_done, say
 from ..threads import StopLatch, StopRequested
-from .common import EXIT_FAILED, EXIT_OK, JobControl, sources, stop_ids
+from ..training.distributed import PeerFailed, Peers, join
+from .common import EXIT_FAILED, EXIT_OK, JobControl, report_threads_still_running, sources, stop_ids
 
 
 class EvaluationJob(JobControl):
@@ -57,20 +58,39 @@ class EvaluationJob(JobControl):
         self.heartbeat_if_due(step=None, verify_steps=self.verify_steps)
 
     def run(self) -> int:
+        peers: Peers | None = None
         try:
             self._set_phase("startup")
-            self._measure()
+            # Several hosts join as a training run's do: a failed or silent rank ends the others.
+            peers = join(self.config.distributed, 1, False, self.latch, where=lambda: (self.phase, None),
+                         on_stuck=self._end_now, exit_after_s=self.config.runtime.stop_grace_s + 10.0)
+            self._measure(peers)
             self._set_phase("shutdown")
+            if peers is not None:
+                peers.leave(ok=True)
             return EXIT_OK
-        except StopRequested:
+        except (StopRequested, PeerFailed):
+            stopped = self.latch.failure is None
             self._set_phase("shutdown")
-            return 128 + int(self._signal or signal.SIGTERM)
+            if peers is not None:
+                peers.leave(ok=False)
+            return 128 + int(self._signal or signal.SIGTERM) if stopped else EXIT_FAILED
         except BaseException as exc:  # noqa: BLE001 - recorded like any run's failure
             self.latch.record_failure(exc, thread="coordinator", thread_ident=threading.get_ident(),
                                       phase=self.phase, step=None)
+            if peers is not None:
+                peers.leave(ok=False)
             return EXIT_FAILED
 
-    def _measure(self) -> None:
+    def _end_now(self, code: int) -> None:
+        """A peer ended the run, and this process did not follow (it is in a startup step
+        that does not look at the stop event): stacks, the done event, exit."""
+        alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        report_threads_still_running(alive, self.config.runtime.stop_grace_s + 10.0, self.fault_log)
+        emit_done(self.events, code, alive)
+        os._exit(code)
+
+    def _measure(self, peers: Peers | None) -> None:
         from transformers import AutoTokenizer
 
         target_source, _, data_eval = sources(self.config, self.run_dir)
@@ -88,6 +108,11 @@ class EvaluationJob(JobControl):
         prompts = load_prompts(prompts_path, tokenizer, self.spec.num_prompts or sys.maxsize, template_kwargs)
         if not prompts:
             raise ValueError(f"evaluate.prompts: {prompts_path} holds no prompt")
+        rank, world = (peers.rank, peers.layout.world_size) if peers is not None else (0, 1)
+        total = len(prompts)
+        prompts = prompts[rank::world]  # this host's share: every world-th prompt
+        if world > 1:
+            say(f"rank {rank} of {world}: {len(prompts)} of the {total} prompts")
         target = load_target(target_source, self.config.target.dtype, device)
         # the drafter in the target's dtype, as the reference decodes (load_drafter says why)
         drafter = load_drafter(drafter_dir, device, dtype=target.get_input_embeddings().weight.dtype).eval()
@@ -108,9 +133,17 @@ class EvaluationJob(JobControl):
         started = time.perf_counter()
         result = evaluate(decoder, prompts, self.spec.max_new_tokens, stop_ids(tokenizer), on_step=self._stepped,
                           speedup=self.spec.speedup, on_target_step=self._forwarded)
+        if peers is not None:  # rank 0 pools every host's share; the others' part ends here
+            peers.publish("eval", result.shared())
+            if rank != 0:
+                say(f"rank {rank}: {result.prompts} prompts measured, sent to rank 0")
+                return
+            parts = peers.collect("eval", self.config.distributed.timeout_s + 3600.0)
+            result = EvalResult.pooled([EvalResult.of(**part, speedup=self.spec.speedup) for part in parts],
+                                       self.spec.speedup)
         fields = {**result.fields(time.perf_counter() - started), "drafter": str(drafter_dir),
                   "prompts_file": str(prompts_path), "max_new_tokens": self.spec.max_new_tokens,
-                  "cuda_graphs": decoder.cuda_graphs, "compiled": decoder.compiled}
+                  "cuda_graphs": decoder.cuda_graphs, "compiled": decoder.compiled, "hosts": world}
         tmp = self.run_dir / ".eval.json.tmp"
         tmp.write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, self.run_dir / "eval.json")

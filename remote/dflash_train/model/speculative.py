@@ -64,6 +64,33 @@ class EvalResult:
     new_tokens: int
     prompts: int
     speed: Speed | None = None  # when asked for (evaluate's `speedup`)
+    # seconds per token after the prefill, per prompt timed: speculative, the target alone
+    spec_times: list[float] = dataclasses.field(default_factory=list)
+    alone_times: list[float] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, per_prompt: list[float], verify_steps: int, new_tokens: int, prompts: int,
+           spec_times: list[float], alone_times: list[float], speedup: bool) -> "EvalResult":
+        speed = None
+        if speedup and spec_times:
+            spec, base = _mean(spec_times), _mean(alone_times)
+            speed = Speed(tokens_per_s=1 / spec, target_tokens_per_s=1 / base, speedup=base / spec)
+        return cls(acceptance_length=new_tokens / verify_steps if verify_steps else 0.0,
+                   mean_per_prompt=_mean(per_prompt), per_prompt=per_prompt, verify_steps=verify_steps,
+                   new_tokens=new_tokens, prompts=prompts, speed=speed, spec_times=spec_times,
+                   alone_times=alone_times)
+
+    @classmethod
+    def pooled(cls, parts: list["EvalResult"], speedup: bool) -> "EvalResult":
+        """One result of several hosts' shares of the prompts, as if one had decoded them all."""
+        return cls.of([x for p in parts for x in p.per_prompt], sum(p.verify_steps for p in parts),
+                      sum(p.new_tokens for p in parts), sum(p.prompts for p in parts),
+                      [x for p in parts for x in p.spec_times], [x for p in parts for x in p.alone_times], speedup)
+
+    def shared(self) -> dict[str, Any]:
+        """What another host needs to pool this result (JSON)."""
+        return {"per_prompt": self.per_prompt, "verify_steps": self.verify_steps, "new_tokens": self.new_tokens,
+                "prompts": self.prompts, "spec_times": self.spec_times, "alone_times": self.alone_times}
 
     def fields(self, seconds: float) -> dict[str, Any]:
         """The figures as an "eval" event and eval.json carry them."""
@@ -224,10 +251,4 @@ def evaluate(decoder: FastDecoder | ReferenceDecoder, prompts: list[list[int]], 
             if spec is not None and base is not None:
                 spec_times.append(spec)
                 alone_times.append(base)
-    speed = None
-    if speedup and spec_times:
-        spec, base = _mean(spec_times), _mean(alone_times)
-        speed = Speed(tokens_per_s=1 / spec, target_tokens_per_s=1 / base, speedup=base / spec)
-    return EvalResult(acceptance_length=new_tokens / steps if steps else 0.0, mean_per_prompt=_mean(per_prompt),
-                      per_prompt=per_prompt, verify_steps=steps, new_tokens=new_tokens, prompts=len(prompts),
-                      speed=speed)
+    return EvalResult.of(per_prompt, steps, new_tokens, len(prompts), spec_times, alone_times, speedup)
