@@ -68,8 +68,8 @@ def test_regenerate_config_loads_and_names_its_threads_and_host_paths(tmp_path):
      "drafter: {num_layers: 2}\n", "job: regenerate does not read drafter, optim: remove them"),
     ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: /o}\n"
      "devices: {target: [cpu], drafters: [cpu, cpu]}\n", "job: regenerate does not read devices.drafters"),
-    ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: out.jsonl}\n",
-     "regenerate: output must be an absolute path (or ~/...), got 'out.jsonl'"),
+    ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: ../out.jsonl}\n",
+     "regenerate: output must be a file path inside the workspace (relative), absolute or ~/..., got '../out.jsonl'"),
     ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: /o, sampling: {temperature: 0}}\n",
      "regenerate.sampling: temperature must be positive"),
     ("job: regenerate\ntarget: {tiny: {}}\nregenerate: {prompts: p, output: /o}\n"
@@ -95,6 +95,18 @@ def test_example_config_answers_the_committed_synthetic_prompts(workspace):
     assets = ensure_tiny_assets(config.target.tiny, TARGET_DATA, workspace / "cache")
     synthetic = [json.loads(line)["messages"][:1] for line in assets.train_path.read_text().splitlines()]
     assert [json.loads(line)["messages"] for line in TINY_PROMPTS.read_text().splitlines()] == synthetic
+
+
+def test_a_relative_output_is_the_workspaces(monkeypatch, tmp_path):
+    """regen-tiny-cpu.yaml's output is relative: it lands in the host's workspace (where a
+    relaunch finds it), not in the read-only release nor the user's home."""
+    from dflash_train.config import workspace_path
+
+    config = load_job_config(REPO / "configs" / "train" / "regen-tiny-cpu.yaml")
+    monkeypatch.setenv("DFLASH_WORKSPACE", str(tmp_path / "ws"))
+    assert workspace_path(config.regenerate.output) == tmp_path / "ws" / "data" / "tiny-regenerated.jsonl"
+    assert workspace_path("/abs/out.jsonl") == Path("/abs/out.jsonl")
+    assert workspace_path("~/out.jsonl") == Path.home() / "out.jsonl"
 
 
 # ---- reading prompts and resuming output (no model) ---------------------------------------

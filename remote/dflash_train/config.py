@@ -427,7 +427,7 @@ class RegenerateConfig:
     """job: regenerate: answer every prompt with the target; the output is a data.train file."""
 
     prompts: str  # jsonl of "text" (one user turn) or chat "messages" (a final assistant turn is re-answered)
-    output: str  # jsonl, appended in prompt order; an existing one is resumed (absolute or ~/...)
+    output: str  # jsonl, appended in prompt order; an existing one is resumed (relative: in the workspace)
     max_new_tokens: int = 2048
     batch_size: int = 32  # prompts decoded at once per device: the KV cache's slots
     enable_thinking: bool | None = None  # passed to the chat template (Qwen3); null: the template's default
@@ -436,11 +436,11 @@ class RegenerateConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0 or self.batch_size <= 0:
             raise ValueError("max_new_tokens and batch_size must be positive")
-        # Relative paths are read from the release, which is read-only, and every launch
-        # has a new run directory: only a fixed path lets a relaunch resume the output.
-        if not self.output.startswith(("/", "~")):
-            raise ValueError(f"output must be an absolute path (or ~/...), got {self.output!r}: "
-                             "a relaunch resumes the file found there")
+        # A relative output is the workspace's, not the release's (read-only) nor the run
+        # directory's (new at every launch): a relaunch must find it to resume it.
+        if not self.output.strip() or self.output.startswith("..") or "/../" in self.output:
+            raise ValueError(f"output must be a file path inside the workspace (relative), absolute or ~/..., "
+                             f"got {self.output!r}")
 
 
 # The optional sections each job reads. A job refuses a section it does not read that is
@@ -629,6 +629,16 @@ def resolved_yaml(config: JobConfig) -> str:
     for name in _JOB_SPECIFIC - JOB_SECTIONS[config.job]:
         del data[name]
     return dflash_schema.dump_yaml({"job": data.pop("job"), **data})  # what it runs, first
+
+
+def workspace_path(path: str) -> Path:
+    """An output path of a config: absolute, ~/..., or relative to the host's workspace
+    (DFLASH_WORKSPACE, which the agent sets; the current directory without it)."""
+    candidate = Path(os.path.expanduser(path))
+    if candidate.is_absolute():
+        return candidate
+    base = os.environ.get("DFLASH_WORKSPACE")
+    return (Path(base) if base else Path.cwd()) / candidate
 
 
 def resolve_path(path: str) -> Path:

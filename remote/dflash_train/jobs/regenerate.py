@@ -36,7 +36,7 @@ import torch
 from dflash_events import PROGRESS
 
 from ..compiling.policy import forbid_compiles
-from ..config import JobConfig, resolve_path
+from ..config import JobConfig, resolve_path, workspace_path
 from ..data.batches import _read_jsonl
 from ..devices import canonical, is_cuda, thread_stream
 from ..faults import FaultInjector
@@ -380,7 +380,7 @@ class Regeneration(JobControl):
         source, _, _ = sources(self.config, self.run_dir)
         torch.set_num_threads(torch_threads(self.config))
         prompts = read_prompts(resolve_path(settings.prompts))
-        output = resolve_path(settings.output)
+        output = workspace_path(settings.output)
         rank, world = (peers.rank, peers.layout.world_size) if peers is not None else (0, 1)
         answered = answered_indices(output, prompts) if rank == 0 else None
         if peers is not None:
