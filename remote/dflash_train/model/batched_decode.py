@@ -5,12 +5,13 @@
 * a KV cache of `slots` rows, each for `capacity` positions (the longest prompt plus
   max_new_tokens), allocated once (fast_layers.FastLayers.kv_cache);
 * a decode step advances every row by one token: the target's layers over the rows'
-  newest tokens at their own positions, attention over the first L cached positions only,
-  L the smallest multiple of `length_step` past every live row's position (reading the
-  whole capacity would double a step's memory traffic early in the answers), and the next
-  tokens chosen on the device (model/sampling.py); one host read per step;
+  newest tokens at their own positions, attention reading each row's keys up to its own
+  position (FlexAttention with a block mask set on the device, fast_layers.PositionMask;
+  without compiling, SDPA over the first L positions, L the smallest multiple of
+  `length_step` past every live row's position), and the next tokens chosen on the device
+  (model/sampling.py); one host read per step;
 * the step's state (tokens, positions, which rows are live, sampling counters) stays on
-  the device, so on CUDA the step for each L is a CUDA graph, captured in `warm_up`, with
+  the device, so on CUDA the step (for each L) is a CUDA graph, captured in `warm_up`, with
   its layer functions compiled once for the one step shape (slots, 1): nothing compiles
   once warm_up returns;
 * a row whose answer ended (an end token, or max_new_tokens) takes the next prompt at
@@ -31,11 +32,10 @@ import torch
 
 from ..compiling.decode_graphs import graphed
 from ..config import SamplingConfig
-from .fast_layers import FastLayers, attend, attend_causal, output_and_mlp, project_and_store
+from .fast_layers import FLEX_BLOCK, FastLayers, PositionMask, attend, attend_causal, output_and_mlp, project_and_store
 from .sampling import Chooser
 
 PAD_MULTIPLE = 64  # a prefill row's length is rounded up to this
-FLEX_BLOCK = 128  # FlexAttention's key block: the capacity is a multiple of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ class BatchedDecoder:
         projections: the model must be this decoder's alone. `attention`: "flex" reads
         each row's keys up to its own position (FlexAttention, compiled: CUDA only),
         "sdpa" every row's up to the step's attention length; "auto": flex when compiling
-        on CUDA."""
+        on CUDA (fast_layers.PositionMask)."""
         on_cuda = next(model.parameters()).device.type == "cuda"
         self.layers = FastLayers(model, compile_steps=compile_steps and on_cuda, fuse=True)
         self.attention = ("flex" if self.layers.compiled else "sdpa") if attention == "auto" else attention
@@ -95,26 +95,7 @@ class BatchedDecoder:
         self.chosen = zeros()
         self._steps: dict[int, Callable[[], None]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        if self.attention == "flex":
-            self._flex_mask()
-
-    def _flex_mask(self) -> None:
-        """A block mask whose per-row block counts the step sets from the rows' positions
-        (on the device, inside the graph): each row's attention reads its own blocks only."""
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-        blocks = self.capacity // FLEX_BLOCK
-        self.kv_blocks = torch.zeros(self.slots, 1, 1, dtype=torch.int32, device=self.device)
-        indices = torch.arange(blocks, dtype=torch.int32, device=self.device)
-        position = self.position
-
-        def seen(batch, head, query, key):
-            return key <= position[batch]
-
-        self.block_mask = BlockMask.from_kv_blocks(
-            self.kv_blocks, indices.expand(self.slots, 1, 1, blocks).contiguous(), BLOCK_SIZE=FLEX_BLOCK,
-            mask_mod=seen, seq_lengths=(1, self.capacity), compute_q_blocks=False)
-        self._flex = torch.compile(flex_attention, dynamic=False) if self.layers.compiled else flex_attention
+        self._flex = PositionMask(slots, 1, self.capacity, device) if self.attention == "flex" else None
 
     def lengths(self) -> list[int]:
         """The attention lengths the steps use: multiples of length_step up to capacity
@@ -144,12 +125,12 @@ class BatchedDecoder:
         hidden = layers.embed(self.token.unsqueeze(1))  # (S, 1, hidden)
         cos, sin = self.cos[at], self.sin[at]  # (S, 1, D)
         seen = (self.key_index[:length] <= at).unsqueeze(1)  # (S, 1, L)
-        if self.attention == "flex":
-            self.kv_blocks.copy_((self.position // FLEX_BLOCK + 1).view(-1, 1, 1))
+        if self._flex is not None:
+            self._flex.set(at)
         for w, keys, values in zip(layers.weights, self.keys, self.values):
             q = layers.step_project(hidden, w, g, cos, sin, keys, values, self.rows, at)
-            if self.attention == "flex":
-                attended = self._flex(q, keys, values, block_mask=self.block_mask, scale=g.scale, enable_gqa=True)
+            if self._flex is not None:
+                attended = self._flex(q, keys, values, g.scale)
             else:
                 attended = attend(q, keys[:, :, :length], values[:, :, :length], seen, g.scale)
             hidden = layers.step_output(attended, hidden, w, g)

@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SUPPORTED = ("qwen3", "qwen2", "llama")
 ATTENTION = ("sdpa", "eager")
+FLEX_BLOCK = 128  # FlexAttention's key block: a flex-attended cache holds a multiple of it
 # RoPE types whose frequencies depend on the sequence's length (transformers'
 # dynamic_rope_update): a table made once would be wrong past the original length.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -238,6 +239,41 @@ def attend_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+
+
+class PositionMask:
+    """FlexAttention over per-row caches (B, KVH, capacity, D) where the query at position p
+    sees the keys at positions <= p, for a step of B rows of Q queries: `set(positions)`,
+    on the device (inside a CUDA graph too), gives each row as many key blocks as its
+    furthest query needs, so the kernel reads those and no more (SDPA reads every key it
+    is given, and picks kernels tiled for long queries). Compiled, on CUDA: uncompiled,
+    flex_attention is a slow reference implementation."""
+
+    def __init__(self, rows: int, queries: int, capacity: int, device: torch.device):
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        if capacity % FLEX_BLOCK:
+            raise ValueError(f"a flex attention cache holds a multiple of {FLEX_BLOCK} positions, not {capacity}")
+        blocks = capacity // FLEX_BLOCK
+        self.positions = torch.zeros(rows, queries, dtype=torch.long, device=device)
+        self.kv_blocks = torch.zeros(rows, 1, 1, dtype=torch.int32, device=device)
+        indices = torch.arange(blocks, dtype=torch.int32, device=device).expand(rows, 1, 1, blocks).contiguous()
+        positions = self.positions
+
+        def seen(row, head, query, key):
+            return key <= positions[row, query]
+
+        self.mask = BlockMask.from_kv_blocks(self.kv_blocks, indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=seen,
+                                             seq_lengths=(queries, capacity), compute_q_blocks=False)
+        self._attend = torch.compile(flex_attention, dynamic=False)
+
+    def set(self, positions: torch.Tensor) -> None:
+        """positions (B, Q): where this step's queries are."""
+        self.positions.copy_(positions)
+        self.kv_blocks.copy_((positions.max(dim=1).values // FLEX_BLOCK + 1).view(-1, 1, 1))
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        return self._attend(q, keys, values, block_mask=self.mask, scale=scale, enable_gqa=True)
 
 
 def output_and_mlp(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeights, g: Geometry) -> torch.Tensor:

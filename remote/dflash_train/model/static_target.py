@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .fast_layers import FastLayers, attend, fast_refusal, output_and_mlp, project_and_store
+from .fast_layers import FLEX_BLOCK, FastLayers, PositionMask, attend, fast_refusal, output_and_mlp, project_and_store
 from .target import FeatureTap
 
 
@@ -33,16 +33,22 @@ def static_refusal(config: Any) -> str | None:
 
 class StaticTarget:
     """`fuse`: fuse the model's projections (fast_layers.fuse_projections) for this decode:
-    only for a model no other thread runs."""
+    only for a model no other thread runs. Compiled steps on CUDA attend through
+    FlexAttention (fast_layers.PositionMask: only the blocks up to the step's positions are
+    read), the rest through SDPA."""
 
     def __init__(self, tap: FeatureTap, capacity: int, compile_steps: bool = False, fuse: bool = False):
         self.layers = FastLayers(tap.model, compile_steps=compile_steps, fuse=fuse)
         self.layer_ids = tap.layer_ids
+        self.flex = self.layers.compiled and self.layers.device.type == "cuda"
+        if self.flex:
+            capacity = -(-capacity // FLEX_BLOCK) * FLEX_BLOCK
         self.device, self.dtype, self.capacity = self.layers.device, self.layers.dtype, capacity
         self.keys, self.values = self.layers.kv_cache(1, capacity)
         self.key_index = torch.arange(capacity, device=self.device)
         self.rows = torch.zeros(1, dtype=torch.long, device=self.device)
         self.cos, self.sin = self.layers.rope_table(capacity)
+        self._masks: dict[int, PositionMask] = {}  # by the step's query count
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_logits_only: bool = False,
@@ -57,12 +63,13 @@ class StaticTarget:
         at = positions.unsqueeze(0)  # (1, Q)
         hidden = layers.embed(input_ids)
         cos, sin = self.cos[at], self.sin[at]
-        seen = self.key_index.unsqueeze(0) <= positions.unsqueeze(1)  # (Q, capacity)
-        seen = seen.unsqueeze(0)
+        seen = (self.key_index.unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(0)  # (1, Q, capacity)
+        flex = self._mask(at) if step and self.flex else None
         tapped: dict[int, torch.Tensor] = {}
         for index, (w, keys, values) in enumerate(zip(layers.weights, self.keys, self.values)):
             q = project(hidden, w, g, cos, sin, keys, values, self.rows, at)
-            hidden = output(attend(q, keys, values, seen, g.scale), hidden, w, g)
+            attended = flex(q, keys, values, g.scale) if flex is not None else attend(q, keys, values, seen, g.scale)
+            hidden = output(attended, hidden, w, g)
             if index in self.layer_ids:
                 tapped[index] = hidden
         logits = layers.final(hidden[:, -1:] if last_logits_only else hidden)
@@ -70,3 +77,11 @@ class StaticTarget:
             return logits, None
         return logits, torch.cat([tapped[i] for i in self.layer_ids], dim=-1)
 
+
+    def _mask(self, at: torch.Tensor) -> PositionMask:
+        """The flex mask of this step's shape, set to its positions (1, Q)."""
+        if at.shape[1] not in self._masks:
+            self._masks[at.shape[1]] = PositionMask(1, at.shape[1], self.capacity, self.device)
+        mask = self._masks[at.shape[1]]
+        mask.set(at)
+        return mask
