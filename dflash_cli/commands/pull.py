@@ -8,7 +8,9 @@ fsynced, checked against its sha256 and only then renamed into place; a local co
 matches is not sent again. A part left by a dropped connection, Ctrl-C or a killed pull
 goes on from its length: the prefix names the version it belongs to, so bytes of two
 versions are never joined. The run may still be training: a folder the trainer replaced
-since the listing is refused by the host before a byte is sent, and listed again.
+since the listing is refused by the host before a byte is sent, and listed again. A
+folder is whole only when every file its SHA256SUMS lists came with the bytes listed (a
+folder without SHA256SUMS, or missing a file it lists, is refused once its files are here).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from rich.progress import Progress
 
 from dflash_agent.protocol import ArtifactsReply, ErrorKind, ErrorReply
 from dflash_files.atomic import fsync_path
-from dflash_files.checkpoint_files import EXPORT_DIR
+from dflash_files.checkpoint_files import EXPORT_DIR, SHA256SUMS
+from dflash_files.checksums import parse_sums
 
 from .. import console
 from ..agent_client import AgentClient
@@ -133,6 +136,8 @@ class Puller:
             missing = [(local, f) for local, f in wanted if not self.is_current(local, f)]
             self._show_progress(missing)
             if all(self.fetch(local, f) for local, f in missing):
+                for folder, files in listing:
+                    self.check_whole(folder, files)
                 folders = tuple(local_folder(self.logs, folder) for folder, _ in listing)
                 removed = sum(_remove_others(folder, {local for local, _ in wanted}) for folder in folders)
                 skipped = sum(1 for local, f in wanted if self.received.get(local) != f.sha256)
@@ -142,6 +147,27 @@ class Puller:
         raise DflashError(f"run {self.ref.run_id}: its files kept changing on {self.ref.host} during "
                           f"{LISTINGS} listings; try again when the run has written them",
                           ExitCode.UNREACHABLE)
+
+    def check_whole(self, folder: str, files: list[RemoteFile]) -> None:
+        """Every file `folder`'s SHA256SUMS (as pulled) lists came, with the sha256 it
+        lists; DflashError (exit 2) naming the first that did not."""
+        local = local_folder(self.logs, folder)
+        came = {f.path: f.sha256 for f in files}
+        where = f"host {self.ref.host}: {folder} of run {self.ref.run_id}"
+        if SHA256SUMS not in came:
+            raise DflashError(f"{where} has no {SHA256SUMS}: nothing says which files it must hold, so the copy "
+                              f"in {local} cannot be verified", ExitCode.USAGE)
+        try:
+            sums = parse_sums((local / SHA256SUMS).read_text(encoding="utf-8", errors="replace"))
+        except ValueError as exc:
+            raise DflashError(f"{where}: {exc}", ExitCode.USAGE) from exc
+        for path, digest in sorted(sums.items()):
+            if path not in came:
+                raise DflashError(f"{where} lacks {path}, which its {SHA256SUMS} lists: the copy in {local} is not "
+                                  "the whole folder the trainer wrote", ExitCode.USAGE)
+            if came[path] != digest:
+                raise DflashError(f"{where}: {path} came with sha256 {came[path]}, not the {digest} its "
+                                  f"{SHA256SUMS} lists", ExitCode.USAGE)
 
     def _show_progress(self, missing: list[tuple[Path, RemoteFile]]) -> None:
         rest = sum(f.size - _part_length(part_path(local, f.sha256), f.size) for local, f in missing)
