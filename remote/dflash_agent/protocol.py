@@ -401,6 +401,17 @@ class Gpu(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class GpuProcess(Message):
+    """A compute process holding memory on a GPU (nvidia-smi --query-compute-apps); a
+    value it does not report is None."""
+
+    gpu: Optional[int]  # its GPU's index
+    pid: Optional[int]  # as the host's (or the container's) PID namespace sees it
+    name: Optional[str]  # nvidia-smi's process_name: its executable
+    used_mib: Optional[float]
+
+
+@dataclasses.dataclass(frozen=True)
 class GpusReply(Reply):
     """`gpus`: no GPU without nvidia-smi."""
 
@@ -449,13 +460,18 @@ class HostProbe(HostFacts):
 class FitFacts(Message):
     """What gpus.py --fit-facts [--model=PATH] [--env=KEY=VALUE]... answers (`dflash
     launch` sends it with `python -c` before its deploy, docs/fit-check.md):
-    the GPUs and PATH's config.json, PATH an absolute or ~ model folder, or a hub id found
-    in the host's Hugging Face cache (gpus.hub_file), looked up with the --env pairs (the
-    inventory's env) applied, as the trainer gets them."""
+    the GPUs, the processes holding memory on them, and PATH's config.json, PATH an
+    absolute or ~ model folder, or a hub id found in the host's Hugging Face cache
+    (gpus.hub_file), looked up with the --env pairs (the inventory's env) applied, as the
+    trainer gets them."""
 
     gpus: Tuple[Gpu, ...]
     target: Optional[Dict[str, Any]]  # config.json's fields; None without --model or when not found
     problem: Optional[str] = optional()  # as GpusReply's problem
+    # The compute processes holding memory on the GPUs (none listed without GPUs), and
+    # why nvidia-smi could not list them
+    processes: Optional[Tuple[GpuProcess, ...]] = optional()
+    processes_problem: Optional[str] = optional()
     target_source: Optional[str] = optional()  # the config.json read
     target_problem: Optional[str] = optional()  # why none was read
 

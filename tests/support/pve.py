@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -58,6 +59,20 @@ class FakePve:
         _write_conf(self.root, GPU_CONTAINER, "running", self.mount_point,
                     f"path: {bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n")
         return GPU_CONTAINER
+
+    def hold_gpu_memory(self, processes: list[tuple[int, int, str, int]]) -> None:
+        """Make GPU_CONTAINER's fake nvidia-smi report these compute processes, (GPU index,
+        pid, process name, MiB) each, holding memory (and each GPU's memory.used their
+        sum); [] reports none again."""
+        conf = (self.root / "lxc" / f"{GPU_CONTAINER}.conf").read_text()
+        bin_dir = Path(re.search(r"^path: ([^:\n]+):", conf, re.M).group(1))
+        apps = bin_dir / "nvidia-smi-apps"
+        if not processes:
+            apps.unlink(missing_ok=True)
+            return
+        staged = apps.with_name(".nvidia-smi-apps")
+        staged.write_text("".join(f"{index}, {pid}, {name}, {mib}\n" for index, pid, name, mib in processes))
+        os.replace(staged, apps)
 
     def node_leaks(self) -> list[str]:
         """What the node's side of mount_point holds: empty unless something wrote a file
