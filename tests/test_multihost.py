@@ -186,6 +186,26 @@ def test_a_rank_without_a_record_of_its_own_is_blamed_and_shown_silent():
     assert mark_silent_ranks([rows[0], host_status("ct202", 1, "FAILED", None)])[1].state == "FAILED"
 
 
+def test_two_ranks_each_silent_to_the_other_are_named_a_network_partition():
+    lost_peer = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": None, "silence_s": 30,
+                                                      "peer_message": "no sign of life from rank 1 for 30s"}}
+    lost_store = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "silence_s": 30,
+                                                       "peer_message": "the store … did not answer for 30s"}}
+    store_gone = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "silence_s": None,
+                                                       "peer_message": "the store … stopped answering: rank 0 is gone"}}
+    hosts = ["ct200", "ct202"]
+    exit_1 = {"exit_code": 1, "signal": None}
+    assert blamed_line(hosts, exit_1, ("ct200", lost_peer), [lost_store]) == (
+        "a network partition: ct202 (rank 1) and ct200 (rank 0) stopped hearing each other while both ran (ct200 "
+        "(rank 0): no sign of life from rank 1 for 30s; ct202: the store … did not answer for 30s); its trainer "
+        "ended with exit code 1")
+    # A rank woken after its peer ended (frozen, not cut off) found the store gone: no partition.
+    assert blamed_line(hosts, exit_1, ("ct200", lost_peer), [store_gone]).startswith("no sign of life from rank 1")
+    assert peer_failed_line(lost_store, hosts) == "stopped because rank 0 (ct200) went silent: the store … did not " \
+                                                  "answer for 30s"
+    assert peer_failed_line(store_gone, hosts).startswith("stopped because rank 0 (ct200) is gone: ")
+
+
 def host_status(host: str, rank: int, state: str, peer_failure: dict | None) -> HostStatus:
     """A host's row of a run on several hosts whose status is `state`, naming `peer_failure`."""
     status = RunStatus(run_id="pair-1", name="pair", state=RunState(state), reason=None, pid=1, started_at=1.0,
@@ -593,3 +613,4 @@ def test_a_frozen_rank_is_stalled_on_its_row_and_the_silence_is_the_root_cause(p
     assert watch.returncode == 1
     assert ("root cause on ct202 (rank 1): no sign of life from rank 1 for 6s (killed, or frozen) (seen by ct200, "
             "rank 0); its trainer ended with exit code 1, with no error record of its own") in watch.stderr
+
