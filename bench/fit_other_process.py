@@ -49,6 +49,7 @@ TARGET = "Qwen/Qwen3-8B"
 SNAPSHOT = "0" * 40  # a commit id, as the hub names snapshots
 GIB = 1 << 30
 TOLERANCE = 0.02
+STARTED = time.monotonic()
 results: list[dict] = []
 
 
@@ -61,8 +62,9 @@ def record(item: dict) -> None:
 
 
 def check(name: str, outcome: str, seen: str, **detail) -> None:
-    print(f"CHECK {name}: {outcome} - {seen}", flush=True)
-    record({"check": name, "outcome": outcome, "seen": seen, **detail})
+    elapsed = round(time.monotonic() - STARTED)
+    print(f"CHECK {name}: {outcome} - {seen} [{elapsed} s in]", flush=True)
+    record({"check": name, "outcome": outcome, "seen": seen, "elapsed_s": elapsed, **detail})
 
 
 def env_for_children(work: Path) -> dict[str, str]:
@@ -310,7 +312,6 @@ def main() -> None:
     if args.part == "hold":
         hold(args.hold_gb, args.build)
         return
-    started = time.monotonic()
     problem = preflight()
     if problem is not None:
         check("machine", "FAIL", problem)
@@ -325,7 +326,7 @@ def main() -> None:
     try:
         saved = refused_while_held(work, args.hold_gb, target_folder)
         if saved:
-            left = args.budget_s - (time.monotonic() - started) - 15
+            left = args.budget_s - (time.monotonic() - STARTED) - 15
             estimate_against_measured(work, target_folder, args.steps, left)
         else:
             check("estimate", "SKIP", "the target was not saved: nothing to train")
@@ -333,7 +334,7 @@ def main() -> None:
         check("script", "FAIL", f"{type(exc).__name__}: {exc}")
     failed = [r["check"] for r in results if r.get("outcome") == "FAIL"]
     outcomes = ", ".join(f"{r['check']} {r['outcome']}" for r in results if "outcome" in r)
-    print(f"SUMMARY: {outcomes}; {time.monotonic() - started:.0f} s", flush=True)
+    print(f"SUMMARY: {outcomes}; {time.monotonic() - STARTED:.0f} s", flush=True)
     sys.exit(1 if failed else 0)
 
 
