@@ -64,13 +64,23 @@ def target_folder(work: Path, config_path: Path) -> tuple[Path, dict]:
 
 
 def prepare(work: Path, config_path: Path, conversations: int, prompts: int) -> None:
-    from gpu_trainer import VOCAB_WORDS, build_target
+    from gpu_trainer import build_target
 
     work.mkdir(parents=True, exist_ok=True)
     folder, architecture = target_folder(work, config_path)
     if not folder.exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
         build_target(folder, architecture, "cuda:0")
+    write_chat_data(work, conversations, prompts)
+    report({"part": "prepare", "work": str(work), "target": str(folder), "conversations": conversations,
+            "prompts": prompts})
+
+
+def write_chat_data(work: Path, conversations: int, prompts: int) -> None:
+    """work/chat.jsonl and work/prompts.jsonl: chat rows of the target's word-level vocabulary."""
+    from gpu_trainer import VOCAB_WORDS
+
+    work.mkdir(parents=True, exist_ok=True)
     generator = random.Random(0)
     words = lambda n: " ".join(f"w{generator.randrange(VOCAB_WORDS)}" for _ in range(n))  # noqa: E731
     with open(work / "chat.jsonl", "w") as f:  # one word is one token; ChatML adds about 8
@@ -82,8 +92,6 @@ def prepare(work: Path, config_path: Path, conversations: int, prompts: int) -> 
     with open(work / "prompts.jsonl", "w") as f:
         for _ in range(prompts):
             f.write(json.dumps({"messages": [{"role": "user", "content": words(generator.randrange(50, 400))}]}) + "\n")
-    report({"part": "prepare", "work": str(work), "target": str(folder), "conversations": conversations,
-            "prompts": prompts})
 
 
 def step_memory(shapes: list[tuple[int, int]], iters: int) -> None:

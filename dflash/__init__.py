@@ -198,7 +198,8 @@ def resume(run: str | None = None, *, host: str | None = None, current_release: 
            step: int | None = None, hosts_file: str | os.PathLike | None = None,
            logs_dir: str | os.PathLike | None = None, accept_new_host_key: bool = False) -> Resumed:
     """`dflash resume [RUN]`: the next attempt of a run that ended, from its newest
-    complete checkpoint (or that of `step`), on the run's release unless `current_release`."""
+    intact checkpoint (or that of `step`; `Resumed.corrupt` names the newer ones passed
+    over), on the run's release unless `current_release`."""
     from dflash_cli import run_hosts
     from dflash_cli.commands import resume as verb
 

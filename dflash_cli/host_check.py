@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from dflash_train.config import JobConfig
 
 # What host_check.py imports, by module name, and whether each is a package.
-_MODULES = {"dflash_files": True, "dflash_files.checkpoint_files": False, "dflash_agent": True,
+_MODULES = {"dflash_files": True, "dflash_files.checkpoint_files": False, "dflash_files.checksums": False,
+            "dflash_agent": True,
             "dflash_agent.jsonio": False, "dflash_agent.gpus": False, "dflash_agent.preflight": False,
             "dflash_agent.host_check": False}
 _ROOTS = {"dflash_files": dflash_files, "dflash_agent": dflash_agent}

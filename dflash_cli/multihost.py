@@ -134,15 +134,34 @@ def ended_by(exit_info: dict | None) -> str | None:
     return cause + (" (the kernel's OOM killer)" if exit_info.get("oom_killed") else "")
 
 
-def blamed_line(hosts: Sequence[str], exit_info: dict | None, cause: tuple[str, dict]) -> str:
+def blamed_line(hosts: Sequence[str], exit_info: dict | None, cause: tuple[str, dict],
+                own: Sequence[dict] = ()) -> str:
     """What is known of a failing rank that left no record of its own (`blamed_host`):
-    what the rank that noticed saw, and how its process ended (or that it still runs)."""
+    what the rank that noticed saw, and how its process ended (or that it still runs).
+    `own`, the blamed rank's records of that attempt: when it too went unheard from a
+    peer (a PeerFailed for a silence) while the witness found it silent, both were alive
+    and lost each other, which is the network between them."""
     witness, record = cause
     detail = record.get("detail") or {}
     how = ended_by(exit_info)
     ended = "still runs" if how is None else f"was {how}" if how.startswith("killed") else f"ended with {how}"
+    lost = next((r for r in own if r.get("exc_type") == PEER_FAILED and silence(r) is not None), None)
+    rank = detail.get("peer_rank")
+    if lost is not None and silence(record) is not None and isinstance(rank, int) and 0 <= rank < len(hosts):
+        peer = (lost.get("detail") or {}).get("peer_rank")
+        other = f"{hosts[peer]} (rank {peer})" if isinstance(peer, int) and 0 <= peer < len(hosts) else "its peer"
+        return (f"a network partition: {hosts[rank]} (rank {rank}) and {other} stopped hearing each other while both "
+                f"ran ({witness} (rank {hosts.index(witness)}): {detail.get('peer_message', '')}; {hosts[rank]}: "
+                f"{(lost.get('detail') or {}).get('peer_message', '')}); its trainer {ended}")
     return (f"{detail.get('peer_message') or record.get('message', '')} (seen by {witness}, rank "
             f"{hosts.index(witness)}); its trainer {ended}, with no error record of its own")
+
+
+def silence(record: dict) -> float | None:
+    """How long a PeerFailed record's rank heard nothing from its peer before it stopped
+    (None: the peer failed, or went away: a record, a closed connection)."""
+    value = (record.get("detail") or {}).get("silence_s")
+    return value if isinstance(value, (int, float)) else None
 
 
 def peer_failed_line(record: dict, hosts: Sequence[str]) -> str:
@@ -151,6 +170,8 @@ def peer_failed_line(record: dict, hosts: Sequence[str]) -> str:
     rank = detail.get("peer_rank")
     where = f"rank {rank}" + (f" ({hosts[rank]})" if isinstance(rank, int) and 0 <= rank < len(hosts) else "")
     message = detail.get("peer_message", record.get("message", ""))
+    if silence(record) is not None:  # alive or not: nothing came from it
+        return f"stopped because {where} went silent: {message}"
     if not detail.get("peer_exc_type"):  # the peer vanished without a record (killed, store gone)
         return f"stopped because {where} is gone: {message}"
     return f"stopped because {where} failed: {detail['peer_exc_type']}: {message}"

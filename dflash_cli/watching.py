@@ -164,7 +164,8 @@ class Ended:
     unknown, a host could not be followed), `states` each host's, `exit_code` what
     `dflash watch` exits with. `root_cause`: (host, record) of the latest attempt's root
     cause (docs/errors.md), `blamed` the host of a rank that failed without a record of
-    its own, `exits` each host's exit.json, `diagnosis` the line of a failure dflash knows."""
+    its own, `exits` each host's exit.json, `diagnosis` the line of a failure dflash knows,
+    `records` each host's error records of the latest attempt."""
     run_id: str
     hosts: tuple[str, ...]
     state: RunState | None
@@ -174,6 +175,7 @@ class Ended:
     blamed: str | None
     exits: dict[str, dict[str, Any] | None]
     diagnosis: str | None
+    records: dict[str, tuple[dict[str, Any], ...]] = dataclasses.field(default_factory=dict)
 
 
 WatchItem = Union[Following, Log, Rotated, Events, ErrorRecorded, Gpus, StateChange, HostEnded, Unfollowed, Ended]
@@ -458,7 +460,7 @@ def follow(session: Session, ref: RunRef, *, tail: int | None, interval: float, 
     if code == ExitCode.RUN_FAILED and cause is not None:
         line = diagnosis.diagnose(diagnosis.Failure(cause[1], ref.run_id, ref.host))
     yield Ended(ref.run_id, (ref.host,), state, {ref.host: state}, code, cause, None,
-                {ref.host: watcher.end.exit}, line)
+                {ref.host: watcher.end.exit}, line, {ref.host: tuple(records)})
 
 
 _DONE = object()  # a host's thread has handed on its last item
@@ -534,4 +536,5 @@ def _ended(ref: RunRef, watchers: list[Watcher], outcomes: dict[str, DflashError
     else:
         code = exit_code_for_state(state)
     return Ended(ref.run_id, ref.hosts, state, states, code, cause, blamed,
-                 {host: end.exit for host, end in ends.items()}, line)
+                 {host: end.exit for host, end in ends.items()}, line,
+                 {w.ref.host: tuple(w.latest_records) for w in watchers})

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from dflash_agent import preflight
-from dflash_files import procfs
+from dflash_files import checksums, procfs
+from dflash_files.checkpoint_files import LOADED_FILES
 from support.disk import fill, tmpfs
 from support_agent.harness import agent  # noqa: F401  (fixture)
 from support_agent.harness import RELEASE_ID, Agent, dead_pid, make_workspace
@@ -362,7 +363,9 @@ def test_preflight_accepts_what_the_trainer_can_load(agent):
     (release / "data" / "train.jsonl").write_text("")
     checkpoint = agent.workspace / "step_000010"
     checkpoint.mkdir()
-    (checkpoint / "state.json").write_text("{}")
+    for name in LOADED_FILES:  # intact: every file it loads, as its SHA256SUMS lists them
+        (checkpoint / name).write_bytes(os.urandom(64))
+    (checkpoint / "SHA256SUMS").write_text(checksums.sums_text(str(checkpoint), LOADED_FILES))
     from test_fit_check import cache_hub_model
 
     cache_hub_model(agent.workspace / "hf", "Qwen/Qwen3-8B", {"model_type": "qwen3"})

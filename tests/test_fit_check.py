@@ -115,6 +115,38 @@ def test_dry_run_prints_every_device_against_its_gpu_and_starts_nothing(gpu_host
     assert not gpu_host.workspace.exists()
 
 
+def test_memory_another_process_holds_is_not_the_runs_and_the_refusal_names_it(gpu_host, fake_pve):
+    """The shipped one-GPU config fits an idle H200 (issue 51: estimated 133.6 GiB of 136.2);
+    with another process holding 16 GiB of it, it does not, and that process is named."""
+    config = CONFIGS / "qwen3-8b.yaml"
+    (device,) = qwen3_8b_plan(config).devices
+    assert device.total <= usable_bytes(H200_MIB)  # alone, it fits
+    fake_pve.hold_gpu_memory([(0, 4242, "/usr/bin/python3", 16384), (2, 77, "/opt/conda/bin/python", 2048)])
+    try:
+        dry = gpu_host.dflash("launch", "gpu", "--config", str(config), "--dry-run", *gpu_host.data())
+        launched = gpu_host.dflash("launch", "gpu", "--config", str(config), *gpu_host.data())
+        elsewhere = gpu_host.dflash("launch", "gpu", "--config", str(config), "--dry-run", *gpu_host.data(),
+                                    "--set", "devices.target=[cuda:1]", "--set", "devices.drafters=[cuda:1, cuda:1]")
+    finally:
+        fake_pve.hold_gpu_memory([])
+    available = usable_bytes(H200_MIB) - 16384 * 2**20
+    said = (f"gpu: cuda:0 (target-0, eval, drafter-0, drafter-1) needs an estimated {device.total / GIB:.1f} GiB, "
+            f"more than the {available / GIB:.1f} GiB usable of its NVIDIA H200 ({H200_MIB} MiB, 16.0 GiB of it "
+            "held by other processes: pid 4242 /usr/bin/python3 16.0 GiB); largest terms: ")
+    for done, consequence in ((dry, "a dry run: nothing was deployed or started"),
+                              (launched, "nothing was deployed or started")):
+        message = " ".join(done.stderr.split())
+        assert done.returncode == 2, done.stderr
+        assert said in message
+        assert f"stop those processes, or put the run on a GPU they leave free ({consequence})" in message
+    assert "DOES NOT FIT" in dry.stderr and launched.stdout == ""
+    assert not gpu_host.workspace.exists()
+    # What another GPU's processes hold is no concern of cuda:1's.
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert re.search(rf"fits: {usable_bytes(H200_MIB) / GIB:.1f} GiB usable of NVIDIA H200", elsewhere.stderr)
+    assert "held by other processes" not in elsewhere.stderr
+
+
 def test_a_device_the_host_lacks_is_refused(gpu_host):
     done = gpu_host.dflash("launch", "gpu", "--config", str(CONFIGS / "qwen3-8b-4gpu.yaml"),
                            "--set", "devices.drafters=[cuda:1, cuda:4]")

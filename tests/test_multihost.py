@@ -26,7 +26,8 @@ from dflash_cli.multihost import (HostStatus, aggregate_state, blamed_host, blam
                                   mark_silent_ranks, peer_failed_line, root_cause)
 from dflash_run import dflash, dflash_argv, dflash_env, dflash_in_process
 from support import container_workspace, free_port
-from support.inventory import default_hosts
+from support.inventory import HOST_ENV, default_hosts
+from support.netns import linked_namespace
 from support.events import read_events
 from support.train_configs import small_config
 from support.wait import wait_until
@@ -187,6 +188,26 @@ def test_a_rank_without_a_record_of_its_own_is_blamed_and_shown_silent():
     # A peer that failed with a record of its own is not silent; a row that ended stays as it ended.
     assert mark_silent_ranks([host_status("ct200", 0, "FAILED", failed["detail"]), rows[1]])[1].state == "RUNNING"
     assert mark_silent_ranks([rows[0], host_status("ct202", 1, "FAILED", None)])[1].state == "FAILED"
+
+
+def test_two_ranks_each_silent_to_the_other_are_named_a_network_partition():
+    lost_peer = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": None, "silence_s": 30,
+                                                      "peer_message": "no sign of life from rank 1 for 30s"}}
+    lost_store = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "silence_s": 30,
+                                                       "peer_message": "the store … did not answer for 30s"}}
+    store_gone = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "silence_s": None,
+                                                       "peer_message": "the store … stopped answering: rank 0 is gone"}}
+    hosts = ["ct200", "ct202"]
+    exit_1 = {"exit_code": 1, "signal": None}
+    assert blamed_line(hosts, exit_1, ("ct200", lost_peer), [lost_store]) == (
+        "a network partition: ct202 (rank 1) and ct200 (rank 0) stopped hearing each other while both ran (ct200 "
+        "(rank 0): no sign of life from rank 1 for 30s; ct202: the store … did not answer for 30s); its trainer "
+        "ended with exit code 1")
+    # A rank woken after its peer ended (frozen, not cut off) found the store gone: no partition.
+    assert blamed_line(hosts, exit_1, ("ct200", lost_peer), [store_gone]).startswith("no sign of life from rank 1")
+    assert peer_failed_line(lost_store, hosts) == "stopped because rank 0 (ct200) went silent: the store … did not " \
+                                                  "answer for 30s"
+    assert peer_failed_line(store_gone, hosts).startswith("stopped because rank 0 (ct200) is gone: ")
 
 
 def host_status(host: str, rank: int, state: str, peer_failure: dict | None) -> HostStatus:
@@ -595,8 +616,10 @@ def test_a_frozen_rank_is_stalled_on_its_row_and_the_silence_is_the_root_cause(p
     assert woken and {r["exc_type"] for r in woken} == {"PeerFailed"}, woken
     watch = pair.dflash("watch", run_id)
     assert watch.returncode == 1
-    assert ("root cause on ct202 (rank 1): no sign of life from rank 1 for 6s (killed, or frozen) (seen by ct200, "
-            "rank 0); its trainer ended with exit code 1, with no error record of its own") in watch.stderr
+    assert ("root cause on ct202 (rank 1): no sign of life from rank 1 for 6s (killed, frozen, or cut off by the "
+            "network) (seen by ct200, rank 0); its trainer ended with exit code 1, with no error record of its own"
+            ) in watch.stderr
+    assert "network partition" not in watch.stderr  # woken, it found rank 0 gone: it was not cut off
 
 
 # -- job: regenerate on two hosts ---------------------------------------------------------------
@@ -696,3 +719,79 @@ def test_an_evaluation_on_two_hosts_pools_both_shares_into_rank_0s_eval_json(pai
         assert pooled[key] == alone[key], key
     assert pooled["mean_per_prompt"] == pytest.approx(alone["mean_per_prompt"], abs=1e-4)
     assert sorted(pooled["per_prompt"]) == sorted(alone["per_prompt"])
+
+
+# -- a network partition: both ranks alive, the link between them down ----------------------
+
+@pytest.fixture
+def cut_pair(make_inventory, ssh_node, fake_pve, tmp_path):
+    """ct200 on the node's end of a link (its address there is the rendezvous) and ct206,
+    a container in a network namespace, on the other end: a pair whose link a test can
+    take down. Each host's gloo uses its end of the link."""
+    with linked_namespace() as link:
+        vmid = fake_pve.add_netns_container(link.path)
+        try:
+            pair = Pair(make_inventory, ssh_node, fake_pve, tmp_path)
+            ct206 = {**default_hosts(tmp_path, ssh_node, fake_pve)["ct200"], "container": vmid,
+                     "env": {**HOST_ENV, "GLOO_SOCKET_IFNAME": link.inside}}
+            pair.hosts = make_inventory(tmp_path, ct200={"address": link.node_address,
+                                                         "env": {**HOST_ENV, "GLOO_SOCKET_IFNAME": link.node_side}},
+                                        ct206=ct206)
+            yield pair, link, vmid
+        finally:
+            fake_pve.remove_container(vmid)
+
+
+@pytest.mark.slow(seconds=50, why="a run on two hosts, the link between them taken down mid-run until both end")
+def test_a_rank_cut_off_by_the_network_ends_within_the_peer_timeout_and_watch_names_the_partition(cut_pair, tmp_path):
+    pair, link, vmid = cut_pair
+    timeout_s, grace_s = 6, 2
+    config = pair_config(tmp_path / "cut.yaml", optim={"max_steps": 100000, "epochs": 5000},
+                         distributed={"peer_timeout_s": timeout_s}, runtime={"stop_grace_s": grace_s})
+    launched = pair.dflash("launch", "ct200", "ct206", "--config", str(config))
+    assert launched.returncode == 0, launched.stderr
+    (run_id,) = launched.stdout.splitlines()
+    records = {vmid: pair.run_json(vmid, run_id) for vmid in (200, vmid)}
+    try:
+        wait_until(lambda: len(events(pair, 200, run_id, "step")) >= 2, 240, "both hosts to train")
+        link.down()
+        cut = time.monotonic()
+        # Each rank notices the other's silence (rank 1: its store's) within the peer
+        # timeout, and ends within its stop grace after: long before the link returns.
+        wait_until(lambda: not pair.trainer_alive(vmid, run_id), 60, "rank 1 to end while its link is down")
+        assert time.monotonic() - cut < timeout_s + grace_s + 15
+        wait_until(lambda: not pair.trainer_alive(200, run_id), 30, "rank 0 to end")
+        [lost_store] = error_records(pair, vmid, run_id)
+        assert lost_store["exc_type"] == "PeerFailed" and lost_store["detail"]["silence_s"] == timeout_s
+        assert lost_store["detail"]["peer_rank"] == 0 and lost_store["detail"]["peer_exc_type"] is None
+        assert lost_store["detail"]["peer_message"] == (
+            f"the store that rank 0 hosts at {link.node_address}:{records[200]['distributed']['master_port']} did "
+            f"not answer for {timeout_s}s (the network to its host is cut, or that host froze)")
+        [lost_peer] = error_records(pair, 200, run_id)
+        assert lost_peer["exc_type"] == "PeerFailed" and lost_peer["detail"]["silence_s"] == timeout_s
+        assert lost_peer["detail"]["peer_message"] == (f"no sign of life from rank 1 for {timeout_s}s (killed, "
+                                                       "frozen, or cut off by the network)")
+        for host_vmid in records:  # its supervisor writes exit.json once it saw the trainer end
+            exit_json = pair.on_node(host_vmid, f"runs/{run_id}") / "exit.json"
+            wait_until(exit_json.exists, 30, f"ct{host_vmid}'s exit.json")
+            assert json.loads(exit_json.read_text())["exit_code"] == 1
+
+        # The link still down: the CLI reaches each host over SSH and pct, not through it.
+        watch = pair.dflash("watch", run_id)
+        assert watch.returncode == 1, watch.stderr
+        said = " ".join(watch.stderr.split())
+        partition = ("a network partition: ct206 (rank 1) and ct200 (rank 0) stopped hearing each other while both "
+                     "ran", "a network partition: ct200 (rank 0) and ct206 (rank 1) stopped hearing each other while "
+                     "both ran")
+        cause = next(line for line in watch.stderr.splitlines() if line.startswith("root cause on "))
+        assert any(text in cause for text in partition), cause
+        assert "no sign of life from rank 1 for 6s" in cause and "did not answer for 6s" in cause
+        assert "its trainer ended with exit code 1" in cause and "still runs" not in said
+        assert "ct206| thread watchdog: stopped because rank 0 (ct200) went silent: the store that rank 0" in said
+        fetched = pair.dflash("fetch-traceback", run_id)
+        assert fetched.returncode == 1 and any(text in " ".join(fetched.stderr.split()) for text in partition)
+    finally:
+        link.up()
+        for host, record in records.items():  # a rank that did not end (the fault this test is for) is ended
+            if procfs.identity_alive(record["pid"], record["start_time"]):
+                os.killpg(record["pgid"], signal.SIGKILL)

@@ -217,6 +217,34 @@ def test_a_spoiled_local_copy_is_fetched_again(trained, tmp_path):
     assert local_files(export) == host
 
 
+@pytest.mark.slow(seconds=8,
+                  why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
+def test_an_export_missing_a_file_its_sha256sums_lists_or_its_sha256sums_is_refused_once_pulled(trained, tmp_path):
+    export = trained.run_dir / "export"
+    for name, said in (("model.safetensors", "lacks model.safetensors, which its SHA256SUMS lists"),
+                       ("SHA256SUMS", "has no SHA256SUMS: nothing says which files it must hold")):
+        aside = trained.run_dir / f"{name}.aside"  # out of the export, restored for the module's other tests
+        (export / name).rename(aside)
+        try:
+            done = trained.dflash(tmp_path / name, "pull", trained.run_id, "--host", HOST)
+        finally:
+            aside.rename(export / name)
+        assert done.returncode == 2, done.stderr
+        assert f"host {HOST}: export of run {trained.run_id} {said}" in done.stderr
+        assert done.stdout == ""
+    # Bytes that differ from the listed sha256 never take the file's name (received twice, then refused).
+    weights = export / "model.safetensors"
+    kept = weights.read_bytes()
+    try:
+        weights.write_bytes(kept[:100] + bytes(b ^ 0xFF for b in kept[100:116]) + kept[116:])
+        spoiled = trained.dflash(tmp_path / "spoiled", "pull", trained.run_id, "--host", HOST)
+    finally:
+        weights.write_bytes(kept)
+    assert spoiled.returncode == 2
+    assert "model.safetensors does not match the sha256 listed for it" in spoiled.stderr
+    assert not (trained.local_export(tmp_path / "spoiled") / "model.safetensors").exists()
+
+
 @pytest.mark.slow(seconds=7,
                   why="pulls from the module's trainer run over pct (made once, by the first test to run: ~55 s)")
 def test_a_file_replaced_on_the_host_after_the_listing_is_listed_again(trained, tmp_path):

@@ -12,7 +12,8 @@ import dflash_events
 import pytest
 import yaml
 from dflash_agent import attempts
-from dflash_files import procfs
+from dflash_files import checksums, procfs
+from dflash_files.checkpoint_files import LOADED_FILES
 from dflash_run import dflash_in_process
 from support.events import read_events
 from support.train_configs import small_config
@@ -234,6 +235,95 @@ def test_a_stop_during_the_restart_back_off_ends_the_run_stopped_with_no_new_att
     wait_until(lambda: not procfs.identity_alive(record["supervisor"]["pid"], record["supervisor"]["start_time"]),
              30, "the supervisor's end")
     assert bed.run_json(run_id)["attempt"] == 0
+
+
+def flip_16_bytes(path: Path) -> None:
+    """16 bytes of the file's middle inverted in place: the same size, and in a
+    model.safetensors a header that still loads (the tensors' data is what changed)."""
+    with open(path, "r+b") as handle:
+        handle.seek(path.stat().st_size // 2)
+        data = handle.read(16)
+        handle.seek(-len(data), os.SEEK_CUR)
+        handle.write(bytes(b ^ 0xFF for b in data))
+
+
+def truncate_to_half(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+CORRUPTIONS = {"model.safetensors": flip_16_bytes, "optimizer.pt": truncate_to_half}
+
+
+@pytest.mark.slow(seconds=30, why="trainer runs over pct: a failed attempt, its checkpoint corrupted, its resume")
+@pytest.mark.parametrize("damaged", sorted(CORRUPTIONS))
+def test_a_corrupt_newest_checkpoint_is_named_and_the_newest_intact_one_resumed(bed, damaged):
+    run_id = bed.launch("corrupt", checkpoint={"every": 2},
+                        faults=[{"thread": "drafter-1", "at": "step:5", "kind": "raise", "attempt": 0}])
+    assert bed.dflash("watch", run_id, "--host", HOST).returncode == 1
+    newest = bed.run_dir(run_id) / "checkpoints" / "step_000004"
+    assert (newest / "SHA256SUMS").is_file()  # complete: every file there
+    CORRUPTIONS[damaged](newest / damaged)
+
+    status = bed.dflash("status", run_id, "--host", HOST)
+    assert status.returncode == 1, status.stderr
+    assert f"the checkpoint at step 4 is corrupt, a resume passes over it: {damaged} (" in status.stderr
+    assert "newest intact checkpoint at step 2: a resume would redo 2 steps" in status.stderr
+    found = json.loads(bed.dflash("status", run_id, "--host", HOST, "--json").stdout)
+    assert found["checkpoint_step"] == 2 and [c["step"] for c in found["corrupt_checkpoints"]] == [4]
+    assert found["corrupt_checkpoints"][0]["problem"].startswith(f"{damaged} (")
+
+    record = bed.run_json(run_id)
+    picked = bed.dflash("resume", run_id, "--host", HOST, "--step", "4")
+    assert picked.returncode == 2
+    assert f"the checkpoint at step 4 is corrupt, not resumed from: {damaged} (" in picked.stderr
+    named = small_config(bed.tmp / "from-corrupt.yaml", checkpoint={"resume": str(newest)})
+    launched = bed.dflash("launch", HOST, "--config", str(named))
+    assert launched.returncode == 2
+    assert f"checkpoint.resume: {newest} is corrupt: {damaged} (" in launched.stderr
+    assert bed.run_json(run_id) == record  # nothing started
+
+    resumed = bed.dflash("resume", run_id, "--host", HOST, "--follow")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{HOST}: the checkpoint at step 4 is corrupt, not resumed from: {damaged} (" in resumed.stderr
+    assert "resumed as attempt 1 from its checkpoint at step 2 (the newest intact one)" in resumed.stderr
+    assert "ended: SUCCEEDED" in resumed.stderr
+    events = bed.events(run_id)
+    marker = next(i for i, e in enumerate(events) if e["type"] == "attempt")
+    assert steps_of(events[marker:]) == list(range(3, STEPS + 1))
+    assert bed.run_json(run_id)["attempts"][1]["resume_from"]["step"] == 2
+
+
+@pytest.mark.slow(seconds=25, why="a trainer run over pct, killed with its newest checkpoint corrupted, and restarted")
+def test_a_restart_passes_over_a_corrupt_newest_checkpoint_and_says_so(bed):
+    hang = [{"thread": "prefetch", "at": "step:5", "kind": "hang", "attempt": 0}]
+    run_id = bed.launch("restart-corrupt", checkpoint={"every": 2}, faults=hang,
+                        restart={"max": 1, "on": ["killed"], "backoff_s": 0})
+    wait_until(lambda: 4 in checkpoints_of(bed.events(run_id)), 240, "step 4's checkpoint")
+    flip_16_bytes(bed.run_dir(run_id) / "checkpoints" / "step_000004" / "model.safetensors")
+    os.killpg(bed.run_json(run_id)["pgid"], signal.SIGKILL)
+    watch = bed.dflash("watch", run_id, "--host", HOST)
+    assert watch.returncode == 0, watch.stderr[-3000:]
+    assert "the checkpoint at step 4 is corrupt, not restarted from: model.safetensors (" in watch.stdout
+    assert "=== attempt 1 (restart): from its checkpoint at step 2" in watch.stdout
+    assert bed.run_json(run_id)["attempts"][1]["resume_from"]["step"] == 2
+
+
+def test_a_folder_is_intact_only_when_sha256sums_lists_every_loaded_file_with_its_bytes(tmp_path):
+    for name, data in (("state.json", b"{}"), ("model.safetensors", os.urandom(3 << 20)), ("optimizer.pt", b"o")):
+        (tmp_path / name).write_bytes(data)
+    sums = checksums.sums_text(str(tmp_path), ["state.json", "model.safetensors", "optimizer.pt"])
+    (tmp_path / "SHA256SUMS").write_text(sums)
+    assert checksums.verify(str(tmp_path), LOADED_FILES).intact
+    assert checksums.verify(str(tmp_path), LOADED_FILES).hashed_bytes == (3 << 20) + 3
+    (tmp_path / "SHA256SUMS").write_text(sums.replace("optimizer.pt\n", "../optimizer.pt\n"))
+    assert "SHA256SUMS line 2 is not `<sha256>  <path in the folder>`" in checksums.verify(str(tmp_path)).problem
+    (tmp_path / "SHA256SUMS").write_text("".join(line + "\n" for line in sums.splitlines() if "optimizer" not in line))
+    assert checksums.verify(str(tmp_path), LOADED_FILES).problem == "SHA256SUMS does not list optimizer.pt"
+    (tmp_path / "SHA256SUMS").write_text(sums)
+    (tmp_path / "optimizer.pt").unlink()
+    assert checksums.verify(str(tmp_path)).problem == "optimizer.pt is missing (SHA256SUMS lists it)"
+    (tmp_path / "SHA256SUMS").unlink()
+    assert checksums.verify(str(tmp_path)).problem.startswith("SHA256SUMS is missing")
 
 
 def test_the_restart_policy_stops_at_its_budget_at_a_stop_and_at_a_failure_repeated_at_one_step():

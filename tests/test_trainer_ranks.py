@@ -114,7 +114,8 @@ def test_a_drafter_failing_on_rank_1_stops_rank_0_with_peer_failed(launch, tmp_p
     (peer,) = rank0.errors()  # one record: the root cause is the other rank's
     assert peer["exc_type"] == "PeerFailed"
     assert peer["detail"] == {"peer_rank": 1, "peer_exc_type": "InjectedFault",
-                              "peer_message": "injected fault in drafter-0 at step 3 (the cause is 5 frames deep)"}
+                              "peer_message": "injected fault in drafter-0 at step 3 (the cause is 5 frames deep)",
+                              "silence_s": None}
     assert "injecting fault" not in rank0.log()  # the fault fired on rank 1 only
     assert all(e["step"] < 3 for e in rank0.events("step"))
     for run in (rank0, rank1):

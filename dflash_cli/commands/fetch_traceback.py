@@ -147,7 +147,7 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
     explained = True
     if blamed in reports and not all_records:
         summary = (f"root cause on {blamed} (rank {ref.hosts.index(blamed)} of {len(ref.hosts)}): "
-                   + multihost.blamed_line(ref.hosts, reports[blamed].exit, latest_cause))
+                   + multihost.blamed_line(ref.hosts, reports[blamed].exit, latest_cause, latest[blamed]))
         text = render_no_record(reports[blamed], RunRef(blamed, ref.run_id), of_its_own=bool(latest[blamed]))
         explained = False  # as for a run without a record: no traceback says why
     else:

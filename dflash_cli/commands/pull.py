@@ -15,7 +15,9 @@ checkpoints/step_NNNNNN, a file a plain relative path inside it with a sha256 of
 digits, and none leads through a symlink; anything else is refused before a byte is
 written. pulled.json, beside the folders, lists every file pull put there (and every
 part it began); the tidy-up after a pull removes only files it lists. A full local disk
-ends the pull with an exit code of its own, the part being received removed.
+ends the pull with an exit code of its own, the part being received removed. A folder is whole only
+when every file its SHA256SUMS lists came with the bytes listed (a folder without
+SHA256SUMS, or missing a file it lists, is refused once its files are here).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from rich.progress import Progress
 
 from dflash_agent.protocol import ArtifactsReply, ErrorKind, ErrorReply
 from dflash_files.atomic import fsync_path
-from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, STEP_FOLDER
+from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, SHA256SUMS, STEP_FOLDER
+from dflash_files.checksums import parse_sums
 from dflash_files.diskspace import NO_SPACE
 
 from .. import console
@@ -243,6 +246,8 @@ class Puller:
             self.pulled.add({local for local, _ in wanted} | {self.part(local, f) for local, f in missing})
             self._show_progress(missing)
             if all(self.fetch(local, f) for local, f in missing):
+                for folder, files in listing:
+                    self.check_whole(folder, files)
                 folders = tuple(local_folder(self.logs, folder) for folder, _ in listing)
                 keep = {local for local, _ in wanted}
                 removed = sum(self.pulled.remove_others(folder, keep, self.ref.host) for folder in folders)
@@ -253,6 +258,27 @@ class Puller:
         raise DflashError(f"run {self.ref.run_id}: its files kept changing on {self.ref.host} during "
                           f"{LISTINGS} listings; try again when the run has written them",
                           ExitCode.UNREACHABLE)
+
+    def check_whole(self, folder: str, files: list[RemoteFile]) -> None:
+        """Every file `folder`'s SHA256SUMS (as pulled) lists came, with the sha256 it
+        lists; DflashError (exit 2) naming the first that did not."""
+        local = local_folder(self.logs, folder)
+        came = {f.path: f.sha256 for f in files}
+        where = f"host {self.ref.host}: {folder} of run {self.ref.run_id}"
+        if SHA256SUMS not in came:
+            raise DflashError(f"{where} has no {SHA256SUMS}: nothing says which files it must hold, so the copy "
+                              f"in {local} cannot be verified", ExitCode.USAGE)
+        try:
+            sums = parse_sums((local / SHA256SUMS).read_text(encoding="utf-8", errors="replace"))
+        except ValueError as exc:
+            raise DflashError(f"{where}: {exc}", ExitCode.USAGE) from exc
+        for path, digest in sorted(sums.items()):
+            if path not in came:
+                raise DflashError(f"{where} lacks {path}, which its {SHA256SUMS} lists: the copy in {local} is not "
+                                  "the whole folder the trainer wrote", ExitCode.USAGE)
+            if came[path] != digest:
+                raise DflashError(f"{where}: {path} came with sha256 {came[path]}, not the {digest} its "
+                                  f"{SHA256SUMS} lists", ExitCode.USAGE)
 
     def _show_progress(self, missing: list[tuple[Path, RemoteFile]]) -> None:
         rest = sum(f.size - _part_length(part_path(local, f.sha256), f.size) for local, f in missing)

@@ -1,11 +1,11 @@
-"""dflash resume: the next attempt of a run that ended, from its newest complete checkpoint
+"""dflash resume: the next attempt of a run that ended, from its newest intact checkpoint
 (on several hosts: every host's part, from rank 0's checkpoint, docs/runs.md "Attempts")."""
 from __future__ import annotations
 
 import dataclasses
 
 from dflash_agent.gpus import TRAINER_PACKAGES
-from dflash_agent.protocol import ResumeCheckReply, ResumeReply
+from dflash_agent.protocol import CorruptCheckpoint, ResumeCheckReply, ResumeReply
 
 from .. import console
 from ..errors import DflashError, ExitCode
@@ -25,6 +25,8 @@ class Resumed:
     started: tuple[ResumeReply, ...]
     current_release: bool  # the host's current release was asked for instead of the run's
     master_port: int | None = None
+    # rank 0's checkpoints newer than the one resumed from, found corrupt (newest first)
+    corrupt: tuple[CorruptCheckpoint, ...] = ()
 
     @property
     def attempt(self) -> int:
@@ -41,12 +43,16 @@ def run(session: Session, ref: RunRef, *, current_release: bool, step: int | Non
     resumed = start(session, ref, current_release=current_release, step=step)
     reply = resumed.started[0]
     which = _which_release(reply, current_release)
+    for bad in resumed.corrupt:
+        console.warn(console.printable(f"{resumed.hosts[0]}: the checkpoint at step {bad.step} is corrupt, "
+                                       f"not resumed from: {bad.problem} ({bad.path})"))
+    newest = " (the newest intact one)" if resumed.corrupt else ""
     if resumed.master_port is None:
         console.say(f"{ref.host}: run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} "
-                    f"from its checkpoint at step {reply.step} (pid {reply.pid}, {which})")
+                    f"from its checkpoint at step {reply.step}{newest} (pid {reply.pid}, {which})")
         return ExitCode.OK
     console.say(f"run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} on "
-                f"{len(resumed.hosts)} hosts from rank 0's checkpoint at step {resumed.step} "
+                f"{len(resumed.hosts)} hosts from rank 0's checkpoint at step {resumed.step}{newest} "
                 f"({which}; rendezvous port {resumed.master_port})")
     for rank, (host, started) in enumerate(zip(resumed.hosts, resumed.started)):
         console.say(f"{host}: rank {rank}, pid {started.pid}")
@@ -55,13 +61,14 @@ def run(session: Session, ref: RunRef, *, current_release: bool, step: int | Non
 
 def start(session: Session, ref: RunRef, *, current_release: bool, step: int | None) -> Resumed:
     """Start the attempt; the host refuses (exit 2, with the reason) a live run, one
-    without a complete checkpoint, and a checkpoint that does not fit the config."""
+    without an intact checkpoint (or a corrupt one at `step`), and a checkpoint that does
+    not fit the config."""
     if ref.multihost:
         return _resume_on_hosts(session, ref, current_release, step)
     host = session.host(ref.host)
     reply = session.agent(host.name).call(ResumeReply, *_agent_args(host, ref, current_release, step))
     set_latest(session.logs_dir, ref)
-    return Resumed(ref.run_id, (ref.host,), (reply,), current_release)
+    return Resumed(ref.run_id, (ref.host,), (reply,), current_release, corrupt=reply.corrupt or ())
 
 
 def _agent_args(host: Host, ref: RunRef, current_release: bool, step: int | None) -> list[str]:
@@ -106,7 +113,8 @@ def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step:
     started = start_together(session, hosts, ref.run_id, lambda host: session.agent(host.name).call(
         ResumeReply, *resume_args(host, chosen, port)))
     set_latest(session.logs_dir, ref)
-    return Resumed(ref.run_id, ref.hosts, tuple(started[name] for name in ref.hosts), current_release, port)
+    return Resumed(ref.run_id, ref.hosts, tuple(started[name] for name in ref.hosts), current_release, port,
+                   corrupt=checks[first.name].corrupt or ())
 
 
 def _which_release(reply: ResumeReply, current_release: bool) -> str:

@@ -76,11 +76,19 @@ def resume_point(status: RunStatus) -> str:
     if done is None:
         done = status.resume_step  # this attempt has not finished a step yet
     newest = status.checkpoint_step
+    intact = " intact" if status.corrupt_checkpoints else ""
     if newest is None:
-        return (f"{where}no checkpoint yet: a resume is not possible"
+        none = "no intact checkpoint" if status.corrupt_checkpoints else "no checkpoint yet"
+        return (f"{where}{none}: a resume is not possible"
                 + ("" if done is None else f"; {done} steps would be redone by a new launch"))
     redo = 0 if done is None else max(done - newest, 0)
-    return f"{where}newest checkpoint at step {newest}: a resume would redo {redo} step{'s' * (redo != 1)}"
+    return f"{where}newest{intact} checkpoint at step {newest}: a resume would redo {redo} step{'s' * (redo != 1)}"
+
+
+def corrupt_lines(host: str, status: RunStatus) -> list[str]:
+    """A line per checkpoint the host found corrupt (a resume passes over it)."""
+    return [console.printable(f"{host}: the checkpoint at step {bad.step} is corrupt, a resume passes over it: "
+                              f"{bad.problem} ({bad.path})") for bad in status.corrupt_checkpoints or ()]
 
 
 def host_statuses(session: Session, ref: RunRef) -> list[HostStatus]:
@@ -132,6 +140,8 @@ def _show_hosts(status: RunOnHosts) -> None:
             console.say(console.printable(f"{s.host}: reason: {s.status.reason}"))
         if s.state == RunState.STALLED:
             console.say(stacks_hint(status.run_id, s.host))
+        for line in corrupt_lines(s.host, s.status) if s.status else ():
+            console.warn(line)
     source = next((s.status.source for s in status.hosts if s.status and s.status.source), None)
     if source:
         console.say(f"source: {provenance.summary(source)}")
@@ -161,6 +171,8 @@ def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
             console.say(console.printable(f"reason: {status.reason}"))
         if status.state == RunState.STALLED:
             console.say(stacks_hint(ref.run_id, ref.host))
+        for line in corrupt_lines(ref.host, status):
+            console.warn(line)
         if status.state != RunState.SUCCEEDED:
             console.say(resume_point(status))
     return exit_code(session, ref, status)

@@ -150,7 +150,8 @@ class Printer:
             host, record = item.root_cause
             if item.blamed is not None:  # no rank recorded its own failure: the one that died or went silent
                 line = (f"root cause on {item.blamed} (rank {item.hosts.index(item.blamed)}): "
-                        + multihost.blamed_line(item.hosts, item.exits.get(item.blamed), item.root_cause))
+                        + multihost.blamed_line(item.hosts, item.exits.get(item.blamed), item.root_cause,
+                                                item.records.get(item.blamed, ())))
             else:
                 line = (f"root cause on {host} (rank {item.hosts.index(host)}): thread {record.get('thread')} "
                         f"{record.get('exc_type')}: {record.get('message', '')}".rstrip())

@@ -1,6 +1,7 @@
 """What a host has: GPUs (the `gpus` verb) and Python, package versions, GPUs and the
 current release (`host_facts`, the `info` verb), and what `dflash launch` plans a run's
-GPU memory with: the GPUs and the target model's config.json (`fit_facts`).
+GPU memory with: the GPUs, the processes holding memory on them, and the target model's
+config.json (`fit_facts`).
 
 Standard library only and no imports from this package: `dflash hosts --check` sends
 this file's source with `python -c SOURCE WORKSPACE` to hosts where nothing may be
@@ -24,6 +25,11 @@ QUERY_FIELDS = ("index", "name", "memory.used", "memory.total", "utilization.gpu
 # The protocol's key for each queried field, and how to read its value.
 KEYS = (("index", int), ("name", str), ("memory_used_mib", float), ("memory_total_mib", float),
         ("utilization_pct", float), ("temperature_c", float), ("power_w", float))
+# The compute processes on the GPUs (`processes`): nvidia-smi names their GPU by uuid only,
+# which INDEX_QUERY maps to its index.
+PROCESS_QUERY = ("gpu_uuid", "pid", "process_name", "used_memory")
+PROCESS_KEYS = (("gpu", str), ("pid", int), ("name", str), ("used_mib", float))
+INDEX_QUERY = ("index", "uuid")
 NVIDIA_SMI_TIMEOUT_S = 15.0
 # The packages dflash_train needs beyond the standard library (PyYAML, safetensors and
 # numpy come with transformers); their distribution and module names are the same.
@@ -52,37 +58,60 @@ def _value(text: str, kind: type) -> Any:
     return int(number) if kind is int or number.is_integer() else number
 
 
-def parse_query(output: str) -> List[Dict[str, Any]]:
-    """Rows of `nvidia-smi --query-gpu=... --format=csv,noheader,nounits`."""
-    gpus = []
+def parse_query(output: str, keys: Tuple[Tuple[str, type], ...] = KEYS, text_cell: int = 1) -> List[Dict[str, Any]]:
+    """Rows of `nvidia-smi --query-...=... --format=csv,noheader,nounits`, a dict of
+    `keys` each; the cell `text_cell` (a GPU's or a process's name) may hold commas."""
+    rows = []
     for line in output.splitlines():
         if not line.strip():
             continue
         cells = [cell.strip() for cell in line.split(",")]
-        if len(cells) > len(KEYS):  # a GPU name holding commas
-            extra = len(cells) - len(KEYS)
-            cells = [cells[0], ",".join(cells[1:2 + extra])] + cells[2 + extra:]
-        if len(cells) != len(KEYS):
+        if len(cells) > len(keys):
+            extra = len(cells) - len(keys)
+            end = text_cell + 1 + extra
+            cells = cells[:text_cell] + [",".join(cells[text_cell:end])] + cells[end:]
+        if len(cells) != len(keys):
             continue
-        gpus.append({key: _value(cell, kind) for (key, kind), cell in zip(KEYS, cells)})
-    return gpus
+        rows.append({key: _value(cell, kind) for (key, kind), cell in zip(keys, cells)})
+    return rows
 
 
-def query_gpus() -> Tuple[List[Dict[str, Any]], Optional[str]]:
-    """(gpus, problem): ([], None) without nvidia-smi; ([], message) when it fails."""
+def _nvidia_smi(query: str, fields: Tuple[str, ...]) -> Tuple[Optional[str], Optional[str]]:
+    """(its output, problem) of `nvidia-smi --QUERY=FIELDS --format=csv,noheader,nounits`;
+    (None, None) without nvidia-smi."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        return [], None
-    argv = [exe, "--query-gpu=" + ",".join(QUERY_FIELDS), "--format=csv,noheader,nounits"]
+        return None, None
+    argv = [exe, "--%s=%s" % (query, ",".join(fields)), "--format=csv,noheader,nounits"]
     try:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=NVIDIA_SMI_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return [], "nvidia-smi: %s" % exc
+        return None, "nvidia-smi: %s" % exc
     if done.returncode != 0:
         text = (done.stdout + done.stderr).decode("utf-8", "replace").strip()
-        return [], "nvidia-smi exited %d: %s" % (done.returncode, text[-500:])
-    return parse_query(done.stdout.decode("utf-8", "replace")), None
+        return None, "nvidia-smi exited %d: %s" % (done.returncode, text[-500:])
+    return done.stdout.decode("utf-8", "replace"), None
+
+
+def query_gpus() -> Tuple[List[Dict[str, Any]], Optional[str]]:
+    """(gpus, problem): ([], None) without nvidia-smi; ([], message) when it fails."""
+    output, problem = _nvidia_smi("query-gpu", QUERY_FIELDS)
+    return (parse_query(output), None) if output is not None else ([], problem)
+
+
+def query_processes() -> Tuple[List[Dict[str, Any]], Optional[str]]:
+    """(processes, problem): every compute process holding memory on a GPU, {"gpu": its
+    GPU's index, "pid", "name", "used_mib"}; ([], message) when nvidia-smi cannot say."""
+    output, problem = _nvidia_smi("query-gpu", INDEX_QUERY)
+    if output is None:
+        return [], problem
+    index = {row["uuid"]: row["index"] for row in parse_query(output, (("index", int), ("uuid", str)))}
+    output, problem = _nvidia_smi("query-compute-apps", PROCESS_QUERY)
+    if output is None:
+        return [], problem
+    rows = parse_query(output, PROCESS_KEYS, text_cell=2)
+    return [dict(row, gpu=index.get(row["gpu"])) for row in rows], None
 
 
 def gpus() -> Dict[str, Any]:
@@ -201,10 +230,16 @@ def model_config(path: str) -> Tuple[Optional[Dict[str, Any]], str]:
 
 
 def fit_facts(model: Optional[str]) -> Dict[str, Any]:
-    """{"gpus": as `gpus` gives them (+ "problem"), "target": config.json's fields or null,
-    "target_source": the file read, "target_problem": why it was not} for `model`
-    (none: "target" null, nothing else)."""
+    """{"gpus": as `gpus` gives them (+ "problem"), "processes" holding memory on them
+    (query_processes; "processes_problem" when nvidia-smi could not list them), "target":
+    config.json's fields or null, "target_source": the file read, "target_problem": why it
+    was not} for `model` (none: "target" null, nothing else)."""
     answer = gpus()
+    if answer["gpus"]:
+        found, problem = query_processes()
+        answer["processes"] = found
+        if problem:
+            answer["processes_problem"] = problem
     answer["target"] = None
     if model is not None:
         fields, where = model_config(model)

@@ -13,7 +13,8 @@ the trainer's interpreter (run with the trainer's environment); each --require-p
 KIND:KEY=PATH, PATH as the trainer resolves it (~ expanded, relative to the release
 root), KEY the config key it came from, KIND one of: file (an existing file), jsonl (a
 file that is not empty or blank and whose first row is a JSON object with "text" or
-"messages": the training data), checkpoint (a folder holding state.json), model (a
+"messages": the training data), checkpoint (a folder holding state.json whose files hold
+what its SHA256SUMS lists: every byte is read), model (a
 folder holding config.json or, where no such path exists, a Hugging Face hub id such as
 org/name whose config.json the host's Hugging Face cache holds: the trainer loads
 nothing from the hub, which a host without its network cannot reach half an hour
@@ -29,7 +30,8 @@ import os
 import subprocess
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from dflash_files.checkpoint_files import STATE_FILE
+from dflash_files.checkpoint_files import LOADED_FILES, STATE_FILE
+from dflash_files.checksums import verify
 
 from .gpus import hub_cache, hub_file, is_hub_id
 from .jsonio import AgentError
@@ -85,9 +87,10 @@ def path_problem(kind: str, key: str, path: str, release_root: str, environ: Map
             return "%s: %s %s" % (key, where, "is not a file" if os.path.exists(where) else "does not exist")
         return _rows_problem(key, where) if kind == "jsonl" else None
     if kind == "checkpoint":
-        if os.path.isfile(os.path.join(where, STATE_FILE)):
-            return None
-        return "%s: %s is not a checkpoint (no %s)" % (key, where, STATE_FILE)
+        if not os.path.isfile(os.path.join(where, STATE_FILE)):
+            return "%s: %s is not a checkpoint (no %s)" % (key, where, STATE_FILE)
+        problem = verify(where, LOADED_FILES).problem
+        return None if problem is None else "%s: %s is corrupt: %s" % (key, where, problem)
     # kind "model": a Hugging Face model folder, or a hub id when no such path exists
     if os.path.exists(where):
         if os.path.isfile(os.path.join(where, "config.json")):

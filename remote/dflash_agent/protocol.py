@@ -253,8 +253,18 @@ class LaunchCheckReply(Reply):
 
 
 @dataclasses.dataclass(frozen=True)
+class CorruptCheckpoint(Message):
+    """A complete checkpoint whose files do not hold what its SHA256SUMS lists
+    (dflash_agent/checkpoints.py): never resumed or restarted from."""
+
+    step: int
+    path: str  # its folder on the host
+    problem: str  # the file and what is wrong with it, one line
+
+
+@dataclasses.dataclass(frozen=True)
 class ResumeReply(Reply):
-    """`resume`: the next attempt of an ended run started from a complete checkpoint
+    """`resume`: the next attempt of an ended run started from an intact checkpoint
     (dflash_agent/resume.py says when it is refused)."""
 
     VERB = "resume"
@@ -267,6 +277,8 @@ class ResumeReply(Reply):
     release_id: str  # the release the attempt runs
     previous_release_id: Optional[str]  # the release the run had
     release: str  # "run" or "current", as asked
+    # the newer checkpoints found corrupt and passed over, newest first (none: left out)
+    corrupt: Optional[Tuple[CorruptCheckpoint, ...]] = optional()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +294,7 @@ class ResumeCheckReply(Reply):
     step: int
     checkpoint: str
     master_port: Optional[int] = optional()  # with --master-port 0: a TCP port free here now
+    corrupt: Optional[Tuple[CorruptCheckpoint, ...]] = optional()  # as ResumeReply's
 
 
 # -- a run's state, report and stacks -------------------------------------------------------
@@ -312,8 +325,14 @@ class RunStatus(Message):
     attempt: int
     attempts: int  # how many
     resume_step: Optional[int]  # the checkpoint step the latest attempt started from
-    checkpoint_step: Optional[int]  # the newest complete checkpoint's step
+    # The newest complete checkpoint's step; the newest intact one's where the
+    # checkpoints were verified (`corrupt_checkpoints` is there).
+    checkpoint_step: Optional[int]
     config: Optional[str] = optional()  # with --config: config.yaml's text as launched
+    # With --run-id, for a run that ended: its checkpoints newer than the newest intact
+    # one, found corrupt (newest first; [] when the newest is intact). Left out where the
+    # checkpoints were not verified (a live run, the listing of every run).
+    corrupt_checkpoints: Optional[Tuple[CorruptCheckpoint, ...]] = optional()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,6 +413,17 @@ class Gpu(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class GpuProcess(Message):
+    """A compute process holding memory on a GPU (nvidia-smi --query-compute-apps); a
+    value it does not report is None."""
+
+    gpu: Optional[int]  # its GPU's index
+    pid: Optional[int]  # as the host's (or the container's) PID namespace sees it
+    name: Optional[str]  # nvidia-smi's process_name: its executable
+    used_mib: Optional[float]
+
+
+@dataclasses.dataclass(frozen=True)
 class GpusReply(Reply):
     """`gpus`: no GPU without nvidia-smi."""
 
@@ -442,13 +472,17 @@ class HostProbe(HostFacts):
 class FitFacts(Message):
     """What gpus.fit_facts answers in host_check.py's HostCheck (`dflash launch`, before
     its deploy, docs/fit-check.md):
-    the GPUs and PATH's config.json, PATH an absolute or ~ model folder, or a hub id found
+    the GPUs, the processes holding memory on them, and PATH's config.json, PATH an absolute or ~ model folder, or a hub id found
     in the host's Hugging Face cache (gpus.hub_file), looked up with the --env pairs (the
     inventory's env) applied, as the trainer gets them."""
 
     gpus: Tuple[Gpu, ...]
     target: Optional[Dict[str, Any]]  # config.json's fields; None without --model or when not found
     problem: Optional[str] = optional()  # as GpusReply's problem
+    # The compute processes holding memory on the GPUs (none listed without GPUs), and
+    # why nvidia-smi could not list them
+    processes: Optional[Tuple[GpuProcess, ...]] = optional()
+    processes_problem: Optional[str] = optional()
     target_source: Optional[str] = optional()  # the config.json read
     target_problem: Optional[str] = optional()  # why none was read
 

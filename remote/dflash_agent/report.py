@@ -15,7 +15,7 @@ FAULTHANDLER_MAX_BYTES = 4 * 1024 * 1024
 
 def status(ws: Workspace, run_id: Optional[str], with_config: bool = False) -> StatusReply:
     if run_id is not None:
-        return StatusReply(runs=(run_status(ws.existing_run(run_id), with_config),))
+        return StatusReply(runs=(run_status(ws.existing_run(run_id), with_config, verify=True),))
     runs = []
     unreadable = []
     for run in ws.all_runs():

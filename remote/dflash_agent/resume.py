@@ -3,12 +3,15 @@ a complete checkpoint of its own, with its config and its release (or the host's
 one), under the same run id (attempts.py).
 
 Refused, with nothing changed, under a per-run lock: kind "conflict" while the run is
-live, when it succeeded (unless --step names the checkpoint to train again from), or
-when the checkpoint does not fit the config as the chosen release's trainer reads it
-(`python -m dflash_train.resume_check`); kind "not_found" when it has no complete
-checkpoint (or not the --step asked for) or its release is gone. The step is explicit in
-the request, so several hosts' runs can be resumed from one common step. What a new
-attempt changes in the run directory: docs/runs.md "Attempts: resume and restart".
+live, when it succeeded (unless --step names the checkpoint to train again from), when
+the --step checkpoint is corrupt, or when the checkpoint does not fit the config as the
+chosen release's trainer reads it (`python -m dflash_train.resume_check`); kind
+"not_found" when it has no complete checkpoint (or not the --step asked for), none
+intact, or its release is gone. Without --step it starts from the newest intact
+checkpoint, every byte checked against its SHA256SUMS (checkpoints.py), and the reply
+names the newer ones found corrupt. The step is explicit in the request, so several
+hosts' runs can be resumed from one common step. What a new attempt changes in the run
+directory: docs/runs.md "Attempts: resume and restart".
 
 A part of a run on several hosts resumes only with its place in the run (--rank and
 --world-size, which must be run.json's `distributed`; --master-addr defaults to the
@@ -27,11 +30,11 @@ import shlex
 import subprocess
 from typing import Any, Dict, Optional, Tuple, Union
 
-from . import attempts, locks, preflight
+from . import attempts, checkpoints, locks, preflight
 from .jsonio import AgentError, read_json
 from .launch import Distributed, free_port, start_supervisor, trainer_env
 from .layout import RunDir, Workspace
-from .protocol import ResumeCheckReply, ResumeReply, RunState
+from .protocol import CorruptCheckpoint, ResumeCheckReply, ResumeReply, RunState
 from .state import attempt_errors, derive_state, error_records, observe, read_record, summarize_events
 from .supervisor import TrainerPlan
 
@@ -80,8 +83,9 @@ def _resume_locked(ws: Workspace, run: RunDir,
     distributed = _place(run, record, request)
     if state == RunState.SUCCEEDED and request.step is None:
         raise _finished(run, obs.events.step)
+    corrupt = ()  # type: Tuple[CorruptCheckpoint, ...]
     if distributed is None or distributed.rank == 0:
-        checkpoint = _checkpoint(run, request.step, state)
+        checkpoint, corrupt = _checkpoint(run, request.step, state)
     elif request.step is None:
         raise AgentError("--step is required for rank %d: the step is rank 0's checkpoint" % distributed.rank, "usage")
     else:
@@ -99,7 +103,7 @@ def _resume_locked(ws: Workspace, run: RunDir,
         picks_port = distributed is not None and distributed.master_port == 0
         return ResumeCheckReply(run_id=run.run_id, checked=True, attempt=attempt + 1, previous_state=state,
                                 step=checkpoint[0], checkpoint=checkpoint[1],
-                                master_port=free_port() if picks_port else None)
+                                master_port=free_port() if picks_port else None, corrupt=corrupt or None)
     locks.acquire(ws, resources, run.run_id, force=False)
     errors = attempt_errors(error_records(run.errors), attempt)
     history = attempts.history(record)
@@ -122,7 +126,8 @@ def _resume_locked(ws: Workspace, run: RunDir,
         raise
     return ResumeReply(run_id=run.run_id, attempt=attempt + 1, previous_state=state, step=checkpoint[0],
                        checkpoint=checkpoint[1], pid=report["pid"], release_id=release_id,
-                       previous_release_id=record.get("release_id"), release=request.release)
+                       previous_release_id=record.get("release_id"), release=request.release,
+                       corrupt=corrupt or None)
 
 
 def _place(run: RunDir, record: Dict[str, Any], request: ResumeRequest) -> Optional[Distributed]:
@@ -163,19 +168,20 @@ def _finished(run: RunDir, step: Optional[int]) -> AgentError:
     return error
 
 
-def _checkpoint(run: RunDir, step: Optional[int], state: RunState) -> Tuple[int, str]:
-    folders = attempts.checkpoint_folders(run)
-    if not folders:
+def _checkpoint(run: RunDir, step: Optional[int],
+                state: RunState) -> Tuple[Tuple[int, str], Tuple[CorruptCheckpoint, ...]]:
+    """The checkpoint to start from (the --step one, else the newest intact one) and the
+    newer ones passed over as corrupt."""
+    if not attempts.checkpoint_folders(run):
         raise AgentError("run %r (%s) has no complete checkpoint to resume from: it ended before its first "
                          "one (checkpoint.every, checkpoint.every_minutes); launch it anew"
                          % (run.run_id, state), "not_found", state=state)
-    if step is None:
-        return folders[-1]
-    for found in folders:
-        if found[0] == step:
-            return found
-    raise AgentError("run %r has no complete checkpoint at step %d (it has steps %s)"
-                     % (run.run_id, step, ", ".join(str(s) for s, _ in folders)), "not_found")
+    if step is not None:
+        return checkpoints.at_step(run, step), ()
+    pick = checkpoints.newest_intact(run)
+    if pick.checkpoint is None:
+        raise AgentError(checkpoints.none_intact(run, pick.corrupt) + "; launch it anew", "not_found", state=state)
+    return pick.checkpoint, pick.corrupt
 
 
 def _release(ws: Workspace, record: Dict[str, Any], which: str) -> Tuple[str, str]:

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
 
 from dflash_files import procfs
+from . import checkpoints
 from .attempts import newest_checkpoint
 from .jsonio import AgentError, decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
 from .layout import RunDir
@@ -285,11 +286,18 @@ def _ended_by(ended: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def run_status(run: RunDir, with_config: bool = False) -> RunStatus:
-    """The run's RunStatus; `with_config` adds run.json's config text."""
+def run_status(run: RunDir, with_config: bool = False, verify: bool = False) -> RunStatus:
+    """The run's RunStatus; `with_config` adds run.json's config text; `verify`, for a run
+    that ended, checks its checkpoints (checkpoints.py: a verdict is remembered per
+    version of a folder's files), so that `checkpoint_step` is the newest intact one."""
     record = read_record(run)
     obs = observe(run, record)
     state = derive_state(obs)
+    if verify and state.terminal:
+        pick = checkpoints.newest_intact(run, remembered=True)
+        checkpoint_step, corrupt = (pick.checkpoint[0] if pick.checkpoint else None), pick.corrupt
+    else:
+        checkpoint_step, corrupt = _newest_checkpoint_step(run), None
     return RunStatus(
         run_id=run.run_id,
         name=record.get("name"),
@@ -312,8 +320,9 @@ def run_status(run: RunDir, with_config: bool = False) -> RunStatus:
         attempt=int(record.get("attempt") or 0),
         attempts=len(record.get("attempts") or ()) or 1,
         resume_step=_resume_step(record),
-        checkpoint_step=_newest_checkpoint_step(run),
+        checkpoint_step=checkpoint_step,
         config=record.get("config") if with_config else None,
+        corrupt_checkpoints=corrupt,
     )
 
 

@@ -1,6 +1,6 @@
 """The supervisor: starts the trainer, records run.json before it runs and exit.json
 after it ends, then releases the run's locks. Under the run's restart policy it starts
-the next attempt from the newest checkpoint instead of writing exit.json (attempts.py).
+the next attempt from the newest intact checkpoint instead of writing exit.json (attempts.py).
 
 The trainer is forked into a session of its own and runs `python -m dflash_train
 --config runs/ID/config.yaml --run-dir runs/ID` (TrainerPlan.argv) with cwd runs/ID,
@@ -34,7 +34,7 @@ from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
 
-from . import attempts, locks, oom, warm
+from . import attempts, checkpoints, locks, oom, warm
 from .jsonio import AgentError
 from .jsonio import encode_line
 from .layout import RunDir, Workspace
@@ -155,7 +155,7 @@ def _read_all(fd: int) -> bytes:
 
 
 def supervise(plan: TrainerPlan, report_fd: int) -> int:
-    """Run the trainer, and again from the newest checkpoint while the run's restart
+    """Run the trainer, and again from the newest intact checkpoint while the run's restart
     policy says so (attempts.py); then write exit.json and release the locks. Reports
     {"ok": ...} on `report_fd` once the first attempt's run.json exists (or why it could
     not start) and closes it."""
@@ -389,9 +389,14 @@ def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: Dict[st
         return None
     state = derive_state(Observation(started_at=entry["started_at"], stall_after=plan.stall_after, now=time.time(),
                                      trainer=GONE, exit=exit_record, error_count=len(errors)))
-    newest = attempts.newest_checkpoint(run)
+    pick = checkpoints.newest_intact(run)
+    for bad in pick.corrupt:
+        attempts.log_line(run, "the checkpoint at step %d is corrupt, not restarted from: %s" % (bad.step, bad.problem))
+    if pick.checkpoint is None and pick.corrupt:  # starting over would drop what the run trained
+        attempts.log_line(run, "attempt %d ended (%s): not restarting: no intact checkpoint" % (plan.attempt, cause))
+        return None
     return dataclasses.replace(
-        plan, attempt=plan.attempt + 1, reason="restart", resume_from=newest or plan.resume_from,
+        plan, attempt=plan.attempt + 1, reason="restart", resume_from=pick.checkpoint or plan.resume_from,
         history=tuple(plan.history) + (attempts.closed(entry, exit_record, state, step),))
 
 

@@ -17,8 +17,11 @@ WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"  # the optimizer's and the scheduler's states
 CONFIG_FILE = "config.yaml"  # the resolved config of the run that wrote it
 SHA256SUMS = "SHA256SUMS"
-# A step folder holding these is complete (SHA256SUMS is written last).
-CHECKPOINT_FILES = (STATE_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, SHA256SUMS)
+# What a resume loads: SHA256SUMS must list them (dflash_files.checksums.verify).
+LOADED_FILES = (STATE_FILE, WEIGHTS_FILE, OPTIMIZER_FILE)
+# A step folder holding these is complete (SHA256SUMS is written last); it is intact
+# when its files hold what SHA256SUMS lists.
+CHECKPOINT_FILES = LOADED_FILES + (SHA256SUMS,)
 STEP_FOLDER = re.compile(r"^step_(\d+)$")
 
 

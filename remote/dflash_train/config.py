@@ -398,7 +398,7 @@ class DistributedConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl when the drafters are on CUDA, else gloo
     join_timeout_s: float = 600.0  # how long a process waits for the others to join
     timeout_s: float = 600.0  # one collective (a step's gradient all-reduce) at most; then the run fails
-    peer_timeout_s: float = 30.0  # a peer whose watchdog is silent this long is gone (killed, frozen)
+    peer_timeout_s: float = 30.0  # a peer (or the store) silent this long is gone (killed, frozen, cut off)
     bucket_mb: float = 256.0  # the cross-process all-reduce runs in buckets of this many MiB
 
     def __post_init__(self) -> None:

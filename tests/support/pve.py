@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +22,9 @@ BARE_CONTAINER = 203
 #: nvidia-smi (support/fake_nvidia_smi): a GPU host, as far as the agent can tell
 GPU_CONTAINER = 204
 FAKE_NVIDIA_SMI = Path(__file__).with_name("fake_nvidia_smi")
+#: added by FakePve.add_netns_container: a running container in a network namespace of its
+#: own, reached from the node through one link (support/netns.py)
+NETNS_CONTAINER = 206
 
 
 class NeedsRoot(RuntimeError):
@@ -59,6 +63,30 @@ class FakePve:
                     f"path: {bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n")
         return GPU_CONTAINER
 
+    def add_netns_container(self, netns: str) -> int:
+        """Container NETNS_CONTAINER, running, its network the namespace file `netns`;
+        remove_container takes it away again."""
+        _write_conf(self.root, NETNS_CONTAINER, "running", self.mount_point, f"netns: {netns}\n")
+        return NETNS_CONTAINER
+
+    def remove_container(self, vmid: int) -> None:
+        """Its conf gone (pct then knows no such container); its root folder stays."""
+        (self.root / "lxc" / f"{vmid}.conf").unlink()
+
+    def hold_gpu_memory(self, processes: list[tuple[int, int, str, int]]) -> None:
+        """Make GPU_CONTAINER's fake nvidia-smi report these compute processes, (GPU index,
+        pid, process name, MiB) each, holding memory (and each GPU's memory.used their
+        sum); [] reports none again."""
+        conf = (self.root / "lxc" / f"{GPU_CONTAINER}.conf").read_text()
+        bin_dir = Path(re.search(r"^path: ([^:\n]+):", conf, re.M).group(1))
+        apps = bin_dir / "nvidia-smi-apps"
+        if not processes:
+            apps.unlink(missing_ok=True)
+            return
+        staged = apps.with_name(".nvidia-smi-apps")
+        staged.write_text("".join(f"{index}, {pid}, {name}, {mib}\n" for index, pid, name, mib in processes))
+        os.replace(staged, apps)
+
     def node_leaks(self) -> list[str]:
         """What the node's side of mount_point holds: empty unless something wrote a file
         on the node that belonged in a container."""
@@ -86,6 +114,6 @@ def make_fake_pve(root: Path) -> FakePve:
 
 def _write_conf(root: Path, vmid: int, status: str, mount_point: Path, extra: str = "") -> None:
     rootfs = root / "rootfs" / str(vmid)
-    rootfs.mkdir(parents=True)
+    rootfs.mkdir(parents=True, exist_ok=True)  # a container added again keeps its root folder
     (root / "lxc" / f"{vmid}.conf").write_text(
         f"hostname: ct{vmid}\nstatus: {status}\nrootfs: {rootfs}\nmountpoint: {mount_point}\n{extra}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import pickle
 import re
@@ -33,6 +32,7 @@ import torch
 from dflash_files.atomic import fsync_path
 from dflash_files.checkpoint_files import (CHECKPOINTS_DIR, CONFIG_FILE, LATEST, OPTIMIZER_FILE, SHA256SUMS, STATE_FILE,
                                           WEIGHTS_FILE, step_folder)
+from dflash_files.checksums import sums_text
 from dflash_files.diskspace import DiskFull, free_bytes, is_no_space
 
 from ..config import resolve_path
@@ -47,19 +47,11 @@ def _fsync_tree(folder: Path) -> None:
         fsync_path(dirpath)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_sha256sums(folder: Path) -> None:
-    """SHA256SUMS of every other file under `folder`, in `sha256sum -c` format."""
-    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    lines = [f"{_sha256(folder / name)}  {name}\n" for name in files if name != SHA256SUMS]
-    (folder / SHA256SUMS).write_text("".join(lines))
+    """SHA256SUMS of every other file under `folder`, in `sha256sum -c` format: what
+    makes the folder intact (dflash_files.checksums)."""
+    files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+    (folder / SHA256SUMS).write_text(sums_text(str(folder), [name for name in files if name != SHA256SUMS]))
 
 
 def replace_dir(final: Path, fill: Callable[[Path], None], needed: int = 0) -> None:

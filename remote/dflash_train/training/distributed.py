@@ -15,9 +15,11 @@ On the store, under dflash/<run id>/:
     acked      peers that saw `abort` (the failed rank 0 waits for them before leaving)
 
 Every rank runs a watchdog thread that reads them, from before the process group forms:
-a peer's `failed` record, a peer silent for peer_timeout_s once it has been heard, or the
-store gone (rank 0 gone) make this rank's run stop with ONE errors.jsonl record,
-PeerFailed, whose detail names the peer and its root cause; a peer's `stopped` record
+a peer's `failed` record, a peer silent for peer_timeout_s once it has been heard, the
+store gone (rank 0 gone), or the store silent for peer_timeout_s (its host cut off by the
+network, or frozen) make this rank's run stop with ONE errors.jsonl record, PeerFailed,
+whose detail names the peer and its root cause (and how long it was silent, for a
+silence); a peer's `stopped` record
 stops this rank as a signal would (exit 143). A rank that has not ended its part
 `exit_after_s` later (busy in a startup step that does not look at the stop event, say
 loading a target; or still in the join, which nothing can wake: then JOIN_EXIT_S) is
@@ -32,6 +34,7 @@ import dataclasses
 import datetime
 import json
 import os
+import queue
 import threading
 import signal
 import time
@@ -48,6 +51,10 @@ WATCH_S = 0.5  # the watchdog's period: how fast a peer's failure is seen
 ACK_S = 5.0  # how long a failed rank 0 keeps its store up for the others to read why
 COLLECTIVE_CAUSE_S = 2.0  # after a broken collective, how long to look for the peer's abort record
 JOIN_EXIT_S = 1.0  # a peer failed while this rank waits in the join: no call of ours can end that wait
+# A store call past its deadline gets this much more before it counts as silence: a process
+# stopped (SIGSTOP) while it waited resumes with its clock past the deadline, and the answer
+# (or the error of a store that went away meanwhile) comes in moments.
+LATE_S = 2.0
 
 
 class JoinFailed(RuntimeError):
@@ -59,12 +66,49 @@ class CollectiveFailed(RuntimeError):
 
 
 class PeerFailed(RuntimeError):
-    """This rank stopped because another one failed; `detail` names that rank and its root cause."""
+    """This rank stopped because another one failed; `detail` names that rank and its root
+    cause, and `silence_s` how long nothing was heard from it (None: it failed, or went away)."""
 
-    def __init__(self, peer_rank: int, peer_exc_type: str | None, peer_message: str):
+    def __init__(self, peer_rank: int, peer_exc_type: str | None, peer_message: str, silence_s: float | None = None):
         cause = f"{peer_exc_type}: {peer_message}" if peer_exc_type else peer_message
         super().__init__(f"rank {peer_rank} failed ({cause}); this rank stopped")
-        self.detail = {"peer_rank": peer_rank, "peer_exc_type": peer_exc_type, "peer_message": peer_message}
+        self.detail = {"peer_rank": peer_rank, "peer_exc_type": peer_exc_type, "peer_message": peer_message,
+                       "silence_s": silence_s}
+
+
+class StoreSilent(Exception):
+    """A store call that was not answered by its deadline."""
+
+
+class StoreCalls:
+    """Store calls made in a thread of their own, each waited for until a deadline. c10d's
+    store client waits for an answer without end (its timeout bounds the connect only):
+    a rank cut off from the store by the network would wait in a call until the network
+    returned. A call that misses its deadline leaves that thread waiting; the calls after
+    it queue behind it and miss theirs too."""
+
+    def __init__(self, name: str):
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, answered, box = self._requests.get()
+            try:
+                box["value"] = call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
+                box["error"] = exc
+            answered.set()
+
+    def call(self, call: Callable[[], Any], deadline_s: float) -> Any:
+        """call()'s value (or its exception); StoreSilent when none came within `deadline_s`."""
+        answered, box = threading.Event(), {}
+        self._requests.put((call, answered, box))
+        if not (answered.wait(deadline_s) or answered.wait(LATE_S)):
+            raise StoreSilent(f"no answer within {deadline_s:.0f}s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
 
 def first_line(exc: BaseException) -> str:
@@ -189,6 +233,7 @@ class Peers:
         self._peer_lock = threading.Lock()
         self._peer_failure: PeerFailed | None = None
         self._watchdog: threading.Thread | None = None
+        self._store_calls: StoreCalls | None = None  # the watchdog's (start_watchdog)
         latch.on_stop(self._on_local_stop)
 
     @property
@@ -348,6 +393,7 @@ class Peers:
     # -- failure propagation --------------------------------------------------------------
 
     def start_watchdog(self) -> None:
+        self._store_calls = StoreCalls("watchdog-store")
         self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._watchdog.start()
         self.latch.thread_names.add(self._watchdog)
@@ -363,32 +409,50 @@ class Peers:
             self.on_stuck(code)
 
     def _watch_until_a_peer_ends(self) -> int | None:
-        """None once this rank leaves; else the exit code this rank ends with (a peer failed or stopped)."""
+        """None once this rank leaves; else the exit code this rank ends with (a peer failed
+        or stopped, or the store went silent)."""
         heard = {peer: (0, time.monotonic()) for peer in self.others}  # peer -> (count, when it moved)
+        timeout = self.config.peer_timeout_s
         while not self._closing.wait(WATCH_S):
             try:
-                self.store.add(f"alive/{self.rank}", 1)
-                record = self._abort_record()
+                record, counts = self._store_calls.call(self._look, timeout)
                 if record is not None:
-                    self.store.add("acked", 1)
                     self._on_abort_record(record)
                     return 128 + signal.SIGTERM if record["kind"] == "stopped" else 1
                 now = time.monotonic()
-                for peer, count in self._alive_counts().items():
+                for peer, count in counts.items():
                     if count != heard[peer][0]:
                         heard[peer] = (count, now)
-                    elif count > 0 and now - heard[peer][1] > self.config.peer_timeout_s:
+                    elif count > 0 and now - heard[peer][1] > timeout:
                         # (A peer never heard has not reached the store yet: the join's own
                         # timeout waits for it.)
-                        self.peer_failed(peer, None, f"no sign of life from rank {peer} for "
-                                                     f"{self.config.peer_timeout_s:.0f}s (killed, or frozen)")
+                        self.peer_failed(peer, None, f"no sign of life from rank {peer} for {timeout:.0f}s "
+                                                     "(killed, frozen, or cut off by the network)", silence_s=timeout)
                         return 1
+            except StoreSilent:
+                if self._closing.is_set():
+                    return None
+                if self.rank != 0:  # (rank 0's store is in its own process: as for its store's errors below)
+                    self.peer_failed(0, None, f"the store that rank 0 hosts at {self.address} did not answer for "
+                                              f"{timeout:.0f}s (the network to its host is cut, or that host froze)",
+                                     silence_s=timeout)
+                return 1
             except Exception as exc:  # noqa: BLE001 - the store's host is gone: that is rank 0
                 if self._closing.is_set():
                     return None
                 self._store_gone(exc)
                 return 1
         return None
+
+    def _look(self) -> tuple[dict[str, Any] | None, dict[int, int]]:
+        """One round of the watchdog on the store: this rank's `alive` count up, then a
+        peer's abort record (acknowledged) or, without one, every peer's count."""
+        self.store.add(f"alive/{self.rank}", 1)
+        record = self._abort_record()
+        if record is not None:
+            self.store.add("acked", 1)
+            return record, {}
+        return None, self._alive_counts()
 
     def _abort_record(self) -> dict[str, Any] | None:
         if not self.store.check(["abort"]):
@@ -403,12 +467,14 @@ class Peers:
         else:
             self.peer_failed(record["rank"], record["exc_type"], record["message"])
 
-    def peer_failed(self, peer_rank: int, exc_type: str | None, message: str) -> PeerFailed:
-        """Record (once, unless this rank already failed or is stopping) that a peer failed,
-        and stop this rank's run. Callers then end their thread without a record of their own."""
+    def peer_failed(self, peer_rank: int, exc_type: str | None, message: str,
+                    silence_s: float | None = None) -> PeerFailed:
+        """Record (once, unless this rank already failed or is stopping) that a peer failed
+        (or was silent for `silence_s`), and stop this rank's run. Callers then end their
+        thread without a record of their own."""
         with self._peer_lock:
             if self._peer_failure is None:
-                self._peer_failure = PeerFailed(peer_rank, exc_type, message)
+                self._peer_failure = PeerFailed(peer_rank, exc_type, message, silence_s)
                 if not self.latch.stop.is_set():
                     thread = threading.current_thread()
                     phase, step = self.where()
