@@ -32,8 +32,8 @@ HELD_SHOWN_BYTES = 64 * MIB
 
 def unchecked(config: JobConfig) -> str | None:
     """Why a config needs no fit check, or None when it does."""
-    if config.job != "train":
-        return f"job: {config.job}: no GPU memory estimate (the fit check plans training runs)"
+    if config.job not in ("train", "regenerate"):
+        return f"job: {config.job}: no GPU memory estimate (the fit check plans training and regenerate runs)"
     if config.devices.cpu_only:
         return "the config runs on the CPU only: no GPU memory check"
     return None
@@ -180,8 +180,11 @@ def show(fits: list[HostFit]) -> None:
         if fit.plan is None:
             console.say(f"{fit.host}: GPU memory {fit.note}")
             continue
-        console.say(f"{fit.host}: drafter {fit.plan.drafter_parameters:,} parameters, target "
-                    f"{fit.plan.target_parameters:,}; largest micro-batch {fit.plan.worst}")
+        if fit.plan.worst is None:
+            console.say(f"{fit.host}: target {fit.plan.target_parameters:,} parameters")
+        else:
+            console.say(f"{fit.host}: drafter {fit.plan.drafter_parameters:,} parameters, target "
+                        f"{fit.plan.target_parameters:,}; largest micro-batch {fit.plan.worst}")
         for device in fit.plan.devices:
             gpu = fit.gpus.get(device.index)
             table = Table(title=f"{fit.host} {device.device}: {', '.join(device.roles)}", title_justify="left")

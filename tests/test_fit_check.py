@@ -260,3 +260,20 @@ def test_fit_h200_builds_and_runs_the_architecture_the_config_names(tmp_path, co
         fit_h200.prepared(tmp_path, CONFIGS / config_name)
     with pytest.raises(SystemExit, match="target.path None has no architecture in gpu_trainer.TARGETS"):
         fit_h200.target_folder(tmp_path, CONFIGS / "tiny-cpu.yaml")
+
+
+def test_a_regenerate_batch_size_the_gpu_cannot_hold_is_refused_before_launch_naming_the_cache(gpu_host):
+    """job: regenerate is planned too: the target and a KV cache of batch_size rows for the
+    answers' positions per device (the prompts' come on top, checked by the job)."""
+    config = str(CONFIGS / "regen-qwen3-8b.yaml")
+    prompts = ["--set", f"regenerate.prompts={gpu_host.chats}"]
+    fits = gpu_host.dflash("launch", "gpu", "--config", config, "--dry-run", *prompts)
+    assert fits.returncode == 0, fits.stderr
+    assert "KV cache: 64 rows x 2048 positions" in fits.stderr and "fits:" in fits.stderr
+    refused = gpu_host.dflash("launch", "gpu", "--config", config, "--dry-run", *prompts,
+                              "--set", "regenerate.batch_size=1024")
+    message = " ".join(refused.stderr.split())
+    assert refused.returncode == 2, refused.stderr
+    assert "gpu: cuda:0 (target-0) needs an estimated" in message and "KV cache: 1024 rows x 2048 positions" in message
+    assert "change regenerate.batch_size (1024), regenerate.max_new_tokens (2048)" in message
+    assert not gpu_host.workspace.exists()

@@ -228,9 +228,12 @@ def test_cpu_only_configs_and_other_jobs_are_not_planned():
     config = load_job_config(CONFIGS / "tiny-cpu.yaml")
     with pytest.raises(ValueError, match="CPU only"):
         estimate(config, TargetShape.from_tiny(config.target.tiny))
-    regenerate = load_job_config(CONFIGS / "regen-tiny-cpu.yaml")
-    with pytest.raises(ValueError, match="job: regenerate"):
+    regenerate = load_job_config(CONFIGS / "regen-tiny-cpu.yaml")  # on the CPU
+    with pytest.raises(ValueError, match="CPU only"):
         estimate(regenerate, TargetShape.from_tiny(regenerate.target.tiny))
+    evaluate = load_job_config(CONFIGS / "evaluate-qwen3-8b.yaml")
+    with pytest.raises(ValueError, match="job: evaluate: only training and regenerate runs are planned"):
+        estimate(evaluate, TargetShape.from_tiny(regenerate.target.tiny))
 
 
 def test_a_config_json_without_the_widths_is_named():

@@ -40,7 +40,9 @@ from ..config import JobConfig, resolve_path, workspace_path
 from ..data.batches import _read_jsonl
 from ..devices import canonical, is_cuda, thread_stream
 from ..faults import FaultInjector
-from ..model.batched_decode import PAD_MULTIPLE, BatchedDecoder, Generated, Request, round_up
+from ..memory.plan import GIB, TargetShape, regenerate_terms
+from ..model.batched_decode import BatchedDecoder, Generated, Request, round_up
+from ..model.fast_layers import FLEX_BLOCK
 from ..model.target import load_target
 from ..runlog import EventLog, emit_done, say
 from ..threads import StopLatch, StopRequested, JobThread
@@ -50,11 +52,7 @@ from .common import (EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, report_thre
                    torch_threads)
 
 
-GIB = 1 << 30
 PROGRESS_EVERY_S = 1.0  # at most one progress event a second: answers end many a second
-SAMPLING_PASSES = 4  # fp32 copies of a row's logits a step's choice holds at once
-PREFILL_TOKENS = 8192  # BatchedDecoder's default prefill chunk
-PREFILL_WIDTHS = 8  # hidden-sized activations a prefill layer holds at once (q/k/v, residual, norms)
 
 
 class RegenerateError(ValueError):
@@ -267,27 +265,25 @@ def end_ids(tokenizer, model) -> set[int]:
 
 
 def check_cache_fits(model, slots: int, capacity: int, device: str) -> None:
-    """Refuse, before allocating it, a KV cache the device's free memory cannot hold beside
-    the loaded target, naming the figures and the batch_size that would fit."""
+    """Refuse, before allocating it, a decoder the device's free memory cannot hold beside
+    the loaded target (memory.plan.regenerate_terms: the launch's fit check counts the same
+    without the prompts' positions, which only this job knows), naming the figures and the
+    batch_size that would fit."""
     if not is_cuda(device):
         return
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    target = TargetShape.from_config_json(model.config.to_dict())
     element = next(model.parameters()).element_size()
-    per_row = round_up(capacity, PAD_MULTIPLE) * config.num_hidden_layers * 2 * config.num_key_value_heads \
-        * head_dim * element
-    # beside the cache: a step's logits and sampling over the vocabulary (fp32, a few
-    # passes) per row, and a prefill chunk's activations
-    per_row += SAMPLING_PASSES * config.vocab_size * 4
-    prefill = PREFILL_TOKENS * (PREFILL_WIDTHS * config.hidden_size + 3 * config.intermediate_size) * element
+    positions = round_up(capacity, FLEX_BLOCK)
+    terms = regenerate_terms(target, element, slots, positions, "")
+    need = sum(term.bytes for term in terms)
+    per_row = sum(term.bytes for term in regenerate_terms(target, element, 1, positions, "")) - terms[-1].bytes
     free, _ = torch.cuda.mem_get_info(torch.device(device))
-    need = slots * per_row + prefill
     if need > free:
-        fits = max(0, (free - prefill) // per_row)
+        fits = max(0, (free - terms[-1].bytes) // per_row)
         raise RegenerateError(
-            f"regenerate.batch_size {slots}: {slots} rows of {round_up(capacity, PAD_MULTIPLE)} positions (the "
-            f"longest prompt + max_new_tokens) need {need / GIB:.1f} GiB beside the target on {device}, which has "
-            f"{free / GIB:.1f} GiB free; at most {fits} rows fit (lower batch_size or max_new_tokens)")
+            f"regenerate.batch_size {slots}: {slots} rows of {positions} positions (the longest prompt + "
+            f"max_new_tokens) need {need / GIB:.1f} GiB beside the target on {device}, which has {free / GIB:.1f} "
+            f"GiB free; at most {fits} rows fit (lower batch_size or max_new_tokens)")
 
 
 class Regeneration(JobControl):

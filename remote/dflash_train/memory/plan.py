@@ -333,7 +333,7 @@ class DevicePlan:
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     devices: tuple[DevicePlan, ...]  # in the order the config first names them
-    worst: Shape  # the micro-batch whose activations are the largest
+    worst: Shape | None  # the micro-batch whose activations are the largest (None: a regenerate job)
     drafter_parameters: int
     target_parameters: int
 
@@ -362,10 +362,13 @@ def _target_bytes(config: JobConfig) -> int:
 
 
 def estimate(config: JobConfig, target: TargetShape, *, world_size: int = 1, rank: int = 0) -> MemoryPlan:
-    """The peak of every CUDA device of a `job: train` config on one host, that host being
-    rank `rank` of `world_size` (the gradient exchange and the evaluator depend on it)."""
+    """The peak of every CUDA device of a `job: train` or `job: regenerate` config on one
+    host, that host being rank `rank` of `world_size` (the gradient exchange and the
+    evaluator depend on it)."""
+    if config.job == "regenerate":
+        return _regenerate_plan(config, target)
     if config.job != "train" or config.data is None:
-        raise ValueError(f"job: {config.job}: only training runs are planned")
+        raise ValueError(f"job: {config.job}: only training and regenerate runs are planned")
     if config.devices.cpu_only:
         raise ValueError("the config runs on the CPU only: it uses no GPU memory")
     target_devices = [_device(d) for d in config.devices.target]
@@ -401,6 +404,45 @@ def estimate(config: JobConfig, target: TargetShape, *, world_size: int = 1, ran
                     Term(f"allocator slack ({FRAGMENTATION:.0%})", int(sum(t.bytes for t in terms) * FRAGMENTATION)))
         plans.append(DevicePlan(device, tuple(roles), tuple(terms), overhead))
     return MemoryPlan(tuple(plans), worst, params, target.parameters())
+
+
+# job: regenerate (model/batched_decode.py): beside its KV cache, a step's choice holds a
+# few fp32 copies of every row's logits, and a prefill chunk of PREFILL_TOKENS tokens its
+# activations (about PREFILL_WIDTHS hidden-sized and 3 MLP-sized tensors at once).
+SAMPLING_PASSES = 4
+PREFILL_TOKENS = 8192
+PREFILL_WIDTHS = 8
+
+
+def regenerate_terms(target: TargetShape, element: int, rows: int, positions: int, knob: str) -> list[Term]:
+    """What job: regenerate's decoder holds beside the target's weights on each device: a
+    KV cache of `rows` rows of `positions` positions, the step's logits, a prefill chunk."""
+    return [Term(f"KV cache: {rows} rows x {positions} positions",
+                 rows * positions * target.num_layers * 2 * target.kv_width * element, knob=knob),
+            Term("logits and sampling (fp32)", rows * SAMPLING_PASSES * target.vocab_size * FP32,
+                 knob="regenerate.batch_size"),
+            Term(f"prefill of {PREFILL_TOKENS} tokens",
+                 PREFILL_TOKENS * (PREFILL_WIDTHS * target.hidden_size + 3 * target.intermediate_size) * element)]
+
+
+def _regenerate_plan(config: JobConfig, target: TargetShape) -> MemoryPlan:
+    """One target and its decoder per device. The prompts' own positions are not known
+    before the job reads them (on the host): the cache is counted for the answers' alone,
+    and the job checks again, with them, before it allocates (jobs/regenerate.py)."""
+    assert config.regenerate is not None
+    if config.devices.cpu_only:
+        raise ValueError("the config runs on the CPU only: it uses no GPU memory")
+    settings, element = config.regenerate, _target_bytes(config)
+    knob = f"regenerate.batch_size ({settings.batch_size}), regenerate.max_new_tokens ({settings.max_new_tokens})"
+    plans = []
+    for index, device in enumerate(dict.fromkeys(_device(d) for d in config.devices.target)):
+        terms = [Term("target weights", target.parameters() * element),
+                 *regenerate_terms(target, element, settings.batch_size, settings.max_new_tokens,
+                                   knob + " (+ the longest prompt, checked by the job)")]
+        overhead = (Term("CUDA context", CUDA_CONTEXT_BYTES),
+                    Term(f"allocator slack ({FRAGMENTATION:.0%})", int(sum(t.bytes for t in terms) * FRAGMENTATION)))
+        plans.append(DevicePlan(device, (f"target-{index}",), tuple(terms), overhead))
+    return MemoryPlan(tuple(plans), None, 0, target.parameters())
 
 
 def _drafter_terms(config: JobConfig, target: TargetShape, params: int, worst: Shape, tokens: int,

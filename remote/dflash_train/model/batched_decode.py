@@ -32,6 +32,7 @@ import torch
 
 from ..compiling.decode_graphs import graphed
 from ..config import SamplingConfig
+from ..memory.plan import PREFILL_TOKENS
 from .fast_layers import FLEX_BLOCK, FastLayers, PositionMask, attend, attend_causal, output_and_mlp, project_and_store
 from .sampling import Chooser
 
@@ -65,7 +66,7 @@ def round_up(value: int, multiple: int) -> int:
 class BatchedDecoder:
     def __init__(self, model: torch.nn.Module, slots: int, capacity: int, max_new_tokens: int, stop_ids: set[int],
                  sampling: SamplingConfig | None, compile_steps: bool = True, cuda_graphs: bool = True,
-                 length_step: int = 256, prefill_tokens: int = 8192, attention: str = "auto"):
+                 length_step: int = 256, prefill_tokens: int = PREFILL_TOKENS, attention: str = "auto"):
         """`compile_steps` and `cuda_graphs` apply on CUDA only. `fuse`s the model's
         projections: the model must be this decoder's alone. `attention`: "flex" reads
         each row's keys up to its own position (FlexAttention, compiled: CUDA only),
