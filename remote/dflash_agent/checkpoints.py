@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from dflash_files.atomic import write_json_atomic
 from dflash_files.checkpoint_files import CHECKPOINTS_DIR, LOADED_FILES

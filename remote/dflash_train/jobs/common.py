@@ -14,6 +14,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from dflash_events import HEARTBEAT, PHASE
 from .. import startup_phases
 from ..config import JobConfig, resolve_path
 from ..data.tiny import TARGET_DATA, cache_root, ensure_tiny_assets
-from ..runlog import EventLog, dump_header, say
+from ..runlog import EventLog, dump_header, emit_done, say
 from ..threads import StopLatch
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -85,6 +86,15 @@ def report_threads_still_running(alive: list[str], grace_s: float, fault_log) ->
     except OSError:
         pass  # a full disk: the dump below is written (or not) all the same, the exit must not wait
     faulthandler.dump_traceback(file=fault_log, all_threads=True)
+
+
+def end_now(events: EventLog, fault_log, grace_s: float, code: int) -> None:
+    """A peer ended the run, and this process did not follow (its main thread is in a
+    startup step that does not look at the stop event): stacks, the done event, exit."""
+    alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    report_threads_still_running(alive, grace_s, fault_log)
+    emit_done(events, code, alive)
+    os._exit(code)
 
 
 def install_signal_handlers(job) -> None:

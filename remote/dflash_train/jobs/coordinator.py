@@ -11,7 +11,6 @@ a timeout, so a hung thread cannot hang the exit.
 from __future__ import annotations
 
 import functools
-import os
 import signal
 import threading
 import time
@@ -26,7 +25,7 @@ from ..config import JobConfig
 from ..devices import is_cuda
 from ..memory import ledger
 from ..model.drafter import NonFiniteWeights
-from ..runlog import EventLog, emit_done, say
+from ..runlog import EventLog, say
 from ..startup_phases import phase
 from ..threads import StopLatch, StopRequested, JobThread
 from ..training.distributed import PeerFailed, Peers, join
@@ -34,7 +33,7 @@ from ..training.pipeline import READY, Channels, drafter_body, eval_body, prefet
 from ..training.replica import Replica, ReplicasDiverged, verify_replicas_identical
 from ..training.schedule import EvalRequest
 from ..training.step import training_step
-from .common import EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, report_threads_still_running
+from .common import EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, end_now, report_threads_still_running
 from .startup import Session, prepare
 
 
@@ -132,12 +131,7 @@ class Coordinator(JobControl):
             pass
 
     def _end_now(self, code: int) -> None:
-        """A peer ended the run, and this process did not follow (the main thread is in a
-        startup step that does not look at the stop event): stacks, the done event, exit."""
-        alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
-        report_threads_still_running(alive, self.config.runtime.stop_grace_s + 10.0, self.fault_log)
-        emit_done(self.events, code, alive)
-        os._exit(code)
+        end_now(self.events, self.fault_log, self.config.runtime.stop_grace_s + 10.0, code)
 
     def _start_replica(self, session: Session, index: int) -> Replica:
         """Runs in the drafter's thread (or the main thread when sequential)."""

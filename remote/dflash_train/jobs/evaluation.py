@@ -27,10 +27,10 @@ from ..devices import canonical, is_cuda
 from ..model.drafter import load_drafter
 from ..model.speculative import EvalResult, evaluate, evaluation_decoder
 from ..model.target import FeatureTap, load_target
-from ..runlog import EventLog, emit_done, say
+from ..runlog import EventLog, say
 from ..threads import StopLatch, StopRequested
 from ..training.distributed import PeerFailed, Peers, join
-from .common import EXIT_FAILED, EXIT_OK, JobControl, report_threads_still_running, sources, stop_ids
+from .common import EXIT_FAILED, EXIT_OK, JobControl, end_now, sources, stop_ids
 
 
 class EvaluationJob(JobControl):
@@ -41,7 +41,7 @@ class EvaluationJob(JobControl):
         super().__init__(events, latch, config.runtime.heartbeat_s)
         self._heartbeat = (time.monotonic(), -1)  # the first heartbeat after heartbeat_s
         self.alive: list[str] = []
-        self.config, self.spec, self.run_dir = config, config.evaluate, run_dir
+        self.config, self.spec, self.run_dir, self.fault_log = config, config.evaluate, run_dir, fault_log
         self.verify_steps = 0
 
     def _stepped(self) -> None:
@@ -83,12 +83,7 @@ class EvaluationJob(JobControl):
             return EXIT_FAILED
 
     def _end_now(self, code: int) -> None:
-        """A peer ended the run, and this process did not follow (it is in a startup step
-        that does not look at the stop event): stacks, the done event, exit."""
-        alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
-        report_threads_still_running(alive, self.config.runtime.stop_grace_s + 10.0, self.fault_log)
-        emit_done(self.events, code, alive)
-        os._exit(code)
+        end_now(self.events, self.fault_log, self.config.runtime.stop_grace_s + 10.0, code)
 
     def _measure(self, peers: Peers | None) -> None:
         from transformers import AutoTokenizer

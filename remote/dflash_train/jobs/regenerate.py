@@ -44,11 +44,11 @@ from ..memory.plan import GIB, TargetShape, regenerate_terms
 from ..model.batched_decode import BatchedDecoder, Generated, Request, round_up
 from ..model.fast_layers import FLEX_BLOCK
 from ..model.target import load_target
-from ..runlog import EventLog, emit_done, say
+from ..runlog import EventLog, say
 from ..threads import StopLatch, StopRequested, JobThread
 from ..training.distributed import PeerFailed, Peers, join
 from .answer_exchange import Sender, answered_on_rank0, receive, share
-from .common import (EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, report_threads_still_running, sources,
+from .common import (EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, end_now, report_threads_still_running, sources,
                    torch_threads)
 
 
@@ -360,12 +360,7 @@ class Regeneration(JobControl):
             return EXIT_FAILED
 
     def _end_now(self, code: int) -> None:
-        """A peer ended the run, and this process did not follow (the main thread is in a
-        startup step that does not look at the stop event): stacks, the done event, exit."""
-        alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
-        report_threads_still_running(alive, self.config.runtime.stop_grace_s + 10.0, self.fault_log)
-        emit_done(self.events, code, alive)
-        os._exit(code)
+        end_now(self.events, self.fault_log, self.config.runtime.stop_grace_s + 10.0, code)
 
     def _prepare(self, peers: Peers | None) -> tuple[list[Request], list[BatchedDecoder], list[int]]:
         """This rank's prompts as requests, its decoders, and (rank 0 of several hosts) the
