@@ -12,10 +12,10 @@ from pathlib import Path
 
 import click
 
-from . import console, deploy_early, retry, run_hosts
+from . import completion, console, deploy_early, retry, run_hosts
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
-from .local_state import RunRef, resolve_run
+from .local_state import RunRef, latest_or_refuse
 from .project_tree import in_state_root
 from .run_hosts import Reach
 from .session import CLI_CONFIG_ENV, DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
@@ -71,6 +71,15 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
         _fail(ctx, exc)
 
 
+
+def _run_argument(name: str = "run_id", metavar: str = "[RUN]", required: bool = False):
+    return click.argument(name, metavar=metavar, required=required, shell_complete=completion.runs)
+
+
+def _host_option(what: str = "Host of the run (default: the latest run's host)."):
+    return click.option("--host", "host_name", help=what, shell_complete=completion.hosts)
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--hosts", "hosts_file", envvar=HOSTS_ENV, type=click.Path(dir_okay=False),
               help=f"Host inventory (default: configs/hosts.yaml of the project root; env {HOSTS_ENV}).")
@@ -99,7 +108,7 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str | None, accep
 
 
 @main.command("deploy")
-@click.argument("host_names", nargs=-1, metavar="HOST...")
+@click.argument("host_names", nargs=-1, metavar="HOST...", shell_complete=completion.hosts)
 @click.option("--all", "all_hosts", is_flag=True, help="Deploy to every host of the inventory.")
 @click.option("--verify", is_flag=True,
               help="Re-hash the host's release files instead of comparing size, mtime and ctime.")
@@ -134,7 +143,7 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
 
 
 @main.command("setup")
-@click.argument("host_names", nargs=-1, metavar="HOST...")
+@click.argument("host_names", nargs=-1, metavar="HOST...", shell_complete=completion.hosts)
 @click.option("--all", "all_hosts", is_flag=True, help="Set up every host of the inventory.")
 @click.option("--torch", "torch_version", metavar="VERSION",
               help="Install this torch version (within the range remote/requirements.txt supports).")
@@ -162,7 +171,7 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
 
 
 @main.command("launch")
-@click.argument("host_names", metavar="HOST...", nargs=-1, required=True)
+@click.argument("host_names", metavar="HOST...", nargs=-1, required=True, shell_complete=completion.hosts_and_groups)
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Training config (YAML), validated here before anything is sent.")
 @click.option("--name", help="Run name (default: the config's file name); the run id starts with it.")
@@ -229,8 +238,8 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
 
 
 @main.command("resume")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--follow", is_flag=True, help="Watch the run after resuming it (as `dflash watch`).")
 @click.option("--release", type=click.Choice(["current"]),
               help="Run the host's current release instead of the run's own (`current`).")
@@ -276,8 +285,8 @@ def _watch_after(session: Session, ref: RunRef) -> ExitCode:
 
 
 @main.command("watch")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--tail", type=click.IntRange(min=0), help="First show the last N lines of the log.")
 @click.option("--interval", default=GPU_INTERVAL_S, show_default=True, type=click.FloatRange(min=0.5),
               help="Seconds between GPU lines.")
@@ -318,8 +327,8 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None)
 
 
 @main.command("fetch-traceback")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--thread", help="The record of this thread (e.g. drafter-1).")
 @click.option("--all", "all_records", is_flag=True, help="Every error record, earliest first.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), callback=_output_file,
@@ -348,8 +357,8 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
 
 
 @main.command("stacks")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.pass_obj
 def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> None:
     """Print every thread's stack of RUN (default: the latest run), by thread name.
@@ -365,8 +374,8 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> N
 
 
 @main.command("status")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--json", "as_json", is_flag=True, help="The status as JSON on stdout.")
 @click.option("--config", "show_config", is_flag=True,
               help="Print the run's config.yaml instead (resolved: every default, the --set overrides applied).")
@@ -392,8 +401,8 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
 
 
 @main.command("stop")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--grace", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds between SIGTERM and SIGKILL.")
 @click.pass_obj
@@ -409,8 +418,8 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
 
 
 @main.command("pull")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--checkpoint", is_flag=True, help="Also the run's newest checkpoint, to checkpoint/<step>/.")
 @click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
               help="Seconds to keep reconnecting after a dropped connection before exit 3.")
@@ -433,8 +442,8 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
 
 
 @main.command("plot")
-@click.argument("run_ids", nargs=-1, metavar="[RUN]...")
-@click.option("--host", "host_name", help="Host of the runs (default: found among the runs watched here).")
+@click.argument("run_ids", nargs=-1, metavar="[RUN]...", shell_complete=completion.runs)
+@_host_option("Host of the runs (default: found among the runs watched here).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), callback=_output_file,
               help="The PNG to write (default: ./<first run>.png).")
 @click.pass_obj
@@ -447,8 +456,11 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     """
     from .commands import plot
 
-    refs = [resolve_run(session.logs_dir, run_id, host_name, naming="dflash plot RUN --host HOST")
-            for run_id in run_ids or [None]]
+    from . import run_names
+
+    naming = "dflash plot RUN --host HOST"
+    refs = [run_names.find(session, run_id, host_name, ask_hosts=False) for run_id in run_ids] or \
+        [latest_or_refuse(session.logs_dir, host_name, naming)]
     for ref in refs:  # the events mirrored here are drawn all the same
         if note := run_hosts.note_left(session, ref):
             console.warn(note)
@@ -456,7 +468,7 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
 
 
 @main.command("runs")
-@click.option("--host", "host_names", multiple=True,
+@click.option("--host", "host_names", multiple=True, shell_complete=completion.hosts,
               help="This host (repeatable; default: the latest run's host, else local).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run on stdout.")
 @click.pass_obj
@@ -474,10 +486,10 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
 
 
 @main.command("diff")
-@click.argument("run_a", metavar="RUN_A")
-@click.argument("run_b", metavar="RUN_B")
+@_run_argument("run_a", "RUN_A", required=True)
+@_run_argument("run_b", "RUN_B", required=True)
 @click.argument("paths", nargs=-1, metavar="[-- PATH...]")
-@click.option("--host", "host_name", help="Host of both runs (or write HOST/RUN).")
+@_host_option("Host of both runs (or write HOST/RUN).")
 @click.option("--stat", is_flag=True, help="Per file, lines added and removed (`added<TAB>removed<TAB>path`).")
 @click.option("--config", "config", is_flag=True, help="Diff the runs' config.yaml instead of their code.")
 @click.pass_obj
@@ -496,7 +508,7 @@ def diff_cmd(session: Session, run_a: str, run_b: str, paths: tuple[str, ...], h
 
 
 @main.command("gc")
-@click.argument("host_names", nargs=-1, metavar="HOST...")
+@click.argument("host_names", nargs=-1, metavar="HOST...", shell_complete=completion.hosts)
 @click.option("--all", "all_hosts", is_flag=True, help="Every host of the inventory.")
 @click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True,
               help="Unused releases to keep on each host, newest first.")
@@ -520,8 +532,8 @@ def cache_group() -> None:
 
 
 @cache_group.command("copy")
-@click.argument("source", metavar="SOURCE")
-@click.argument("destinations", nargs=-1, metavar="DESTINATION...")
+@click.argument("source", metavar="SOURCE", shell_complete=completion.hosts)
+@click.argument("destinations", nargs=-1, metavar="DESTINATION...", shell_complete=completion.hosts)
 @click.pass_obj
 def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...]) -> None:
     """Copy SOURCE's compile artifacts to each DESTINATION, so its runs start warm.
@@ -538,7 +550,7 @@ def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...])
 
 
 @main.command("hosts")
-@click.argument("names", nargs=-1, metavar="[HOST|GROUP]...")
+@click.argument("names", nargs=-1, metavar="[HOST|GROUP]...", shell_complete=completion.hosts_and_groups)
 @click.option("--check", "do_check", is_flag=True,
               help="Connect to each host: reachable, container running, python/torch/transformers, GPUs, "
                    "whether it is ready to train, and whether the current release was modified on the host.")
@@ -559,3 +571,23 @@ def hosts_cmd(session: Session, names: tuple[str, ...], do_check: bool, as_json:
     from .commands import hosts
 
     sys.exit(hosts.run(session, names=names, do_check=do_check, as_json=as_json, verbose=verbose))
+
+
+@main.command("completion")
+@click.option("--shell", type=click.Choice(completion.SHELLS), help="bash, zsh or fish (default: your $SHELL's).")
+@click.option("--install", "do_install", is_flag=True,
+              help="Install it: the script in a file of its own, read by the shell's start-up file "
+                   "(~/.bashrc, ~/.zshrc; fish reads its completions folder), once.")
+@click.pass_context
+def completion_cmd(ctx: click.Context, shell: str | None, do_install: bool) -> None:
+    """Complete dflash's verbs, options, run ids, run names and hosts in the shell.
+
+    Prints the shell's completion script (`eval "$(dflash completion)"` in a start-up
+    file uses it), or with --install installs it for new shells. The words come from
+    this machine only (logs/ and the inventory): a Tab asks no host anything. The script
+    runs `dflash` with _DFLASH_COMPLETE set (click's completion: `_DFLASH_COMPLETE=bash_source
+    dflash` prints the same script).
+    """
+    from .commands import completion as verb
+
+    sys.exit(verb.run(ctx.find_root().command, shell=shell, do_install=do_install))

@@ -5,9 +5,9 @@ from rich.table import Table
 
 from dflash_agent.protocol import RunConfigReply
 
-from .. import console, run_hosts
+from .. import console, run_hosts, run_names
 from ..errors import DflashError, ExitCode
-from ..local_state import RunRef, resolve_run
+from ..local_state import RunRef
 from ..release_store import FileChange, ReleaseStore, file_diff, summary
 from ..session import Session
 
@@ -17,8 +17,8 @@ def parse_run(session: Session, text: str, host: str | None) -> RunRef:
     if "/" in text:
         host_name, run_id = text.split("/", 1)
         session.host(host_name)  # an unknown host is refused by name
-        return resolve_run(session.logs_dir, run_id, host_name)
-    ref = resolve_run(session.logs_dir, text, host)
+        return run_names.find(session, run_id, host_name)
+    ref = run_names.find(session, text, host)
     if host is None:  # the local records chose the host: the release is asked of rank 0's
         run_hosts.check(session, ref, run_hosts.Reach.FIRST)
     return ref
