@@ -191,7 +191,7 @@ def host_status(host: str, rank: int, state: str, peer_failure: dict | None) -> 
     status = RunStatus(run_id="pair-1", name="pair", state=RunState(state), reason=None, pid=1, started_at=1.0,
                        ended_at=None, exit=None, errors=0, last_heartbeat=None, release_id=None, source=None,
                        overrides=(), step=None, startup=None, startup_elapsed_s=None, peer_failure=peer_failure,
-                       attempt=0, attempts=1, resume_step=None, checkpoint_step=None)
+                       attempt=0, attempts=1, resume_step=None, checkpoint_step=None, export=None)
     return HostStatus(host, rank, "pair-1", status)
 
 

@@ -15,7 +15,7 @@ from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.layout import MAX_RUN_ID
 from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply
 
-from .. import console, fit_check, host_check
+from .. import console, evaluate_drafter, fit_check, host_check
 from ..compile_artifacts import seed_hosts
 from ..deployment import deploy_host, source_tree
 from ..errors import DflashError, ExitCode
@@ -233,7 +233,7 @@ def dry_run(session: Session, options: LaunchOptions) -> ExitCode:
     are not made."""
     check_name(options.run_name)
     hosts = session.inventory.expand(options.host_names)
-    config = load_config(options.config_path, options.overrides)
+    config = evaluate_drafter.resolved(session, hosts[0].name, load_config(options.config_path, options.overrides))
     _check_layout(hosts, config, options)
     reports = check_hosts(session, hosts, config, options.source_dir)
     host_check.show(reports)
@@ -263,7 +263,7 @@ def start(session: Session, options: LaunchOptions) -> Launched:
     is refused before anything is deployed."""
     check_name(options.run_name)
     hosts = session.inventory.expand(options.host_names)
-    config = load_config(options.config_path, options.overrides)
+    config = evaluate_drafter.resolved(session, hosts[0].name, load_config(options.config_path, options.overrides))
     address = _check_layout(hosts, config, options)
     if address is not None:
         return _launch_on_hosts(session, hosts, config, options, address)

@@ -313,6 +313,7 @@ class RunStatus(Message):
     attempts: int  # how many
     resume_step: Optional[int]  # the checkpoint step the latest attempt started from
     checkpoint_step: Optional[int]  # the newest complete checkpoint's step
+    export: Optional[str]  # the run's export folder on the host (absolute), once the trainer wrote it
     config: Optional[str] = optional()  # with --config: config.yaml's text as launched
 
 
