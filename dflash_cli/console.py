@@ -6,10 +6,14 @@ before it prints, so their connections start without waiting for rich's import.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import enum
+import json
+import os
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -40,6 +44,33 @@ def data(text: str) -> None:
     through `remote_text`."""
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def json_line(value: Any) -> str:
+    """One JSON document on one line, for --json: a result's `to_json()` where it has
+    one, a dataclass as its fields, an enum as its value, a path as its text."""
+    return json.dumps(value, default=_jsonable) + "\n"
+
+
+def host_outcome(host: str, outcome: Any) -> dict[str, Any]:
+    """One host's object of a verb's --json lines: its result (a dataclass or a reply),
+    or its error (a DflashError) as the error object of a failed command is."""
+    if isinstance(outcome, Exception):
+        return {"host": host, "error": getattr(outcome, "message", str(outcome)), "hint": getattr(outcome, "hint", None),
+                "exit_code": int(getattr(outcome, "exit_code", 1))}
+    return {"host": host, **_jsonable(outcome)}
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _escapes() -> dict[int, str]:

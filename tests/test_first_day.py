@@ -126,3 +126,38 @@ def test_launch_records_each_run_so_that_a_prefix_finds_it_without_asking_a_host
 
 def one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def test_init_writes_a_commented_inventory_from_the_ssh_config_and_keeps_what_is_there(tmp_path, monkeypatch):
+    from dflash_cli.inventory import load_inventory
+    from dflash_cli.local_config import load_local_config
+
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text("Host *\n  ServerAliveInterval 30\n\nHost gpu-* \n  User ubuntu\n\n"
+                          "Host trainer\n  HostName 10.1.2.3\n  User root\n  Port 2222\n\n"
+                          "Host github.com\n  User git\n")
+    monkeypatch.setenv("DFLASH_SSH_CONFIG", str(ssh_config))
+    project = tmp_path / "project"
+    project.mkdir()
+    done = dflash_in_process("init", "trainer", cwd=project)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{project / 'configs' / 'hosts.yaml'}\n{project / 'dflash.yaml'}\n"
+    text = (project / "configs" / "hosts.yaml").read_text()
+    assert "  trainer:  # hostname 10.1.2.3 user root port 2222\n    transport: ssh\n" in text
+    assert "  # github.com:" in text and "gpu-" not in text  # the others commented out; no pattern
+    inventory = load_inventory(project / "configs" / "hosts.yaml")
+    assert sorted(inventory.hosts) == ["local", "trainer"]
+    assert (inventory.hosts["trainer"].ssh, inventory.hosts["trainer"].workspace) == ("trainer", "~/dflash")
+    assert load_local_config(project / "dflash.yaml").trackers.named == []
+    (project / "dflash.yaml").write_text("trackers: {trackio: {}}\n")  # the user's own since
+    again = dflash_in_process("init", cwd=project)
+    assert again.returncode == 2
+    assert f"{project / 'configs' / 'hosts.yaml'}, {project / 'dflash.yaml'} exist; nothing was written" in \
+        one_line(again.stderr)
+    assert (project / "dflash.yaml").read_text() == "trackers: {trackio: {}}\n"
+    unknown = dflash_in_process("init", "nosuch", "--force", cwd=project)
+    assert unknown.returncode == 2 and "nosuch: not a Host of" in unknown.stderr
+    assert dflash_in_process("init", "--force", cwd=project).returncode == 0
+    assert sorted(load_inventory(project / "configs" / "hosts.yaml").hosts) == ["local"]
+    status = dflash_in_process("hosts", cwd=project / "configs")  # found from a folder under it
+    assert status.returncode == 0 and status.stdout == "local\n"

@@ -76,14 +76,18 @@ def _quoted(path: Path) -> str:
     return "'" + str(path).replace("'", "'\\''") + "'"
 
 
-def run(group: click.Group, *, shell: str | None, do_install: bool) -> ExitCode:
+def run(group: click.Group, *, shell: str | None, do_install: bool, as_json: bool) -> ExitCode:
     name = chosen_shell(shell)
     if not do_install:
-        console.data(script(group, name))
+        source = script(group, name)
+        console.data(console.json_line({"shell": name, "script": source}) if as_json else source)
         return ExitCode.OK
     done = install(group, name)
-    console.say(f"{name}: the completion script is {done.script}"
-                + (f"; {done.startup_file} reads it" if done.startup_file else "")
-                + ("" if done.startup_file is None or done.line_added else " (it did already)")
-                + "; it takes effect in a new shell")
+    if as_json:
+        console.data(console.json_line(done))
+    else:
+        console.say(f"{name}: the completion script is {done.script}"
+                    + (f"; {done.startup_file} reads it" if done.startup_file else "")
+                    + ("" if done.startup_file is None or done.line_added else " (it did already)")
+                    + "; it takes effect in a new shell")
     return ExitCode.OK

@@ -25,9 +25,12 @@ def parse_run(session: Session, text: str, host: str | None) -> RunRef:
 
 
 def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tuple[str, ...],
-        stat: bool, config: bool) -> ExitCode:
-    """The unified diff on stdout (or --stat's table); exit 0 whether or not they differ."""
+        stat: bool, config: bool, as_json: bool = False) -> ExitCode:
+    """The unified diff on stdout (or --stat's table; with `as_json`, one JSON object:
+    the runs, their releases and each file's diff and counts); exit 0 whether or not
+    they differ."""
     refs = [parse_run(session, text, host) for text in (run_a, run_b)]
+    releases: list[tuple[str, str]] = []
     if config:
         texts = [session.agent(r.host).call(RunConfigReply, f"--run-id={r.run_id}").config for r in refs]
         change = FileChange("config.yaml", None, None)
@@ -36,7 +39,6 @@ def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tu
                            labels=(f"{refs[0].run_id}/config.yaml", f"{refs[1].run_id}/config.yaml"))]
         diffs = [d for d in diffs if d.text]
     else:
-        releases = []
         for ref in refs:
             release_id = session.agent(ref.host).run_status(ref.run_id).release_id
             if not release_id:
@@ -45,7 +47,15 @@ def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tu
         console.say(f"{refs[0].run_id}: release {releases[0][1]} on {refs[0].host}; "
                     f"{refs[1].run_id}: release {releases[1][1]} on {refs[1].host}")
         diffs = ReleaseStore(session).diff(releases[0], releases[1], paths)
-    if stat:
+    if as_json:
+        runs = [{"host": ref.host, "run_id": ref.run_id, "release_id": release[1] if release else None}
+                for ref, release in zip(refs, releases or [None, None])]
+        console.data(console.json_line({
+            "run_a": runs[0], "run_b": runs[1], "config": config, "summary": summary(diffs),
+            "files": [{"path": d.change.path, "added": d.added if d.compared else None,
+                       "removed": d.removed if d.compared else None, "compared": d.compared, "diff": d.text}
+                      for d in diffs]}))
+    elif stat:
         table = Table(title=f"{refs[0].run_id} → {refs[1].run_id}: {summary(diffs)}", title_justify="left")
         for column in ("file", "+", "−"):
             table.add_column(column, justify="left" if column == "file" else "right")

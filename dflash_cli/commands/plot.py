@@ -62,11 +62,16 @@ def figure(runs: dict[str, list[dict]]):
     return fig
 
 
-def run(logs_dir: Path, refs: list[RunRef], *, output: Path | None) -> ExitCode:
+def run(logs_dir: Path, refs: list[RunRef], *, output: Path | None, as_json: bool = False) -> ExitCode:
+    """The PNG written; its path on stdout (with `as_json`: one JSON object, with the runs)."""
     runs = load(logs_dir, refs)
     path = output or Path(f"{refs[0].run_id}.png")
     png = io.BytesIO()
     figure(runs).savefig(png, format="png", dpi=100)
     write_atomic(path, png.getvalue())
-    console.data(f"{path}\n")
+    if as_json:
+        console.data(console.json_line({"path": path, "runs": [{"host": ref.host, "run_id": ref.run_id}
+                                                               for ref in refs]}))
+    else:
+        console.data(f"{path}\n")
     return ExitCode.OK
