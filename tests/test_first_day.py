@@ -161,3 +161,17 @@ def test_init_writes_a_commented_inventory_from_the_ssh_config_and_keeps_what_is
     assert sorted(load_inventory(project / "configs" / "hosts.yaml").hosts) == ["local"]
     status = dflash_in_process("hosts", cwd=project / "configs")  # found from a folder under it
     assert status.returncode == 0 and status.stdout == "local\n"
+
+
+def test_hosts_check_cuts_no_header_or_version_at_80_columns(make_inventory, tmp_path):
+    import torch
+    import transformers
+
+    done = dflash_in_process("hosts", "local", "--check", hosts=make_inventory(tmp_path), env={"COLUMNS": "80"})
+    assert done.returncode in (0, 2), done.stderr  # ok, or needs setup: the table is what is checked
+    lines = done.stderr.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in done.stderr, done.stderr
+    header = next(line for line in lines if "host" in line and "status" in line)
+    assert {"host", "status", "GPUs", "torch", "transformers"} <= set(header.replace("┃", " ").split()), header
+    assert torch.__version__ in done.stderr and transformers.__version__ in done.stderr
+    assert "left out for want of width:" in one_line(done.stderr)
