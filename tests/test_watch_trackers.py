@@ -562,3 +562,4 @@ def test_a_bad_dflash_yaml_is_refused_naming_the_file_and_the_key(tmp_path, monk
         assert f"{path}: {message}" in done.stderr, (text, done.stderr)
     missing = dflash_in_process("--cli-config", str(tmp_path / "absent.yaml"), "watch", "some-run", "--host", "local")
     assert missing.returncode == 2 and f"{tmp_path / 'absent.yaml'}: CLI config file not found" in missing.stderr
+    (tmp_path / "logs" / "local" / "some-run").mkdir(parents=True)  # launched from here: no host is asked for it
