@@ -209,6 +209,17 @@ class RunLogs:
         records = map(jsonio.parse_json_line, lines[1:] if start else lines)  # the first may be cut
         return [record for record in records if isinstance(record, dict)]
 
+    def mirrored_events(self, cursor: Cursor) -> list[dict]:
+        """Every event the cursor accounts for (the first events_mirrored bytes of the
+        local events.jsonl), in order."""
+        try:
+            with open(self.events, "rb") as fh:
+                lines = fh.read(cursor.events_mirrored).split(b"\n")
+        except FileNotFoundError:
+            return []
+        records = map(jsonio.parse_json_line, lines)
+        return [record for record in records if isinstance(record, dict)]
+
     def load_events(self) -> list[dict]:
         """The mirrored events (for `plot`); a last line cut short is left out."""
         with open(self.events, "rb") as fh:
