@@ -15,6 +15,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .errors import DflashError
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -55,9 +57,8 @@ def json_line(value: Any) -> str:
 def host_outcome(host: str, outcome: Any) -> dict[str, Any]:
     """One host's object of a verb's --json lines: its result (a dataclass or a reply),
     or its error (a DflashError) as the error object of a failed command is."""
-    if isinstance(outcome, Exception):
-        return {"host": host, "error": getattr(outcome, "message", str(outcome)), "hint": getattr(outcome, "hint", None),
-                "exit_code": int(getattr(outcome, "exit_code", 1))}
+    if isinstance(outcome, DflashError):
+        return {"host": host, "error": outcome.message, "hint": outcome.hint, "exit_code": int(outcome.exit_code)}
     return {"host": host, **_jsonable(outcome)}
 
 
