@@ -67,7 +67,7 @@ def find(session: Session, text: str, host: str | None, *, ask_hosts: bool = Tru
     the runs recorded here and those the host lists; without, among those recorded here,
     then (with `ask_hosts`) with those of each of `hosts_to_ask` in turn, until one
     names it. A host that cannot be asked is passed over, and its error is the answer
-    when no other names the run. Without `ask_hosts` (a verb that reads logs/ only) a
+    when no host could be asked. Without `ask_hosts` (a verb that reads logs/ only) a
     RUN that matches none is taken as it is, on `host` (default local), for that verb to
     say what it lacks of it."""
     check_run_text(text)
@@ -93,8 +93,8 @@ def find(session: Session, text: str, host: str | None, *, ask_hosts: bool = Tru
     if ref is None and not ask_hosts:
         return RunRef(host or "local", text)
     if ref is None:
-        if failed is not None:
-            raise failed
+        if failed is not None and not asked:
+            raise failed  # no host could say: why is the answer
         raise miss(text, known, f"on {', '.join(asked)} or recorded under {session.logs_dir}")
     if ref.run_id != text:
         console.say(f"{text}: run {ref.run_id} on {ref.host}")

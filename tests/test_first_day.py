@@ -111,6 +111,9 @@ def test_a_run_is_named_by_a_unique_prefix_or_its_name_and_a_miss_names_the_clos
     found = status("tiny-cpu-20261204-16")
     assert (found.returncode, found.stdout) == (0, "SUCCEEDED\n"), found.stderr
     assert "run tiny-cpu-20261204-160000-bbbb on node" in found.stderr
+    # `local`, asked next, has no release: the miss is said, not local's trouble.
+    typo = status("tiny-cpu-20261204-17")
+    assert typo.returncode == 2 and "no run 'tiny-cpu-20261204-17' on node or recorded under" in typo.stderr
 
 
 def test_launch_records_each_run_so_that_a_prefix_finds_it_without_asking_a_host(tmp_path):
