@@ -12,25 +12,42 @@ from pathlib import Path
 
 import click
 
-from . import console, deploy_early, retry, run_hosts
+from . import completion, console, deploy_early, retry, run_hosts
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
-from .local_state import RunRef, resolve_run
+from .local_state import RunRef, latest_or_refuse
 from .project_tree import in_state_root
 from .run_hosts import Reach
 from .session import CLI_CONFIG_ENV, DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
 
 
+JSON_ASKED = "dflash.json"  # ctx.meta: the verb was given --json, so its error is JSON too
+
+
 class _Group(click.Group):
     """Runs a command and maps the core's one error type to a message and exit code."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # Seen before the verb parses its options: a usage error of the verb is JSON too.
+        ctx.meta.setdefault(JSON_ASKED, "--json" in (args[:args.index("--")] if "--" in args else args))
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except DflashError as exc:
             _fail(ctx, exc)
+        except click.ClickException as exc:
+            if not ctx.meta.get(JSON_ASKED):
+                raise
+            exc.show()
+            console.data(console.json_line({"error": exc.format_message(), "hint": None, "exit_code": exc.exit_code}))
+            ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
             console.say("interrupted")
+            if ctx.meta.get(JSON_ASKED):
+                console.data(console.json_line({"error": "interrupted", "hint": None,
+                                                "exit_code": int(ExitCode.INTERRUPTED)}))
             ctx.exit(int(ExitCode.INTERRUPTED))
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -43,12 +60,29 @@ class _Group(click.Group):
 
 
 def _fail(ctx: click.Context, exc: DflashError) -> None:
-    """The core's error as a message and its exit code."""
+    """The core's error as a message and its exit code; under --json also as one JSON
+    object on stdout (docs/cli.md "--json")."""
     console.human.print(f"dflash: error: {exc.message}", style="red", markup=False,
                         highlight=False, soft_wrap=True)
     if exc.hint:
         console.human.print(f"hint: {exc.hint}", markup=False, highlight=False, soft_wrap=True)
+    if ctx.meta.get(JSON_ASKED):
+        console.data(console.json_line({"error": exc.message, "hint": exc.hint, "exit_code": int(exc.exit_code)}))
     ctx.exit(int(exc.exit_code))
+
+
+def _json_option(what: str):
+    """--json, saying what the verb prints as JSON on stdout."""
+    return click.option("--json", "as_json", is_flag=True, help=f"{what} (an error: one JSON object with "
+                                                                   "\"error\" and \"exit_code\").")
+
+
+def _run_argument(name: str = "run_id", metavar: str = "[RUN]", required: bool = False):
+    return click.argument(name, metavar=metavar, required=required, shell_complete=completion.runs)
+
+
+def _host_option(what: str = "Host of the run (default: the latest run's host)."):
+    return click.option("--host", "host_name", help=what, shell_complete=completion.hosts)
 
 
 def _chosen_run(session: Session, run_id: str | None, host_name: str | None, reach: Reach) -> RunRef:
@@ -99,7 +133,7 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str | None, accep
 
 
 @main.command("deploy")
-@click.argument("host_names", nargs=-1, metavar="HOST...")
+@click.argument("host_names", nargs=-1, metavar="HOST...", shell_complete=completion.hosts)
 @click.option("--all", "all_hosts", is_flag=True, help="Deploy to every host of the inventory.")
 @click.option("--verify", is_flag=True,
               help="Re-hash the host's release files instead of comparing size, mtime and ctime.")
@@ -109,9 +143,10 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str | None, accep
 @click.option("--allow-large", is_flag=True,
               help="Send a release over 64 MiB (refused by default, naming its largest files: data "
                    "belongs on the host).")
+@_json_option("One JSON object per host on stdout: its result, or its error")
 @click.pass_obj
 def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, verify: bool,
-               source_dir: Path | None, allow_large: bool) -> None:
+               source_dir: Path | None, allow_large: bool, as_json: bool) -> None:
     """Send remote/ and configs/ to HOSTs as a content-addressed release.
 
     Only files the host lacks an intact copy of travel, in one tar stream; the host
@@ -130,11 +165,11 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
     from .commands import deploy
 
     sys.exit(deploy.run(session, host_names=list(host_names), all_hosts=all_hosts, verify=verify,
-                        source_dir=source_dir, allow_large=allow_large))
+                        source_dir=source_dir, allow_large=allow_large, as_json=as_json))
 
 
 @main.command("setup")
-@click.argument("host_names", nargs=-1, metavar="HOST...")
+@click.argument("host_names", nargs=-1, metavar="HOST...", shell_complete=completion.hosts)
 @click.option("--all", "all_hosts", is_flag=True, help="Set up every host of the inventory.")
 @click.option("--torch", "torch_version", metavar="VERSION",
               help="Install this torch version (within the range remote/requirements.txt supports).")
@@ -142,9 +177,10 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
               help="Where torch comes from (default: the PyTorch index for the host's CUDA driver, "
                    "https://download.pytorch.org/whl/cpu without a GPU); `pip`: the indexes pip on "
                    "the host is configured with.")
+@_json_option("One JSON object per host on stdout: its result, or its error")
 @click.pass_obj
 def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, torch_version: str | None,
-              index_url: str | None) -> None:
+              index_url: str | None, as_json: bool) -> None:
     """Make on HOSTs the interpreter the trainer needs: a virtualenv in WORKSPACE/envs/
     with remote/requirements.txt installed, and torch built for the host's CUDA driver.
 
@@ -158,11 +194,11 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
     from .commands import setup
 
     sys.exit(setup.run(session, host_names=list(host_names), all_hosts=all_hosts, torch=torch_version,
-                       index_url=index_url))
+                       index_url=index_url, as_json=as_json))
 
 
 @main.command("launch")
-@click.argument("host_names", metavar="HOST...", nargs=-1, required=True)
+@click.argument("host_names", metavar="HOST...", nargs=-1, required=True, shell_complete=completion.hosts_and_groups)
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Training config (YAML), validated here before anything is sent.")
 @click.option("--name", help="Run name (default: the config's file name); the run id starts with it.")
@@ -183,10 +219,13 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
 @click.option("--dry-run", is_flag=True,
               help="Print the GPU memory estimate of every device against the host's GPUs; deploy and "
                    "start nothing (exit 2 if it does not fit).")
+@_json_option("The run started as one JSON object on stdout (with --dry-run: every check's verdict; with "
+              "--follow: then the watch's JSON lines)")
 @click.pass_obj
 def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path, name: str | None,
                follow: bool, force: bool, source_dir: Path | None, overrides: tuple[str, ...],
-               allow_large: bool, master_addr: str | None, master_port: int | None, dry_run: bool) -> None:
+               allow_large: bool, master_addr: str | None, master_port: int | None, dry_run: bool,
+               as_json: bool) -> None:
     """Start a training run on HOST, detached; print its run id on stdout.
 
     Deploys first if the host's current release differs from the source tree (chosen
@@ -220,25 +259,26 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
                                    overrides=overrides, allow_large=allow_large, master_addr=master_addr,
                                    master_port=master_port)
     if dry_run:
-        sys.exit(launch.dry_run(session, options))
+        sys.exit(launch.dry_run(session, options, as_json=as_json))
     if follow:
         _require_trackers(session)
-    launched = launch.run(session, options)
+    launched = launch.run(session, options, as_json=as_json)
     if follow:
-        sys.exit(_watch_after(session, launched.ref))
+        sys.exit(_watch_after(session, launched.ref, as_json))
 
 
 @main.command("resume")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--follow", is_flag=True, help="Watch the run after resuming it (as `dflash watch`).")
 @click.option("--release", type=click.Choice(["current"]),
               help="Run the host's current release instead of the run's own (`current`).")
 @click.option("--step", type=click.IntRange(min=1),
               help="Resume from the checkpoint of this step (default: the newest complete one).")
+@_json_option("The attempt started as one JSON object on stdout (with --follow: then the watch's JSON lines)")
 @click.pass_obj
 def resume_cmd(session: Session, run_id: str | None, host_name: str | None, follow: bool,
-               release: str | None, step: int | None) -> None:
+               release: str | None, step: int | None, as_json: bool) -> None:
     """Continue RUN (default: the latest run) from its newest complete checkpoint.
 
     The run must have ended (stopped, failed or lost). It goes on as the next attempt of
@@ -255,9 +295,9 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
     ref = _chosen_run(session, run_id, host_name, Reach.EVERY)
     if follow:
         _require_trackers(session)
-    code = resume.run(session, ref, current_release=release == "current", step=step)
+    code = resume.run(session, ref, current_release=release == "current", step=step, as_json=as_json)
     if follow:
-        code = _watch_after(session, ref)
+        code = _watch_after(session, ref, as_json)
     sys.exit(code)
 
 
@@ -268,20 +308,20 @@ def _require_trackers(session: Session) -> None:
     checked_settings(session.local_config)
 
 
-def _watch_after(session: Session, ref: RunRef) -> ExitCode:
+def _watch_after(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     """--follow: `dflash watch RUN` with its defaults, once the run is started."""
     from .commands import watch
 
-    return watch.run(session, ref, tail=None, interval=GPU_INTERVAL_S, as_json=False, retry_for=retry.RETRY_FOR_S)
+    return watch.run(session, ref, tail=None, interval=GPU_INTERVAL_S, as_json=as_json, retry_for=retry.RETRY_FOR_S)
 
 
 @main.command("watch")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--tail", type=click.IntRange(min=0), help="First show the last N lines of the log.")
 @click.option("--interval", default=GPU_INTERVAL_S, show_default=True, type=click.FloatRange(min=0.5),
               help="Seconds between GPU lines.")
-@click.option("--json", "as_json", is_flag=True, help="Print every message as a JSON line on stdout.")
+@_json_option("Print every message as a JSON line on stdout")
 @click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
               help="Seconds to keep reconnecting to an unreachable host before exit 3.")
 @click.option("--trackers/--no-trackers", "use_trackers", default=True, show_default=True,
@@ -318,18 +358,19 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None)
 
 
 @main.command("fetch-traceback")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--thread", help="The record of this thread (e.g. drafter-1).")
 @click.option("--all", "all_records", is_flag=True, help="Every error record, earliest first.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), callback=_output_file,
               help="Write to FILE.")
 @click.option("--stacks", "show_stacks", is_flag=True,
               help="Every thread's stack instead: a fresh dump of a live run, else the last dump.")
+@_json_option("What was found as one JSON object on stdout: the text, the root cause's record, the diagnosis")
 @click.pass_obj
 def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | None,
                         thread: str | None, all_records: bool, output: Path | None,
-                        show_stacks: bool) -> None:
+                        show_stacks: bool, as_json: bool) -> None:
     """Print the complete traceback of the run's root cause (its earliest error record).
 
     The text is exactly what the failing thread formatted, chained causes included,
@@ -344,14 +385,15 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
     sys.exit(fetch_traceback.run(session, ref, thread=thread, all_records=all_records, output=output,
-                                 stacks=show_stacks))
+                                 stacks=show_stacks, as_json=as_json))
 
 
 @main.command("stacks")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
+@_json_option("The stacks as one JSON object on stdout, as `fetch-traceback --stacks --json`")
 @click.pass_obj
-def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> None:
+def stacks_cmd(session: Session, run_id: str | None, host_name: str | None, as_json: bool) -> None:
     """Print every thread's stack of RUN (default: the latest run), by thread name.
 
     A live run dumps its stacks now (faulthandler, so even a thread hung while holding
@@ -361,13 +403,14 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None) -> N
     from .commands import fetch_traceback
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(fetch_traceback.run(session, ref, thread=None, all_records=False, output=None, stacks=True))
+    sys.exit(fetch_traceback.run(session, ref, thread=None, all_records=False, output=None, stacks=True,
+                                 as_json=as_json))
 
 
 @main.command("status")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
-@click.option("--json", "as_json", is_flag=True, help="The status as JSON on stdout.")
+@_run_argument()
+@_host_option()
+@_json_option("The status as one JSON object on stdout")
 @click.option("--config", "show_config", is_flag=True,
               help="Print the run's config.yaml instead (resolved: every default, the --set overrides applied).")
 @click.pass_obj
@@ -392,12 +435,13 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
 
 
 @main.command("stop")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--grace", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds between SIGTERM and SIGKILL.")
+@_json_option("The outcome as one JSON object on stdout: the run's state and each host's")
 @click.pass_obj
-def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace: float) -> None:
+def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace: float, as_json: bool) -> None:
     """Stop RUN: SIGTERM to its process group, then SIGKILL after --grace seconds.
 
     Returns only when none of the run's processes is left.
@@ -405,18 +449,19 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
     from .commands import stop
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(stop.run(session, ref, grace=grace))
+    sys.exit(stop.run(session, ref, grace=grace, as_json=as_json))
 
 
 @main.command("pull")
-@click.argument("run_id", metavar="[RUN]", required=False)
-@click.option("--host", "host_name", help="Host of the run (default: the latest run's host).")
+@_run_argument()
+@_host_option()
 @click.option("--checkpoint", is_flag=True, help="Also the run's newest checkpoint, to checkpoint/<step>/.")
 @click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
               help="Seconds to keep reconnecting after a dropped connection before exit 3.")
+@_json_option("What was pulled as one JSON object on stdout: the local folders and their files")
 @click.pass_obj
 def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkpoint: bool,
-             retry_for: float) -> None:
+             retry_for: float, as_json: bool) -> None:
     """Bring RUN's export (default: the latest run) to logs/<host>/<run>/export/.
 
     Every file is checked against the sha256 the trainer recorded (SHA256SUMS) before
@@ -429,16 +474,18 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
     from .commands import pull
 
     ref = _chosen_run(session, run_id, host_name, Reach.FIRST)
-    sys.exit(pull.run(session, ref, checkpoint=checkpoint, retry_for=retry_for))
+    sys.exit(pull.run(session, ref, checkpoint=checkpoint, retry_for=retry_for, as_json=as_json))
 
 
 @main.command("plot")
-@click.argument("run_ids", nargs=-1, metavar="[RUN]...")
-@click.option("--host", "host_name", help="Host of the runs (default: found among the runs watched here).")
+@click.argument("run_ids", nargs=-1, metavar="[RUN]...", shell_complete=completion.runs)
+@_host_option("Host of the runs (default: found among the runs watched here).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), callback=_output_file,
               help="The PNG to write (default: ./<first run>.png).")
+@_json_option("The PNG's path and the runs drawn as one JSON object on stdout")
 @click.pass_obj
-def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, output: Path | None) -> None:
+def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, output: Path | None,
+             as_json: bool) -> None:
     """Draw RUNs (default: the latest run) in one PNG: loss, acceptance length and
     throughput over steps, one line per run.
 
@@ -447,18 +494,21 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     """
     from .commands import plot
 
-    refs = [resolve_run(session.logs_dir, run_id, host_name, naming="dflash plot RUN --host HOST")
-            for run_id in run_ids or [None]]
+    from . import run_names
+
+    naming = "dflash plot RUN --host HOST"
+    refs = [run_names.find(session, run_id, host_name, ask_hosts=False) for run_id in run_ids] or \
+        [latest_or_refuse(session.logs_dir, host_name, naming)]
     for ref in refs:  # the events mirrored here are drawn all the same
         if note := run_hosts.note_left(session, ref):
             console.warn(note)
-    sys.exit(plot.run(session.logs_dir, refs, output=output))
+    sys.exit(plot.run(session.logs_dir, refs, output=output, as_json=as_json))
 
 
 @main.command("runs")
-@click.option("--host", "host_names", multiple=True,
+@click.option("--host", "host_names", multiple=True, shell_complete=completion.hosts,
               help="This host (repeatable; default: the latest run's host, else local).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per run on stdout.")
+@_json_option("One JSON object per run on stdout")
 @click.pass_obj
 def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> None:
     """List the runs on hosts, newest first: `host<TAB>run<TAB>state` on stdout.
@@ -474,15 +524,17 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
 
 
 @main.command("diff")
-@click.argument("run_a", metavar="RUN_A")
-@click.argument("run_b", metavar="RUN_B")
+@_run_argument("run_a", "RUN_A", required=True)
+@_run_argument("run_b", "RUN_B", required=True)
 @click.argument("paths", nargs=-1, metavar="[-- PATH...]")
-@click.option("--host", "host_name", help="Host of both runs (or write HOST/RUN).")
+@_host_option("Host of both runs (or write HOST/RUN).")
 @click.option("--stat", is_flag=True, help="Per file, lines added and removed (`added<TAB>removed<TAB>path`).")
 @click.option("--config", "config", is_flag=True, help="Diff the runs' config.yaml instead of their code.")
+@_json_option("The runs, their releases and each file that differs (its diff, lines added and removed) as one "
+              "JSON object on stdout")
 @click.pass_obj
 def diff_cmd(session: Session, run_a: str, run_b: str, paths: tuple[str, ...], host_name: str | None,
-             stat: bool, config: bool) -> None:
+             stat: bool, config: bool, as_json: bool) -> None:
     """Show what RUN_B's release changed from RUN_A's, as a unified diff on stdout.
 
     Computed from the releases the runs used, kept on their hosts (fetched once into
@@ -492,15 +544,16 @@ def diff_cmd(session: Session, run_a: str, run_b: str, paths: tuple[str, ...], h
     """
     from .commands import diff
 
-    sys.exit(diff.run(session, run_a=run_a, run_b=run_b, host=host_name, paths=paths, stat=stat, config=config))
+    sys.exit(diff.run(session, run_a=run_a, run_b=run_b, host=host_name, paths=paths, stat=stat, config=config,
+                      as_json=as_json))
 
 
 @main.command("gc")
-@click.argument("host_names", nargs=-1, metavar="HOST...")
+@click.argument("host_names", nargs=-1, metavar="HOST...", shell_complete=completion.hosts)
 @click.option("--all", "all_hosts", is_flag=True, help="Every host of the inventory.")
 @click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True,
               help="Unused releases to keep on each host, newest first.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
+@_json_option("One JSON object per host on stdout: what was removed, or its error")
 @click.pass_obj
 def gc_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, keep: int, as_json: bool) -> None:
     """Remove the releases on HOSTs that no recorded run uses, reporting the space freed.
@@ -520,10 +573,11 @@ def cache_group() -> None:
 
 
 @cache_group.command("copy")
-@click.argument("source", metavar="SOURCE")
-@click.argument("destinations", nargs=-1, metavar="DESTINATION...")
+@click.argument("source", metavar="SOURCE", shell_complete=completion.hosts)
+@click.argument("destinations", nargs=-1, metavar="DESTINATION...", shell_complete=completion.hosts)
+@_json_option("One JSON object per compile cache key and destination on stdout: copied, or skipped and why")
 @click.pass_obj
-def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...]) -> None:
+def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...], as_json: bool) -> None:
     """Copy SOURCE's compile artifacts to each DESTINATION, so its runs start warm.
 
     Every key of SOURCE's compile cache that a DESTINATION has no artifacts of and can use
@@ -534,15 +588,15 @@ def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...])
     """
     from .commands import cache
 
-    sys.exit(cache.run(session, source_name=source, destination_names=list(destinations)))
+    sys.exit(cache.run(session, source_name=source, destination_names=list(destinations), as_json=as_json))
 
 
 @main.command("hosts")
-@click.argument("names", nargs=-1, metavar="[HOST|GROUP]...")
+@click.argument("names", nargs=-1, metavar="[HOST|GROUP]...", shell_complete=completion.hosts_and_groups)
 @click.option("--check", "do_check", is_flag=True,
               help="Connect to each host: reachable, container running, python/torch/transformers, GPUs, "
                    "whether it is ready to train, and whether the current release was modified on the host.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per host on stdout.")
+@_json_option("One JSON object per host on stdout")
 @click.option("-v", "--verbose", is_flag=True,
               help="Per SSH host, the effective SSH options (as `ssh -G` resolves the alias) and where each "
                    "came from: your ssh config, the inventory, or the default.")
@@ -559,3 +613,42 @@ def hosts_cmd(session: Session, names: tuple[str, ...], do_check: bool, as_json:
     from .commands import hosts
 
     sys.exit(hosts.run(session, names=names, do_check=do_check, as_json=as_json, verbose=verbose))
+
+
+@main.command("init")
+@click.argument("host_names", nargs=-1, metavar="[HOST]...")
+@click.option("--force", is_flag=True, help="Write over configs/hosts.yaml and dflash.yaml where they exist.")
+@_json_option("The files written and the hosts as one JSON object on stdout")
+def init_cmd(host_names: tuple[str, ...], force: bool, as_json: bool) -> None:
+    """Write a project's configs/hosts.yaml and dflash.yaml, commented, from your SSH hosts.
+
+    Every Host of your SSH client config (~/.ssh/config, or DFLASH_SSH_CONFIG) that
+    names one host goes into the inventory, commented out; the HOSTs named are taken
+    in. The files go to the current folder, which becomes a project root (dflash run from
+    any folder under it finds them); either one there already is kept, and nothing
+    written, unless --force. Prints the files' paths on stdout.
+    """
+    from .commands import init
+
+    sys.exit(init.run(named=list(host_names), force=force, as_json=as_json))
+
+
+@main.command("completion")
+@click.option("--shell", type=click.Choice(completion.SHELLS), help="bash, zsh or fish (default: your $SHELL's).")
+@click.option("--install", "do_install", is_flag=True,
+              help="Install it: the script in a file of its own, read by the shell's start-up file "
+                   "(~/.bashrc, ~/.zshrc; fish reads its completions folder), once.")
+@_json_option("The script (with --install: where it went) as one JSON object on stdout")
+@click.pass_context
+def completion_cmd(ctx: click.Context, shell: str | None, do_install: bool, as_json: bool) -> None:
+    """Complete dflash's verbs, options, run ids, run names and hosts in the shell.
+
+    Prints the shell's completion script (`eval "$(dflash completion)"` in a start-up
+    file uses it), or with --install installs it for new shells. The words come from
+    this machine only (logs/ and the inventory): a Tab asks no host anything. The script
+    runs `dflash` with _DFLASH_COMPLETE set (click's completion: `_DFLASH_COMPLETE=bash_source
+    dflash` prints the same script).
+    """
+    from .commands import completion as verb
+
+    sys.exit(verb.run(ctx.find_root().command, shell=shell, do_install=do_install, as_json=as_json))

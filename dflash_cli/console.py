@@ -6,10 +6,16 @@ before it prints, so their connections start without waiting for rich's import.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import enum
+import json
+import os
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from .errors import DflashError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -40,6 +46,32 @@ def data(text: str) -> None:
     through `remote_text`."""
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def json_line(value: Any) -> str:
+    """One JSON document on one line, for --json: a result's `to_json()` where it has
+    one, a dataclass as its fields, an enum as its value, a path as its text."""
+    return json.dumps(value, default=_jsonable) + "\n"
+
+
+def host_outcome(host: str, outcome: Any) -> dict[str, Any]:
+    """One host's object of a verb's --json lines: its result (a dataclass or a reply),
+    or its error (a DflashError) as the error object of a failed command is."""
+    if isinstance(outcome, DflashError):
+        return {"host": host, "error": outcome.message, "hint": outcome.hint, "exit_code": int(outcome.exit_code)}
+    return {"host": host, **_jsonable(outcome)}
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _escapes() -> dict[int, str]:

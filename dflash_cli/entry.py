@@ -22,8 +22,11 @@ def main() -> None:
     try:
         deploying = deploy_early.start(sys.argv[1:])
         from .cli import main as cli
+        from .completion import COMPLETE_VAR
 
-        cli()
+        # One variable whatever the command is called (dflash, dflash-trainer, python -m
+        # dflash_cli): the completion script `dflash completion` prints sets it.
+        cli(complete_var=COMPLETE_VAR)
     except KeyboardInterrupt:  # before the click layer took over; it says so itself after
         sys.stderr.write("interrupted\n")
         sys.exit(130)

@@ -27,6 +27,7 @@ from .project_tree import STATE_MARKERS, state_root
 
 HOSTS_FILE = "hosts.json"  # logs/<host>/<run>/: the hosts of a run on several hosts
 LATEST_FILE = "latest.json"  # logs/: the latest run launched or resumed with this logs/
+RELEASES_DIR = "releases"  # logs/: the release store's (release_store.py), not a host's
 
 
 def is_name(name: str) -> bool:
@@ -208,6 +209,17 @@ class RunLogs:
         records = map(jsonio.parse_json_line, lines[1:] if start else lines)  # the first may be cut
         return [record for record in records if isinstance(record, dict)]
 
+    def mirrored_events(self, cursor: Cursor) -> list[dict]:
+        """Every event the cursor accounts for (the first events_mirrored bytes of the
+        local events.jsonl), in order."""
+        try:
+            with open(self.events, "rb") as fh:
+                lines = fh.read(cursor.events_mirrored).split(b"\n")
+        except FileNotFoundError:
+            return []
+        records = map(jsonio.parse_json_line, lines)
+        return [record for record in records if isinstance(record, dict)]
+
     def load_events(self) -> list[dict]:
         """The mirrored events (for `plot`); a last line cut short is left out."""
         with open(self.events, "rb") as fh:
@@ -232,10 +244,15 @@ class RunLogs:
 
 
 def set_latest(logs_dir: Path, ref: RunRef) -> None:
-    """`ref` becomes the latest run; a run on several hosts is also recorded in each
-    host's logs/<host>/<run>/hosts.json, so that the run id alone finds all of them."""
-    for member in ref.members if ref.multihost else ():
-        write_atomic(RunLogs(logs_dir, member).dir / HOSTS_FILE, json.dumps({"hosts": list(ref.hosts)}).encode())
+    """`ref` becomes the latest run. Every run launched or resumed here gets its folder
+    logs/<host>/<run>/ (the record that lets a prefix or a name find it later,
+    run_names.py); a run on several hosts is also recorded in each host's
+    logs/<host>/<run>/hosts.json, so that the run id alone finds all of them."""
+    for member in ref.members:
+        if ref.multihost:
+            write_atomic(RunLogs(logs_dir, member).dir / HOSTS_FILE, json.dumps({"hosts": list(ref.hosts)}).encode())
+        else:
+            RunLogs(logs_dir, member).dir.mkdir(parents=True, exist_ok=True)
     write_atomic(logs_dir / LATEST_FILE, json.dumps(dataclasses.asdict(ref)).encode())
 
 
@@ -269,37 +286,72 @@ def latest_host(logs_dir: Path) -> str:
     return latest.host if latest else "local"
 
 
-def resolve_run(logs_dir: Path, run_id: str | None, host: str | None, naming: str | None = None) -> RunRef:
-    """The run named on the command line, or the latest one this checkout launched.
-    `naming`: how the verb asking names a run and its host, for the hint when it named
-    none and none is recorded (`dflash status RUN --host HOST`)."""
-    if run_id is not None and (not run_id or run_id.startswith("-")):
+def check_run_text(run_id: str) -> None:
+    """A RUN the command line gave: refused when no run could be named so."""
+    if not run_id or run_id.startswith("-"):
         # `dflash launch` makes no such id; the agent would read one as an option.
         raise DflashError(f"{run_id!r} is not a run id (run ids start with the run's name)", ExitCode.USAGE)
-    if run_id and host:
-        return RunRef(host, run_id)  # one host's part, also of a run on several hosts
+
+
+def latest_or_refuse(logs_dir: Path, host: str | None, naming: str | None) -> RunRef:
+    """The latest run (of `host`, when given), or the error saying that none was named
+    and none is recorded."""
     latest = latest_run(logs_dir)
-    if run_id is None:
-        if latest is not None and host and host in latest.hosts:
-            return RunRef(host, latest.run_id)
-        if latest is None or (host and latest.host != host):
-            no_root = "" if state_root() else (f" (no project root above {os.getcwd()}: no folder there holds "
-                                               f"{', '.join(STATE_MARKERS)})")
-            raise DflashError("no run given and no latest run recorded in "
-                              f"{logs_dir / LATEST_FILE}{no_root}", ExitCode.USAGE,
-                              hint=f"name the run: {naming or 'RUN and --host HOST'}")
-        return latest
+    if latest is not None and host and host in latest.hosts:
+        return RunRef(host, latest.run_id)
+    if latest is None or (host and latest.host != host):
+        no_root = "" if state_root() else (f" (no project root above {os.getcwd()}: no folder there holds "
+                                           f"{', '.join(STATE_MARKERS)})")
+        raise DflashError("no run given and no latest run recorded in "
+                          f"{logs_dir / LATEST_FILE}{no_root}", ExitCode.USAGE,
+                          hint=f"name the run: {naming or 'RUN and --host HOST'}")
+    return latest
+
+
+def recorded_run(logs_dir: Path, run_id: str, host: str | None) -> RunRef | None:
+    """The run of this exact id that logs/ records (on `host`, when given: that host's
+    part of a run on several), or None when none does."""
+    if host:
+        recorded = (logs_dir / host / run_id).is_dir() if is_name(host) and is_name(run_id) else False
+        latest = latest_run(logs_dir)
+        known = recorded or (latest is not None and latest.run_id == run_id and host in (latest.hosts or (latest.host,)))
+        return RunRef(host, run_id) if known else None  # one host's part, also of a run on several hosts
+    latest = latest_run(logs_dir)
     if latest and latest.run_id == run_id:
         return latest
-    # A run id without --host: look for it among the runs this checkout has seen.
     matches = sorted(p.parent.name for p in logs_dir.glob(f"*/{_glob_escape(run_id)}") if p.is_dir())
     found = {_recorded(logs_dir, RunRef(match, run_id)) for match in matches}
     if len(found) == 1:
         return found.pop()
     if not matches:
-        return RunRef("local", run_id)
+        return None
     raise DflashError(f"run {run_id!r} exists on several hosts ({', '.join(matches)})",
                       ExitCode.USAGE, hint="pick one with --host")
+
+
+def recorded_runs(logs_dir: Path, host: str | None = None) -> list[RunRef]:
+    """Every run logs/ records (of `host`, when given): the latest run and each folder
+    logs/<host>/<run>/, a run on several hosts once, by its rank 0."""
+    found: set[RunRef] = set()
+    latest = latest_run(logs_dir)
+    if latest is not None and (host is None or host in (latest.hosts or (latest.host,))):
+        found.add(latest if host is None else RunRef(host, latest.run_id))
+    try:
+        hosts = [host] if host else [entry.name for entry in logs_dir.iterdir()
+                                     if entry.is_dir() and entry.name != RELEASES_DIR]
+    except OSError:
+        hosts = []
+    for name in hosts:
+        if not is_name(name):
+            continue
+        try:
+            runs = [entry.name for entry in (logs_dir / name).iterdir() if entry.is_dir()]
+        except OSError:
+            continue
+        for run_id in runs:
+            ref = RunRef(name, run_id)
+            found.add(ref if host else _recorded(logs_dir, ref))
+    return sorted(found, key=lambda ref: (ref.run_id, ref.host))
 
 
 def _glob_escape(name: str) -> str:

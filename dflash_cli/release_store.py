@@ -19,7 +19,7 @@ from pathlib import Path
 from dflash_agent.protocol import ReleaseFilesReply, RunStatus
 
 from .errors import DflashError, ExitCode
-from .local_state import write_atomic
+from .local_state import RELEASES_DIR, write_atomic
 from .release import FileEntry, Release, parse_manifest
 from .session import Session
 
@@ -48,7 +48,7 @@ class FileDiff:
 class ReleaseStore:
     def __init__(self, session: Session):
         self.session = session
-        self.root = session.logs_dir / "releases"
+        self.root = session.logs_dir / RELEASES_DIR
         self._local: Release | None = None
 
     def _object(self, sha256: str) -> Path:

@@ -9,7 +9,7 @@ import enum
 
 from .errors import DflashError, ExitCode
 from .inventory import BUILTIN, Host
-from .local_state import LATEST_FILE, RunLogs, RunRef, latest_run, resolve_run
+from .local_state import LATEST_FILE, RunLogs, RunRef, latest_or_refuse, latest_run
 from .session import Session
 
 
@@ -54,12 +54,16 @@ def check(session: Session, ref: RunRef, reach: Reach) -> None:
 
 
 def chosen_run(session: Session, run_id: str | None, host_name: str | None, reach: Reach, naming: str) -> RunRef:
-    """The run a verb was given (`run_id`, `host_name`: either may be None), as
-    resolve_run reads them (`naming`: how that verb names a run and its host). Without a
+    """The run a verb was given (`run_id`, `host_name`: either may be None): a RUN as
+    run_names.find reads it, else the latest run (`naming`: how that verb names a run
+    and its host, for the error when there is none). Without a
     host the local records chose the run's hosts, and the inventory may have lost one
     since: a verb that cannot do without it (`reach`) is refused naming the run, the host
     and the inventory."""
-    ref = resolve_run(session.logs_dir, run_id, host_name, naming)
+    from . import run_names
+
+    ref = (latest_or_refuse(session.logs_dir, host_name, naming) if run_id is None
+           else run_names.find(session, run_id, host_name))
     if host_name is None:
         check(session, ref, reach)
     return ref

@@ -4,9 +4,9 @@ scalars under the same tags at the same steps."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterable
 
-from dflash_events import EVAL, STEP, TS
+from dflash_events import ATTEMPT, EVAL, STEP, TS
 
 GIB = 1024 ** 3
 
@@ -53,3 +53,72 @@ def scalars(event: dict) -> Scalars | None:
         return None
     step = int(event.get(STEP.step) or 0)  # an evaluate job's eval has no step (both name it alike)
     return Scalars(kind, step, float(event.get(TS) or 0.0), values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """What one event changed of a run's history (`History.add`): `new`, a value to add
+    after what a sink holds; or `rewind`, the step from which what a sink holds is
+    replaced: it drops its values from that step on and takes the history's."""
+    new: Scalars | None = None
+    rewind: int | None = None
+
+
+class History:
+    """A run's scalars as its attempts left them (docs/cli.md "Trackers"): the one rule
+    of every sink. An attempt that resumes from the checkpoint of step K replaces every
+    value after K (the steps it trains again, or that no longer are the run's); a value
+    an attempt sends at a step where an earlier attempt's is held (the baseline eval at
+    K) replaces it. So each tag has one value per step, the latest attempt's; a value of
+    the same attempt received again (a second watch of the same events) changes nothing."""
+
+    def __init__(self) -> None:
+        self.attempt = 0
+        # (kind, step) -> (the attempt that sent it, its scalars, its event)
+        self._held: dict[tuple[str, int], tuple[int, Scalars, dict]] = {}
+
+    def add(self, event: dict) -> Change | None:
+        if ATTEMPT.matches(event):
+            number, resumed = event.get(ATTEMPT.attempt), event.get(ATTEMPT.resume_step)
+            if not isinstance(number, int) or number <= self.attempt:
+                return None
+            self.attempt = number
+            start = resumed + 1 if isinstance(resumed, int) else 0
+            gone = [key for key in self._held if key[1] >= start]
+            for key in gone:
+                del self._held[key]
+            return Change(rewind=start) if gone else None
+        found = scalars(event)
+        if found is None:
+            return None
+        key = (found.kind, found.step)
+        held = self._held.get(key)
+        if held is not None and held[0] == self.attempt:
+            return None
+        self._held[key] = (self.attempt, found, event)
+        return Change(rewind=found.step) if held is not None else Change(new=found)
+
+    def values(self, start: int = 0) -> list[Scalars]:
+        """The history's values at `start` and after, by step (a step's before its eval)."""
+        return [found for _, found, _ in self._ordered() if found.step >= start]
+
+    def events(self) -> list[dict]:
+        """The events whose values the history holds, by step."""
+        return [event for _, _, event in self._ordered()]
+
+    def last_steps(self) -> dict[str, int]:
+        """The last step of each kind the history holds."""
+        last: dict[str, int] = {}
+        for kind, step in self._held:
+            last[kind] = max(step, last.get(kind, step))
+        return last
+
+    def _ordered(self) -> list[tuple[int, Scalars, dict]]:
+        return [self._held[key] for key in sorted(self._held, key=lambda key: (key[1], key[0] != STEP.name))]
+
+
+def history_of(events: Iterable[dict]) -> History:
+    history = History()
+    for event in events:
+        history.add(event)
+    return history

@@ -34,6 +34,7 @@ from .errors import DflashError, ExitCode, UnreachableError, exit_code_for_state
 from .local_state import Cursor, RunLogs, RunRef, local_disk_full, local_writes
 from .retry import Reconnects
 from .session import Session
+from .scalars import history_of
 from .tensorboard import RunBoard
 from .trackers.config import TrackerSettings
 
@@ -202,7 +203,8 @@ class Watcher:
         self.records = self.logs.load_errors()[: self.cursor.errors_seen] if self.claim else []
         self.mirror = None
         self.events_mirror = None
-        self.board = RunBoard(self.logs.dir) if self.claim else None
+        # The history the events mirrored here left: what the TensorBoard files hold.
+        self.board = RunBoard(self.logs.dir, history_of(self.logs.mirrored_events(self.cursor))) if self.claim else None
         # Rank 0's part holds the run's step and eval events; the trackers go with the
         # local state, which records what they were sent.
         self.trackers = None

@@ -218,7 +218,7 @@ def test_plot_draws_the_recorded_run_whose_host_left_the_inventory_and_says_so(m
     ref = RunRef("ct203", GONE)
     set_latest(logs, ref)
     steps = [{"type": "step", "step": step, "loss": 4.0 - step, "tokens_per_s": 100.0} for step in (1, 2)]
-    RunLogs(logs, ref).dir.mkdir(parents=True)
+    RunLogs(logs, ref).dir.mkdir(parents=True, exist_ok=True)
     RunLogs(logs, ref).events.write_text("".join(json.dumps(e) + "\n" for e in steps))  # watched before
     hosts = make_inventory(tmp_path)
     out = tmp_path / "curves.png"

@@ -14,6 +14,7 @@ from dflash_run import dflash_in_process
 from support import container_workspace
 from support.inventory import HOST_ENV, container_host, workspace_on_node
 from test_fit_check import cache_hub_model
+from test_bad_input import fabricate_run
 from test_memory_plan import CONFIGS, QWEN3_8B, write_model_folder
 
 pytestmark = pytest.mark.timeout(300)
@@ -95,6 +96,30 @@ def test_evaluate_drafter_missing_is_refused_by_the_dry_run_and_the_launch(hosts
     assert (f"gpu: evaluate.drafter: {tmp_path / 'no drafter'} does not exist" in one_line(launched.stderr))
     assert "(nothing was deployed or started)" in one_line(launched.stderr)
     assert not hosts.gpu_workspace.exists()
+
+
+def test_evaluate_drafter_names_a_run_whose_export_the_cli_finds_on_the_host(hosts, fake_pve, tmp_path):
+    assert hosts.dflash("deploy", "gpu").returncode == 0
+    trained, unfinished = "tiny-cpu-20261204-150000-aaaa", "tiny-cpu-20261204-160000-bbbb"
+    fabricate_run(hosts.gpu_workspace, trained, 0)
+    fabricate_run(hosts.gpu_workspace, unfinished, 1)
+    write_model_folder(hosts.gpu_workspace / "runs" / trained / "export", {"model_type": "qwen3"})
+    on_host = container_workspace(fake_pve, tmp_path) / "runs" / trained / "export"  # as the container sees it
+    status = hosts.dflash("status", trained, "--host", "gpu")
+    assert f"export on gpu: {on_host} (evaluate.drafter: run:{trained}; " in one_line(status.stderr)
+    assert json.loads(hosts.dflash("status", trained, "--host", "gpu", "--json").stdout)["export"] == str(on_host)
+
+    config = ["--config", str(CONFIGS / "evaluate-qwen3-8b.yaml"), "--set", f"evaluate.prompts={hosts.chats}"]
+    dry = hosts.dflash("launch", "gpu", *config, "--set", "evaluate.drafter=run:tiny-cpu-20261204-15", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert f"evaluate.drafter: the export of run {trained}, {on_host} on gpu" in dry.stderr
+    assert verdicts(dry.stderr, "gpu")[f"evaluate.drafter {on_host}"] == "ok"
+    refused = hosts.dflash("launch", "gpu", *config, "--set", f"evaluate.drafter=run:{unfinished}", "--dry-run")
+    assert refused.returncode == 2
+    assert (f"evaluate.drafter 'run:{unfinished}': run {unfinished} on gpu has no export yet (FAILED: a run "
+            "exports when its training ends)") in one_line(refused.stderr)
+    missed = hosts.dflash("launch", "gpu", *config, "--set", "evaluate.drafter=run:tiny-gpu", "--dry-run")
+    assert missed.returncode == 2 and "evaluate.drafter 'run:tiny-gpu': no run 'tiny-gpu' on gpu" in missed.stderr
 
 
 def test_training_data_missing_is_refused_by_the_dry_run(hosts):

@@ -21,7 +21,7 @@ from dflash_files import procfs
 from dflash_agent.protocol import RunState, RunStatus
 from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory
-from dflash_cli.local_state import RunRef, resolve_run, set_latest
+from dflash_cli.local_state import RunRef, latest_or_refuse, recorded_run, set_latest
 from dflash_cli.multihost import (HostStatus, aggregate_state, blamed_host, blamed_line, in_time_order,
                                   mark_silent_ranks, peer_failed_line, root_cause)
 from dflash_run import dflash, dflash_argv, dflash_env, dflash_in_process
@@ -160,12 +160,12 @@ def test_the_run_id_alone_finds_every_host_of_the_run(tmp_path):
     ref = RunRef("ct200", "pair-1", ("ct200", "ct202"))
     set_latest(logs, ref)
     set_latest(logs, RunRef("local", "other-1"))  # a later run elsewhere
-    assert resolve_run(logs, "pair-1", None) == ref
-    assert resolve_run(logs, "pair-1", "ct202") == RunRef("ct202", "pair-1")  # one host's part
-    assert resolve_run(logs, None, None) == RunRef("local", "other-1")
+    assert recorded_run(logs, "pair-1", None) == ref
+    assert recorded_run(logs, "pair-1", "ct202") == RunRef("ct202", "pair-1")  # one host's part
+    assert latest_or_refuse(logs, None, None) == RunRef("local", "other-1")
     set_latest(logs, ref)
-    assert resolve_run(logs, None, None) == ref
-    assert resolve_run(logs, None, "ct202") == RunRef("ct202", "pair-1")
+    assert latest_or_refuse(logs, None, None) == ref
+    assert latest_or_refuse(logs, "ct202", None) == RunRef("ct202", "pair-1")
     assert json.loads((logs / "ct202" / "pair-1" / "hosts.json").read_text()) == {"hosts": ["ct200", "ct202"]}
 
 
@@ -215,7 +215,7 @@ def host_status(host: str, rank: int, state: str, peer_failure: dict | None) -> 
     status = RunStatus(run_id="pair-1", name="pair", state=RunState(state), reason=None, pid=1, started_at=1.0,
                        ended_at=None, exit=None, errors=0, last_heartbeat=None, release_id=None, source=None,
                        overrides=(), step=None, startup=None, startup_elapsed_s=None, peer_failure=peer_failure,
-                       attempt=0, attempts=1, resume_step=None, checkpoint_step=None)
+                       attempt=0, attempts=1, resume_step=None, checkpoint_step=None, export=None)
     return HostStatus(host, rank, "pair-1", status)
 
 

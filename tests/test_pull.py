@@ -314,6 +314,7 @@ def test_a_host_whose_release_predates_pull_gets_a_hint_to_deploy(tmp_path):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text(json.dumps({"hosts": {"local": {"transport": "local", "workspace": str(tmp_path / "ws"),
                                                      "python": sys.executable}}}))
+    (tmp_path / "logs" / "local" / "some-run").mkdir(parents=True)  # launched from here: no host is asked for it
     done = dflash("--logs-dir", str(tmp_path / "logs"), "pull", "some-run", "--host", "local", hosts=hosts)
     assert done.returncode == 2, done.stderr
     assert "hint: the host's current release predates pull: dflash deploy local" in done.stderr

@@ -24,7 +24,7 @@ def run_status(run_id: str, state: RunState, step: int | None, startup: str | No
                      ended_at=1764430100.0 if state.terminal else None, exit=None, errors=0, last_heartbeat=None,
                      release_id="6c8bbc43f3bbfdb8", source={"git_commit": "1a2b3c4d5e6f", "dirty": True}, overrides=(),
                      step=step, startup=startup, startup_elapsed_s=12.0 if startup else None, peer_failure=None,
-                     attempt=0, attempts=1, resume_step=None, checkpoint_step=None)
+                     attempt=0, attempts=1, resume_step=None, checkpoint_step=None, export=None)
 
 
 def drawn(table: FittedTable, width: int) -> str:

@@ -27,7 +27,7 @@ from support import kill_ssh_sessions
 from support.train_configs import small_config
 from support.wait import wait_until
 from support_agent import harness
-from test_watch_events import events_script, step_event
+from test_watch_events import events_script, step_event, tensorboard_scalars
 from test_watch_log import Watch
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,10 +97,18 @@ def wandb_config(files: list[list[dict]]) -> dict:
 def wandb_rows(files: list[list[dict]]) -> tuple[list[dict], int]:
     """The W&B run's rows in the order of their numbers (W&B's `_step`), and how many were
     sent again: a watch that did not finish its W&B run sends its rows again, each with
-    the number and the figures it had."""
+    the number and the figures it had. A folder that rewinds the run (its run record's
+    `branch_point`, W&B's `resume_from`) drops the rows after that number, as W&B does
+    when it is synced."""
     rows: dict[int, dict] = {}
     resent = 0
     for records in files:
+        run = next(r["run"] for r in records if r["type"] == "run")
+        if "branch_point" in run:
+            point = run["branch_point"]
+            assert point["metric"] == "_step"
+            # protobuf's JSON leaves out a field that holds its default: value 0
+            rows = {number: row for number, row in rows.items() if number <= point.get("value", 0)}
         items = [r["history"]["item"] for r in records if r["type"] == "history"]
         numbers = [item["_step"] for item in items]
         assert numbers == sorted(set(numbers)), f"row numbers grow within a watch: {numbers}"
@@ -258,6 +266,52 @@ def test_trackers_get_every_scalar_once_across_a_rerun_watch_a_drop_and_a_lost_r
     assert run.data.tags["mlflow.source.git.commit"] == SOURCE["git_commit"]
     assert run.data.tags["dflash.source.diff_sha256"] == SOURCE["diff_sha256"]
     assert run.data.tags["dflash.run_id"] == "tr" and run.data.tags["mlflow.runName"] == "tr"
+
+
+# -- a resume that trains steps again -------------------------------------------------------------
+@pytest.mark.slow(seconds=30, why="two watches, each starting three trackers, the rebuilds, and W&B's reader")
+def test_the_attempt_that_continued_the_run_is_what_every_sink_holds(agent, hosts, trackers, tmp_path):
+    """Attempt 0 runs to step 6 and fails; attempt 1 resumes from the checkpoint of step 4,
+    evaluates there and trains steps 5-8 again, with other values (CPU training is
+    deterministic; a GPU's is not): TensorBoard, W&B, MLflow, trackio and `dflash plot`
+    each hold one value per tag and step, attempt 1's from step 4's eval on."""
+    def again(step: int) -> dict:
+        return dict(step_event(step), loss=50.0 + step, lr=0.5, tokens_per_s=7.0 * step)
+
+    def evaluation(step: int, value: float) -> dict:
+        return {"type": "eval", "step": step, "acceptance_length": value, "mean_per_prompt": value}
+
+    first = [*events_script(1, 2), {"event": evaluation(2, 1.2)}, *events_script(3, 4), {"event": evaluation(4, 1.4)},
+             *events_script(5, 6), {"event": evaluation(6, 1.6)}]
+    resumed = {"type": "attempt", "attempt": 1, "reason": "resume", "resume_step": 4, "release_id": "rel-0001"}
+    second = [{"event": evaluation(4, 2.4)}, *({"event": again(step)} for step in range(5, 9)),
+              {"event": evaluation(6, 2.6)}]
+    agent.launch("rs", [*first, {"wait_file": "go"}, {"event": resumed}, *second], "--source-json", json.dumps(SOURCE))
+    logs = tmp_path / "logs"
+    mirror = logs / "node" / "rs"
+    watch = Watch(hosts, logs, "rs", "--host", "node")
+    wait_sent(watch, mirror, 6)  # attempt 0's values, in every tracker
+    watch.proc.send_signal(signal.SIGINT)
+    assert watch.finish(FINISH_S) == 130, watch.stderr.decode()
+    agent.touch("rs", "go")
+    last = Watch(hosts, logs, "rs", "--host", "node")
+    assert last.finish(FINISH_S) == 0, last.stderr.decode()
+
+    kept = [*(step_event(step) for step in range(1, 5)), evaluation(2, 1.2), evaluation(4, 2.4),
+            *(again(step) for step in range(5, 9)), evaluation(6, 2.6)]
+    series = series_by_tracker(trackers, "rs", resent=None)
+    series["tensorboard"] = tensorboard_scalars(mirror)
+    assert_every_scalar_once(series, kept)
+    mlflow_run(trackers)  # one MLflow run: the one it replaced was deleted
+
+    from dflash_cli.commands import plot
+    from dflash_cli.local_state import RunRef as Ref
+
+    (drawn,) = plot.load(logs, [Ref("node", "rs")]).values()
+    for title, kind, field in plot.PANELS:
+        steps, values = plot.series(drawn, kind, field)
+        expected = sorted((e["step"], e[field]) for e in kept if e["type"] == kind.name)
+        assert list(zip(steps, values)) == expected, title
 
 
 # -- a real run, stopped and resumed -----------------------------------------------------------
@@ -549,6 +603,7 @@ def test_a_tracker_whose_package_is_missing_stops_the_watch_before_it_follows(
 def test_a_bad_dflash_yaml_is_refused_naming_the_file_and_the_key(tmp_path, monkeypatch):
     path = tmp_path / "dflash.yaml"
     monkeypatch.setenv("DFLASH_CLI_CONFIG", str(path))
+    (tmp_path / "logs" / "local" / "some-run").mkdir(parents=True)  # launched from here: no host is asked for it
     cases = {"trackers: {wandb: {mode: offline, projet: x}}": "trackers.wandb.projet: unknown key",
              "trackers: {mlflow: {}}": "trackers.mlflow.tracking_uri: missing required key",
              "trackers: {wandb: {mode: sometimes}}": "trackers.wandb.mode: expected one of 'online' | 'offline'",

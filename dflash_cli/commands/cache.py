@@ -7,12 +7,13 @@ from ..errors import DflashError, ExitCode
 from ..session import Session
 
 
-def run(session: Session, *, source_name: str, destination_names: list[str]) -> ExitCode:
+def run(session: Session, *, source_name: str, destination_names: list[str], as_json: bool = False) -> ExitCode:
     """Copy SOURCE's compile artifacts (every key of its workspace's compile cache) to each
     DESTINATION that has none of that key and has its GPU model (for CPU code: the same CPU
     model); the bytes are checked against their sha256 on the way and on arrival. A key a
-    destination cannot use, or has already, is said and skipped. Exit 3 when a host cannot
-    be reached, 2 when SOURCE offers nothing."""
+    destination cannot use, or has already, is said and skipped (with `as_json`, one JSON
+    object per key and destination on stdout says which). Exit 3 when a host cannot be
+    reached, 2 when SOURCE offers nothing."""
     if not destination_names:
         raise DflashError("name at least one host to copy to", ExitCode.USAGE)
     if source_name in destination_names:
@@ -35,6 +36,12 @@ def run(session: Session, *, source_name: str, destination_names: list[str]) -> 
                           f"has no {gpu_of(offer)}" if gpu_of(offer) != "cpu" else
                           "has another CPU model")
                 console.say(f"compile artifacts for {key} not copied to {name}: it {reason}")
+                if as_json:
+                    console.data(console.json_line({"key": key, "source": source_name, "destination": name,
+                                                    "copied": False, "reason": reason}))
         for offer in wanted:
             copy_offer(session, source, name, offer)
+            if as_json:
+                console.data(console.json_line({"key": offer.key, "source": source_name,
+                                                "destination": name, "copied": True, "reason": None}))
     return ExitCode.OK

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 
 def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: bool,
-        source_dir: Path | None, allow_large: bool) -> ExitCode:
-    """Deploy to each host in parallel; a table of results on stderr."""
+        source_dir: Path | None, allow_large: bool, as_json: bool = False) -> ExitCode:
+    """Deploy to each host in parallel; a table of results on stderr (with `as_json`, one
+    JSON object per host on stdout instead)."""
     if all_hosts:
         host_names = sorted(session.inventory.hosts)
     if not host_names:
@@ -41,7 +42,8 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
         with transfer_bars() as bars:
             results = session.on_each_host(
                 hosts, lambda host: deploy_host(session, host, tree, bars, verify, cancel, early=early[host.name]))
-    _print_table(table, results, host_names)
+    if not as_json:
+        _print_table(table, results, host_names)
     failures = [r for r in results.values() if isinstance(r, DflashError)]
     for name in host_names:
         outcome = results[name]
@@ -52,7 +54,9 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
                         "before the interrupt took effect)")
     for name in host_names:
         outcome = results[name]
-        if isinstance(outcome, DeployResult):
+        if as_json:
+            console.data(console.json_line(console.host_outcome(name, outcome)))
+        elif isinstance(outcome, DeployResult):
             console.data(f"{name}\t{outcome.release_id}\t{outcome.status}\n")
     if cancel.is_set():
         return ExitCode.INTERRUPTED

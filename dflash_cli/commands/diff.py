@@ -5,9 +5,9 @@ from rich.table import Table
 
 from dflash_agent.protocol import RunConfigReply
 
-from .. import console, run_hosts
+from .. import console, run_hosts, run_names
 from ..errors import DflashError, ExitCode
-from ..local_state import RunRef, resolve_run
+from ..local_state import RunRef
 from ..release_store import FileChange, ReleaseStore, file_diff, summary
 from ..session import Session
 
@@ -17,17 +17,20 @@ def parse_run(session: Session, text: str, host: str | None) -> RunRef:
     if "/" in text:
         host_name, run_id = text.split("/", 1)
         session.host(host_name)  # an unknown host is refused by name
-        return resolve_run(session.logs_dir, run_id, host_name)
-    ref = resolve_run(session.logs_dir, text, host)
+        return run_names.find(session, run_id, host_name)
+    ref = run_names.find(session, text, host)
     if host is None:  # the local records chose the host: the release is asked of rank 0's
         run_hosts.check(session, ref, run_hosts.Reach.FIRST)
     return ref
 
 
 def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tuple[str, ...],
-        stat: bool, config: bool) -> ExitCode:
-    """The unified diff on stdout (or --stat's table); exit 0 whether or not they differ."""
+        stat: bool, config: bool, as_json: bool = False) -> ExitCode:
+    """The unified diff on stdout (or --stat's table; with `as_json`, one JSON object:
+    the runs, their releases and each file's diff and counts); exit 0 whether or not
+    they differ."""
     refs = [parse_run(session, text, host) for text in (run_a, run_b)]
+    releases: list[tuple[str, str]] = []
     if config:
         texts = [session.agent(r.host).call(RunConfigReply, f"--run-id={r.run_id}").config for r in refs]
         change = FileChange("config.yaml", None, None)
@@ -36,7 +39,6 @@ def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tu
                            labels=(f"{refs[0].run_id}/config.yaml", f"{refs[1].run_id}/config.yaml"))]
         diffs = [d for d in diffs if d.text]
     else:
-        releases = []
         for ref in refs:
             release_id = session.agent(ref.host).run_status(ref.run_id).release_id
             if not release_id:
@@ -45,7 +47,15 @@ def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tu
         console.say(f"{refs[0].run_id}: release {releases[0][1]} on {refs[0].host}; "
                     f"{refs[1].run_id}: release {releases[1][1]} on {refs[1].host}")
         diffs = ReleaseStore(session).diff(releases[0], releases[1], paths)
-    if stat:
+    if as_json:
+        runs = [{"host": ref.host, "run_id": ref.run_id, "release_id": release[1] if release else None}
+                for ref, release in zip(refs, releases or [None, None])]
+        console.data(console.json_line({
+            "run_a": runs[0], "run_b": runs[1], "config": config, "summary": summary(diffs),
+            "files": [{"path": d.change.path, "added": d.added if d.compared else None,
+                       "removed": d.removed if d.compared else None, "compared": d.compared, "diff": d.text}
+                      for d in diffs]}))
+    elif stat:
         table = Table(title=f"{refs[0].run_id} → {refs[1].run_id}: {summary(diffs)}", title_justify="left")
         for column in ("file", "+", "−"):
             table.add_column(column, justify="left" if column == "file" else "right")

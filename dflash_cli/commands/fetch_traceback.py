@@ -73,9 +73,17 @@ class Traceback:
 
 
 def run(session: Session, ref: RunRef, *, thread: str | None, all_records: bool,
-        output: Path | None, stacks: bool) -> ExitCode:
-    """`find`'s text on stdout (or in `output`), its diagnosis line after it on stderr."""
+        output: Path | None, stacks: bool, as_json: bool = False) -> ExitCode:
+    """`find`'s text on stdout (or in `output`), its diagnosis line after it on stderr;
+    with `as_json`, the Traceback as one JSON object on stdout (the text as the host
+    wrote it, unescaped), and `output` still written."""
     found = find(session, ref, thread=thread, all_records=all_records, stacks=stacks)
+    code = ExitCode.OK if found.explained else ExitCode.RUN_FAILED
+    if as_json:
+        if output and found.text is not None:
+            _write(output, found.text)
+        console.data(console.json_line(found))
+        return code
     if found.summary:
         console.say(console.printable(found.summary))
     if found.text is None:
@@ -84,16 +92,20 @@ def run(session: Session, ref: RunRef, *, thread: str | None, all_records: bool,
                     f"(state {found.state})")
         return ExitCode.OK
     if output:
-        try:
-            output.write_text(found.text, encoding="utf-8", errors="surrogateescape")
-        except OSError as exc:
-            raise DflashError(f"-o {output}: cannot write it ({exc.strerror or exc})", ExitCode.USAGE) from exc
+        _write(output, found.text)
         console.say(f"written to {output}")
     else:
         console.remote_text(found.text)
     if found.diagnosis is not None:
         console.say(console.printable(f"diagnosis: {found.diagnosis}"))
-    return ExitCode.OK if found.explained else ExitCode.RUN_FAILED
+    return code
+
+
+def _write(output: Path, text: str) -> None:
+    try:
+        output.write_text(text, encoding="utf-8", errors="surrogateescape")
+    except OSError as exc:
+        raise DflashError(f"-o {output}: cannot write it ({exc.strerror or exc})", ExitCode.USAGE) from exc
 
 
 def find(session: Session, ref: RunRef, *, thread: str | None = None, all_records: bool = False,

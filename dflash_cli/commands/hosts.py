@@ -19,6 +19,7 @@ from ..deployment import check_host
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
 from ..session import Session
+from ..tables import Column, FittedTable
 from ..transports import ssh_client
 
 # The agent's own host facts (stdlib only, no package imports), sent with `python -c`:
@@ -26,6 +27,12 @@ from ..transports import ssh_client
 _PROBE = Path(gpus.__file__).read_text()
 # Importing torch and transformers on a loaded host takes a while (gpus.IMPORT_TIMEOUT_S).
 PROBE_TIMEOUT_S = gpus.IMPORT_TIMEOUT_S + 60
+# The table's columns in row order; at a narrow terminal the least important (the highest
+# priority) are left out whole, never cut: a version or a header cut short reads as another.
+_LISTED = [Column("host", 0), Column("transport", 1), Column("where", 2, wrap=True), Column("workspace", 3, wrap=True)]
+_CHECKED = [Column("host", 0), Column("transport", 8), Column("where", 6, wrap=True),
+            Column("workspace", 7, wrap=True), Column("status", 1, wrap=True), Column("python", 5, wrap=True),
+            Column("torch", 3), Column("transformers", 4), Column("GPUs", 2, wrap=True), Column("release", 9)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +113,7 @@ def run(session: Session, *, names: Sequence[str] = (), do_check: bool, as_json:
     groups = session.inventory.groups
     results = session.on_each_host(hosts, lambda host: check(session, host)) if do_check else {}
     statuses: dict[str, str] = {}  # host -> its status with --check, when it answered
-    table = Table(title=f"hosts ({session.inventory.source})", title_justify="left")
-    for column in ["host", "transport", "where", "workspace"] + (
-            ["status", "python", "torch", "transformers", "GPUs", "release"] if do_check else []):
-        table.add_column(column)
+    rows = []
     for host in hosts:
         client = _client(host)
         # with --check: which SSH client was used to reach it
@@ -125,7 +129,7 @@ def run(session: Session, *, names: Sequence[str] = (), do_check: bool, as_json:
             statuses[host.name] = status(host, result, needs)
             row += [statuses[host.name], facts.python, facts.packages["torch"] or "-",
                     facts.packages["transformers"] or "-", facts.gpus_problem or found, facts.current_release or "-"]
-        table.add_row(*map(Text, row))  # plain text: messages may hold [brackets]
+        rows.append(row)
         if as_json:
             entry = {"host": host.name, "transport": host.transport, "where": _where(host),
                      "workspace": host.workspace}
@@ -143,7 +147,8 @@ def run(session: Session, *, names: Sequence[str] = (), do_check: bool, as_json:
         elif not do_check:
             console.data(f"{host.name}\n")
     if not as_json:  # --json is the whole answer; a table on stderr would be noise
-        console.human.print(table)
+        console.human.print(FittedTable(f"hosts ({session.inventory.source})", _CHECKED if do_check else _LISTED,
+                                        rows))
         for name, members in ((n, m) for n, m in groups.items() if not names or n in names):
             console.say(f"group {name}: {', '.join(members)} (one run, rank 0 first)")
         for host in hosts if verbose else ():

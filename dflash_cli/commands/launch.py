@@ -15,7 +15,7 @@ from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.layout import MAX_RUN_ID
 from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply
 
-from .. import console, fit_check, host_check
+from .. import console, evaluate_drafter, fit_check, host_check
 from ..compile_artifacts import seed_hosts
 from ..deployment import deploy_host, source_tree
 from ..errors import DflashError, ExitCode
@@ -226,33 +226,42 @@ def _refuse_unless_ready(session: Session, hosts: list[Host], config: JobConfig,
     fit_check.report([report.fit for report in reports if report.fit is not None])
 
 
-def dry_run(session: Session, options: LaunchOptions) -> ExitCode:
-    """Every check `run` makes before it starts anything, each one's verdict printed, and
+def dry_run(session: Session, options: LaunchOptions, *, as_json: bool = False) -> ExitCode:
+    """Every check `run` makes before it starts anything, each one's verdict printed (with
+    `as_json`: one JSON object on stdout, each host's verdicts, problems and estimate), and
     nothing deployed or started: OK when all pass, else a DflashError (exit 2) naming every
     problem. The checks the agent makes as it starts the run (the run id, the GPUs' locks)
     are not made."""
     check_name(options.run_name)
     hosts = session.inventory.expand(options.host_names)
-    config = load_config(options.config_path, options.overrides)
+    config = evaluate_drafter.resolved(session, hosts[0].name, load_config(options.config_path, options.overrides))
     _check_layout(hosts, config, options)
     reports = check_hosts(session, hosts, config, options.source_dir)
-    host_check.show(reports)
-    if (reason := fit_check.unchecked(config)) is not None:
-        console.say(f"{options.config_path}: {reason}")
-    fit_check.show([report.fit for report in reports if report.fit is not None])
+    reason = fit_check.unchecked(config)
+    if as_json:
+        console.data(console.json_line({
+            "dry_run": True, "ok": not any(report.problems() for report in reports), "unchecked": reason,
+            "hosts": [{"host": report.host, "verdicts": report.verdicts, "problems": report.problems(),
+                       "fit": report.fit} for report in reports]}))
+    else:
+        host_check.show(reports)
+        if reason is not None:
+            console.say(f"{options.config_path}: {reason}")
+        fit_check.show([report.fit for report in reports if report.fit is not None])
     host_check.refuse(reports, "a dry run: nothing was deployed or started")
     return ExitCode.OK
 
 
-def run(session: Session, options: LaunchOptions) -> Launched:
-    """`start`, and what it started said: the run id on stdout, each host's trainer on stderr."""
+def run(session: Session, options: LaunchOptions, *, as_json: bool = False) -> Launched:
+    """`start`, and what it started said: the run id on stdout (with `as_json`: the
+    Launched as one JSON object), each host's trainer on stderr."""
     launched = start(session, options)
     for rank, (host, reply) in enumerate(zip(launched.hosts, launched.started)):
         rank_of = f" as rank {rank} of {len(launched.hosts)}" if launched.rendezvous else ""
         console.say(f"{host}: started run {launched.run_id}{rank_of} (pid {reply.pid}, release {reply.release_id})")
     if launched.rendezvous:
         console.say(f"rendezvous at {launched.rendezvous} ({launched.hosts[0]})")
-    console.data(launched.run_id + "\n")
+    console.data(console.json_line(launched) if as_json else launched.run_id + "\n")
     return launched
 
 
@@ -263,7 +272,7 @@ def start(session: Session, options: LaunchOptions) -> Launched:
     is refused before anything is deployed."""
     check_name(options.run_name)
     hosts = session.inventory.expand(options.host_names)
-    config = load_config(options.config_path, options.overrides)
+    config = evaluate_drafter.resolved(session, hosts[0].name, load_config(options.config_path, options.overrides))
     address = _check_layout(hosts, config, options)
     if address is not None:
         return _launch_on_hosts(session, hosts, config, options, address)

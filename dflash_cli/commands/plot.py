@@ -12,6 +12,7 @@ from dflash_events import EVAL, STEP, EventType
 from .. import console
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef, write_atomic
+from ..scalars import history_of
 
 # (title, event type, field) of each panel, top to bottom.
 PANELS = [("loss", STEP, STEP.loss), ("acceptance length", EVAL, EVAL.acceptance_length),
@@ -26,8 +27,10 @@ def series(events: list[dict], kind: EventType, field: str) -> tuple[list[int], 
 
 
 def load(logs_dir: Path, refs: list[RunRef]) -> dict[str, list[dict]]:
-    """{legend label: events} of each run; the label is the run id, with its host when
-    the runs come from several hosts."""
+    """{legend label: events} of each run, as its attempts left them (a step a resume
+    trained again is drawn once, with the value of the attempt that continued the run:
+    scalars.History, the rule of every sink); the label is the run id, with its host
+    when the runs come from several hosts."""
     several_hosts = len({ref.host for ref in refs}) > 1
     runs = {}
     for ref in refs:
@@ -39,7 +42,7 @@ def load(logs_dir: Path, refs: list[RunRef]) -> dict[str, list[dict]]:
                               ExitCode.USAGE, hint=f"dflash watch {ref.run_id} --host {ref.host} brings them") from None
         except ValueError as exc:
             raise DflashError(f"{logs.events}: not JSON lines ({exc})", ExitCode.USAGE) from None
-        runs[f"{ref.host}/{ref.run_id}" if several_hosts else ref.run_id] = events
+        runs[f"{ref.host}/{ref.run_id}" if several_hosts else ref.run_id] = history_of(events).events()
     return runs
 
 
@@ -62,11 +65,16 @@ def figure(runs: dict[str, list[dict]]):
     return fig
 
 
-def run(logs_dir: Path, refs: list[RunRef], *, output: Path | None) -> ExitCode:
+def run(logs_dir: Path, refs: list[RunRef], *, output: Path | None, as_json: bool = False) -> ExitCode:
+    """The PNG written; its path on stdout (with `as_json`: one JSON object, with the runs)."""
     runs = load(logs_dir, refs)
     path = output or Path(f"{refs[0].run_id}.png")
     png = io.BytesIO()
     figure(runs).savefig(png, format="png", dpi=100)
     write_atomic(path, png.getvalue())
-    console.data(f"{path}\n")
+    if as_json:
+        console.data(console.json_line({"path": path, "runs": [{"host": ref.host, "run_id": ref.run_id}
+                                                               for ref in refs]}))
+    else:
+        console.data(f"{path}\n")
     return ExitCode.OK

@@ -385,8 +385,9 @@ def pull(session: Session, ref: RunRef, checkpoint: bool, bars: Progress | None 
     return Puller(session.agent(ref.host), RunLogs(session.logs_dir, ref), bars, retry_for).sync(checkpoint)
 
 
-def run(session: Session, ref: RunRef, *, checkpoint: bool, retry_for: float) -> ExitCode:
-    """Prints each local folder on stdout, a summary on stderr."""
+def run(session: Session, ref: RunRef, *, checkpoint: bool, retry_for: float, as_json: bool = False) -> ExitCode:
+    """Prints each local folder on stdout (with `as_json`: the PullResult as one JSON
+    object), a summary on stderr."""
     try:
         with transfer_bars() as bars:
             result = pull(session, ref, checkpoint, bars, retry_for)
@@ -396,6 +397,9 @@ def run(session: Session, ref: RunRef, *, checkpoint: bool, retry_for: float) ->
     removed = f", {result.removed} removed (no longer on the host)" if result.removed else ""
     console.say(f"pulled {result.pulled} files, {result.bytes_received} bytes, {result.skipped} skipped"
                 f"{removed}: {', '.join(str(folder) for folder in result.folders)}")
-    for folder in result.folders:
-        console.data(f"{folder}\n")
+    if as_json:
+        console.data(console.json_line({"run_id": ref.run_id, "host": ref.host, **dataclasses.asdict(result)}))
+    else:
+        for folder in result.folders:
+            console.data(f"{folder}\n")
     return ExitCode.OK

@@ -38,9 +38,12 @@ class Resumed:
         return self.started[0].step
 
 
-def run(session: Session, ref: RunRef, *, current_release: bool, step: int | None) -> ExitCode:
-    """`start`, and the attempt it started said on stderr."""
+def run(session: Session, ref: RunRef, *, current_release: bool, step: int | None, as_json: bool = False) -> ExitCode:
+    """`start`, and the attempt it started said on stderr (with `as_json`: the Resumed as
+    one JSON object on stdout too)."""
     resumed = start(session, ref, current_release=current_release, step=step)
+    if as_json:
+        console.data(console.json_line(resumed))
     reply = resumed.started[0]
     which = _which_release(reply, current_release)
     for bad in resumed.corrupt:

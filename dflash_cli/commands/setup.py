@@ -128,9 +128,9 @@ def setup_bars() -> Iterator[Progress | None]:
 
 
 def run(session: Session, *, host_names: list[str], all_hosts: bool, torch: str | None,
-        index_url: str | None) -> ExitCode:
+        index_url: str | None, as_json: bool = False) -> ExitCode:
     """Set up each host in parallel; a table of results on stderr, `HOST STATUS ENV`
-    lines on stdout."""
+    lines on stdout (with `as_json`: one JSON object per host, and no table)."""
     if all_hosts:
         host_names = sorted(session.inventory.hosts)
     if not host_names:
@@ -141,14 +141,18 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, torch: str 
                "index_url": index_url}
     with setup_bars() as bars, cancel_on_ctrl_c("the setups") as cancel:
         results = session.on_each_host(hosts, lambda host: setup_host(session, host, request, bars, cancel))
-    _print_table(results, host_names)
+    if not as_json:
+        _print_table(results, host_names)
     for host in hosts:
         outcome = results[host.name]
+        if as_json:
+            console.data(console.json_line(console.host_outcome(host.name, outcome)))
         if isinstance(outcome, SetupResult):
             if host.python_named:
                 console.warn(f"{host.name}: the inventory names python {host.python}, which stays the "
                              f"trainer's interpreter; remove `python:` from {host.name} to use {outcome.env}")
-            console.data(f"{host.name}\t{outcome.status}\t{outcome.env}\n")
+            if not as_json:
+                console.data(f"{host.name}\t{outcome.status}\t{outcome.env}\n")
         else:  # whole, where the table's cell wraps it
             console.say(f"error: {outcome.message}")
             if outcome.hint:

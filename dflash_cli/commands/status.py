@@ -145,11 +145,20 @@ def _show_hosts(status: RunOnHosts) -> None:
     source = next((s.status.source for s in status.hosts if s.status and s.status.source), None)
     if source:
         console.say(f"source: {provenance.summary(source)}")
+    first = status.hosts[0]
+    if first.status and first.status.export:
+        console.say(export_line(status.run_id, first.host, first.status.export))
 
 
 def stacks_hint(run_id: str, host: str) -> str:
     """Where a STALLED run's threads hang is what to look at next."""
     return f"where its threads hang: dflash stacks {shlex.quote(run_id)} --host {shlex.quote(host)}"
+
+
+def export_line(run_id: str, host: str, path: str) -> str:
+    """Where the run's export is on its host (rank 0's): what `job: evaluate` reads."""
+    return (f"export on {host}: {path} (evaluate.drafter: run:{run_id}; "
+            f"dflash pull {shlex.quote(run_id)} --host {shlex.quote(host)} brings it here)")
 
 
 def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
@@ -173,6 +182,8 @@ def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
             console.say(stacks_hint(ref.run_id, ref.host))
         for line in corrupt_lines(ref.host, status):
             console.warn(line)
+        if status.export:
+            console.say(export_line(ref.run_id, ref.host, status.export))
         if status.state != RunState.SUCCEEDED:
             console.say(resume_point(status))
     return exit_code(session, ref, status)

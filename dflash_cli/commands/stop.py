@@ -9,10 +9,11 @@ from ..local_state import RunRef
 from ..session import Session
 
 
-def run(session: Session, ref: RunRef, *, grace: float) -> ExitCode:
+def run(session: Session, ref: RunRef, *, grace: float, as_json: bool = False) -> ExitCode:
     """Returns once no process of the run is left (the agent waits for that). A run on
     several hosts is stopped on all at once; a host that could not be reached, or that
-    left the inventory, is named and gives the exit code, after the others were stopped."""
+    left the inventory, is named and gives the exit code, after the others were stopped.
+    The run's state on stdout (with `as_json`: one JSON object, with each host's)."""
     hosts, left = run_hosts.members(session, ref)
     replies = {**session.on_each_host(hosts, lambda host: session.agent(host.name).call(
         StopReply, "--run-id", ref.run_id, "--grace", str(grace), timeout=grace + 60)), **left}
@@ -22,11 +23,16 @@ def run(session: Session, ref: RunRef, *, grace: float) -> ExitCode:
         if isinstance(reply, DflashError):
             if not ref.multihost:
                 raise reply
-            console.warn(f"run {ref.run_id} on {member.host}: not stopped: {reply.message}")
             states[member.host] = None
+            console.warn(f"run {ref.run_id} on {member.host}: not stopped: {reply.message}")
             continue
         how = "killed after the grace period" if reply.killed else "ended"
         console.say(f"run {ref.run_id} on {member.host} {how}: {reply.state}")
         states[member.host] = reply.state
-    console.data(f"{multihost.state_name(multihost.aggregate_state(states))}\n")
+    state = multihost.state_name(multihost.aggregate_state(states))
+    if as_json:
+        console.data(console.json_line({"run_id": ref.run_id, "state": state,
+                                        "hosts": [console.host_outcome(m.host, replies[m.host]) for m in ref.members]}))
+    else:
+        console.data(f"{state}\n")
     return max((r.exit_code for r in replies.values() if isinstance(r, DflashError)), default=ExitCode.OK)

@@ -18,7 +18,7 @@ from .. import DISTRIBUTION, console
 from ..errors import DflashError, ExitCode
 from ..local_config import LocalConfig
 from ..local_state import RunLogs, RunRef, write_atomic
-from ..scalars import Scalars, scalars
+from ..scalars import History, history_of
 from .config import PACKAGES, TrackerSettings
 from .sink import Sink, TrackedRun
 
@@ -107,6 +107,7 @@ class Trackers:
         # was sent only once closed (W&B) is recorded when it closed.
         self.held = dict(self.states)
         self.failures: dict[str, str] = {}  # sink name -> what it raised
+        self.histories: dict[str, History] = {}  # sink name -> the history it holds (as of its offset)
         self.opened: list[Sink] = []
         self.started = False
         self._saved: list | None = None
@@ -145,24 +146,31 @@ class Trackers:
         """Open every sink in the tracker run of this run (made or resumed), then give
         each what the local events.jsonl holds up to byte `mirrored` that it lacks."""
         self.started = True
+        events = self._mirrored_events(0, mirrored)
         for sink in self.sinks:
-            if self._guard(sink, lambda: self._open(sink, run)):
+            if self._guard(sink, lambda: self._open(sink, run, events)):
                 self.opened.append(sink)
                 console.say(f"{self.label}tracker {sink.name}: {sink.where()}")
         live = self._live()
         if live:
-            self.add(self._mirrored_events(min(self.states[s.name].offset for s in live), mirrored))
+            start = min(self.states[s.name].offset for s in live)
+            self.add([(end, event) for end, event in events if end > start])
 
-    def _open(self, sink: Sink, run: TrackedRun) -> None:
+    def _open(self, sink: Sink, run: TrackedRun, events: list[tuple[int, dict]]) -> None:
+        """The sink opened in its tracker run, and the history it holds: that of the events
+        up to its offset. Where the tracker says it holds other steps than those (a watch
+        killed after sending and before recording, or one whose tracker lost what it
+        buffered, or a rebuild cut short), it is rebuilt from every event mirrored."""
         state = self.states[sink.name]
         sink.open(run, state.run)
+        history = history_of(event for end, event in events if end <= state.offset)
         held = sink.last_steps()
-        if held is not None:
-            # The tracker's own record counts: one behind this file's (what it buffered
-            # when a watch was killed) is sent again from the start of events.jsonl.
-            behind = any(held.get(kind, -1) < step for kind, step in state.steps.items())
-            state = dataclasses.replace(state, steps=held, offset=0 if behind else state.offset)
-        self.states[sink.name] = dataclasses.replace(state, run=sink.run_id)
+        if held is not None and held != history.last_steps():
+            history = history_of(event for _, event in events)
+            rows = sink.rebuild(history.values())
+            state = dataclasses.replace(state, offset=events[-1][0] if events else 0, rows=rows)
+        self.histories[sink.name] = history
+        self.states[sink.name] = dataclasses.replace(state, run=sink.run_id, steps=history.last_steps())
         if not sink.holds_when_closed:
             self.held[sink.name] = self.states[sink.name]
 
@@ -187,20 +195,30 @@ class Trackers:
         second), so it never lags what the trackers got by more than one batch."""
         events = list(events)
         for sink in self._live():
-            state = self.states[sink.name]
-            steps, offset, batch = dict(state.steps), state.offset, []
+            state, history = self.states[sink.name], self.histories[sink.name]
+            offset, batch, rewound = state.offset, [], False
             for end, event in events:
                 if end <= offset:
                     continue
                 offset = end
-                found: Scalars | None = scalars(event)
-                if found is not None and found.step > steps.get(found.kind, -1):
-                    batch.append(found)
-                    steps[found.kind] = found.step
-            if batch and not self._guard(sink, lambda: sink.send(batch, state.rows)):
-                continue
-            self.states[sink.name] = dataclasses.replace(state, offset=offset, steps=steps,
-                                                         rows=state.rows + len(batch))
+                change = history.add(event)
+                if change is not None and change.new is not None:
+                    batch.append(change.new)
+                rewound = rewound or (change is not None and change.rewind is not None)
+            rows = state.rows
+            # A rewind has the tracker run rebuilt from the history, which holds the
+            # batch's other values too; a tracker run that holds nothing yet is sent it.
+            if rewound:
+                batch = history.values()
+            work = (lambda: sink.rebuild(batch)) if rewound and state.rows else \
+                (lambda: sink.send(batch, state.rows)) if batch else None
+            if work is not None:
+                done: list[int] = []
+                if not self._guard(sink, lambda: done.append(work())):
+                    continue
+                rows = done[0]
+            self.states[sink.name] = dataclasses.replace(state, offset=offset, steps=history.last_steps(),
+                                                         rows=rows)
             if not sink.holds_when_closed:
                 self.held[sink.name] = self.states[sink.name]
         self.save()

@@ -5,7 +5,13 @@ The MLflow run is found again by its tag `dflash.run_id`, so every watch of a ru
 every attempt's resume one MLflow run. Params are the resolved training config,
 flattened (`optim.lr`); MLflow's params never change, so a watch adds only those the
 run lacks. Tags hold the provenance (`mlflow.source.git.commit`, `dflash.*`), updated
-by each watch."""
+by each watch.
+
+MLflow cannot take back a metric's value: where a resume replaces values the MLflow run
+holds, a new MLflow run is made with the run's history (and its params and tags), and
+the old one deleted (MLflow's delete: `mlflow gc` removes it for good). The new one is
+tagged with the id of the one it replaces until that is deleted, so a watch killed in
+between finds the old one whole and deletes the half-made one."""
 from __future__ import annotations
 
 import json
@@ -21,6 +27,7 @@ from .config import MlflowSettings
 from .sink import KIND_MARKERS, Sink, TrackedRun
 
 RUN_TAG = "dflash.run_id"
+REPLACES_TAG = "dflash.replaces"  # on a rebuilt MLflow run until the run it replaces is deleted
 # How the run ended, as MLflow's run status; a run that goes on stays RUNNING.
 END_STATUS = {RunState.SUCCEEDED: "FINISHED", RunState.FAILED: "FAILED", RunState.LOST: "FAILED",
               RunState.STOPPED: "KILLED"}
@@ -61,6 +68,9 @@ class MlflowSink(Sink):
         self.settings = settings
         self.client: Any = None
         self._id = ""
+        self._experiment_id = ""
+        self._tags: dict[str, str] = {}
+        self._params: list[tuple[str, str]] = []
 
     @property
     def destination(self) -> str:
@@ -76,50 +86,68 @@ class MlflowSink(Sink):
             # MLflow 3 keeps its file store only for those who ask: a file store named in
             # dflash.yaml is that request.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
         from mlflow.utils import validation
 
         self.client = client = MlflowClient(tracking_uri=s.tracking_uri)
         experiment = client.get_experiment_by_name(s.experiment)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(s.experiment)
-        found = self._find(experiment_id, run.run_id, known)
-        tags = {"mlflow.runName": run.run_name(s.run_name), RUN_TAG: run.run_id,
-                **({"mlflow.source.git.commit": run.git_commit} if run.git_commit else {}),
-                **{f"dflash.{key}": value for key, value in flatten(
-                    {k: v for k, v in run.provenance.items() if k != "run_id"}) if value != "null"}}
+        self._experiment_id = experiment.experiment_id if experiment else client.create_experiment(s.experiment)
+        found = self._find(run.run_id, known)
+        self._tags = {"mlflow.runName": run.run_name(s.run_name), RUN_TAG: run.run_id,
+                      **({"mlflow.source.git.commit": run.git_commit} if run.git_commit else {}),
+                      **{f"dflash.{key}": value for key, value in flatten(
+                          {k: v for k, v in run.provenance.items() if k != "run_id"}) if value != "null"}}
+        self._params = [(key[:validation.MAX_ENTITY_KEY_LENGTH], value[:validation.MAX_PARAM_VAL_LENGTH])
+                        for key, value in flatten(run.config)]
         if found is None:
-            found = client.create_run(experiment_id, run_name=tags["mlflow.runName"])
+            found = client.create_run(self._experiment_id, run_name=self._tags["mlflow.runName"])
         elif found.info.status != "RUNNING":
             client.update_run(found.info.run_id, status="RUNNING")
         self._id = found.info.run_id
-        held = found.data.params
-        params = [Param(key[:validation.MAX_ENTITY_KEY_LENGTH], value[:validation.MAX_PARAM_VAL_LENGTH])
-                  for key, value in flatten(run.config) if key[:validation.MAX_ENTITY_KEY_LENGTH] not in held]
-        for chunk in _chunks(params, validation.MAX_PARAMS_TAGS_PER_BATCH):
-            client.log_batch(self._id, params=chunk)
-        run_tags = [RunTag(key, value[:validation.MAX_TAG_VAL_LENGTH]) for key, value in tags.items()]
-        for chunk in _chunks(run_tags, validation.MAX_PARAMS_TAGS_PER_BATCH):
-            client.log_batch(self._id, tags=chunk)
+        self._describe(self._id, held=found.data.params)
 
-    def _find(self, experiment_id: str, run_id: str, known: str | None) -> Any:
-        """The MLflow run of `run_id`: the one trackers.json named, else the one tagged so."""
+    def _describe(self, mlflow_run: str, held: dict[str, str]) -> None:
+        """The params `mlflow_run` lacks (they never change) and every tag."""
+        from mlflow.entities import Param, RunTag
+        from mlflow.utils import validation
+
+        params = [Param(key, value) for key, value in self._params if key not in held]
+        for chunk in _chunks(params, validation.MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(mlflow_run, params=chunk)
+        run_tags = [RunTag(key, value[:validation.MAX_TAG_VAL_LENGTH]) for key, value in self._tags.items()]
+        for chunk in _chunks(run_tags, validation.MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(mlflow_run, tags=chunk)
+
+    def _find(self, run_id: str, known: str | None) -> Any:
+        """The MLflow run of `run_id`: the one trackers.json named, else the one tagged so.
+        A rebuild cut short is settled first: a rebuilt run whose old one is still there
+        is half made (deleted); one whose old one is gone is whole (its mark removed)."""
         from mlflow.exceptions import MlflowException
 
+        quote = "'" if "'" not in run_id else '"'
+        if quote in run_id:
+            return None  # a filter cannot spell it; a new MLflow run it is
+        runs = self.client.search_runs([self._experiment_id],
+                                       filter_string=f"tags.`{RUN_TAG}` = {quote}{run_id}{quote}",
+                                       order_by=["attributes.start_time ASC"])
+        active = {run.info.run_id for run in runs}
+        whole = []
+        for run in runs:
+            replaced = run.data.tags.get(REPLACES_TAG)
+            if replaced in active:
+                self.client.delete_run(run.info.run_id)
+                continue
+            if replaced is not None:
+                self.client.delete_tag(run.info.run_id, REPLACES_TAG)
+            whole.append(run)
         if known:
             try:
                 run = self.client.get_run(known)
             except MlflowException:
                 run = None
-            if run is not None and run.info.experiment_id == experiment_id and run.info.lifecycle_stage == "active" \
-                    and run.data.tags.get(RUN_TAG) == run_id:
+            if run is not None and run.info.run_id in {r.info.run_id for r in whole}:
                 return run
-        quote = "'" if "'" not in run_id else '"'
-        if quote in run_id:
-            return None  # a filter cannot spell it; a new MLflow run it is
-        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_TAG}` = {quote}{run_id}{quote}",
-                                       max_results=1, order_by=["attributes.start_time ASC"])
-        return runs[0] if runs else None
+        return whole[0] if whole else None
 
     def where(self) -> str:
         return f"MLflow run {self._id} in {self.settings.tracking_uri}, experiment {self.settings.experiment}"
@@ -132,14 +160,29 @@ class MlflowSink(Sink):
                 held[kind] = max(metric.step for metric in history)
         return held
 
-    def send(self, batch: list[Scalars], first_row: int) -> None:
+    def send(self, batch: list[Scalars], first_row: int) -> int:
+        self._log(self._id, batch)
+        return first_row + len(batch)
+
+    def _log(self, mlflow_run: str, batch: list[Scalars]) -> None:
         from mlflow.entities import Metric
         from mlflow.utils import validation
 
         metrics = [Metric(metric_name(tag), value, int(found.wall_time * 1000) or int(time.time() * 1000), found.step)
                    for found in batch for tag, value in found.values]
         for chunk in _chunks(metrics, validation.MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self._id, metrics=chunk)
+            self.client.log_batch(mlflow_run, metrics=chunk)
+
+    def rebuild(self, history: list[Scalars]) -> int:
+        old = self._id
+        new = self.client.create_run(self._experiment_id, run_name=self._tags["mlflow.runName"],
+                                     tags={REPLACES_TAG: old}).info.run_id
+        self._describe(new, held={})
+        self._log(new, history)
+        self.client.delete_run(old)
+        self.client.delete_tag(new, REPLACES_TAG)
+        self._id = new
+        return len(history)
 
     def close(self, outcome: RunState | None) -> None:
         if outcome in END_STATUS:

@@ -32,7 +32,9 @@ class TrackedRun:
 class Sink:
     """One tracker. `open` makes or resumes the tracker run of `run` (`known`: the
     tracker's run id recorded by an earlier watch, or None); `send` gets rows of
-    scalars no earlier call sent, `first_row` being the number of rows sent before."""
+    scalars no earlier call sent, `first_row` being the number of rows sent before;
+    `rebuild` makes the tracker run hold the run's history (scalars.History) instead of
+    what it holds. Both return the rows the tracker run holds after."""
 
     name = ""
     holds_when_closed = False  # True: what it was sent is kept only once `close` returned
@@ -57,7 +59,12 @@ class Sink:
         """The last step of each kind the tracker run holds, where the tracker can say."""
         return None
 
-    def send(self, batch: list[Scalars], first_row: int) -> None:
+    def send(self, batch: list[Scalars], first_row: int) -> int:
+        raise NotImplementedError
+
+    def rebuild(self, history: list[Scalars]) -> int:
+        """What the tracker run holds replaced by `history` (every value, by step): where
+        the attempt that continued the run replaced values the tracker holds."""
         raise NotImplementedError
 
     def close(self, outcome: RunState | None) -> None:

@@ -2,7 +2,8 @@
 ~/.cache/huggingface/trackio), which `trackio show` serves.
 
 The trackio run is named by the run id and resumed by that name; its group is the
-run's name. trackio prints its notices on stdout, which is `watch`'s log: they are
+run's name. Where a resume replaces values it holds, the trackio run is deleted and made
+again with the run's history (trackio's logs are rows of a project database). trackio prints its notices on stdout, which is `watch`'s log: they are
 dropped (`watch` says where the run is; trackio's warnings go to stderr as warnings).
 Only the calling thread's output is dropped: of a run on several hosts, rank 0's part is
 followed in a thread of its own while the others' lines are printed."""
@@ -52,6 +53,7 @@ class TrackioSink(Sink):
         self.run: Any = None
         self._id = ""
         self._dir = ""
+        self._tracked: TrackedRun | None = None
 
     @property
     def destination(self) -> str:
@@ -62,10 +64,14 @@ class TrackioSink(Sink):
         return self._id
 
     def open(self, run: TrackedRun, known: str | None) -> None:
+        self._id, self._tracked = run.run_id, run
+        self._start()
+
+    def _start(self) -> None:
+        run = self._tracked
         with quiet_this_thread():
             import trackio
 
-            self._id = run.run_id
             self.run = trackio.init(project=self.settings.project, name=run.run_id, group=run.name,
                                     config={**run.config, "dflash": run.provenance}, resume="allow", embed=False,
                                     auto_log_gpu=False, auto_log_cpu=False)
@@ -86,9 +92,20 @@ class TrackioSink(Sink):
                 held[kind] = max(steps)
         return held
 
-    def send(self, batch: list[Scalars], first_row: int) -> None:
+    def send(self, batch: list[Scalars], first_row: int) -> int:
         for found in batch:
             self.run.log(dict(found.values), step=found.step)
+        return first_row + len(batch)
+
+    def rebuild(self, history: list[Scalars]) -> int:
+        import trackio
+        from trackio.sqlite_storage import SQLiteStorage
+
+        with quiet_this_thread():
+            trackio.finish()  # what it buffered is written before the run goes
+        SQLiteStorage.delete_run(self.settings.project, self._id)
+        self._start()
+        return self.send(history, 0)
 
     def close(self, outcome: RunState | None) -> None:
         import trackio

@@ -16,6 +16,7 @@ from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TY
 
 from dflash_files import procfs
 from . import checkpoints
+from dflash_files.checkpoint_files import EXPORT_DIR
 from .attempts import newest_checkpoint
 from .jsonio import AgentError, decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
 from .layout import RunDir
@@ -321,6 +322,7 @@ def run_status(run: RunDir, with_config: bool = False, verify: bool = False) -> 
         attempts=len(record.get("attempts") or ()) or 1,
         resume_step=_resume_step(record),
         checkpoint_step=checkpoint_step,
+        export=_export(run),
         config=record.get("config") if with_config else None,
         corrupt_checkpoints=corrupt,
     )
@@ -330,6 +332,12 @@ def _resume_step(record: Dict[str, Any]) -> Optional[int]:
     """The checkpoint step the latest attempt started from (None: from the start)."""
     entries = record.get("attempts") or [{}]
     return (entries[-1].get("resume_from") or {}).get("step")
+
+
+def _export(run: RunDir) -> Optional[str]:
+    """The export folder, once there: the trainer renames it into place whole."""
+    path = run.file(EXPORT_DIR)
+    return path if os.path.isdir(path) else None
 
 
 def _newest_checkpoint_step(run: RunDir) -> Optional[int]:
