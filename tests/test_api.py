@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-import dflash
+import dflash_trainer as dflash
 from dflash_agent.protocol import ReportReply, RunState, RunStatus
 from dflash_cli import release, watching
 from dflash_cli.errors import ExitCode
@@ -38,10 +38,10 @@ def kinds(items: list) -> list[str]:
 # --- import ----------------------------------------------------------------------------------
 
 def test_import_is_cheap_and_the_types_come_when_named():
-    shown = subprocess.run([sys.executable, "-X", "importtime", "-c", "import dflash; print(dflash.__file__)"],
+    shown = subprocess.run([sys.executable, "-X", "importtime", "-c", "import dflash_trainer; print(dflash_trainer.__file__)"],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.strip() == str(REPO / "dflash" / "__init__.py")
+    assert shown.stdout.strip() == str(REPO / "dflash_trainer" / "__init__.py")
     imported = {line.rsplit("|", 1)[-1].strip() for line in shown.stderr.splitlines() if line.startswith("import time:")}
     assert "dflash_cli.errors" in imported
     heavy = {"torch", "paramiko", "fabric", "rich", "click", "yaml", "dflash_train", "dflash_cli.session",

@@ -242,7 +242,7 @@ def test_a_wheel_install_deploys_its_bundled_copy_or_the_project_tree(installed_
     assert line.endswith("site-packages/dflash_cli/_release, not a git checkout)")
     assert str(tmp_path / "venv") in line
 
-    api = subprocess.run([str(installed_wheel.parent / "python"), "-c", "import dflash; print(dflash.__file__)"],
+    api = subprocess.run([str(installed_wheel.parent / "python"), "-c", "import dflash_trainer; print(dflash_trainer.__file__)"],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
     assert api.returncode == 0, api.stderr
     assert api.stdout.startswith(str(tmp_path / "venv")), api.stdout  # the wheel's Python API, not a checkout's

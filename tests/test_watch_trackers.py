@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import dflash as api  # the Python API (dflash_run's `dflash` runs the CLI)
+import dflash_trainer as api  # the Python API (dflash_run's `dflash` runs the CLI)
 from dflash_cli.errors import ExitCode
 from dflash_cli.local_state import RunRef, set_latest
 from dflash_run import dflash, dflash_in_process

@@ -1,6 +1,6 @@
 """dflash's verbs as Python functions, for notebooks and scripts (docs/api.md).
 
-    import dflash
+    import dflash_trainer as dflash
 
     launched = dflash.launch("local", "configs/train/tiny-cpu.yaml")
     for item in dflash.watch(launched.run_id):
@@ -68,7 +68,7 @@ def __getattr__(name: str) -> Any:
         from dflash_cli import DISTRIBUTION
 
         return metadata.version(DISTRIBUTION)
-    raise AttributeError(f"module 'dflash' has no attribute {name!r}")
+    raise AttributeError(f"module 'dflash_trainer' has no attribute {name!r}")
 
 
 F = TypeVar("F", bound=Callable[..., Any])
