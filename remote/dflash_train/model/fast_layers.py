@@ -7,10 +7,13 @@ modules, for three reasons:
 * one compiled graph serves every layer: the weights are arguments, so Dynamo compiles
   `project_and_store` and `output_and_mlp` once per step shape, not once per layer (a
   compiled module's forward bakes its layer in);
-* attention reads each key-value head once: the query heads that share a KV head are laid
-  along the query axis (`attend`), where the modules' attention first copies every KV head
-  once per query head (transformers' repeat_kv), which at a batch of hundreds of cached
-  sequences is most of a decode step's memory traffic;
+* attention reads each key-value head once, where the modules' attention first copies every
+  KV head once per query head (transformers' repeat_kv), which at a batch of hundreds of
+  cached sequences is most of a decode step's memory traffic: compiled steps on CUDA
+  attend through FlexAttention with grouped queries and a block mask set from the
+  positions on the device (`PositionMask`: each row's keys up to its own position); the
+  other paths lay the query heads that share a KV head along the query axis of one SDPA
+  call (`attend`);
 * `fuse_projections` makes q, k and v one matrix and gate and up another, as views that the
   modules keep using: fewer, larger matrix products, with no second copy of the weights.
 
