@@ -328,7 +328,7 @@ class RunStatus(Message):
     # The newest complete checkpoint's step; the newest intact one's where the
     # checkpoints were verified (`corrupt_checkpoints` is there).
     checkpoint_step: Optional[int]
-    export: Optional[str]  # the run's export folder on the host (absolute), once the trainer wrote it
+    export: Optional[str] = optional()  # the run's export folder on the host (absolute), once the trainer wrote it
     config: Optional[str] = optional()  # with --config: config.yaml's text as launched
     # With --run-id, for a run that ended: its checkpoints newer than the newest intact
     # one, found corrupt (newest first; [] when the newest is intact). Left out where the

@@ -340,9 +340,13 @@ class Regeneration(JobControl):
                 name, exc = self.latch.failure
                 raise ThreadFailed(f"{name} failed: {type(exc).__name__}: {exc}") from exc
             self._set_phase("shutdown")
-            self._finish()
             if peers is not None:
+                # Every answer is written or sent (sent/<rank>); then this rank leaves, before
+                # the stop of _finish, which would tell the peers this rank stopped.
+                assert self.writer is not None
+                self.writer.close()
                 peers.leave(ok=True)
+            self._finish()
             return EXIT_OK
         except (StopRequested, PeerFailed):
             stopped = self.latch.failure is None
