@@ -151,6 +151,20 @@ def python_argv(host: Host, source: str, workspace: str, *args: str) -> list[str
     return [host.python, "-c", prelude + source, workspace, *args]
 
 
+def run_probe(transport: Transport, host: Host, source: str, answer: type[M], *args: str, doing: str = "",
+              stdin: bytes | None = None, timeout: float | None = None) -> M:
+    """`source` run on `host` with the trainer's interpreter (python_argv), its reply read
+    as `answer`; a run that failed or answered no JSON is a DflashError (usage) naming the
+    host and the end of its stderr. `doing`: what the message says it was doing."""
+    done = transport.run(python_argv(host, source, host.workspace, *args), stdin=stdin, timeout=timeout)
+    check_interpreter(host, done)
+    obj = parse_reply(done.stdout)
+    if done.exit_code != 0 or obj is None:
+        raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}){doing}: "
+                          f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
+    return read_probe(host, answer, obj)
+
+
 def read_probe(host: Host, answer: type[M], obj: dict) -> M:
     """What a probe (a source of this tree sent with `python -c`, dflash_agent/gpus.py)
     answered, read as its type."""

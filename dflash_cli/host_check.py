@@ -24,9 +24,8 @@ from dflash_agent.gpus import TRAINER_PACKAGES, is_hub_id
 from dflash_agent.protocol import HostCheck
 
 from . import fit_check
-from .agent_client import python_argv, read_probe
+from .agent_client import run_probe
 from .errors import DflashError, ExitCode
-from .host_replies import check_interpreter, parse_reply
 from .inventory import Host
 from .release import list_files
 from .session import Session
@@ -163,14 +162,8 @@ def check_host(session: Session, host: Host, config: JobConfig, paths: list[pref
             *(f"--env={key}={value}" for key, value in host.env.items()),
             *(f"--require-module={package}" for package in TRAINER_PACKAGES),
             *(f"--require-path={kind}:{key}={path}" for kind, key, path in there)]
-    done = session.transport(host).run(python_argv(host, _LOADER, host.workspace, *args), stdin=_sources(),
-                                       timeout=TIMEOUT_S)
-    check_interpreter(host, done)
-    obj = parse_reply(done.stdout)
-    if done.exit_code != 0 or obj is None:
-        raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}) checking the launch: "
-                          f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
-    answer = read_probe(host, HostCheck, obj)
+    answer = run_probe(session.transport(host), host, _LOADER, HostCheck, *args, doing=" checking the launch",
+                       stdin=_sources(), timeout=TIMEOUT_S)
     verdicts = [Verdict(v.check, v.problem) for v in answer.checks] + here
     if (devices := _devices_verdict(config, answer)) is not None:
         verdicts.append(devices)

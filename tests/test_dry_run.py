@@ -10,39 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from dflash_run import dflash_in_process
 from support import container_workspace
-from support.inventory import HOST_ENV, container_host, workspace_on_node
-from test_fit_check import cache_hub_model
+from support.inventory import workspace_on_node
+from test_fit_check import GpuHost
 from test_bad_input import fabricate_run
-from test_memory_plan import CONFIGS, QWEN3_8B, write_model_folder
+from test_memory_plan import CONFIGS, write_model_folder
 
 pytestmark = pytest.mark.timeout(300)
 CHATS = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
 
 
-class Hosts:
-    """Host `gpu` (container 204, HF_HOME holding Qwen3-8B's config.json) and ct200 (no
-    GPU), with training data and prompts in files both see."""
+class Hosts(GpuHost):
+    """test_fit_check's host `gpu` (container 204, HF_HOME holding Qwen3-8B's config.json,
+    its workspace `workspace`), and ct200 (no GPU), with training data and prompts in files
+    both see."""
 
     def __init__(self, make_inventory, ssh_node, fake_pve, vmid: int, tmp_path: Path):
-        self.hf_home = tmp_path / "hf home"
-        cache_hub_model(self.hf_home, "Qwen/Qwen3-8B", QWEN3_8B)
-        entry = container_host(tmp_path, ssh_node, fake_pve, vmid)
-        entry["env"] = {**HOST_ENV, "HF_HOME": str(self.hf_home)}
-        self.inventory = make_inventory(tmp_path, gpu=entry)
-        self.logs = tmp_path / "logs"
-        self.gpu_workspace = fake_pve.on_node(vmid, container_workspace(fake_pve, tmp_path))
+        super().__init__(make_inventory, ssh_node, fake_pve, vmid, tmp_path)
+        self.chats.write_text(CHATS + "\n")  # a chat with the assistant's turn
         self.ct200_workspace = workspace_on_node(fake_pve, tmp_path)
-        self.chats = tmp_path / "chats.jsonl"
-        self.chats.write_text(CHATS + "\n")
         self.drafter = write_model_folder(tmp_path / "drafter", {"model_type": "qwen3"})
-
-    def dflash(self, *args: str):
-        return dflash_in_process("--logs-dir", str(self.logs), *args, hosts=self.inventory)
-
-    def data(self) -> list[str]:
-        return ["--set", f"data.train={self.chats}", "--set", f"data.eval={self.chats}"]
 
     def evaluate(self) -> list[str]:
         return ["--set", f"evaluate.drafter={self.drafter}", "--set", f"evaluate.prompts={self.chats}"]
@@ -79,7 +66,7 @@ def test_a_dry_run_that_passes_says_each_checks_verdict(hosts):
     (imports,) = [check for check in said if check.endswith(" imports torch, transformers")]
     assert said == {space: "ok", imports: "ok"}
     assert "gpu cuda:0: target-0, eval, drafter-0, drafter-1" in done.stderr  # the estimate's table
-    assert not hosts.gpu_workspace.exists()
+    assert not hosts.workspace.exists()
 
 
 def test_evaluate_drafter_missing_is_refused_by_the_dry_run_and_the_launch(hosts, tmp_path):
@@ -95,15 +82,15 @@ def test_evaluate_drafter_missing_is_refused_by_the_dry_run_and_the_launch(hosts
     assert launched.returncode == 2, launched.stderr
     assert (f"gpu: evaluate.drafter: {tmp_path / 'no drafter'} does not exist" in one_line(launched.stderr))
     assert "(nothing was deployed or started)" in one_line(launched.stderr)
-    assert not hosts.gpu_workspace.exists()
+    assert not hosts.workspace.exists()
 
 
 def test_evaluate_drafter_names_a_run_whose_export_the_cli_finds_on_the_host(hosts, fake_pve, tmp_path):
     assert hosts.dflash("deploy", "gpu").returncode == 0
     trained, unfinished = "tiny-cpu-20261204-150000-aaaa", "tiny-cpu-20261204-160000-bbbb"
-    fabricate_run(hosts.gpu_workspace, trained, 0)
-    fabricate_run(hosts.gpu_workspace, unfinished, 1)
-    write_model_folder(hosts.gpu_workspace / "runs" / trained / "export", {"model_type": "qwen3"})
+    fabricate_run(hosts.workspace, trained, 0)
+    fabricate_run(hosts.workspace, unfinished, 1)
+    write_model_folder(hosts.workspace / "runs" / trained / "export", {"model_type": "qwen3"})
     on_host = container_workspace(fake_pve, tmp_path) / "runs" / trained / "export"  # as the container sees it
     status = hosts.dflash("status", trained, "--host", "gpu")
     assert f"export on gpu: {on_host} (evaluate.drafter: run:{trained}; " in one_line(status.stderr)

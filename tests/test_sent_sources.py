@@ -32,7 +32,7 @@ SERVED = {"launch host check loader": frozenset({"dflash_agent"})}
 
 def _python_c_argvs() -> set[tuple[str, str]]:
     """(module, function) of every argv literal in dflash_cli that holds "-c", and
-    (module, source argument) of every python_argv call."""
+    (module, source argument) of every python_argv and run_probe call."""
     found = set()
     for path in sorted(CLI.rglob("*.py")):
         module = path.relative_to(CLI).as_posix()
@@ -44,8 +44,12 @@ def _python_c_argvs() -> set[tuple[str, str]]:
                                                       for e in node.elts):
                     found.add((module, function.name))
                 called = getattr(node, "func", None)
-                if isinstance(node, ast.Call) and getattr(called, "id", getattr(called, "attr", None)) == "python_argv":
+                name = getattr(called, "id", getattr(called, "attr", None)) if isinstance(node, ast.Call) else None
+                # run_probe passes its caller's source on to python_argv: its callers name the source
+                if name == "python_argv" and function.name != "run_probe":
                     found.add((module, ast.unparse(node.args[1])))
+                elif name == "run_probe":
+                    found.add((module, ast.unparse(node.args[2])))
     return found
 
 

@@ -13,8 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import console, requirements
-from ..agent_client import python_argv, read_probe
-from ..host_replies import check_interpreter, parse_reply
+from ..agent_client import run_probe
 from ..deployment import check_host
 from ..errors import DflashError, ExitCode, UnreachableError
 from ..inventory import Host
@@ -48,13 +47,7 @@ def missing_packages(facts: HostProbe) -> list[str]:
 
 
 def check(session: Session, host: Host) -> HostCheck:
-    done = session.transport(host).run(python_argv(host, _PROBE, host.workspace), timeout=PROBE_TIMEOUT_S)
-    check_interpreter(host, done)
-    answer = parse_reply(done.stdout)
-    if done.exit_code != 0 or answer is None:
-        raise DflashError(f"host {host.name}: {host.python} failed (exit {done.exit_code}): "
-                          f"{done.stderr.decode(errors='replace').strip()[-500:]}", ExitCode.USAGE)
-    facts = read_probe(host, HostProbe, answer)
+    facts = run_probe(session.transport(host), host, _PROBE, HostProbe, timeout=PROBE_TIMEOUT_S)
     # A release edited on the host runs what nobody deployed: say so (deploy repairs it).
     return HostCheck(facts, check_host(session, host) if facts.current_release else [])
 
