@@ -125,16 +125,17 @@ class BatchedDecoder:
         at = self.position.unsqueeze(1)  # (S, 1)
         hidden = layers.embed(self.token.unsqueeze(1))  # (S, 1, hidden)
         cos, sin = self.cos[at], self.sin[at]  # (S, 1, D)
-        seen = (self.key_index[:length] <= at).unsqueeze(1)  # (S, 1, L)
         if self._flex is not None:
             self._flex.set(at)
+            attention = self._flex
+        else:
+            seen = (self.key_index[:length] <= at).unsqueeze(1)  # (S, 1, L)
+
+            def attention(q, keys, values, scale):
+                return attend(q, keys[:, :, :length], values[:, :, :length], seen, scale)
         for w, keys, values in zip(layers.weights, self.keys, self.values):
             q = layers.step_project(hidden, w, g, cos, sin, keys, values, self.rows, at)
-            if self._flex is not None:
-                attended = self._flex(q, keys, values, g.scale)
-            else:
-                attended = attend(q, keys[:, :, :length], values[:, :, :length], seen, g.scale)
-            hidden = layers.step_output(attended, hidden, w, g)
+            hidden = layers.step_output(attention(q, keys, values, g.scale), hidden, w, g)
         logits = layers.final(hidden)[:, 0]  # (S, V)
         self.chosen.copy_(self._step_choose(logits, self.prompt_index, self.count))
         self.token.copy_(self.chosen)

@@ -63,13 +63,17 @@ class StaticTarget:
         at = positions.unsqueeze(0)  # (1, Q)
         hidden = layers.embed(input_ids)
         cos, sin = self.cos[at], self.sin[at]
-        seen = (self.key_index.unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(0)  # (1, Q, capacity)
-        flex = self._mask(at) if step and self.flex else None
+        if step and self.flex:
+            attention = self._mask(at)
+        else:
+            seen = (self.key_index.unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(0)  # (1, Q, capacity)
+
+            def attention(q, keys, values, scale):
+                return attend(q, keys, values, seen, scale)
         tapped: dict[int, torch.Tensor] = {}
         for index, (w, keys, values) in enumerate(zip(layers.weights, self.keys, self.values)):
             q = project(hidden, w, g, cos, sin, keys, values, self.rows, at)
-            attended = flex(q, keys, values, g.scale) if flex is not None else attend(q, keys, values, seen, g.scale)
-            hidden = output(attended, hidden, w, g)
+            hidden = output(attention(q, keys, values, g.scale), hidden, w, g)
             if index in self.layer_ids:
                 tapped[index] = hidden
         logits = layers.final(hidden[:, -1:] if last_logits_only else hidden)
