@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..compiling.decode_graphs import graphed
+from .decode_graphs import graphed
 from .drafter import DFlashDrafter
 from .objective import dense_block_mask
 from .static_target import StaticTarget
