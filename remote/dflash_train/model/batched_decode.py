@@ -32,9 +32,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..compiling.decode_graphs import graphed
 from ..config import SamplingConfig
 from ..memory.plan import PREFILL_TOKENS
+from .decode_graphs import graphed
 from .fast_layers import (FLEX_BLOCK, FastLayers, PositionMask, attend, attend_causal, compile_step, output_and_mlp,
                           project_and_store)
 from .sampling import Chooser

@@ -21,7 +21,7 @@ positions (prompt + new tokens + a block):
   shape this takes a verify step from 13.2 to 8.4 ms, for about 50 s of compiling
   (bench/RESULTS-h200.md);
 * on CUDA, with `cuda_graphs`, the draft step and the verify step (and the target-alone
-  step) are CUDA graphs (compiling/decode_graphs.py), captured by `capture` (a training
+  step) are CUDA graphs (model/decode_graphs.py), captured by `capture` (a training
   run's evaluator, in start-up) or at the first decode; the prefill, whose length
   varies, runs eagerly. Elsewhere the same functions run eagerly.
 
@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..compiling.decode_graphs import graphed
+from .decode_graphs import graphed
 from .drafter import DFlashDrafter
 from .fast_layers import compile_step
 from .objective import dense_block_mask
