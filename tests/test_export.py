@@ -272,10 +272,17 @@ def test_a_run_exports_bf16_that_loads_as_the_drafter_it_trained(device, export,
         end(run)
     exported = run.run_dir / "export"
     assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"
-    from safetensors import safe_open
-    with safe_open(str(exported / "model.safetensors"), "pt") as f:
-        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.bfloat16}
-    trained = load_drafter(exported).eval()  # the exported weights, in fp32
+    from safetensors.torch import load_file
+    # The trained weights as training held them (fp32): the last step's checkpoint, written
+    # at the step the export was made from.
+    weights = load_file(str(run.run_dir / "checkpoints" / "latest" / "model.safetensors"))
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float32}
+    export = load_file(str(exported / "model.safetensors"))
+    assert export.keys() == weights.keys()
+    for name, tensor in export.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, weights[name].to(torch.bfloat16)), name
+    trained = load_drafter(exported).eval()  # the config the export carries, with the trained fp32 weights
+    trained.load_state_dict(weights, strict=True)
     inputs = drafter_inputs(trained, context=40)
     torch.save(inputs, tmp_path / "inputs.pt")
     info, outputs = load_in_fresh_process(exported, tmp_path / "inputs.pt", tmp_path, None)
