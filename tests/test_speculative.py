@@ -3,7 +3,15 @@ fast decode with static caches and the drafter cache), the two acceptance figure
 speed-up, and the standalone evaluation job (`job: evaluate`), on the tiny CPU target with
 a drafter the real trainer trains once for this module, and on random targets of each
 family with a drafter built to draft what they decode (_agreeing_drafter); the fast decode
-under transformers 4.57.1 too, and with CUDA graphs on a GPU (`-m gpu`)."""
+under transformers 4.57.1 too, and with CUDA graphs on a GPU (`-m gpu`).
+
+Of the decode's CUDA graphs (compiling/decode_graphs.py) the CPU checks the decoder's
+bookkeeping (support/graphs.py: each step captured once, before the prefill, its warm-up
+runs leaving nothing a decode reads). Only the device proves the rest: that a replayed
+step computes what the eager one does on the same buffers, captured on a side stream in
+a thread of its own under CAPTURE_LOCK, the target in bf16; the `gpu` test compares the
+graphed decode, the target alone and the compiled steps with the eager decode and with
+`generate`."""
 from __future__ import annotations
 
 import itertools
@@ -534,6 +542,49 @@ def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path)
     assert rows[-1]["type"] == "done" and rows[-1]["exit_code"] == 128 + signal.SIGTERM
     assert not [r for r in rows if r["type"] == "eval"] and not (run_dir / "eval.json").exists()
     assert (run_dir / "errors.jsonl").read_text() == ""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow(seconds=3, why="speculative decoding on CPU with the module's trained drafter")
+def test_steps_captured_before_a_decode_leave_it_lossless_and_are_captured_once(trained, monkeypatch):
+    """The decode's CUDA-graph bookkeeping, on the CPU (support/graphs.py): `capture` makes
+    the draft, verify and target-alone steps, each run as a capture's warm-up runs it,
+    before any prefill; the decodes after it (prompts of other lengths, the buffers
+    reused) take those steps and capture nothing more, with an uncaptured decoder's tokens
+    and acceptance. A decoder not captured beforehand captures at its first decode, before
+    its prefill, with the same outcome. That a replay is the eager step is the device's
+    test (test_cuda_graphed_decode_is_the_eager_one_and_the_targets_greedy_decode_in_bf16)."""
+    from dflash_train.model import fast_decode
+
+    from support.graphs import run_as_captured
+
+    prompts = trained["prompts"][:3] + [[2, 6] + [10 + i for i in range(12)] + [3, 2, 7], [2, 6]]
+    plain = _fast(trained, cuda_graphs=False)
+    captured = run_as_captured(monkeypatch, fast_decode)
+    early, lazy = _fast(trained), _fast(trained)
+    early.cuda_graphs = lazy.cuda_graphs = True
+    early.capture()
+    assert len(captured) == 3  # draft, verify, the target alone
+    accepted = []
+    for prompt in prompts:
+        want, want_alone = plain.decode(prompt, 40, set()), plain.decode_alone(prompt, 40, set())
+        assert want.tokens == want_alone.tokens
+        for decoder in (early, lazy):
+            got = decoder.decode(prompt, 40, set())
+            assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
+            assert decoder.decode_alone(prompt, 40, set()).tokens == want.tokens
+        accepted += want.accepted
+    assert len(captured) == 6  # the lazy decoder's three at its first decodes; none after
+    assert max(accepted) > 1, "the trained drafter must get drafts accepted, or the verify step's moves went unseen"
+
+
+def test_a_step_is_graphed_on_cuda_only():
+    from dflash_train.compiling.decode_graphs import graphed
+
+    def step() -> None:
+        raise AssertionError("graphed on the CPU must not run the step")
+
+    assert graphed(step, torch.device("cpu")) is step
 
 
 def _in_a_thread(work):
