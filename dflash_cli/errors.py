@@ -25,8 +25,8 @@ class ExitCode(enum.IntEnum):
 def exit_code_for_state(state: RunState | None) -> ExitCode:
     """The exit code of `status` and `watch` for a run state; None, a state nobody could
     tell (a host that could not be asked), is a state this CLI cannot vouch for (3)."""
-    # imported here: the protocol's dataclasses take ~17 ms to define, and the verbs that
-    # never see a run state (deploy, setup) import this module first thing
+    # imported here: defining the protocol's dataclasses is a cost of start-up, and the
+    # verbs that never see a run state (deploy, setup) import this module first thing
     from dflash_agent.protocol import RunState
 
     # docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
