@@ -13,13 +13,14 @@ if TYPE_CHECKING:
 
 
 class ExitCode(enum.IntEnum):
+    """What each code means is docs/cli.md's "CLI exit codes"."""
     OK = 0
-    RUN_FAILED = 1  # the run failed or was found failed; the traceback was printed
-    USAGE = 2  # usage or configuration error
-    UNREACHABLE = 3  # host unreachable, or run state unknown after retries
-    STOPPED = 4  # the run was stopped
-    LOCAL_DISK_FULL = 5  # this machine's disk (logs/) is full; the run itself is not affected
-    INTERRUPTED = 130  # the user pressed Ctrl-C; the run keeps going
+    RUN_FAILED = 1
+    USAGE = 2
+    UNREACHABLE = 3
+    STOPPED = 4
+    LOCAL_DISK_FULL = 5
+    INTERRUPTED = 130
 
 
 def exit_code_for_state(state: RunState | None) -> ExitCode:
