@@ -24,7 +24,7 @@ strategies, that a replayed step builds its block mask from each batch's own anc
 that the dynamic whole_step compiles once for four buckets and captures each; that
 graphed micro-batches add up and a step starts from zero; and that a whole step from
 saved graphs traces nothing and replays eager's losses. The decode steps' graphs
-(compiling/decode_graphs.py) are test_speculative.py's and test_regenerate.py's.
+(model/decode_graphs.py) are test_speculative.py's and test_regenerate.py's.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ a drafter the real trainer trains once for this module, and on random targets of
 family with a drafter built to draft what they decode (_agreeing_drafter); the fast decode
 under transformers 4.57.1 too, and with CUDA graphs on a GPU (`-m gpu`).
 
-Of the decode's CUDA graphs (compiling/decode_graphs.py) the CPU checks the decoder's
+Of the decode's CUDA graphs (model/decode_graphs.py) the CPU checks the decoder's
 bookkeeping (support/graphs.py: each step captured once, before the prefill, its warm-up
 runs leaving nothing a decode reads). Only the device proves the rest: that a replayed
 step computes what the eager one does on the same buffers, captured on a side stream in
@@ -579,7 +579,7 @@ def test_steps_captured_before_a_decode_leave_it_lossless_and_are_captured_once(
 
 
 def test_a_step_is_graphed_on_cuda_only():
-    from dflash_train.compiling.decode_graphs import graphed
+    from dflash_train.model.decode_graphs import graphed
 
     def step() -> None:
         raise AssertionError("graphed on the CPU must not run the step")

@@ -1,6 +1,6 @@
 """The decoders' CUDA-graph bookkeeping on the CPU: a step run as a capture runs it.
 
-compiling/decode_graphs.py `graphed` runs a step DECODE_WARMUP_STEPS times before its
+model/decode_graphs.py `graphed` runs a step DECODE_WARMUP_STEPS times before its
 capture records it (recording runs no kernel), and the decode then replays the recording
 on the same buffers. What the CPU can check of that is the decoder's side: that the
 warm-up runs, made wherever a capture happens, leave nothing a decode reads, and that the
@@ -18,7 +18,7 @@ def run_as_captured(monkeypatch: pytest.MonkeyPatch, module) -> list[Callable[[]
     hand back the step itself as what replays. Returns the steps captured so far (a list
     that grows). The decoder must be told it uses graphs (`cuda_graphs = True`): on the
     CPU it turns them off."""
-    from dflash_train.compiling.decode_graphs import DECODE_WARMUP_STEPS
+    from dflash_train.model.decode_graphs import DECODE_WARMUP_STEPS
 
     captured: list[Callable[[], None]] = []
 
