@@ -16,7 +16,7 @@ from . import completion, console, deploy_early, retry, run_hosts
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, latest_or_refuse
-from .project_tree import in_state_root
+from .project_tree import LARGE_RELEASE_BYTES, in_state_root
 from .run_hosts import Reach
 from .session import CLI_CONFIG_ENV, DEFAULT_LOGS, HOSTS_ENV, LOGS_ENV, Session
 
@@ -75,6 +75,11 @@ def _json_option(what: str):
     """--json, saying what the verb prints as JSON on stdout."""
     return click.option("--json", "as_json", is_flag=True, help=f"{what} (an error: one JSON object with "
                                                                    "\"error\" and \"exit_code\").")
+
+
+# deploy's and launch's; the limit is project_tree's, stated there once
+_ALLOW_LARGE_HELP = (f"Send a release over {LARGE_RELEASE_BYTES >> 20} MiB (refused by default, naming its largest "
+                     "files: data belongs on the host).")
 
 
 def _run_argument(name: str = "run_id", metavar: str = "[RUN]", required: bool = False):
@@ -140,9 +145,7 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str | None, accep
 @click.option("--source", "source_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Deploy this project tree (default: the one holding the current directory, "
                    "else the copy bundled with dflash).")
-@click.option("--allow-large", is_flag=True,
-              help="Send a release over 64 MiB (refused by default, naming its largest files: data "
-                   "belongs on the host).")
+@click.option("--allow-large", is_flag=True, help=_ALLOW_LARGE_HELP)
 @_json_option("One JSON object per host on stdout: its result, or its error")
 @click.pass_obj
 def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, verify: bool,
@@ -209,9 +212,7 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
                    "else the copy bundled with dflash).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override one config key (dotted: optim.lr=1e-4; VALUE read as YAML); repeatable.")
-@click.option("--allow-large", is_flag=True,
-              help="Send a release over 64 MiB (refused by default, naming its largest files: data "
-                   "belongs on the host).")
+@click.option("--allow-large", is_flag=True, help=_ALLOW_LARGE_HELP)
 @click.option("--master-addr", metavar="ADDRESS",
               help="Several hosts: where the others reach the first (default: its inventory address).")
 @click.option("--master-port", type=click.IntRange(1, 65535), metavar="PORT",

@@ -13,20 +13,21 @@ if TYPE_CHECKING:
 
 
 class ExitCode(enum.IntEnum):
+    """What each code means is docs/cli.md's "CLI exit codes"."""
     OK = 0
-    RUN_FAILED = 1  # the run failed or was found failed; the traceback was printed
-    USAGE = 2  # usage or configuration error
-    UNREACHABLE = 3  # host unreachable, or run state unknown after retries
-    STOPPED = 4  # the run was stopped
-    LOCAL_DISK_FULL = 5  # this machine's disk (logs/) is full; the run itself is not affected
-    INTERRUPTED = 130  # the user pressed Ctrl-C; the run keeps going
+    RUN_FAILED = 1
+    USAGE = 2
+    UNREACHABLE = 3
+    STOPPED = 4
+    LOCAL_DISK_FULL = 5
+    INTERRUPTED = 130
 
 
 def exit_code_for_state(state: RunState | None) -> ExitCode:
     """The exit code of `status` and `watch` for a run state; None, a state nobody could
     tell (a host that could not be asked), is a state this CLI cannot vouch for (3)."""
-    # imported here: the protocol's dataclasses take ~17 ms to define, and the verbs that
-    # never see a run state (deploy, setup) import this module first thing
+    # imported here: defining the protocol's dataclasses is a cost of start-up, and the
+    # verbs that never see a run state (deploy, setup) import this module first thing
     from dflash_agent.protocol import RunState
 
     # docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not

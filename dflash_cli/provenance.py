@@ -24,7 +24,7 @@ _NAMES_SHOWN = 3
 def describe(source: release.SourceTree, tree: release.Release, *, version: bool = True) -> dict[str, Any]:
     """run.json's `source` for the release `tree` scanned from `source`. `version` False
     leaves dflash_version None unless `summary` names it (the bundled copy): looking it
-    up imports importlib.metadata (~25 ms of CPU), for a line that does not show it."""
+    up imports importlib.metadata, CPU spent on a line that does not show it."""
     version = _dflash_version() if version or source.kind == "bundled" else None
     return {"kind": source.kind, "path": str(source.root), "release_id": tree.release_id,
             "dflash_version": version, **_git_state(source.root, tree)}

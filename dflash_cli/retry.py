@@ -41,7 +41,7 @@ class Reconnects:
 
 def retry_dropped(call: Callable[[], T], retry_for: float = RETRY_FOR_S) -> T:
     """`call()` (which must be idempotent), made again after a dropped connection; a host
-    that cannot be reached at all fails at once, as before."""
+    that cannot be reached at all fails at once, with no retry."""
     reconnects = None
     while True:
         try:

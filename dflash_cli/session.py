@@ -80,7 +80,7 @@ class Session:
     def agent(self, host_name: str) -> AgentClient:
         """The agent of `host_name`'s current release (or of the one `use_release` named),
         over that host's one connection."""
-        # imported here: the protocol's dataclasses, which deploy never needs, take ~17 ms
+        # imported here: the protocol's dataclasses, which deploy never needs, cost start-up
         from .agent_client import AgentClient
 
         host = self.host(host_name)

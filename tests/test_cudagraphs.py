@@ -5,13 +5,26 @@ CPU run and with more shape buckets than are captured, the strategy per torch ve
 and placement, the buckets that cover the data (every batch data/batches.py packs fits one),
 that the trainer's compile plan holds those buckets, the placement and compile_shapes,
 that padding a batch into a bucket leaves loss and gradients unchanged (checked with the
-real DFlash objective), and that compile_shapes: dynamic compiles one train step for
-every bucket with eager's losses while static compiles each bucket. The `gpu` tests capture graphs in several drafter
+real DFlash objective) and a smaller batch loaded after a larger one leaves none of it,
+that the gradients handed out after a replay are copies, and that compile_shapes: dynamic
+compiles one train step for every bucket with eager's losses while static compiles each
+bucket.
+
+Only the device proves the capture and the replay (build_cudagraph_train_step refuses a
+CPU drafter, and torch.cuda.graph records nothing there): that a replayed step computes
+what the eager one does; the side-stream warm-up, the capture stream on the drafter's
+own device, "thread_local" capture under CAPTURE_LOCK and the per-drafter memory pool;
+the choice of the smallest captured bucket for each batch (UncapturedShape, for a batch
+none holds, is reached by no test); gradients zeroed before a step's first micro-batch
+and accumulated over the others. The `gpu` tests capture graphs in several drafter
 threads on one GPU, and in one drafter per GPU on two, and compare every loss with eager
 and with the same graphs replayed in one thread; and, for both attention backends (sdpa's
 dense mask and FlexAttention's BlockMask, the production path) and both capture
 strategies, that a replayed step builds its block mask from each batch's own anchors;
-and that the dynamic whole_step compiles once for four buckets and captures each.
+that the dynamic whole_step compiles once for four buckets and captures each; that
+graphed micro-batches add up and a step starts from zero; and that a whole step from
+saved graphs traces nothing and replays eager's losses. The decode steps' graphs
+(model/decode_graphs.py) are test_speculative.py's and test_regenerate.py's.
 """
 from __future__ import annotations
 
@@ -284,6 +297,18 @@ def test_bucket_load_overwrites_every_padded_slot_of_the_previous_batch():
     assert not bucket.static.anchor_valid[:, blocks:].any()
     assert float(bucket.static.weights[:, blocks:].abs().sum()) == 0.0
     assert torch.equal(bucket.static.features[:, :16], small.features)
+
+
+def test_gradients_handed_out_after_a_replay_are_copies_the_next_replay_cannot_touch():
+    """A graph writes its gradients into the same tensors at every replay; the replicas read
+    the handed-out ones while this one may replay again: each parameter gets a copy."""
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    grads = [torch.arange(3.0), torch.ones(2, 2)]
+    cudagraphs._hand_out_gradients(params, grads)
+    handed = [p.grad for p in params]
+    assert all(torch.equal(h, g) and h.data_ptr() != g.data_ptr() for h, g in zip(handed, grads))
+    torch._foreach_zero_(grads)  # what the next step's first replay starts with
+    assert torch.equal(handed[0], torch.arange(3.0)) and torch.equal(handed[1], torch.ones(2, 2))
 
 
 # ------------------------------------------------------------------ CPU: one compile for every bucket

@@ -178,8 +178,9 @@ def test_the_workers_anchor_rule_is_the_objectives():
 
 @pytest.mark.parametrize("file_mib, workers, tasks", [(6.7, 16, 54), (0.1, 16, 1), (0.5, 2, 4), (400, 16, 100)])
 def test_a_file_is_cut_into_tasks_for_every_worker_within_the_bounds(file_mib, workers, tasks):
-    """6.7 MiB over 16 cores was 2 tasks of 4 MiB, so 2 of the 16 worked; a task is never
-    so small that the pool costs more than it saves, nor larger than MAX_CHUNK_BYTES."""
+    """Every worker gets tasks (6.7 MiB over 16 cores in MAX_CHUNK_BYTES tasks would keep
+    14 of the 16 idle); a task is never so small that the pool costs more than it saves,
+    nor larger than MAX_CHUNK_BYTES."""
     size = int(file_mib * 2**20)
     chunk = tokenizing.chunk_bytes_for(size, workers)
     assert tokenizing.MIN_CHUNK_BYTES <= chunk <= tokenizing.MAX_CHUNK_BYTES

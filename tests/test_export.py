@@ -1,5 +1,6 @@
 """The export loads the same way in every reader: transformers 5 (this environment) and
-4.57 (what the public DFlash inference code pins), through AutoModel's trust_remote_code.
+4.57 (what the public DFlash inference code pins), through AutoModel's trust_remote_code;
+so does the tiny target's tokenizer, through AutoTokenizer.
 
 transformers 4.57.1 is installed once, from PyPI, into the user's cache folder (outside the
 checkout, which the suite leaves as it found it); a subprocess puts it before this
@@ -272,13 +273,66 @@ def test_a_run_exports_bf16_that_loads_as_the_drafter_it_trained(device, export,
         end(run)
     exported = run.run_dir / "export"
     assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"
-    from safetensors import safe_open
-    with safe_open(str(exported / "model.safetensors"), "pt") as f:
-        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.bfloat16}
-    trained = load_drafter(exported).eval()  # the exported weights, in fp32
+    from safetensors.torch import load_file
+    # The trained weights as training held them (fp32): the last step's checkpoint, written
+    # at the step the export was made from.
+    weights = load_file(str(run.run_dir / "checkpoints" / "latest" / "model.safetensors"))
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float32}
+    export = load_file(str(exported / "model.safetensors"))
+    assert export.keys() == weights.keys()
+    for name, tensor in export.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, weights[name].to(torch.bfloat16)), name
+    trained = load_drafter(exported).eval()  # the config the export carries, with the trained fp32 weights
+    trained.load_state_dict(weights, strict=True)
     inputs = drafter_inputs(trained, context=40)
     torch.save(inputs, tmp_path / "inputs.pt")
     info, outputs = load_in_fresh_process(exported, tmp_path / "inputs.pt", tmp_path, None)
     assert info["class"] == "DFlashDraftModel" and info["dtype"] == "torch.bfloat16"
     expected = trainer_logits(trained, inputs)
     assert (outputs["logits"] - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+# Run in a fresh process: load a tokenizer folder the way users do and render a chat with it.
+TOKENIZE = """
+import json, sys, transformers
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+text = tokenizer.apply_chat_template(json.loads(sys.argv[2]), tokenize=False, add_generation_prompt=True)
+print(json.dumps({"version": transformers.__version__, "text": text, "ids": tokenizer(text)["input_ids"],
+                  "special": [tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.mask_token_id]}))
+"""
+
+
+@pytest.mark.slow(seconds=8, why="builds the tiny target, then loads its tokenizer in two other interpreters "
+                                 "(the first run installs transformers 4.57.1)")
+def test_the_tiny_targets_tokenizer_loads_under_every_transformers_and_its_cache_key_names_the_version(
+        workspace, legacy_transformers, tmp_path):
+    """The tiny target's folder is cached per transformers version (what it saves and the
+    answers it makes are that version's), and the tokenizer this one saves reads the same
+    under transformers 4.57.1 (5.x's own name for its class, TokenizersBackend, is one
+    4.x does not know)."""
+    import hashlib
+
+    import transformers
+
+    from dflash_train.config import TinyTargetSpec
+    from dflash_train.data.tiny import TARGET_DATA, ensure_tiny_assets
+
+    assets = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache")
+    entry = assets.target_dir.parent
+    hashed = (entry / "spec.json").read_text().rstrip("\n")
+    assert json.loads(hashed)["transformers"] == transformers.__version__
+    assert entry.name == f"tiny-{hashlib.sha256(hashed.encode()).hexdigest()[:16]}"
+    chat = json.dumps([{"role": "user", "content": "w1 w2 w3"}])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    read = {}
+    for reader, site in (("current", None), (LEGACY_TRANSFORMERS, legacy_transformers)):
+        paths = os.pathsep.join(filter(None, [str(site) if site else None, env.get("PYTHONPATH")]))
+        out = subprocess.run([sys.executable, "-c", TOKENIZE, str(assets.target_dir), chat], capture_output=True,
+                             text=True, env={**env, "PYTHONPATH": paths}, timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-4000:]
+        read[reader] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert read[LEGACY_TRANSFORMERS].pop("version") == LEGACY_TRANSFORMERS.split("==")[1]
+    assert read["current"].pop("version") == transformers.__version__
+    assert read[LEGACY_TRANSFORMERS] == read["current"]
+    assert read["current"]["text"].startswith("<|im_start|>user w1 w2 w3<|im_end|>")

@@ -116,8 +116,8 @@ def test_dry_run_prints_every_device_against_its_gpu_and_starts_nothing(gpu_host
 
 
 def test_memory_another_process_holds_is_not_the_runs_and_the_refusal_names_it(gpu_host, fake_pve):
-    """The shipped one-GPU config fits an idle H200 (issue 51: estimated 133.6 GiB of 136.2);
-    with another process holding 16 GiB of it, it does not, and that process is named."""
+    """The shipped one-GPU config fits an idle H200; with another process holding 16 GiB
+    of it, it does not, and that process is named."""
     config = CONFIGS / "qwen3-8b.yaml"
     (device,) = qwen3_8b_plan(config).devices
     assert device.total <= usable_bytes(H200_MIB)  # alone, it fits

@@ -12,7 +12,7 @@ from dflash_train.config import DrafterConfig
 from dflash_train.model.head_loss import chunk_rows, head_cross_entropy
 from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
 from dflash_train.model.objective import DraftObjective, DrafterInputs
-from dflash_train.compiling.step_build import random_inputs
+from dflash_train.compiling.step_build import graphs_compiled, random_inputs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,13 +68,18 @@ def test_the_chunks_trace_with_dynamic_shapes_and_give_the_eager_loss():
     # aot_eager: Dynamo and AOTAutograd trace the op with symbolic sizes (its fake and its
     # backward), as under Inductor, which runs it as an opaque kernel; minutes less on a CPU.
     compiled = torch.compile(eager, dynamic=True, backend="aot_eager")
-    for rows in (2, 3):  # one compile serves both sizes
+    traced = []  # Dynamo's graphs so far, after each size
+    before = graphs_compiled()
+    for rows in (2, 3):
         inputs = random_inputs(rows, 24, 8, block_size=BLOCK, vocab=VOCAB, num_features=2 * HIDDEN,
                                features_dtype=torch.float32, device="cpu", seed=rows)
         got, want = compiled(inputs)[0], eager(inputs)[0]
+        traced.append(graphs_compiled())
         assert got.item() == pytest.approx(want.item(), rel=1e-5)
         for a, b in zip(gradients(eager, got), gradients(eager, want)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # one compile serves both sizes: the first traced, the second traced nothing
+    assert traced[0] > before and traced[1] == traced[0], (before, traced)
 
 
 def test_a_chunk_holds_a_gibibyte_of_fp32_logits():

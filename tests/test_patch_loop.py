@@ -199,7 +199,7 @@ def test_allow_large_sends_a_big_file_in_bounded_memory(make_inventory, tmp_path
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "local ws" / "current" / "configs" / "dataset.bin").stat().st_size == size
     peak_kib = int(done.stdout.split()[-1])
-    # ru_maxrss in KiB: the whole file held in memory (as the old in-memory tar did) exceeds it
+    # ru_maxrss in KiB: the whole file held in memory (a tar built in memory would) exceeds it
     assert peak_kib * 1024 < size // 2, f"peak RSS {peak_kib} KiB"
 
 

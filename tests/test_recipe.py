@@ -26,6 +26,23 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def assert_measured(evaluation: dict, prompts: int, max_new_tokens: int, block_size: int) -> None:
+    """eval.json's figures are those of a decode that ran: every prompt decoded in verify
+    steps that each gained 1 (the bonus alone) to block_size tokens, and the figures
+    derived from the counts; the speed-up (evaluate.speedup, on by default) measured."""
+    steps, gained, per_prompt = evaluation["verify_steps"], evaluation["new_tokens"], evaluation["per_prompt"]
+    # a prompt answered by the prefill's end token alone has no verify step, hence no mean
+    assert evaluation["prompts"] == prompts and 1 <= len(per_prompt) <= prompts
+    # the prefill gives each prompt's first token, verify steps the rest (a last block may overshoot)
+    assert len(per_prompt) <= steps <= gained <= min(steps * block_size, prompts * (max_new_tokens - 2 + block_size))
+    assert evaluation["acceptance_length"] == round(gained / steps, 4)
+    assert all(1.0 <= x <= block_size for x in per_prompt)
+    assert evaluation["mean_per_prompt"] == pytest.approx(sum(per_prompt) / len(per_prompt), abs=1e-3)
+    assert evaluation["tokens_per_s"] > 0 and evaluation["target_tokens_per_s"] > 0
+    assert evaluation["speedup"] == pytest.approx(evaluation["tokens_per_s"] / evaluation["target_tokens_per_s"],
+                                                  rel=0.01, abs=0.01)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.slow(seconds=57, why="the whole recipe on CPU: regenerate, train, evaluate, pull")
 def test_prompts_to_a_regenerated_trained_evaluated_and_pulled_drafter(make_inventory, tmp_path):
@@ -63,7 +80,8 @@ def test_prompts_to_a_regenerated_trained_evaluated_and_pulled_drafter(make_inve
         "data": {"synthetic": {"num_train": 64, "num_eval": 2}},
         "evaluate": {"drafter": str(export), "max_new_tokens": 16, "num_prompts": 2}}))
     evaluation = json.loads((workspace / "runs" / launch_and_follow(hosts, logs, evaluate) / "eval.json").read_text())
-    assert evaluation["acceptance_length"] >= 1.0 and evaluation["mean_per_prompt"] >= 1.0
+    assert_measured(evaluation, prompts=2, max_new_tokens=16,
+                    block_size=json.loads((export / "config.json").read_text())["dflash_config"]["block_size"])
 
     # 4. pull the drafter home, every file verified
     pulled = dflash("--logs-dir", str(logs), "pull", run_id, "--host", HOST, hosts=hosts)

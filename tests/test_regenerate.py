@@ -2,7 +2,9 @@
 
 The runs are real `python -m dflash_train` subprocesses on the tiny CPU target (launched as
 in test_trainer_runs.py); their answers are compared with `generate` called here on the
-same target, built the way the trainer builds it."""
+same target, built the way the trainer builds it. The batched decode's CUDA graphs are
+checked on the CPU as far as its bookkeeping goes (support/graphs.py); that a replayed
+step is the eager one, only the `cuda:0` case of the greedy answers proves."""
 from __future__ import annotations
 
 import json
@@ -334,6 +336,52 @@ def test_sampling_is_seeded_per_prompt_and_the_template_gets_enable_thinking(wor
                                "{% if enable_thinking is defined and not enable_thinking %}w0 w0 {% endif %}")
     for thinking, rendered in ((None, "w1 "), (True, "w1 "), (False, "w1 w0 w0 ")):
         assert render(tokenizer, read_prompts(write_prompt(tmp_path, "w1"))[0], thinking) == rendered
+
+
+@pytest.mark.slow(seconds=2, why="batched decodes of the tiny target")
+def test_steps_captured_at_warm_up_leave_the_answers_unchanged(workspace, monkeypatch):
+    """The batched decode's CUDA-graph bookkeeping, on the CPU (support/graphs.py): warm_up
+    captures the step of every attention length, each run as a capture's warm-up runs it
+    with no row live, and the decode after it captures nothing more and answers as a
+    decoder without graphs does, greedy and sampled (the sampling noise counts each row's
+    tokens, which a step of a free row must not move). That a replay is the eager step
+    is the device's test (test_regeneration_reproduces_the_tiny_targets_greedy_answers on
+    cuda)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_train.config import SamplingConfig, TinyTargetSpec
+    from dflash_train.data.tiny import TARGET_DATA, ensure_tiny_assets
+    from dflash_train.jobs.regenerate import end_ids, read_prompts, render
+    from dflash_train.model import batched_decode
+    from dflash_train.model.batched_decode import BatchedDecoder, Request
+
+    from support.graphs import run_as_captured
+
+    target = ensure_tiny_assets(TinyTargetSpec(), TARGET_DATA, workspace / "cache").target_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    encoded = [tuple(tokenizer(render(tokenizer, p, None), add_special_tokens=False)["input_ids"])
+               for p in read_prompts(TINY_PROMPTS)[:6]]
+
+    def answers(sampling: SamplingConfig | None, graphs: bool) -> dict[int, list[int]]:
+        # 3 rows for 6 prompts: rows free up and take the next prompt mid-decode
+        decoder = BatchedDecoder(model, 3, max(map(len, encoded)) + 24, 24, end_ids(tokenizer, model), sampling,
+                                 length_step=16)
+        captured.clear()
+        if graphs:
+            decoder.cuda_graphs = True
+            decoder.warm_up()
+            assert len(captured) == len(decoder.lengths()) > 1
+        got: dict[int, list[int]] = {}
+        decoder.run(iter(Request(i, tokens) for i, tokens in enumerate(encoded)),
+                    lambda done: got.update((g.index, g.tokens) for g in done))
+        assert len(captured) == (len(decoder.lengths()) if graphs else 0)  # none after the warm-up
+        return got
+
+    captured = run_as_captured(monkeypatch, batched_decode)
+    for sampling in (None, SamplingConfig(temperature=2.0, seed=7)):
+        plain = answers(sampling, graphs=False)
+        assert answers(sampling, graphs=True) == plain and len(plain) == 6
 
 
 def write_prompt(tmp_path: Path, text: str) -> Path:

@@ -1,10 +1,20 @@
 """Speculative decoding (the reference paths with transformers' KV cache or none, and the
 fast decode with static caches and the drafter cache), the two acceptance figures, the
 speed-up, and the standalone evaluation job (`job: evaluate`), on the tiny CPU target with
-a drafter the real trainer trains once for this module; the fast decode under
-transformers 4.57.1 too, and with CUDA graphs on a GPU (`-m gpu`)."""
+a drafter the real trainer trains once for this module, and on random targets of each
+family with a drafter built to draft what they decode (_agreeing_drafter); the fast decode
+under transformers 4.57.1 too, and with CUDA graphs on a GPU (`-m gpu`).
+
+Of the decode's CUDA graphs (model/decode_graphs.py) the CPU checks the decoder's
+bookkeeping (support/graphs.py: each step captured once, before the prefill, its warm-up
+runs leaving nothing a decode reads). Only the device proves the rest: that a replayed
+step computes what the eager one does on the same buffers, captured on a side stream in
+a thread of its own under CAPTURE_LOCK, the target in bf16; the `gpu` test compares the
+graphed decode, the target alone and the compiled steps with the eager decode and with
+`generate`."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -179,28 +189,71 @@ def _random_target(model_type: str, **extra):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def _drafter_of(target, token: int):
+    """A drafter that drafts `token` at every MASK of a block, whatever its context: its
+    layers add nothing (their output projections zero), so a MASK position's final hidden
+    state is its norm of the MASK embedding, and the MASK is a token whose normed embedding
+    the target's head reads as `token`. None when no token's is."""
+    import torch.nn.functional as F
+
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    with torch.no_grad():  # the drafter's norm weighs one: its RMS norm alone
+        read = F.linear(F.rms_norm(embed, (embed.shape[1],), eps=target.config.rms_norm_eps), head).argmax(-1)
+    masks = (read == token).nonzero().flatten().tolist()
+    if not masks:
+        return None
+    drafter = DFlashDrafter(drafter_hf_config(target.config, DrafterConfig(num_layers=1, block_size=4), (1, 3),
+                                              masks[0]))
+    drafter.reset_parameters(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return drafter.eval()
+
+
+def _agreeing_drafter(target, greedy: list[int]):
+    """A drafter (_drafter_of) of the token `greedy` holds most often after its first
+    token (and other than it), of those one can draft, and that token. Every occurrence of
+    it in a speculative decode is an accepted draft, not a bonus token (a bonus is the
+    target's choice where it differs from the draft, and every draft is that token): the
+    target accepts some drafts, a verify step gaining several tokens, and rejects the
+    others (those it decodes otherwise)."""
+    import collections
+
+    for token, _ in collections.Counter(t for t in greedy[1:] if t != greedy[0]).most_common():
+        drafter = _drafter_of(target, token)
+        if drafter is not None:
+            return drafter, token
+    raise AssertionError(f"no MASK makes a drafter of any token of {greedy}")
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
 def test_the_fast_decode_runs_every_family_it_claims_losslessly(model_type):
     """The static target's layer loop is the base model's forward for every supported
-    family: the target alone and the speculative decode (a random drafter, with and
-    without its cache) decode `generate`'s tokens."""
-    from dflash_train.config import DrafterConfig
-    from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+    family: the target alone and the speculative decode (with and without the drafter's
+    cache) decode `generate`'s tokens, with a drafter whose drafts the target accepts at
+    some positions of a block and rejects at others."""
     from dflash_train.model.fast_decode import FastDecoder
     from dflash_train.model.fast_layers import SUPPORTED
     from dflash_train.model.target import FeatureTap
 
     assert model_type in SUPPORTED
     target = _random_target(model_type)
-    drafter = DFlashDrafter(drafter_hf_config(target.config, DrafterConfig(num_layers=1, block_size=4), (1, 3), 5))
-    drafter.reset_parameters(torch.Generator().manual_seed(0))
-    tap = FeatureTap(target, (1, 3))
-    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     prompt = [3, 9, 11, 20, 7, 8]
     greedy = _greedy(target, prompt, 24)
+    drafter, _ = _agreeing_drafter(target, greedy)
+    tap = FeatureTap(target, (1, 3))
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     for cache in (True, False):
-        decoder = FastDecoder(drafter.eval(), tap, embed, head, 64, drafter_cache=cache)
-        assert decoder.decode(prompt, 24, set()).tokens == greedy
+        decoder = FastDecoder(drafter, tap, embed, head, 64, drafter_cache=cache)
+        decoded = decoder.decode(prompt, 24, set())
+        assert decoded.tokens == greedy
+        # drafts accepted (a step gained more than its bonus) and rejected (one gained less than a block)
+        assert max(decoded.accepted) > 1 and min(decoded.accepted) < drafter.block_size, decoded.accepted
         assert decoder.decode_alone(prompt, 24, set()).tokens == greedy
 
 
@@ -301,28 +354,35 @@ def test_the_fast_decode_refuses_a_prompt_its_buffers_cannot_hold(trained):
         decoder.decode_alone(list(range(2, 14)), 32, set())
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.slow(seconds=1, why="speculative decoding on CPU with the module's trained drafter")
-def test_decoding_ends_at_an_end_token_inside_an_accepted_block(trained):
+def test_decoding_ends_at_an_end_token_inside_an_accepted_block():
     """An end token accepted in the middle of a block ends the answer there, as in the
-    reference benchmark: no further verify step is run or counted."""
-    for prompt in trained["prompts"]:
-        free = _decode(trained, prompt, 48)
-        position = 1  # the first token comes from the prefill
-        for step, gained in enumerate(free.accepted):
-            chunk = free.tokens[position:position + gained]
-            inner = [tok for i, tok in enumerate(chunk[:-1]) if tok not in free.tokens[:position + i]]
-            if inner and step + 1 < len(free.accepted):
-                stop = inner[0]
-                ended = _decode(trained, prompt, 48, stop_ids={stop})
-                assert ended.tokens == free.tokens[:free.tokens.index(stop) + 1]
-                assert ended.accepted == free.accepted[:step + 1]
-                fast = _fast(trained).decode(prompt, 48, {stop})
-                assert (fast.tokens, fast.accepted) == (ended.tokens, ended.accepted)
-                assert _fast(trained).decode_alone(prompt, 48, {stop}).tokens == ended.tokens
-                return
-            position += gained
-    pytest.skip("no prompt had a multi-token accepted block before its last step")
+    reference benchmark: no further verify step is run or counted. The end token is the
+    one the drafter drafts (_agreeing_drafter): its first occurrence in the target's
+    greedy decode is an accepted draft, inside a block of several tokens."""
+    from dflash_train.model.fast_decode import FastDecoder
+    from dflash_train.model.speculative import speculative_decode
+    from dflash_train.model.target import FeatureTap
+
+    target = _random_target("qwen3")
+    prompt = [3, 9, 11, 20, 7, 8]
+    greedy = _greedy(target, prompt, 48)
+    drafter, stop = _agreeing_drafter(target, greedy)
+    tap = FeatureTap(target, (1, 3))
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    free = speculative_decode(drafter, tap, embed, head, prompt, 48, set())
+    assert free.tokens == greedy
+    first = greedy.index(stop)
+    starts = list(itertools.accumulate([1] + free.accepted[:-1]))  # each verify step's first token's index
+    step = max(k for k, start in enumerate(starts) if start <= first)  # the step that gained it
+    assert first < starts[step] + free.accepted[step] - 1, "the end token must be an accepted draft, not the bonus"
+    assert step + 1 < len(free.accepted), "a verify step must follow it, for the end to leave that step out"
+    ended = speculative_decode(drafter, tap, embed, head, prompt, 48, {stop})
+    assert ended.tokens == greedy[:greedy.index(stop) + 1]
+    assert ended.accepted == free.accepted[:step + 1]
+    fast = FastDecoder(drafter, tap, embed, head, 128)
+    decoded = fast.decode(prompt, 48, {stop})
+    assert (decoded.tokens, decoded.accepted) == (ended.tokens, ended.accepted)
+    assert fast.decode_alone(prompt, 48, {stop}).tokens == ended.tokens
 
 
 @pytest.mark.slow(seconds=1, why="speculative decoding on CPU with the module's trained drafter")
@@ -482,6 +542,49 @@ def test_sigterm_stops_an_evaluate_job_between_verify_steps(workspace, tmp_path)
     assert rows[-1]["type"] == "done" and rows[-1]["exit_code"] == 128 + signal.SIGTERM
     assert not [r for r in rows if r["type"] == "eval"] and not (run_dir / "eval.json").exists()
     assert (run_dir / "errors.jsonl").read_text() == ""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow(seconds=3, why="speculative decoding on CPU with the module's trained drafter")
+def test_steps_captured_before_a_decode_leave_it_lossless_and_are_captured_once(trained, monkeypatch):
+    """The decode's CUDA-graph bookkeeping, on the CPU (support/graphs.py): `capture` makes
+    the draft, verify and target-alone steps, each run as a capture's warm-up runs it,
+    before any prefill; the decodes after it (prompts of other lengths, the buffers
+    reused) take those steps and capture nothing more, with an uncaptured decoder's tokens
+    and acceptance. A decoder not captured beforehand captures at its first decode, before
+    its prefill, with the same outcome. That a replay is the eager step is the device's
+    test (test_cuda_graphed_decode_is_the_eager_one_and_the_targets_greedy_decode_in_bf16)."""
+    from dflash_train.model import fast_decode
+
+    from support.graphs import run_as_captured
+
+    prompts = trained["prompts"][:3] + [[2, 6] + [10 + i for i in range(12)] + [3, 2, 7], [2, 6]]
+    plain = _fast(trained, cuda_graphs=False)
+    captured = run_as_captured(monkeypatch, fast_decode)
+    early, lazy = _fast(trained), _fast(trained)
+    early.cuda_graphs = lazy.cuda_graphs = True
+    early.capture()
+    assert len(captured) == 3  # draft, verify, the target alone
+    accepted = []
+    for prompt in prompts:
+        want, want_alone = plain.decode(prompt, 40, set()), plain.decode_alone(prompt, 40, set())
+        assert want.tokens == want_alone.tokens
+        for decoder in (early, lazy):
+            got = decoder.decode(prompt, 40, set())
+            assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
+            assert decoder.decode_alone(prompt, 40, set()).tokens == want.tokens
+        accepted += want.accepted
+    assert len(captured) == 6  # the lazy decoder's three at its first decodes; none after
+    assert max(accepted) > 1, "the trained drafter must get drafts accepted, or the verify step's moves went unseen"
+
+
+def test_a_step_is_graphed_on_cuda_only():
+    from dflash_train.model.decode_graphs import graphed
+
+    def step() -> None:
+        raise AssertionError("graphed on the CPU must not run the step")
+
+    assert graphed(step, torch.device("cpu")) is step
 
 
 def _in_a_thread(work):

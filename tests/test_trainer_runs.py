@@ -1,6 +1,11 @@
 """End-to-end runs of `python -m dflash_train` as the agent launches it: a subprocess with
 cwd = the run dir, stdout+stderr appended to train.log, the agent's environment. Real torch
-on CPU with a tiny random target built at test time (shared through the cache)."""
+on CPU with a tiny random target built at test time (shared through the cache).
+
+The `gpu` test runs `compile: cudagraphs` with two drafters on one GPU: only the device
+proves a run whose train steps and optimizer replay captured graphs (accumulating, the
+replicas bit-identical) and whose checkpoints then load both ways with the eager CPU run;
+test_cudagraphs.py and test_optimizer_step.py say what the CPU checks of those graphs."""
 from __future__ import annotations
 
 import json

@@ -117,9 +117,9 @@ def status_of(session: Session, ref: RunRef) -> RunStatus | RunOnHosts:
 
 
 def exit_code(session: Session, ref: RunRef, status: RunStatus | RunOnHosts) -> ExitCode:
-    """`status`'s exit code: 0 fine, 1 failed, lost, degraded or stalled, 4 stopped, 3 a
-    state nobody could tell; 2 when it is unknown only for want of the hosts the
-    inventory lost (its fix is the inventory's)."""
+    """`status`'s exit code: the run state's (errors.exit_code_for_state, docs/cli.md "CLI
+    exit codes"); 2 when it is unknown only for want of the hosts the inventory lost (its
+    fix is the inventory's)."""
     if isinstance(status, RunOnHosts):
         unknown = {s.host for s in status.hosts if s.state is None}
         if status.state is None and unknown <= set(run_hosts.left(session, ref)):

@@ -181,8 +181,8 @@ class Printer:
 
 def run(session: Session, ref: RunRef, *, tail: int | None, interval: float, as_json: bool,
         retry_for: float, use_trackers: bool = True) -> ExitCode:
-    """Print the run's items until it ends; its outcome as the exit code (0 succeeded, 1
-    failed or lost, 4 stopped; 3 unknown). Ctrl-C detaches: the run keeps going.
+    """Print the run's items until it ends; its outcome as the exit code (docs/cli.md "CLI
+    exit codes"). Ctrl-C detaches: the run keeps going.
     `use_trackers`: feed the trackers of dflash.yaml (their packages are checked first)."""
     trackers = TrackerSettings()
     if use_trackers:

@@ -154,7 +154,7 @@ class OpenSshTransport(ResolvedTarget, LocalTransport):
                 return
             self._prepare_known_hosts()
             # Where the user's master has its socket, the commands join it with no
-            # `ssh -O check` first (~5 ms of every invocation); should the socket be stale,
+            # `ssh -O check` first (a process more on every invocation); should the socket be stale,
             # the first command replaces it and becomes the master (ControlMaster auto).
             if not (self.shares_users_master and _is_socket(self.options.control_path)):
                 # -N with ControlPersist: ssh returns once authenticated, the master stays

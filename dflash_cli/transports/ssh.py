@@ -15,8 +15,8 @@ keys of its own), authentication as OpenSSH does it and never prompting
 
 Commands do not use Connection.run: Invoke's runner decodes output to text, feeds
 stdin from a file one byte per 10 ms and joins all the output captured so far again
-for every 1000 bytes it reads (docs/hosts.md has the numbers). Each command is a
-channel of the connection that the methods below pump themselves.
+for every 1000 bytes it reads (docs/hosts.md; bench/fabric_run.py measures it). Each
+command is a channel of the connection that the methods below pump themselves.
 
 Thread safety: opening and replacing the connection is serialized by a lock;
 paramiko multiplexes channels of one connection safely, so several threads may run

@@ -259,9 +259,9 @@ class EvalConfig:
     # eagerly (the same tokens: for measuring what the graphs give, or a GPU they fail on).
     cuda_graphs: bool = True
     # On CUDA, compile the decode's fixed-shape steps with torch.compile before their graphs
-    # are captured (fused norms, RoPE and residuals: a verify step at the Qwen3-8B shape
-    # 13.2 -> 8.4 ms), for tens of seconds of start-up: off in training, where start-up is
-    # the patch loop's wait; on in `job: evaluate`.
+    # are captured (fused norms, RoPE and residuals: faster steps, bench/RESULTS-h200.md
+    # "Evaluation at the hardware's speed"), for a compile in start-up: off in training,
+    # where start-up is the patch loop's wait; on in `job: evaluate`.
     compile_steps: bool = False
 
     def __post_init__(self) -> None:
@@ -579,10 +579,10 @@ class JobConfig:
     def uses_flex(self) -> bool:
         """Whether the drafter attends with FlexAttention (else dense-mask SDPA).
 
-        `auto` picks by measurement (H200, torch 2.11, bench/RESULTS-h200.md): under
-        cudagraphs at the Qwen3-8B drafter shape flex takes 157 ms a step against 227 ms
-        for sdpa; eager flex is unfused (slow, dense scores), and compile: default with
-        flex failed in Inductor at that shape, so everything else keeps sdpa."""
+        `auto` picks by measurement (bench/RESULTS-h200.md, "Drafter step time per mode"):
+        under cudagraphs at the Qwen3-8B drafter shape flex's step is the faster; eager flex
+        is unfused (slow, dense scores), and compile: default with flex failed in Inductor
+        at that shape, so everything else keeps sdpa."""
         if self.drafter.attention == "auto":
             return self.compile == "cudagraphs"
         return self.drafter.attention == "flex"
@@ -590,8 +590,8 @@ class JobConfig:
     @property
     def compiled_shapes(self) -> CompileShapes:
         """`compile_shapes` with its default resolved. Static under cudagraphs: measured on an
-        H200 its step replays about 3% faster than dynamic's, which outweighs dynamic's
-        shorter start-up over a run of hours (docs/trainer.md, "Compile shapes")."""
+        H200 its step replays faster than dynamic's, which outweighs dynamic's shorter
+        start-up over a run of hours (docs/trainer.md, "Compile shapes")."""
         return self.compile_shapes or ("static" if self.compile == "cudagraphs" else "dynamic")
 
     @property

@@ -274,7 +274,7 @@ def _capture_whole_step(objective: DraftObjective, statics: list[_Bucket], shape
     pool = torch.cuda.graph_pool_handle()  # this drafter's own; its buckets take turns in it
     # A capture stream on this drafter's device. torch.cuda.graph's default one is made
     # once per process, on the device of the first capture: a drafter on another GPU
-    # would capture on it and fail at its first allocation (seen on 2 H200s).
+    # would capture on it and fail at its first allocation.
     capture_stream = torch.cuda.Stream()
     graphs = {}
     timings = []

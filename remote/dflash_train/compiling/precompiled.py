@@ -24,7 +24,7 @@ its bytes, or that torch cannot load, is moved aside (`.corrupt`), said in the l
 the step is traced as if none were there: never a failure of the run.
 
 Used on torch >= 2.11; on older releases, or one without these APIs, the step is traced
-as before, and the log says so once. Verified: compile: default on 2.11 and 2.13 (CPU,
+as without a saved graph, and the log says so once. Verified: compile: default on 2.11 and 2.13 (CPU,
 sdpa); cudagraphs' whole_step with sdpa and with flex attention, static and dynamic
 shapes, on 2.11 (H200). compile: default with flex attention has not run on a GPU: should
 its ahead-of-time compile fail, the process traces (give_up).

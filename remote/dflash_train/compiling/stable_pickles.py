@@ -18,8 +18,8 @@ def stable_cache_keys() -> None:
     format) after the first module in sys.modules through which `torch.<name>` reaches it.
     So a trainer forked from the warm interpreter, whose imports ran in another order than
     an exec'd trainer's, hashed other keys and missed every entry the exec'd runs had
-    written (H200, torch 2.11: 0 hits where an exec'd warm start had 2). Registered with
-    copyreg, whose table those picklers copy; once per process, before anything compiles."""
+    written. Registered with copyreg, whose table those picklers copy; once per process,
+    before anything compiles."""
     copyreg.pickle(torch.memory_format, _reduce_memory_format)
 
 

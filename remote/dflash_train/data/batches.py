@@ -210,9 +210,9 @@ def _worker_context(tokenizer) -> multiprocessing.context.BaseContext:
     """Where the tokenizing workers come from: forked from one server process that has
     imported tokenizing.py and the tokenizer's class, once for all of them. Not forked
     from the trainer, which has threads (and OpenMP pools) by now that a fork would copy
-    half-held; nor spawned, since every spawned worker imports for itself: on a GPU host
-    16 of them had done 2% of a 6.7 MiB file 46 s in (bench/RESULTS-h200.md). The server
-    ends with this process."""
+    half-held; nor spawned, since every spawned worker imports for itself, which on a GPU
+    host took far longer than the tokenizing (bench/RESULTS-h200.md, "the training data
+    tokenized by workers forked from one server"). The server ends with this process."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([tokenizing.__name__, type(tokenizer).__module__])
     return context

@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }} {{ message['content'] }}<|im_end|> "
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
-_LAYOUT_VERSION = 2  # bump when what is built for a spec changes
+_LAYOUT_VERSION = 3  # bump when what is built for a spec changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +48,12 @@ TARGET_DATA = SyntheticDataSpec(num_train=64, num_eval=2)
 
 
 def ensure_tiny_assets(spec: TinyTargetSpec, data: SyntheticDataSpec, root: Path) -> TinyAssets:
+    from transformers import __version__ as transformers_version
+
+    # Keyed by transformers' version too: the files it saves and the greedy answers of the
+    # target it builds are that version's, and a workspace may serve environments of others.
     blob = json.dumps({"v": _LAYOUT_VERSION, "target": dataclasses.asdict(spec),
-                       "data": dataclasses.asdict(data)}, sort_keys=True)
+                       "data": dataclasses.asdict(data), "transformers": transformers_version}, sort_keys=True)
     entry = root / f"tiny-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
     if not (entry / "spec.json").exists():
         root.mkdir(parents=True, exist_ok=True)
@@ -84,6 +88,17 @@ def _build_tokenizer(spec: TinyTargetSpec):
     return tokenizer
 
 
+def _save_tokenizer(tokenizer, folder: Path) -> None:
+    """save_pretrained, naming a tokenizer class every transformers reads: 5.x names its
+    fast tokenizer TokenizersBackend, which 4.x does not know; PreTrainedTokenizerFast is
+    4.x's name for it and in 5.x the same class."""
+    tokenizer.save_pretrained(str(folder))
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def _build_model(spec: TinyTargetSpec, vocab_size: int, tokenizer):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -112,7 +127,7 @@ def _build(spec: TinyTargetSpec, data: SyntheticDataSpec, out: Path) -> None:
     model.generation_config.save_pretrained(str(staging))
     save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
               str(staging / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(str(staging))
+    _save_tokenizer(tokenizer, staging)
     # Generate with what from_pretrained gives back: the data must match the saved target.
     model = AutoModelForCausalLM.from_pretrained(str(staging), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(staging))

@@ -31,8 +31,8 @@ MAX_CHUNK_BYTES = 4 << 20
 # At least: a task of fewer bytes would cost more in the pool than it saves.
 MIN_CHUNK_BYTES = 128 << 10
 # A file of at most this many bytes is tokenized in the trainer. Workers come from a
-# server that first imports the tokenizer's class: 4-5 s on a GPU host, where the trainer
-# tokenized 0.2 MiB in 0.1 s (bench/RESULTS-h200.md).
+# server that first imports the tokenizer's class, which on a GPU host takes longer than
+# the trainer takes to tokenize such a file (bench/RESULTS-h200.md, "The 1 MiB rule").
 IN_PROCESS_BYTES = 1 << 20
 # Tasks per worker a file is cut into, so workers that finish early take more and none
 # is left with a long tail.

@@ -5,8 +5,8 @@ or another tool's, so drafters can be compared on the user's own prompts with th
 trainer's speculative decoding (model/fast_decode.py: static KV caches, CUDA graphs on
 CUDA, lossless, both acceptance figures) and, with `evaluate.speedup` (default on), the
 speed-up over the target decoding alone through the same path. Runs in the main thread on devices.target[0]; the result goes to
-DIR/eval.json (written atomically) and to an "eval" event. Exit 0 when measured, 1 on a
-failure (an errors.jsonl record), 128+signal when stopped by SIGTERM or SIGINT.
+DIR/eval.json (written atomically) and to an "eval" event. Its exit codes are every
+job's (common.py).
 """
 from __future__ import annotations
 

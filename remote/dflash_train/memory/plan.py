@@ -107,9 +107,8 @@ SDPA_BIAS_BYTES_PER_PAIR_PER_LAYER = 2
 # compile: default and cudagraphs keep fewer of the forward's tensors than eager (Inductor
 # fuses the norms, casts and RoPE and recomputes pointwise results). Fitted on the H200
 # (bench/RESULTS-h200.md, "The shipped configs on one H200"): the eager count above is
-# what the eager step measured at 4x3072 (50 GiB beyond weights), and a cudagraphs
-# drafter's private pool at 2x3072 held 18.4 GiB, 0.62 of its eager count with the loss
-# chunk beside it.
+# what the eager step measured, and this share of it what a cudagraphs drafter's private
+# pool held, with the loss chunk beside it.
 COMPILED_ACTIVATIONS = 0.62
 # The LM-head loss runs over chunks of block positions (model/head_loss.py), so the (positions,
 # vocab) logits are never whole: a chunk holds LOSS_CHUNK_BYTES of fp32 logits (the
@@ -119,9 +118,9 @@ LOSS_CHUNK_BYTES = 1 << 30
 LOSS_CHUNK_PEAK = 2.5
 # The target's no_grad forward, per token, in elements of the target's dtype: a layer's
 # residual, norms, q/k/v, attention output (hidden-wide, a few at a time) and its MLP
-# (intermediate-wide), and the captured features with their concatenation. Against the
-# 0.8 GB the Qwen3-8B target took beyond its weights for one 3072-token sequence
-# (bench/RESULTS-h200.md, 2 H200s: 17.2 GB peak on the target's GPU).
+# (intermediate-wide), and the captured features with their concatenation. Checked
+# against what the Qwen3-8B target took beyond its weights for one 3072-token sequence
+# (bench/RESULTS-h200.md, "Two H200s": the peak on the target's GPU).
 TARGET_TOKEN = PerToken(hidden=10, intermediate=4, features=2)
 # Feature batches a drafter's device holds beyond its queue's `pipeline.queue_size`: the
 # one its step reads and the one a target thread made and waits to put (threaded).
@@ -133,12 +132,13 @@ EVAL_CONTEXT_FP32 = PerToken(features=1)
 # Per device: the CUDA context, cuBLAS workspaces and NCCL's buffers.
 CUDA_CONTEXT_BYTES = 1 * GIB
 # The caching allocator's slack (blocks split and rounded, streams' pools), as a share
-# of every tensor counted: with it the estimate of the one-GPU Qwen3-8B run is 1% above
-# what that run held (step events' peak plus the graph pools' reserve, RESULTS-h200.md).
+# of every tensor counted: with it the estimate of the one-GPU Qwen3-8B run is just above
+# what that run held (step events' peak plus the graph pools' reserve: bench/RESULTS-h200.md,
+# "The fit check against these runs").
 FRAGMENTATION = 0.04
 # What a run may plan on: nvidia-smi's memory.total less this share (the driver's and
-# ECC's reservations, which torch never sees: torch reports 139.8 GiB of an H200's
-# 143771 MiB).
+# ECC's reservations, which torch never sees: bench/RESULTS-h200.md, "The shipped configs
+# on one H200", gives what torch reports of an H200's).
 CAPACITY_MARGIN = 0.03
 # A tiny target's vocabulary beyond its words: tiny.SPECIAL_TOKENS and tiny.ROLE_WORDS.
 TINY_EXTRA_TOKENS = 8

@@ -17,9 +17,9 @@ positions (prompt + new tokens + a block):
   (the drafts and the target's verdict: the tokens gained) and launches the next;
 * with `compile_steps` (evaluate.compile / eval.compile, on CUDA), the steps' target layers
   (model/static_target.py) and the drafter's context extension and block run through
-  `torch.compile`, compiled at their first run (the capture's warm-up): at the Qwen3-8B
-  shape this takes a verify step from 13.2 to 8.4 ms, for about 50 s of compiling
-  (bench/RESULTS-h200.md);
+  `torch.compile`, compiled at their first run (the capture's warm-up): fused kernels
+  make a step faster, for a compile in start-up (bench/RESULTS-h200.md, "Evaluation at
+  the hardware's speed");
 * on CUDA, with `cuda_graphs`, the draft step and the verify step (and the target-alone
   step) are CUDA graphs (model/decode_graphs.py), captured by `capture` (a training
   run's evaluator, in start-up) or at the first decode; the prefill, whose length
