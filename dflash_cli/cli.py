@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from . import completion, console, deploy_early, retry, run_hosts
+from . import completion, console, retry, run_hosts
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, latest_or_refuse
@@ -127,9 +127,8 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str | None, accep
     was stopped, 5 the local disk (logs/) is full, 130 interrupted (the run keeps going).
     Data goes to stdout; progress and tables to stderr.
     """
-    # deploy_early's session when the `dflash` command made one for these options (its probes under way)
-    ctx.obj = ctx.with_resource(contextlib.closing(deploy_early.session(hosts_file, Path(logs_dir or in_state_root(DEFAULT_LOGS)), accept_new_host_key,
-                                                                        cli_config_file)))
+    ctx.obj = ctx.with_resource(contextlib.closing(Session(hosts_file, Path(logs_dir or in_state_root(DEFAULT_LOGS)),
+                                                           accept_new_host_key, cli_config_file)))
 
 
 @main.command("deploy")

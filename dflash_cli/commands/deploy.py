@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .. import console, deploy_early, release
+from rich.table import Table
+from rich.text import Text
+
+from .. import console, release
 from ..deployment import DeployResult, deploy_host, described_source, start_probes
 from ..errors import DflashError, ExitCode
 from ..progress import cancel_on_ctrl_c, transfer_bars
 from ..session import Session
-
-if TYPE_CHECKING:
-    from rich.table import Table
 
 
 def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: bool,
@@ -25,10 +24,8 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
     # Ctrl-C from here on, while the tree is hashed too, stops each host's upload and says so.
     with cancel_on_ctrl_c() as cancel:
-        # Each host's connection and receiver start while the tree is hashed: started
-        # already by the `dflash` command when it could (deploy_early), else here.
-        source, listing, early = (deploy_early.claim(session, host_names, verify, source_dir, allow_large)
-                                  or start_probes(session, hosts, verify, source_dir, allow_large))
+        # Each host's connection and receiver start while the tree is hashed.
+        source, listing, early = start_probes(session, hosts, verify, source_dir, allow_large)
         try:
             tree = listing.hashed()
         except BaseException:
@@ -65,8 +62,6 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
 
 def _table(tree: release.Release) -> Table:
     """The results' table, with no row yet."""
-    from rich.table import Table  # imported once the hosts were asked
-
     table = Table(title=f"release {tree.release_id} ({len(tree.files)} files, "
                         f"{tree.total_bytes / 1024:.0f} KiB)", title_justify="left")
     for column in ("host", "result", "files sent", "reused", "bytes sent", "round trips", "seconds"):
@@ -75,8 +70,6 @@ def _table(tree: release.Release) -> Table:
 
 
 def _print_table(table: Table, results: dict, order: list[str]) -> None:
-    from rich.text import Text
-
     for name in order:
         r = results[name]
         if isinstance(r, DflashError):
