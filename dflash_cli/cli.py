@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from . import completion, console, retry, run_hosts
+from . import completion, console, retry, run_hosts, run_names
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, latest_or_refuse
@@ -492,8 +492,6 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     first; nothing is fetched here). Prints the file's path on stdout.
     """
     from .commands import plot
-
-    from . import run_names
 
     naming = "dflash plot RUN --host HOST"
     refs = [run_names.find(session, run_id, host_name, ask_hosts=False) for run_id in run_ids] or \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,6 @@ def describe(source: release.SourceTree, tree: release.Release, *, version: bool
 
 
 def _dflash_version() -> str | None:
-    from importlib import metadata  # read here: its import costs more than the rest of the module
-
     try:
         return metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:

@@ -4,19 +4,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import concurrent.futures
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
+from .agent_client import AgentClient
 from .errors import DflashError
 from .inventory import Host, Inventory, load_inventory
+from .local_config import LocalConfig, load_local_config
 from .project_tree import in_state_root
 from .transports import open_transport
 from .transports.base import Transport
-
-if TYPE_CHECKING:
-    from .agent_client import AgentClient
-    from .local_config import LocalConfig
 
 T = TypeVar("T")
 
@@ -47,10 +46,7 @@ class Session:
 
     @functools.cached_property
     def local_config(self) -> LocalConfig:
-        """dflash.yaml (local_config.py), read on first use (and imported then: deploy,
-        which never reads it, starts its probes sooner without the trackers' settings)."""
-        from .local_config import load_local_config
-
+        """dflash.yaml (local_config.py), read on first use."""
         return load_local_config(self.cli_config_file)
 
     @classmethod
@@ -80,9 +76,6 @@ class Session:
     def agent(self, host_name: str) -> AgentClient:
         """The agent of `host_name`'s current release (or of the one `use_release` named),
         over that host's one connection."""
-        # imported here: the protocol's dataclasses, which deploy never needs, take ~17 ms
-        from .agent_client import AgentClient
-
         host = self.host(host_name)
         return AgentClient(host, self.transport(host), self._releases.get(host_name))
 
@@ -96,8 +89,6 @@ class Session:
         results: dict[str, T | DflashError] = {}
         if not hosts:
             return results
-        import concurrent.futures  # imported once there is work for it
-
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
             futures = {pool.submit(work, host): host.name for host in hosts}
             for future in concurrent.futures.as_completed(futures):
