@@ -1,8 +1,8 @@
 """Where output goes: data on stdout, everything for humans on stderr (docs/cli.md).
 
 rich renders tables and progress on stderr (`human`); it honours NO_COLOR by itself.
-`human` is made when first used, so it reads the terminal's width and NO_COLOR as they
-are when the command runs.
+`human` is made, and rich imported, when first used: a command reaches its hosts
+before it prints, so their connections start without waiting for rich's import.
 """
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ import json
 import os
 import sys
 import threading
-from typing import Any
-
-from rich.console import Console
+from typing import TYPE_CHECKING, Any
 
 from .errors import DflashError
 
-human: Console
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    human: Console
 
 _making = threading.Lock()
 
@@ -28,6 +29,8 @@ def _human() -> Console:
     global human
     with _making:
         if "human" not in globals():
+            from rich.console import Console
+
             human = Console(stderr=True, highlight=False)
     return human
 

@@ -11,9 +11,9 @@ import io
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_files.diskspace import NO_SPACE
-from rich.progress import Progress
 
 from . import console, host_scripts, provenance, release
 from .errors import DflashError, ExitCode
@@ -23,6 +23,9 @@ from .progress import PROGRESS_ABOVE_BYTES
 from .retry import retry_dropped
 from .session import Session
 from .transports.common import ResultThread
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 #: how long the hashing waits for a host's probe to be on its way (a slow host's
 #: connection does not hold up the others' for longer)

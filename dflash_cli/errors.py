@@ -6,8 +6,10 @@ into a message on stderr and a process exit status.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-from dflash_agent.protocol import RunState
+if TYPE_CHECKING:
+    from dflash_agent.protocol import RunState
 
 
 class ExitCode(enum.IntEnum):
@@ -23,6 +25,10 @@ class ExitCode(enum.IntEnum):
 def exit_code_for_state(state: RunState | None) -> ExitCode:
     """The exit code of `status` and `watch` for a run state; None, a state nobody could
     tell (a host that could not be asked), is a state this CLI cannot vouch for (3)."""
+    # imported here: defining the protocol's dataclasses is a large part of start-up, and
+    # the verbs that never see a run state (deploy, setup) import this module first thing
+    from dflash_agent.protocol import RunState
+
     # docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
     # well (no progress for stall_after seconds), and `dflash stacks` shows where it hangs.
     exit_for_state = {

@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
-
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from typing import TYPE_CHECKING, Iterator
 
 from . import console
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 #: a transfer of this many bytes or fewer draws no bar
 PROGRESS_ABOVE_BYTES = 1 << 20
@@ -44,6 +45,8 @@ def transfer_bars() -> Iterator[Progress | None]:
     if not console.human.is_terminal:
         yield None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn  # a terminal's only
+
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), console=console.human, transient=True) as bars:
         yield bars

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,15 @@ _NAMES_SHOWN = 3
 def describe(source: release.SourceTree, tree: release.Release, *, version: bool = True) -> dict[str, Any]:
     """run.json's `source` for the release `tree` scanned from `source`. `version` False
     leaves dflash_version None unless `summary` names it (the bundled copy): looking it
-    up imports importlib.metadata (~25 ms of CPU), for a line that does not show it."""
+    up imports importlib.metadata, for a line that does not show it."""
     version = _dflash_version() if version or source.kind == "bundled" else None
     return {"kind": source.kind, "path": str(source.root), "release_id": tree.release_id,
             "dflash_version": version, **_git_state(source.root, tree)}
 
 
 def _dflash_version() -> str | None:
+    from importlib import metadata  # read here: its import costs more than the rest of the module
+
     try:
         return metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:

@@ -18,15 +18,15 @@ import hashlib
 import io
 import os
 import subprocess
-import tarfile
 from pathlib import Path
-from typing import Callable, Iterator
-
-import pathspec
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .errors import DflashError, ExitCode
 from .project_tree import (BUNDLED_DIR, LARGE_RELEASE_BYTES, PROJECT_MARKERS, RELEASE_DIRS, shipped_tree,
                            source_folder)
+
+if TYPE_CHECKING:
+    import pathspec
 
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo", ".swp")
@@ -226,6 +226,8 @@ class TarStream(io.RawIOBase):
 
 
 def _header(path: str, size: int, mode: int) -> bytes:
+    import tarfile  # what only an upload needs
+
     info = tarfile.TarInfo(path)
     info.size, info.mode = size, mode
     return info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
@@ -319,6 +321,8 @@ def _spec(path: Path) -> pathspec.GitIgnoreSpec | None:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
         return None
+    import pathspec  # only trees outside git or with a .dflashignore pay for its import
+
     return pathspec.GitIgnoreSpec.from_lines(lines)
 
 

@@ -8,8 +8,6 @@ import difflib
 import re
 import shlex
 
-from dflash_agent.protocol import StatusReply
-
 from . import console
 from .errors import DflashError, ExitCode
 from .local_state import RunLogs, RunRef, check_run_text, latest_run, recorded_run, recorded_runs
@@ -55,6 +53,8 @@ def hosts_to_ask(session: Session, host: str | None) -> list[str]:
 def listed(session: Session, host: str) -> list[Known]:
     """The runs `host` holds, as its agent lists them (a run.json without a name: the
     name its id starts with)."""
+    from dflash_agent.protocol import StatusReply  # the protocol's types only when a host is asked
+
     reply = session.agent(host).call(StatusReply)
     # A run whose run.json cannot be read is named all the same: a verb on it says why.
     return ([Known(RunRef(host, run.run_id), run.name or name_of(run.run_id)) for run in reply.runs]

@@ -1,21 +1,23 @@
 """What one CLI invocation holds: the inventory, one transport per host, local state."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import os
-import concurrent.futures
 import threading
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
-from .agent_client import AgentClient
 from .errors import DflashError
 from .inventory import Host, Inventory, load_inventory
-from .local_config import LocalConfig, load_local_config
 from .project_tree import in_state_root
 from .transports import open_transport
 from .transports.base import Transport
+
+if TYPE_CHECKING:
+    from .agent_client import AgentClient
+    from .local_config import LocalConfig
 
 T = TypeVar("T")
 
@@ -46,7 +48,10 @@ class Session:
 
     @functools.cached_property
     def local_config(self) -> LocalConfig:
-        """dflash.yaml (local_config.py), read on first use."""
+        """dflash.yaml (local_config.py), read on first use (and imported then: deploy,
+        which never reads it, starts its probes sooner without the trackers' settings)."""
+        from .local_config import load_local_config
+
         return load_local_config(self.cli_config_file)
 
     @classmethod
@@ -76,6 +81,10 @@ class Session:
     def agent(self, host_name: str) -> AgentClient:
         """The agent of `host_name`'s current release (or of the one `use_release` named),
         over that host's one connection."""
+        # imported here: the protocol's dataclasses, which deploy never needs, are a large
+        # part of start-up
+        from .agent_client import AgentClient
+
         host = self.host(host_name)
         return AgentClient(host, self.transport(host), self._releases.get(host_name))
 

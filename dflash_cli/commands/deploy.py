@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
 
 from .. import console, release
 from ..deployment import DeployResult, deploy_host, described_source, start_probes
 from ..errors import DflashError, ExitCode
 from ..progress import cancel_on_ctrl_c, transfer_bars
 from ..session import Session
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: bool,
@@ -62,6 +63,8 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
 
 def _table(tree: release.Release) -> Table:
     """The results' table, with no row yet."""
+    from rich.table import Table  # imported once the hosts were asked, as the rest of rich (console.py)
+
     table = Table(title=f"release {tree.release_id} ({len(tree.files)} files, "
                         f"{tree.total_bytes / 1024:.0f} KiB)", title_justify="left")
     for column in ("host", "result", "files sent", "reused", "bytes sent", "round trips", "seconds"):
@@ -70,6 +73,8 @@ def _table(tree: release.Release) -> Table:
 
 
 def _print_table(table: Table, results: dict, order: list[str]) -> None:
+    from rich.text import Text
+
     for name in order:
         r = results[name]
         if isinstance(r, DflashError):
