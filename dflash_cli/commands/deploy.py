@@ -63,7 +63,7 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
 
 def _table(tree: release.Release) -> Table:
     """The results' table, with no row yet."""
-    from rich.table import Table  # imported once the hosts were asked, as the rest of rich (console.py)
+    from rich.table import Table  # imported once the hosts were asked
 
     table = Table(title=f"release {tree.release_id} ({len(tree.files)} files, "
                         f"{tree.total_bytes / 1024:.0f} KiB)", title_justify="left")
