@@ -14,7 +14,7 @@ pins sshd, and so everything a session runs, to the last N cores and this proces
 every client it starts, to the others: two machines, as a user's laptop and GPU node
 are, on one of more than N cores.
 
-    sudo .venv/bin/python bench/redeploy.py [--repeat 5] [--whole 7] [--node-cores N]     (needs rsync installed)
+    sudo .venv/bin/python bench/redeploy.py [--repeat 5] [--whole 11] [--node-cores N]     (needs rsync installed)
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def separate_cores(sshd_pid: int, node_cores: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--whole", type=int, default=7, help="whole-process runs of each, for the medians")
+    parser.add_argument("--whole", type=int, default=11, help="whole-process runs of each, for the medians")
     parser.add_argument("--node-cores", type=int, default=0,
                         help="the node (sshd and all it runs) on the last N cores, the client on the others")
     args = parser.parse_args()
@@ -130,9 +130,6 @@ def main() -> None:
     with test_bed() as bed:
         if args.node_cores:
             separate_cores(bed.sshd_pid, args.node_cores)
-        # dflash keeps its probes' command lines in the user's cache folder (probe_cache.py):
-        # the bench's own, which the warm-up deploy of each row fills as a user's last deploy did
-        os.environ["XDG_CACHE_HOME"] = str(bed.work / "cache")
         session = Session(str(bed.hosts), bed.logs)
         host = session.host("ct200")
         tree = release.scan()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from . import completion, console, deploy_early, retry, run_hosts
+from . import completion, console, retry, run_hosts, run_names
 from .commands import GPU_INTERVAL_S
 from .errors import DflashError, ExitCode
 from .local_state import RunRef, latest_or_refuse
@@ -132,9 +132,8 @@ def main(ctx: click.Context, hosts_file: str | None, logs_dir: str | None, accep
     was stopped, 5 the local disk (logs/) is full, 130 interrupted (the run keeps going).
     Data goes to stdout; progress and tables to stderr.
     """
-    # deploy_early's session when the `dflash` command made one for these options (its probes under way)
-    ctx.obj = ctx.with_resource(contextlib.closing(deploy_early.session(hosts_file, Path(logs_dir or in_state_root(DEFAULT_LOGS)), accept_new_host_key,
-                                                                        cli_config_file)))
+    ctx.obj = ctx.with_resource(contextlib.closing(Session(hosts_file, Path(logs_dir or in_state_root(DEFAULT_LOGS)),
+                                                           accept_new_host_key, cli_config_file)))
 
 
 @main.command("deploy")
@@ -494,8 +493,6 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     first; nothing is fetched here). Prints the file's path on stdout.
     """
     from .commands import plot
-
-    from . import run_names
 
     naming = "dflash plot RUN --host HOST"
     refs = [run_names.find(session, run_id, host_name, ask_hosts=False) for run_id in run_ids] or \

@@ -9,7 +9,10 @@ import click
 from click.shell_completion import CompletionItem
 
 from .errors import DflashError
+from .inventory import load_inventory
+from .local_state import recorded_runs
 from .project_tree import in_state_root
+from .run_names import name_of, newest_first
 from .session import DEFAULT_LOGS
 
 PROG = "dflash"
@@ -25,9 +28,6 @@ def _root_option(ctx: click.Context, name: str) -> str | None:
 def runs(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
     """The run ids logs/ records (of --host, when typed), and the runs' names, that
     start with what is typed; each id with its host."""
-    from .local_state import recorded_runs
-    from .run_names import name_of, newest_first
-
     logs = Path(_root_option(ctx, "logs_dir") or in_state_root(DEFAULT_LOGS))
     try:
         refs = recorded_runs(logs, ctx.params.get("host_name"))
@@ -41,8 +41,6 @@ def runs(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Co
 
 
 def _inventory_names(ctx: click.Context, groups: bool) -> list[tuple[str, str]]:
-    from .inventory import load_inventory
-
     try:
         inventory = load_inventory(_root_option(ctx, "hosts_file"))
     except DflashError:

@@ -3,7 +3,7 @@ release of the source tree (`source_tree`), installed by the host side's receive
 (host_scripts/deploy_receiver.py, sent with `python -S -c`): one round trip when the host's copy is
 intact, else one tar stream of what the host lacks. `deploy` starts each host's probe
 (`EarlyProbe`) once the tree's files are listed, so that the connection and the host's
-interpreter start while the tree is hashed, or adopts the one probe_cache started."""
+interpreter start while the tree is hashed."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ import io
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from dflash_files.diskspace import NO_SPACE
 
@@ -26,8 +26,6 @@ from .transports.common import ResultThread
 
 if TYPE_CHECKING:
     from rich.progress import Progress
-
-    from .probe_cache import StartedProbe
 
 #: how long the hashing waits for a host's probe to be on its way (a slow host's
 #: connection does not hold up the others' for longer)
@@ -83,12 +81,9 @@ class EarlyProbe:
     """The probe of one host started before the release id is known: the connection, the
     host's interpreter and the receiver start while the tree is hashed, and the receiver
     waits for the id on its stdin: `ask` gives it (`deploy_host` does, if not done yet);
-    `abandon` gives none (the receiver then exits having looked at nothing). `started`:
-    its ssh started already from a kept command line, which the host's transport adopts
-    if it is the one it would start (probe_cache)."""
+    `abandon` gives none (the receiver then exits having looked at nothing)."""
 
-    def __init__(self, session: Session, host: Host, verify: bool = False, switch: bool = True,
-                 started: StartedProbe | None = None):
+    def __init__(self, session: Session, host: Host, verify: bool = False, switch: bool = True):
         self.started = time.monotonic()
         self.verify, self.switch = verify, switch
         self.round_trips_before = 0  # the transport's count before the probe, once it ran
@@ -98,8 +93,6 @@ class EarlyProbe:
             # opened in this thread: importing the paramiko client alone takes a while
             transport = session.transport(host)
             self.round_trips_before = transport.round_trips
-            if started is not None:
-                transport.adopt(started, probe_argv(host, verify, switch))
             return _receiver(session, host, "probe", "-", _check(verify), _switching(switch), stdin=self._line)
 
         self._reply = ResultThread(f"{host.name}-probe", probe)
@@ -128,14 +121,10 @@ class EarlyProbe:
             pass  # it was never asked anything
 
 
-def start_probes(session: Session, hosts: list[Host], verify: bool, source_dir: Path | None, allow_large: bool,
-                 started: Mapping[str, StartedProbe] = {}) -> tuple[release.SourceTree, release.Listing,
-                                                                   dict[str, EarlyProbe]]:
+def start_probes(session: Session, hosts: list[Host], verify: bool, source_dir: Path | None,
+                 allow_large: bool) -> tuple[release.SourceTree, release.Listing, dict[str, EarlyProbe]]:
     """`dflash deploy`'s first step: the tree listed (a release refused for its size
-    contacts no host), then each host's probe started, for the release id once hashed.
-    `started`: probes started already from kept command lines (probe_cache), by host
-    name: each adopted by its host's transport where it is the same command, else (and
-    where this fails before the probes start) abandoned."""
+    contacts no host), then each host's probe started, for the release id once hashed."""
     # Meanwhile each host's transport is made and its options resolved (`ssh -G`), which
     # contacts no host either; a failure there is the probe's to meet and report.
     prepared = [ResultThread(f"{host.name}-prepare", session.transport(host).prepare) for host in hosts]
@@ -143,24 +132,13 @@ def start_probes(session: Session, hosts: list[Host], verify: bool, source_dir: 
         thread.start()
     try:
         source, listing = listed_source(source_dir, allow_large)
-    except BaseException:
-        for probe in started.values():
-            probe.abandon()
-        raise
     finally:
         for thread in prepared:
             thread.join()
-    for name in started.keys() - {host.name for host in hosts}:
-        started[name].abandon()
-    probes = {host.name: EarlyProbe(session, host, verify, started=started.get(host.name)) for host in hosts}
+    probes = {host.name: EarlyProbe(session, host, verify) for host in hosts}
     for probe in probes.values():
         probe.wait_started(_START_WAIT_S)
     return source, listing, probes
-
-
-def probe_argv(host: Host, verify: bool, switch: bool = True) -> list[str]:
-    """The command an early probe runs on `host` (release id `-`: read from its stdin)."""
-    return _receiver_argv(host, "probe", "-", _check(verify), _switching(switch))
 
 
 def _check(verify: bool) -> str:

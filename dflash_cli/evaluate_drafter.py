@@ -3,14 +3,12 @@ as the launch starts (docs/jobs.md "job: evaluate"); the host gets the folder's 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+
+from dflash_train.config import JobConfig
 
 from . import console, run_names
 from .errors import DflashError, ExitCode
 from .session import Session
-
-if TYPE_CHECKING:
-    from dflash_train.config import JobConfig
 
 RUN_FORM = "run:"
 

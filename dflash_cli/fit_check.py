@@ -13,17 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dflash_agent.protocol import FitFacts, Gpu, GpuProcess
+from dflash_train.config import JobConfig
 from dflash_train.memory.plan import GIB, DevicePlan, MemoryPlan, TargetShape, estimate, usable_bytes
 from rich.table import Table
 
 from . import console
 from .errors import DflashError, ExitCode
-
-if TYPE_CHECKING:
-    from dflash_train.config import JobConfig
 
 MIB = 1 << 20
 # Less than this held on a GPU is not worth naming (an idle GPU's memory.used is not always 0).

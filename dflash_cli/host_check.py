@@ -15,23 +15,20 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import dflash_agent
 import dflash_files
 from dflash_agent import gpus, preflight
 from dflash_agent.gpus import TRAINER_PACKAGES, is_hub_id
 from dflash_agent.protocol import HostCheck
+from dflash_train.config import JobConfig
 
-from . import fit_check
+from . import console, fit_check
 from .agent_client import run_probe
 from .errors import DflashError, ExitCode
 from .inventory import Host
 from .release import list_files
 from .session import Session
-
-if TYPE_CHECKING:
-    from dflash_train.config import JobConfig
 
 # What host_check.py imports, by module name, and whether each is a package.
 _MODULES = {"dflash_files": True, "dflash_files.checkpoint_files": False, "dflash_files.checksums": False,
@@ -175,8 +172,6 @@ def check_host(session: Session, host: Host, config: JobConfig, paths: list[pref
 
 def show(reports: list[HostReport]) -> None:
     """Every verdict, a line each on stderr: `HOST: CHECK: ok` or `HOST: CHECK: REFUSED: why`."""
-    from . import console
-
     for report in reports:
         for verdict in report.verdicts:
             console.say(f"{report.host}: {verdict.check}: " +

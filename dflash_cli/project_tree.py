@@ -1,6 +1,6 @@
-"""Which folder a deploy sends, and how large its release can be at most, decided with
-the standard library only: `dflash deploy` asks this before it has imported the rest of
-the CLI (probe_cache), and release.py decides with the same functions."""
+"""Where a project tree and its local state are: which folder a deploy sends, and where the
+defaults of --hosts, --cli-config and --logs-dir are found (the standard library only:
+every command's start-up reads it)."""
 from __future__ import annotations
 
 import os
@@ -77,17 +77,3 @@ def source_folder(explicit: str | None, cwd: str) -> tuple[str, str] | None:
     shipped = shipped_tree()
     return None if shipped is None else (shipped, "bundled")
 
-
-def size_bound(root: str) -> int:
-    """The bytes of every file under the release folders of `root`: no smaller than the
-    release of `root`, whatever git or .dflashignore leave out of it (release.list_files
-    walks the same folders the same way and keeps a part of these files)."""
-    total = 0
-    for top in RELEASE_DIRS:
-        for dirpath, _, filenames in os.walk(os.path.join(root, top)):
-            for name in filenames:
-                try:
-                    total += os.stat(os.path.join(dirpath, name)).st_size
-                except OSError:
-                    pass  # not a file release.list_files would keep (a dangling link), or gone
-    return total

@@ -59,7 +59,7 @@ def project_root() -> Path:
 def find_source(explicit: Path | None = None, cwd: Path | None = None) -> SourceTree:
     """What to deploy: `explicit` (--source) if given, else the nearest folder holding
     `cwd` (default: the current directory) that is a project tree, else the bundled copy
-    (project_tree.source_folder, which the early deploy asks too)."""
+    (project_tree.source_folder)."""
     if explicit is not None and not explicit.is_dir():
         raise DflashError(f"--source {explicit}: no such directory", ExitCode.USAGE)
     found = source_folder(None if explicit is None else str(explicit), str(cwd or Path.cwd()))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 
+from . import run_names
 from .errors import DflashError, ExitCode
 from .inventory import BUILTIN, Host
 from .local_state import LATEST_FILE, RunLogs, RunRef, latest_or_refuse, latest_run
@@ -60,8 +61,6 @@ def chosen_run(session: Session, run_id: str | None, host_name: str | None, reac
     host the local records chose the run's hosts, and the inventory may have lost one
     since: a verb that cannot do without it (`reach`) is refused naming the run, the host
     and the inventory."""
-    from . import run_names
-
     ref = (latest_or_refuse(session.logs_dir, host_name, naming) if run_id is None
            else run_names.find(session, run_id, host_name))
     if host_name is None:

@@ -1,6 +1,7 @@
 """What one CLI invocation holds: the inventory, one transport per host, local state."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -96,8 +97,6 @@ class Session:
         results: dict[str, T | DflashError] = {}
         if not hosts:
             return results
-        import concurrent.futures  # imported once there is work for it
-
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
             futures = {pool.submit(work, host): host.name for host in hosts}
             for future in concurrent.futures.as_completed(futures):

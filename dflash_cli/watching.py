@@ -37,6 +37,7 @@ from .session import Session
 from .scalars import history_of
 from .tensorboard import RunBoard
 from .trackers.config import TrackerSettings
+from .trackers.hub import Trackers, tracked_run
 
 CURSOR_SAVE_EVERY_S = 0.5
 
@@ -209,8 +210,6 @@ class Watcher:
         # local state, which records what they were sent.
         self.trackers = None
         if self.claim and trackers.named and (not hosts or hosts[0] == ref.host):
-            from .trackers.hub import Trackers  # the trackers' packages only when one is named
-
             self.trackers = Trackers(trackers, self.logs, f"{ref.host}| " if len(hosts) > 1 else "")
         self.recent = b""  # the last bytes received before cursor.offset (its fingerprint)
         self.last_saved = 0.0
@@ -264,8 +263,6 @@ class Watcher:
     def start_trackers(self) -> None:
         """Open the trackers in the run's tracker runs, with its config and provenance
         (one round trip; a dropped connection here is one like any other)."""
-        from .trackers.hub import tracked_run
-
         status = self.agent.run_status(self.ref.run_id, "--config")
         self.trackers.start(tracked_run(status, self.ref, self.hosts), self.cursor.events_mirrored)
 

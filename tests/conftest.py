@@ -184,14 +184,6 @@ def ssh_client_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     yield from _variable_set("DFLASH_SSH_CONFIG", path)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def user_cache_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The user's cache folder (XDG_CACHE_HOME) of dflash and its subprocesses: one per
-    worker, never the machine's ~/.cache (deploy keeps its probes' command lines there,
-    probe_cache.py). Tests that need one of their own set the variable again."""
-    yield from _variable_set("XDG_CACHE_HOME", tmp_path_factory.mktemp("user-cache"))
-
-
 def _variable_set(name: str, path: Path) -> Iterator[Path]:
     """A session fixture's body: `name` set to `path` for its life, then as it was."""
     before = os.environ.get(name)

@@ -3,22 +3,26 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import yaml
 
 from dflash_cli import deployment, release
 from dflash_cli.errors import DflashError
 from dflash_cli.session import Session
 from dflash_run import REPO, dflash, dflash_argv, dflash_env, dflash_in_process
 from support import container_workspace, copy_release_dirs, kill_ssh_sessions, wait_until, workspace_on_node
+from support.hash_gate import finish, held_dflash_argv
 from support.train_configs import small_config
 from support.wait import FIRST_INTERVAL_S
 
@@ -415,3 +419,103 @@ def test_a_file_changed_to_the_same_size_with_its_mtime_put_back_is_deployed(mak
     new_id = release.scan(project).release_id
     assert second.stdout == f"local\t{new_id}\tinstalled\n" and new_id not in first.stdout
     assert (tmp_path / "local ws" / "current" / "configs" / "hosts.yaml").read_text() == config.read_text()
+
+
+def counting_python(tmp_path: Path) -> Path:
+    """An interpreter for the host that adds a line to tmp_path/'receivers started' as it starts."""
+    python = tmp_path / "python-counting"
+    python.write_text(f"#!/bin/sh\necho >> {shlex.quote(str(tmp_path / 'receivers started'))}\n"
+                      f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
+    return python
+
+
+def held_deploy(tmp_path: Path, hosts: Path, project: Path, temporary: Path | None = None
+                ) -> tuple[subprocess.Popen[str], Path]:
+    """`dflash deploy ct200 --source PROJECT` with its hashing held until the test creates the
+    returned gate file; returns once the probe's receiver started on ct200 (it waits there
+    for the release id)."""
+    (tmp_path / "receivers started").unlink(missing_ok=True)
+    gate = tmp_path / "gate"
+    env = dflash_env({"TMPDIR": str(temporary)} if temporary else None)
+    proc = subprocess.Popen(held_dflash_argv(gate, "deploy", "ct200", "--source", str(project), hosts=hosts),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    wait_until((tmp_path / "receivers started").exists, what="the probe's receiver to start",
+               interval=FIRST_INTERVAL_S)
+    return proc, gate
+
+
+def deployed_project(make_inventory, tmp_path: Path) -> tuple[Path, Path, str]:
+    """(an inventory whose ct200 runs counting_python, a copy of the project, its release id
+    deployed to ct200)."""
+    hosts = make_inventory(tmp_path, ct200={"python": str(counting_python(tmp_path))})
+    project = copy_release_dirs(tmp_path / "p")
+    first = dflash("deploy", "ct200", "--source", str(project), hosts=hosts)
+    assert first.returncode == 0, first.stderr
+    return hosts, project, first.stdout.split()[1]
+
+
+def test_a_file_changed_after_the_probe_started_is_what_is_deployed(make_inventory, fake_pve, tmp_path):
+    hosts, project, first_id = deployed_project(make_inventory, tmp_path)
+    temporary = Path(tempfile.mkdtemp(prefix="dft"))  # short: the master's socket is in it
+    try:
+        proc, gate = held_deploy(tmp_path, hosts, project, temporary)
+        # Listed before the probe started; changed now, to the same size and mtime: only the
+        # content, hashed after this, can tell.
+        config = project / "configs" / "hosts.yaml"
+        before = config.stat()
+        text = config.read_text()
+        config.write_text(text[:-2] + ("x" if text[-2] != "x" else "y") + text[-1])
+        os.utime(config, ns=(before.st_atime_ns, before.st_mtime_ns))
+        gate.touch()
+        code, out, err = finish(proc)
+        assert code == 0, err
+        changed_id = release.scan(project).release_id
+        assert out == f"ct200\t{changed_id}\tinstalled\n" and changed_id != first_id
+        current = workspace_on_node(fake_pve, tmp_path) / "current"
+        assert (current / "configs" / "hosts.yaml").read_text() == config.read_text()
+        assert list(temporary.iterdir()) == []  # the private folder went with the connection
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def test_a_file_removed_after_it_was_listed_is_an_error_and_changes_nothing(make_inventory, fake_pve, tmp_path):
+    hosts, project, first_id = deployed_project(make_inventory, tmp_path)
+    releases = workspace_on_node(fake_pve, tmp_path) / "releases"
+    before = sorted(os.listdir(releases))
+    proc, gate = held_deploy(tmp_path, hosts, project)
+    (project / "configs" / "hosts.yaml").unlink()
+    gate.touch()
+    code, out, err = finish(proc)
+    assert code == 2 and out == "", err
+    assert "cannot read configs/hosts.yaml" in err and "Traceback" not in err
+    assert sorted(os.listdir(releases)) == before
+    assert os.readlink(releases.parent / "current") == f"releases/{first_id}"
+
+
+def test_a_deploy_killed_with_its_probe_started_changes_nothing(make_inventory, fake_pve, tmp_path):
+    hosts, project, first_id = deployed_project(make_inventory, tmp_path)
+    workspace = workspace_on_node(fake_pve, tmp_path)
+    before = sorted(os.listdir(workspace / "releases"))
+    proc, _ = held_deploy(tmp_path, hosts, project)
+    proc.send_signal(signal.SIGKILL)
+    finish(proc)
+    # its stdin closed with the process: the receiver exits having looked at nothing
+    assert sorted(os.listdir(workspace / "releases")) == before
+    assert os.readlink(workspace / "current") == f"releases/{first_id}"
+    again = dflash("deploy", "ct200", "--source", str(project), hosts=hosts)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == f"ct200\t{first_id}\tunchanged\n"
+
+
+def test_a_host_whose_options_cannot_be_resolved_fails_alone(make_inventory, tmp_path):
+    # its `ssh -G` runs while the tree is listed; its failure is that host's row
+    odd = {**yaml.safe_load(make_inventory(tmp_path).read_text())["hosts"]["ct200"], "ssh": "root@bad;host"}
+    hosts = make_inventory(tmp_path, odd=odd)
+    done = subprocess.run(dflash_argv("deploy", "ct200", "odd", hosts=hosts), capture_output=True, text=True,
+                          env=dflash_env(), timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == f"ct200\t{release.scan().release_id}\tinstalled\n"
+    # the table's cells as one line: where the row wraps depends on the length of the test's paths
+    cells = " ".join(re.sub("[│┃]", " ", done.stderr).split())
+    assert re.search(r"odd failed: `ssh -G .*bad;host` failed: hostname contains invalid", cells), done.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import console, deploy_early, release
+from .. import console, release
 from ..deployment import DeployResult, deploy_host, described_source, start_probes
 from ..errors import DflashError, ExitCode
 from ..progress import cancel_on_ctrl_c, transfer_bars
@@ -25,10 +25,8 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
     hosts = [session.host(name) for name in host_names]  # unknown names fail before any work
     # Ctrl-C from here on, while the tree is hashed too, stops each host's upload and says so.
     with cancel_on_ctrl_c() as cancel:
-        # Each host's connection and receiver start while the tree is hashed: started
-        # already by the `dflash` command when it could (deploy_early), else here.
-        source, listing, early = (deploy_early.claim(session, host_names, verify, source_dir, allow_large)
-                                  or start_probes(session, hosts, verify, source_dir, allow_large))
+        # Each host's connection and receiver start while the tree is hashed.
+        source, listing, early = start_probes(session, hosts, verify, source_dir, allow_large)
         try:
             tree = listing.hashed()
         except BaseException:

@@ -20,6 +20,7 @@ from ..inventory import Host
 from ..session import Session
 from ..tables import Column, FittedTable
 from ..transports import ssh_client
+from ..transports.ssh_options import resolve
 
 # The agent's own host facts (stdlib only, no package imports), sent with `python -c`:
 # it works before anything is deployed.
@@ -81,7 +82,6 @@ def status(host: Host, found: HostCheck, needs: requirements.TrainerRequirements
 
 def ssh_options(session: Session, host: Host) -> dict:
     """How the host's `ssh:` resolves: the effective options and where each came from."""
-    from ..transports.ssh_options import resolve  # only -v pays for resolving
     options = resolve(host.ssh, host, explain=True)
     return {"resolved_by": options.resolved_by, "client": _client(host),
             "options": [{"option": o, "value": v, "source": src} for o, v, src in options.explain()]}

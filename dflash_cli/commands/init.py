@@ -6,6 +6,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+import paramiko
+
 from .. import console
 from ..errors import DflashError, ExitCode
 from ..inventory import DEFAULT_INVENTORY, LOCAL_WORKSPACE
@@ -31,8 +33,6 @@ class Initialized:
 def ssh_hosts(path: Path) -> list[tuple[str, dict[str, str]]]:
     """(alias, what it resolves to: hostname, user, port) of each Host of the SSH client
     config that names one host (no pattern), by name; none without the file."""
-    import paramiko
-
     if not path.is_file():
         return []
     try:

@@ -8,12 +8,12 @@ import json
 import re
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import dflash_schema
 from dflash_agent.gpus import TRAINER_PACKAGES
 from dflash_agent.layout import MAX_RUN_ID
 from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply
+from dflash_train.config import JobConfig, load_job_config, resolved_yaml  # torch-free by contract
 
 from .. import console, evaluate_drafter, fit_check, host_check
 from ..compile_artifacts import seed_hosts
@@ -26,9 +26,6 @@ from ..release import Release, find_source
 from ..release_store import ReleaseStore, change_since
 from ..run_start import refuse, start_together
 from ..session import Session
-
-if TYPE_CHECKING:
-    from dflash_train.config import JobConfig
 
 _BAD_NAME = re.compile(r"[/\x00-\x1f\x7f]")
 
@@ -69,8 +66,6 @@ class Launched:
 def load_config(path: Path, overrides: tuple[str, ...] = ()) -> JobConfig:
     """The training config with the `--set KEY=VALUE` overrides merged in, checked by the
     trainer's own schema before anything is sent."""
-    from dflash_train.config import load_job_config  # torch-free by contract
-
     try:
         return load_job_config(path, tuple(map(dflash_schema.parse_override, overrides)))
     except dflash_schema.SchemaError as exc:
@@ -289,8 +284,6 @@ def start(session: Session, options: LaunchOptions) -> Launched:
 
 def _resolved(config: JobConfig) -> bytes:
     """What the hosts get as config.yaml: the resolved config."""
-    from dflash_train.config import resolved_yaml
-
     return resolved_yaml(config).encode()
 
 

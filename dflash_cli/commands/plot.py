@@ -7,12 +7,16 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import matplotlib
 from dflash_events import EVAL, STEP, EventType
+from matplotlib.figure import Figure
 
 from .. import console
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef, write_atomic
 from ..scalars import history_of
+
+matplotlib.use("Agg")  # files only: no display needed, none opened
 
 # (title, event type, field) of each panel, top to bottom.
 PANELS = [("loss", STEP, STEP.loss), ("acceptance length", EVAL, EVAL.acceptance_length),
@@ -48,10 +52,6 @@ def load(logs_dir: Path, refs: list[RunRef]) -> dict[str, list[dict]]:
 
 def figure(runs: dict[str, list[dict]]):
     """The matplotlib Figure: one panel per PANELS entry, one line per run in each."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only: no display needed, none opened
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(8, 9), layout="constrained")
     axes = fig.subplots(len(PANELS), 1, sharex=True)
     for ax, (title, kind, field) in zip(axes, PANELS):

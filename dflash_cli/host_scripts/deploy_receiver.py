@@ -38,21 +38,20 @@ as said above; "keep" leaves `current` as it is (`dflash launch`, whose run's st
 makes its release current): probe answers {"status": "present"} for an intact release
 that is not current, install installs without the switch.
 """
+import ctypes
+import fcntl
 import hashlib
+import json
 import os
+import shutil
 import stat
 import sys
-
-# What only install needs (ctypes, fcntl, shutil, tarfile, time) is imported where it is
-# used: the probe, all an unchanged deploy runs, starts sooner without them. So is json:
-# its import (re, enum) is a third of this script's start-up on the host, and an unchanged
-# probe reads INSTALLED and writes its answer without it (_installed_stamps, _answer).
+import tarfile
+import time
 
 INSTALLED = "INSTALLED"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-#: the characters json writes as they are in a string (ensure_ascii): printable ASCII but " and \
-_PLAIN = frozenset(chr(code) for code in range(0x20, 0x7f)) - {'"', "\\"}
 
 
 def _manifest(text):
@@ -100,8 +99,6 @@ def _switch(workspace, release_id):
 
 def _remove_tree(path):
     """shutil.rmtree that also works on a read-only release for a user who is not root."""
-    import shutil
-
     def writable_again(function, failed, _exc):
         parent = os.path.dirname(failed)
         os.chmod(parent, stat.S_IMODE(os.stat(parent).st_mode) | stat.S_IWUSR)
@@ -124,8 +121,6 @@ def _pid_alive(pid):
 def _clean_stale_incoming(releases):
     """Remove what killed deploys left: .incoming-<id>-<pid> of a process that is gone,
     or older than an hour (the pid may have been reused). Never touches releases."""
-    import time
-
     for name in os.listdir(releases):
         path = os.path.join(releases, name)
         if not name.startswith(".incoming-"):
@@ -143,31 +138,13 @@ def _stamp(st):
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _installed_text(release_id, stamps):
-    """INSTALLED as install writes it (json.dump of {"release_id", "files"}, sort_keys) for
-    these stamps, where every path is plain (see _PLAIN); else None."""
-    if not all(_PLAIN.issuperset(path) for path in stamps):
-        return None
-    files = ", ".join('"%s": [%d, %d, %d]' % (path, *stamps[path]) for path in sorted(stamps))
-    return ('{"files": {%s}, "release_id": "%s"}' % (files, release_id)).encode()
-
-
-def _installed_stamps(folder, release_id, stamps):
+def _installed_stamps(folder):
     """INSTALLED's record {path: [size, mtime_ns, ctime_ns]} of `folder`, or None without a
-    readable one. `stamps`: the files' own, as found: where INSTALLED is exactly what
-    install writes for them, they are its record, with no need to parse it."""
+    readable one."""
     try:
         with open(os.path.join(folder, INSTALLED), "rb") as fh:
-            text = fh.read()
-    except OSError:
-        return None
-    if text == _installed_text(release_id, stamps):
-        return stamps
-    import json
-
-    try:
-        return json.loads(text.decode())["files"]
-    except (ValueError, KeyError, TypeError):
+            return json.loads(fh.read().decode())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -189,7 +166,7 @@ def _problems(folder, release_id, files, verify):
             problems.append("%s: mode %o" % (path, stat.S_IMODE(st.st_mode)))
         else:
             found[path] = _stamp(st)
-    installed = None if verify else _installed_stamps(folder, release_id, found)
+    installed = None if verify else _installed_stamps(folder)
     for path, stamp in found.items():
         sha, size, _ = files[path]
         if installed is not None:
@@ -217,8 +194,6 @@ def _intact_files(folder, release_id, verify):
 
 def _deploy_lock(workspace):
     """Serializes the installs into one workspace."""
-    import fcntl
-
     fd = os.open(os.path.join(workspace, ".deploy.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
@@ -227,8 +202,6 @@ def _deploy_lock(workspace):
 def _exchange(a, b):
     """Swap two paths in one step (renameat2 RENAME_EXCHANGE); False where the kernel,
     libc or filesystem cannot."""
-    import ctypes
-
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
@@ -240,8 +213,6 @@ def _put_in_place(incoming, target, release_id):
     """Rename the verified `incoming` to `target`; returns where a modified copy that was
     there went, or None. A modified copy is kept aside, not deleted: runs that started
     from it may still have it open; at the path they resolved, they find the new copy."""
-    import time
-
     try:
         os.rename(incoming, target)
         return None
@@ -273,9 +244,6 @@ class _CountingReader(object):
 def _receive(incoming, expected_bytes):
     """Unpack the tar on stdin into `incoming`; the number of files received. Raises
     unless exactly `expected_bytes` arrived."""
-    import shutil
-    import tarfile
-
     stdin = _CountingReader(sys.stdin.buffer)
     received = 0
     with tarfile.open(fileobj=stdin, mode="r|*") as tar:
@@ -342,8 +310,6 @@ def check(workspace, mode):
 
 
 def install(workspace, release_id, expected_bytes, switch="switch"):
-    import shutil
-
     _check_id(release_id)
     switching = _switching(switch)
     releases = os.path.join(workspace, "releases")
@@ -383,8 +349,6 @@ def install(workspace, release_id, expected_bytes, switch="switch"):
             raise ValueError("files not in MANIFEST: %s" % sorted(extra)[:5])
         os.chmod(os.path.join(incoming, "MANIFEST"), 0o444)
         stamps = {path: _stamp(os.stat(os.path.join(incoming, path))) for path in files}
-        import json
-
         with open(os.path.join(incoming, INSTALLED), "w") as fh:
             json.dump({"release_id": release_id, "files": stamps}, fh, sort_keys=True)
         os.chmod(os.path.join(incoming, INSTALLED), 0o444)
@@ -421,21 +385,11 @@ def main(argv):
     try:
         result = {"probe": probe, "install": install, "check": check}[verb](workspace, *arg)
     except Exception as exc:  # reported to the CLI as data, with the exact cause
-        print(_answer({"status": "error", "error": "%s: %s" % (type(exc).__name__, exc),
-                       "errno": getattr(exc, "errno", None)}))
+        print(json.dumps({"status": "error", "error": "%s: %s" % (type(exc).__name__, exc),
+                          "errno": getattr(exc, "errno", None)}))
         return 1
-    print(_answer(result))
+    print(json.dumps(result))
     return 0
-
-
-def _answer(result):
-    """`result` as one line of JSON: json.dumps's, which a flat object of plain strings
-    (an unchanged probe's answer) gets without importing json."""
-    if all(isinstance(value, str) and _PLAIN.issuperset(key + value) for key, value in result.items()):
-        return "{%s}" % ", ".join('"%s": "%s"' % item for item in result.items())
-    import json
-
-    return json.dumps(result)
 
 
 if __name__ == "__main__":

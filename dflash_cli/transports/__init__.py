@@ -13,6 +13,8 @@ from ..errors import DflashError, ExitCode
 from ..inventory import Host
 from .base import Completed, Transport
 from .common import CommandFailed
+from .local import LocalTransport
+from .openssh import OpenSshPctTransport, OpenSshTransport
 
 __all__ = ["Completed", "CommandFailed", "Transport", "open_transport", "ssh_client"]
 
@@ -31,15 +33,13 @@ def open_transport(host: Host, *, accept_new_host_key: bool = False) -> Transpor
     """The transport for `host`. accept_new_host_key records an unknown SSH host key in
     known_hosts instead of refusing it (as `host_key: accept-new` does); a changed key
     is refused either way."""
-    # imported here: paramiko costs a noticeable start-up time that only
-    # hosts it reaches should pay
     if host.transport == "local":
-        from .local import LocalTransport
         return LocalTransport(host)
     if ssh_client(host) == "openssh":
-        from .openssh import OpenSshPctTransport, OpenSshTransport
         openssh = OpenSshTransport if host.transport == "ssh" else OpenSshPctTransport
         return openssh(host, accept_new_host_key=accept_new_host_key)
+    # imported here: paramiko's import costs every command a noticeable start-up time that
+    # only a host it reaches should pay
     from .ssh import PctTransport, SshTransport
     paramiko = SshTransport if host.transport == "ssh" else PctTransport
     return paramiko(host, accept_new_host_key=accept_new_host_key)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Iterator, Sequence
 
+from ..errors import DflashError
 from .common import CommandFailed, LineSplitter
-
-if TYPE_CHECKING:
-    from ..probe_cache import StartedProbe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,19 +63,12 @@ class Transport(abc.ABC):
         """What the first command needs that contacts no host, done ahead (the SSH
         transports resolve the target's options: `ssh -G`); nothing for `local`."""
 
-    def adopt(self, started: StartedProbe, argv: Sequence[str]) -> None:
-        """Take `started` as the process of the next `run(argv)` where it runs the very
-        command line this transport would start for `argv` as its first command; else it
-        is abandoned (probe_cache). Only the OpenSSH transports start such lines."""
-        started.abandon()
-
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections. Safe to call twice."""
 
     def read_file(self, path: str) -> bytes:
         """Bytes of a file on the host (inside the container for pct)."""
-        from ..errors import DflashError
         done = self.run(["cat", "--", path])
         if done.exit_code != 0:
             raise DflashError(f"{self.describe}: cannot read {path}: "

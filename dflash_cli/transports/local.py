@@ -46,20 +46,12 @@ class LocalTransport(Tally, Transport):
         """What to start for `argv` (a subclass reaches another host through a client)."""
         return argv
 
-    def _adopted(self, argv: list[str]) -> subprocess.Popen[bytes] | None:
-        """The process already started for `argv` (Transport.adopt), if any."""
-        return None
-
     def _outcome(self, proc: subprocess.Popen[bytes], argv: list[str], code: int, stderr: bytes) -> int:
         """The exit code of `argv` from that of `proc` (which ran `_command(argv)`); a
         subclass raises UnreachableError here when the client, not `argv`, failed."""
         return code
 
     def _start(self, argv: list[str], stdin: int) -> subprocess.Popen[bytes] | Completed:
-        adopted = self._adopted(argv)
-        if adopted is not None:
-            self.tally(trips=1)
-            return adopted
         try:
             proc = subprocess.Popen(self._command(argv), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)

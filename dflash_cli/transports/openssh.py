@@ -37,7 +37,6 @@ import tempfile
 import threading
 from itertools import count
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
 
 from ..errors import ConnectionLost, UnreachableError
 from ..inventory import Host
@@ -45,9 +44,6 @@ from .common import KEEPALIVE_COUNT, KEEPALIVE_S, SIGNALLED_EXIT
 from .local import LocalTransport
 from .pct import ContainerHop
 from .ssh_options import ResolvedTarget, SshOptions, config_file, split_target
-
-if TYPE_CHECKING:
-    from ..probe_cache import StartedProbe
 
 #: seconds a master dflash started outlives its last command (a killed dflash leaves
 #: it behind no longer than this)
@@ -78,7 +74,6 @@ class OpenSshTransport(ResolvedTarget, LocalTransport):
         self._folder: str | None = None  # 0700: dflash's ControlPath and the per-command logs
         self._connected = False  # a master was found or started since the folder was made
         self._logs = count()
-        self._started: tuple[list[str], StartedProbe] | None = None  # adopted, for its argv's run
 
     # -- options -------------------------------------------------------------------------
 
@@ -92,11 +87,9 @@ class OpenSshTransport(ResolvedTarget, LocalTransport):
             self._folder = tempfile.mkdtemp(prefix="dflash-ssh-")  # mode 0700
         return self._folder
 
-    def _ssh(self, *extra: str, command: str | None = None, shared: bool = True,
-             folder: str | None = None) -> list[str]:
+    def _ssh(self, *extra: str, command: str | None = None, shared: bool = True) -> list[str]:
         """`ssh` with dflash's options, `extra`, the target, and `command` after `--`;
-        `shared`: through the master (else a connection of its own); `folder`: the
-        private folder (default: this transport's)."""
+        `shared`: through the master (else a connection of its own)."""
         options, host = self.options, self.host
         user, name, port = split_target(host.ssh)
         config = config_file()
@@ -116,7 +109,7 @@ class OpenSshTransport(ResolvedTarget, LocalTransport):
         if not shared:
             args += ["-o", "ControlPath=none", "-o", "ControlMaster=no"]
         elif not self.shares_users_master:
-            args += ["-o", f"ControlPath={_quoted(os.path.join(folder or self._private_folder(), '%C'))}",
+            args += ["-o", f"ControlPath={_quoted(os.path.join(self._private_folder(), '%C'))}",
                      "-o", f"ControlPersist={CONTROL_PERSIST_S}"]
         elif options.control_persist == "no":
             # a master that lives as long as its first command would serve no other
@@ -217,46 +210,10 @@ class OpenSshTransport(ResolvedTarget, LocalTransport):
 
     def _command(self, argv: list[str]) -> list[str]:
         self._connect()
-        return self._command_line(argv, self._log())
-
-    def _command_line(self, argv: Sequence[str], log: str, folder: str | None = None) -> list[str]:
         # ControlMaster auto: should the master have gone (dropped, ControlPersist over),
         # this command opens the next one (or, with no master yet, becomes it)
-        return self._ssh("-T", "-E", log, "-o", "LogLevel=ERROR", "-o", "ControlMaster=auto",
-                         command=shlex.join(self._wrap(list(argv))),  # the one quoting, for the server's shell
-                         folder=folder)
-
-    # -- a first command started by a later invocation (probe_cache) ------------------------
-
-    def first_command_line(self, argv: Sequence[str], folder: str) -> tuple[list[str], list[str] | None] | None:
-        """The command line of `argv` as this transport's first command with `folder` as its
-        private folder, with no master started first: where dflash runs its own master,
-        that command becomes it, and the second line (`ssh -O exit`) ends it. None where
-        new host keys are accepted: such a line is never started ahead (probe_cache)."""
-        if self._accept_new or self.options.accept_new:
-            return None
-        exit_line = None if self.shares_users_master else self._ssh("-O", "exit", folder=folder)
-        return self._command_line(argv, os.path.join(folder, "ssh-0.log"), folder), exit_line
-
-    def adopt(self, started: StartedProbe, argv: Sequence[str]) -> None:
-        adopted = False
-        try:
-            with self._lock:
-                fresh = self._folder is None and not self._connected and self._started is None
-                expected = self.first_command_line(argv, started.folder) if fresh else None
-                if expected is not None and started.argv == expected[0]:
-                    # its folder is this transport's; where it is the master, `close` ends it
-                    self._folder, self._connected, self._logs = started.folder, True, count(1)
-                    self._started, adopted = (list(argv), started), True
-        finally:
-            if not adopted:  # another command line, or options that cannot be resolved
-                started.abandon()
-
-    def _adopted(self, argv: list[str]) -> subprocess.Popen[bytes] | None:
-        if self._started is None or self._started[0] != argv:
-            return None
-        process, self._started = self._started[1].process, None
-        return process
+        return self._ssh("-T", "-E", self._log(), "-o", "LogLevel=ERROR", "-o", "ControlMaster=auto",
+                         command=shlex.join(self._wrap(argv)))  # the one quoting, for the server's shell
 
     def _outcome(self, proc: subprocess.Popen[bytes], argv: list[str], code: int, stderr: bytes) -> int:
         command = list(proc.args)  # type: ignore[arg-type]
