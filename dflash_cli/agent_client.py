@@ -2,7 +2,7 @@
 its transport.
 
 The agent answers every verb with one JSON object, read here as its type of
-dflash_agent.protocol; `follow` streams JSON lines, each read as its message type,
+dflash_contract.replies; `follow` streams JSON lines, each read as its message type,
 `send-file` a file's raw bytes. A tiny bootstrap passed
 with `python -c` expands `~` in the workspace on the host itself (no shell expands it:
 argv is quoted once) and runs remote/agent.py of the release `current` points to, or of
@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Sequence, TypeVar
 
-from dflash_agent.protocol import (ErrorKind, ErrorReply, FollowMessage, Message, ProtocolError, Reply, RunStatus,
-                                   StatusReply, follow_message)
+
+from dflash_contract.replies import (ErrorKind, ErrorReply, FollowMessage, Message, ProtocolError, Reply, RunStatus,
+                                     StatusReply, follow_message)
 
 from .errors import DflashError, ExitCode, UnreachableError
 from .host_replies import check_interpreter, parse_reply

@@ -9,7 +9,8 @@ import dataclasses
 import hashlib
 import json
 
-from dflash_agent.protocol import CompileArtifact, CompileArtifactsReply, ReceiveCompileArtifactsReply
+
+from dflash_contract.replies import CompileArtifact, CompileArtifactsReply, ReceiveCompileArtifactsReply
 
 from . import console
 from .errors import DflashError, ExitCode

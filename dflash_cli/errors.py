@@ -9,7 +9,7 @@ import enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflash_agent.protocol import RunState
+    from dflash_contract.replies import RunState
 
 
 class ExitCode(enum.IntEnum):
@@ -27,7 +27,7 @@ def exit_code_for_state(state: RunState | None) -> ExitCode:
     tell (a host that could not be asked), is a state this CLI cannot vouch for (3)."""
     # imported here: the protocol's dataclasses take ~17 ms to define, and the verbs that
     # never see a run state (deploy, setup) import this module first thing
-    from dflash_agent.protocol import RunState
+    from dflash_contract.replies import RunState
 
     # docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
     # well (no progress for stall_after seconds), and `dflash stacks` shows where it hangs.

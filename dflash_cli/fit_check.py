@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_agent.protocol import FitFacts, Gpu, GpuProcess
+from dflash_contract.replies import FitFacts, Gpu, GpuProcess
 from dflash_train.memory.plan import GIB, DevicePlan, MemoryPlan, TargetShape, estimate, usable_bytes
 from rich.table import Table
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dflash_agent
+from dflash_contract.replies import HostCheck
 import dflash_files
 from dflash_agent import gpus, preflight
 from dflash_agent.gpus import TRAINER_PACKAGES, is_hub_id
-from dflash_agent.protocol import HostCheck
 
 from . import fit_check
 from .agent_client import run_probe

@@ -6,7 +6,8 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
-from dflash_agent.protocol import RunState, RunStatus
+from dflash_contract.replies import RunState, RunStatus
+
 
 # The record of a rank that stopped because another rank failed (the trainers' store
 # watchdog writes it, with detail {peer_rank, peer_exc_type, peer_message}): never the

@@ -16,7 +16,8 @@ import hashlib
 import re
 from pathlib import Path
 
-from dflash_agent.protocol import ReleaseFilesReply, RunStatus
+
+from dflash_contract.replies import ReleaseFilesReply, RunStatus
 
 from .errors import DflashError, ExitCode
 from .local_state import RELEASES_DIR, write_atomic

@@ -53,7 +53,7 @@ def hosts_to_ask(session: Session, host: str | None) -> list[str]:
 def listed(session: Session, host: str) -> list[Known]:
     """The runs `host` holds, as its agent lists them (a run.json without a name: the
     name its id starts with)."""
-    from dflash_agent.protocol import StatusReply  # the protocol's types cost ~17 ms: only when asked
+    from dflash_contract.replies import StatusReply  # the protocol's types cost ~17 ms: only when asked
 
     reply = session.agent(host).call(StatusReply)
     # A run whose run.json cannot be read is named all the same: a verb on it says why.

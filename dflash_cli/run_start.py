@@ -3,7 +3,8 @@ refusal named in one error, and a start that fails on one host stops the parts a
 started on the others, so no half-started run is left."""
 from __future__ import annotations
 
-from dflash_agent.protocol import StopReply
+
+from dflash_contract.replies import StopReply
 
 from .errors import DflashError
 from .inventory import Host

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import re
 
-from dflash_agent.protocol import ReportReply
+
+from dflash_contract.replies import ReportReply
 
 from . import console, multihost
 from .local_state import RunRef

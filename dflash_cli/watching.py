@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Union
 
-from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
-from dflash_agent.protocol import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage,
-                                   LogMessage, ReportReply, RotatedMessage, RunState, StateMessage)
-from dflash_agent.state import attempt_errors
+from dflash_contract.records import attempt_errors
+from dflash_contract.replies import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage,
+                                     LogMessage, ReportReply, RotatedMessage, RunState, StateMessage)
+from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
 from dflash_files.diskspace import NO_SPACE
 
 from . import diagnosis, multihost, run_hosts

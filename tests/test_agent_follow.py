@@ -16,8 +16,8 @@ from support_agent.harness import agent  # noqa: F401  (fixture)
 from support_agent.harness import dead_pid
 from support.wait import wait_until
 
-from dflash_agent import jsonio
 from dflash_agent.follow import EventsFollower
+from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -315,7 +315,7 @@ def resume_args(log, messages):
     data = log_bytes(messages)
     logs = [m for m in messages if m["t"] == "log"]
     return ["--offset", str(end_of(logs[-1])), "--inode", str(logs[0]["inode"]),
-            "--fingerprint", jsonio.fingerprint(data[-jsonio.FINGERPRINT_BYTES:])]
+            "--fingerprint", fingerprint(data[-FINGERPRINT_BYTES:])]
 
 
 def test_copytruncate_under_follow_sends_every_line_once_and_says_so(agent):

@@ -1,4 +1,4 @@
-"""The agent's protocol as types (dflash_agent/protocol.py): strict reading, the verb table
+"""The agent's protocol as types (dflash_contract/replies.py): strict reading, the verb table
 of the package docstring against the agent's parser, and a CLI meeting an agent of
 another release."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import sys
 import pytest
 
 import dflash_agent
-from dflash_agent import protocol
 from dflash_agent.cli import build_parser
-from dflash_agent.protocol import (EndMessage, ErrorKind, ErrorReply, LogMessage, ProtocolError, RunState,
-                                   StatusReply, follow_message)
+from dflash_contract import replies as protocol
+from dflash_contract.replies import (EndMessage, ErrorKind, ErrorReply, LogMessage, ProtocolError, RunState,
+                                     StatusReply, follow_message)
 from dflash_run import dflash_in_process
 from support_agent.harness import Agent, make_workspace
 
@@ -117,7 +117,7 @@ def test_a_cli_meets_the_agent_of_another_release_with_a_clear_error(tmp_path):
     """A release whose RunStatus has one more key: this CLI refuses to guess what it
     means, names the key, and says how to make the release this one's."""
     workspace = make_workspace(tmp_path)
-    shipped = workspace / "current" / "remote" / "dflash_agent" / "protocol.py"
+    shipped = workspace / "current" / "remote" / "dflash_contract" / "replies.py"
     text = shipped.read_text()
     anchor = "    config: Optional[str] = optional()  # with --config: config.yaml's text as launched\n"
     assert anchor in text

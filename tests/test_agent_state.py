@@ -10,9 +10,9 @@ import signal
 import pytest
 
 from dflash_agent import attempts, jsonio
+from dflash_contract.replies import RunState
 from dflash_files import procfs
 from dflash_agent.layout import RunDir
-from dflash_agent.protocol import RunState
 from dflash_agent.state import ALIVE, ENDING, GONE, EventSummary, Observation, derive_state, summarize_events
 from support_agent.harness import agent  # noqa: F401  (fixture)
 from support_agent.harness import dead_pid

@@ -13,8 +13,8 @@ import sys
 import pytest
 import yaml
 
+from dflash_contract.replies import ReportReply, RunState, RunStatus
 import dflash_trainer as dflash
-from dflash_agent.protocol import ReportReply, RunState, RunStatus
 from dflash_cli import release, watching
 from dflash_cli.errors import ExitCode
 from dflash_run import REPO, dflash_in_process

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_contract.replies import RunState, RunStatus
 from dflash_files import procfs
-from dflash_agent.protocol import RunState, RunStatus
 from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory
 from dflash_cli.local_state import RunRef, latest_or_refuse, recorded_run, set_latest

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from dflash_agent.protocol import RunConfigReply
+
+from dflash_contract.replies import RunConfigReply
 
 from .. import console, run_hosts, run_names
 from ..errors import DflashError, ExitCode

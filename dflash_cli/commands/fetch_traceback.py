@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from dflash_agent.protocol import ReportReply, RunState, StacksReply
-from dflash_agent.state import attempt_errors
+
+from dflash_contract.records import attempt_errors
+from dflash_contract.replies import ReportReply, RunState, StacksReply
 
 from .. import console, diagnosis, multihost, run_hosts
 from ..errors import DflashError, ExitCode

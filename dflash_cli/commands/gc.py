@@ -4,7 +4,8 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
-from dflash_agent.protocol import GcReply
+
+from dflash_contract.replies import GcReply
 
 from .. import console
 from ..errors import DflashError, ExitCode

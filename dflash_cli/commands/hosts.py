@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_agent import gpus
-from dflash_agent.protocol import HostProbe
+from dflash_contract.replies import HostProbe
 from rich.table import Table
 from rich.text import Text
 

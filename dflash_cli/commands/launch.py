@@ -10,10 +10,10 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_contract.names import MAX_RUN_ID
+from dflash_contract.replies import LaunchCheckReply, LaunchReply, StatusReply
 import dflash_schema
 from dflash_agent.gpus import TRAINER_PACKAGES
-from dflash_agent.layout import MAX_RUN_ID
-from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply
 
 from .. import console, evaluate_drafter, fit_check, host_check
 from ..compile_artifacts import seed_hosts

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from dflash_agent.protocol import ArtifactsReply, ErrorKind, ErrorReply
+from dflash_contract.replies import ArtifactsReply, ErrorKind, ErrorReply
 from dflash_files.atomic import fsync_path
 from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, SHA256SUMS, STEP_FOLDER
 from dflash_files.checksums import parse_sums

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_agent.gpus import TRAINER_PACKAGES
-from dflash_agent.protocol import CorruptCheckpoint, ResumeCheckReply, ResumeReply
+from dflash_contract.replies import CorruptCheckpoint, ResumeCheckReply, ResumeReply
 
 from .. import console
 from ..errors import DflashError, ExitCode

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import shlex
 
-from dflash_agent.protocol import RunState, RunStatus, StatusReply
+
+from dflash_contract.replies import RunState, RunStatus, StatusReply
 
 from .. import console, multihost, provenance, run_hosts
 from ..errors import DflashError, ExitCode, exit_code_for_state

@@ -1,7 +1,8 @@
 """dflash stop: SIGTERM to the run's process group, a grace period, then SIGKILL."""
 from __future__ import annotations
 
-from dflash_agent.protocol import RunState, StopReply
+
+from dflash_contract.replies import RunState, StopReply
 
 from .. import console, multihost, run_hosts
 from ..errors import DflashError, ExitCode

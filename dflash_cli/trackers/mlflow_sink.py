@@ -20,7 +20,8 @@ import time
 import urllib.parse
 from typing import Any, Iterator
 
-from dflash_agent.protocol import RunState
+
+from dflash_contract.replies import RunState
 
 from ..scalars import Scalars
 from .config import MlflowSettings

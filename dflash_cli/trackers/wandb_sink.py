@@ -23,7 +23,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dflash_agent.protocol import RunState
+
+from dflash_contract.replies import RunState
 
 from ..scalars import Scalars
 from .config import WandbSettings

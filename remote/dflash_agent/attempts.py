@@ -15,14 +15,13 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from dflash_contract.replies import RunState
 from dflash_events import ATTEMPT
 from dflash_files.checkpoint_files import CHECKPOINT_FILES, CHECKPOINTS_DIR, STEP_FOLDER
 from dflash_files.diskspace import NO_SPACE
 
 from .jsonio import encode_line
 from .layout import RunDir
-from .protocol import RunState
-
 
 
 def checkpoint_folders(run: RunDir) -> List[Tuple[int, str]]:

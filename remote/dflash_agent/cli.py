@@ -10,11 +10,12 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+from dflash_contract.replies import CompileArtifactsReply, ErrorKind, ErrorReply, GpusReply, InfoReply, Reply
+from dflash_contract.requests import FINGERPRINT_BYTES
 from dflash_files.diskspace import NO_SPACE
 
-from .jsonio import FINGERPRINT_BYTES, AgentError, emit, no_space
+from .jsonio import AgentError, emit, no_space
 from .layout import Workspace
-from .protocol import CompileArtifactsReply, ErrorKind, ErrorReply, GpusReply, InfoReply, Reply
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +70,7 @@ def _restart_policy(text: str) -> Dict[str, Any]:
 
 
 def _fingerprint(text: str) -> str:
-    """LEN:HEX as jsonio.fingerprint writes it: a sha256 of at most FINGERPRINT_BYTES bytes."""
+    """LEN:HEX as dflash_contract.requests.fingerprint writes it: a sha256 of at most FINGERPRINT_BYTES bytes."""
     length, _, digest = text.partition(":")
     if not (length.isdigit() and int(length) <= FINGERPRINT_BYTES and len(digest) == 64
             and all(c in "0123456789abcdef" for c in digest)):

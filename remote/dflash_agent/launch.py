@@ -38,6 +38,8 @@ import time
 import traceback
 from typing import Any, Dict, Optional, Tuple, Union
 
+from dflash_contract.names import RELEASE_DIR_ENV, RELEASE_ID_ENV, RUN_ID_ENV
+from dflash_contract.replies import LaunchCheckReply, LaunchReply
 from dflash_files.atomic import write_atomic
 from dflash_files.diskspace import NO_SPACE
 
@@ -45,7 +47,6 @@ from . import locks, preflight, warm
 from .jsonio import AgentError, no_space, read_tail_text
 from .layout import RunDir, Workspace
 from .preflight import PathRequirement
-from .protocol import LaunchCheckReply, LaunchReply
 from .releases import release_dir
 from .supervisor import TrainerPlan, log_error, supervise
 
@@ -129,9 +130,9 @@ def trainer_env(ws: Workspace, run: RunDir, release_id: str, release_root: str,
     env.update({
         "PYTHONUNBUFFERED": "1",
         "PYTHONDONTWRITEBYTECODE": "1",  # nothing is written into a release
-        "DFLASH_RUN_ID": run.run_id,
-        "DFLASH_RELEASE_ID": release_id,
-        "DFLASH_RELEASE_DIR": release_root,
+        RUN_ID_ENV: run.run_id,
+        RELEASE_ID_ENV: release_id,
+        RELEASE_DIR_ENV: release_root,
         "DFLASH_WORKSPACE": ws.root,
     })
     env.update(dict(extra))  # the host's and the user's settings win

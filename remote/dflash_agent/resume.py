@@ -30,12 +30,14 @@ import shlex
 import subprocess
 from typing import Any, Dict, Optional, Tuple, Union
 
+from dflash_contract.records import attempt_errors
+from dflash_contract.replies import CorruptCheckpoint, ResumeCheckReply, ResumeReply, RunState
+
 from . import attempts, checkpoints, locks, preflight
 from .jsonio import AgentError, read_json
 from .launch import Distributed, free_port, start_supervisor, trainer_env
 from .layout import RunDir, Workspace
-from .protocol import CorruptCheckpoint, ResumeCheckReply, ResumeReply, RunState
-from .state import attempt_errors, derive_state, error_records, observe, read_record, summarize_events
+from .state import derive_state, error_records, observe, read_record, summarize_events
 from .supervisor import TrainerPlan
 
 CHECK_TIMEOUT_S = 120.0

@@ -12,15 +12,16 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
+from dflash_contract.records import attempt_errors, parse_json_line
+from dflash_contract.replies import RunState, RunStatus
 from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
 
 from dflash_files import procfs
 from . import checkpoints
 from dflash_files.checkpoint_files import EXPORT_DIR
 from .attempts import newest_checkpoint
-from .jsonio import AgentError, decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
+from .jsonio import AgentError, decode_bytes, lines_backwards, read_json, read_tail_text
 from .layout import RunDir
-from .protocol import RunState, RunStatus
 
 # Liveness of the trainer process, as far as /proc and the supervisor can tell.
 ALIVE = "alive"
@@ -153,12 +154,6 @@ def error_records(path: str) -> List[Dict[str, Any]]:
         record = parse_json_line(line)
         records.append(record if isinstance(record, dict) else {"raw": decode_bytes(line)})
     return records
-
-
-def attempt_errors(records: List[Dict[str, Any]], attempt: int) -> List[Dict[str, Any]]:
-    """The error records of one attempt of the run (a record without `attempt`, or a line
-    that is not JSON, counts as attempt 0's: written before attempts existed)."""
-    return [r for r in records if int(r.get("attempt") or 0) == attempt]
 
 
 def trainer_liveness(record: Dict[str, Any]) -> str:

@@ -30,6 +30,8 @@ import subprocess
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from dflash_contract.names import ATTEMPT_ENV
+from dflash_contract.records import attempt_errors
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
@@ -38,7 +40,7 @@ from . import attempts, checkpoints, locks, oom, warm
 from .jsonio import AgentError
 from .jsonio import encode_line
 from .layout import RunDir, Workspace
-from .state import GONE, Observation, attempt_errors, derive_state, error_records, summarize_events
+from .state import GONE, Observation, derive_state, error_records, summarize_events
 
 STOP_POLL_S = 0.2  # during a restart's back-off, how often stop_requested.json is looked for
 # How long the notice of a killed trainer tries to reach its peers' store: a rank 0 still
@@ -135,7 +137,7 @@ def _exec_trainer(plan: TrainerPlan, pipes: Dict[str, int], train_log_fd: int) -
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         if os.read(pipes["go_r"], 1) != b"g":
             os._exit(125)  # the supervisor gave up before run.json existed: never start
-        os.execvpe(plan.python, list(plan.argv), dict(plan.env, DFLASH_ATTEMPT=str(plan.attempt)))
+        os.execvpe(plan.python, list(plan.argv), dict(plan.env, **{ATTEMPT_ENV: str(plan.attempt)}))
     except BaseException as exc:  # exec failed: say why in train.log and to the supervisor
         reason = "cannot start the trainer: %s: %s" % (type(exc).__name__, exc)
     try:
@@ -251,7 +253,7 @@ def _warm_trainer(plan: TrainerPlan) -> Tuple[Optional[warm.WarmTrainer], Option
     if warm.idle_s(dict(plan.env)) == 0:
         return None, warm.WarmFailed("%s=0: no warm interpreter" % warm.IDLE_ENV)
     where = warm.place(plan.workspace.warm, plan.release_id, plan.python)
-    env = dict(plan.env, DFLASH_ATTEMPT=str(plan.attempt))
+    env = dict(plan.env, **{ATTEMPT_ENV: str(plan.attempt)})
     try:
         trainer = warm.fork_trainer(where, plan.argv[3:], env, plan.run.path, plan.run.train_log)
     except warm.WarmFailed as exc:

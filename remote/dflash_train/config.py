@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
+from dflash_contract.names import RELEASE_DIR_ENV
 import dflash_schema
 
 CompileMode = Literal["off", "default", "cudagraphs"]
@@ -648,5 +649,5 @@ def resolve_path(path: str) -> Path:
     candidate = Path(os.path.expanduser(path))
     if candidate.is_absolute():
         return candidate
-    base = os.environ.get("DFLASH_RELEASE_DIR")
+    base = os.environ.get(RELEASE_DIR_ENV)
     return (Path(base) if base else Path.cwd()) / candidate

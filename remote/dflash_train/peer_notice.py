@@ -19,6 +19,9 @@ import json
 import os
 import sys
 
+
+from dflash_contract.names import ABORT_KEY
+
 from .training.distributed import first_line, run_store_prefix
 
 
@@ -35,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                               datetime.timedelta(seconds=args.timeout_s))
-        dist.PrefixStore(run_store_prefix(), store).compare_set("abort", "", json.dumps(record))
+        dist.PrefixStore(run_store_prefix(), store).compare_set(ABORT_KEY, "", json.dumps(record))
     except Exception as exc:  # noqa: BLE001 - c10d raises several types for an unreachable store
         print(f"peer notice: the run's store at {address} cannot be reached ({type(exc).__name__}: "
               f"{first_line(exc)}); the peers were not told", file=sys.stderr)

@@ -42,6 +42,8 @@ from typing import Any, Callable
 
 import torch
 
+from dflash_contract.names import ABORT_KEY, RUN_ID_ENV
+
 from ..config import DistributedConfig
 from ..runlog import say
 from ..startup_phases import phase
@@ -144,7 +146,7 @@ def requested_world_size() -> int:
 
 def run_store_prefix() -> str:
     """Where this run's keys live on the rendezvous store (the module docstring's)."""
-    return f"dflash/{os.environ.get('DFLASH_RUN_ID', 'run')}/"
+    return f"dflash/{os.environ.get(RUN_ID_ENV, 'run')}/"
 
 
 def pick_backend(config: DistributedConfig, cuda: bool) -> str:
@@ -455,9 +457,9 @@ class Peers:
         return None, self._alive_counts()
 
     def _abort_record(self) -> dict[str, Any] | None:
-        if not self.store.check(["abort"]):
+        if not self.store.check([ABORT_KEY]):
             return None
-        record = json.loads(self.store.get("abort"))
+        record = json.loads(self.store.get(ABORT_KEY))
         return None if record["rank"] == self.rank else record
 
     def _on_abort_record(self, record: dict[str, Any]) -> None:
@@ -497,7 +499,7 @@ class Peers:
                 record = {"rank": self.rank, "kind": "stopped", "exc_type": None,
                           "message": self.latch.stop_reason or "stop requested"}
             try:
-                self.store.compare_set("abort", "", json.dumps(record))
+                self.store.compare_set(ABORT_KEY, "", json.dumps(record))
             except Exception:  # noqa: BLE001 - rank 0 is gone: the peers see that for themselves
                 pass
         if self.backend == "nccl":
