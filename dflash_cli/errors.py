@@ -6,18 +6,16 @@ into a message on stderr and a process exit status.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dflash_contract.replies import RunState
+from dflash_contract.states import EXIT_OK, EXIT_RUN_FAILED, EXIT_STOPPED, RunState
 
 
 class ExitCode(enum.IntEnum):
-    OK = 0
-    RUN_FAILED = 1  # the run failed or was found failed; the traceback was printed
+    OK = EXIT_OK
+    RUN_FAILED = EXIT_RUN_FAILED  # the run failed or was found failed; the traceback was printed
     USAGE = 2  # usage or configuration error
     UNREACHABLE = 3  # host unreachable, or run state unknown after retries
-    STOPPED = 4  # the run was stopped
+    STOPPED = EXIT_STOPPED  # the run was stopped
     LOCAL_DISK_FULL = 5  # this machine's disk (logs/) is full; the run itself is not affected
     INTERRUPTED = 130  # the user pressed Ctrl-C; the run keeps going
 
@@ -25,19 +23,7 @@ class ExitCode(enum.IntEnum):
 def exit_code_for_state(state: RunState | None) -> ExitCode:
     """The exit code of `status` and `watch` for a run state; None, a state nobody could
     tell (a host that could not be asked), is a state this CLI cannot vouch for (3)."""
-    # imported here: the protocol's dataclasses take ~17 ms to define, and the verbs that
-    # never see a run state (deploy, setup) import this module first thing
-    from dflash_contract.replies import RunState
-
-    # docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
-    # well (no progress for stall_after seconds), and `dflash stacks` shows where it hangs.
-    exit_for_state = {
-        RunState.STARTING: ExitCode.OK, RunState.RUNNING: ExitCode.OK, RunState.SUCCEEDED: ExitCode.OK,
-        RunState.FAILED: ExitCode.RUN_FAILED, RunState.LOST: ExitCode.RUN_FAILED,
-        RunState.DEGRADED: ExitCode.RUN_FAILED, RunState.STALLED: ExitCode.RUN_FAILED,
-        RunState.STOPPED: ExitCode.STOPPED,
-    }
-    return ExitCode.UNREACHABLE if state is None else exit_for_state[state]
+    return ExitCode.UNREACHABLE if state is None else ExitCode(state.exit_code)
 
 
 class DflashError(Exception):

@@ -6,7 +6,8 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
-from dflash_contract.replies import RunState, RunStatus
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import UNKNOWN_PRECEDENCE, RunState
 
 
 # The record of a rank that stopped because another rank failed (the trainers' store
@@ -16,17 +17,12 @@ PEER_FAILED = "PeerFailed"
 # How a state nobody could tell is shown (None: a host that could not be asked): exit 3
 # unless another host failed.
 UNKNOWN = "UNKNOWN"
-# The run's state is the first of these any host is in. FAILED anywhere is the run
-# failed; a stop of one part stops the whole; RUNNING only when every host runs, and
-# SUCCEEDED only when every host succeeded (one still running: the run is).
-_PRECEDENCE = (RunState.FAILED, RunState.LOST, None, RunState.STOPPED, RunState.STALLED, RunState.DEGRADED,
-               RunState.STARTING, RunState.RUNNING, RunState.SUCCEEDED)
 
 
 def aggregate_state(states: Mapping[str, RunState | None]) -> RunState | None:
-    """The run's state from each host's (None: that host could not be asked)."""
-    present = set(states.values())
-    return next(state for state in _PRECEDENCE if state in present)
+    """The run's state from each host's (None: that host could not be asked): the one
+    of highest precedence (RunState's docstring)."""
+    return min(states.values(), key=lambda state: UNKNOWN_PRECEDENCE if state is None else state.precedence)
 
 
 def state_name(state: RunState | None) -> str:

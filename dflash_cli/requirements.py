@@ -9,6 +9,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
+
 from dflash_contract.replies import HostProbe
 
 from . import release

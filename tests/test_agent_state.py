@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from dflash_agent import attempts, jsonio
-from dflash_contract.replies import RunState
+from dflash_contract.states import RunState
 from dflash_files import procfs
 from dflash_agent.layout import RunDir
 from dflash_agent.state import ALIVE, ENDING, GONE, EventSummary, Observation, derive_state, summarize_events

@@ -13,7 +13,8 @@ import sys
 import pytest
 import yaml
 
-from dflash_contract.replies import ReportReply, RunState, RunStatus
+from dflash_contract.replies import ReportReply, RunStatus
+from dflash_contract.states import RunState
 import dflash_trainer as dflash
 from dflash_cli import release, watching
 from dflash_cli.errors import ExitCode

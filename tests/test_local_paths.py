@@ -16,7 +16,8 @@ from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.local_state import RunLogs, RunRef
 from dflash_cli.release_store import ReleaseStore
 from dflash_cli.session import Session
-from dflash_contract.replies import ArtifactFile, ArtifactFolder, ArtifactsReply, RunState
+from dflash_contract.replies import ArtifactFile, ArtifactFolder, ArtifactsReply
+from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
 
 

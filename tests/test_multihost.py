@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_contract.replies import RunState, RunStatus
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import RunState
 from dflash_files import procfs
 from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory

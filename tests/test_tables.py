@@ -11,7 +11,8 @@ from rich.console import Console
 from dflash_cli.commands.status import hosts_table, runs_table
 from dflash_cli.multihost import HostStatus
 from dflash_cli.tables import FittedTable
-from dflash_contract.replies import RunState, RunStatus
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
 from support_agent.harness import agent  # noqa: F401  (fixture)
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 from dflash_contract.records import attempt_errors
-from dflash_contract.replies import ReportReply, RunState, StacksReply
+from dflash_contract.replies import ReportReply, StacksReply
+from dflash_contract.states import RunState
 
 from .. import console, diagnosis, multihost, run_hosts
 from ..errors import DflashError, ExitCode
@@ -16,7 +17,6 @@ from ..session import Session
 from ..tracebacks import render_no_record, render_record
 
 # A run that ended with nobody recording why: what its host knows is shown instead.
-_FAILED = (RunState.FAILED, RunState.LOST)
 
 
 def render_stacks(session: Session, ref: RunRef, report: ReportReply) -> str | None:
@@ -147,10 +147,10 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
         texts = [render_stacks(session, RunRef(host, ref.run_id), report) for host, report in reports.items()]
         return dataclasses.replace(found, text="".join(t for t in texts if t) or None, stacks=True)
     if not records:
-        if state not in _FAILED:
+        if state is None or not state.failed:
             return found
         text = "".join(render_no_record(report, RunRef(host, ref.run_id)) for host, report in reports.items()
-                       if report.state in _FAILED)
+                       if report.state is not None and report.state.failed)
         return dataclasses.replace(found, text=text, explained=False)
     cause = multihost.root_cause(records)
     latest_cause = multihost.root_cause(multihost.in_time_order(latest))
@@ -171,7 +171,7 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
     if all_records:  # and what is known of each host whose latest attempt failed without a record
         text += "".join(render_no_record(report, RunRef(host, ref.run_id), of_its_own=bool(latest[host]))
                         for host, report in reports.items()
-                        if report.state in _FAILED and (not latest[host] or host == blamed))
+                        if report.state is not None and report.state.failed and (not latest[host] or host == blamed))
     diagnosed = latest_cause or cause  # the latest attempt's root cause shown
     line = diagnosis.diagnose(diagnosis.Failure(diagnosed[1], ref.run_id, diagnosed[0], _run_hosts(ref, reports)))
     return dataclasses.replace(found, text=text, root_cause=diagnosed, diagnosis=line, summary=summary,

@@ -5,7 +5,8 @@ import json
 import shlex
 
 
-from dflash_contract.replies import RunState, RunStatus, StatusReply
+from dflash_contract.replies import RunStatus, StatusReply
+from dflash_contract.states import RunState
 
 from .. import console, multihost, provenance, run_hosts
 from ..errors import DflashError, ExitCode, exit_code_for_state

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 
-from dflash_contract.replies import RunState, StopReply
+from dflash_contract.replies import StopReply
+from dflash_contract.states import RunState
 
 from .. import console, multihost, run_hosts
 from ..errors import DflashError, ExitCode

@@ -13,7 +13,8 @@ import yaml
 
 
 from dflash_contract.records import parse_json_line
-from dflash_contract.replies import RunState, RunStatus
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import RunState
 
 from .. import DISTRIBUTION, console
 from ..errors import DflashError, ExitCode

@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any
 
 
-from dflash_contract.replies import RunState
+from dflash_contract.states import RunState
 
 from ..scalars import Scalars
 

@@ -16,7 +16,7 @@ import threading
 from typing import Any, Iterator
 
 
-from dflash_contract.replies import RunState
+from dflash_contract.states import RunState
 
 from ..scalars import Scalars
 from .config import TrackioSettings

@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from dflash_contract.replies import RunState
+from dflash_contract.states import RunState
 from dflash_events import ATTEMPT
 from dflash_files.checkpoint_files import CHECKPOINT_FILES, CHECKPOINTS_DIR, STEP_FOLDER
 from dflash_files.diskspace import NO_SPACE
@@ -174,7 +174,7 @@ def restart_refusal(policy: Optional[Dict[str, Any]], attempts: List[Dict[str, A
     if restarts >= int(policy["max"]):
         return "restart.max (%d) reached" % int(policy["max"])
     previous = attempts[-2] if len(attempts) > 1 else None
-    if (previous is not None and step is not None and previous.get("state") in (RunState.FAILED, RunState.LOST)
+    if (previous is not None and step is not None and previous.get("state") in [state for state in RunState if state.failed]
             and previous.get("step") == step):
         return "it failed at step %d twice in a row: a restart would fail there again" % step
     return None

@@ -1,5 +1,5 @@
 """Argument parsing and the JSON envelope of every verb (the package docstring lists the
-verbs, protocol.py their replies). stdout carries JSON only: help and usage text go to
+verbs, dflash_contract.replies their replies). stdout carries JSON only: help and usage text go to
 stderr."""
 from __future__ import annotations
 

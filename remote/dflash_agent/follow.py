@@ -1,5 +1,5 @@
 """The `follow` verb: one long-lived stream of JSON lines (log chunks, the run's events,
-error records, GPU samples, state changes: protocol.FOLLOW_MESSAGES, each flushed as it
+error records, GPU samples, state changes: replies.FOLLOW_MESSAGES, each flushed as it
 goes) until the run is terminal and everything was sent.
 
 The host does the following so the client never re-tails: it polls with fstat, sends

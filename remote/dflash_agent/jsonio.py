@@ -14,7 +14,7 @@ BLOCK = 64 * 1024
 
 
 class AgentError(Exception):
-    """A problem reported to the caller as a protocol.ErrorReply (`extra`: its optional
+    """A problem reported to the caller as a replies.ErrorReply (`extra`: its optional
     keys), with exit 2 or 1."""
 
     EXIT_CODES = {"usage": 2, "not_found": 2, "conflict": 2, "host": 2, "internal": 1}

@@ -1,5 +1,5 @@
 """The `launch` verb: check what only the host can, claim the run id and its resources,
-start a detached supervisor, return once run.json exists (protocol.LaunchReply).
+start a detached supervisor, return once run.json exists (replies.LaunchReply).
 
 In order: the preflight (preflight.py), all at once, before anything of the run exists;
 then runs/ID/ is created and the config copied to runs/ID/config.yaml (--config PATH,
@@ -18,7 +18,7 @@ One host's part of a run on several hosts (--rank, --world-size, --master-addr
 together): the trainer's environment holds torch.distributed's env:// variables
 (DISTRIBUTED_ENV, overriding --env and the host's own) and run.json `distributed`
 (Distributed.record); without them those variables are removed from it. --check-only
-makes every check above and creates nothing (protocol.LaunchCheckReply).
+makes every check above and creates nothing (replies.LaunchCheckReply).
 
 Detaching matters over SSH and `pct exec`: the channel closes only when every process
 holding its pipes is gone. The supervisor is double-forked into a new session with

@@ -21,7 +21,7 @@ import re
 import time
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
-from dflash_contract.replies import RunState
+from dflash_contract.states import RunState
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 

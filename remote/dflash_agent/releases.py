@@ -11,6 +11,7 @@ import shutil
 import stat
 from typing import Dict, List, Sequence
 
+
 from dflash_contract.replies import GcReply, KeptRelease, ReleaseFilesReply, RemovedRelease, RunConfigReply
 
 from .jsonio import AgentError, decode_bytes, read_json

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+
 from dflash_contract.replies import ReportReply, StatusReply, UnreadableRun
 
 from . import stackdump

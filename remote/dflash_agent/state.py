@@ -1,4 +1,4 @@
-"""Run states (protocol.RunState, docs/runs.md "Run states").
+"""Run states (dflash_contract.states.RunState, docs/runs.md "Run states").
 
 `observe` gathers the facts from the run directory and /proc; `derive_state` is the one
 pure function that turns them into a state. Nothing here reads a whole log: the last
@@ -13,7 +13,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 from dflash_contract.records import attempt_errors, parse_json_line
-from dflash_contract.replies import RunState, RunStatus
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import RunState
 from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
 
 from dflash_files import procfs
@@ -244,7 +245,7 @@ def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state:
     killer when exit.json says it ended the trainer, else a boot of the host since the
     attempt started (no exit.json), else its supervisor's last error in agent.log, else
     how exit.json says the trainer ended; None when nothing says, or for another state."""
-    if state not in (RunState.FAILED, RunState.LOST, RunState.DEGRADED):
+    if not (state.failed or state is RunState.DEGRADED):
         return None
     errors = attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))
     if errors:

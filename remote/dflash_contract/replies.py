@@ -1,6 +1,6 @@
 """The agent's protocol as types: the reply of every verb, every message of the `follow`
-stream, the error object, and the run states (the package docstring lists the verbs and
-their options).
+stream and the error object (dflash_agent's docstring lists the verbs and their
+options).
 
 Each type is a frozen dataclass whose fields are the keys of its JSON object, in the order
 the agent writes them. `to_json()` is the object the agent prints; `from_json()` reads one
@@ -20,31 +20,11 @@ import dataclasses
 import enum
 from typing import Any, Dict, Optional, Tuple, Type, TypeVar, Union, get_args, get_origin
 
+from .states import RunState
+
 
 class ProtocolError(ValueError):
     """A JSON object that is not the type it was read as."""
-
-
-class RunState(str, enum.Enum):
-    """A run's state, its latest attempt's (docs/runs.md "Run states"), derived on the
-    host (dflash_agent/state.py). On the wire: its name."""
-
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    STOPPED = "STOPPED"
-    DEGRADED = "DEGRADED"  # alive, and a thread recorded an error
-    STALLED = "STALLED"  # alive, and no progress for stall_after seconds (or stopped by a signal)
-    LOST = "LOST"  # no process left, and nobody recorded how the run ended
-
-    def __str__(self) -> str:
-        return self.value  # f-strings and str() show the name on every Python
-
-    @property
-    def terminal(self) -> bool:
-        """The run ended: no process of it is left (every other state has a live trainer)."""
-        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.STOPPED, RunState.LOST)
 
 
 class ErrorKind(str, enum.Enum):

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+
 from dflash_contract.names import ABORT_KEY, RUN_ID_ENV
 
 from ..config import DistributedConfig
