@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Union
 
+from dflash_contract import requests
 from dflash_contract.records import attempt_errors
 from dflash_contract.replies import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage, LogMessage, ReportReply, RotatedMessage, StateMessage)
 from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
@@ -221,18 +222,12 @@ class Watcher:
     # -- one connection's worth of messages ---------------------------------------
     def follow_once(self, tail_lines: int | None) -> Iterator[WatchItem]:
         cursor = self.cursor
-        args = ["--run-id", self.ref.run_id, "--errors-seen", str(cursor.errors_seen),
-                "--gpu-interval", str(self.interval), "--offset", str(cursor.offset),
-                "--segment", str(cursor.segment), "--events-offset", str(cursor.events_offset)]
-        if cursor.inode is not None:
-            args += ["--inode", str(cursor.inode)]
-        if cursor.fingerprint is not None:
-            args += ["--fingerprint", cursor.fingerprint]
-        if tail_lines is not None:
-            args += ["--tail-lines", str(tail_lines)]
+        request = requests.Follow(self.ref.run_id, errors_seen=cursor.errors_seen, gpu_interval=self.interval,
+                                  offset=cursor.offset, segment=cursor.segment, events_offset=cursor.events_offset,
+                                  inode=cursor.inode, fingerprint=cursor.fingerprint, tail_lines=tail_lines)
         if self.trackers is not None and not self.trackers.started:
             self.start_trackers()
-        for message in self.agent.follow(*args):
+        for message in self.agent.follow(request):
             self.messages += 1
             item = self.take(message)
             if self.end is not None:
@@ -266,7 +261,7 @@ class Watcher:
         (one round trip; a dropped connection here is one like any other)."""
         from .trackers.hub import tracked_run
 
-        status = self.agent.run_status(self.ref.run_id, "--config")
+        status = self.agent.run_status(self.ref.run_id, config=True)
         self.trackers.start(tracked_run(status, self.ref, self.hosts), self.cursor.events_mirrored)
 
     def on_log(self, message: LogMessage) -> None:
@@ -406,7 +401,7 @@ class Watcher:
         assert self.end is not None  # the stream ended with it
         unexplained = None
         if exit_code_for_state(self.end.state) == ExitCode.RUN_FAILED and not self.latest_records:
-            unexplained = self.agent.call(ReportReply, "--run-id", self.ref.run_id)
+            unexplained = self.agent.call(requests.Report(self.ref.run_id))
         return HostEnded(self.ref.host, self.ref.run_id, self.end, unexplained)
 
     def follow_to_end(self, tail: int | None, retry_for: float) -> Iterator[WatchItem]:

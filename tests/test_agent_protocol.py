@@ -4,6 +4,7 @@ another release."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -13,7 +14,9 @@ import pytest
 import dflash_agent
 from dflash_agent.cli import build_parser
 from dflash_contract import replies as protocol
-from dflash_contract.replies import (EndMessage, ErrorKind, ErrorReply, LogMessage, ProtocolError, StatusReply, follow_message)
+from dflash_contract import requests
+from dflash_contract.replies import (EndMessage, ErrorKind, ErrorReply, LogMessage, ProtocolError, StatusReply,
+                                     follow_message)
 from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
 from support_agent.harness import Agent, make_workspace
@@ -131,3 +134,33 @@ def test_a_cli_meets_the_agent_of_another_release_with_a_clear_error(tmp_path):
     assert done.returncode == 3, done.stderr
     assert "host box: cannot read its answer: agent status reply: runs[0]: unknown key 'shiny'" in done.stderr
     assert "dflash deploy box" in done.stderr
+
+
+def test_every_request_the_cli_makes_parses_as_the_agent_reads_it():
+    """Each typed request's argv, with every option it can give, is what the agent's own
+    parser accepts, each value arriving as the request holds it."""
+    layout = requests.Layout(1, 2, "10.0.0.1", 29500, ("a", "b"))
+    made = [
+        requests.Status(), requests.Status("r 1", config=True), requests.Stop("r 1", 2.5), requests.Stacks("r"),
+        requests.Report("r"), requests.RunConfig("r"), requests.Artifacts("r", checkpoint=True),
+        requests.SendFile("r", "export", "model.safetensors", 7, "1:2:3"), requests.CompileArtifacts(),
+        requests.SendCompileArtifacts("k", "0" * 64), requests.ReceiveCompileArtifacts("k", {"files": []}),
+        requests.ReleaseFiles("rel", ("a.py", "b.py")), requests.Gc(3),
+        requests.Follow("r", errors_seen=1, gpu_interval=0.5, offset=10, segment=0, events_offset=4, inode=9,
+                        fingerprint="2:" + "0" * 64, tail_lines=5),
+        requests.Launch("r", "-", "name", 300.0, 60.0, {"kind": "git"}, {"max": 0}, ("gpu0",), (("K", "--v"),),
+                        ("torch",), (("file", "data.path", "x.jsonl"),), ("a=b",), release="rel", force=True,
+                        layout=layout, check_only=True),
+        requests.Resume("r", "run", 100, (("K", "V"),), ("torch",), dataclasses.replace(layout, master_addr=None),
+                        check_only=True),
+    ]
+    def parsed(request: requests.Verb) -> argparse.Namespace:
+        return build_parser().parse_args(["--workspace=/w", *request.argv()])
+
+    for request in made:
+        args = parsed(request)
+        assert args.verb == request.VERB
+        assert getattr(args, "run_id", None) == getattr(request, "run_id", None)
+    launch = parsed(made[-2])
+    assert (launch.env, launch.rank, launch.host_names, launch.check_only) == ([("K", "--v")], 1, "a,b", True)
+    assert parsed(made[-3]).fingerprint == "2:" + "0" * 64

@@ -6,8 +6,9 @@ import dataclasses
 from pathlib import Path
 
 
+from dflash_contract import requests
 from dflash_contract.records import attempt_errors
-from dflash_contract.replies import ReportReply, StacksReply
+from dflash_contract.replies import ReportReply
 from dflash_contract.states import RunState
 
 from .. import console, diagnosis, multihost, run_hosts
@@ -26,7 +27,7 @@ def render_stacks(session: Session, ref: RunRef, report: ReportReply) -> str | N
     run ended without leaving one. `report` is the agent's report of the run."""
     state = report.state
     if not state.terminal:  # the trainer lives: it dumps its stacks now
-        where, text = "dumped now", session.agent(ref.host).call(StacksReply, "--run-id", ref.run_id).text
+        where, text = "dumped now", session.agent(ref.host).call(requests.Stacks(ref.run_id)).text
     else:
         where, text = "the last dump in faulthandler.log", report.last_stacks
         if not text.strip():
@@ -41,7 +42,7 @@ def _reports(session: Session, ref: RunRef) -> dict[str, ReportReply]:
     named and left out (as is one that left the inventory), unless no host answers."""
     hosts, left = run_hosts.members(session, ref)
     replies = {**session.on_each_host(hosts, lambda host: session.agent(host.name).call(
-        ReportReply, "--run-id", ref.run_id)), **left}
+        requests.Report(ref.run_id))), **left}
     reports = {}
     for member in ref.members:
         reply = replies[member.host]

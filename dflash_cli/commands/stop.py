@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-from dflash_contract.replies import StopReply
+from dflash_contract import requests
 from dflash_contract.states import RunState
 
 from .. import console, multihost, run_hosts
@@ -18,7 +18,7 @@ def run(session: Session, ref: RunRef, *, grace: float, as_json: bool = False) -
     The run's state on stdout (with `as_json`: one JSON object, with each host's)."""
     hosts, left = run_hosts.members(session, ref)
     replies = {**session.on_each_host(hosts, lambda host: session.agent(host.name).call(
-        StopReply, "--run-id", ref.run_id, "--grace", str(grace), timeout=grace + 60)), **left}
+        requests.Stop(ref.run_id, grace), timeout=grace + 60)), **left}
     states: dict[str, RunState | None] = {}
     for member in ref.members:
         reply = replies[member.host]

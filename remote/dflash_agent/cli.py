@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from dflash_contract.replies import CompileArtifactsReply, ErrorKind, ErrorReply, GpusReply, InfoReply, Reply
 from dflash_contract.requests import FINGERPRINT_BYTES
+from dflash_files.config_paths import PATH_KINDS
 from dflash_files.diskspace import NO_SPACE
 
 from .jsonio import AgentError, emit, no_space
@@ -86,7 +87,6 @@ def _env_pair(text: str) -> Tuple[str, str]:
 
 
 def _path_requirement(text: str) -> Tuple[str, str, str]:
-    from .preflight import PATH_KINDS
     kind, colon, rest = text.partition(":")
     key, equals, path = rest.partition("=")
     if not colon or not equals or kind not in PATH_KINDS or not key or not path:

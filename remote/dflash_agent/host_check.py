@@ -19,11 +19,13 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from dflash_files.config_paths import PathRequirement
+
 from . import gpus, preflight
 
 
 def host_check(workspace: str, release_root: str, modules: Sequence[str],
-               paths: Sequence[preflight.PathRequirement], model: Optional[str]) -> Dict[str, Any]:
+               paths: Sequence[PathRequirement], model: Optional[str]) -> Dict[str, Any]:
     """The answer, with this process's environment as the trainer's (the caller put the
     inventory's `env` into it)."""
     env = tuple(sorted(os.environ.items()))

@@ -41,12 +41,12 @@ from typing import Any, Dict, Optional, Tuple, Union
 from dflash_contract.names import RELEASE_DIR_ENV, RELEASE_ID_ENV, RUN_ID_ENV
 from dflash_contract.replies import LaunchCheckReply, LaunchReply
 from dflash_files.atomic import write_atomic
+from dflash_files.config_paths import PathRequirement
 from dflash_files.diskspace import NO_SPACE
 
 from . import locks, preflight, warm
 from .jsonio import AgentError, no_space, read_tail_text
 from .layout import RunDir, Workspace
-from .preflight import PathRequirement
 from .releases import release_dir
 from .supervisor import TrainerPlan, log_error, supervise
 

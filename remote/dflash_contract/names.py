@@ -32,3 +32,11 @@ EVENTS_JSONL = "events.jsonl"
 ERRORS_JSONL = "errors.jsonl"
 # The key of the abort record in a multi-host run's TCP store (docs/multihost.md).
 ABORT_KEY = "abort"
+
+# The packages dflash_train needs beyond the standard library (PyYAML, safetensors and
+# numpy come with transformers); their distribution and module names are the same.
+TRAINER_PACKAGES = ("torch", "transformers")
+# How long a host's probes may take (the CLI waits for them as long, and then some).
+NVIDIA_SMI_TIMEOUT_S = 15.0
+IMPORT_TIMEOUT_S = 180.0  # a child interpreter importing torch and transformers
+MODULE_CHECK_TIMEOUT_S = 60.0  # the trainer's interpreter finding the modules it needs
