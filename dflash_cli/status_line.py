@@ -4,7 +4,7 @@ GPU samples the agent's `follow` sends."""
 from __future__ import annotations
 
 from dflash_contract.replies import Gpu
-from dflash_events import EVAL, PROGRESS, STARTUP, STEP, TS, StartupState
+from dflash_contract.events import EVAL, PROGRESS, STARTUP, STEP, TS, StartupState
 from rich.text import Text
 
 

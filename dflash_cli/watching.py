@@ -92,7 +92,7 @@ class Rotated:
 @dataclasses.dataclass(frozen=True)
 class Events:
     """The run's events of one stretch of its events.jsonl (every type but heartbeat), as
-    the trainer wrote them: dicts of remote/dflash_events' types (docs/events.md)."""
+    the trainer wrote them: dicts of remote/dflash_contract/events' types (docs/events.md)."""
     host: str
     message: EventsMessage
 

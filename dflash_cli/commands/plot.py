@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from dflash_events import EVAL, STEP, EventType
+from dflash_contract.events import EVAL, STEP, EventType
 
 from .. import console
 from ..errors import DflashError, ExitCode

@@ -39,7 +39,7 @@ from dflash_contract.records import parse_json_line
 from dflash_contract.replies import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage, LogMessage,
                                      RotatedMessage, StateMessage)
 from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
-from dflash_events import HEARTBEAT
+from dflash_contract.events import HEARTBEAT
 
 from .gpus import query_gpus
 from .jsonio import decode_bytes, encode_line, read_json, tail_start

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 from dflash_contract.records import attempt_errors, parse_json_line
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import RunState
-from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
+from dflash_contract.events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
 
 from dflash_files import procfs
 from . import checkpoints

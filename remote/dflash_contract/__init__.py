@@ -6,6 +6,7 @@ and the names both sides must spell alike.
     requests  the agent's verbs the CLI calls, as types that give their argv
     states    RunState: a run's state with its exit code, precedence and failure
     records   run.json, exit.json, errors.jsonl's records, the abort file, typed
+    events    events.jsonl: every event type, its fields, the check the trainer makes
     names     environment variable names, limits, file names both sides use
     checker   the one strict reader every typed record and reply goes through
 

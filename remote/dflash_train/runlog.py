@@ -7,7 +7,7 @@ held until its newline, and whole lines go out in one os.write under one lock, s
 of different threads never mix inside a line, and library prints and warnings get the
 prefix too.
 
-events.jsonl follows dflash_events (docs/events.md), errors.jsonl docs/errors.md; an
+events.jsonl follows dflash_contract.events (docs/events.md), errors.jsonl docs/errors.md; an
 error record is flushed and fsynced by the failing thread before anything is torn down.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_contract.names import ATTEMPT_ENV, RELEASE_ID_ENV, RUN_ID_ENV
-from dflash_events import DONE, EventType
+from dflash_contract.events import DONE, EventType
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
 
 from .memory import ledger
@@ -201,7 +201,7 @@ class JsonLines:
 
 
 class EventLog(JsonLines):
-    """events.jsonl: every event is checked against its type in dflash_events before it is
+    """events.jsonl: every event is checked against its type in dflash_contract.events before it is
     written (an EventError names the type and the field); the check costs about what the
     JSON encoding does, so it is always on."""
 

@@ -30,12 +30,12 @@ RELEASE_ID = "rel-0001"
 
 
 def make_workspace(base: Path, release_id: str = RELEASE_ID) -> Path:
-    """<base>/work space/ with releases/<id>/remote/{agent.py, dflash_agent, dflash_contract, dflash_events, dflash_train}
+    """<base>/work space/ with releases/<id>/remote/{agent.py, dflash_agent, dflash_contract, dflash_train}
     and current -> releases/<id>. The space in the path checks that nothing splits it."""
     workspace = base / "work space"
     remote = workspace / "releases" / release_id / "remote"
     ignore = shutil.ignore_patterns("__pycache__")
-    for package in ("dflash_agent", "dflash_contract", "dflash_events"):
+    for package in ("dflash_agent", "dflash_contract"):
         shutil.copytree(REPO / "remote" / package, remote / package, ignore=ignore)
     shutil.copy2(REPO / "remote" / "agent.py", remote / "agent.py")
     shutil.copytree(STANDIN, remote / "dflash_train", ignore=ignore)
