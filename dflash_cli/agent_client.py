@@ -15,8 +15,8 @@ from typing import Iterator, TypeVar
 
 
 from dflash_contract import requests
-from dflash_contract.replies import (ErrorKind, ErrorReply, FollowMessage, Message, ProtocolError, Reply, RunStatus,
-                                     follow_message)
+from dflash_contract.checker import Message, ProtocolError
+from dflash_contract.replies import ErrorKind, ErrorReply, FollowMessage, Reply, RunStatus, follow_message
 
 from .errors import DflashError, ExitCode, UnreachableError
 from .host_replies import check_interpreter, parse_reply

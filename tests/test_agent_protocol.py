@@ -15,8 +15,8 @@ import dflash_agent
 from dflash_agent.cli import build_parser
 from dflash_contract import replies as protocol
 from dflash_contract import requests
-from dflash_contract.replies import (EndMessage, ErrorKind, ErrorReply, LogMessage, ProtocolError, StatusReply,
-                                     follow_message)
+from dflash_contract.checker import ProtocolError
+from dflash_contract.replies import EndMessage, ErrorKind, ErrorReply, LogMessage, StatusReply, follow_message
 from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
 from support_agent.harness import Agent, make_workspace

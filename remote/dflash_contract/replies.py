@@ -2,12 +2,8 @@
 stream and the error object (dflash_agent's docstring lists the verbs and their
 options).
 
-Each type is a frozen dataclass whose fields are the keys of its JSON object, in the order
-the agent writes them. `to_json()` is the object the agent prints; `from_json()` reads one
-strictly: a missing or unknown key, or a value of another type, is a ProtocolError naming
-the reply and the key, so that a CLI and an agent of different releases fail clearly
-instead of misreading each other. A field made with `optional()` is a key the agent
-leaves out rather than writing null.
+Each type is a checker.Message: the agent prints its `to_json()`, the CLI reads it with
+`from_json()`, strictly.
 
 What the run directory's files hold is passed on as it is, typed Dict[str, Any]: run.json,
 exit.json, errors.jsonl's records and events.jsonl's events are the supervisor's and the
@@ -18,13 +14,10 @@ from its own tree.
 """
 import dataclasses
 import enum
-from typing import Any, Dict, Optional, Tuple, Type, TypeVar, Union, get_args, get_origin
+from typing import Any, Dict, Optional, Tuple, Type, Union
 
+from .checker import M, Message, ProtocolError, optional, read, shown
 from .states import RunState
-
-
-class ProtocolError(ValueError):
-    """A JSON object that is not the type it was read as."""
 
 
 class ErrorKind(str, enum.Enum):
@@ -39,37 +32,6 @@ class ErrorKind(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-_OMITTED = "dflash: left out when None"
-M = TypeVar("M", bound="Message")
-
-
-def optional() -> Any:
-    """A field whose key the agent writes only when it has a value (None: left out)."""
-    return dataclasses.field(default=None, metadata={_OMITTED: True})
-
-
-class Message:
-    """The JSON (de)serialisation of every type below."""
-
-    @classmethod
-    def describe(cls) -> str:
-        """How a ProtocolError names what it was reading."""
-        return cls.__name__
-
-    def to_json(self) -> Dict[str, Any]:
-        out = {}  # type: Dict[str, Any]
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is None and field.metadata.get(_OMITTED):
-                continue
-            out[field.name] = _dump(value)
-        return out
-
-    @classmethod
-    def from_json(cls: Type[M], obj: Any) -> M:
-        return _read(cls, obj, cls.describe(), "")
 
 
 class Reply(Message):
@@ -101,85 +63,7 @@ class FollowMessage(Message):
         if not isinstance(obj, dict) or obj.get("t") != cls.T:  # type: ignore[attr-defined]
             raise ProtocolError("%s: expected \"t\": %r, got %r" % (
                 cls.describe(), cls.T, obj.get("t") if isinstance(obj, dict) else obj))  # type: ignore[attr-defined]
-        return _read(cls, {key: value for key, value in obj.items() if key != "t"}, cls.describe(), "")
-
-
-# -- reading and writing -------------------------------------------------------------------
-
-def _dump(value: Any) -> Any:
-    if isinstance(value, Message):
-        return value.to_json()
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, (list, tuple)):
-        return [_dump(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _dump(item) for key, item in value.items()}
-    return value
-
-
-def _read(cls: Type[M], obj: Any, what: str, path: str) -> M:
-    if not isinstance(obj, dict):
-        raise _problem(what, path, "expected a JSON object, got %s" % _shown(obj))
-    fields = dataclasses.fields(cls)
-    unknown = sorted(set(obj) - {field.name for field in fields})
-    if unknown:
-        raise _problem(what, path, "unknown key%s %s" % ("s" * (len(unknown) > 1), ", ".join(map(repr, unknown))))
-    missing = [field.name for field in fields if field.name not in obj and not field.metadata.get(_OMITTED)]
-    if missing:
-        raise _problem(what, path, "missing key%s %s" % ("s" * (len(missing) > 1), ", ".join(map(repr, missing))))
-    return cls(**{field.name: _value(field.type, obj[field.name], what, _key(path, field.name))
-                  for field in fields if field.name in obj})
-
-
-_NONE = type(None)
-
-
-def _value(kind: Any, value: Any, what: str, path: str) -> Any:
-    origin = get_origin(kind)
-    if kind is Any:
-        return value
-    if origin is Union:
-        options = [option for option in get_args(kind) if option is not _NONE]
-        if value is None and len(options) < len(get_args(kind)):
-            return None
-        (only,) = options  # the protocol's unions are Optional[X]
-        return _value(only, value, what, path)
-    if origin is tuple:
-        item = get_args(kind)[0]
-        if not isinstance(value, list):
-            raise _problem(what, path, "expected a list, got %s" % _shown(value))
-        return tuple(_value(item, entry, what, "%s[%d]" % (path, i)) for i, entry in enumerate(value))
-    if origin is dict:
-        item = get_args(kind)[1]
-        if not isinstance(value, dict):
-            raise _problem(what, path, "expected a JSON object, got %s" % _shown(value))
-        return {key: _value(item, entry, what, _key(path, key)) for key, entry in value.items()}
-    if isinstance(kind, type) and issubclass(kind, Message):
-        return _read(kind, value, what, path)
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        try:
-            return kind(value)
-        except ValueError:
-            raise _problem(what, path, "%s is not one of %s" % (_shown(value), ", ".join(m.value for m in kind)))
-    # JSON has one kind of number: a float field may hold an integer; bool is no number.
-    accepted = (int, float) if kind is float else (kind,)
-    if not isinstance(value, accepted) or (isinstance(value, bool) and kind is not bool):
-        raise _problem(what, path, "expected %s, got %s" % (kind.__name__, _shown(value)))
-    return value
-
-
-def _key(path: str, key: str) -> str:
-    return "%s.%s" % (path, key) if path else key
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return "%s %s" % (type(value).__name__, text if len(text) <= 60 else text[:57] + "...")
-
-
-def _problem(what: str, path: str, problem: str) -> ProtocolError:
-    return ProtocolError("%s: %s%s" % (what, path + ": " if path else "", problem))
+        return read(cls, {key: value for key, value in obj.items() if key != "t"}, cls.describe())
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -715,5 +599,5 @@ def follow_message(obj: Any) -> Union[FollowMessage, ErrorReply]:
         return ErrorReply.from_json(obj)
     kind = obj.get("t") if isinstance(obj, dict) else None
     if kind not in FOLLOW_MESSAGES:
-        raise ProtocolError("agent follow message: unknown type %s" % _shown(kind if isinstance(obj, dict) else obj))
+        raise ProtocolError("agent follow message: unknown type %s" % shown(kind if isinstance(obj, dict) else obj))
     return FOLLOW_MESSAGES[kind].from_json(obj)

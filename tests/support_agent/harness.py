@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import pytest
 
 from dflash_contract import replies as protocol
+from dflash_contract.checker import ProtocolError
 from dflash_files import procfs
 from support.wait import wait_until
 
@@ -93,7 +94,7 @@ class FollowStream:
             message = json.loads(line)
             try:
                 read_as(protocol.follow_message, message)
-            except (AssertionError, protocol.ProtocolError) as exc:
+            except (AssertionError, ProtocolError) as exc:
                 self._queue.put(exc)  # raised by the test's next read
                 return
             self._queue.put(message)
