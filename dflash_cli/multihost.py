@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
+from dflash_contract.records import ExitRecord
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import UNKNOWN_PRECEDENCE, RunState
 
@@ -121,17 +122,7 @@ def blamed_host(cause: tuple[str, dict], hosts: Sequence[str]) -> str | None:
     return hosts[rank] if hosts[rank] != cause[0] else None
 
 
-def ended_by(exit_info: dict | None) -> str | None:
-    """How a trainer process ended, from its exit.json: "killed by SIGKILL (the kernel's
-    OOM killer)", "exit code 1"; None without one."""
-    if not exit_info:
-        return None
-    cause = (f"killed by {exit_info['signal']}" if exit_info.get("signal")
-             else f"exit code {exit_info.get('exit_code')}")
-    return cause + (" (the kernel's OOM killer)" if exit_info.get("oom_killed") else "")
-
-
-def blamed_line(hosts: Sequence[str], exit_info: dict | None, cause: tuple[str, dict],
+def blamed_line(hosts: Sequence[str], exit_info: ExitRecord | None, cause: tuple[str, dict],
                 own: Sequence[dict] = ()) -> str:
     """What is known of a failing rank that left no record of its own (`blamed_host`):
     what the rank that noticed saw, and how its process ended (or that it still runs).
@@ -140,7 +131,7 @@ def blamed_line(hosts: Sequence[str], exit_info: dict | None, cause: tuple[str, 
     and lost each other, which is the network between them."""
     witness, record = cause
     detail = record.get("detail") or {}
-    how = ended_by(exit_info)
+    how = None if exit_info is None else exit_info.ended_by()
     ended = "still runs" if how is None else f"was {how}" if how.startswith("killed") else f"ended with {how}"
     lost = next((r for r in own if r.get("exc_type") == PEER_FAILED and silence(r) is not None), None)
     rank = detail.get("peer_rank")

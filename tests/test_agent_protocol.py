@@ -64,8 +64,8 @@ def test_a_follow_message_is_read_by_its_type_and_an_error_reply_without_one():
     assert isinstance(log, LogMessage) and (log.offset, log.inode) == (0, 5)
     assert follow_message({"t": "log", "offset": 6, "data": "x\n"}).to_json() == {"t": "log", "offset": 6,
                                                                                   "data": "x\n"}
-    end = follow_message({"t": "end", "state": "FAILED", "exit": {"exit_code": 1}, "attempt": 0, "offset": 8,
-                          "segment": 0})
+    exit_record = {"exit_code": 1, "signal": None, "oom_killed": False, "ended_at": 9.0, "exec_error": None}
+    end = follow_message({"t": "end", "state": "FAILED", "exit": exit_record, "attempt": 0, "offset": 8, "segment": 0})
     assert isinstance(end, EndMessage) and end.state.terminal
     refused = follow_message({"error": "no run 'x'", "kind": "not_found"})
     assert isinstance(refused, ErrorReply) and refused.kind is ErrorKind.NOT_FOUND

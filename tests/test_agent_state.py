@@ -10,6 +10,7 @@ import signal
 import pytest
 
 from dflash_agent import attempts, jsonio
+from dflash_contract.records import ExitRecord
 from dflash_contract.states import RunState
 from dflash_files import procfs
 from dflash_agent.layout import RunDir
@@ -26,6 +27,8 @@ NOW = 1_000_000.0
 def obs(**kw):
     base = dict(started_at=NOW - 10, stall_after=60.0, startup_stall_after=90.0, now=NOW, trainer=ALIVE)
     base.update(kw)
+    if base.get("exit") is not None:  # exit.json's keys that decide the state, the rest as the supervisor writes them
+        base["exit"] = ExitRecord(**{"oom_killed": False, "ended_at": NOW, "exec_error": None, **base["exit"]})
     return Observation(**base)
 
 

@@ -15,13 +15,15 @@ class ProtocolError(ValueError):
     """A JSON object that is not the type it was read as."""
 
 
+_MAY_LACK = "dflash: a key that may be missing"
 _OMITTED = "dflash: left out when None"
 M = TypeVar("M", bound="Message")
 
 
-def optional() -> Any:
-    """A field whose key the agent writes only when it has a value (None: left out)."""
-    return dataclasses.field(default=None, metadata={_OMITTED: True})
+def optional(written: bool = False) -> Any:
+    """A field whose key may be missing (read as None). Its writer leaves it out when it
+    is None, or, `written`, writes null: a key an older writer's record lacks."""
+    return dataclasses.field(default=None, metadata={_MAY_LACK: True, _OMITTED: not written})
 
 
 class Message:
@@ -68,7 +70,7 @@ def read(cls: Type[M], obj: Any, what: str, path: str = "") -> M:
     unknown = sorted(set(obj) - {field.name for field in fields})
     if unknown:
         raise _problem(what, path, "unknown key%s %s" % ("s" * (len(unknown) > 1), ", ".join(map(repr, unknown))))
-    missing = [field.name for field in fields if field.name not in obj and not field.metadata.get(_OMITTED)]
+    missing = [field.name for field in fields if field.name not in obj and not field.metadata.get(_MAY_LACK)]
     if missing:
         raise _problem(what, path, "missing key%s %s" % ("s" * (len(missing) > 1), ", ".join(map(repr, missing))))
     return cls(**{field.name: _value(field.type, obj[field.name], what, _key(path, field.name))

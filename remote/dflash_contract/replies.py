@@ -5,9 +5,10 @@ options).
 Each type is a checker.Message: the agent prints its `to_json()`, the CLI reads it with
 `from_json()`, strictly.
 
-What the run directory's files hold is passed on as it is, typed Dict[str, Any]: run.json,
-exit.json, errors.jsonl's records and events.jsonl's events are the supervisor's and the
-trainer's formats (docs/layout.md), read by whoever reads those files.
+exit.json is records.ExitRecord; what the run directory's other files hold is passed on
+as it is, typed Dict[str, Any]: run.json, errors.jsonl's records and events.jsonl's
+events are the supervisor's and the trainer's formats (docs/layout.md), read by whoever
+reads those files.
 
 Standard library only, and Python 3.8's: the agent imports it from its release, the CLI
 from its own tree.
@@ -17,6 +18,7 @@ import enum
 from typing import Any, Dict, Optional, Tuple, Type, Union
 
 from .checker import M, Message, ProtocolError, optional, read, shown
+from .records import ExitRecord
 from .states import RunState
 
 
@@ -174,7 +176,7 @@ class RunStatus(Message):
     pid: Optional[int]
     started_at: Optional[float]
     ended_at: Optional[float]  # exit.json's, or the trainer's `done` event's when no supervisor was left to write it
-    exit: Optional[Dict[str, Any]]  # exit.json
+    exit: Optional[ExitRecord]  # exit.json
     errors: int  # the latest attempt's error records
     last_heartbeat: Optional[float]
     release_id: Optional[str]
@@ -254,7 +256,7 @@ class ReportReply(Reply):
     run_id: str
     state: RunState
     run: Dict[str, Any]  # run.json
-    exit: Optional[Dict[str, Any]]  # exit.json
+    exit: Optional[ExitRecord]  # exit.json
     errors: Tuple[Dict[str, Any], ...]  # every errors.jsonl record; a line that is not JSON as {"raw": text}
     faulthandler: str  # faulthandler.log's last 4 MiB
     last_stacks: str  # its newest dump
@@ -582,7 +584,7 @@ class EndMessage(FollowMessage):
 
     T = "end"
     state: RunState
-    exit: Optional[Dict[str, Any]]  # exit.json
+    exit: Optional[ExitRecord]  # exit.json
     attempt: int  # the latest attempt, whose error records the outcome is
     offset: int  # where the log was sent to...
     segment: int  # ... in this segment
