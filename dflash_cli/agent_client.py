@@ -168,7 +168,7 @@ def run_probe(transport: Transport, host: Host, source: str, answer: type[M], *a
 
 
 def read_probe(host: Host, answer: type[M], obj: dict) -> M:
-    """What a probe (a source of this tree sent with `python -c`, dflash_agent/gpus.py)
+    """What a probe (a source of this tree sent with `python -c`: host_check.py's loader)
     answered, read as its type."""
     try:
         return answer.from_json(obj)

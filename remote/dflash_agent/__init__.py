@@ -55,10 +55,10 @@ run-config -> RunConfigReply
 gc -> GcReply
     [--keep N=0]
 
-Not a verb: gpus.py's source run alone with `python -c SOURCE WORKSPACE` (it imports
-nothing of this package, so it answers on a host with no release or an older one)
-answers a replies.HostProbe (`dflash hosts --check`). Nor host_check.py: `dflash
-launch` sends it, with the modules it imports, as sources to a loader run with `python
--c` before its deploy, and reads its replies.HostCheck (the fit facts and the verdict
-of each preflight check the `launch` verb makes).
+Not verbs: gpus.py's `probe`, sent with the few modules it imports (nothing else of
+this package) as sources to a loader run with `python -c`, so that it answers on a host
+with no release or an older one, answers a replies.HostProbe (`dflash hosts --check`).
+host_check.py: `dflash launch` sends it, with the modules it imports, to the same loader
+before its deploy, and reads its replies.HostCheck (the fit facts and the verdict of
+each preflight check the `launch` verb makes).
 """

@@ -298,8 +298,8 @@ def _receive_compile_artifacts(ws: Workspace, args: argparse.Namespace) -> Reply
     return receive_artifacts(ws.root, args.key, args.manifest_json)
 
 
-# gpus.py imports nothing of this package (it is also sent alone, with `python -c`): its
-# answers become replies by being read as them.
+# gpus.py imports nothing else of this package (it is also sent, with the few modules it
+# imports, to a loader run with `python -c`): its answers become replies by being read as them.
 
 def _gpus(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .gpus import gpus

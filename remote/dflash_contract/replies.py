@@ -367,6 +367,26 @@ class PreflightVerdict(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class SetupAnswer(Message):
+    """The last line `dflash setup`'s host script prints (dflash_cli/host_scripts/
+    host_setup.py, docs/hosts.md): the environment it left in use, or where it failed."""
+
+    status: str  # unchanged, switched, installed, or FAILED
+    env: Optional[str]  # the environment in use (a failure's: None when the host has none yet)
+    key: Optional[str] = optional()  # the environment's key
+    torch_index: Optional[str] = optional()  # the PyTorch index it installed from, or "pip"
+    previous: Optional[str] = optional()  # the environment in use before a switch
+    step: Optional[str] = optional()  # a failure's: lock, driver, venv, torch, requirements, setup
+    error: Optional[str] = optional()  # a failure's message
+
+    FAILED = "failed"
+
+    @classmethod
+    def describe(cls) -> str:
+        return "host setup answer"
+
+
+@dataclasses.dataclass(frozen=True)
 class HostCheck(Message):
     """What host_check.py answers (`dflash launch` sends it with `python -c` before its
     deploy, and `launch --dry-run` for its verdicts): the fit check's facts and every
