@@ -38,7 +38,7 @@ import time
 import traceback
 from typing import Any, Dict, Optional, Tuple, Union
 
-from dflash_contract.names import RELEASE_DIR_ENV, RELEASE_ID_ENV, RUN_ID_ENV
+from dflash_contract.names import RELEASE_DIR_ENV, RELEASE_ID_ENV, RUN_ID_ENV, WORKSPACE_ENV
 from dflash_contract.replies import LaunchCheckReply, LaunchReply
 from dflash_files.atomic import write_atomic
 from dflash_files.config_paths import PathRequirement
@@ -133,7 +133,7 @@ def trainer_env(ws: Workspace, run: RunDir, release_id: str, release_root: str,
         RUN_ID_ENV: run.run_id,
         RELEASE_ID_ENV: release_id,
         RELEASE_DIR_ENV: release_root,
-        "DFLASH_WORKSPACE": ws.root,
+        WORKSPACE_ENV: ws.root,
     })
     env.update(dict(extra))  # the host's and the user's settings win
     for key in DISTRIBUTED_ENV:  # ... but the layout is the launch's, not the host's

@@ -6,6 +6,7 @@ RUN_ID_ENV = "DFLASH_RUN_ID"
 ATTEMPT_ENV = "DFLASH_ATTEMPT"
 RELEASE_ID_ENV = "DFLASH_RELEASE_ID"
 RELEASE_DIR_ENV = "DFLASH_RELEASE_DIR"
+WORKSPACE_ENV = "DFLASH_WORKSPACE"
 # Where the CLI's own logs go: in the CLI's environment, so a `local` host's agent inherits it.
 LOGS_ENV = "DFLASH_LOGS"
 

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from dflash_contract.names import RELEASE_DIR_ENV
+from dflash_contract.names import RELEASE_DIR_ENV, WORKSPACE_ENV
 import dflash_schema
 
 CompileMode = Literal["off", "default", "cudagraphs"]
@@ -638,7 +638,7 @@ def workspace_path(path: str) -> Path:
     candidate = Path(os.path.expanduser(path))
     if candidate.is_absolute():
         return candidate
-    base = os.environ.get("DFLASH_WORKSPACE")
+    base = os.environ.get(WORKSPACE_ENV)
     return (Path(base) if base else Path.cwd()) / candidate
 
 
