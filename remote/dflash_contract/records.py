@@ -32,7 +32,7 @@ class ExitRecord(Message):
     oom_killed: bool  # the kernel's OOM killer sent that signal
     ended_at: float
     exec_error: Optional[str]  # why the trainer could not be started
-    attempt: Optional[int] = optional(written=True)  # None: written before attempts existed (attempt 0)
+    attempt: Optional[int] = optional()  # None: written before attempts existed (attempt 0)
     # null, or the supervisor's own problem in ending the run (no space left to write this)
     error: Optional[str] = optional(written=True)
 
