@@ -76,7 +76,7 @@ def main() -> None:
     from dflash_train.model.batched_decode import BatchedDecoder, round_up
     from dflash_train.model.static_target import StaticTarget
     from dflash_train.model.target import FeatureTap
-    from dflash_train.compiling.decode_graphs import graphed
+    from dflash_train.model.decode_graphs import graphed
 
     target, _ = make_target(QWEN3_8B_TARGET, "cuda:0", "bfloat16")
     target.requires_grad_(False).eval()

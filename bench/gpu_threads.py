@@ -39,8 +39,10 @@ from transformers import Qwen3Config
 
 from dflash_train.compiling import cudagraphs
 from dflash_train.compiling.policy import build_train_step, configure_compiler
+from dflash_train.compiling.step_build import torch_version
 from dflash_train.config import DrafterConfig
-from dflash_train.devices import Fence, canonical, is_cuda, thread_stream
+from dflash_train.data.batches import BatchShape
+from dflash_train.devices import CAPTURE_LOCK, Fence, canonical, is_cuda, thread_stream
 from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
 from dflash_train.model.objective import DraftObjective, DrafterInputs, block_labels, position_weights
 from dflash_train.training.distributed import Layout
@@ -168,10 +170,9 @@ def build_step(mode: str, objective: DraftObjective, example: DrafterInputs):
     if mode == "trees-1-thread":
         # What the upstream strategy runs (reduce-overhead, fullgraph, static shapes), timed
         # in one thread: the one setting torch 2.11 can run it in. Chooses between the two.
-        shape = cudagraphs.BatchShape(example.input_ids.shape[0], example.input_ids.shape[1],
-                                      example.anchors.shape[1])
+        shape = BatchShape(example.input_ids.shape[0], example.input_ids.shape[1], example.anchors.shape[1])
         bucket = cudagraphs._Bucket(shape, example)
-        with cudagraphs.CAPTURE_LOCK:
+        with CAPTURE_LOCK:
             replay, _ = cudagraphs._warm_up_upstream(objective, [bucket])
 
         def step(inputs: DrafterInputs):
@@ -249,7 +250,7 @@ def part_naive(report: dict) -> None:
     child = subprocess.run([sys.executable, __file__, "--naive-child"], capture_output=True, text=True,
                            timeout=400, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     rows = [json.loads(line[6:]) for line in child.stdout.splitlines() if line.startswith("NAIVE ")]
-    expect_failure = cudagraphs.torch_version() < cudagraphs.UPSTREAM_THREAD_SAFE_TORCH
+    expect_failure = torch_version() < cudagraphs.UPSTREAM_THREAD_SAFE_TORCH
     second = rows[1] if len(rows) > 1 else None
     if second is None:
         verdict = f"UNEXPECTED: the child exited {child.returncode} without a result for drafter-1"

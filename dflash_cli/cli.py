@@ -305,7 +305,7 @@ def _require_trackers(session: Session) -> None:
     """--follow: the trackers' packages, checked before the run starts rather than after."""
     from .trackers.hub import checked_settings
 
-    checked_settings(session.local_config)
+    checked_settings(session.local_config.trackers, session.local_config.source)
 
 
 def _watch_after(session: Session, ref: RunRef, as_json: bool) -> ExitCode:

@@ -136,7 +136,8 @@ def watch(run: str | None = None, *, host: str | None = None, tail: int | None =
         if trackers:
             from dflash_cli.trackers.hub import checked_settings
 
-            settings = checked_settings(session.local_config)  # a missing package: raised here, before following
+            local = session.local_config
+            settings = checked_settings(local.trackers, local.source)  # a missing package: raised here, before following
     except BaseException:
         session.close()
         raise

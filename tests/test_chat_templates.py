@@ -16,11 +16,10 @@ import pytest
 import yaml
 
 from dflash_run import dflash
-from dflash_train.config import TinyTargetSpec
+from dflash_train.config import NO_TURN, TinyTargetSpec
 from dflash_train.data.batches import first_chat_row, load_samples
 from dflash_train.data.chat import check_chat_template, tokenize_chat
 from dflash_train.data.tiny import TARGET_DATA, ensure_tiny_assets
-from dflash_train.model.objective import NO_TURN
 from support.train_configs import small_config
 
 pytestmark = pytest.mark.timeout(120)

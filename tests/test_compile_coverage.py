@@ -17,13 +17,13 @@ from dflash_schema import SchemaError
 from dflash_train.compiling import cudagraphs, policy
 from dflash_train.compiling.policy import (CompilePlan, build_train_step, configure_compiler, example_inputs,
                                          specialization_classes)
-from dflash_train.config import (DataConfig, DrafterConfig, TinyTargetSpec, load_job_config, padded_length,
+from dflash_train.config import (NO_TURN, DataConfig, DrafterConfig, TinyTargetSpec, load_job_config, padded_length,
                                  rows_per_micro_batch)
-from dflash_train.data.batches import (BatchPlan, Sample, StoredSamples, anchor_counts, collate, load_samples,
-                                       micro_batch_shapes)
-from dflash_train.model.objective import NO_TURN, anchor_candidates
+from dflash_train.data.batches import (BatchPlan, BatchShape, Sample, StoredSamples, anchor_counts, collate,
+                                       load_samples, micro_batch_shapes)
+from dflash_train.model.objective import anchor_candidates
 from dflash_train.data.tiny import _build_tokenizer
-from dflash_train.compiling.step_build import BatchShape, StrayCompile, graphs_compiled, inputs_of_shape, shape_of
+from dflash_train.compiling.step_build import StrayCompile, graphs_compiled, inputs_of_shape, shape_of
 
 from test_head_loss import objective
 

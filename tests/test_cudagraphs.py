@@ -23,13 +23,13 @@ import torch
 from transformers import Qwen3Config
 
 from dflash_schema import SchemaError
-from dflash_train.compiling import cudagraphs, precompiled
+from dflash_train.compiling import cudagraphs, precompiled, step_build
 from dflash_train.compiling.policy import (DYNAMIC_SHAPE_VARIANTS, CompilePlan, build_train_step,
                                          configure_compiler, example_inputs, plan_compile)
 from dflash_train.compiling.step_build import (CompilerWork, compile_for_shapes, inputs_of_shape, random_inputs,
                                               shape_of, warm_up)
 from dflash_train.config import DataConfig, DrafterConfig, load_job_config
-from dflash_train.data.batches import BatchPlan, Sample, collate
+from dflash_train.data.batches import BatchPlan, BatchShape, Sample, collate
 from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
 from dflash_train.model import objective as objective_module
 from dflash_train.model.objective import DraftObjective, DrafterInputs, block_labels, position_weights
@@ -106,8 +106,8 @@ def test_upstream_strategy_refused_before_torch_2_13():
 
 
 def test_torch_version_parses_local_suffixes():
-    assert cudagraphs.torch_version("2.11.0+cu130") == (2, 11)
-    assert cudagraphs.torch_version("2.14.1") == (2, 14)
+    assert step_build.torch_version("2.11.0+cu130") == (2, 11)
+    assert step_build.torch_version("2.14.1") == (2, 14)
 
 
 def _data(**kw) -> DataConfig:
@@ -117,11 +117,11 @@ def _data(**kw) -> DataConfig:
 def test_buckets_cover_every_length_the_packer_can_make():
     one = cudagraphs.bucket_shapes(_data(max_length=3072, token_budget=3072, pad_multiple=3072),
                                    DrafterConfig(num_anchors=512))
-    assert one == (cudagraphs.BatchShape(rows=1, length=3072, blocks=512),)
+    assert one == (BatchShape(rows=1, length=3072, blocks=512),)
     three = cudagraphs.bucket_shapes(_data(max_length=3000, token_budget=16384, pad_multiple=1024),
                                      DrafterConfig(num_anchors=512))
-    assert three == (cudagraphs.BatchShape(16, 1024, 512), cudagraphs.BatchShape(8, 2048, 512),
-                     cudagraphs.BatchShape(5, 3072, 512))
+    assert three == (BatchShape(16, 1024, 512), BatchShape(8, 2048, 512),
+                     BatchShape(5, 3072, 512))
     short = cudagraphs.bucket_shapes(_data(max_length=128, token_budget=1024, pad_multiple=64),
                                      DrafterConfig(num_anchors=512))
     assert [s.blocks for s in short] == [64, 128]  # no more blocks than a row has anchors
@@ -259,9 +259,9 @@ def _loss_and_grads(objective: DraftObjective, inputs: DrafterInputs):
 def test_padding_into_a_bucket_leaves_loss_and_gradients_unchanged():
     objective = tiny_objective("cpu")
     real = example_inputs(objective, 24, FEATURE_LAYERS * HIDDEN, "cpu")  # 2 rows, 24 tokens, 8 blocks
-    shape = cudagraphs.BatchShape(rows=3, length=40, blocks=16)
+    shape = BatchShape(rows=3, length=40, blocks=16)
     bucket = cudagraphs._Bucket(shape, inputs_of_shape(objective, shape, real, seed=5))
-    assert shape.holds(real) and not cudagraphs.BatchShape(1, 16, 16).holds(real)
+    assert shape.holds(real) and not BatchShape(1, 16, 16).holds(real)
     bucket.load(real)
     assert bucket.static.input_ids.shape == (3, 40) and bucket.static.anchors.shape == (3, 16)
     expected, got = _loss_and_grads(objective, real), _loss_and_grads(objective, bucket.static)
@@ -275,7 +275,7 @@ def test_bucket_load_overwrites_every_padded_slot_of_the_previous_batch():
     objective = tiny_objective("cpu")
     big = example_inputs(objective, 40, FEATURE_LAYERS * HIDDEN, "cpu")
     small = example_inputs(objective, 16, FEATURE_LAYERS * HIDDEN, "cpu")
-    shape = cudagraphs.BatchShape(rows=2, length=40, blocks=8)
+    shape = BatchShape(rows=2, length=40, blocks=8)
     bucket = cudagraphs._Bucket(shape, inputs_of_shape(objective, shape, big, seed=1))
     bucket.load(big)
     bucket.load(small)
@@ -428,7 +428,7 @@ def _train(devices: list[str], steps: int, mode: str, threaded: bool, folder: Pa
     replicas = len(devices)
     drafters = [_Drafter(r, devices[r], replicas) for r in range(replicas)]
     data = [_batches(100 + r, steps, drafters[r].objective, devices[r]) for r in range(replicas)]
-    buckets = [cudagraphs.BatchShape(2, 24, 8), cudagraphs.BatchShape(2, 40, 8)]
+    buckets = [BatchShape(2, 24, 8), BatchShape(2, 40, 8)]
     exchange = GradientExchange(Layout(local_replicas=replicas), None)
     no_faults = FaultInjector(())
 
@@ -551,14 +551,14 @@ def test_replayed_steps_mask_each_batch_by_its_own_anchors(attention, strategy):
     for every batch, so the test cannot pass vacuously), which allows for Inductor's bf16
     kernels against eager's (measured on CPU at these shapes: the previous batch's mask
     moves the gradients by 0.22-0.43 relative, all-bf16 arithmetic by 0.006)."""
-    if strategy == "upstream" and cudagraphs.torch_version() < cudagraphs.UPSTREAM_THREAD_SAFE_TORCH:
+    if strategy == "upstream" and step_build.torch_version() < cudagraphs.UPSTREAM_THREAD_SAFE_TORCH:
         pytest.skip("the upstream strategy needs torch >= 2.13")
     device = "cuda:0"
     objective = tiny_objective(device, use_flex=attention == "flex", head_dim=16)
     base = random_inputs(2, 40, 8, block_size=BLOCK, vocab=VOCAB, num_features=FEATURE_LAYERS * HIDDEN,
                          features_dtype=objective.embed_weight.dtype, device=device, seed=7)
     batches = [_same_tokens_other_anchors(base, seed, real) for seed, real in ((1, 8), (2, 8), (3, 5), (4, 8))]
-    step = cudagraphs.build_cudagraph_train_step(objective, base, [cudagraphs.BatchShape(2, 40, 8)],
+    step = cudagraphs.build_cudagraph_train_step(objective, base, [BatchShape(2, 40, 8)],
                                                  strategy=strategy)
     tolerance = 0.05
     for previous, batch in zip([base] + batches, batches):
@@ -608,7 +608,7 @@ def test_graphed_micro_batches_add_up_and_a_step_starts_from_zero():
     batches = _batches(7, 3, objective, "cuda:0")  # 16, 24 and 32 tokens: both buckets
     example = example_inputs(objective, 24, FEATURE_LAYERS * HIDDEN, "cuda:0")
     train_step = cudagraphs.build_cudagraph_train_step(
-        objective, example, [cudagraphs.BatchShape(2, 24, 8), cudagraphs.BatchShape(2, 40, 8)], strategy="whole_step")
+        objective, example, [BatchShape(2, 24, 8), BatchShape(2, 40, 8)], strategy="whole_step")
     params = list(objective.drafter.parameters())
     alone = []  # each micro-batch as a step of its own, by the same graphs
     for batch in batches:

@@ -23,10 +23,10 @@ import torch
 
 from dflash_files import procfs
 from dflash_train.data import batches, tokenizing
-from dflash_train.config import DataConfig, SyntheticDataSpec, TinyTargetSpec
+from dflash_train.config import NO_TURN, DataConfig, SyntheticDataSpec, TinyTargetSpec
 from dflash_train.data.batches import BatchPlan, _read_jsonl, load_samples, tokenize_sample
 from dflash_train.data.tiny import _build_tokenizer, ensure_tiny_assets
-from dflash_train.model.objective import NO_TURN, anchor_candidates
+from dflash_train.model.objective import anchor_candidates
 from support.disk import tmpfs
 from test_trainer_runs import launch  # noqa: F401 - the fixture that runs the real trainer
 

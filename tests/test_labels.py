@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.config import DataConfig, DrafterConfig, load_job_config
+from dflash_train.config import NO_TURN, DataConfig, DrafterConfig, load_job_config
 from dflash_train.data.batches import BatchPlan, Sample, collate, load_samples, tokenize_sample
 from dflash_train.data.chat import tokenize_chat
-from dflash_train.model.objective import NO_TURN, anchor_candidates, block_labels, position_weights
+from dflash_train.model.objective import anchor_candidates, block_labels, position_weights
 from dflash_train.data.tiny import ensure_tiny_assets
 
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny-cpu.yaml"

@@ -14,7 +14,8 @@ import torch
 from dflash_train.compiling import precompiled
 from dflash_train.compiling.policy import CompilePlan, build_train_step, configure_compiler, example_inputs
 from dflash_train.compiling.precompiled import PRECOMPILED_DIR, unsupported_reason
-from dflash_train.compiling.step_build import BatchShape, StrayCompile, inputs_of_shape
+from dflash_train.compiling.step_build import StrayCompile, inputs_of_shape
+from dflash_train.data.batches import BatchShape
 from support.trainer import end, start_trainer
 
 from test_head_loss import objective

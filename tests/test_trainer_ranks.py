@@ -28,8 +28,8 @@ def rank_envs(world_size: int) -> list[dict[str, str]]:
 def tiny_cache(workspace):
     """SMALL's tiny target and data, built before processes that start together need them
     (builders racing each other is not what these tests are about)."""
-    code = ("from pathlib import Path; from dflash_train.config import TinyTargetSpec, SyntheticDataSpec; "
-            "from dflash_train.data.tiny import ensure_tiny_assets, cache_root; "
+    code = ("from pathlib import Path; from dflash_train.config import TinyTargetSpec, SyntheticDataSpec, cache_root; "
+            "from dflash_train.data.tiny import ensure_tiny_assets; "
             "ensure_tiny_assets(TinyTargetSpec(), SyntheticDataSpec(num_train=64, num_eval=2), cache_root(Path('.')))")
     env = {**os.environ, "PYTHONPATH": str(REPO / "remote"), "DFLASH_WORKSPACE": str(workspace)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120, cwd=REPO)

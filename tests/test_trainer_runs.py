@@ -267,18 +267,25 @@ def test_exit_fault_sets_the_exit_code(launch):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.slow(seconds=4, why="a trainer run on CPU whose first step is made 3 s long")
-def test_the_baseline_evaluation_starts_once_the_first_step_is_taken(launch):
-    """Beside the first step the baseline would share its GPU: the lead queues it after that
-    step (of the starting weights all the same). The first step is made 3 s long, after
-    drafter-0's ready event; an evaluation queued before it would start within it."""
-    run = launch(SMALL + "optim: {max_steps: 2}\nfaults: [{thread: drafter-0, at: 'step:1', kind: busy, seconds: 3}]\n")
+@pytest.mark.parametrize("mode", ["threaded", "sequential"])
+@pytest.mark.slow(seconds=4, why="a trainer run on CPU per case, its first step made 3 s long")
+def test_the_baseline_evaluation_starts_once_the_first_step_is_taken(launch, mode):
+    """Beside the first step the baseline would share its GPU: in either pipeline mode the
+    lead asks for it after that step (of the starting weights all the same). The first
+    step is made 3 s long, after an event that comes before the step starts (drafter-0's
+    ready event; in a sequential run, which has none, the train phase's); an evaluation
+    asked for before the step would start before that event or within the step."""
+    run = launch(SMALL + f"pipeline: {{mode: {mode}}}\noptim: {{max_steps: 2}}\n"
+                 "faults: [{thread: drafter-0, at: 'step:1', kind: busy, seconds: 3}]\n", run_id=mode)
     assert run.wait(100) == 0, run.log()[-3000:]
-    (lead_ready,) = [e for e in run.events("ready") if e["replica"] == 0]
+    if mode == "threaded":
+        (before_step,) = [e for e in run.events("ready") if e["replica"] == 0]
+    else:
+        (before_step,) = [e for e in run.events("phase") if e["phase"] == "train"]
     baseline = run.events("eval")[0]
     assert baseline["baseline"] and baseline["step"] == 0
     # Its start (the event is written after the `seconds` it took) is past the 3 s step.
-    assert baseline["ts"] - baseline["seconds"] >= lead_ready["ts"] + 3.0, (baseline, lead_ready)
+    assert baseline["ts"] - baseline["seconds"] >= before_step["ts"] + 3.0, (baseline, before_step)
     assert run.events("eval")[-1]["baseline_acceptance_length"] == baseline["acceptance_length"]
 
 

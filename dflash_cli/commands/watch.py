@@ -185,7 +185,10 @@ def run(session: Session, ref: RunRef, *, tail: int | None, interval: float, as_
     """Print the run's items until it ends; its outcome as the exit code (0 succeeded, 1
     failed or lost, 4 stopped; 3 unknown). Ctrl-C detaches: the run keeps going.
     `use_trackers`: feed the trackers of dflash.yaml (their packages are checked first)."""
-    trackers = checked_settings(session.local_config) if use_trackers else TrackerSettings()
+    trackers = TrackerSettings()
+    if use_trackers:
+        local = session.local_config
+        trackers = checked_settings(local.trackers, local.source)
     printer = Printer(ref, as_json)
     if not ref.multihost and not as_json and console.human.is_terminal and sys.stdout.isatty():
         printer.start_status_line()

@@ -18,7 +18,6 @@ from dflash_contract.states import RunState
 
 from .. import DISTRIBUTION, console
 from ..errors import DflashError, ExitCode
-from ..local_config import LocalConfig
 from ..local_state import RunLogs, RunRef, write_atomic
 from ..scalars import History, history_of
 from .config import PACKAGES, TrackerSettings
@@ -42,10 +41,11 @@ def require_packages(settings: TrackerSettings, source: str) -> None:
                               hint="or follow without trackers: dflash watch --no-trackers") from exc
 
 
-def checked_settings(local: LocalConfig) -> TrackerSettings:
-    """The trackers of dflash.yaml a watch feeds, their packages checked (require_packages)."""
-    require_packages(local.trackers, local.source)
-    return local.trackers
+def checked_settings(settings: TrackerSettings, source: str) -> TrackerSettings:
+    """The trackers a watch feeds (dflash.yaml's, read from `source`), their packages
+    checked (require_packages)."""
+    require_packages(settings, source)
+    return settings
 
 
 def make_sink(name: str, settings: TrackerSettings) -> Sink:

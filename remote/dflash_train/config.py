@@ -16,6 +16,7 @@ from typing import Literal
 
 from dflash_contract.names import RELEASE_DIR_ENV, WORKSPACE_ENV
 import dflash_schema
+from dflash_files.compile_key import CACHE_DIR
 
 CompileMode = Literal["off", "default", "cudagraphs"]
 CompileShapes = Literal["dynamic", "static"]
@@ -26,6 +27,9 @@ _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # compile and a capture at start-up and a graph's worth of memory (see compiling/cudagraphs.py).
 CUDAGRAPH_MAX_BUCKETS = 4
 STARTUP_PULSE_S = 5.0  # how often a working start-up says so (startup_phases.start_pulse)
+# The turn id of a token no assistant turn learns: what the chat writes (data/chat.py) and
+# the objective reads (model/objective.py); here, torch-free, for the tokenizing workers.
+NO_TURN = -1
 
 
 def padded_length(length: int, multiple: int) -> int:
@@ -640,6 +644,13 @@ def workspace_path(path: str) -> Path:
         return candidate
     base = os.environ.get(WORKSPACE_ENV)
     return (Path(base) if base else Path.cwd()) / candidate
+
+
+def cache_root(run_dir: Path) -> Path:
+    """The trainer's caches (tiny targets, tokenized data, compiled steps): the workspace's
+    (DFLASH_WORKSPACE), or the run directory's of a run without one."""
+    workspace = os.environ.get("DFLASH_WORKSPACE")
+    return Path(workspace) / CACHE_DIR if workspace else run_dir / CACHE_DIR
 
 
 def resolve_path(path: str) -> Path:

@@ -5,13 +5,20 @@ batch overlaps the drafters' steps. A tensor handed from one thread to another c
 `Fence` (a CUDA event recorded on the producer's stream); the consumer's stream waits on
 it, and `record_stream` keeps the caching allocator from reusing the memory while the
 consumer still reads it. On CPU all of this is a no-op.
+
+A CUDA graph's warm-up and capture touch process-wide CUDA state (a device synchronize,
+the cuBLAS workspace map, the allocator's capture pools): every capture, of a train step,
+an optimizer step or a decode step, holds `CAPTURE_LOCK`, one thread at a time.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
+
+CAPTURE_LOCK = threading.Lock()
 
 
 def is_cuda(device: str | torch.device) -> bool:

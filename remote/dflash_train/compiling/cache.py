@@ -42,7 +42,7 @@ import torch
 from dflash_files.atomic import write_atomic
 from dflash_files.compile_key import ARTIFACTS_FILE, ARTIFACTS_MANIFEST, COMPILE_DIR, KEY_FILE, compile_key
 
-from ..data.tiny import cache_root
+from ..config import cache_root
 from .precompiled import PRECOMPILED_DIR
 from ..runlog import say
 from ..startup_phases import phase

@@ -40,7 +40,6 @@ loss weight, and padded context lies after every real anchor.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,17 +48,16 @@ from typing import Literal
 import torch
 
 from ..config import DataConfig, DrafterConfig, blocks_per_row, rows_per_micro_batch
+from ..data.batches import BatchShape
+from ..devices import CAPTURE_LOCK
 from ..model.objective import DraftObjective, DrafterInputs
 from . import precompiled as precompiled_step
 from .precompiled import step_key
-from .step_build import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats,
-                         compile_for_shapes, inputs_of_shape, mark_dynamic, shape_of, varying_dims, warm_up)
+from .step_build import (BucketTiming, BuildReport, BuiltStep, CompileShapes, StepStats, compile_for_shapes,
+                         inputs_of_shape, mark_dynamic, shape_of, torch_version, varying_dims, warm_up)
 
 Strategy = Literal["auto", "whole_step", "upstream"]
 
-# Warm-up and capture touch process-wide CUDA state (a device synchronize, the cuBLAS
-# workspace map, the allocator's capture pools): one thread at a time, process-wide.
-CAPTURE_LOCK = threading.Lock()
 UPSTREAM_THREAD_SAFE_TORCH = (2, 13)  # first release with pytorch PR #184357
 # Eager steps per bucket before its capture. whole_step: one does everything a first call
 # does lazily (the compile or the loading of its kernels, their autotuning, AOTAutograd's
@@ -77,12 +75,6 @@ class CudaGraphsUnavailable(RuntimeError):
 
 class UncapturedShape(RuntimeError):
     """A batch arrived that fits no bucket captured at start-up."""
-
-
-def torch_version(version: str | None = None) -> tuple[int, int]:
-    """(major, minor) of the running torch, or of `version` ("2.11.0+cu130")."""
-    major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
-    return int(major), int(minor)
 
 
 def resolve_strategy(requested: Strategy, *, drafters_share_a_device: bool,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..config import JobConfig
+from ..data.batches import BatchShape
 from ..devices import canonical
 from ..model.objective import DraftObjective, DrafterInputs
 from ..runlog import say
@@ -38,7 +39,7 @@ from .stable_pickles import stable_cache_keys
 from .cudagraphs import bucket_shapes, build_cudagraph_train_step
 from . import precompiled as precompiled_step
 from .precompiled import step_key
-from .step_build import (BatchShape, BucketTiming, BuildReport, BuiltStep, CompilerWork, CompileShapes, StepStats,
+from .step_build import (BucketTiming, BuildReport, BuiltStep, CompilerWork, CompileShapes, StepStats,
                          inputs_of_shape, is_compile_refusal, random_inputs, shape_of, stray_shape, warm_up)
 
 _BUILD_LOCK = threading.Lock()

@@ -49,6 +49,7 @@ from dflash_files.atomic import write_atomic
 from ..model import objective as objective_module
 from ..model.objective import DraftObjective, DrafterInputs
 from ..runlog import say
+from .step_build import torch_version
 
 PRECOMPILED_DIR = "train_step"  # in the compile cache's key folder
 VERIFIED_TORCH = (2, 11)
@@ -58,8 +59,6 @@ _MODEL_SOURCES = Path(objective_module.__file__).parent
 
 def unsupported_reason(version: tuple[int, int] | None = None) -> str | None:
     """Why this torch's step is traced on every start, or None where it can be precompiled."""
-    from .cudagraphs import torch_version
-
     version = version or torch_version()
     if version < VERIFIED_TORCH:
         return (f"torch {version[0]}.{version[1]}: a precompiled train step is used from torch "

@@ -1,7 +1,7 @@
-"""What every way of building a drafter's train step shares: its result (`StepStats`), the
-shapes it is built for (`BatchShape`), random valid inputs to warm it up with, the one
-Inductor compile of the objective for a set of shapes, and the report of what building
-cost (`BuildReport`).
+"""What every way of building a drafter's train step shares: its result (`StepStats`),
+random valid inputs of the shapes it is built for (data/batches.py's `BatchShape`) to warm
+it up with, the one Inductor compile of the objective for a set of shapes, the report of
+what building cost (`BuildReport`) and the running torch's version.
 
 policy.py picks how a step is built and cudagraphs.py captures one; both import
 from here, and nothing here imports either of them.
@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from ..config import CompileShapes
+from ..data.batches import BatchShape
 from ..model.objective import DraftObjective, DrafterInputs, block_labels, position_weights
 
 # The fields of DrafterInputs and the dimensions a bucket's shape sets in each (the rest,
@@ -43,24 +44,10 @@ class TrainStep(Protocol):
     def __call__(self, inputs: DrafterInputs, first: bool = True, last: bool = True) -> StepStats: ...
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class BatchShape:
-    """A bucket: micro-batches of at most `rows` sequences of `length` tokens, `blocks` anchors."""
-
-    rows: int
-    length: int
-    blocks: int
-
-    @property
-    def tokens(self) -> int:
-        return self.rows * self.length
-
-    def holds(self, inputs: DrafterInputs) -> bool:
-        rows, length = inputs.input_ids.shape
-        return rows <= self.rows and length <= self.length and inputs.anchors.shape[1] <= self.blocks
-
-    def __str__(self) -> str:
-        return f"{self.rows}x{self.length} ({self.blocks} blocks)"
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of the running torch, or of `version` ("2.11.0+cu130")."""
+    major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def shape_of(inputs: DrafterInputs) -> BatchShape:

@@ -35,12 +35,12 @@ import transformers
 
 from dflash_files import procfs
 
-from ..compiling.step_build import BatchShape
-from ..config import DataConfig, DrafterConfig, blocks_per_row, padded_length, rows_per_micro_batch
-from ..model.objective import anchor_candidates, anchor_seed, block_labels, position_weights, sample_anchors
+from ..config import NO_TURN, DataConfig, DrafterConfig, blocks_per_row, padded_length, rows_per_micro_batch
+from ..model.objective import (DrafterInputs, anchor_candidates, anchor_seed, block_labels, position_weights,
+                               sample_anchors)
 from ..runlog import say
 from . import chat, tokenizing
-from .chat import NO_TURN, render, require_template
+from .chat import render, require_template
 from .tokenizing import learnable, parse_line, tokenize_row
 from .tokstore import StoreWriter, TokenStore, file_sha256, open_or_build, sha256_hex
 
@@ -53,6 +53,26 @@ PROGRESS_EVERY_S = 30.0
 class Sample:
     ids: torch.Tensor  # (L,) int32: half the memory of long for a dataset held whole
     turn_ids: torch.Tensor  # (L,) int32: the assistant turn a token is learnt in, NO_TURN if none
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class BatchShape:
+    """A bucket: micro-batches of at most `rows` sequences of `length` tokens, `blocks` anchors."""
+
+    rows: int
+    length: int
+    blocks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+    def holds(self, inputs: DrafterInputs) -> bool:
+        rows, length = inputs.input_ids.shape
+        return rows <= self.rows and length <= self.length and inputs.anchors.shape[1] <= self.blocks
+
+    def __str__(self) -> str:
+        return f"{self.rows}x{self.length} ({self.blocks} blocks)"
 
 
 def first_chat_row(path: Path) -> tuple[int, list[Any]] | None:

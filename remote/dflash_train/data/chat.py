@@ -16,7 +16,7 @@ from typing import Any
 
 import jinja2
 
-NO_TURN = -1  # the turn id of a token no assistant turn learns
+from ..config import NO_TURN
 
 
 def render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: Mapping[str, Any],

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 
-from dflash_files.compile_key import CACHE_DIR
-
 from ..config import SyntheticDataSpec, TinyTargetSpec
 from ..runlog import say
 
@@ -41,11 +39,6 @@ class TinyAssets:
     target_dir: Path  # model + tokenizer, loadable with from_pretrained
     train_path: Path
     eval_path: Path
-
-
-def cache_root(run_dir: Path) -> Path:
-    workspace = os.environ.get("DFLASH_WORKSPACE")
-    return Path(workspace) / CACHE_DIR if workspace else run_dir / CACHE_DIR
 
 
 # The synthetic data a tiny target is built with when a job brings no data.synthetic of its

@@ -22,7 +22,8 @@ import numpy as np
 
 from dflash_files import procfs
 
-from .chat import NO_TURN, tokenize_chat
+from ..config import NO_TURN
+from .chat import tokenize_chat
 
 # jsonl bytes per tokenizing task, at most: about a thousand conversations of the recipe's
 # length, which bounds each task's memory and its result's size.

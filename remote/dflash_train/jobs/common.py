@@ -22,8 +22,8 @@ from typing import Any
 from dflash_contract.events import HEARTBEAT, PHASE
 
 from .. import startup_phases
-from ..config import JobConfig, resolve_path
-from ..data.tiny import TARGET_DATA, cache_root, ensure_tiny_assets
+from ..config import JobConfig, cache_root, resolve_path
+from ..data.tiny import TARGET_DATA, ensure_tiny_assets
 from ..runlog import EventLog, dump_header, emit_done, say
 from ..threads import StopLatch
 

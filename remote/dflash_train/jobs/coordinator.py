@@ -29,10 +29,10 @@ from ..runlog import EventLog, say
 from ..startup_phases import phase
 from ..threads import StopLatch, StopRequested, JobThread
 from ..training.distributed import PeerFailed, Peers, join
+from ..training.loop import run_steps
 from ..training.pipeline import READY, Channels, drafter_body, eval_body, prefetch_body, target_body
 from ..training.replica import Replica, ReplicasDiverged, verify_replicas_identical
 from ..training.schedule import EvalRequest
-from ..training.step import training_step
 from .common import EXIT_FAILED, EXIT_OK, JobControl, ThreadFailed, end_now, report_threads_still_running
 from .startup import Session, prepare
 
@@ -252,18 +252,16 @@ class Coordinator(JobControl):
                 self._set_phase("eval")
             session.evaluator.measure(request)
 
-        schedule.evaluate_baseline(evaluate)
-        self._set_phase("train")
-        schedule.training_started()
-        for step in range(run.start_step + 1, run.total_steps + 1):
+        def before_step(step: int) -> None:
             self.step = step
             self.poll()
             self.latch.check()
             faults.fire("prefetch", step)
-            micro_batches = [run.micro_batches(step, replica.index) for replica in replicas]
-            applied = training_step(replicas, micro_batches, run.exchange.average, faults, step, peers=run.peers)
-            self.latch.progressed()
-            schedule.after_step(step, lead, applied, evaluate)
+
+        self._set_phase("train")
+        schedule.training_started()
+        run_steps(run, schedule, replicas, lambda step, replica: run.micro_batches(step, replica.index),
+                  run.exchange.average, evaluate, before_step)
         self._set_phase("shutdown")
         checksums = self._replicas_done(session)
         schedule.after_training(lead, evaluate)

@@ -35,13 +35,13 @@ from typing import Any
 import torch
 from dflash_contract.events import PROGRESS
 
-from ..compiling.policy import forbid_compiles
+from ..compiling.policy import configure_compiler, forbid_compiles
 from ..config import JobConfig, resolve_path, workspace_path
 from ..data.batches import _read_jsonl
 from ..devices import canonical, is_cuda, thread_stream
 from ..faults import FaultInjector
 from ..memory.plan import GIB, TargetShape, regenerate_terms
-from ..model.batched_decode import BatchedDecoder, Generated, Request, round_up
+from ..model.batched_decode import GRAPHS_PER_DECODER, BatchedDecoder, Generated, Request, round_up
 from ..model.fast_layers import FLEX_BLOCK
 from ..model.target import load_target
 from ..runlog import EventLog, say
@@ -319,6 +319,10 @@ class Regeneration(JobControl):
             requests, decoders, remote = self._prepare(peers)
             self._set_phase("regenerate")
             feed = Feed(requests)
+            # Every decoder compiles the same layer functions (a graph per device for the
+            # step, and the prefill's for one row and for several): Dynamo's limit of
+            # graphs per function is sized to the decoders before their threads start.
+            configure_compiler("default", len(decoders), GRAPHS_PER_DECODER, dynamic_shapes=True)
             for index, decoder in enumerate(decoders):
                 self._start(f"target-{index}", self._body(decoder, faults, feed))
             if remote:

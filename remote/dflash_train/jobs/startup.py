@@ -21,12 +21,10 @@ from ..checkpoint.state import fits
 from ..compiling.cache import CompileCache, compile_key_facts, open_compile_cache
 from ..compiling.policy import CompilePlan, configure_compiler, plan_compile
 from ..compiling.precompiled import unsupported_reason
-from ..compiling.step_build import BatchShape
-from ..config import JobConfig
-from ..data.batches import (BatchPlan, PlanEntry, anchor_counts, first_chat_row, load_prompts, load_samples,
-                            micro_batch_shapes)
+from ..config import JobConfig, cache_root
+from ..data.batches import (BatchPlan, BatchShape, PlanEntry, anchor_counts, first_chat_row, load_prompts,
+                            load_samples, micro_batch_shapes)
 from ..data.chat import check_chat_template
-from ..data.tiny import cache_root
 from ..devices import canonical
 from ..faults import FaultInjector
 from ..memory import ledger

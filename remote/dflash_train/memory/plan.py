@@ -248,7 +248,7 @@ def drafter_parameters(target: TargetShape, drafter: DrafterConfig) -> int:
 @dataclasses.dataclass(frozen=True, order=True)
 class Shape:
     """A micro-batch: `rows` sequences of `length` tokens, `blocks` anchors a row (as
-    step_build.BatchShape, which needs torch)."""
+    data.batches.BatchShape, which needs torch)."""
 
     rows: int
     length: int

@@ -16,8 +16,10 @@
   once warm_up returns;
 * a row whose answer ended (an end token, or max_new_tokens) takes the next prompt at
   once: the prompts waiting are prefilled together, right-padded to a multiple of 64 in
-  chunks of about `prefill_tokens` tokens, eagerly (their shapes vary, so they are not
-  compiled), and causal attention over their own positions is their whole mask.
+  chunks of about `prefill_tokens` tokens, and causal attention over their own positions
+  is their whole mask. Compiling, the prefill's layer functions are compiled with their
+  rows and width symbolic (one graph for one row, one for several), in `warm_up` too, at
+  the corners of the shapes a prefill can take; its attention stays eager.
 
 Stale keys and values (a row's previous prompt, the padding of a prefill, the warm-up's)
 are never attended to: a row attends to positions up to its own, and each of those was
@@ -30,13 +32,17 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..compiling.decode_graphs import graphed
 from ..config import SamplingConfig
 from ..memory.plan import PREFILL_TOKENS
-from .fast_layers import FLEX_BLOCK, FastLayers, PositionMask, attend, attend_causal, output_and_mlp, project_and_store
+from .decode_graphs import graphed
+from .fast_layers import (FLEX_BLOCK, FastLayers, PositionMask, attend, attend_causal, compile_step, output_and_mlp,
+                          project_and_store)
 from .sampling import Chooser
 
 PAD_MULTIPLE = 64  # a prefill row's length is rounded up to this
+# Graphs a decoder compiles of one layer function: the step's, and the prefill's for one
+# row and for several, with one to spare.
+GRAPHS_PER_DECODER = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +89,12 @@ class BatchedDecoder:
         device = self.device = self.layers.device
         self.chooser = Chooser(sampling, model.config.vocab_size, device)
         # the step's choice over (slots, vocabulary): a dozen elementwise passes when sampling
-        self._step_choose = torch.compile(self.chooser.choose, dynamic=False) if self.layers.compiled \
-            else self.chooser.choose
+        self._step_choose = compile_step(self.chooser.choose, one_token=True) if self.layers.compiled else self.chooser.choose
+        # the prefill's shapes (rows, width) vary: its functions are compiled with those
+        # sizes symbolic (_prefill_rows marks them), a graph serving every shape of a class
+        self._prefill_project, self._prefill_output = (
+            (torch.compile(project_and_store), torch.compile(output_and_mlp)) if self.layers.compiled
+            else (project_and_store, output_and_mlp))
         self.keys, self.values = self.layers.kv_cache(slots, self.capacity)
         self.cos, self.sin = self.layers.rope_table(self.capacity)
         self.key_index = torch.arange(self.capacity, device=device)
@@ -109,9 +119,27 @@ class BatchedDecoder:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Compile and capture the step for every attention length now, with no row live
-        (the state moves nowhere): the decode after this compiles nothing."""
+        (the state moves nowhere), and compile the prefill at the corners of its shapes:
+        the decode after this compiles nothing."""
         for length in self.lengths():
             self._step_for(length)
+        if self.layers.compiled:
+            for rows, width in self.prefill_corners():
+                # a prompt of `width` tokens in `rows` slots: what it writes there is stale
+                # before any prompt is admitted
+                request = Request(0, (0,) * width)
+                self._prefill_rows(list(range(rows)), [request] * rows, width)
+
+    def prefill_corners(self) -> list[tuple[int, int]]:
+        """(rows, width) at the corners of the prefill shapes `_prefill` makes: the
+        narrowest and widest row, one row and as many as a chunk takes. Dynamo gives a
+        dimension of 1 a graph of its own, and any guard Inductor puts on a size shows at
+        a corner."""
+        corners = []
+        for width in sorted({PAD_MULTIPLE, self.capacity}):
+            most = min(self.slots, max(self.prefill_tokens, width) // width)
+            corners += [(rows, width) for rows in sorted({1, min(2, most), most})]
+        return corners
 
     def _step_for(self, length: int) -> Callable[[], None]:
         if length not in self._steps:
@@ -134,8 +162,8 @@ class BatchedDecoder:
             def attention(q, keys, values, scale):
                 return attend(q, keys[:, :, :length], values[:, :, :length], seen, scale)
         for w, keys, values in zip(layers.weights, self.keys, self.values):
-            q = layers.step_project(hidden, w, g, cos, sin, keys, values, self.rows, at)
-            hidden = layers.step_output(attention(q, keys, values, g.scale), hidden, w, g)
+            q = layers.token_project(hidden, w, g, cos, sin, keys, values, self.rows, at)
+            hidden = layers.token_output(attention(q, keys, values, g.scale), hidden, w, g)
         logits = layers.final(hidden)[:, 0]  # (S, V)
         self.chosen.copy_(self._step_choose(logits, self.prompt_index, self.count))
         self.token.copy_(self.chosen)
@@ -167,13 +195,25 @@ class BatchedDecoder:
         for row, request in enumerate(requests):
             ids[row, :len(request.tokens)] = torch.tensor(request.tokens)
         rows = torch.tensor(slots, device=device)
-        at = torch.arange(width, device=device).unsqueeze(0).expand(len(requests), width)
+        at = torch.arange(width, device=device).unsqueeze(0).expand(len(requests), width).contiguous()
         hidden = layers.embed(ids.to(device))  # (P, W, hidden)
         cos, sin = self.cos[at], self.sin[at]
-        for w, keys, values in zip(layers.weights, self.keys, self.values):
-            q = project_and_store(hidden, w, g, cos, sin, keys, values, rows, at)
-            hidden = output_and_mlp(attend_causal(q, keys[rows, :, :width], values[rows, :, :width], g.scale),
-                                    hidden, w, g)
+        if layers.compiled:
+            for tensor in (hidden, cos, sin, at):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
+        try:
+            for w, keys, values in zip(layers.weights, self.keys, self.values):
+                q = self._prefill_project(hidden, w, g, cos, sin, keys, values, rows, at)
+                attention = attend_causal(q, keys[rows, :, :width], values[rows, :, :width], g.scale)  # (P, H, W, D)
+                if layers.compiled:
+                    torch._dynamo.maybe_mark_dynamic(attention, 0)
+                    torch._dynamo.maybe_mark_dynamic(attention, 2)
+                hidden = self._prefill_output(attention, hidden, w, g)
+        except torch._dynamo.exc.RecompileError as exc:  # policy.forbid_compiles refused a compile
+            raise RuntimeError(f"the prefill of {len(requests)} rows of {width} tokens would compile after "
+                                   f"warm-up (a shape prefill_corners did not foresee): {exc}") from exc
         last = torch.tensor([len(r.tokens) - 1 for r in requests], device=device)
         logits = layers.final(hidden[torch.arange(len(requests), device=device), last])  # (P, V)
         index = torch.tensor([r.index for r in requests], device=device)

@@ -21,7 +21,7 @@ positions (prompt + new tokens + a block):
   shape this takes a verify step from 13.2 to 8.4 ms, for about 50 s of compiling
   (bench/RESULTS-h200.md);
 * on CUDA, with `cuda_graphs`, the draft step and the verify step (and the target-alone
-  step) are CUDA graphs (compiling/decode_graphs.py), captured by `capture` (a training
+  step) are CUDA graphs (model/decode_graphs.py), captured by `capture` (a training
   run's evaluator, in start-up) or at the first decode; the prefill, whose length
   varies, runs eagerly. Elsewhere the same functions run eagerly.
 
@@ -45,8 +45,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..compiling.decode_graphs import graphed
+from .decode_graphs import graphed
 from .drafter import DFlashDrafter
+from .fast_layers import compile_step
 from .objective import dense_block_mask
 from .static_target import StaticTarget
 from .target import FeatureTap
@@ -123,10 +124,8 @@ class FastDecoder:
         self.compiled = compile_steps
         # The prefill extends the drafter's context eagerly (its length varies); a step, at
         # one shape, through the compiled function when compiling.
-        self._extend_step = torch.compile(drafter.extend_context, dynamic=False) if compile_steps \
-            else drafter.extend_context
-        self._draft_block = torch.compile(drafter.draft_cached, dynamic=False) if compile_steps \
-            else drafter.draft_cached
+        self._extend_step = compile_step(drafter.extend_context) if compile_steps else drafter.extend_context
+        self._draft_block = compile_step(drafter.draft_cached) if compile_steps else drafter.draft_cached
         self._steps: dict[str, Callable[[], None]] = {}
 
     def _step(self, name: str, step: Callable[[], None]) -> Callable[[], None]:

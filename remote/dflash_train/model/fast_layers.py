@@ -37,9 +37,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SUPPORTED = ("qwen3", "qwen2", "llama")
 ATTENTION = ("sdpa", "eager")
 FLEX_BLOCK = 128  # FlexAttention's key block: a flex-attended cache holds a multiple of it
+# Inductor settings for the steps that advance each row by one token (the target alone,
+# job: regenerate's decode): their generated kernels' block sizes are tuned for the step's
+# one shape while compiling, which pays there (bench/RESULTS-h200.md) and not in the
+# verify and draft steps, whose compiles it only lengthens.
+TOKEN_STEP_OPTIONS = {"coordinate_descent_tuning": True}
 # RoPE types whose frequencies depend on the sequence's length (transformers'
 # dynamic_rope_update): a table made once would be wrong past the original length.
 DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def compile_step(function, one_token: bool = False):
+    """`function` compiled for fixed shapes (a graph per step shape); `one_token`: for steps
+    of one new token per row, its kernels tuned for them (TOKEN_STEP_OPTIONS)."""
+    return torch.compile(function, dynamic=False, options=TOKEN_STEP_OPTIONS if one_token else None)
 
 
 def _rope_type(config: Any) -> str:
@@ -268,7 +279,7 @@ class PositionMask:
 
         self.mask = BlockMask.from_kv_blocks(self.kv_blocks, indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=seen,
                                              seq_lengths=(queries, capacity), compute_q_blocks=False)
-        self._attend = torch.compile(flex_attention, dynamic=False)
+        self._attend = compile_step(flex_attention)
 
     def set(self, positions: torch.Tensor) -> None:
         """positions (B, Q): where this step's queries are."""
@@ -293,8 +304,10 @@ def output_and_mlp(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeig
 
 class FastLayers:
     """A target's layers as LayerWeights, with the two per-layer functions: compiled for
-    fixed-shape steps when `compile_steps` (one graph per step shape for every layer),
-    plain otherwise. `fuse`: fuse_projections first (only for a model this decode owns)."""
+    fixed-shape steps when `compile_steps` (one graph per step shape for every layer, which
+    the decode's CUDA graphs capture; `token_*` for steps of one token a row, tuned for
+    them), plain otherwise. `fuse`: fuse_projections first (only for a model this decode
+    owns)."""
 
     def __init__(self, model: nn.Module, compile_steps: bool = False, fuse: bool = False):
         if problem := fast_refusal(model.config):
@@ -311,10 +324,10 @@ class FastLayers:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.compiled = compile_steps
-        # dynamic=False: a step's shapes are fixed, and a graph per shape is what the
-        # decode's CUDA graphs capture.
-        self.step_project = torch.compile(project_and_store, dynamic=False) if compile_steps else project_and_store
-        self.step_output = torch.compile(output_and_mlp, dynamic=False) if compile_steps else output_and_mlp
+        self.step_project = compile_step(project_and_store) if compile_steps else project_and_store
+        self.step_output = compile_step(output_and_mlp) if compile_steps else output_and_mlp
+        self.token_project = compile_step(project_and_store, one_token=True) if compile_steps else project_and_store
+        self.token_output = compile_step(output_and_mlp, one_token=True) if compile_steps else output_and_mlp
 
     def rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (positions, D) in the model's dtype: the rotary module's own values at

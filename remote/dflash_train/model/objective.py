@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.chat import NO_TURN
+from ..config import NO_TURN
 from .drafter import DFlashDrafter
 from .head_loss import chunk_rows, head_cross_entropy
 

@@ -58,8 +58,11 @@ class StaticTarget:
         (1, Q, n*H), or None when not asked for. `step`: a fixed-shape decode step (the
         compiled functions, when built with them)."""
         layers, g = self.layers, self.layers.geometry
-        project = layers.step_project if step else project_and_store
-        output = layers.step_output if step else output_and_mlp
+        project, output = project_and_store, output_and_mlp
+        if step:
+            one_token = input_ids.shape[1] == 1
+            project = layers.token_project if one_token else layers.step_project
+            output = layers.token_output if one_token else layers.step_output
         at = positions.unsqueeze(0)  # (1, Q)
         hidden = layers.embed(input_ids)
         cos, sin = self.cos[at], self.sin[at]

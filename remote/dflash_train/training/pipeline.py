@@ -25,10 +25,11 @@ from ..devices import thread_stream
 from ..memory import ledger
 from ..threads import Rendezvous, StoppableQueue, JobThread
 from .gradients import Averaged, Posted
-from .replica import FeatureBatch
+from .loop import run_steps
+from .replica import FeatureBatch, Replica
 from .run_context import Run
 from .schedule import EvalRequest, Evaluator, OutputSchedule
-from .step import at_rendezvous, training_step
+from .step import at_rendezvous
 
 READY = "ready"  # the store barrier every rank arrives at once all its drafters are ready
 
@@ -125,18 +126,14 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
 
             if lead and run.peers is not None:  # the first all-reduce must not time out on a slower host's warm-up
                 run.peers.wait_for_all(READY, run.config.runtime.ready_timeout_s)
-            for step in range(run.start_step + 1, run.total_steps + 1):
+
+            def queued(step: int, _: Replica) -> Iterator[FeatureBatch]:
+                return _queued(run, channels.drafter_queues[index], worker.name, step)
+
+            def before_step(step: int) -> None:
                 worker.step = step
-                micro_batches = _queued(run, channels.drafter_queues[index], worker.name, step)
-                applied = training_step([replica], [micro_batches], waited_exchange, run.faults, step, peers=run.peers)
-                run.latch.progressed()
-                if lead:
-                    if step == run.start_step + 1:
-                        # Queued once the first step is taken, ahead of any evaluation that
-                        # step is due: the baseline is of the starting weights whenever it
-                        # runs, and beside the first step it would share the GPU with it.
-                        schedule.evaluate_baseline(evaluate)
-                    schedule.after_step(step, replica, applied, evaluate)
+
+            run_steps(run, schedule, [replica], queued, waited_exchange, evaluate, before_step)
             worker.phase = "shutdown"
             if lead:
                 schedule.after_training(replica, evaluate)

@@ -17,7 +17,7 @@ import torch
 from ..compiling.step_build import StepStats, TrainStep
 from ..config import JobConfig
 from ..data.batches import HostBatch
-from ..devices import Fence, is_cuda
+from ..devices import CAPTURE_LOCK, Fence, is_cuda
 from ..model.drafter import DFlashDrafter, drafter_on
 from ..model.objective import DraftObjective, DrafterInputs
 from .distributed import Layout
@@ -121,8 +121,6 @@ class Replica:
         if self.optimizer_step.form != "graph":
             self.optimizer_step.prepare()
             return
-        from ..compiling.cudagraphs import CAPTURE_LOCK
-
         with CAPTURE_LOCK, torch.cuda.device(self.device):
             self.optimizer_step.prepare()
 

@@ -1,9 +1,10 @@
 """What rank 0 does besides training, and when: the step report, checkpoints, evaluation
 requests and the export.
 
-The lead replica (drafter-0, or the main thread in a sequential run) calls
-`evaluate_baseline`, `after_step` and `after_training`; `evaluate` runs an evaluation
-request or hands it to the evaluation thread, where an `Evaluator` measures it.
+The step loop (loop.run_steps) calls `evaluate_baseline` and `after_step` with the lead
+replica (drafter-0), its caller `after_training` (drafter-0's thread, or the main thread
+in a sequential run); `evaluate` runs an evaluation request or hands it to the
+evaluation thread, where an `Evaluator` measures it.
 """
 from __future__ import annotations
 

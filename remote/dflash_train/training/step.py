@@ -1,8 +1,8 @@
 """One training step of data-parallel drafter replicas, the same wherever it runs.
 
-A drafter thread steps its own replica (pipeline.drafter_body), the main thread of a
-sequential run steps every replica of its process (coordinator), a test or a benchmark
-steps replicas of its own; each calls `training_step` with the replicas it steps, each
+A drafter thread steps its own replica, the main thread of a sequential run steps every
+replica of its process (both through loop.run_steps), a test or a benchmark steps
+replicas of its own; each calls `training_step` with the replicas it steps, each
 one's micro-batches of the step in order, and how their gradients are exchanged:
 
     for each of the step's A micro-batches, for each replica:

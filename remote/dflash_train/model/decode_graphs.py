@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .cudagraphs import CAPTURE_LOCK
+from ..devices import CAPTURE_LOCK
 
 DECODE_WARMUP_STEPS = 2
 

@@ -1,0 +1,179 @@
+"""Variants of the decode's pieces at the Qwen3-8B shape, timed side by side on cuda:0.
+
+    PYTHONPATH=remote:bench python3 bench/decode_variants.py [--parts flex,alone,prefill]
+
+flex: FlexAttention over per-row caches (fast_layers.PositionMask's mask) at the regenerate
+and evaluator shapes, per kernel option set, ms per layer (a CUDA graph of a step's 36
+layers' attention: timed one call at a time, the host's launch would be what is measured).
+alone: the evaluator's target-alone token (model/static_target.py, compiled and graphed)
+with and without fast_layers.TOKEN_STEP_OPTIONS. prefill: one prefill chunk of job:
+regenerate, its layer functions eager and compiled.
+Each part prints its own table; a part that fails prints its error and the next runs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_trainer import QWEN3_8B_TARGET, make_target  # noqa: E402
+
+
+def timed(function, repeats: int = 30) -> float:
+    """Median ms of `function` by CUDA events, after three warm-up calls."""
+    import torch
+
+    for _ in range(3):
+        function()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        function()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def flex_part() -> None:
+    import random
+
+    import torch
+
+    from dflash_train.model import fast_layers
+    from dflash_train.model.decode_graphs import graphed
+
+    torch._dynamo.config.recompile_limit = 64
+    generator = random.Random(0)
+    options = [None, {"num_stages": 2}, {"SPLIT_KV": 2}, {"num_warps": 4, "num_stages": 3},
+               {"BLOCK_N": 128, "num_warps": 8}]
+    few = {1: [None, {"num_stages": 2}, {"SPLIT_KV": 16}],
+           16: [None, {"BLOCK_N": 128}, {"num_warps": 4}, {"num_stages": 2}]}
+    capacity = 1408
+    print("\n## flex: ms per layer's attention (a CUDA graph of 36 layers' attention, median of 30 replays, over 4 "
+          "caches in turn), keys up to each row's own position")
+    for rows, queries, low, high in ((64, 1, 300, 1300), (256, 1, 300, 1300), (1, 1, 600, 601), (1, 16, 600, 601)):
+        keys = [torch.randn(rows, 8, capacity, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        values = [torch.randn_like(k) for k in keys]
+        q = torch.randn(rows, 32, queries, 128, device="cuda", dtype=torch.bfloat16)
+        start = torch.tensor([generator.randrange(low, high) for _ in range(rows)], device="cuda")
+        positions = start.unsqueeze(1) + torch.arange(queries, device="cuda")
+        live = sum(int(p) + queries for p in start.tolist())
+        kv_bytes = live * 8 * 128 * 2 * 2
+        print(f"\n{rows} rows x {queries} queries, {kv_bytes / 1e6:.0f} MB of live keys and values a layer")
+        print("| kernel options | ms | GB/s | rel. diff from default |")
+        reference = None
+        for option in options if rows > 1 else few[queries]:
+            try:
+                mask = fast_layers.PositionMask(rows, queries, capacity, torch.device("cuda"))
+                from torch.nn.attention.flex_attention import flex_attention
+
+                attend = torch.compile(flex_attention, dynamic=False)
+                mask.set(positions)
+                kwargs = {} if option is None else {"kernel_options": dict(option)}
+
+                def run(i):
+                    return attend(q, keys[i % 4], values[i % 4], block_mask=mask.mask, scale=0.088,
+                                  enable_gqa=True, **kwargs)
+
+                def layers():  # a step's 36 layers, as the decode's CUDA graph replays them
+                    for i in range(36):
+                        run(i)
+
+                with torch.inference_mode():
+                    out = run(0).float()
+                    if reference is None:
+                        reference = out
+                    error = ((out - reference).norm() / reference.norm()).item()
+                    ms = timed(graphed(layers, torch.device("cuda"))) / 36
+                print(f"| {option or 'default'} | {ms:.4f} | {kv_bytes / ms / 1e6:.0f} | {error:.1e} |", flush=True)
+            except Exception as error:  # noqa: BLE001 - a variant that cannot build is a row, not the end
+                print(f"| {option} | failed: {type(error).__name__}: {str(error)[:160]} |", flush=True)
+            torch._dynamo.reset()
+        del keys, values
+        torch.cuda.empty_cache()
+
+
+def alone_part(target) -> None:
+    import torch
+
+    from dflash_train.model import fast_layers
+    from dflash_train.model.decode_graphs import graphed
+    from dflash_train.model.static_target import StaticTarget
+    from dflash_train.model.target import FeatureTap
+
+    print("\n## alone: the evaluator's target-alone token, compiled and graphed (median of 30 replays)")
+    print("| Inductor options of the one-token steps | ms | compile+capture s |")
+    tuned = dict(fast_layers.TOKEN_STEP_OPTIONS)
+    for options in ({}, tuned):
+        torch._dynamo.reset()
+        fast_layers.TOKEN_STEP_OPTIONS = options
+        try:
+            static = StaticTarget(FeatureTap(target, (1, 9, 17, 25, 33)), 1024, compile_steps=True, fuse=True)
+            token = torch.tensor([[17]], device="cuda:0")
+            position = torch.tensor([600], device="cuda:0")
+            began = time.perf_counter()
+            with torch.inference_mode():
+                step = graphed(lambda: static.forward(token, position, features=False, step=True),
+                               torch.device("cuda:0"))
+                torch.cuda.synchronize()
+                built = time.perf_counter() - began
+                print(f"| {options or 'none'} | {timed(step):.3f} | {built:.0f} |", flush=True)
+        finally:
+            fast_layers.TOKEN_STEP_OPTIONS = tuned
+
+
+def prefill_part(target) -> None:
+    import torch
+
+    from dflash_train.model.batched_decode import BatchedDecoder, Request
+    from dflash_train.model.fast_layers import output_and_mlp, project_and_store
+
+    print("\n## prefill: one chunk of rows of one width, its layer functions eager and compiled (median of 8)")
+    print("| rows x width | eager ms | compiled ms | tokens/s eager | tokens/s compiled |")
+    decoder = BatchedDecoder(target, 64, 1152, 512, set(), None)
+    compiled = decoder._prefill_project, decoder._prefill_output
+    for rows, width in ((16, 512), (8, 1024), (32, 256)):
+        requests = [Request(i, tuple(range(100, 100 + width))) for i in range(rows)]
+        times = []
+        for functions in ((project_and_store, output_and_mlp), compiled):
+            decoder._prefill_project, decoder._prefill_output = functions
+            with torch.inference_mode():
+                times.append(timed(lambda: decoder._prefill_rows(list(range(rows)), requests, width), repeats=8))
+        print(f"| {rows} x {width} | {times[0]:.1f} | {times[1]:.1f} | {rows * width / times[0] * 1000:.0f} | "
+              f"{rows * width / times[1] * 1000:.0f} |", flush=True)
+    del decoder
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="flex,alone,prefill")
+    args = parser.parse_args()
+    import torch
+
+    parts = args.parts.split(",")
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    if "flex" in parts:
+        try:
+            flex_part()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    if {"alone", "prefill"} & set(parts):
+        target, _ = make_target(QWEN3_8B_TARGET, "cuda:0", "bfloat16")
+        target.requires_grad_(False).eval()
+        for name, run in (("prefill", prefill_part), ("alone", alone_part)):
+            if name in parts:
+                try:
+                    run(target)
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
+
+
+if __name__ == "__main__":
+    main()
