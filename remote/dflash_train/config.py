@@ -649,7 +649,7 @@ def workspace_path(path: str) -> Path:
 def cache_root(run_dir: Path) -> Path:
     """The trainer's caches (tiny targets, tokenized data, compiled steps): the workspace's
     (DFLASH_WORKSPACE), or the run directory's of a run without one."""
-    workspace = os.environ.get("DFLASH_WORKSPACE")
+    workspace = os.environ.get(WORKSPACE_ENV)
     return Path(workspace) / CACHE_DIR if workspace else run_dir / CACHE_DIR
 
 
