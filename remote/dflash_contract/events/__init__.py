@@ -207,7 +207,7 @@ STEP = EventType("step", "One per optimizer step, from rank 0 only: the run's fi
                  ))
 
 EVAL = EventType("eval", "The drafter's acceptance length on the eval prompts: in training, of the weights it "
-                 "started from (the baseline; a threaded run measures it once its first step is taken), every "
+                 "started from (the baseline, measured once the run's first step is taken), every "
                  "`eval.every` steps and at the end; the evaluate job's one result.",
                  BY_TRAINER, (
                      Field("step", Nullable(INT), "the steps the drafter was trained (null in the evaluate job)"),
