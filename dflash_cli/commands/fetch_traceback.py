@@ -142,7 +142,7 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
                               ExitCode.USAGE)
     state = multihost.aggregate_state({host: report.state for host, report in reports.items()})
     found = Traceback(ref.run_id, tuple(reports), state, None)
-    if stacks or (not records and state in (RunState.STALLED, RunState.STOPPED)):
+    if stacks or (not records and state is not None and state.told_by_stacks):
         # A hang records no error: where every thread is (now, or at the last dump) is the
         # diagnosis.
         texts = [render_stacks(session, RunRef(host, ref.run_id), report) for host, report in reports.items()]
