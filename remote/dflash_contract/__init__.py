@@ -11,5 +11,5 @@ and the names both sides must spell alike.
     checker   the one strict reader every typed record and reply goes through
 
 Standard library only, and Python 3.8's: the agent imports it from its release, the
-trainer beside it, the CLI from its own tree (docs/DESIGN.md "The contract").
+trainer beside it, the CLI from its own tree (docs/DESIGN.md).
 """

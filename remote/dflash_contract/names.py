@@ -1,7 +1,8 @@
 """Names and limits both halves must spell alike: environment variables a run sets, the
 longest run id."""
 
-# What the agent sets in a trainer's environment (docs/runs.md "A run's environment").
+# What the agent sets in a trainer's environment (dflash_agent/launch.py's trainer_env;
+# docs/runs.md "Warm interpreter" says which of them a run may change).
 RUN_ID_ENV = "DFLASH_RUN_ID"
 ATTEMPT_ENV = "DFLASH_ATTEMPT"
 RELEASE_ID_ENV = "DFLASH_RELEASE_ID"
@@ -21,7 +22,7 @@ RUN_TIME_ENV = frozenset((RUN_ID_ENV, ATTEMPT_ENV, "RANK", "WORLD_SIZE", "MASTER
 
 MAX_RUN_ID = 200  # characters; the CLI bounds run names by it, before deploying
 
-# A run folder's files (docs/layout.md "A run's folder"): the CLI mirrors the logs under
+# A run folder's files (docs/layout.md, runs/<run-id>/): the CLI mirrors the logs under
 # the same names.
 RUN_JSON = "run.json"
 EXIT_JSON = "exit.json"
