@@ -16,7 +16,8 @@ from typing import Iterator, TypeVar
 
 from dflash_contract import requests
 from dflash_contract.checker import Message, ProtocolError
-from dflash_contract.replies import ErrorKind, ErrorReply, FollowMessage, Reply, RunStatus, follow_message
+from dflash_contract.follow import FollowMessage, follow_message
+from dflash_contract.replies import ErrorKind, ErrorReply, Reply, RunStatus
 
 from .errors import DflashError, ExitCode, UnreachableError
 from .host_replies import check_interpreter, parse_reply

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any, Iterator, Union
 
 from dflash_contract import requests
+from dflash_contract.follow import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, GpuMessage, LogMessage,
+                                    RotatedMessage, StateMessage)
 from dflash_contract.records import attempt_errors
-from dflash_contract.replies import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage,
-                                     LogMessage, ReportReply, RotatedMessage, StateMessage)
+from dflash_contract.replies import Gpu, ReportReply
 from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
 from dflash_contract.states import RunState
 from dflash_files.diskspace import NO_SPACE

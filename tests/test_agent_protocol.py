@@ -14,9 +14,10 @@ import pytest
 import dflash_agent
 from dflash_agent.cli import build_parser
 from dflash_contract import replies as protocol
-from dflash_contract import requests
+from dflash_contract import follow, requests
 from dflash_contract.checker import ProtocolError
-from dflash_contract.replies import EndMessage, ErrorKind, ErrorReply, LogMessage, StatusReply, follow_message
+from dflash_contract.follow import EndMessage, LogMessage, follow_message
+from dflash_contract.replies import ErrorKind, ErrorReply, StatusReply
 from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
 from support_agent.harness import Agent, make_workspace
@@ -108,7 +109,7 @@ def test_the_verb_table_names_every_verb_its_options_and_its_reply_type():
     for verb, (answer, listed) in table.items():
         assert listed == options[verb], verb
         for name in re.findall(r"\b[A-Z]\w+\b", answer):
-            named = getattr(protocol, name)
+            named = getattr(protocol, name) if hasattr(protocol, name) else getattr(follow, name)
             if isinstance(named, type) and issubclass(named, protocol.Reply):
                 assert named.VERB == verb, (verb, name)
     replies = {cls.__name__ for cls in vars(protocol).values()

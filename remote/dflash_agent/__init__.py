@@ -10,7 +10,7 @@ The CLI runs it as one argv (quoted once by the transport):
 Every verb prints one JSON object on stdout, its reply below (a type of dflash_contract.replies,
 whose docstring says what the verb does), and exits 0; on a problem it prints a
 replies.ErrorReply instead and exits 2 (1 for kind "internal"). `follow` streams JSON
-lines instead (replies.FOLLOW_MESSAGES), `send-file` and `send-compile-artifacts` raw
+lines instead (dflash_contract.follow.FOLLOW_MESSAGES), `send-file` and `send-compile-artifacts` raw
 bytes (a refusal is the ErrorReply as the one line on stderr, stdout empty). stderr is
 free-form; --help goes to stderr too. Every option takes its value in the same word too
 (--name=VALUE): the CLI passes user values that way, so none can read as an option.

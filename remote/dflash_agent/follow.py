@@ -1,5 +1,5 @@
 """The `follow` verb: one long-lived stream of JSON lines (log chunks, the run's events,
-error records, GPU samples, state changes: replies.FOLLOW_MESSAGES, each flushed as it
+error records, GPU samples, state changes: dflash_contract.follow.FOLLOW_MESSAGES, each flushed as it
 goes) until the run is terminal and everything was sent.
 
 The host does the following so the client never re-tails: it polls with fstat, sends
@@ -35,11 +35,13 @@ import threading
 import time
 from typing import Iterator, List, Optional, Tuple
 
-from dflash_contract.records import parse_json_line
-from dflash_contract.replies import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage, LogMessage,
-                                     RotatedMessage, StateMessage)
-from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
+
 from dflash_contract.events import HEARTBEAT
+from dflash_contract.follow import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, GpuMessage, LogMessage,
+                                    RotatedMessage, StateMessage)
+from dflash_contract.records import parse_json_line
+from dflash_contract.replies import Gpu
+from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
 
 from .gpus import query_gpus
 from .jsonio import decode_bytes, encode_line, read_json, tail_start

@@ -2,7 +2,8 @@
 sends the agent and reads back, what the agent and the trainer write in a run's folder,
 and the names both sides must spell alike.
 
-    replies   every verb's reply, the `follow` stream's messages, the error object
+    replies   every verb's reply, the error object, `dflash setup`'s answer
+    follow    the `follow` stream's messages
     requests  the agent's verbs the CLI calls, as types that give their argv
     states    RunState: a run's state with its exit code, precedence and failure
     records   run.json, exit.json, errors.jsonl's records, the abort file, typed

@@ -22,6 +22,7 @@ import pytest
 
 from dflash_contract import replies as protocol
 from dflash_contract.checker import ProtocolError
+from dflash_contract.follow import follow_message
 from dflash_files import procfs
 from support.wait import wait_until
 
@@ -93,7 +94,7 @@ class FollowStream:
             self.raw_lines.append(line)
             message = json.loads(line)
             try:
-                read_as(protocol.follow_message, message)
+                read_as(follow_message, message)
             except (AssertionError, ProtocolError) as exc:
                 self._queue.put(exc)  # raised by the test's next read
                 return
