@@ -1,6 +1,6 @@
 """The import graph of the tree: its cycles, the trainer's upward arrows between its rooms,
-circles between rooms, CLI command-to-command imports, trainer-to-agent imports and the
-largest modules (what issue reviews of the rooms compare). Every import counts, one inside
+circles between rooms, CLI command-to-command imports, trainer-to-agent and CLI-to-agent
+imports (both take the contract from dflash_contract instead) and the largest modules (what issue reviews of the rooms compare). Every import counts, one inside
 a function (lazy) too, marked so where listed.
 
     python3 bench/import_graph.py [REPO_ROOT]
@@ -139,6 +139,8 @@ def main() -> None:
     pairs = sorted((a, b) for a, targets in edges.items() for b in targets)
     verbs = [(a, b) for a, b in pairs if a.startswith("dflash_cli.commands.") and b.startswith("dflash_cli.commands.")]
     trainer_agent = [(a, b) for a, b in pairs if a.startswith("dflash_train") and b.startswith("dflash_agent")]
+    cli_agent = [(a, b) for a, b in pairs
+                 if a.startswith(("dflash_cli", "dflash_trainer")) and b.startswith("dflash_agent")]
     upward = [(a, b) for a, b in pairs
               if trainer_room(a) is not None and trainer_room(b) is not None and trainer_room(a) < trainer_room(b)]
     rooms: dict[str, set[str]] = {}
@@ -171,7 +173,8 @@ def main() -> None:
             for rb in component:
                 for arrow in crossings.get((ra, rb), []):
                     print(f"      {arrow}")
-    for title, rows in (("command->command imports", verbs), ("trainer->agent imports", trainer_agent)):
+    for title, rows in (("command->command imports", verbs), ("trainer->agent imports", trainer_agent),
+                        ("cli->agent imports", cli_agent)):
         print(f"{title}: {len(rows)}")
         for a, b in rows:
             print(f"   {_arrow(a, b, imported)}")

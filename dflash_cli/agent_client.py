@@ -2,7 +2,7 @@
 its transport.
 
 The agent answers every verb with one JSON object, read here as its type of
-dflash_agent.protocol; `follow` streams JSON lines, each read as its message type,
+dflash_contract.replies; `follow` streams JSON lines, each read as its message type,
 `send-file` a file's raw bytes. A tiny bootstrap passed
 with `python -c` expands `~` in the workspace on the host itself (no shell expands it:
 argv is quoted once) and runs remote/agent.py of the release `current` points to, or of
@@ -11,10 +11,13 @@ releases/<id> (launch's, installed but not yet current).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence, TypeVar
+from typing import Iterator, TypeVar
 
-from dflash_agent.protocol import (ErrorKind, ErrorReply, FollowMessage, Message, ProtocolError, Reply, RunStatus,
-                                   StatusReply, follow_message)
+
+from dflash_contract import requests
+from dflash_contract.checker import Message, ProtocolError
+from dflash_contract.follow import FollowMessage, follow_message
+from dflash_contract.replies import ErrorKind, ErrorReply, Reply, RunStatus
 
 from .errors import DflashError, ExitCode, UnreachableError
 from .host_replies import check_interpreter, parse_reply
@@ -71,8 +74,8 @@ class AgentClient:
         self.transport = transport
         self.folder = "current" if release_id is None else f"releases/{release_id}"
 
-    def argv(self, verb: str, args: Sequence[str]) -> list[str]:
-        return python_argv(self.host, _BOOTSTRAP, self.host.workspace, self.folder, verb, *args)
+    def argv(self, request: requests.Verb) -> list[str]:
+        return python_argv(self.host, _BOOTSTRAP, self.host.workspace, self.folder, *request.argv())
 
     @contextlib.contextmanager
     def _naming(self, verb: str) -> Iterator[None]:
@@ -85,12 +88,12 @@ class AgentClient:
             exc.args = (exc.message,)
             raise
 
-    def call(self, reply: type[R], *args: str, stdin: bytes | None = None, timeout: float | None = None) -> R:
-        """The verb of `reply` (its VERB) with `args`; its answer read as `reply`, or the
+    def call(self, request: requests.Request[R], stdin: bytes | None = None, timeout: float | None = None) -> R:
+        """The agent's answer to `request`, read as the request's reply type, or the
         agent's refusal raised as a DflashError."""
-        verb = reply.VERB
+        verb, reply = request.VERB, request.reply()
         with self._naming(verb):
-            done = self.transport.run(self.argv(verb, args), stdin=stdin, timeout=timeout)
+            done = self.transport.run(self.argv(request), stdin=stdin, timeout=timeout)
         check_interpreter(self.host, done)
         obj = parse_reply(done.stdout)
         if obj is None:
@@ -102,16 +105,16 @@ class AgentClient:
                 raise self.refusal(ErrorReply.from_json(obj))
             return reply.from_json(obj)
 
-    def run_status(self, run_id: str, *options: str) -> RunStatus:
-        """`status` of one run."""
-        (status,) = self.call(StatusReply, f"--run-id={run_id}", *options).runs
+    def run_status(self, run_id: str, config: bool = False) -> RunStatus:
+        """`status` of one run (`config`: with its config.yaml's text)."""
+        (status,) = self.call(requests.Status(run_id, config)).runs
         return status
 
-    def follow(self, *args: str) -> Iterator[FollowMessage]:
+    def follow(self, request: requests.Follow) -> Iterator[FollowMessage]:
         """The agent's follow stream, message by message. UnreachableError if the
         connection drops."""
-        with self._naming("follow"):
-            for line in self.transport.stream(self.argv("follow", args)):
+        with self._naming(request.VERB):
+            for line in self.transport.stream(self.argv(request)):
                 obj = parse_reply(line)
                 if obj is None:
                     raise UnreachableError(f"host {self.host.name}: unreadable follow line {line[:200]!r}")
@@ -137,11 +140,11 @@ class AgentClient:
                               hint=f"the host's release may be another dflash's: dflash deploy {self.host.name} "
                                    "installs this one's") from exc
 
-    def chunks(self, verb: str, *args: str) -> Iterator[bytes]:
+    def chunks(self, request: requests.SendFile | requests.SendCompileArtifacts) -> Iterator[bytes]:
         """A verb's raw stdout as it comes (send-file). UnreachableError if the connection
         drops; CommandFailed (its stderr holds the agent's error object) if it fails."""
-        with self._naming(verb):
-            yield from self.transport.chunks(self.argv(verb, args))
+        with self._naming(request.VERB):
+            yield from self.transport.chunks(self.argv(request))
 
 
 def python_argv(host: Host, source: str, workspace: str, *args: str) -> list[str]:
@@ -166,7 +169,7 @@ def run_probe(transport: Transport, host: Host, source: str, answer: type[M], *a
 
 
 def read_probe(host: Host, answer: type[M], obj: dict) -> M:
-    """What a probe (a source of this tree sent with `python -c`, dflash_agent/gpus.py)
+    """What a probe (a source of this tree sent with `python -c`: host_check.py's loader)
     answered, read as its type."""
     try:
         return answer.from_json(obj)

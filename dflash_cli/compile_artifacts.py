@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 
-from dflash_agent.protocol import CompileArtifact, CompileArtifactsReply, ReceiveCompileArtifactsReply
+
+from dflash_contract import requests
+from dflash_contract.replies import CompileArtifact
 
 from . import console
 from .errors import DflashError, ExitCode
@@ -39,7 +40,7 @@ def gpu_of(offer: CompileArtifact) -> str | None:
 
 
 def host_cache(session: Session, host_name: str) -> HostCache:
-    reply = session.agent(host_name).call(CompileArtifactsReply)
+    reply = session.agent(host_name).call(requests.CompileArtifacts())
     return HostCache(host_name, reply.gpus, reply.cpu, {offer.key: offer for offer in reply.artifacts})
 
 
@@ -47,14 +48,12 @@ def copy_offer(session: Session, source: HostCache, destination: str, offer: Com
     """`offer`'s bytes from `source` to `destination`, checked here against the listing's
     sha256 before they are sent on (the receiving agent checks them again)."""
     size, sha256 = offer.size, offer.sha256
-    data = b"".join(session.agent(source.host).chunks("send-compile-artifacts", f"--key={offer.key}",
-                                                      f"--sha256={sha256}"))
+    data = b"".join(session.agent(source.host).chunks(requests.SendCompileArtifacts(offer.key, sha256)))
     if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
         raise DflashError(f"compile artifacts for {offer.key} from {source.host}: got {len(data)} bytes of sha256 "
                           f"{hashlib.sha256(data).hexdigest()[:16]}, listed as {size} of {str(sha256)[:16]}",
                           ExitCode.UNREACHABLE)
-    session.agent(destination).call(ReceiveCompileArtifactsReply, f"--key={offer.key}",
-                                    f"--manifest-json={json.dumps(offer.manifest())}", stdin=data)
+    session.agent(destination).call(requests.ReceiveCompileArtifacts(offer.key, offer.manifest()), stdin=data)
     console.say(f"compile artifacts for {offer.key} copied {source.host} → {destination} "
                 f"({size / 1e6:.1f} MB)")
 

@@ -6,19 +6,17 @@ into a message on stderr and a process exit status.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dflash_agent.protocol import RunState
+from dflash_contract.states import EXIT_OK, EXIT_RUN_FAILED, EXIT_STOPPED, RunState
 
 
 class ExitCode(enum.IntEnum):
-    """What each code means is docs/cli.md's "CLI exit codes"."""
-    OK = 0
-    RUN_FAILED = 1
+    """What each code means is docs/cli.md's "CLI exit codes"; a run state's is its RunState's."""
+    OK = EXIT_OK
+    RUN_FAILED = EXIT_RUN_FAILED
     USAGE = 2
     UNREACHABLE = 3
-    STOPPED = 4
+    STOPPED = EXIT_STOPPED
     LOCAL_DISK_FULL = 5
     INTERRUPTED = 130
 
@@ -26,19 +24,7 @@ class ExitCode(enum.IntEnum):
 def exit_code_for_state(state: RunState | None) -> ExitCode:
     """The exit code of `status` and `watch` for a run state; None, a state nobody could
     tell (a host that could not be asked), is a state this CLI cannot vouch for (3)."""
-    # imported here: defining the protocol's dataclasses is a cost of start-up, and the
-    # verbs that never see a run state (deploy, setup) import this module first thing
-    from dflash_agent.protocol import RunState
-
-    # docs/cli.md "CLI exit codes". STALLED shares 1 with DEGRADED: the run is alive but not
-    # well (no progress for stall_after seconds), and `dflash stacks` shows where it hangs.
-    exit_for_state = {
-        RunState.STARTING: ExitCode.OK, RunState.RUNNING: ExitCode.OK, RunState.SUCCEEDED: ExitCode.OK,
-        RunState.FAILED: ExitCode.RUN_FAILED, RunState.LOST: ExitCode.RUN_FAILED,
-        RunState.DEGRADED: ExitCode.RUN_FAILED, RunState.STALLED: ExitCode.RUN_FAILED,
-        RunState.STOPPED: ExitCode.STOPPED,
-    }
-    return ExitCode.UNREACHABLE if state is None else exit_for_state[state]
+    return ExitCode.UNREACHABLE if state is None else ExitCode(state.exit_code)
 
 
 class DflashError(Exception):

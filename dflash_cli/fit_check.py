@@ -14,7 +14,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dflash_agent.protocol import FitFacts, Gpu, GpuProcess
+from dflash_contract.replies import FitFacts, Gpu, GpuProcess
 from dflash_train.config import JobConfig
 from dflash_train.memory.plan import GIB, DevicePlan, MemoryPlan, TargetShape, estimate, usable_bytes
 from rich.table import Table

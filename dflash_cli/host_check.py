@@ -16,11 +16,11 @@ import json
 import os
 from pathlib import Path
 
-import dflash_agent
-import dflash_files
-from dflash_agent import gpus, preflight
-from dflash_agent.gpus import TRAINER_PACKAGES, is_hub_id
-from dflash_agent.protocol import HostCheck
+import dflash_contract
+from dflash_contract.names import MODULE_CHECK_TIMEOUT_S, NVIDIA_SMI_TIMEOUT_S, TRAINER_PACKAGES
+from dflash_contract.replies import HostCheck
+from dflash_files.config_paths import PathRequirement, path_problem
+from dflash_files.hub import is_hub_id
 from dflash_train.config import JobConfig
 
 from . import console, fit_check
@@ -30,43 +30,54 @@ from .inventory import Host
 from .release import list_files
 from .session import Session
 
-# What host_check.py imports, by module name, and whether each is a package.
-_MODULES = {"dflash_files": True, "dflash_files.checkpoint_files": False, "dflash_files.checksums": False,
-            "dflash_agent": True,
-            "dflash_agent.jsonio": False, "dflash_agent.gpus": False, "dflash_agent.preflight": False,
+# The packages the host's sources come from: remote/ of this tree (dflash_contract's
+# folder's parent, where an installed dflash has them side by side too).
+_REMOTE = Path(dflash_contract.__file__).resolve().parent.parent
+# What the agent's gpus.py imports, by module name, and whether each is a package;
+# host_check.py imports those and a few more.
+PROBE_MODULES = {"dflash_contract": True, "dflash_contract.names": False, "dflash_files": True,
+                 "dflash_files.hub": False, "dflash_agent": True, "dflash_agent.gpus": False}
+_MODULES = {**PROBE_MODULES, "dflash_files.checkpoint_files": False, "dflash_files.checksums": False,
+            "dflash_files.config_paths": False, "dflash_agent.jsonio": False, "dflash_agent.preflight": False,
             "dflash_agent.host_check": False}
-_ROOTS = {"dflash_files": dflash_files, "dflash_agent": dflash_agent}
-# Serves the modules of stdin's {name: [source, is_package]} before any installed copy,
-# then prints host_check's answer. No bytecode is written on the host.
-_LOADER = (
-    "import importlib.abc, importlib.util, json, sys\n"
-    "sys.dont_write_bytecode = True\n"
-    "_sources = json.loads(sys.stdin.buffer.read().decode('utf-8'))\n"
-    "class _Sources(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
-    "    def find_spec(self, name, path=None, target=None):\n"
-    "        if name not in _sources:\n"
-    "            return None\n"
-    "        return importlib.util.spec_from_loader(name, self, is_package=_sources[name][1])\n"
-    "    def create_module(self, spec):\n"
-    "        return None\n"
-    "    def exec_module(self, module):\n"
-    "        source = _sources[module.__name__][0]\n"
-    "        exec(compile(source, '<dflash ' + module.__name__ + '>', 'exec'), module.__dict__)\n"
-    "sys.meta_path.insert(0, _Sources())\n"
-    "from dflash_agent.host_check import main\n"
-    "print(json.dumps(main(sys.argv[1:])))\n"
-)
-TIMEOUT_S = gpus.NVIDIA_SMI_TIMEOUT_S + preflight.MODULE_CHECK_TIMEOUT_S + 45
 
 
-def _sources() -> bytes:
-    sources = {}
-    for name, is_package in _MODULES.items():
-        root, _, rest = name.partition(".")
-        folder = Path(_ROOTS[root].__file__).parent
-        path = folder / "__init__.py" if is_package else folder / f"{rest.replace('.', '/')}.py"
-        sources[name] = [path.read_text(), is_package]
-    return json.dumps(sources).encode()
+def loader(module: str, function: str) -> str:
+    """A source for `python -c` that serves the modules of stdin's {name: [source,
+    is_package]} before any installed copy, then prints `module.function(argv)`. No
+    bytecode is written on the host."""
+    return (
+        "import importlib.abc, importlib.util, json, sys\n"
+        "sys.dont_write_bytecode = True\n"
+        "_sources = json.loads(sys.stdin.buffer.read().decode('utf-8'))\n"
+        "class _Sources(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name not in _sources:\n"
+        "            return None\n"
+        "        return importlib.util.spec_from_loader(name, self, is_package=_sources[name][1])\n"
+        "    def create_module(self, spec):\n"
+        "        return None\n"
+        "    def exec_module(self, module):\n"
+        "        source = _sources[module.__name__][0]\n"
+        "        exec(compile(source, '<dflash ' + module.__name__ + '>', 'exec'), module.__dict__)\n"
+        "sys.meta_path.insert(0, _Sources())\n"
+        f"from {module} import {function}\n"
+        f"print(json.dumps({function}(sys.argv[1:])))\n"
+    )
+
+
+_LOADER = loader("dflash_agent.host_check", "main")
+TIMEOUT_S = NVIDIA_SMI_TIMEOUT_S + MODULE_CHECK_TIMEOUT_S + 45
+
+
+def sources(modules: dict[str, bool]) -> bytes:
+    """The stdin of a loader serving `modules` ({name: is_package}) from this tree."""
+    served = {}
+    for name, is_package in modules.items():
+        path = _REMOTE / name.replace(".", "/")
+        path = path / "__init__.py" if is_package else path.with_suffix(".py")
+        served[name] = [path.read_text(), is_package]
+    return json.dumps(served).encode()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +139,8 @@ def _in_tree(path: str, files: frozenset[str]) -> bool:
     return normal in files or any(name.startswith(normal + "/") for name in files)
 
 
-def _split_paths(paths: list[preflight.PathRequirement],
-                 tree_root: Path) -> tuple[list[Verdict], list[preflight.PathRequirement]]:
+def _split_paths(paths: list[PathRequirement],
+                 tree_root: Path) -> tuple[list[Verdict], list[PathRequirement]]:
     """The relative paths' verdicts, made here; the other paths, for the host."""
     relative = [entry for entry in paths if not entry[2].startswith(("/", "~"))]
     files = frozenset(path for path, _, _ in list_files(tree_root).files) if relative else frozenset()
@@ -139,7 +150,7 @@ def _split_paths(paths: list[preflight.PathRequirement],
             there.append((kind, key, path))
         elif _in_tree(path, files):
             here.append(Verdict(f"{key} {path} (in this tree)",
-                                preflight.path_problem(kind, key, path, str(tree_root), {})))
+                                path_problem(kind, key, path, str(tree_root), {})))
         elif kind == "model" and is_hub_id(path):
             there.append((kind, key, path))
         else:
@@ -149,7 +160,7 @@ def _split_paths(paths: list[preflight.PathRequirement],
     return here, there
 
 
-def check_host(session: Session, host: Host, config: JobConfig, paths: list[preflight.PathRequirement],
+def check_host(session: Session, host: Host, config: JobConfig, paths: list[PathRequirement],
                tree_root: Path, world_size: int = 1, rank: int = 0) -> HostReport:
     """`host`'s verdicts for rank `rank` of a run of `world_size` hosts; `paths` are the
     --require-path the launch sends this host's agent."""
@@ -160,7 +171,7 @@ def check_host(session: Session, host: Host, config: JobConfig, paths: list[pref
             *(f"--require-module={package}" for package in TRAINER_PACKAGES),
             *(f"--require-path={kind}:{key}={path}" for kind, key, path in there)]
     answer = run_probe(session.transport(host), host, _LOADER, HostCheck, *args, doing=" checking the launch",
-                       stdin=_sources(), timeout=TIMEOUT_S)
+                       stdin=sources(_MODULES), timeout=TIMEOUT_S)
     verdicts = [Verdict(v.check, v.problem) for v in answer.checks] + here
     if (devices := _devices_verdict(config, answer)) is not None:
         verdicts.append(devices)

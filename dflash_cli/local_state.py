@@ -18,7 +18,8 @@ import os
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
-from dflash_agent import jsonio
+from dflash_contract.names import ERRORS_JSONL, EVENTS_JSONL, TRAIN_LOG
+from dflash_contract.records import parse_json_line
 from dflash_files import atomic, diskspace
 
 from .errors import DflashError, ExitCode
@@ -149,7 +150,7 @@ class RunLogs:
     def segment_log(self, segment: int) -> Path:
         """The mirror of one segment of the remote train.log: a truncation or replacement
         there starts a new file here, so old and new content are never spliced."""
-        return self.dir / ("train.log" if segment == 0 else f"train.log.seg{segment}")
+        return self.dir / (TRAIN_LOG if segment == 0 else f"{TRAIN_LOG}.seg{segment}")
 
     def claim(self):
         """This run's local state for one `watch` at a time: an open file holding an
@@ -182,7 +183,7 @@ class RunLogs:
     @property
     def events(self) -> Path:
         """The run's events as received (every type but heartbeat), one JSON per line."""
-        return self.dir / "events.jsonl"
+        return self.dir / EVENTS_JSONL
 
     def open_events_mirror(self, cursor: Cursor):
         """The local events.jsonl, cut back to what the cursor accounts for, open for append."""
@@ -206,7 +207,7 @@ class RunLogs:
                 lines = fh.read(cursor.events_mirrored - start).split(b"\n")
         except FileNotFoundError:
             return []
-        records = map(jsonio.parse_json_line, lines[1:] if start else lines)  # the first may be cut
+        records = map(parse_json_line, lines[1:] if start else lines)  # the first may be cut
         return [record for record in records if isinstance(record, dict)]
 
     def mirrored_events(self, cursor: Cursor) -> list[dict]:
@@ -217,7 +218,7 @@ class RunLogs:
                 lines = fh.read(cursor.events_mirrored).split(b"\n")
         except FileNotFoundError:
             return []
-        records = map(jsonio.parse_json_line, lines)
+        records = map(parse_json_line, lines)
         return [record for record in records if isinstance(record, dict)]
 
     def load_events(self) -> list[dict]:
@@ -228,14 +229,14 @@ class RunLogs:
 
     def load_errors(self) -> list[dict]:
         try:
-            lines = (self.dir / "errors.jsonl").read_text().splitlines()
+            lines = (self.dir / ERRORS_JSONL).read_text().splitlines()
         except OSError:
             return []
         return [json.loads(line) for line in lines if line.strip()]
 
     def save_errors(self, records: list[dict]) -> None:
         text = "".join(json.dumps(r) + "\n" for r in records)
-        write_atomic(self.dir / "errors.jsonl", text.encode())
+        write_atomic(self.dir / ERRORS_JSONL, text.encode())
 
     def save_traceback(self, text: str) -> Path:
         path = self.dir / "traceback.txt"

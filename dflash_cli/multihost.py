@@ -6,7 +6,10 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
-from dflash_agent.protocol import RunState, RunStatus
+from dflash_contract.records import ExitRecord
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import UNKNOWN_PRECEDENCE, RunState
+
 
 # The record of a rank that stopped because another rank failed (the trainers' store
 # watchdog writes it, with detail {peer_rank, peer_exc_type, peer_message}): never the
@@ -15,17 +18,12 @@ PEER_FAILED = "PeerFailed"
 # How a state nobody could tell is shown (None: a host that could not be asked): exit 3
 # unless another host failed.
 UNKNOWN = "UNKNOWN"
-# The run's state is the first of these any host is in. FAILED anywhere is the run
-# failed; a stop of one part stops the whole; RUNNING only when every host runs, and
-# SUCCEEDED only when every host succeeded (one still running: the run is).
-_PRECEDENCE = (RunState.FAILED, RunState.LOST, None, RunState.STOPPED, RunState.STALLED, RunState.DEGRADED,
-               RunState.STARTING, RunState.RUNNING, RunState.SUCCEEDED)
 
 
 def aggregate_state(states: Mapping[str, RunState | None]) -> RunState | None:
-    """The run's state from each host's (None: that host could not be asked)."""
-    present = set(states.values())
-    return next(state for state in _PRECEDENCE if state in present)
+    """The run's state from each host's (None: that host could not be asked): the one
+    of highest precedence (RunState's docstring)."""
+    return min(states.values(), key=lambda state: UNKNOWN_PRECEDENCE if state is None else state.precedence)
 
 
 def state_name(state: RunState | None) -> str:
@@ -124,17 +122,7 @@ def blamed_host(cause: tuple[str, dict], hosts: Sequence[str]) -> str | None:
     return hosts[rank] if hosts[rank] != cause[0] else None
 
 
-def ended_by(exit_info: dict | None) -> str | None:
-    """How a trainer process ended, from its exit.json: "killed by SIGKILL (the kernel's
-    OOM killer)", "exit code 1"; None without one."""
-    if not exit_info:
-        return None
-    cause = (f"killed by {exit_info['signal']}" if exit_info.get("signal")
-             else f"exit code {exit_info.get('exit_code')}")
-    return cause + (" (the kernel's OOM killer)" if exit_info.get("oom_killed") else "")
-
-
-def blamed_line(hosts: Sequence[str], exit_info: dict | None, cause: tuple[str, dict],
+def blamed_line(hosts: Sequence[str], exit_info: ExitRecord | None, cause: tuple[str, dict],
                 own: Sequence[dict] = ()) -> str:
     """What is known of a failing rank that left no record of its own (`blamed_host`):
     what the rank that noticed saw, and how its process ended (or that it still runs).
@@ -143,7 +131,7 @@ def blamed_line(hosts: Sequence[str], exit_info: dict | None, cause: tuple[str, 
     and lost each other, which is the network between them."""
     witness, record = cause
     detail = record.get("detail") or {}
-    how = ended_by(exit_info)
+    how = None if exit_info is None else exit_info.ended_by()
     ended = "still runs" if how is None else f"was {how}" if how.startswith("killed") else f"ended with {how}"
     lost = next((r for r in own if r.get("exc_type") == PEER_FAILED and silence(r) is not None), None)
     rank = detail.get("peer_rank")

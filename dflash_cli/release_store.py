@@ -16,7 +16,9 @@ import hashlib
 import re
 from pathlib import Path
 
-from dflash_agent.protocol import ReleaseFilesReply, RunStatus
+
+from dflash_contract import requests
+from dflash_contract.replies import RunStatus
 
 from .errors import DflashError, ExitCode
 from .local_state import RELEASES_DIR, write_atomic
@@ -63,7 +65,7 @@ class ReleaseStore:
                               ExitCode.UNREACHABLE)
         cached = self.root / "manifests" / release_id
         if not cached.is_file():
-            text = self.session.agent(host).call(ReleaseFilesReply, f"--release-id={release_id}").manifest
+            text = self.session.agent(host).call(requests.ReleaseFiles(release_id)).manifest
             if hashlib.sha256(text.encode()).hexdigest()[:16] != release_id:
                 raise DflashError(f"host {host}: the MANIFEST of release {release_id} does not hash to its id",
                                   ExitCode.UNREACHABLE)
@@ -93,8 +95,8 @@ class ReleaseStore:
             missing = []
         too_large: set[str] = set()
         if missing:
-            reply = self.session.agent(host).call(ReleaseFilesReply, f"--release-id={release_id}",
-                                                  *(f"--path={e.path}" for e in missing))
+            reply = self.session.agent(host).call(requests.ReleaseFiles(release_id,
+                                                                                tuple(e.path for e in missing)))
             too_large = set(reply.too_large)
             for entry in missing:
                 if entry.path in reply.files:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from dflash_agent.protocol import HostProbe
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
+
+
+from dflash_contract.replies import HostProbe
 
 from . import release
 from .errors import DflashError, ExitCode

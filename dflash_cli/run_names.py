@@ -53,9 +53,9 @@ def hosts_to_ask(session: Session, host: str | None) -> list[str]:
 def listed(session: Session, host: str) -> list[Known]:
     """The runs `host` holds, as its agent lists them (a run.json without a name: the
     name its id starts with)."""
-    from dflash_agent.protocol import StatusReply  # the protocol's types cost start-up: only when asked
+    from dflash_contract import requests  # the protocol's types cost start-up: only when asked
 
-    reply = session.agent(host).call(StatusReply)
+    reply = session.agent(host).call(requests.Status())
     # A run whose run.json cannot be read is named all the same: a verb on it says why.
     return ([Known(RunRef(host, run.run_id), run.name or name_of(run.run_id)) for run in reply.runs]
             + [Known(RunRef(host, run.run_id), name_of(run.run_id)) for run in reply.unreadable or ()])

@@ -3,7 +3,8 @@ refusal named in one error, and a start that fails on one host stops the parts a
 started on the others, so no half-started run is left."""
 from __future__ import annotations
 
-from dflash_agent.protocol import StopReply
+
+from dflash_contract import requests
 
 from .errors import DflashError
 from .inventory import Host
@@ -23,7 +24,7 @@ def start_together(session: Session, hosts: list[Host], run_id: str, start) -> d
     running = [host for host in hosts if not isinstance(started[host.name], DflashError)]
     if len(running) < len(hosts):
         stopped = session.on_each_host(running, lambda host: session.agent(host.name).call(
-            StopReply, f"--run-id={run_id}", f"--grace={ROLLBACK_GRACE_S}", timeout=ROLLBACK_GRACE_S + 60))
+            requests.Stop(run_id, ROLLBACK_GRACE_S), timeout=ROLLBACK_GRACE_S + 60))
         left = [f"{host}: {outcome.message}" for host, outcome in stopped.items() if isinstance(outcome, DflashError)]
         what = (f"the run was stopped on {', '.join(host.name for host in running)}" if running else
                 "it was started nowhere")

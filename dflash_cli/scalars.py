@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from dflash_events import ATTEMPT, EVAL, STEP, TS
+from dflash_contract.events import ATTEMPT, EVAL, STEP, TS
 
 GIB = 1024 ** 3
 

@@ -9,6 +9,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
+
+from dflash_contract.names import LOGS_ENV
+
 from .errors import DflashError
 from .inventory import Host, Inventory, load_inventory
 from .project_tree import in_state_root
@@ -24,7 +27,6 @@ T = TypeVar("T")
 #: where the inventory, the logs folder and dflash.yaml are named when not passed (`--hosts`,
 #: `--logs-dir`, `--cli-config`; local_config reads its variable itself)
 HOSTS_ENV = "DFLASH_HOSTS"
-LOGS_ENV = "DFLASH_LOGS"
 CLI_CONFIG_ENV = "DFLASH_CLI_CONFIG"
 DEFAULT_LOGS = "logs"
 

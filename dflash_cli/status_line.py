@@ -3,10 +3,9 @@ loss, accuracy, acceptance length, throughput, ETA) and its GPUs, from the event
 GPU samples the agent's `follow` sends."""
 from __future__ import annotations
 
-from dflash_events import EVAL, PROGRESS, STARTUP, STEP, TS, StartupState
+from dflash_contract.replies import Gpu
+from dflash_contract.events import EVAL, PROGRESS, STARTUP, STEP, TS, StartupState
 from rich.text import Text
-
-from dflash_agent.protocol import Gpu
 
 
 def clock(seconds: float) -> str:

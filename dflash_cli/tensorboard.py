@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from dflash_events import TS
+from dflash_contract.events import TS
 
 from .scalars import History, Scalars
 

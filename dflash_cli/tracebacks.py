@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import re
 
-from dflash_agent.protocol import ReportReply
 
-from . import console, multihost
+from dflash_contract.replies import ReportReply
+
+from . import console
 from .local_state import RunRef
 
 _THREAD_TAG = re.compile(r"^\S+ \[([^\]]+)\] ")
@@ -37,8 +38,8 @@ def render_no_record(report: ReportReply, ref: RunRef, of_its_own: bool = False)
            f"state {report.state} <==\n"]
     exit_info = report.exit
     if exit_info:
-        out.append(f"process ended: {multihost.ended_by(exit_info)} at {console.utc_time(exit_info.get('ended_at'))}\n")
-        out.append("exit.json: " + json.dumps(exit_info, sort_keys=True) + "\n")
+        out.append(f"process ended: {exit_info.ended_by()} at {console.utc_time(exit_info.ended_at)}\n")
+        out.append("exit.json: " + json.dumps(exit_info.to_json(), sort_keys=True) + "\n")
     else:
         out.append("exit.json: absent (the supervisor did not record an exit)\n")
     if report.agent_error:

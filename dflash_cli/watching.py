@@ -23,10 +23,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Union
 
-from dflash_agent.jsonio import FINGERPRINT_BYTES, fingerprint
-from dflash_agent.protocol import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage,
-                                   LogMessage, ReportReply, RotatedMessage, RunState, StateMessage)
-from dflash_agent.state import attempt_errors
+from dflash_contract import requests
+from dflash_contract.follow import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, GpuMessage, LogMessage,
+                                    RotatedMessage, StateMessage)
+from dflash_contract.records import attempt_errors
+from dflash_contract.replies import Gpu, ReportReply
+from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
+from dflash_contract.states import RunState
 from dflash_files.diskspace import NO_SPACE
 
 from . import diagnosis, multihost, run_hosts
@@ -92,7 +95,7 @@ class Rotated:
 @dataclasses.dataclass(frozen=True)
 class Events:
     """The run's events of one stretch of its events.jsonl (every type but heartbeat), as
-    the trainer wrote them: dicts of remote/dflash_events' types (docs/events.md)."""
+    the trainer wrote them: dicts of remote/dflash_contract/events' types (docs/events.md)."""
     host: str
     message: EventsMessage
 
@@ -220,18 +223,12 @@ class Watcher:
     # -- one connection's worth of messages ---------------------------------------
     def follow_once(self, tail_lines: int | None) -> Iterator[WatchItem]:
         cursor = self.cursor
-        args = ["--run-id", self.ref.run_id, "--errors-seen", str(cursor.errors_seen),
-                "--gpu-interval", str(self.interval), "--offset", str(cursor.offset),
-                "--segment", str(cursor.segment), "--events-offset", str(cursor.events_offset)]
-        if cursor.inode is not None:
-            args += ["--inode", str(cursor.inode)]
-        if cursor.fingerprint is not None:
-            args += ["--fingerprint", cursor.fingerprint]
-        if tail_lines is not None:
-            args += ["--tail-lines", str(tail_lines)]
+        request = requests.Follow(self.ref.run_id, errors_seen=cursor.errors_seen, gpu_interval=self.interval,
+                                  offset=cursor.offset, segment=cursor.segment, events_offset=cursor.events_offset,
+                                  inode=cursor.inode, fingerprint=cursor.fingerprint, tail_lines=tail_lines)
         if self.trackers is not None and not self.trackers.started:
             self.start_trackers()
-        for message in self.agent.follow(*args):
+        for message in self.agent.follow(request):
             self.messages += 1
             item = self.take(message)
             if self.end is not None:
@@ -263,7 +260,7 @@ class Watcher:
     def start_trackers(self) -> None:
         """Open the trackers in the run's tracker runs, with its config and provenance
         (one round trip; a dropped connection here is one like any other)."""
-        status = self.agent.run_status(self.ref.run_id, "--config")
+        status = self.agent.run_status(self.ref.run_id, config=True)
         self.trackers.start(tracked_run(status, self.ref, self.hosts), self.cursor.events_mirrored)
 
     def on_log(self, message: LogMessage) -> None:
@@ -403,7 +400,7 @@ class Watcher:
         assert self.end is not None  # the stream ended with it
         unexplained = None
         if exit_code_for_state(self.end.state) == ExitCode.RUN_FAILED and not self.latest_records:
-            unexplained = self.agent.call(ReportReply, "--run-id", self.ref.run_id)
+            unexplained = self.agent.call(requests.Report(self.ref.run_id))
         return HostEnded(self.ref.host, self.ref.run_id, self.end, unexplained)
 
     def follow_to_end(self, tail: int | None, retry_for: float) -> Iterator[WatchItem]:

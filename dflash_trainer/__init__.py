@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 from dflash_cli.errors import DflashError, ExitCode, exit_code_for_state
 
 if TYPE_CHECKING:
-    from dflash_agent.protocol import RunStatus
+    from dflash_contract.replies import RunStatus
     from dflash_cli.commands.fetch_traceback import Traceback
     from dflash_cli.commands.launch import Launched
     from dflash_cli.commands.pull import PullResult
@@ -52,7 +52,7 @@ __all__ = ["launch", "watch", "status", "fetch_traceback", "pull", "resume", "Df
 _TYPES = {
     "Launched": "dflash_cli.commands.launch", "Resumed": "dflash_cli.commands.resume",
     "Traceback": "dflash_cli.commands.fetch_traceback", "PullResult": "dflash_cli.commands.pull",
-    "RunStatus": "dflash_agent.protocol", "RunState": "dflash_agent.protocol",
+    "RunStatus": "dflash_contract.replies", "RunState": "dflash_contract.replies",
     "RunOnHosts": "dflash_cli.multihost", "HostStatus": "dflash_cli.multihost",
     **{name: "dflash_cli.watching" for name in ("Following", "Log", "Rotated", "Events", "ErrorRecorded", "Gpus",
                                                 "StateChange", "HostEnded", "Unfollowed", "Ended")},

@@ -16,8 +16,8 @@ from support_agent.harness import agent  # noqa: F401  (fixture)
 from support_agent.harness import dead_pid
 from support.wait import wait_until
 
-from dflash_agent import jsonio
 from dflash_agent.follow import EventsFollower
+from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,8 +128,8 @@ def test_tail_lines_on_a_huge_log_reads_only_its_end(agent):
     # lines: reading it from the start would take minutes.
     dead = dead_pid()
     run_dir = agent.fabricate_run("huge", pid=dead, pgid=dead, start_time=1)
-    (run_dir / "exit.json").write_text(json.dumps({"exit_code": 0, "signal": None,
-                                                   "oom_killed": False, "ended_at": time.time()}))
+    (run_dir / "exit.json").write_text(json.dumps({"exit_code": 0, "signal": None, "oom_killed": False,
+                                                   "ended_at": time.time(), "exec_error": None}))
     tail = b"".join(b"tail line %d\n" % i for i in range(10))
     with open(run_dir / "train.log", "wb") as handle:
         handle.truncate(256 << 30)
@@ -214,8 +214,8 @@ def test_waits_for_train_log_while_starting_and_ends_when_terminal(agent):
     assert stream.next() == {"t": "state", "state": "STARTING", "ts": pytest.approx(time.time(), abs=5)}
     (run_dir / "train.log").write_bytes(b"hello\n")
     assert stream.until(lambda m: m["t"] == "log")[-1]["data"] == "hello\n"
-    (run_dir / "exit.json").write_text(json.dumps({"exit_code": 0, "signal": None,
-                                                   "oom_killed": False, "ended_at": time.time()}))
+    (run_dir / "exit.json").write_text(json.dumps({"exit_code": 0, "signal": None, "oom_killed": False,
+                                                   "ended_at": time.time(), "exec_error": None}))
     rest = stream.rest()
     assert [m["t"] for m in rest] == ["state", "end"] and rest[-1]["state"] == "SUCCEEDED"
 
@@ -315,7 +315,7 @@ def resume_args(log, messages):
     data = log_bytes(messages)
     logs = [m for m in messages if m["t"] == "log"]
     return ["--offset", str(end_of(logs[-1])), "--inode", str(logs[0]["inode"]),
-            "--fingerprint", jsonio.fingerprint(data[-jsonio.FINGERPRINT_BYTES:])]
+            "--fingerprint", fingerprint(data[-FINGERPRINT_BYTES:])]
 
 
 def test_copytruncate_under_follow_sends_every_line_once_and_says_so(agent):

@@ -1,9 +1,10 @@
-"""The agent's protocol as types (dflash_agent/protocol.py): strict reading, the verb table
+"""The agent's protocol as types (dflash_contract/replies.py): strict reading, the verb table
 of the package docstring against the agent's parser, and a CLI meeting an agent of
 another release."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -11,10 +12,13 @@ import sys
 import pytest
 
 import dflash_agent
-from dflash_agent import protocol
 from dflash_agent.cli import build_parser
-from dflash_agent.protocol import (EndMessage, ErrorKind, ErrorReply, LogMessage, ProtocolError, RunState,
-                                   StatusReply, follow_message)
+from dflash_contract import replies as protocol
+from dflash_contract import follow, requests
+from dflash_contract.checker import ProtocolError
+from dflash_contract.follow import EndMessage, LogMessage, follow_message
+from dflash_contract.replies import ErrorKind, ErrorReply, StatusReply
+from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
 from support_agent.harness import Agent, make_workspace
 
@@ -61,8 +65,8 @@ def test_a_follow_message_is_read_by_its_type_and_an_error_reply_without_one():
     assert isinstance(log, LogMessage) and (log.offset, log.inode) == (0, 5)
     assert follow_message({"t": "log", "offset": 6, "data": "x\n"}).to_json() == {"t": "log", "offset": 6,
                                                                                   "data": "x\n"}
-    end = follow_message({"t": "end", "state": "FAILED", "exit": {"exit_code": 1}, "attempt": 0, "offset": 8,
-                          "segment": 0})
+    exit_record = {"exit_code": 1, "signal": None, "oom_killed": False, "ended_at": 9.0, "exec_error": None}
+    end = follow_message({"t": "end", "state": "FAILED", "exit": exit_record, "attempt": 0, "offset": 8, "segment": 0})
     assert isinstance(end, EndMessage) and end.state.terminal
     refused = follow_message({"error": "no run 'x'", "kind": "not_found"})
     assert isinstance(refused, ErrorReply) and refused.kind is ErrorKind.NOT_FOUND
@@ -105,7 +109,7 @@ def test_the_verb_table_names_every_verb_its_options_and_its_reply_type():
     for verb, (answer, listed) in table.items():
         assert listed == options[verb], verb
         for name in re.findall(r"\b[A-Z]\w+\b", answer):
-            named = getattr(protocol, name)
+            named = getattr(protocol, name) if hasattr(protocol, name) else getattr(follow, name)
             if isinstance(named, type) and issubclass(named, protocol.Reply):
                 assert named.VERB == verb, (verb, name)
     replies = {cls.__name__ for cls in vars(protocol).values()
@@ -117,7 +121,7 @@ def test_a_cli_meets_the_agent_of_another_release_with_a_clear_error(tmp_path):
     """A release whose RunStatus has one more key: this CLI refuses to guess what it
     means, names the key, and says how to make the release this one's."""
     workspace = make_workspace(tmp_path)
-    shipped = workspace / "current" / "remote" / "dflash_agent" / "protocol.py"
+    shipped = workspace / "current" / "remote" / "dflash_contract" / "replies.py"
     text = shipped.read_text()
     anchor = "    config: Optional[str] = optional()  # with --config: config.yaml's text as launched\n"
     assert anchor in text
@@ -131,3 +135,33 @@ def test_a_cli_meets_the_agent_of_another_release_with_a_clear_error(tmp_path):
     assert done.returncode == 3, done.stderr
     assert "host box: cannot read its answer: agent status reply: runs[0]: unknown key 'shiny'" in done.stderr
     assert "dflash deploy box" in done.stderr
+
+
+def test_every_request_the_cli_makes_parses_as_the_agent_reads_it():
+    """Each typed request's argv, with every option it can give, is what the agent's own
+    parser accepts, each value arriving as the request holds it."""
+    layout = requests.Layout(1, 2, "10.0.0.1", 29500, ("a", "b"))
+    made = [
+        requests.Status(), requests.Status("r 1", config=True), requests.Stop("r 1", 2.5), requests.Stacks("r"),
+        requests.Report("r"), requests.RunConfig("r"), requests.Artifacts("r", checkpoint=True),
+        requests.SendFile("r", "export", "model.safetensors", 7, "1:2:3"), requests.CompileArtifacts(),
+        requests.SendCompileArtifacts("k", "0" * 64), requests.ReceiveCompileArtifacts("k", {"files": []}),
+        requests.ReleaseFiles("rel", ("a.py", "b.py")), requests.Gc(3),
+        requests.Follow("r", errors_seen=1, gpu_interval=0.5, offset=10, segment=0, events_offset=4, inode=9,
+                        fingerprint="2:" + "0" * 64, tail_lines=5),
+        requests.Launch("r", "-", "name", 300.0, 60.0, {"kind": "git"}, {"max": 0}, ("gpu0",), (("K", "--v"),),
+                        ("torch",), (("file", "data.path", "x.jsonl"),), ("a=b",), release="rel", force=True,
+                        layout=layout, check_only=True),
+        requests.Resume("r", "run", 100, (("K", "V"),), ("torch",), dataclasses.replace(layout, master_addr=None),
+                        check_only=True),
+    ]
+    def parsed(request: requests.Verb) -> argparse.Namespace:
+        return build_parser().parse_args(["--workspace=/w", *request.argv()])
+
+    for request in made:
+        args = parsed(request)
+        assert args.verb == request.VERB
+        assert getattr(args, "run_id", None) == getattr(request, "run_id", None)
+    launch = parsed(made[-2])
+    assert (launch.env, launch.rank, launch.host_names, launch.check_only) == ([("K", "--v")], 1, "a,b", True)
+    assert parsed(made[-3]).fingerprint == "2:" + "0" * 64

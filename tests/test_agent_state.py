@@ -10,9 +10,10 @@ import signal
 import pytest
 
 from dflash_agent import attempts, jsonio
+from dflash_contract.records import ExitRecord
+from dflash_contract.states import RunState
 from dflash_files import procfs
 from dflash_agent.layout import RunDir
-from dflash_agent.protocol import RunState
 from dflash_agent.state import ALIVE, ENDING, GONE, EventSummary, Observation, derive_state, summarize_events
 from support_agent.harness import agent  # noqa: F401  (fixture)
 from support_agent.harness import dead_pid
@@ -26,6 +27,8 @@ NOW = 1_000_000.0
 def obs(**kw):
     base = dict(started_at=NOW - 10, stall_after=60.0, startup_stall_after=90.0, now=NOW, trainer=ALIVE)
     base.update(kw)
+    if base.get("exit") is not None:  # exit.json's keys that decide the state, the rest as the supervisor writes them
+        base["exit"] = ExitRecord(**{"oom_killed": False, "ended_at": NOW, "exec_error": None, **base["exit"]})
     return Observation(**base)
 
 

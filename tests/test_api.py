@@ -13,8 +13,9 @@ import sys
 import pytest
 import yaml
 
+from dflash_contract.replies import ReportReply, RunStatus
+from dflash_contract.states import RunState
 import dflash_trainer as dflash
-from dflash_agent.protocol import ReportReply, RunState, RunStatus
 from dflash_cli import release, watching
 from dflash_cli.errors import ExitCode
 from dflash_run import REPO, dflash_in_process
@@ -165,7 +166,7 @@ def test_a_run_killed_without_a_record_ends_with_what_its_host_knows(agent, host
     items = list(dflash.watch("api-killed", host="local", hosts_file=hosts, logs_dir=tmp_path / "logs"))
     host_ended, ended = items[-2:]
     assert isinstance(host_ended.unexplained, ReportReply)
-    assert host_ended.unexplained.exit["signal"] == signal.SIGKILL.name
+    assert host_ended.unexplained.exit.signal == signal.SIGKILL.name
     assert ended.exit_code == ExitCode.RUN_FAILED and ended.root_cause is None
     found = dflash.fetch_traceback("api-killed", host="local", hosts_file=hosts, logs_dir=tmp_path / "logs")
     assert not found.explained and "no error record" in found.text and "killed by SIGKILL" in found.text

@@ -171,7 +171,7 @@ def test_a_verb_without_any_run_is_a_usage_error_whose_hint_names_that_verb(verb
 
 
 def test_gpu_line_is_compact_and_survives_missing_readings():
-    from dflash_agent.protocol import Gpu
+    from dflash_contract.replies import Gpu
     from dflash_cli.commands.watch import gpu_line
 
     line = gpu_line(tuple(map(Gpu.from_json, [

@@ -1,4 +1,4 @@
-"""The events schema (remote/dflash_events): what the trainer's EventLog.emit refuses and
+"""The events schema (remote/dflash_contract/events): what the trainer's EventLog.emit refuses and
 how it says so, the readers' names for fields, and docs/events.md made from it. That every
 event a real run writes fits it: test_trainer_runs (the tiny CPU run), test_regenerate,
 test_speculative (the evaluate job) and test_resume (the supervisor's attempt marker)."""
@@ -8,11 +8,11 @@ import ast
 import json
 from pathlib import Path
 
-import dflash_events
+import dflash_contract.events
 import pytest
-from dflash_events import STARTUP, STEP, EventError, EventType
-from dflash_events.__main__ import markdown
-from dflash_events.fields import INT, Field
+from dflash_contract.events import STARTUP, STEP, EventError, EventType
+from dflash_contract.events.__main__ import markdown
+from dflash_contract.events.fields import INT, Field
 from dflash_train.runlog import EventLog
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def test_a_start_up_phase_and_its_detail_are_declared(tmp_path):
 
 def test_a_record_of_no_declared_type_or_of_another_type_is_refused():
     with pytest.raises(EventError, match=r"^'stpe' event: no such event type in the schema"):
-        dflash_events.check({"ts": 1.0, "type": "stpe", "thread": "coordinator"})
+        dflash_contract.events.check({"ts": 1.0, "type": "stpe", "thread": "coordinator"})
     with pytest.raises(EventError, match=r"^step event: field 'type': expected 'step', got 'eval'"):
         STEP.check({"ts": 1.0, "type": "eval", "thread": "eval", **A_STEP})
 
@@ -91,11 +91,11 @@ def test_every_type_is_written_by_some_code_and_every_write_names_a_declared_typ
                 name = kind.attr if isinstance(kind, ast.Attribute) else getattr(kind, "id", None)
                 if name is not None and name.isupper():
                     names.add(name)
-    declared = {name for name in dir(dflash_events) if isinstance(getattr(dflash_events, name), EventType)}
+    declared = {name for name in dir(dflash_contract.events) if isinstance(getattr(dflash_contract.events, name), EventType)}
     assert names == declared
-    assert {getattr(dflash_events, name).name for name in declared} == set(dflash_events.TYPES)
+    assert {getattr(dflash_contract.events, name).name for name in declared} == set(dflash_contract.events.TYPES)
 
 
 def test_docs_events_md_is_what_the_schema_makes():
     assert (REPO / "docs" / "events.md").read_text() == markdown(), \
-        "docs/events.md is stale: (cd remote && python -m dflash_events > ../docs/events.md)"
+        "docs/events.md is stale: (cd remote && python -m dflash_contract.events > ../docs/events.md)"

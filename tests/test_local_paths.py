@@ -11,12 +11,13 @@ import json
 
 import pytest
 
-from dflash_agent.protocol import ArtifactFile, ArtifactFolder, ArtifactsReply, RunState
 from dflash_cli.commands import pull
 from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.local_state import RunLogs, RunRef
 from dflash_cli.release_store import ReleaseStore
 from dflash_cli.session import Session
+from dflash_contract.replies import ArtifactFile, ArtifactFolder, ArtifactsReply
+from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
 
 

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_contract.records import ExitRecord
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import RunState
 from dflash_files import procfs
-from dflash_agent.protocol import RunState, RunStatus
 from dflash_cli.errors import DflashError, ExitCode
 from dflash_cli.inventory import load_inventory
 from dflash_cli.local_state import RunRef, latest_or_refuse, recorded_run, set_latest
@@ -176,7 +178,8 @@ def test_a_rank_without_a_record_of_its_own_is_blamed_and_shown_silent():
     hosts = ["ct200", "ct202"]
     assert blamed_host(("ct200", gone), hosts) == "ct202"
     assert blamed_host(("ct202", record(1.0, "RuntimeError")), hosts) is None  # a record of its own
-    assert blamed_line(hosts, {"exit_code": None, "signal": "SIGKILL"}, ("ct200", gone)) == (
+    killed = ExitRecord(exit_code=None, signal="SIGKILL", oom_killed=False, ended_at=1.0, exec_error=None)
+    assert blamed_line(hosts, killed, ("ct200", gone)) == (
         "no sign of life from rank 1 for 30s (seen by ct200, rank 0); its trainer was killed by SIGKILL, "
         "with no error record of its own")
     assert blamed_line(hosts, None, ("ct200", gone)).endswith("its trainer still runs, with no error record of its own")
@@ -198,7 +201,7 @@ def test_two_ranks_each_silent_to_the_other_are_named_a_network_partition():
     store_gone = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "silence_s": None,
                                                        "peer_message": "the store … stopped answering: rank 0 is gone"}}
     hosts = ["ct200", "ct202"]
-    exit_1 = {"exit_code": 1, "signal": None}
+    exit_1 = ExitRecord(exit_code=1, signal=None, oom_killed=False, ended_at=1.0, exec_error=None)
     assert blamed_line(hosts, exit_1, ("ct200", lost_peer), [lost_store]) == (
         "a network partition: ct202 (rank 1) and ct200 (rank 0) stopped hearing each other while both ran (ct200 "
         "(rank 0): no sign of life from rank 1 for 30s; ct202: the store … did not answer for 30s); its trainer "

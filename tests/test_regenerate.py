@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dflash_events
+import dflash_contract.events
 import dflash_schema
 from dflash_cli.commands.launch import host_paths
 from dflash_train.config import load_job_config
@@ -224,7 +224,7 @@ def test_regeneration_reproduces_the_tiny_targets_greedy_answers(launch, workspa
     assert f"answered {len(rows)}/{len(rows)} prompts" in run.log()
     assert [e["phase"] for e in run.events("phase")] == ["startup", "regenerate", "shutdown"]
     for event in run.events():
-        dflash_events.check(event)
+        dflash_contract.events.check(event)
     assert (run.run_dir / "errors.jsonl").read_text() == ""
     # the output is a training file: the trainer's own reader takes every line
     from dflash_train.data.batches import load_samples

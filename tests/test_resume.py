@@ -8,7 +8,7 @@ import os
 import signal
 from pathlib import Path
 
-import dflash_events
+import dflash_contract.events
 import pytest
 import yaml
 from dflash_agent import attempts
@@ -96,7 +96,7 @@ def test_a_stopped_run_resumes_as_attempt_1_with_every_step_once_and_its_loss_cu
     markers = [e for e in events if e["type"] == "attempt"]
     assert [(m["attempt"], m["reason"], m["resume_step"]) for m in markers] == [(1, "resume", 3)]
     for event in events:  # both attempts' events and the marker between them
-        dflash_events.check(event)
+        dflash_contract.events.check(event)
     record = bed.run_json(run_id)
     assert record["attempt"] == 1
     assert [(a["attempt"], a["reason"], a.get("state")) for a in record["attempts"]] == [

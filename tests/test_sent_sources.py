@@ -26,8 +26,10 @@ SENT = {
     "agent bootstrap": agent_client.python_argv(HOST, agent_client._BOOTSTRAP, HOST.workspace)[2],
 }
 
+# The packages whose modules the loaders serve.
+PACKAGES = ("dflash_agent", "dflash_contract", "dflash_files")
 # What a sent source may import besides the standard library: the loader's, the modules it serves.
-SERVED = {"launch host check loader": frozenset({"dflash_agent"})}
+SERVED = {"launch host check loader": frozenset({"dflash_agent"}), "hosts --check probe": frozenset({"dflash_agent"})}
 
 
 def _python_c_argvs() -> set[tuple[str, str]]:
@@ -70,12 +72,14 @@ def test_sent_source_runs_on_python38_with_the_stdlib_only(name):
     assert old_python_problems(SENT[name], name, SERVED.get(name, frozenset())) == []
 
 
-def test_the_host_check_loader_serves_every_module_its_modules_import():
-    sources = json.loads(host_check._sources())
-    assert "dflash_agent.host_check" in sources
+@pytest.mark.parametrize("modules, entry", [(host_check._MODULES, "dflash_agent.host_check"),
+                                            (host_check.PROBE_MODULES, "dflash_agent.gpus")])
+def test_the_host_check_loader_serves_every_module_its_modules_import(modules, entry):
+    sources = json.loads(host_check.sources(modules))
+    assert entry in sources
     for module, (source, is_package) in sources.items():
         name = f"{module} (served)"
-        assert old_python_problems(source, name, frozenset({"dflash_agent", "dflash_files"}), True) == []
+        assert old_python_problems(source, name, frozenset(PACKAGES), True) == []
         package = module if is_package else module.rpartition(".")[0]
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ImportFrom) and node.level:  # relative: a sibling (or the package)
@@ -83,7 +87,7 @@ def test_the_host_check_loader_serves_every_module_its_modules_import():
                 found = [target] if node.module else [f"{target}.{alias.name}" for alias in node.names]
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module]
-                found = [n for n in names if n.split(".")[0] in ("dflash_agent", "dflash_files")]
+                found = [n for n in names if n.split(".")[0] in PACKAGES]
             else:
                 continue
             missing = [n for n in found if n not in sources and f"{n}" != package]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from dflash_agent.protocol import HostProbe
 from dflash_cli import requirements
 from dflash_cli.commands.setup import failed_package
 from dflash_cli.host_scripts import host_setup
+from dflash_contract.replies import HostProbe
 from dflash_run import REPO, dflash, popen_dflash
 from support import container_workspace
 from support.inventory import default_hosts

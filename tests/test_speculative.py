@@ -18,7 +18,7 @@ import itertools
 import json
 from pathlib import Path
 
-import dflash_events
+import dflash_contract.events
 import pytest
 import torch
 
@@ -452,7 +452,7 @@ def test_evaluate_job_measures_our_export_and_a_foreign_format_drafter(trained, 
         [event] = [e for e in events if e["type"] == "eval"]
         assert {k: event[k] for k in written} == written
         for each in events:
-            dflash_events.check(each)
+            dflash_contract.events.check(each)
         assert events[-1]["type"] == "done" and events[-1]["exit_code"] == 0
         drafter = load_drafter(drafter_dir).eval()
         decoder = FastDecoder(drafter, trained["tap"], trained["embed"], trained["head"], 256)

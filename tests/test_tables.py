@@ -8,10 +8,11 @@ import io
 import pytest
 from rich.console import Console
 
-from dflash_agent.protocol import RunState, RunStatus
 from dflash_cli.commands.status import hosts_table, runs_table
 from dflash_cli.multihost import HostStatus
 from dflash_cli.tables import FittedTable
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
 from support_agent.harness import agent  # noqa: F401  (fixture)
 

@@ -17,7 +17,7 @@ import signal
 import time
 from pathlib import Path
 
-import dflash_events
+import dflash_contract.events
 import pytest
 from dflash_train.config import load_job_config, resolved_yaml
 from support.train_configs import TINY_CPU
@@ -119,12 +119,12 @@ def test_tiny_cpu_config_end_to_end(tiny_cpu_run, workspace):
 @pytest.mark.slow(seconds=1, why="reads the shipped tiny config's run (made once for its group, by its first test)")
 def test_every_event_of_a_trained_run_fits_the_event_schema(tiny_cpu_run):
     """The trainer checks each event as it emits it, so a field renamed at the emitter or
-    in the schema alone fails this run; what reads the renamed name (dflash_events's
+    in the schema alone fails this run; what reads the renamed name (dflash_contract.events's
     names) fails in its own tests."""
     assert tiny_cpu_run.proc.returncode == 0, tiny_cpu_run.log()[-3000:]
     events = tiny_cpu_run.events()
     for event in events:
-        dflash_events.check(event)
+        dflash_contract.events.check(event)
     assert {"phase", "startup", "ready", "heartbeat", "step", "eval", "checkpoint", "export", "replicas",
             "done"} <= {e["type"] for e in events}
     assert {"import", "find sources", "build data", "load target", "drafter weights", "plan shapes",

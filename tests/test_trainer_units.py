@@ -442,7 +442,7 @@ def test_an_eval_fault_fires_for_the_evaluation_of_its_step_a_resumed_runs_basel
 def test_a_training_evaluation_reports_the_speedup_when_eval_speedup_asks(tiny_assets, tmp_path):
     """eval.speedup: the eval event adds both tokens/s and their ratio (valid against the
     event schema); without it, neither."""
-    import dflash_events
+    import dflash_contract.events
 
     from dflash_train.config import EvalConfig
     from dflash_train.faults import FaultInjector
@@ -464,7 +464,7 @@ def test_a_training_evaluation_reports_the_speedup_when_eval_speedup_asks(tiny_a
         evaluator.measure(EvalRequest(0, cpu_weights(drafter), baseline=True))
     timed, plain = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     for event in (timed, plain):
-        dflash_events.check(event)
+        dflash_contract.events.check(event)
         assert event["cuda_graphs"] is False
     assert timed["tokens_per_s"] > 0 and timed["target_tokens_per_s"] > 0
     assert timed["speedup"] == pytest.approx(timed["tokens_per_s"] / timed["target_tokens_per_s"], abs=0.01)

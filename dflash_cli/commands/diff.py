@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from dflash_agent.protocol import RunConfigReply
+
+from dflash_contract import requests
 
 from .. import console, run_hosts, run_names
 from ..errors import DflashError, ExitCode
@@ -32,7 +33,7 @@ def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tu
     refs = [parse_run(session, text, host) for text in (run_a, run_b)]
     releases: list[tuple[str, str]] = []
     if config:
-        texts = [session.agent(r.host).call(RunConfigReply, f"--run-id={r.run_id}").config for r in refs]
+        texts = [session.agent(r.host).call(requests.RunConfig(r.run_id)).config for r in refs]
         change = FileChange("config.yaml", None, None)
         diffs = [file_diff(change, texts[0].encode("utf-8", "surrogateescape"),
                            texts[1].encode("utf-8", "surrogateescape"),

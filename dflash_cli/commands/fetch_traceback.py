@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from dflash_agent.protocol import ReportReply, RunState, StacksReply
-from dflash_agent.state import attempt_errors
+
+from dflash_contract import requests
+from dflash_contract.records import attempt_errors
+from dflash_contract.replies import ReportReply
+from dflash_contract.states import RunState
 
 from .. import console, diagnosis, multihost, run_hosts
 from ..errors import DflashError, ExitCode
@@ -15,7 +18,6 @@ from ..session import Session
 from ..tracebacks import render_no_record, render_record
 
 # A run that ended with nobody recording why: what its host knows is shown instead.
-_FAILED = (RunState.FAILED, RunState.LOST)
 
 
 def render_stacks(session: Session, ref: RunRef, report: ReportReply) -> str | None:
@@ -25,7 +27,7 @@ def render_stacks(session: Session, ref: RunRef, report: ReportReply) -> str | N
     run ended without leaving one. `report` is the agent's report of the run."""
     state = report.state
     if not state.terminal:  # the trainer lives: it dumps its stacks now
-        where, text = "dumped now", session.agent(ref.host).call(StacksReply, "--run-id", ref.run_id).text
+        where, text = "dumped now", session.agent(ref.host).call(requests.Stacks(ref.run_id)).text
     else:
         where, text = "the last dump in faulthandler.log", report.last_stacks
         if not text.strip():
@@ -40,7 +42,7 @@ def _reports(session: Session, ref: RunRef) -> dict[str, ReportReply]:
     named and left out (as is one that left the inventory), unless no host answers."""
     hosts, left = run_hosts.members(session, ref)
     replies = {**session.on_each_host(hosts, lambda host: session.agent(host.name).call(
-        ReportReply, "--run-id", ref.run_id)), **left}
+        requests.Report(ref.run_id))), **left}
     reports = {}
     for member in ref.members:
         reply = replies[member.host]
@@ -140,16 +142,16 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
                               ExitCode.USAGE)
     state = multihost.aggregate_state({host: report.state for host, report in reports.items()})
     found = Traceback(ref.run_id, tuple(reports), state, None)
-    if stacks or (not records and state in (RunState.STALLED, RunState.STOPPED)):
+    if stacks or (not records and state is not None and state.told_by_stacks):
         # A hang records no error: where every thread is (now, or at the last dump) is the
         # diagnosis.
         texts = [render_stacks(session, RunRef(host, ref.run_id), report) for host, report in reports.items()]
         return dataclasses.replace(found, text="".join(t for t in texts if t) or None, stacks=True)
     if not records:
-        if state not in _FAILED:
+        if state is None or not state.failed:
             return found
         text = "".join(render_no_record(report, RunRef(host, ref.run_id)) for host, report in reports.items()
-                       if report.state in _FAILED)
+                       if report.state is not None and report.state.failed)
         return dataclasses.replace(found, text=text, explained=False)
     cause = multihost.root_cause(records)
     latest_cause = multihost.root_cause(multihost.in_time_order(latest))
@@ -170,7 +172,7 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
     if all_records:  # and what is known of each host whose latest attempt failed without a record
         text += "".join(render_no_record(report, RunRef(host, ref.run_id), of_its_own=bool(latest[host]))
                         for host, report in reports.items()
-                        if report.state in _FAILED and (not latest[host] or host == blamed))
+                        if report.state is not None and report.state.failed and (not latest[host] or host == blamed))
     diagnosed = latest_cause or cause  # the latest attempt's root cause shown
     line = diagnosis.diagnose(diagnosis.Failure(diagnosed[1], ref.run_id, diagnosed[0], _run_hosts(ref, reports)))
     return dataclasses.replace(found, text=text, root_cause=diagnosed, diagnosis=line, summary=summary,

@@ -4,7 +4,8 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
-from dflash_agent.protocol import GcReply
+
+from dflash_contract import requests
 
 from .. import console
 from ..errors import DflashError, ExitCode
@@ -20,7 +21,7 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, keep: int, 
     if not host_names:
         raise DflashError("name at least one host, or use --all", ExitCode.USAGE)
     hosts = [session.host(name) for name in host_names]
-    results = session.on_each_host(hosts, lambda host: session.agent(host.name).call(GcReply, f"--keep={keep}"))
+    results = session.on_each_host(hosts, lambda host: session.agent(host.name).call(requests.Gc(keep)))
     table = Table(title="releases removed", title_justify="left")
     for column in ("host", "removed", "kept", "freed"):
         table.add_column(column)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Sequence
 
-from dflash_agent import gpus
-from dflash_agent.protocol import HostProbe
+from dflash_contract.names import IMPORT_TIMEOUT_S, TRAINER_PACKAGES
+from dflash_contract.replies import HostProbe
 from rich.table import Table
 from rich.text import Text
 
@@ -16,17 +15,18 @@ from .. import console, requirements
 from ..agent_client import run_probe
 from ..deployment import check_host
 from ..errors import DflashError, ExitCode, UnreachableError
+from ..host_check import PROBE_MODULES, loader, sources
 from ..inventory import Host
 from ..session import Session
 from ..tables import Column, FittedTable
 from ..transports import ssh_client
 from ..transports.ssh_options import resolve
 
-# The agent's own host facts (stdlib only, no package imports), sent with `python -c`:
-# it works before anything is deployed.
-_PROBE = Path(gpus.__file__).read_text()
-# Importing torch and transformers on a loaded host takes a while (gpus.IMPORT_TIMEOUT_S).
-PROBE_TIMEOUT_S = gpus.IMPORT_TIMEOUT_S + 60
+# The agent's own host facts (stdlib only), sent with `python -c` and its modules on
+# stdin: it works before anything is deployed.
+_PROBE = loader("dflash_agent.gpus", "probe")
+# Importing torch and transformers on a loaded host takes a while (IMPORT_TIMEOUT_S).
+PROBE_TIMEOUT_S = IMPORT_TIMEOUT_S + 60
 # The table's columns in row order; at a narrow terminal the least important (the highest
 # priority) are left out whole, never cut: a version or a header cut short reads as another.
 _LISTED = [Column("host", 0), Column("transport", 1), Column("where", 2, wrap=True), Column("workspace", 3, wrap=True)]
@@ -44,11 +44,12 @@ class HostCheck:
 
 def missing_packages(facts: HostProbe) -> list[str]:
     """The trainer's packages the host's interpreter lacks."""
-    return [name for name in gpus.TRAINER_PACKAGES if not facts.packages.get(name)]
+    return [name for name in TRAINER_PACKAGES if not facts.packages.get(name)]
 
 
 def check(session: Session, host: Host) -> HostCheck:
-    facts = run_probe(session.transport(host), host, _PROBE, HostProbe, timeout=PROBE_TIMEOUT_S)
+    facts = run_probe(session.transport(host), host, _PROBE, HostProbe, stdin=sources(PROBE_MODULES),
+                      timeout=PROBE_TIMEOUT_S)
     # A release edited on the host runs what nobody deployed: say so (deploy repairs it).
     return HostCheck(facts, check_host(session, host) if facts.current_release else [])
 

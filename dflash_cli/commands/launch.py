@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import re
 import secrets
 from pathlib import Path
 
+from dflash_contract import requests
+from dflash_contract.names import MAX_RUN_ID, TRAINER_PACKAGES
+from dflash_contract.replies import LaunchReply
 import dflash_schema
-from dflash_agent.gpus import TRAINER_PACKAGES
-from dflash_agent.layout import MAX_RUN_ID
-from dflash_agent.protocol import LaunchCheckReply, LaunchReply, StatusReply
 from dflash_train.config import JobConfig, load_job_config, resolved_yaml  # torch-free by contract
 
 from .. import console, evaluate_drafter, fit_check, host_check
@@ -120,7 +119,7 @@ def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
     """One line: what this release changed since the newest run on the host, so the same
     patch is not launched twice by mistake (nothing before the host's first run)."""
     try:
-        runs = session.agent(host_name).call(StatusReply).runs
+        runs = session.agent(host_name).call(requests.Status()).runs
     except DflashError as exc:  # a hint, not a check: the launch's own checks come next
         console.warn(f"{host_name}: cannot compare with the previous run ({exc.message})")
         return
@@ -158,22 +157,15 @@ def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_
     return source
 
 
-def _agent_args(host: Host, config: JobConfig, run_id: str, options: LaunchOptions, source: dict,
-                rank: int = 0) -> list[str]:
-    """The agent's launch options for `host`, rank `rank` of the run. Every value in the
-    option's own word (--key=value): none can read as an option."""
-    args = [f"--run-id={run_id}", "--config=-", f"--name={options.run_name}", f"--stall-after={config.stall_after}",
-            f"--startup-stall-after={config.startup_stall_after}",
-            f"--source-json={json.dumps(source)}", f"--restart-json={json.dumps(config.restart.as_json())}"]
-    args += [f"--resource={resource}" for resource in config.resources()]
-    args += [f"--env={key}={value}" for key, value in host.env.items()]
-    args += [f"--require-module={package}" for package in TRAINER_PACKAGES]
-    args += [f"--require-path={kind}:{key}={path}" for kind, key, path in rank_paths(config, rank)]
-    args += [f"--override={override}" for override in options.overrides]
-    args.append(f"--release={source['release_id']}")  # installed by _deploy; current once the run starts
-    if options.force:
-        args.append("--force")
-    return args
+def _request(host: Host, config: JobConfig, run_id: str, options: LaunchOptions, source: dict,
+             layout: requests.Layout | None = None, check_only: bool = False) -> requests.Launch:
+    """The agent's launch for `host`, its part of the run at `layout` (None: the only one)."""
+    return requests.Launch(
+        run_id, "-", options.run_name, config.stall_after, config.startup_stall_after, source,
+        config.restart.as_json(), tuple(config.resources()), tuple(host.env.items()), TRAINER_PACKAGES,
+        tuple(rank_paths(config, layout.rank if layout else 0)), tuple(options.overrides),
+        release=source["release_id"],  # installed by _deploy; current once the run starts
+        force=options.force, layout=layout, check_only=check_only)
 
 
 def check_hosts(session: Session, hosts: list[Host], config: JobConfig,
@@ -275,8 +267,7 @@ def start(session: Session, options: LaunchOptions) -> Launched:
     _refuse_unless_ready(session, hosts, config, options.source_dir)
     source = _deploy(session, hosts, options.source_dir, options.allow_large)
     run_id = new_run_id(options.run_name)
-    reply = session.agent(host.name).call(LaunchReply, *_agent_args(host, config, run_id, options, source),
-                                          stdin=_resolved(config))
+    reply = session.agent(host.name).call(_request(host, config, run_id, options, source), stdin=_resolved(config))
     launched = Launched(run_id, (host.name,), (reply,))  # the id sent: an answer picks no local folder
     set_latest(session.logs_dir, launched.ref)
     return launched
@@ -300,20 +291,17 @@ def _launch_on_hosts(session: Session, hosts: list[Host], config: JobConfig, opt
     config_bytes = _resolved(config)
     names = [host.name for host in hosts]
 
-    def launch_on(host: Host, reply: type[LaunchReply | LaunchCheckReply], port: int, *extra: str):
-        layout = [f"--rank={names.index(host.name)}", f"--world-size={len(hosts)}",
-                  f"--master-addr={address}", f"--master-port={port}", f"--host-names={','.join(names)}"]
-        return session.agent(host.name).call(reply, *_agent_args(host, config, run_id, options, source,
-                                                                 names.index(host.name)),
-                                             *layout, *extra, stdin=config_bytes)
+    def launch_on(host: Host, port: int, check_only: bool = False):
+        layout = requests.Layout(names.index(host.name), len(hosts), address, port, tuple(names))
+        return session.agent(host.name).call(_request(host, config, run_id, options, source, layout, check_only),
+                                             stdin=config_bytes)
 
-    checks = session.on_each_host(hosts, lambda host: launch_on(host, LaunchCheckReply, options.master_port or 0,
-                                                                "--check-only"))
+    checks = session.on_each_host(hosts, lambda host: launch_on(host, options.master_port or 0, check_only=True))
     refuse(hosts, checks, "nothing was started on any host")
     seed_hosts(session, names)  # hosts lacking another's compile artifacts get them: they start warm
     # The first host's agent picked a port free there, in the round trip of its check.
     port = options.master_port or checks[first.name].master_port
-    started = start_together(session, hosts, run_id, lambda host: launch_on(host, LaunchReply, port))
+    started = start_together(session, hosts, run_id, lambda host: launch_on(host, port))
     launched = Launched(run_id, tuple(names), tuple(started[name] for name in names), f"{address}:{port}")
     set_latest(session.logs_dir, launched.ref)
     return launched

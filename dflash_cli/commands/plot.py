@@ -8,7 +8,7 @@ import io
 from pathlib import Path
 
 import matplotlib
-from dflash_events import EVAL, STEP, EventType
+from dflash_contract.events import EVAL, STEP, EventType
 from matplotlib.figure import Figure
 
 from .. import console

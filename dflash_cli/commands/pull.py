@@ -32,7 +32,8 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from dflash_agent.protocol import ArtifactsReply, ErrorKind, ErrorReply
+from dflash_contract import requests
+from dflash_contract.replies import ArtifactsReply, ErrorKind, ErrorReply
 from dflash_files.atomic import fsync_path
 from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, SHA256SUMS, STEP_FOLDER
 from dflash_files.checksums import parse_sums
@@ -206,9 +207,9 @@ class Puller:
         self.pulled = Pulled(logs)
 
     def list(self, checkpoint: bool) -> list[tuple[str, list[RemoteFile]]]:
-        args = ["--run-id", self.ref.run_id] + (["--checkpoint"] if checkpoint else [])
+        request = requests.Artifacts(self.ref.run_id, checkpoint)
         try:
-            reply = retry_dropped(lambda: self.agent.call(ArtifactsReply, *args), self.retry_for)
+            reply = retry_dropped(lambda: self.agent.call(request), self.retry_for)
         except DflashError as exc:
             if "invalid choice: 'artifacts'" in exc.message:  # the agent's argparse, before pull existed
                 exc.hint = f"the host's current release predates pull: dflash deploy {self.ref.host}"
@@ -349,8 +350,8 @@ class Puller:
                 return False  # the file ended early: it changed under its identity; list again
 
     def _send_file(self, remote: RemoteFile, part: Path, have: int) -> None:
-        chunks = self.agent.chunks("send-file", "--run-id", self.ref.run_id, "--folder", remote.folder,
-                                   "--path", remote.path, "--offset", str(have), "--identity", remote.identity)
+        chunks = self.agent.chunks(requests.SendFile(self.ref.run_id, remote.folder, remote.path, have,
+                                                     remote.identity))
         with open(part, "ab") as out, contextlib.closing(chunks):  # closed: a write that fails ends the command
             try:
                 for chunk in chunks:

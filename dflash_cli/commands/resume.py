@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_agent.gpus import TRAINER_PACKAGES
-from dflash_agent.protocol import CorruptCheckpoint, ResumeCheckReply, ResumeReply
+from dflash_contract import requests
+from dflash_contract.names import TRAINER_PACKAGES
+from dflash_contract.replies import CorruptCheckpoint, ResumeCheckReply, ResumeReply
 
 from .. import console
 from ..errors import DflashError, ExitCode
@@ -69,19 +70,16 @@ def start(session: Session, ref: RunRef, *, current_release: bool, step: int | N
     if ref.multihost:
         return _resume_on_hosts(session, ref, current_release, step)
     host = session.host(ref.host)
-    reply = session.agent(host.name).call(ResumeReply, *_agent_args(host, ref, current_release, step))
+    reply = session.agent(host.name).call(_request(host, ref, current_release, step))
     set_latest(session.logs_dir, ref)
     return Resumed(ref.run_id, (ref.host,), (reply,), current_release, corrupt=reply.corrupt or ())
 
 
-def _agent_args(host: Host, ref: RunRef, current_release: bool, step: int | None) -> list[str]:
-    args = [f"--run-id={ref.run_id}", f"--release={'current' if current_release else 'run'}"]
-    if step is not None:
-        args.append(f"--step={step}")
+def _request(host: Host, ref: RunRef, current_release: bool, step: int | None,
+             layout: requests.Layout | None = None, check_only: bool = False) -> requests.Resume:
     # The host's settings travel again: run.json keeps their keys only (values may be secrets).
-    args += [f"--env={key}={value}" for key, value in host.env.items()]
-    args += [f"--require-module={package}" for package in TRAINER_PACKAGES]
-    return args
+    return requests.Resume(ref.run_id, "current" if current_release else "run", step, tuple(host.env.items()),
+                           TRAINER_PACKAGES, layout, check_only)
 
 
 def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step: int | None) -> Resumed:
@@ -91,13 +89,12 @@ def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step:
     nothing); a start that fails after that stops the parts already started."""
     hosts = [session.host(name) for name in ref.hosts]
 
-    def resume_args(host: Host, at_step: int | None, port: int) -> list[str]:
-        layout = [f"--rank={ref.hosts.index(host.name)}", f"--world-size={len(hosts)}", f"--master-port={port}",
-                  f"--host-names={','.join(ref.hosts)}"]
-        return [*_agent_args(host, ref, current_release, at_step), *layout]
+    def resume_on(host: Host, at_step: int | None, port: int, check_only: bool = False):
+        layout = requests.Layout(ref.hosts.index(host.name), len(hosts), None, port, ref.hosts)
+        return session.agent(host.name).call(_request(host, ref, current_release, at_step, layout, check_only))
 
     def check_on(host: Host, at_step: int | None) -> ResumeCheckReply:
-        return session.agent(host.name).call(ResumeCheckReply, *resume_args(host, at_step, 0), "--check-only")
+        return resume_on(host, at_step, 0, check_only=True)
 
     first = hosts[0]
     # Rank 0 first: its checkpoint is the step every host resumes from.
@@ -113,8 +110,7 @@ def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step:
                           + "): a host's part was resumed or restarted alone; nothing was started on any host",
                           ExitCode.USAGE)
     port = checks[first.name].master_port
-    started = start_together(session, hosts, ref.run_id, lambda host: session.agent(host.name).call(
-        ResumeReply, *resume_args(host, chosen, port)))
+    started = start_together(session, hosts, ref.run_id, lambda host: resume_on(host, chosen, port))
     set_latest(session.logs_dir, ref)
     return Resumed(ref.run_id, ref.hosts, tuple(started[name] for name in ref.hosts), current_release, port,
                    corrupt=checks[first.name].corrupt or ())

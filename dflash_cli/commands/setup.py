@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Iterator
 
+from dflash_contract.checker import ProtocolError
+from dflash_contract.replies import SetupAnswer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -98,20 +100,25 @@ def setup_host(session: Session, host: Host, request: dict, bars: Progress | Non
             bars.remove_task(task)
     if result is None or "status" not in result:
         raise DflashError(f"host {host.name}: setup gave no answer", ExitCode.UNREACHABLE)
-    if result["status"] == "failed":
-        raise _failure(host, result, lines)
-    return SetupResult(host.name, result["status"], result["env"], result["torch_index"],
+    try:
+        answer = SetupAnswer.from_json(result)
+    except ProtocolError as exc:
+        raise DflashError(f"host {host.name}: cannot read its answer: {exc}", ExitCode.UNREACHABLE) from exc
+    if answer.status == SetupAnswer.FAILED:
+        raise _failure(host, answer, lines)
+    return SetupResult(host.name, answer.status, answer.env, answer.torch_index,
                        transport.round_trips - trips_before, time.monotonic() - started)
 
 
-def _failure(host: Host, result: dict, pip_lines: list[str]) -> DflashError:
-    kept = (f"the environment in use stays {result['env']}" if result["env"]
+def _failure(host: Host, answer: SetupAnswer, pip_lines: list[str]) -> DflashError:
+    kept = (f"the environment in use stays {answer.env}" if answer.env
             else "the host has no environment yet")
-    package = failed_package(pip_lines) if result["step"] in ("torch", "requirements") else None
+    package = failed_package(pip_lines) if answer.step in ("torch", "requirements") else None
+    error = (answer.error or "").strip()
     if package:
         what = f"pip could not install {package}"
     else:
-        what = f"{result['step']}: {result['error'].strip().splitlines()[-1] if result['error'].strip() else ''}"
+        what = f"{answer.step}: {error.splitlines()[-1] if error else ''}"
     return DflashError(f"host {host.name}: setup failed: {what}; {kept}", ExitCode.USAGE)
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 import json
 import shlex
 
-from dflash_agent.protocol import RunState, RunStatus, StatusReply
+
+from dflash_contract import requests
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import RunState
 
 from .. import console, multihost, provenance, run_hosts
 from ..errors import DflashError, ExitCode, exit_code_for_state
@@ -193,7 +196,7 @@ def run_config(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
     """Print the config the run was started with (its config.yaml: resolved, for a run
     launched by this dflash) on stdout; its state and overrides on stderr. Exit 0 once
     printed, whatever the state: this asks for the config, not for the run's health."""
-    status = session.agent(ref.host).run_status(ref.run_id, "--config")
+    status = session.agent(ref.host).run_status(ref.run_id, config=True)
     if status.config is None:
         raise DflashError(f"run {ref.run_id} on {ref.host} recorded no config", ExitCode.USAGE)
     if as_json:
@@ -221,7 +224,7 @@ def list_runs(session: Session, *, host_names: list[str], as_json: bool) -> Exit
     store = ReleaseStore(session)
     code = ExitCode.OK
     for name in host_names:
-        reply = session.agent(name).call(StatusReply)
+        reply = session.agent(name).call(requests.Status())
         runs = list(reply.runs)
         changes = {newer.run_id: change_since(store, name, older, newer.release_id)
                    for newer, older in zip(runs, runs[1:]) if newer.release_id and older.release_id}

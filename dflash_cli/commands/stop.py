@@ -1,7 +1,9 @@
 """dflash stop: SIGTERM to the run's process group, a grace period, then SIGKILL."""
 from __future__ import annotations
 
-from dflash_agent.protocol import RunState, StopReply
+
+from dflash_contract import requests
+from dflash_contract.states import RunState
 
 from .. import console, multihost, run_hosts
 from ..errors import DflashError, ExitCode
@@ -16,7 +18,7 @@ def run(session: Session, ref: RunRef, *, grace: float, as_json: bool = False) -
     The run's state on stdout (with `as_json`: one JSON object, with each host's)."""
     hosts, left = run_hosts.members(session, ref)
     replies = {**session.on_each_host(hosts, lambda host: session.agent(host.name).call(
-        StopReply, "--run-id", ref.run_id, "--grace", str(grace), timeout=grace + 60)), **left}
+        requests.Stop(ref.run_id, grace), timeout=grace + 60)), **left}
     states: dict[str, RunState | None] = {}
     for member in ref.members:
         reply = replies[member.host]

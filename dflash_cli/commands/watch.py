@@ -15,7 +15,8 @@ import sys
 from rich.live import Live
 from rich.text import Text
 
-from dflash_agent.protocol import Gpu
+
+from dflash_contract.replies import Gpu
 
 from .. import console, multihost
 from ..errors import ExitCode

@@ -11,8 +11,10 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from dflash_agent import jsonio
-from dflash_agent.protocol import RunState, RunStatus
+
+from dflash_contract.records import parse_json_line
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import RunState
 
 from .. import DISTRIBUTION, console
 from ..errors import DflashError, ExitCode
@@ -184,7 +186,7 @@ class Trackers:
         found, offset = [], start
         for line in data.splitlines(keepends=True):
             offset += len(line)
-            event = jsonio.parse_json_line(line.rstrip(b"\n"))
+            event = parse_json_line(line.rstrip(b"\n"))
             if line.endswith(b"\n") and isinstance(event, dict):
                 found.append((offset, event))
         return found

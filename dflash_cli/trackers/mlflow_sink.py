@@ -20,7 +20,8 @@ import time
 import urllib.parse
 from typing import Any, Iterator
 
-from dflash_agent.protocol import RunState
+
+from dflash_contract.states import RunState
 
 from ..scalars import Scalars
 from .config import MlflowSettings
@@ -28,9 +29,6 @@ from .sink import KIND_MARKERS, Sink, TrackedRun
 
 RUN_TAG = "dflash.run_id"
 REPLACES_TAG = "dflash.replaces"  # on a rebuilt MLflow run until the run it replaces is deleted
-# How the run ended, as MLflow's run status; a run that goes on stays RUNNING.
-END_STATUS = {RunState.SUCCEEDED: "FINISHED", RunState.FAILED: "FAILED", RunState.LOST: "FAILED",
-              RunState.STOPPED: "KILLED"}
 _NAME_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-. :/")
 
 
@@ -185,5 +183,12 @@ class MlflowSink(Sink):
         return len(history)
 
     def close(self, outcome: RunState | None) -> None:
-        if outcome in END_STATUS:
-            self.client.set_terminated(self._id, END_STATUS[outcome])
+        if (status := end_status(outcome)) is not None:
+            self.client.set_terminated(self._id, status)
+
+
+def end_status(outcome: RunState | None) -> str | None:
+    """How the run ended, as MLflow's run status; None: it goes on (and stays RUNNING)."""
+    if outcome is None or not outcome.terminal:
+        return None
+    return "FAILED" if outcome.failed else "KILLED" if outcome is RunState.STOPPED else "FINISHED"

@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dflash_agent.protocol import RunState
+
+from dflash_contract.states import RunState
 
 from ..scalars import Scalars
 

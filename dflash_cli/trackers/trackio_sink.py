@@ -15,7 +15,8 @@ import sys
 import threading
 from typing import Any, Iterator
 
-from dflash_agent.protocol import RunState
+
+from dflash_contract.states import RunState
 
 from ..scalars import Scalars
 from .config import TrackioSettings

@@ -23,7 +23,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dflash_agent.protocol import RunState
+
+from dflash_contract.states import RunState
 
 from ..scalars import Scalars
 from .config import WandbSettings
@@ -114,7 +115,7 @@ class WandbSink(Sink):
         import wandb
 
         try:
-            self.run.finish(exit_code=1 if outcome in (RunState.FAILED, RunState.LOST) else 0)
+            self.run.finish(exit_code=1 if outcome is not None and outcome.failed else 0)
         except Exception:
             # Its service is gone or broken: let go of it now, or W&B's exit hook prints
             # the same failure again as a traceback when watch exits.

@@ -7,10 +7,10 @@ The CLI runs it as one argv (quoted once by the transport):
 
 (or releases/<id>/remote/agent.py: the release a launch installed, not yet current).
 
-Every verb prints one JSON object on stdout, its reply below (a type of protocol.py,
+Every verb prints one JSON object on stdout, its reply below (a type of dflash_contract.replies,
 whose docstring says what the verb does), and exits 0; on a problem it prints a
-protocol.ErrorReply instead and exits 2 (1 for kind "internal"). `follow` streams JSON
-lines instead (protocol.FOLLOW_MESSAGES), `send-file` and `send-compile-artifacts` raw
+replies.ErrorReply instead and exits 2 (1 for kind "internal"). `follow` streams JSON
+lines instead (dflash_contract.follow.FOLLOW_MESSAGES), `send-file` and `send-compile-artifacts` raw
 bytes (a refusal is the ErrorReply as the one line on stderr, stdout empty). stderr is
 free-form; --help goes to stderr too. Every option takes its value in the same word too
 (--name=VALUE): the CLI passes user values that way, so none can read as an option.
@@ -55,10 +55,10 @@ run-config -> RunConfigReply
 gc -> GcReply
     [--keep N=0]
 
-Not a verb: gpus.py's source run alone with `python -c SOURCE WORKSPACE` (it imports
-nothing of this package, so it answers on a host with no release or an older one)
-answers a protocol.HostProbe (`dflash hosts --check`). Nor host_check.py: `dflash
-launch` sends it, with the modules it imports, as sources to a loader run with `python
--c` before its deploy, and reads its protocol.HostCheck (the fit facts and the verdict
-of each preflight check the `launch` verb makes).
+Not verbs: gpus.py's `probe`, sent with the few modules it imports (nothing else of
+this package) as sources to a loader run with `python -c`, so that it answers on a host
+with no release or an older one, answers a replies.HostProbe (`dflash hosts --check`).
+host_check.py: `dflash launch` sends it, with the modules it imports, to the same loader
+before its deploy, and reads its replies.HostCheck (the fit facts and the verdict of
+each preflight check the `launch` verb makes).
 """

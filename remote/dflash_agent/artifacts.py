@@ -23,11 +23,12 @@ import stat
 import sys
 from typing import Dict, List
 
+from dflash_contract.replies import ArtifactFile, ArtifactFolder, ArtifactsReply
+from dflash_contract.states import RunState
 from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR, LATEST, SHA256SUMS, STEP_FOLDER
 
 from .jsonio import AgentError
 from .layout import RunDir
-from .protocol import ArtifactFile, ArtifactFolder, ArtifactsReply, RunState
 from .state import derive_state, observe, read_record
 
 CHUNK = 1 << 20

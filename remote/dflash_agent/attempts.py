@@ -15,14 +15,14 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from dflash_events import ATTEMPT
+from dflash_contract.events import ATTEMPT
+from dflash_contract.records import ExitRecord
+from dflash_contract.states import RunState
 from dflash_files.checkpoint_files import CHECKPOINT_FILES, CHECKPOINTS_DIR, STEP_FOLDER
 from dflash_files.diskspace import NO_SPACE
 
 from .jsonio import encode_line
 from .layout import RunDir
-from .protocol import RunState
-
 
 
 def checkpoint_folders(run: RunDir) -> List[Tuple[int, str]]:
@@ -70,12 +70,13 @@ def failed_step(errors: List[Dict[str, Any]], last_step: Optional[int]) -> Optio
     return last_step
 
 
-def closed(entry: Dict[str, Any], exit_record: Optional[Dict[str, Any]], state: RunState,
+def closed(entry: Dict[str, Any], exit_record: Optional[ExitRecord], state: RunState,
            step: Optional[int]) -> Dict[str, Any]:
     """An attempt's entry once it ended: how (exit.json or null), its state, and the step
     it ended at (for a failure: its root cause's step, `failed_step`)."""
-    return dict(entry, exit=exit_record, state=state, step=step,
-                ended_at=(exit_record or {}).get("ended_at") or time.time())
+    if exit_record is None:
+        return dict(entry, exit=None, state=state, step=step, ended_at=time.time())
+    return dict(entry, exit=exit_record.to_json(), state=state, step=step, ended_at=exit_record.ended_at or time.time())
 
 
 def append_markers(run: RunDir, attempt: int, reason: str, resume_step: Optional[int],
@@ -148,14 +149,14 @@ def check_policy(policy: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def restart_cause(exit_record: Dict[str, Any], errors: List[Dict[str, Any]]) -> Optional[str]:
+def restart_cause(exit_record: ExitRecord, errors: List[Dict[str, Any]]) -> Optional[str]:
     """"failure" (an error record, or a non-zero exit), "killed" (a signal, no record),
     or None for a clean exit."""
     if errors:
         return "failure"
-    if exit_record.get("signal"):
+    if exit_record.signal:
         return "killed"
-    return "failure" if exit_record.get("exit_code") != 0 else None
+    return "failure" if exit_record.exit_code != 0 else None
 
 
 def restart_refusal(policy: Optional[Dict[str, Any]], attempts: List[Dict[str, Any]], cause: Optional[str],
@@ -175,7 +176,7 @@ def restart_refusal(policy: Optional[Dict[str, Any]], attempts: List[Dict[str, A
     if restarts >= int(policy["max"]):
         return "restart.max (%d) reached" % int(policy["max"])
     previous = attempts[-2] if len(attempts) > 1 else None
-    if (previous is not None and step is not None and previous.get("state") in (RunState.FAILED, RunState.LOST)
+    if (previous is not None and step is not None and previous.get("state") in [state for state in RunState if state.failed]
             and previous.get("step") == step):
         return "it failed at step %d twice in a row: a restart would fail there again" % step
     return None

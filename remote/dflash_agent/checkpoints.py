@@ -15,6 +15,7 @@ import dataclasses
 import os
 from typing import Any, List, Optional, Tuple
 
+from dflash_contract.replies import CorruptCheckpoint
 from dflash_files.atomic import write_json_atomic
 from dflash_files.checkpoint_files import CHECKPOINTS_DIR, LOADED_FILES
 from dflash_files.checksums import verify
@@ -22,7 +23,6 @@ from dflash_files.checksums import verify
 from .attempts import checkpoint_folders
 from .jsonio import AgentError, read_json
 from .layout import RunDir
-from .protocol import CorruptCheckpoint
 
 VERDICTS = ".verified.json"  # in CHECKPOINTS_DIR: status's remembered verdicts
 

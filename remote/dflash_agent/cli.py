@@ -1,5 +1,5 @@
 """Argument parsing and the JSON envelope of every verb (the package docstring lists the
-verbs, protocol.py their replies). stdout carries JSON only: help and usage text go to
+verbs, dflash_contract.replies their replies). stdout carries JSON only: help and usage text go to
 stderr."""
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+from dflash_contract.replies import CompileArtifactsReply, ErrorKind, ErrorReply, GpusReply, InfoReply, Reply
+from dflash_contract.requests import FINGERPRINT_BYTES
+from dflash_files.config_paths import PATH_KINDS
 from dflash_files.diskspace import NO_SPACE
 
-from .jsonio import FINGERPRINT_BYTES, AgentError, emit, no_space
+from .jsonio import AgentError, emit, no_space
 from .layout import Workspace
-from .protocol import CompileArtifactsReply, ErrorKind, ErrorReply, GpusReply, InfoReply, Reply
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +71,7 @@ def _restart_policy(text: str) -> Dict[str, Any]:
 
 
 def _fingerprint(text: str) -> str:
-    """LEN:HEX as jsonio.fingerprint writes it: a sha256 of at most FINGERPRINT_BYTES bytes."""
+    """LEN:HEX as dflash_contract.requests.fingerprint writes it: a sha256 of at most FINGERPRINT_BYTES bytes."""
     length, _, digest = text.partition(":")
     if not (length.isdigit() and int(length) <= FINGERPRINT_BYTES and len(digest) == 64
             and all(c in "0123456789abcdef" for c in digest)):
@@ -85,7 +87,6 @@ def _env_pair(text: str) -> Tuple[str, str]:
 
 
 def _path_requirement(text: str) -> Tuple[str, str, str]:
-    from .preflight import PATH_KINDS
     kind, colon, rest = text.partition(":")
     key, equals, path = rest.partition("=")
     if not colon or not equals or kind not in PATH_KINDS or not key or not path:
@@ -297,8 +298,8 @@ def _receive_compile_artifacts(ws: Workspace, args: argparse.Namespace) -> Reply
     return receive_artifacts(ws.root, args.key, args.manifest_json)
 
 
-# gpus.py imports nothing of this package (it is also sent alone, with `python -c`): its
-# answers become replies by being read as them.
+# gpus.py imports nothing else of this package (it is also sent, with the few modules it
+# imports, to a loader run with `python -c`): its answers become replies by being read as them.
 
 def _gpus(ws: Workspace, args: argparse.Namespace) -> Reply:
     from .gpus import gpus

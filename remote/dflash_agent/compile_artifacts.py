@@ -23,12 +23,12 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
+from dflash_contract.replies import CompileArtifact, ReceiveCompileArtifactsReply
 from dflash_files.atomic import write_json_atomic
 from dflash_files.compile_key import (ARTIFACTS_FILE, ARTIFACTS_MANIFEST, CACHE_DIR, COMPILE_DIR, FACT_NAMES, KEY_FILE,
                                       compile_key)
 
 from .jsonio import AgentError
-from .protocol import CompileArtifact, ReceiveCompileArtifactsReply
 
 CHUNK = 1 << 20
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]*$")

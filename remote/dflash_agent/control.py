@@ -7,13 +7,13 @@ import signal
 import time
 from typing import Any, Dict
 
+from dflash_contract.replies import StacksReply, StopReply
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 
 from . import stackdump
 from .jsonio import AgentError, decode_bytes
 from .layout import RunDir
-from .protocol import StacksReply, StopReply
 from .state import ALIVE, derive_state, observe, read_record, trainer_liveness
 
 POLL_S = 0.05

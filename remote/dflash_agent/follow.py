@@ -1,5 +1,5 @@
 """The `follow` verb: one long-lived stream of JSON lines (log chunks, the run's events,
-error records, GPU samples, state changes: protocol.FOLLOW_MESSAGES, each flushed as it
+error records, GPU samples, state changes: dflash_contract.follow.FOLLOW_MESSAGES, each flushed as it
 goes) until the run is terminal and everything was sent.
 
 The host does the following so the client never re-tails: it polls with fstat, sends
@@ -14,7 +14,7 @@ the cost does not depend on the log's size), of the file a resume found or of th
 one after "rotated"; --errors-seen K skips the records already received;
 --events-offset the events already received.
 
-Resuming: --offset N --inode I --segment K --fingerprint F, F being jsonio.fingerprint
+Resuming: --offset N --inode I --segment K --fingerprint F, F being dflash_contract.requests.fingerprint
 of the (at most 64) bytes received just before N. The stream goes on at N in segment K
 when the file with inode I (train.log, or renamed to train.log.*) is at least N long and
 holds those bytes there. If not, the content the client stopped in is gone: the rest of
@@ -35,13 +35,17 @@ import threading
 import time
 from typing import Iterator, List, Optional, Tuple
 
-from dflash_events import HEARTBEAT
+
+from dflash_contract.events import HEARTBEAT
+from dflash_contract.follow import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, GpuMessage, LogMessage,
+                                    RotatedMessage, StateMessage)
+from dflash_contract.records import parse_json_line
+from dflash_contract.replies import Gpu
+from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
 
 from .gpus import query_gpus
-from .jsonio import FINGERPRINT_BYTES, decode_bytes, encode_line, fingerprint, parse_json_line, read_json, tail_start
+from .jsonio import decode_bytes, encode_line, read_json, tail_start
 from .layout import Workspace
-from .protocol import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, Gpu, GpuMessage, LogMessage,
-                       RotatedMessage, StateMessage)
 from .state import derive_state, observe, read_record
 
 READ_CHUNK = 256 * 1024

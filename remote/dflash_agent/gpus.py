@@ -3,22 +3,24 @@ current release (`host_facts`, the `info` verb), and what `dflash launch` plans 
 GPU memory with: the GPUs, the processes holding memory on them, and the target model's
 config.json (`fit_facts`).
 
-Standard library only and no imports from this package: `dflash hosts --check` sends
-this file's source with `python -c SOURCE WORKSPACE` to hosts where nothing may be
-deployed yet, and reads what it answers; `dflash launch` sends it among host_check.py's
-modules. No torch
-import here: it must stay fast and must work where torch is broken; package versions
-come from importlib.metadata. Run as a script, it also reports `imports`
-(`import_check`): what a child interpreter importing torch and transformers finds.
+Standard library only, and nothing of this package but itself: `dflash hosts --check`
+sends this module's source and those of the few it imports with `python -c`, on stdin
+(dflash_cli/host_check.py's loader), to hosts where nothing may be deployed yet, and
+reads what `probe` answers; `dflash launch` sends it among host_check.py's modules. No
+torch import here: it must stay fast and must work where torch is broken; package
+versions come from importlib.metadata. `probe` also reports `imports` (`import_check`):
+what a child interpreter importing torch and transformers finds.
 """
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
+
+from dflash_contract.names import IMPORT_TIMEOUT_S, NVIDIA_SMI_TIMEOUT_S, TRAINER_PACKAGES
+from dflash_files.hub import hub_cache, hub_file, is_hub_id
 
 QUERY_FIELDS = ("index", "name", "memory.used", "memory.total", "utilization.gpu",
                 "temperature.gpu", "power.draw")
@@ -30,19 +32,11 @@ KEYS = (("index", int), ("name", str), ("memory_used_mib", float), ("memory_tota
 PROCESS_QUERY = ("gpu_uuid", "pid", "process_name", "used_memory")
 PROCESS_KEYS = (("gpu", str), ("pid", int), ("name", str), ("used_mib", float))
 INDEX_QUERY = ("index", "uuid")
-NVIDIA_SMI_TIMEOUT_S = 15.0
-# The packages dflash_train needs beyond the standard library (PyYAML, safetensors and
-# numpy come with transformers); their distribution and module names are the same.
-TRAINER_PACKAGES = ("torch", "transformers")
 # In a child process: an import that crashes or hangs the interpreter is reported, not
 # suffered. device_count() asks NVML and does not initialize CUDA.
 IMPORT_CHECK = ("import json, torch, transformers\n"
                 "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, "
                 "'cuda_devices': torch.cuda.device_count()}))")
-IMPORT_TIMEOUT_S = 180.0
-# A Hugging Face hub id ("Qwen/Qwen3-8B"): dflash_train loads target.path as one when no
-# such folder exists on the host, from the host's HF cache or the hub.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 def _value(text: str, kind: type) -> Any:
@@ -167,44 +161,6 @@ def import_check() -> Dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def is_hub_id(path: str) -> bool:
-    return bool(_HUB_ID.match(path)) and ".." not in path
-
-
-def hub_cache(environ: Optional[Mapping[str, str]] = None) -> str:
-    """The folder huggingface_hub caches hub models in, by its own precedence:
-    HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub,
-    in `environ` (default: this process's environment)."""
-    env = os.environ if environ is None else environ
-    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
-    if not cache:
-        home = env.get("HF_HOME") or os.path.join(
-            env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
-        cache = os.path.join(home, "hub")
-    return os.path.expandvars(os.path.expanduser(cache))
-
-
-def hub_file(repo_id: str, name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """`name` of hub model `repo_id` in the cache (hub_cache(environ)), at the revision
-    `main` resolves to offline (refs/main), else in its newest snapshot holding it; None
-    when not cached."""
-    repo = os.path.join(hub_cache(environ), "models--" + repo_id.replace("/", "--"))
-    snapshots = os.path.join(repo, "snapshots")
-    try:
-        with open(os.path.join(repo, "refs", "main")) as handle:
-            pinned = os.path.join(snapshots, handle.read().strip(), name)
-        if os.path.isfile(pinned):
-            return pinned
-    except OSError:
-        pass  # no refs/main: downloaded by revision
-    try:
-        found = [os.path.join(snapshots, s, name) for s in os.listdir(snapshots)]
-    except OSError:
-        return None
-    found = [path for path in found if os.path.isfile(path)]
-    return max(found, key=os.path.getmtime) if found else None
-
-
 def model_config(path: str) -> Tuple[Optional[Dict[str, Any]], str]:
     """(config.json's fields, the file read) of the model `path` names as the trainer
     loads it: an absolute (or ~) folder, else a hub id found in the HF cache; or (None,
@@ -248,7 +204,9 @@ def fit_facts(model: Optional[str]) -> Dict[str, Any]:
     return answer
 
 
-if __name__ == "__main__":  # as `dflash hosts --check` runs it
-    facts = host_facts(os.path.abspath(os.path.expanduser(sys.argv[1])))
+def probe(argv: List[str]) -> Dict[str, Any]:
+    """`dflash hosts --check`'s answer (argv: WORKSPACE), as the CLI's loader calls it:
+    host_facts with `imports` (import_check)."""
+    facts = host_facts(os.path.abspath(os.path.expanduser(argv[0])))
     facts["imports"] = import_check()
-    print(json.dumps(facts))
+    return facts

@@ -3,7 +3,7 @@ in one round trip: the fit check's facts (gpus.fit_facts: the GPUs, the target's
 config.json) and the verdict of each of the `launch` verb's own preflight checks
 (preflight.problems: free space, the config's paths, the trainer's packages), so that
 a launch the host would refuse is refused before its deploy, and a dry run says
-what the launch would. protocol.HostCheck is the answer.
+what the launch would. replies.HostCheck is the answer.
 
 Not run from a release: the CLI sends the sources of this module and of the few it
 imports (dflash_cli/host_check.py) with `python -c`, on stdin, to hosts where
@@ -19,11 +19,13 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from dflash_files.config_paths import PathRequirement
+
 from . import gpus, preflight
 
 
 def host_check(workspace: str, release_root: str, modules: Sequence[str],
-               paths: Sequence[preflight.PathRequirement], model: Optional[str]) -> Dict[str, Any]:
+               paths: Sequence[PathRequirement], model: Optional[str]) -> Dict[str, Any]:
     """The answer, with this process's environment as the trainer's (the caller put the
     inventory's `env` into it)."""
     env = tuple(sorted(os.environ.items()))

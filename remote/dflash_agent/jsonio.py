@@ -5,20 +5,16 @@ line, valid UTF-8 even when the data holds undecodable log bytes (see `decode_by
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 from typing import Any, Iterator, Optional
 
 BLOCK = 64 * 1024
-# How many bytes before a log offset its fingerprint covers: enough that a log rewritten
-# from byte 0 (truncated, then grown past the offset again) shows different bytes there.
-FINGERPRINT_BYTES = 64
 
 
 class AgentError(Exception):
-    """A problem reported to the caller as a protocol.ErrorReply (`extra`: its optional
+    """A problem reported to the caller as a replies.ErrorReply (`extra`: its optional
     keys), with exit 2 or 1."""
 
     EXIT_CODES = {"usage": 2, "not_found": 2, "conflict": 2, "host": 2, "internal": 1}
@@ -72,14 +68,6 @@ def read_json(path: str) -> Optional[Any]:
         return None
 
 
-def parse_json_line(line: bytes) -> Optional[Any]:
-    """One JSONL record, or None for a line that is not JSON (a torn write)."""
-    try:
-        return json.loads(line.decode("utf-8"))
-    except ValueError:
-        return None
-
-
 def lines_backwards(path: str) -> Iterator[bytes]:
     """Complete lines of a file, last first, newline stripped, read block by block from
     the end: the cost depends on how far back the caller reads, not on the file size.
@@ -107,12 +95,6 @@ def lines_backwards(path: str) -> Iterator[bytes]:
                 yield line
         if saw_newline:
             yield rest  # the file's first line
-
-
-def fingerprint(data: bytes) -> str:
-    """"LEN:SHA256HEX" of `data`, the last bytes before an offset in a log. A follower
-    that resumes at the offset checks that the file still holds these bytes there."""
-    return "%d:%s" % (len(data), hashlib.sha256(data).hexdigest())
 
 
 def tail_start(path: str, n_lines: int) -> int:

@@ -1,5 +1,5 @@
 """The `launch` verb: check what only the host can, claim the run id and its resources,
-start a detached supervisor, return once run.json exists (protocol.LaunchReply).
+start a detached supervisor, return once run.json exists (replies.LaunchReply).
 
 In order: the preflight (preflight.py), all at once, before anything of the run exists;
 then runs/ID/ is created and the config copied to runs/ID/config.yaml (--config PATH,
@@ -18,7 +18,7 @@ One host's part of a run on several hosts (--rank, --world-size, --master-addr
 together): the trainer's environment holds torch.distributed's env:// variables
 (DISTRIBUTED_ENV, overriding --env and the host's own) and run.json `distributed`
 (Distributed.record); without them those variables are removed from it. --check-only
-makes every check above and creates nothing (protocol.LaunchCheckReply).
+makes every check above and creates nothing (replies.LaunchCheckReply).
 
 Detaching matters over SSH and `pct exec`: the channel closes only when every process
 holding its pipes is gone. The supervisor is double-forked into a new session with
@@ -38,14 +38,15 @@ import time
 import traceback
 from typing import Any, Dict, Optional, Tuple, Union
 
+from dflash_contract.names import RELEASE_DIR_ENV, RELEASE_ID_ENV, RUN_ID_ENV, WORKSPACE_ENV
+from dflash_contract.replies import LaunchCheckReply, LaunchReply
 from dflash_files.atomic import write_atomic
+from dflash_files.config_paths import PathRequirement
 from dflash_files.diskspace import NO_SPACE
 
 from . import locks, preflight, warm
 from .jsonio import AgentError, no_space, read_tail_text
 from .layout import RunDir, Workspace
-from .preflight import PathRequirement
-from .protocol import LaunchCheckReply, LaunchReply
 from .releases import release_dir
 from .supervisor import TrainerPlan, log_error, supervise
 
@@ -129,10 +130,10 @@ def trainer_env(ws: Workspace, run: RunDir, release_id: str, release_root: str,
     env.update({
         "PYTHONUNBUFFERED": "1",
         "PYTHONDONTWRITEBYTECODE": "1",  # nothing is written into a release
-        "DFLASH_RUN_ID": run.run_id,
-        "DFLASH_RELEASE_ID": release_id,
-        "DFLASH_RELEASE_DIR": release_root,
-        "DFLASH_WORKSPACE": ws.root,
+        RUN_ID_ENV: run.run_id,
+        RELEASE_ID_ENV: release_id,
+        RELEASE_DIR_ENV: release_root,
+        WORKSPACE_ENV: ws.root,
     })
     env.update(dict(extra))  # the host's and the user's settings win
     for key in DISTRIBUTED_ENV:  # ... but the layout is the launch's, not the host's

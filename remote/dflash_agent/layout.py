@@ -5,6 +5,10 @@ import dataclasses
 import os
 from typing import List, Optional, Tuple
 
+
+from dflash_contract.names import (AGENT_LOG, ERRORS_JSONL, EVENTS_JSONL, EXIT_JSON, MAX_RUN_ID, RUN_CONFIG, RUN_JSON,
+                                   STOP_REQUESTED_JSON, TRAIN_LOG)
+
 from .jsonio import AgentError
 
 
@@ -91,35 +95,35 @@ class RunDir:
 
     @property
     def run_json(self) -> str:
-        return self.file("run.json")
+        return self.file(RUN_JSON)
 
     @property
     def exit_json(self) -> str:
-        return self.file("exit.json")
+        return self.file(EXIT_JSON)
 
     @property
     def stop_requested(self) -> str:
-        return self.file("stop_requested.json")
+        return self.file(STOP_REQUESTED_JSON)
 
     @property
     def config(self) -> str:
-        return self.file("config.yaml")
+        return self.file(RUN_CONFIG)
 
     @property
     def train_log(self) -> str:
-        return self.file("train.log")
+        return self.file(TRAIN_LOG)
 
     @property
     def agent_log(self) -> str:
-        return self.file("agent.log")
+        return self.file(AGENT_LOG)
 
     @property
     def events(self) -> str:
-        return self.file("events.jsonl")
+        return self.file(EVENTS_JSONL)
 
     @property
     def errors(self) -> str:
-        return self.file("errors.jsonl")
+        return self.file(ERRORS_JSONL)
 
     @property
     def faulthandler(self) -> str:
@@ -128,9 +132,6 @@ class RunDir:
     @property
     def threads_json(self) -> str:
         return self.file("threads.json")
-
-
-MAX_RUN_ID = 200  # characters; the CLI bounds run names by it, before deploying
 
 
 def check_run_id(run_id: str) -> None:

@@ -21,12 +21,12 @@ import re
 import time
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
+from dflash_contract.states import RunState
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 
 from .jsonio import AgentError, read_json
 from .layout import Workspace
-from .protocol import RunState
 from .state import UnreadableRecord, derive_state, observe, read_record
 
 _RESOURCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -11,9 +11,11 @@ import shutil
 import stat
 from typing import Dict, List, Sequence
 
+
+from dflash_contract.replies import GcReply, KeptRelease, ReleaseFilesReply, RemovedRelease, RunConfigReply
+
 from .jsonio import AgentError, decode_bytes, read_json
 from .layout import RunDir, Workspace
-from .protocol import GcReply, KeptRelease, ReleaseFilesReply, RemovedRelease, RunConfigReply
 
 #: A file above this is named in "too_large" instead of being sent inline in the JSON reply.
 INLINE_MAX_BYTES = 8 * 1024 * 1024

@@ -4,10 +4,12 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+
+from dflash_contract.replies import ReportReply, StatusReply, UnreadableRun
+
 from . import stackdump
 from .jsonio import decode_bytes, read_tail_text
 from .layout import RunDir, Workspace
-from .protocol import ReportReply, StatusReply, UnreadableRun
 from .state import UnreadableRecord, agent_error, derive_state, error_records, observe, read_record, run_status
 
 FAULTHANDLER_MAX_BYTES = 4 * 1024 * 1024

@@ -18,7 +18,7 @@ A part of a run on several hosts resumes only with its place in the run (--rank 
 launch's; the CLI's `dflash resume` sends every host's): rank 0 must hold the
 checkpoint at --step and checks that it fits; a host of rank > 0 needs --step and no
 checkpoint, its trainer takes rank 0's. --check-only checks all of that and the
-resources' locks and starts nothing (protocol.ResumeCheckReply); on rank 0 it also
+resources' locks and starts nothing (replies.ResumeCheckReply); on rank 0 it also
 picks a free rendezvous port, as launch does.
 """
 from __future__ import annotations
@@ -30,12 +30,16 @@ import shlex
 import subprocess
 from typing import Any, Dict, Optional, Tuple, Union
 
+
+from dflash_contract.records import attempt_errors
+from dflash_contract.replies import CorruptCheckpoint, ResumeCheckReply, ResumeReply
+from dflash_contract.states import RunState
+
 from . import attempts, checkpoints, locks, preflight
 from .jsonio import AgentError, read_json
 from .launch import Distributed, free_port, start_supervisor, trainer_env
 from .layout import RunDir, Workspace
-from .protocol import CorruptCheckpoint, ResumeCheckReply, ResumeReply, RunState
-from .state import attempt_errors, derive_state, error_records, observe, read_record, summarize_events
+from .state import derive_state, error_records, observe, read_record, summarize_events
 from .supervisor import TrainerPlan
 
 CHECK_TIMEOUT_S = 120.0

@@ -1,4 +1,4 @@
-"""Run states (protocol.RunState, docs/runs.md "Run states").
+"""Run states (dflash_contract.states.RunState, docs/runs.md "Run states").
 
 `observe` gathers the facts from the run directory and /proc; `derive_state` is the one
 pure function that turns them into a state. Nothing here reads a whole log: the last
@@ -12,15 +12,17 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
-from dflash_events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
+from dflash_contract.records import ExitRecord, attempt_errors, parse_json_line
+from dflash_contract.replies import RunStatus
+from dflash_contract.states import RunState
+from dflash_contract.events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
 
 from dflash_files import procfs
 from . import checkpoints
 from dflash_files.checkpoint_files import EXPORT_DIR
 from .attempts import newest_checkpoint
-from .jsonio import AgentError, decode_bytes, lines_backwards, parse_json_line, read_json, read_tail_text
+from .jsonio import AgentError, decode_bytes, lines_backwards, read_json, read_tail_text
 from .layout import RunDir
-from .protocol import RunState, RunStatus
 
 # Liveness of the trainer process, as far as /proc and the supervisor can tell.
 ALIVE = "alive"
@@ -61,7 +63,7 @@ class Observation:
     now: float
     trainer: str  # ALIVE | ENDING | GONE
     startup_stall_after: float = 300.0
-    exit: Optional[Dict[str, Any]] = None
+    exit: Optional[ExitRecord] = None
     error_count: int = 0
     stop_requested: bool = False
     events: EventSummary = EventSummary()
@@ -78,7 +80,7 @@ def derive_state(obs: Observation) -> RunState:
         if obs.stop_requested:
             return RunState.STOPPED
         # A worker that failed while the process still exited 0 is not a success.
-        clean = obs.exit.get("exit_code") == 0 and not obs.exit.get("signal")
+        clean = obs.exit.exit_code == 0 and not obs.exit.signal
         return RunState.SUCCEEDED if clean and obs.error_count == 0 else RunState.FAILED
     if obs.trainer == GONE:
         # No process is left and the supervisor wrote no exit.json (it was killed, or the
@@ -155,12 +157,6 @@ def error_records(path: str) -> List[Dict[str, Any]]:
     return records
 
 
-def attempt_errors(records: List[Dict[str, Any]], attempt: int) -> List[Dict[str, Any]]:
-    """The error records of one attempt of the run (a record without `attempt`, or a line
-    that is not JSON, counts as attempt 0's: written before attempts existed)."""
-    return [r for r in records if int(r.get("attempt") or 0) == attempt]
-
-
 def trainer_liveness(record: Dict[str, Any]) -> str:
     recorded_boot = record.get("boot_id")
     current_boot = procfs.boot_id()
@@ -180,15 +176,21 @@ def is_frozen(record: Dict[str, Any]) -> bool:
     return stat is not None and stat.start_time == record.get("start_time") and stat.state in ("T", "t")
 
 
+def read_exit(run: RunDir) -> Optional[ExitRecord]:
+    """exit.json, or None before the supervisor wrote it."""
+    written = read_json(run.exit_json)
+    return None if written is None else ExitRecord.from_json(written)
+
+
 def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
     """The facts about a started run's latest attempt (record = its run.json)."""
-    exit_record = read_json(run.exit_json)
+    exit_record = read_exit(run)
     trainer = GONE
     if exit_record is None:
         trainer = trainer_liveness(record)
         if trainer == GONE:
             # The supervisor may have written exit.json and exited between our two looks.
-            exit_record = read_json(run.exit_json)
+            exit_record = read_exit(run)
     errors = attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))
     return Observation(
         started_at=float(record.get("started_at") or 0.0),
@@ -249,19 +251,19 @@ def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state:
     killer when exit.json says it ended the trainer, else a boot of the host since the
     attempt started (no exit.json), else its supervisor's last error in agent.log, else
     how exit.json says the trainer ended; None when nothing says, or for another state."""
-    if state not in (RunState.FAILED, RunState.LOST, RunState.DEGRADED):
+    if not (state.failed or state is RunState.DEGRADED):
         return None
     errors = attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))
     if errors:
         first = errors[0]
         text = first["raw"] if "raw" in first else "%s: %s" % (first.get("exc_type"), first.get("message"))
         return text.splitlines()[0]  # never empty: error_records skips blank lines
-    ended = obs.exit or {}
-    if ended.get("error"):
-        return ended["error"]
-    if ended.get("oom_killed"):
+    ended = obs.exit
+    if ended is not None and ended.error:
+        return ended.error
+    if ended is not None and ended.oom_killed:
         return ("the kernel's OOM killer ended the trainer (%s): the host, or its container's limit, ran out of "
-                "memory" % ended.get("signal"))
+                "memory" % ended.signal)
     booted = _booted_since(record) if obs.exit is None else None
     if booted:
         return booted
@@ -278,12 +280,12 @@ def _booted_since(record: Dict[str, Any]) -> Optional[str]:
             % (recorded, current))
 
 
-def _ended_by(ended: Dict[str, Any]) -> Optional[str]:
+def _ended_by(ended: Optional[ExitRecord]) -> Optional[str]:
     """How exit.json says the trainer ended, when it says it failed."""
-    if ended.get("signal"):
-        return "the trainer was killed by %s" % ended["signal"]
-    if ended.get("exit_code"):
-        return "the trainer exited with code %s" % ended["exit_code"]
+    if ended is not None and ended.signal:
+        return "the trainer was killed by %s" % ended.signal
+    if ended is not None and ended.exit_code:
+        return "the trainer exited with code %s" % ended.exit_code
     return None
 
 
@@ -347,5 +349,5 @@ def _newest_checkpoint_step(run: RunDir) -> Optional[int]:
 
 def _ended_at(obs: Observation) -> Optional[float]:
     if obs.exit is not None:
-        return obs.exit.get("ended_at")
+        return obs.exit.ended_at
     return obs.events.done.get("ts") if obs.events.done is not None and obs.trainer == GONE else None

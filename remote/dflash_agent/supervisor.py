@@ -30,6 +30,8 @@ import subprocess
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from dflash_contract.names import ATTEMPT_ENV
+from dflash_contract.records import ExitRecord, attempt_errors
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
@@ -38,7 +40,7 @@ from . import attempts, checkpoints, locks, oom, warm
 from .jsonio import AgentError
 from .jsonio import encode_line
 from .layout import RunDir, Workspace
-from .state import GONE, Observation, attempt_errors, derive_state, error_records, summarize_events
+from .state import GONE, Observation, derive_state, error_records, summarize_events
 
 STOP_POLL_S = 0.2  # during a restart's back-off, how often stop_requested.json is looked for
 # How long the notice of a killed trainer tries to reach its peers' store: a rank 0 still
@@ -135,7 +137,7 @@ def _exec_trainer(plan: TrainerPlan, pipes: Dict[str, int], train_log_fd: int) -
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         if os.read(pipes["go_r"], 1) != b"g":
             os._exit(125)  # the supervisor gave up before run.json existed: never start
-        os.execvpe(plan.python, list(plan.argv), dict(plan.env, DFLASH_ATTEMPT=str(plan.attempt)))
+        os.execvpe(plan.python, list(plan.argv), dict(plan.env, **{ATTEMPT_ENV: str(plan.attempt)}))
     except BaseException as exc:  # exec failed: say why in train.log and to the supervisor
         reason = "cannot start the trainer: %s: %s" % (type(exc).__name__, exc)
     try:
@@ -175,13 +177,13 @@ def supervise(plan: TrainerPlan, report_fd: int) -> int:
     return 0
 
 
-def _tell_peers(plan: TrainerPlan, exit_record: Dict[str, Any]) -> None:
+def _tell_peers(plan: TrainerPlan, exit_record: ExitRecord) -> None:
     """A trainer of a run on several hosts killed by a signal told its peers nothing:
     say it for it on their store (dflash_train.peer_notice, in the trainer's own
     environment), so they end in seconds, also while they wait in the join. After
     exit.json and the locks: this host's state is already known; the notice only
     spares the peers their timeouts."""
-    if plan.distributed is None or not exit_record.get("signal") or os.path.exists(plan.run.stop_requested):
+    if plan.distributed is None or not exit_record.signal or os.path.exists(plan.run.stop_requested):
         return
     if plan.distributed.get("rank") == 0:  # the store lived in this trainer: the peers see it gone
         return
@@ -189,7 +191,7 @@ def _tell_peers(plan: TrainerPlan, exit_record: Dict[str, Any]) -> None:
     # The name the peers and the CLI know this host by (the inventory's), not the machine's own.
     name = hosts[rank] if isinstance(rank, int) and 0 <= rank < len(hosts) else socket.gethostname()
     message = "the trainer on %s was killed by %s%s" % (
-        name, exit_record["signal"], " (the kernel's OOM killer)" if exit_record.get("oom_killed") else "")
+        name, exit_record.signal, " (the kernel's OOM killer)" if exit_record.oom_killed else "")
     argv = [plan.python, "-m", "dflash_train.peer_notice", "--message", message,
             "--timeout-s", str(PEER_NOTICE_TIMEOUT_S)]
     log("telling the peers: %s" % message)
@@ -251,7 +253,7 @@ def _warm_trainer(plan: TrainerPlan) -> Tuple[Optional[warm.WarmTrainer], Option
     if warm.idle_s(dict(plan.env)) == 0:
         return None, warm.WarmFailed("%s=0: no warm interpreter" % warm.IDLE_ENV)
     where = warm.place(plan.workspace.warm, plan.release_id, plan.python)
-    env = dict(plan.env, DFLASH_ATTEMPT=str(plan.attempt))
+    env = dict(plan.env, **{ATTEMPT_ENV: str(plan.attempt)})
     try:
         trainer = warm.fork_trainer(where, plan.argv[3:], env, plan.run.path, plan.run.train_log)
     except warm.WarmFailed as exc:
@@ -313,12 +315,11 @@ def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str,
         exit_code, sig = None, signal_name(os.WTERMSIG(status))
     else:
         exit_code, sig = os.WEXITSTATUS(status), None
-    exit_record = {
-        "exit_code": exit_code, "signal": sig,
-        "oom_killed": oom.was_oom_killed(oom_before, oom.oom_kill_count(trainer.oom_files), sig, pid, start_ticks),
-        "ended_at": time.time(), "exec_error": exec_error, "attempt": plan.attempt,
-    }
-    log("trainer ended: %r" % exit_record)
+    exit_record = ExitRecord(
+        exit_code=exit_code, signal=sig,
+        oom_killed=oom.was_oom_killed(oom_before, oom.oom_kill_count(trainer.oom_files), sig, pid, start_ticks),
+        ended_at=time.time(), exec_error=exec_error, attempt=plan.attempt)
+    log("trainer ended: %r" % exit_record.to_json())
     return entry, exit_record
 
 
@@ -366,7 +367,7 @@ def _go(plan: TrainerPlan, trainer: Any) -> None:
     trainer.go(not (plan.attempt > 0 and os.path.exists(plan.run.stop_requested)))
 
 
-def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: Dict[str, Any]) -> Optional[TrainerPlan]:
+def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: ExitRecord) -> Optional[TrainerPlan]:
     """The plan of the restart the policy calls for, after its back-off; None when the
     run ends here."""
     run = plan.run
@@ -400,21 +401,19 @@ def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: Dict[st
         history=tuple(plan.history) + (attempts.closed(entry, exit_record, state, step),))
 
 
-def _write_exit(run: RunDir, exit_record: Dict[str, Any], reserve: Reserve) -> None:
+def _write_exit(run: RunDir, exit_record: ExitRecord, reserve: Reserve) -> None:
     """exit.json, then the reserve given back; on a disk with no room for it, into the
     reserve's room, with `error` saying so (null otherwise)."""
-    exit_record = dict(exit_record, error=None)
     try:
-        write_json_atomic(run.exit_json, exit_record)
+        write_json_atomic(run.exit_json, exit_record.to_json())
     except OSError as exc:
         if exc.errno not in NO_SPACE:
             raise
         full = DiskFull(run.exit_json)  # made first: what is free without the reserve
         if not reserve.release():
             raise full from exc
-        exit_record["error"] = str(full)
-        write_json_atomic(run.exit_json, exit_record)
-        log_error(exit_record["error"])  # after: the line would take the room exit.json needs
+        write_json_atomic(run.exit_json, dataclasses.replace(exit_record, error=str(full)).to_json())
+        log_error(str(full))  # after: the line would take the room exit.json needs
     reserve.release()
 
 

@@ -28,6 +28,7 @@ import socket
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from dflash_contract.names import RUN_TIME_ENV
 from dflash_files import procfs
 
 from . import locks, oom
@@ -38,13 +39,6 @@ DEFAULT_IDLE_S = 900.0
 REPLY_TIMEOUT_S = 10.0  # for each answer before the trainer runs: longer is a hung one
 READY_TIMEOUT_S = 10.0  # for a new one to hold its lock (before its imports)
 STATUS_POLL_S = 1.0  # how often a trainer whose waiter died is looked for in /proc
-# As dflash_train.warm.RUN_TIME_ENV (a test holds them equal): what a run may set on top
-# of the warm interpreter's environment.
-RUN_TIME_ENV = frozenset(("DFLASH_RUN_ID", "DFLASH_ATTEMPT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                          "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                          # the state of the shell or session the agent was started from (`local`: the CLI's)
-                          "PWD", "OLDPWD", "SHLVL", "_", "TERM", "COLUMNS", "LINES", "SSH_CLIENT", "SSH_CONNECTION",
-                          "SSH_TTY", "XDG_SESSION_ID", "DFLASH_LOGS"))
 
 
 class WarmFailed(Exception):

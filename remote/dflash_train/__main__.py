@@ -16,6 +16,9 @@ import threading
 import time
 from pathlib import Path
 
+
+from dflash_contract.names import ERRORS_JSONL, EVENTS_JSONL
+
 from .runlog import ErrorLog, EventLog, ThreadNames, emit_done, install_line_writers, say
 from . import startup_phases
 from .startup_phases import process_age_s, record, record_to, start_pulse
@@ -45,10 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     threading.main_thread().name = "coordinator"
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # \r-redrawn bars are not log lines
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    events = EventLog(run_dir / "events.jsonl")
+    events = EventLog(run_dir / EVENTS_JSONL)
     record_to(events)
     start_pulse()
-    errors = ErrorLog(run_dir / "errors.jsonl")
+    errors = ErrorLog(run_dir / ERRORS_JSONL)
     thread_names = ThreadNames(run_dir / "threads.json")
     thread_names.add(threading.main_thread())
     fault_log = open(run_dir / "faulthandler.log", "a", encoding="utf-8")  # kept open for the process's life

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
+from dflash_contract.names import RELEASE_DIR_ENV, WORKSPACE_ENV
 import dflash_schema
 from dflash_files.compile_key import CACHE_DIR
 
@@ -641,14 +642,14 @@ def workspace_path(path: str) -> Path:
     candidate = Path(os.path.expanduser(path))
     if candidate.is_absolute():
         return candidate
-    base = os.environ.get("DFLASH_WORKSPACE")
+    base = os.environ.get(WORKSPACE_ENV)
     return (Path(base) if base else Path.cwd()) / candidate
 
 
 def cache_root(run_dir: Path) -> Path:
     """The trainer's caches (tiny targets, tokenized data, compiled steps): the workspace's
     (DFLASH_WORKSPACE), or the run directory's of a run without one."""
-    workspace = os.environ.get("DFLASH_WORKSPACE")
+    workspace = os.environ.get(WORKSPACE_ENV)
     return Path(workspace) / CACHE_DIR if workspace else run_dir / CACHE_DIR
 
 
@@ -659,5 +660,5 @@ def resolve_path(path: str) -> Path:
     candidate = Path(os.path.expanduser(path))
     if candidate.is_absolute():
         return candidate
-    base = os.environ.get("DFLASH_RELEASE_DIR")
+    base = os.environ.get(RELEASE_DIR_ENV)
     return (Path(base) if base else Path.cwd()) / candidate

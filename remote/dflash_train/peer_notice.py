@@ -19,6 +19,10 @@ import json
 import os
 import sys
 
+
+from dflash_contract.names import ABORT_KEY
+from dflash_contract.records import AbortRecord
+
 from .training.distributed import first_line, run_store_prefix
 
 
@@ -30,12 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    record = {"rank": int(os.environ["RANK"]), "kind": "failed", "thread": None, "exc_type": None,
-              "message": args.message}
+    record = AbortRecord(int(os.environ["RANK"]), AbortRecord.FAILED, None, args.message)
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                               datetime.timedelta(seconds=args.timeout_s))
-        dist.PrefixStore(run_store_prefix(), store).compare_set("abort", "", json.dumps(record))
+        dist.PrefixStore(run_store_prefix(), store).compare_set(ABORT_KEY, "", json.dumps(record.to_json()))
     except Exception as exc:  # noqa: BLE001 - c10d raises several types for an unreachable store
         print(f"peer notice: the run's store at {address} cannot be reached ({type(exc).__name__}: "
               f"{first_line(exc)}); the peers were not told", file=sys.stderr)

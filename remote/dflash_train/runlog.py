@@ -7,7 +7,7 @@ held until its newline, and whole lines go out in one os.write under one lock, s
 of different threads never mix inside a line, and library prints and warnings get the
 prefix too.
 
-events.jsonl follows dflash_events (docs/events.md), errors.jsonl docs/errors.md; an
+events.jsonl follows dflash_contract.events (docs/events.md), errors.jsonl docs/errors.md; an
 error record is flushed and fsynced by the failing thread before anything is torn down.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dflash_events import DONE, EventType
+from dflash_contract.names import ATTEMPT_ENV, RELEASE_ID_ENV, RUN_ID_ENV
+from dflash_contract.events import DONE, EventType
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
 
 from .memory import ledger
@@ -200,7 +201,7 @@ class JsonLines:
 
 
 class EventLog(JsonLines):
-    """events.jsonl: every event is checked against its type in dflash_events before it is
+    """events.jsonl: every event is checked against its type in dflash_contract.events before it is
     written (an EventError names the type and the field); the check costs about what the
     JSON encoding does, so it is always on."""
 
@@ -234,7 +235,7 @@ def root_cause(exc: BaseException) -> BaseException:
 def attempt_number() -> int:
     """Which attempt of its run this process is (DFLASH_ATTEMPT, set by the agent's
     supervisor; 0, the launch, when run by hand)."""
-    return int(os.environ.get("DFLASH_ATTEMPT") or 0)
+    return int(os.environ.get(ATTEMPT_ENV) or 0)
 
 
 def _innermost_detail(exc: BaseException) -> dict[str, Any] | None:
@@ -269,7 +270,7 @@ def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
               for f in traceback.extract_tb(cause.__traceback__)][-MAX_FRAMES:]
     record = {
         "ts": time.time(),
-        "run_id": os.environ.get("DFLASH_RUN_ID"),
+        "run_id": os.environ.get(RUN_ID_ENV),
         "thread": thread,
         "thread_ident": thread_ident,
         "phase": phase,
@@ -279,7 +280,7 @@ def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
         "traceback": _bounded("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
                               MAX_TRACEBACK_CHARS),
         "frames": frames,
-        "release_id": os.environ.get("DFLASH_RELEASE_ID"),
+        "release_id": os.environ.get(RELEASE_ID_ENV),
         "attempt": attempt_number(),
     }
     detail = _innermost_detail(exc)

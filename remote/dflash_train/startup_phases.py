@@ -10,7 +10,7 @@ line in train.log, so `watch` shows where a starting run is instead of a silent 
 Any module calls `phase` without being handed the event log: the coordinator names the
 run's log once (`record_to`); before that, and in code run outside a trainer (benchmarks,
 tests), phases only time their body. A phase and its detail fields are declared in
-dflash_events (STARTUP), which every event is checked against.
+dflash_contract.events (STARTUP), which every event is checked against.
 
 A phase can be long and still working (a cold compile, a target read from a network
 disk): `start_pulse` adds, until the job leaves its start-up (`end_pulse`), an `alive`
@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from dflash_events import STARTUP, StartupState
+from dflash_contract.events import STARTUP, StartupState
 
 from .config import STARTUP_PULSE_S
 from .runlog import EventLog, say

@@ -39,18 +39,13 @@ import threading
 import time
 import traceback
 
+from dflash_contract.names import RUN_TIME_ENV
+
+
 # The agent's lines (agent.log, warm.log) and the refusals it records in run.json.
 WHY_TORCH_CHANGED = "torch changed under it"
 WHY_CUDA = "CUDA is initialised in it"
 REQUEST_TIMEOUT_S = 10.0  # for the request line and the go byte; the agent waits as long
-# What a run sets on top of the environment the warm interpreter started with: read while
-# the trainer runs, never by an import. Every other variable must be the same (refused
-# otherwise: an import may have read it).
-RUN_TIME_ENV = frozenset(("DFLASH_RUN_ID", "DFLASH_ATTEMPT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                          "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                          # the state of the shell or session the agent was started from (`local`: the CLI's)
-                          "PWD", "OLDPWD", "SHLVL", "_", "TERM", "COLUMNS", "LINES", "SSH_CLIENT", "SSH_CONNECTION",
-                          "SSH_TTY", "XDG_SESSION_ID", "DFLASH_LOGS"))
 # What `python -m dflash_train` imports before its job starts.
 IMPORTS = ("dflash_train.jobs.coordinator", "dflash_train.jobs.evaluation", "dflash_train.jobs.regenerate",
            "transformers.utils.logging")

@@ -20,7 +20,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
-from dflash_agent import protocol
+from dflash_contract import replies as protocol
+from dflash_contract.checker import ProtocolError
+from dflash_contract.follow import follow_message
 from dflash_files import procfs
 from support.wait import wait_until
 
@@ -30,12 +32,12 @@ RELEASE_ID = "rel-0001"
 
 
 def make_workspace(base: Path, release_id: str = RELEASE_ID) -> Path:
-    """<base>/work space/ with releases/<id>/remote/{agent.py, dflash_agent, dflash_events, dflash_train}
+    """<base>/work space/ with releases/<id>/remote/{agent.py, dflash_agent, dflash_contract, dflash_train}
     and current -> releases/<id>. The space in the path checks that nothing splits it."""
     workspace = base / "work space"
     remote = workspace / "releases" / release_id / "remote"
     ignore = shutil.ignore_patterns("__pycache__")
-    for package in ("dflash_agent", "dflash_events"):
+    for package in ("dflash_agent", "dflash_contract"):
         shutil.copytree(REPO / "remote" / package, remote / package, ignore=ignore)
     shutil.copy2(REPO / "remote" / "agent.py", remote / "agent.py")
     shutil.copytree(STANDIN, remote / "dflash_train", ignore=ignore)
@@ -92,8 +94,8 @@ class FollowStream:
             self.raw_lines.append(line)
             message = json.loads(line)
             try:
-                read_as(protocol.follow_message, message)
-            except (AssertionError, protocol.ProtocolError) as exc:
+                read_as(follow_message, message)
+            except (AssertionError, ProtocolError) as exc:
                 self._queue.put(exc)  # raised by the test's next read
                 return
             self._queue.put(message)

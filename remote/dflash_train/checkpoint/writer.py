@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from dflash_events import CHECKPOINT
+from dflash_contract.events import CHECKPOINT
 
 from ..runlog import EventLog, say
 from ..threads import StopLatch, StopRequested, JobThread

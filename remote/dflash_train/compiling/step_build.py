@@ -145,7 +145,7 @@ class BuildReport:
         return sum(b.capture_s for b in self.buckets)
 
     def event_detail(self) -> dict[str, object]:
-        """The `build train step` event's fields of this build (dflash_events STARTUP)."""
+        """The `build train step` event's fields of this build (dflash_contract.events STARTUP)."""
         detail: dict[str, object] = {"graphs_traced": self.graphs_compiled, "graphs_loaded": self.graphs_loaded,
                                      "warmup_s": round(self.warmup_s, 3),
                                      "capture_s": round(self.capture_s, 3)}

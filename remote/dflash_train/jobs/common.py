@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_events import HEARTBEAT, PHASE
+from dflash_contract.events import HEARTBEAT, PHASE
 
 from .. import startup_phases
 from ..config import JobConfig, cache_root, resolve_path

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from dflash_events import REPLICAS
+from dflash_contract.events import REPLICAS
 
 from ..compiling.cache import is_warm, save_after_first_compile
 from ..compiling.policy import build_train_step, example_inputs, forbid_compiles

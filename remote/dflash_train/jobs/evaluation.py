@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from dflash_events import EVAL
+from dflash_contract.events import EVAL
 
 from ..config import JobConfig, resolve_path
 from ..data.batches import load_prompts

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash_events import PROGRESS
+from dflash_contract.events import PROGRESS
 
 from ..compiling.policy import configure_compiler, forbid_compiles
 from ..config import JobConfig, resolve_path, workspace_path

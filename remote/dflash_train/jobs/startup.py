@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash_events import TOKENIZING
+from dflash_contract.events import TOKENIZING
 
 from ..checkpoint.folders import LoadedCheckpoint, load_checkpoint, resolve_resume
 from ..checkpoint.state import fits

@@ -42,6 +42,9 @@ from typing import Any, Callable
 
 import torch
 
+from dflash_contract.names import ABORT_KEY, RUN_ID_ENV
+from dflash_contract.records import AbortRecord
+
 from ..config import DistributedConfig
 from ..runlog import say
 from ..startup_phases import phase
@@ -144,7 +147,7 @@ def requested_world_size() -> int:
 
 def run_store_prefix() -> str:
     """Where this run's keys live on the rendezvous store (the module docstring's)."""
-    return f"dflash/{os.environ.get('DFLASH_RUN_ID', 'run')}/"
+    return f"dflash/{os.environ.get(RUN_ID_ENV, 'run')}/"
 
 
 def pick_backend(config: DistributedConfig, cuda: bool) -> str:
@@ -418,7 +421,7 @@ class Peers:
                 record, counts = self._store_calls.call(self._look, timeout)
                 if record is not None:
                     self._on_abort_record(record)
-                    return 128 + signal.SIGTERM if record["kind"] == "stopped" else 1
+                    return 128 + signal.SIGTERM if record.kind == AbortRecord.STOPPED else 1
                 now = time.monotonic()
                 for peer, count in counts.items():
                     if count != heard[peer][0]:
@@ -444,7 +447,7 @@ class Peers:
                 return 1
         return None
 
-    def _look(self) -> tuple[dict[str, Any] | None, dict[int, int]]:
+    def _look(self) -> tuple[AbortRecord | None, dict[int, int]]:
         """One round of the watchdog on the store: this rank's `alive` count up, then a
         peer's abort record (acknowledged) or, without one, every peer's count."""
         self.store.add(f"alive/{self.rank}", 1)
@@ -454,18 +457,18 @@ class Peers:
             return record, {}
         return None, self._alive_counts()
 
-    def _abort_record(self) -> dict[str, Any] | None:
-        if not self.store.check(["abort"]):
+    def _abort_record(self) -> AbortRecord | None:
+        if not self.store.check([ABORT_KEY]):
             return None
-        record = json.loads(self.store.get("abort"))
-        return None if record["rank"] == self.rank else record
+        record = AbortRecord.from_json(json.loads(self.store.get(ABORT_KEY)))
+        return None if record.rank == self.rank else record
 
-    def _on_abort_record(self, record: dict[str, Any]) -> None:
-        if record["kind"] == "stopped":
-            say(f"rank {record['rank']} stopped ({record['message']}): stopping")
-            self.latch.request_stop(f"rank {record['rank']} stopped")
+    def _on_abort_record(self, record: AbortRecord) -> None:
+        if record.kind == AbortRecord.STOPPED:
+            say(f"rank {record.rank} stopped ({record.message}): stopping")
+            self.latch.request_stop(f"rank {record.rank} stopped")
         else:
-            self.peer_failed(record["rank"], record["exc_type"], record["message"])
+            self.peer_failed(record.rank, record.exc_type, record.message)
 
     def peer_failed(self, peer_rank: int, exc_type: str | None, message: str,
                     silence_s: float | None = None) -> PeerFailed:
@@ -491,13 +494,11 @@ class Peers:
         if failure is None or not isinstance(failure[1], PeerFailed):
             if failure is not None:
                 thread, exc = failure
-                record = {"rank": self.rank, "kind": "failed", "thread": thread,
-                          "exc_type": type(exc).__name__, "message": str(exc)}
+                record = AbortRecord(self.rank, AbortRecord.FAILED, type(exc).__name__, str(exc), thread)
             else:
-                record = {"rank": self.rank, "kind": "stopped", "exc_type": None,
-                          "message": self.latch.stop_reason or "stop requested"}
+                record = AbortRecord(self.rank, AbortRecord.STOPPED, None, self.latch.stop_reason or "stop requested")
             try:
-                self.store.compare_set("abort", "", json.dumps(record))
+                self.store.compare_set(ABORT_KEY, "", json.dumps(record.to_json()))
             except Exception:  # noqa: BLE001 - rank 0 is gone: the peers see that for themselves
                 pass
         if self.backend == "nccl":

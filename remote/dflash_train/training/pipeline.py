@@ -19,7 +19,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
-import dflash_events
+import dflash_contract.events
 
 from ..devices import thread_stream
 from ..memory import ledger
@@ -107,7 +107,7 @@ def drafter_body(run: Run, schedule: OutputSchedule, channels: Channels, index: 
             run.faults.fire(worker.name)
             replica = start_replica(index)
             worker.mark_ready()
-            run.events.emit(dflash_events.READY, replica=replica.index, device=replica.device,
+            run.events.emit(dflash_contract.events.READY, replica=replica.index, device=replica.device,
                             compile=run.config.compile, rank=run.layout.rank, world_size=run.layout.world_size,
                             memory=ledger.snapshot(worker.name))
             run.latch.progressed()

@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from dflash_events import EVAL, EXPORT, STEP
+from dflash_contract.events import EVAL, EXPORT, STEP
 
 from dflash_files.checkpoint_files import CHECKPOINTS_DIR, EXPORT_DIR
 

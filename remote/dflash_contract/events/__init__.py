@@ -5,7 +5,7 @@ whose `emit` checks each event here before it is written) and, for the `attempt`
 marker, by the agent's supervisor. Its readers take the names from here: the agent's
 run state (dflash_agent.state), `follow` (which keeps heartbeats on the host), and on
 the CLI's side the status line, TensorBoard files and `dflash plot`. docs/events.md is
-made from this module (`python -m dflash_events`); a test holds the two equal.
+made from this module (`python -m dflash_contract.events`); a test holds the two equal.
 
 Readers stay lenient (`event.get(STEP.loss)`): a run of an older release may lack a
 field. Writers are strict: an event that does not fit its type is an EventError.
@@ -207,7 +207,7 @@ STEP = EventType("step", "One per optimizer step, from rank 0 only: the run's fi
                  ))
 
 EVAL = EventType("eval", "The drafter's acceptance length on the eval prompts: in training, of the weights it "
-                 "started from (the baseline; a threaded run measures it once its first step is taken), every "
+                 "started from (the baseline, measured once the run's first step is taken), every "
                  "`eval.every` steps and at the end; the evaluate job's one result.",
                  BY_TRAINER, (
                      Field("step", Nullable(INT), "the steps the drafter was trained (null in the evaluate job)"),

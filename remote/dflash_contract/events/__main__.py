@@ -1,4 +1,4 @@
-"""`python -m dflash_events > docs/events.md`: the events' reference, made from the schema."""
+"""`python -m dflash_contract.events > docs/events.md`: the events' reference, made from the schema."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +10,7 @@ from .fields import EventType, Field, Kind, ListOf, MapOf, Nullable, Record
 HEADER = """\
 # events.jsonl
 
-<!-- Made by `python -m dflash_events > docs/events.md` from remote/dflash_events, which is
+<!-- Made by `python -m dflash_contract.events > docs/events.md` from remote/dflash_contract/events, which is
 the authority (the trainer checks every event against it before writing it); a test holds
 this file equal to what the command prints. -->
 

@@ -1,50 +1,25 @@
-"""The agent's protocol as types: the reply of every verb, every message of the `follow`
-stream, the error object, and the run states (the package docstring lists the verbs and
-their options).
+"""The agent's protocol as types: the reply of every verb and the error object
+(dflash_agent's docstring lists the verbs and their options; follow.py the messages of
+the `follow` stream).
 
-Each type is a frozen dataclass whose fields are the keys of its JSON object, in the order
-the agent writes them. `to_json()` is the object the agent prints; `from_json()` reads one
-strictly: a missing or unknown key, or a value of another type, is a ProtocolError naming
-the reply and the key, so that a CLI and an agent of different releases fail clearly
-instead of misreading each other. A field made with `optional()` is a key the agent
-leaves out rather than writing null.
+Each type is a checker.Message: the agent prints its `to_json()`, the CLI reads it with
+`from_json()`, strictly.
 
-What the run directory's files hold is passed on as it is, typed Dict[str, Any]: run.json,
-exit.json, errors.jsonl's records and events.jsonl's events are the supervisor's and the
-trainer's formats (docs/layout.md), read by whoever reads those files.
+exit.json is records.ExitRecord; what the run directory's other files hold is passed on
+as it is, typed Dict[str, Any]: run.json, errors.jsonl's records and events.jsonl's
+events are the supervisor's and the trainer's formats (docs/layout.md), read by whoever
+reads those files.
 
 Standard library only, and Python 3.8's: the agent imports it from its release, the CLI
 from its own tree.
 """
 import dataclasses
 import enum
-from typing import Any, Dict, Optional, Tuple, Type, TypeVar, Union, get_args, get_origin
+from typing import Any, Dict, Optional, Tuple
 
-
-class ProtocolError(ValueError):
-    """A JSON object that is not the type it was read as."""
-
-
-class RunState(str, enum.Enum):
-    """A run's state, its latest attempt's (docs/runs.md "Run states"), derived on the
-    host (dflash_agent/state.py). On the wire: its name."""
-
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    STOPPED = "STOPPED"
-    DEGRADED = "DEGRADED"  # alive, and a thread recorded an error
-    STALLED = "STALLED"  # alive, and no progress for stall_after seconds (or stopped by a signal)
-    LOST = "LOST"  # no process left, and nobody recorded how the run ended
-
-    def __str__(self) -> str:
-        return self.value  # f-strings and str() show the name on every Python
-
-    @property
-    def terminal(self) -> bool:
-        """The run ended: no process of it is left (every other state has a live trainer)."""
-        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.STOPPED, RunState.LOST)
+from .checker import Message, optional
+from .records import ExitRecord
+from .states import RunState
 
 
 class ErrorKind(str, enum.Enum):
@@ -61,37 +36,6 @@ class ErrorKind(str, enum.Enum):
         return self.value
 
 
-_OMITTED = "dflash: left out when None"
-M = TypeVar("M", bound="Message")
-
-
-def optional() -> Any:
-    """A field whose key the agent writes only when it has a value (None: left out)."""
-    return dataclasses.field(default=None, metadata={_OMITTED: True})
-
-
-class Message:
-    """The JSON (de)serialisation of every type below."""
-
-    @classmethod
-    def describe(cls) -> str:
-        """How a ProtocolError names what it was reading."""
-        return cls.__name__
-
-    def to_json(self) -> Dict[str, Any]:
-        out = {}  # type: Dict[str, Any]
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is None and field.metadata.get(_OMITTED):
-                continue
-            out[field.name] = _dump(value)
-        return out
-
-    @classmethod
-    def from_json(cls: Type[M], obj: Any) -> M:
-        return _read(cls, obj, cls.describe(), "")
-
-
 class Reply(Message):
     """The one JSON object a verb prints on stdout."""
 
@@ -100,106 +44,6 @@ class Reply(Message):
     @classmethod
     def describe(cls) -> str:
         return "agent %s reply" % cls.VERB
-
-
-class FollowMessage(Message):
-    """One line of the `follow` stream: {"t": T, ...}."""
-
-    T = ""
-
-    @classmethod
-    def describe(cls) -> str:
-        return "agent follow %r message" % cls.T
-
-    def to_json(self) -> Dict[str, Any]:
-        out = {"t": self.T}  # type: Dict[str, Any]
-        out.update(super().to_json())
-        return out
-
-    @classmethod
-    def from_json(cls: Type[M], obj: Any) -> M:
-        if not isinstance(obj, dict) or obj.get("t") != cls.T:  # type: ignore[attr-defined]
-            raise ProtocolError("%s: expected \"t\": %r, got %r" % (
-                cls.describe(), cls.T, obj.get("t") if isinstance(obj, dict) else obj))  # type: ignore[attr-defined]
-        return _read(cls, {key: value for key, value in obj.items() if key != "t"}, cls.describe(), "")
-
-
-# -- reading and writing -------------------------------------------------------------------
-
-def _dump(value: Any) -> Any:
-    if isinstance(value, Message):
-        return value.to_json()
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, (list, tuple)):
-        return [_dump(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _dump(item) for key, item in value.items()}
-    return value
-
-
-def _read(cls: Type[M], obj: Any, what: str, path: str) -> M:
-    if not isinstance(obj, dict):
-        raise _problem(what, path, "expected a JSON object, got %s" % _shown(obj))
-    fields = dataclasses.fields(cls)
-    unknown = sorted(set(obj) - {field.name for field in fields})
-    if unknown:
-        raise _problem(what, path, "unknown key%s %s" % ("s" * (len(unknown) > 1), ", ".join(map(repr, unknown))))
-    missing = [field.name for field in fields if field.name not in obj and not field.metadata.get(_OMITTED)]
-    if missing:
-        raise _problem(what, path, "missing key%s %s" % ("s" * (len(missing) > 1), ", ".join(map(repr, missing))))
-    return cls(**{field.name: _value(field.type, obj[field.name], what, _key(path, field.name))
-                  for field in fields if field.name in obj})
-
-
-_NONE = type(None)
-
-
-def _value(kind: Any, value: Any, what: str, path: str) -> Any:
-    origin = get_origin(kind)
-    if kind is Any:
-        return value
-    if origin is Union:
-        options = [option for option in get_args(kind) if option is not _NONE]
-        if value is None and len(options) < len(get_args(kind)):
-            return None
-        (only,) = options  # the protocol's unions are Optional[X]
-        return _value(only, value, what, path)
-    if origin is tuple:
-        item = get_args(kind)[0]
-        if not isinstance(value, list):
-            raise _problem(what, path, "expected a list, got %s" % _shown(value))
-        return tuple(_value(item, entry, what, "%s[%d]" % (path, i)) for i, entry in enumerate(value))
-    if origin is dict:
-        item = get_args(kind)[1]
-        if not isinstance(value, dict):
-            raise _problem(what, path, "expected a JSON object, got %s" % _shown(value))
-        return {key: _value(item, entry, what, _key(path, key)) for key, entry in value.items()}
-    if isinstance(kind, type) and issubclass(kind, Message):
-        return _read(kind, value, what, path)
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        try:
-            return kind(value)
-        except ValueError:
-            raise _problem(what, path, "%s is not one of %s" % (_shown(value), ", ".join(m.value for m in kind)))
-    # JSON has one kind of number: a float field may hold an integer; bool is no number.
-    accepted = (int, float) if kind is float else (kind,)
-    if not isinstance(value, accepted) or (isinstance(value, bool) and kind is not bool):
-        raise _problem(what, path, "expected %s, got %s" % (kind.__name__, _shown(value)))
-    return value
-
-
-def _key(path: str, key: str) -> str:
-    return "%s.%s" % (path, key) if path else key
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return "%s %s" % (type(value).__name__, text if len(text) <= 60 else text[:57] + "...")
-
-
-def _problem(what: str, path: str, problem: str) -> ProtocolError:
-    return ProtocolError("%s: %s%s" % (what, path + ": " if path else "", problem))
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -310,7 +154,7 @@ class RunStatus(Message):
     pid: Optional[int]
     started_at: Optional[float]
     ended_at: Optional[float]  # exit.json's, or the trainer's `done` event's when no supervisor was left to write it
-    exit: Optional[Dict[str, Any]]  # exit.json
+    exit: Optional[ExitRecord]  # exit.json
     errors: int  # the latest attempt's error records
     last_heartbeat: Optional[float]
     release_id: Optional[str]
@@ -390,7 +234,7 @@ class ReportReply(Reply):
     run_id: str
     state: RunState
     run: Dict[str, Any]  # run.json
-    exit: Optional[Dict[str, Any]]  # exit.json
+    exit: Optional[ExitRecord]  # exit.json
     errors: Tuple[Dict[str, Any], ...]  # every errors.jsonl record; a line that is not JSON as {"raw": text}
     faulthandler: str  # faulthandler.log's last 4 MiB
     last_stacks: str  # its newest dump
@@ -498,6 +342,26 @@ class PreflightVerdict(Message):
 
     check: str  # what was checked: "free space in WS", "data.train /data/x.jsonl", "PYTHON imports torch, ..."
     problem: Optional[str]  # None: it passed
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupAnswer(Message):
+    """The last line `dflash setup`'s host script prints (dflash_cli/host_scripts/
+    host_setup.py, docs/hosts.md): the environment it left in use, or where it failed."""
+
+    status: str  # unchanged, switched, installed, or FAILED
+    env: Optional[str]  # the environment in use (a failure's: None when the host has none yet)
+    key: Optional[str] = optional()  # the environment's key
+    torch_index: Optional[str] = optional()  # the PyTorch index it installed from, or "pip"
+    previous: Optional[str] = optional()  # the environment in use before a switch
+    step: Optional[str] = optional()  # a failure's: lock, driver, venv, torch, requirements, setup
+    error: Optional[str] = optional()  # a failure's message
+
+    FAILED = "failed"
+
+    @classmethod
+    def describe(cls) -> str:
+        return "host setup answer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,108 +496,3 @@ class GcReply(Reply):
     removed: Tuple[RemovedRelease, ...]
     kept: Tuple[KeptRelease, ...]
     freed_bytes: int
-
-
-# -- the follow stream ------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class LogMessage(FollowMessage):
-    """train.log's bytes from `offset`, whole lines only (a partial last line is held until
-    it completes, the run ends or the segment ends), batched for up to 1 s; the lines
-    before an error record are sent at once, with it. `data` is utf-8 decoded with
-    surrogateescape: data.encode("utf-8", "surrogateescape") gives the exact bytes, and
-    offset + their length is where the next message starts."""
-
-    T = "log"
-    offset: int
-    data: str
-    inode: Optional[int] = optional()  # in the first message of a stream and of a segment
-    segment: Optional[int] = optional()  # ditto
-
-
-@dataclasses.dataclass(frozen=True)
-class RotatedMessage(FollowMessage):
-    """train.log was cut in place ("truncated": copytruncate, a size below what was read or
-    other bytes than those read before) or another file took its name ("replaced",
-    followed once it has content). Everything of the old content that could be read was
-    sent before this message, up to previous_end; the new content follows from `offset`
-    as segment `segment`."""
-
-    T = "rotated"
-    reason: str  # "truncated" or "replaced"
-    segment: int
-    inode: int
-    offset: int  # 0, or the --tail-lines start
-    previous_end: int
-    # The old content was read to its end (from the old file, or from a copy next to it,
-    # train.log.*, holding the bytes before the read position); false: lines written to
-    # it after its last read may be missing.
-    complete: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class ErrorMessage(FollowMessage):
-    """An errors.jsonl record, as soon as its line is complete."""
-
-    T = "error"
-    index: int  # its position in errors.jsonl
-    record: Optional[Dict[str, Any]]  # None for a line that is not JSON...
-    raw: Optional[str] = optional()  # ... which comes as it is
-
-
-@dataclasses.dataclass(frozen=True)
-class EventsMessage(FollowMessage):
-    """events.jsonl's records (every type but heartbeat) of the stretch [offset, next) of
-    the file, whole lines only, batched like the log (up to 1 s or 64 KiB): a resume
-    passes `next` as --events-offset. A stretch of heartbeats alone sends nothing; a line
-    that is not JSON (a write cut by a kill) is skipped."""
-
-    T = "events"
-    offset: int
-    next: int
-    events: Tuple[Dict[str, Any], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuMessage(FollowMessage):
-    """A sample of nvidia-smi every --gpu-interval seconds (none without it)."""
-
-    T = "gpu"
-    ts: float
-    gpus: Tuple[Gpu, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class StateMessage(FollowMessage):
-    """The run's state, at the start and on every change."""
-
-    T = "state"
-    state: RunState
-    ts: float
-
-
-@dataclasses.dataclass(frozen=True)
-class EndMessage(FollowMessage):
-    """The last message: the run is terminal and everything it wrote was sent."""
-
-    T = "end"
-    state: RunState
-    exit: Optional[Dict[str, Any]]  # exit.json
-    attempt: int  # the latest attempt, whose error records the outcome is
-    offset: int  # where the log was sent to...
-    segment: int  # ... in this segment
-
-
-FOLLOW_MESSAGES = {cls.T: cls for cls in (LogMessage, RotatedMessage, ErrorMessage, EventsMessage, GpuMessage,
-                                          StateMessage, EndMessage)}
-
-
-def follow_message(obj: Any) -> Union[FollowMessage, ErrorReply]:
-    """One line of the follow stream, by its "t"; an object without one is the error
-    reply of a follow refused before it streamed (an unknown run)."""
-    if isinstance(obj, dict) and "t" not in obj:
-        return ErrorReply.from_json(obj)
-    kind = obj.get("t") if isinstance(obj, dict) else None
-    if kind not in FOLLOW_MESSAGES:
-        raise ProtocolError("agent follow message: unknown type %s" % _shown(kind if isinstance(obj, dict) else obj))
-    return FOLLOW_MESSAGES[kind].from_json(obj)
