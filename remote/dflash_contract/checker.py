@@ -28,7 +28,7 @@ _OMITTED = "dflash: left out when None"
 M = TypeVar("M", bound="Message")
 _NONE = type(None)
 # `X | Y` is a types.UnionType from Python 3.10 on, a typing.Union before.
-_UNIONS = (Union, getattr(types, "UnionType", Union))
+UNIONS = (Union, getattr(types, "UnionType", Union))
 
 
 def optional(written: bool = False) -> Any:
@@ -119,7 +119,7 @@ def convert(kind: Any, value: Any, rules: Rules, path: Tuple[Any, ...] = ()) -> 
         if value is None:
             return None
         raise Mismatch(Mismatch.WRONG_TYPE, path, kind, value)
-    if origin in _UNIONS:
+    if origin in UNIONS:
         return _one_of_union(kind, value, rules, path)
     if origin is Literal:
         choices = get_args(kind)

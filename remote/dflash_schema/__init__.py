@@ -1,7 +1,8 @@
 """One strict loader: YAML mappings -> frozen dataclasses.
 
 Shared by the CLI (host inventory) and the trainer (training configs), and shipped
-in every release, so it depends on the standard library plus PyYAML only.
+in every release, so it depends on the standard library, PyYAML and the contract's
+checker (dflash_contract.checker, which judges every value; this module phrases it).
 
 Rules: unknown keys, missing required keys and wrong types are errors; each error
 names the file, the path of keys that led to it ("hosts.ct200.container") and what
@@ -25,7 +26,9 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar, Union
+from typing import Any, Callable, Literal, TypeVar
+
+from dflash_contract.checker import UNIONS, Keys, Mismatch, Rules, convert, dotted
 
 T = TypeVar("T")
 
@@ -249,7 +252,7 @@ def _describe(tp: Any) -> str:
         return "null"
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
+    if origin in UNIONS:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin in (tuple, list):
         return f"a list of {_describe(typing.get_args(tp)[0])}"
@@ -273,88 +276,64 @@ def _join(where: str, key: Any) -> str:
     return f"{where}.{key}" if where else str(key)
 
 
+class _YamlRules(Rules):
+    """A config's dataclass: its fields given in YAML, those with a default may be left out,
+    fields marked metadata={"internal": True} are filled in by code, never from YAML; its
+    __post_init__ cross-field checks are the config's errors too. A section given as null
+    is one given no keys; a float is finite."""
+
+    finite_floats = True
+    none_is_empty = True
+
+    def keys(self, cls: Any) -> Keys:
+        hints = typing.get_type_hints(cls)
+        fields = [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")]
+        return Keys({f.name: hints[f.name] for f in fields},
+                    (f.name for f in fields if f.default is not dataclasses.MISSING
+                     or f.default_factory is not dataclasses.MISSING))
+
+    def build(self, cls: Any, values: dict[str, Any], path: tuple[Any, ...]) -> Any:
+        try:
+            return cls(**values)
+        except SchemaError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise Mismatch(Mismatch.INVALID, path, cls, values, problem=str(exc)) from exc
+
+    def mapping(self, items: dict[Any, Any]) -> Any:
+        return types.MappingProxyType(items)
+
+
+_YAML = _YamlRules()
+
+
 def _convert(tp: Any, value: Any, source: str, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _convert(option, value, source, where)
-            except SchemaError as exc:
-                errors.append(exc)
-        if len(errors) == 1:
-            raise errors[0]
-        raise SchemaError(source, where, f"expected {_describe(tp)}, got {_type_name(value)}")
-    if origin is Literal:
-        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
-            return value
-        raise SchemaError(source, where, f"expected one of {_describe(tp)}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        return _convert_dataclass(tp, value, source, where)
-    if origin in (tuple, list):
-        if not isinstance(value, list):
-            raise SchemaError(source, where, f"expected {_describe(tp)}, got {_type_name(value)}")
-        item_tp = typing.get_args(tp)[0]
-        items = [_convert(item_tp, v, source, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin in (dict, collections.abc.Mapping):
-        key_tp, val_tp = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise SchemaError(source, where, f"expected {_describe(tp)}, got {_type_name(value)}")
-        out = {}
-        for k, v in value.items():
-            out[_convert(key_tp, k, source, _join(where, k))] = _convert(val_tp, v, source, _join(where, k))
-        return types.MappingProxyType(out)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return _finite_float(value, source, where)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(tp, type) and isinstance(value, tp):
-        return value
-    raise SchemaError(source, where, f"expected {_describe(tp)}, got {_type_name(value)} {value!r}")
-
-
-def _finite_float(value: int | float, source: str, where: str) -> float:
     try:
-        number = float(value)
-    except OverflowError:  # an int beyond the float range
-        raise SchemaError(source, where, f"expected a finite number, got {value!r} (too large)") from None
-    if not math.isfinite(number):
-        yaml_spelling = ".nan" if math.isnan(number) else (".inf" if number > 0 else "-.inf")
-        raise SchemaError(source, where, f"expected a finite number, got {yaml_spelling}")
-    return number
+        return convert(tp, value, _YAML)
+    except Mismatch as refused:
+        raise _schema_error(refused, source, where) from refused.__cause__
 
 
-def _convert_dataclass(cls: Any, value: Any, source: str, where: str) -> Any:
-    if value is None:
-        value = {}
-    if not isinstance(value, dict):
-        raise SchemaError(source, where, f"expected a mapping, got {_type_name(value)}")
-    hints = typing.get_type_hints(cls)
-    # Fields marked metadata={"internal": True} are filled in by code, never from YAML.
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")}
-    unknown = [k for k in value if k not in fields]
-    if unknown:
-        known = ", ".join(sorted(fields))
-        raise SchemaError(source, _join(where, unknown[0]), f"unknown key (known keys: {known})")
-    kwargs = {}
-    for name, field in fields.items():
-        if name in value:
-            kwargs[name] = _convert(hints[name], value[name], source, _join(where, name))
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise SchemaError(source, _join(where, name), "missing required key")
-    try:
-        return cls(**kwargs)
-    except SchemaError:
-        raise
-    except (ValueError, TypeError) as exc:  # __post_init__ cross-field checks
-        raise SchemaError(source, where, str(exc)) from exc
+def _schema_error(refused: Mismatch, source: str, where: str) -> SchemaError:
+    at = dotted(refused.path, where)
+    if refused.inner is not None:  # an Optional's one option: said as that option's refusal
+        refused = refused.inner
+    kind, value = refused.kind, refused.value
+    if refused.reason == Mismatch.UNKNOWN:
+        known = ", ".join(sorted(_YAML.keys(kind).types))
+        return SchemaError(source, _join(at, refused.keys[0]), f"unknown key (known keys: {known})")
+    if refused.reason == Mismatch.MISSING:
+        return SchemaError(source, _join(at, refused.keys[0]), "missing required key")
+    if refused.reason == Mismatch.INVALID:
+        return SchemaError(source, at, refused.problem)
+    if refused.reason == Mismatch.NOT_FINITE:
+        if not isinstance(value, float):
+            return SchemaError(source, at, f"expected a finite number, got {value!r} (too large)")
+        yaml_spelling = ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+        return SchemaError(source, at, f"expected a finite number, got {yaml_spelling}")
+    if refused.reason == Mismatch.NOT_ONE_OF:
+        return SchemaError(source, at, f"expected one of {_describe(kind)}, got {value!r}")
+    if typing.get_origin(kind) in UNIONS or dataclasses.is_dataclass(kind) or typing.get_origin(kind) in (
+            tuple, list, dict, collections.abc.Mapping):
+        return SchemaError(source, at, f"expected {_describe(kind)}, got {_type_name(value)}")
+    return SchemaError(source, at, f"expected {_describe(kind)}, got {_type_name(value)} {value!r}")
