@@ -62,9 +62,9 @@ class Message:
 # -- the one judge: is this value of this annotated type --------------------------------------
 
 class Keys:
-    """A JSON object (or YAML mapping) of declared keys: each key's type, and those that may
-    be left out. A dataclass is read through the Keys its reader declares for it; a Keys
-    used as a type itself is a plain object of these keys."""
+    """A JSON object's (or YAML mapping's) declared keys: each key's type, and those that
+    may be left out. A dataclass is read through the Keys its reader declares for it, a
+    TypedDict through its annotations."""
 
     def __init__(self, types: Mapping[str, Any], optional: Iterable[str] = ()):
         self.types, self.optional = dict(types), frozenset(optional)
@@ -111,7 +111,7 @@ class Rules:
 
 def convert(kind: Any, value: Any, rules: Rules, path: Tuple[Any, ...] = ()) -> Any:
     """`value` read as `kind` (int, float, str, bool, None, Any, Optional and Union, Literal,
-    an Enum, lists and tuples, dicts and Mappings, Keys, a record `rules` knows), or Mismatch."""
+    an Enum, lists and tuples, dicts and Mappings, a TypedDict, a record `rules` knows), or Mismatch."""
     origin = get_origin(kind)
     if kind is Any:
         return value
@@ -126,7 +126,7 @@ def convert(kind: Any, value: Any, rules: Rules, path: Tuple[Any, ...] = ()) -> 
         if value in choices and type(value) in {type(choice) for choice in choices}:
             return value
         raise Mismatch(Mismatch.NOT_ONE_OF, path, kind, value)
-    if isinstance(kind, Keys) or rules.is_record(kind):
+    if _is_typed_dict(kind) or rules.is_record(kind):
         return _record(kind, value, rules, path)
     if origin in (tuple, list, collections.abc.Sequence):
         if not isinstance(value, list):
@@ -195,10 +195,15 @@ def _record(kind: Any, value: Any, rules: Rules, path: Tuple[Any, ...]) -> Any:
         value = {}
     if not isinstance(value, dict):
         raise Mismatch(Mismatch.WRONG_TYPE, path, kind, value)
-    keys = kind if isinstance(kind, Keys) else rules.keys(kind)
+    plain = _is_typed_dict(kind)
+    keys = Keys(kind.__annotations__, () if kind.__total__ else kind.__annotations__) if plain else rules.keys(kind)
     check_keys(keys, value, kind, path)
     values = {key: convert(keys.types[key], value[key], rules, path + (key,)) for key in keys.types if key in value}
-    return values if isinstance(kind, Keys) else rules.build(kind, values, path)
+    return values if plain else rules.build(kind, values, path)
+
+
+def _is_typed_dict(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, dict) and hasattr(kind, "__total__")
 
 
 # -- the contract's JSON -------------------------------------------------------------------

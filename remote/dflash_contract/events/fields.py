@@ -10,7 +10,9 @@ Stdlib only and Python 3.8, like the agent that imports it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Tuple, TypedDict
+
+from ..checker import Keys, Mismatch, Rules, check_keys, convert
 
 
 class EventError(ValueError):
@@ -29,94 +31,77 @@ def _shown(value: Any) -> str:
 
 
 class Kind:
-    """The JSON values a field may hold; `text` says which, in docs and errors."""
+    """The JSON values a field may hold: `annotation` the type the contract's checker judges
+    them by, `text` says which in docs and errors."""
 
-    def __init__(self, text: str, accepts: Callable[[Any], bool]):
-        self.text = text
-        self._accepts = accepts
+    def __init__(self, text: str, annotation: Any):
+        self.text, self.annotation = text, annotation
 
     def problem(self, value: Any) -> Optional[str]:
         """What is wrong with `value`, or None when it fits."""
-        return None if self._accepts(value) else "expected %s, got %s" % (self.text, _shown(value))
+        try:
+            convert(self.annotation, value, _EVENTS)
+        except Mismatch as refused:
+            return self._phrase(refused)
+        return None
+
+    def _phrase(self, refused: Mismatch) -> str:
+        """"item 1: key 'bytes': expected an integer, got '1' (str)": the steps into the
+        value, then what the kind there holds."""
+        kind, steps = self, ""  # type: Kind, str
+        for step in refused.path:
+            while isinstance(kind, Nullable):
+                kind = kind.inner
+            if isinstance(step, int):
+                kind, steps = kind.item, steps + "item %d: " % step  # type: ignore[attr-defined]
+            else:
+                inner = kind.value if isinstance(kind, MapOf) else kind.keys[step]  # type: ignore[attr-defined]
+                kind, steps = inner, steps + "key %r: " % step
+        keys = " {%s}" % ", ".join(kind.keys) if isinstance(kind, Record) else ""
+        return "%sexpected %s%s, got %s" % (steps, kind.text, keys, _shown(refused.value))
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_EVENTS = Rules()  # events are plain JSON: no records but Record's, nothing built
 
-
-INT = Kind("an integer", _is_int)
-NUMBER = Kind("a number", lambda value: isinstance(value, (int, float)) and not isinstance(value, bool))
-STR = Kind("a string", lambda value: isinstance(value, str))
-BOOL = Kind("true or false", lambda value: isinstance(value, bool))
+INT = Kind("an integer", int)
+NUMBER = Kind("a number", float)
+STR = Kind("a string", str)
+BOOL = Kind("true or false", bool)
 
 
 class Nullable(Kind):
     def __init__(self, inner: Kind):
-        super().__init__("%s or null" % inner.text, lambda value: True)
+        super().__init__("%s or null" % inner.text, Optional[inner.annotation])
         self.inner = inner
-
-    def problem(self, value: Any) -> Optional[str]:
-        if value is None:
-            return None
-        found = self.inner.problem(value)
-        if found is None or not found.startswith("expected "):
-            return found  # None, or what is wrong inside a list or object
-        return "expected %s, got %s" % (self.text, _shown(value))
 
 
 class OneOf(Kind):
     def __init__(self, *values: str):
-        super().__init__("one of %s" % ", ".join(map(repr, values)), lambda value: value in values)
+        super().__init__("one of %s" % ", ".join(map(repr, values)), Literal[values])
         self.values = values
 
 
 class ListOf(Kind):
     def __init__(self, item: Kind):
-        super().__init__("a list of %s" % _plural(item.text), lambda value: True)
+        super().__init__("a list of %s" % _plural(item.text), List[item.annotation])  # type: ignore[name-defined]
         self.item = item
-
-    def problem(self, value: Any) -> Optional[str]:
-        if not isinstance(value, list):
-            return "expected %s, got %s" % (self.text, _shown(value))
-        for index, item in enumerate(value):
-            found = self.item.problem(item)
-            if found is not None:
-                return "item %d: %s" % (index, found)
-        return None
 
 
 class MapOf(Kind):
     """A JSON object of any keys (strings), every value of one kind."""
 
     def __init__(self, value: Kind):
-        super().__init__("an object of %s" % _plural(value.text), lambda value: True)
+        super().__init__("an object of %s" % _plural(value.text), Dict[str, value.annotation])  # type: ignore
         self.value = value
-
-    def problem(self, value: Any) -> Optional[str]:
-        if not isinstance(value, dict):
-            return "expected %s, got %s" % (self.text, _shown(value))
-        for key, item in value.items():
-            found = self.value.problem(item)
-            if found is not None:
-                return "key %r: %s" % (key, found)
-        return None
 
 
 class Record(Kind):
     """A JSON object of exactly these keys, each of its kind."""
 
     def __init__(self, text: str, keys: Mapping[str, Kind]):
-        super().__init__(text, lambda value: True)
+        annotation = TypedDict(text.title().replace(" ", ""), {key: kind.annotation for key, kind in keys.items()})
+        super().__init__(text, annotation)
         self.keys = dict(keys)
-
-    def problem(self, value: Any) -> Optional[str]:
-        if not isinstance(value, dict) or set(value) != set(self.keys):
-            return "expected %s {%s}, got %s" % (self.text, ", ".join(self.keys), _shown(value))
-        for key, kind in self.keys.items():
-            found = kind.problem(value[key])
-            if found is not None:
-                return "key %r: %s" % (key, found)
-        return None
 
 
 def _plural(text: str) -> str:
@@ -189,16 +174,17 @@ class EventType:
                 raise EventError(self.name, self.detail_of, "%s is not one of the schema's: %s"
                                  % (_shown(value), ", ".join(map(repr, self._details))))
             fields = dict(fields, **self._details[value])
+        keys = Keys({name: field.kind.annotation for name, field in fields.items()},
+                    (name for name in fields if name not in self._required))
+        try:
+            check_keys(keys, record, self)
+        except Mismatch as refused:
+            problem = "unknown field" if refused.reason == Mismatch.UNKNOWN else "required but missing"
+            raise EventError(self.name, refused.keys[0], problem) from None
         for name, value in record.items():
-            field = fields.get(name)
-            if field is None:
-                raise EventError(self.name, name, "unknown field")
-            found = field.kind.problem(value)
+            found = fields[name].kind.problem(value)
             if found is not None:
                 raise EventError(self.name, name, found)
-        for name in self._required:
-            if name not in record:
-                raise EventError(self.name, name, "required but missing")
 
     def record(self, ts: float, fields: Mapping[str, Any], thread: Optional[str] = None) -> Dict[str, Any]:
         """The event as it is written: envelope first, then `fields`; checked."""
