@@ -11,8 +11,10 @@ import io
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from dflash_contract.checker import Message, ProtocolError
+from dflash_contract.deploy import CheckAnswer, InstallAnswer, ProbeAnswer, ReceiverError
 from dflash_files.diskspace import NO_SPACE
 
 from . import console, host_scripts, provenance, release
@@ -23,6 +25,8 @@ from .progress import PROGRESS_ABOVE_BYTES
 from .retry import retry_dropped
 from .session import Session
 from .transports.common import ResultThread
+
+_ANSWERS: dict[str, type[Message]] = {"probe": ProbeAnswer, "install": InstallAnswer, "check": CheckAnswer}
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -89,7 +93,7 @@ class EarlyProbe:
         self.round_trips_before = 0  # the transport's count before the probe, once it ran
         self._line = _ReleaseIdLine()
 
-        def probe() -> dict:
+        def probe() -> ProbeAnswer:
             # opened in this thread: importing the paramiko client alone takes a while
             transport = session.transport(host)
             self.round_trips_before = transport.round_trips
@@ -109,7 +113,7 @@ class EarlyProbe:
     def ask(self, release_id: str) -> None:
         self._line.give(release_id)
 
-    def reply(self, release_id: str) -> dict:
+    def reply(self, release_id: str) -> ProbeAnswer:
         self.ask(release_id)
         return self._reply.result()
 
@@ -166,7 +170,7 @@ def deploy_host(session: Session, host: Host, tree: release.Release, bars: Progr
     check, switching = _check(verify), _switching(switch)
     pending = early
 
-    def probe() -> dict:
+    def probe() -> ProbeAnswer:
         nonlocal pending
         if pending is None:  # no early probe, or it is made again after a dropped connection
             return _receiver(session, host, "probe", release_id, check, switching)
@@ -177,12 +181,13 @@ def deploy_host(session: Session, host: Host, tree: release.Release, bars: Progr
     if early is not None:
         trips_before = early.round_trips_before
     files_sent = bytes_sent = files_reused = 0
-    modified = tuple(reply.get("modified", ()))
-    if reply["status"] == "missing":
+    modified = reply.modified or ()
+    status = reply.status
+    if status == ProbeAnswer.MISSING:
         if modified:
             console.warn(f"{host.name}: release {release_id} was modified on the host "
                          f"({_summary(modified)}); installing a fresh copy")
-        have = reply.get("current_files", {})
+        have = reply.current_files or {}
         changed = {f.path for f in tree.files if have.get(f.path) != f.sha256}
         def stop_if_cancelled() -> None:
             if cancel is not None and cancel.is_set():
@@ -191,17 +196,17 @@ def deploy_host(session: Session, host: Host, tree: release.Release, bars: Progr
         stop_if_cancelled()
         payload = tree.tar_stream(changed, stop_if_cancelled)
         upload = _Upload(host.name, payload, bars, cancel)
-        reply = _receiver(session, host, "install", release_id, str(payload.length), switching, stdin=upload)
+        installed = _receiver(session, host, "install", release_id, str(payload.length), switching, stdin=upload)
         files_sent, bytes_sent = len(changed), payload.length
-        files_reused = reply.get("files_reused", 0)
-    return DeployResult(host.name, release_id, reply["status"], files_sent, files_reused,
+        status, files_reused = installed.status, installed.files_reused
+    return DeployResult(host.name, release_id, status, files_sent, files_reused,
                         bytes_sent, transport.round_trips - trips_before,
                         time.monotonic() - started, modified)
 
 
 def check_host(session: Session, host: Host) -> list[str]:
     """What differs in the host's current release from its MANIFEST (cheap check)."""
-    return retry_dropped(lambda: _receiver(session, host, "check", "cheap"))["modified"]
+    return list(retry_dropped(lambda: _receiver(session, host, "check", "cheap")).modified)
 
 
 def _summary(problems: tuple[str, ...] | list[str], shown: int = 3) -> str:
@@ -215,21 +220,28 @@ def _receiver_argv(host: Host, verb: str, *args: str) -> list[str]:
     return [host.python, "-S", "-c", host_scripts.source("deploy_receiver.py"), verb, host.workspace, *args]
 
 
-def _receiver(session: Session, host: Host, verb: str, *args: str, stdin=None) -> dict:
+def _receiver(session: Session, host: Host, verb: str, *args: str, stdin=None) -> Any:
+    """The receiver's answer to `verb`, read as that verb's type; its error, or an answer
+    that is not one, a DflashError."""
     done = session.transport(host).run(_receiver_argv(host, verb, *args), stdin=stdin)
     check_interpreter(host, done)
     reply = parse_reply(done.stdout)
     if reply is None:
         reply = {"status": "error", "error": f"exit {done.exit_code}: "
                  f"{done.stderr.decode(errors='replace').strip()[-1000:]}"}
-    if reply.get("status") == "error" and reply.get("errno") in NO_SPACE:
+    try:
+        if reply.get("status") != "error":
+            return _ANSWERS[verb].from_json(reply)
+        error = ReceiverError.from_json(reply)
+    except ProtocolError as exc:
+        raise DflashError(f"host {host.name}: deploy {verb}: cannot read its answer: {exc}; "
+                          "the previous release stays current", ExitCode.UNREACHABLE) from None
+    if error.errno in NO_SPACE:
         # The host was reached; it cannot take the release until space is freed.
         raise DflashError(f"host {host.name}: no space left on device in {host.workspace}: deploy {verb} "
                           "failed; the previous release stays current", ExitCode.USAGE)
-    if reply.get("status") == "error":
-        raise DflashError(f"host {host.name}: deploy {verb} failed: {reply['error']}; "
-                          "the previous release stays current", ExitCode.UNREACHABLE)
-    return reply
+    raise DflashError(f"host {host.name}: deploy {verb} failed: {error.error}; "
+                      "the previous release stays current", ExitCode.UNREACHABLE)
 
 
 class _Upload(io.RawIOBase):

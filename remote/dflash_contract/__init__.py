@@ -4,6 +4,7 @@ and the names both sides must spell alike.
 
     replies   every verb's reply, the error object, `dflash setup`'s answer
     follow    the `follow` stream's messages
+    deploy    the deploy receiver's answers
     requests  the agent's verbs the CLI calls, as types that give their argv
     states    RunState: a run's state with its exit code, precedence and failure
     records   run.json, exit.json, errors.jsonl's records, the abort file, typed

@@ -3,8 +3,8 @@ whether an object gives only its declared keys and every one it must (`check_key
 refusal is a Mismatch that each reader phrases in its own words: the contract's JSON
 below, dflash_schema's YAML configs and the events' fields (dflash_contract.events).
 
-The contract's JSON: every reply, follow message and record is a frozen dataclass whose fields are the keys of its JSON object, in the order they are
-written. `to_json()` is the object written; `from_json()` reads one strictly: a missing
+The contract's JSON: every reply, follow message and record is a frozen dataclass whose
+fields are the keys of its JSON object, in the order they are written. `to_json()` is the object written; `from_json()` reads one strictly: a missing
 or unknown key, or a value of another type, is a ProtocolError naming the type and the
 key, so that a CLI and an agent of different releases (or a record another release
 wrote) fail clearly instead of misreading each other. A field made with `optional()` is
