@@ -122,7 +122,7 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
     reports = _reports(session, ref)
     every = {host: list(report.errors) for host, report in reports.items()}  # file order, attempt after attempt
     # The state is the latest attempt's, and so is the root cause; --all shows earlier attempts' too.
-    attempts = {host: int(report.run.get("attempt") or 0) for host, report in reports.items()}
+    attempts = {host: report.run.attempt_number for host, report in reports.items()}
     latest = {host: attempt_errors(records, attempts[host]) for host, records in every.items()}
     for host, records in every.items():
         logs = RunLogs(session.logs_dir, RunRef(host, ref.run_id))
@@ -183,7 +183,7 @@ def _run_hosts(ref: RunRef, reports: dict[str, ReportReply]) -> tuple[str, ...]:
     """The run's hosts in rank order, also when asked for one host's part (--host): from
     the run.json of a host of a run on several (its `distributed`)."""
     for report in reports.values():
-        hosts = (report.run.get("distributed") or {}).get("hosts")
+        hosts = report.run.distributed.hosts if report.run.distributed else None
         if hosts:
             return tuple(hosts)
     return ref.hosts

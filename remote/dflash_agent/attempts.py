@@ -16,7 +16,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from dflash_contract.events import ATTEMPT
-from dflash_contract.records import ExitRecord
+from dflash_contract.records import ExitRecord, RunRecord
 from dflash_contract.states import RunState
 from dflash_files.checkpoint_files import CHECKPOINT_FILES, CHECKPOINTS_DIR, STEP_FOLDER
 from dflash_files.diskspace import NO_SPACE
@@ -47,19 +47,13 @@ def newest_checkpoint(run: RunDir) -> Optional[Tuple[int, str]]:
     return folders[-1] if folders else None
 
 
-def attempt_of(record: Dict[str, Any]) -> int:
-    """The latest attempt's number (0 for a run.json from before attempts existed)."""
-    return int(record.get("attempt") or 0)
-
-
-def history(record: Dict[str, Any]) -> List[Dict[str, Any]]:
+def history(record: RunRecord) -> List[Dict[str, Any]]:
     """run.json's `attempts`; one entry made from the top-level fields for a run.json
     written before attempts existed."""
-    attempts = record.get("attempts")
-    if isinstance(attempts, list) and attempts:
-        return [dict(a) for a in attempts]
-    return [{"attempt": 0, "reason": "launch", "started_at": record.get("started_at"),
-             "pid": record.get("pid"), "release_id": record.get("release_id"), "resume_from": None}]
+    if record.attempts:
+        return [dict(a) for a in record.attempts]
+    return [{"attempt": 0, "reason": "launch", "started_at": record.started_at,
+             "pid": record.pid, "release_id": record.release_id, "resume_from": None}]
 
 
 def failed_step(errors: List[Dict[str, Any]], last_step: Optional[int]) -> Optional[int]:

@@ -1,9 +1,9 @@
 """What the agent and the trainer write in a run's folder, as the CLI and the agent read
-it (docs/layout.md): exit.json typed, JSON lines, and which of errors.jsonl's records
-are one attempt's."""
+it (docs/layout.md): run.json and exit.json typed, JSON lines, and which of
+errors.jsonl's records are one attempt's."""
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .checker import Message, optional
 
@@ -64,3 +64,69 @@ class AbortRecord(Message):
     @classmethod
     def describe(cls) -> str:
         return "abort record"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessRef(Message):
+    """A process as run.json names it: its pid and its start time in clock ticks since
+    boot (pids are reused; the pair is not)."""
+
+    pid: Optional[int]
+    start_time: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlace(Message):
+    """run.json's `distributed`: this host's place in a run on several hosts
+    (docs/multihost.md)."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    hosts: Optional[Tuple[str, ...]] = optional()  # the CLI's host names, in rank order
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord(Message):
+    """run.json: the run's latest attempt, written by its supervisor before the trainer
+    starts (docs/layout.md). The keys the first release wrote are required; those added
+    since may be missing in a run of an older release, and read as None."""
+
+    run_id: str
+    name: Optional[str]
+    release_id: str
+    release_dir: str
+    workspace: str
+    config: str  # config.yaml's text
+    config_source: str
+    argv: Tuple[str, ...]
+    cwd: str
+    env_keys: Tuple[str, ...]
+    pid: int
+    pgid: int
+    start_time: Optional[int]  # the trainer's, in clock ticks since boot
+    boot_id: Optional[str]
+    host: str
+    started_at: float
+    stall_after: float
+    resources: Tuple[str, ...]
+    supervisor: ProcessRef
+    overrides: Optional[Tuple[str, ...]] = optional()
+    started_by: Optional[str] = optional()  # "warm" or "exec"
+    warm_reason: Optional[str] = optional(written=True)  # why not "warm"
+    startup_stall_after: Optional[float] = optional()
+    source: Optional[Dict[str, Any]] = optional(written=True)  # where the release came from
+    restart: Optional[Dict[str, Any]] = optional(written=True)  # the restart policy
+    distributed: Optional[RunPlace] = optional(written=True)
+    attempt: Optional[int] = optional()  # None: written before attempts existed (attempt 0)
+    attempts: Optional[Tuple[Dict[str, Any], ...]] = optional()  # each attempt's entry (docs/runs.md)
+
+    @classmethod
+    def describe(cls) -> str:
+        return "run.json"
+
+    @property
+    def attempt_number(self) -> int:
+        """The latest attempt's number (0 for a run.json from before attempts existed)."""
+        return self.attempt or 0

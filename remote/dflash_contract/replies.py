@@ -5,10 +5,10 @@ the `follow` stream).
 Each type is a checker.Message: the agent prints its `to_json()`, the CLI reads it with
 `from_json()`, strictly.
 
-exit.json is records.ExitRecord; what the run directory's other files hold is passed on
-as it is, typed Dict[str, Any]: run.json, errors.jsonl's records and events.jsonl's
-events are the supervisor's and the trainer's formats (docs/layout.md), read by whoever
-reads those files.
+run.json is records.RunRecord and exit.json records.ExitRecord; what the run
+directory's other files hold is passed on as it is, typed Dict[str, Any]: errors.jsonl's
+records and events.jsonl's events are the trainer's formats (docs/layout.md), read by
+whoever reads those files.
 
 Standard library only, and Python 3.8's: the agent imports it from its release, the CLI
 from its own tree.
@@ -18,7 +18,7 @@ import enum
 from typing import Any, Dict, Optional, Tuple
 
 from .checker import Message, optional
-from .records import ExitRecord
+from .records import ExitRecord, RunRecord
 from .states import RunState
 
 
@@ -182,7 +182,7 @@ class RunStatus(Message):
 
 @dataclasses.dataclass(frozen=True)
 class UnreadableRun(Message):
-    """A run whose run.json holds no JSON object (cut short, spoiled): named instead of listed."""
+    """A run whose run.json is no run.json (cut short, spoiled, a key missing): named instead of listed."""
 
     run_id: str
     path: str  # its run.json
@@ -233,7 +233,7 @@ class ReportReply(Reply):
     VERB = "report"
     run_id: str
     state: RunState
-    run: Dict[str, Any]  # run.json
+    run: RunRecord
     exit: Optional[ExitRecord]  # exit.json
     errors: Tuple[Dict[str, Any], ...]  # every errors.jsonl record; a line that is not JSON as {"raw": text}
     faulthandler: str  # faulthandler.log's last 4 MiB
