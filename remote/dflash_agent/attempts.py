@@ -16,7 +16,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from dflash_contract.events import ATTEMPT
-from dflash_contract.records import ExitRecord, RunRecord
+from dflash_contract.records import ErrorRecord, ExitRecord, RunRecord
 from dflash_contract.states import RunState
 from dflash_files.checkpoint_files import CHECKPOINT_FILES, CHECKPOINTS_DIR, STEP_FOLDER
 from dflash_files.diskspace import NO_SPACE
@@ -56,11 +56,11 @@ def history(record: RunRecord) -> List[Dict[str, Any]]:
              "pid": record.pid, "release_id": record.release_id, "resume_from": None}]
 
 
-def failed_step(errors: List[Dict[str, Any]], last_step: Optional[int]) -> Optional[int]:
+def failed_step(errors: List[ErrorRecord], last_step: Optional[int]) -> Optional[int]:
     """Where an attempt failed: its root cause's step, else the last step it reported."""
     for record in errors:
-        if record.get("step") is not None:
-            return int(record["step"])
+        if record.step is not None:
+            return record.step
     return last_step
 
 
@@ -143,7 +143,7 @@ def check_policy(policy: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def restart_cause(exit_record: ExitRecord, errors: List[Dict[str, Any]]) -> Optional[str]:
+def restart_cause(exit_record: ExitRecord, errors: List[ErrorRecord]) -> Optional[str]:
     """"failure" (an error record, or a non-zero exit), "killed" (a signal, no record),
     or None for a clean exit."""
     if errors:

@@ -13,7 +13,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from dflash_contract.checker import ProtocolError
-from dflash_contract.records import ExitRecord, RunRecord, attempt_errors, parse_json_line
+from dflash_contract.records import ErrorRecord, ExitRecord, RunRecord, attempt_errors, parse_json_line
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import RunState
 from dflash_contract.events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
@@ -141,9 +141,9 @@ def summarize_events(path: str) -> EventSummary:
                         startup_since=since)
 
 
-def error_records(path: str) -> List[Dict[str, Any]]:
-    """Every errors.jsonl record, oldest (the root cause) first. A line that is not JSON
-    is kept as {"raw": text} rather than dropped."""
+def error_records(path: str) -> List[ErrorRecord]:
+    """Every errors.jsonl record, oldest (the root cause) first. A line that is not a
+    record is kept as {"raw": text} rather than dropped."""
     try:
         with open(path, "rb") as handle:
             data = handle.read()
@@ -153,8 +153,7 @@ def error_records(path: str) -> List[Dict[str, Any]]:
     for line in data.split(b"\n")[:-1]:
         if not line.strip():
             continue
-        record = parse_json_line(line)
-        records.append(record if isinstance(record, dict) else {"raw": decode_bytes(line)})
+        records.append(ErrorRecord.of_line(decode_bytes(line)))
     return records
 
 
@@ -203,7 +202,7 @@ def observe(run: RunDir, record: RunRecord) -> Observation:
         stop_requested=os.path.exists(run.stop_requested),
         events=summarize_events(run.events),
         frozen=trainer == ALIVE and is_frozen(record),
-        peer_failure=next((r.get("detail") for r in errors if r.get("exc_type") == "PeerFailed"), None),
+        peer_failure=next((r.detail for r in errors if r.exc_type == "PeerFailed"), None),
     )
 
 
@@ -258,9 +257,7 @@ def failure_reason(run: RunDir, record: RunRecord, obs: Observation, state: RunS
         return None
     errors = attempt_errors(error_records(run.errors), record.attempt_number)
     if errors:
-        first = errors[0]
-        text = first["raw"] if "raw" in first else "%s: %s" % (first.get("exc_type"), first.get("message"))
-        return text.splitlines()[0]  # never empty: error_records skips blank lines
+        return errors[0].summary().splitlines()[0]  # never empty: error_records skips blank lines
     ended = obs.exit
     if ended is not None and ended.error:
         return ended.error

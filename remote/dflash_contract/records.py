@@ -16,10 +16,64 @@ def parse_json_line(line: bytes) -> Optional[Any]:
         return None
 
 
-def attempt_errors(records: List[Dict[str, Any]], attempt: int) -> List[Dict[str, Any]]:
+def attempt_errors(records: List["ErrorRecord"], attempt: int) -> List["ErrorRecord"]:
     """The error records of one attempt of the run (a record without `attempt`, or a line
     that is not JSON, counts as attempt 0's: written before attempts existed)."""
-    return [r for r in records if int(r.get("attempt") or 0) == attempt]
+    return [r for r in records if (r.attempt or 0) == attempt]
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorFrame(Message):
+    """One frame of an error record's root cause, innermost last."""
+
+    file: str
+    line: Optional[int]
+    func: str
+    code: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorRecord(Message):
+    """One errors.jsonl record: a thread that failed (docs/errors.md), written by the
+    trainer. Every key may be missing in a record of an older release (and in the
+    `{"raw": text}` form of a line that is no record); `detail` and `memory` are the
+    facts of their kinds, as docs/errors.md gives them."""
+
+    ts: Optional[float] = optional()
+    run_id: Optional[str] = optional(written=True)
+    thread: Optional[str] = optional()
+    thread_ident: Optional[int] = optional(written=True)
+    phase: Optional[str] = optional()  # startup, train or shutdown
+    step: Optional[int] = optional(written=True)
+    exc_type: Optional[str] = optional()
+    message: Optional[str] = optional()
+    traceback: Optional[str] = optional()
+    frames: Optional[Tuple[ErrorFrame, ...]] = optional()
+    release_id: Optional[str] = optional(written=True)
+    attempt: Optional[int] = optional()  # None: written before attempts existed (attempt 0)
+    detail: Optional[Dict[str, Any]] = optional()  # facts beyond the message, by exc_type
+    memory: Optional[Dict[str, Any]] = optional()  # who held the memory, for a CUDA OOM
+    raw: Optional[str] = optional()  # the text of a line that is no record
+
+    @classmethod
+    def describe(cls) -> str:
+        return "errors.jsonl record"
+
+    @classmethod
+    def of_line(cls, line: str) -> "ErrorRecord":
+        """A line of errors.jsonl: its record, or, for a line that is not one (torn,
+        spoiled), the `{"raw": text}` form that keeps its text."""
+        try:
+            return cls.from_json(json.loads(line))
+        except ValueError:  # not JSON, or not a record (ProtocolError)
+            return cls(raw=line)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"raw": self.raw} if self.raw is not None else super().to_json()
+
+    def summary(self) -> str:
+        """`exc_type: message`, or the raw text."""
+        return self.raw if self.raw is not None else "%s: %s" % (self.exc_type, self.message)
 
 
 @dataclasses.dataclass(frozen=True)
