@@ -129,12 +129,12 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
         if records:
             logs.save_errors(records)
         if latest[host]:
-            logs.save_traceback(multihost.root_cause([(host, r) for r in latest[host]])[1].get("traceback", ""))
+            logs.save_traceback(multihost.root_cause([(host, r) for r in latest[host]])[1].traceback or "")
     records = multihost.in_time_order(every if all_records else latest)
     several_attempts = any(attempt > 0 for attempt in attempts.values())
     if thread:
-        threads = sorted({str(r.get("thread")) for _, r in records})
-        records = [(host, r) for host, r in records if r.get("thread") == thread]
+        threads = sorted({str(r.thread) for _, r in records})
+        records = [(host, r) for host, r in records if r.thread == thread]
         if not records:
             have = (f"threads with records: {', '.join(threads)}" if threads else
                     "no thread has a record" + ("" if all_records else " in the latest attempt (--all: every one)"))

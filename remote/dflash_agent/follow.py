@@ -39,7 +39,7 @@ from typing import Iterator, List, Optional, Tuple
 from dflash_contract.events import HEARTBEAT
 from dflash_contract.follow import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, GpuMessage, LogMessage,
                                     RotatedMessage, StateMessage)
-from dflash_contract.records import RunRecord, parse_json_line
+from dflash_contract.records import ErrorRecord, RunRecord, parse_json_line
 from dflash_contract.replies import Gpu
 from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
 
@@ -333,11 +333,11 @@ class ErrorsFollower:
             index, self._index = self._index, self._index + 1
             if index < self._seen:
                 continue
-            record = parse_json_line(line)
-            if isinstance(record, dict):
+            record = ErrorRecord.of_line(decode_bytes(line))
+            if record.raw is None:
                 yield ErrorMessage(index=index, record=record)
             else:
-                yield ErrorMessage(index=index, record=None, raw=decode_bytes(line))
+                yield ErrorMessage(index=index, record=None, raw=record.raw)
 
 
 class EventsFollower:

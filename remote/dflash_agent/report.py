@@ -51,7 +51,7 @@ def report(run: RunDir, log_lines: int) -> ReportReply:
         state=derive_state(obs),
         run=record,
         exit=obs.exit,
-        errors=tuple(record.to_json() for record in error_records(run.errors)),
+        errors=tuple(error_records(run.errors)),
         faulthandler=faulthandler,
         last_stacks=stackdump.last_dump(faulthandler),
         log_tail=read_tail_text(run.train_log, log_lines),

@@ -13,7 +13,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from dflash_contract.checker import ProtocolError
-from dflash_contract.records import ErrorRecord, ExitRecord, RunRecord, attempt_errors, parse_json_line
+from dflash_contract.records import ErrorRecord, ExitRecord, PeerFailure, RunRecord, attempt_errors, parse_json_line
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import RunState
 from dflash_contract.events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
@@ -73,7 +73,7 @@ class Observation:
     frozen: bool = False
     # The detail of the attempt's first PeerFailed record {peer_rank, peer_exc_type,
     # peer_message}: this rank stopped because of that one (RunStatus `peer_failure`).
-    peer_failure: Optional[Dict[str, Any]] = None
+    peer_failure: Optional[PeerFailure] = None
 
 
 def derive_state(obs: Observation) -> RunState:
@@ -202,7 +202,7 @@ def observe(run: RunDir, record: RunRecord) -> Observation:
         stop_requested=os.path.exists(run.stop_requested),
         events=summarize_events(run.events),
         frozen=trainer == ALIVE and is_frozen(record),
-        peer_failure=next((r.detail for r in errors if r.exc_type == "PeerFailed"), None),
+        peer_failure=next((r.peer_failure() for r in errors if r.exc_type == ErrorRecord.PEER_FAILED), None),
     )
 
 

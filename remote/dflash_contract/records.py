@@ -33,6 +33,27 @@ class ErrorFrame(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class PeerFailure(Message):
+    """A PeerFailed record's `detail` (docs/errors.md): the rank of the peer that failed
+    or went silent, and what it said."""
+
+    peer_rank: int
+    peer_exc_type: Optional[str]  # None: the peer died or went silent without a word
+    peer_message: str
+    silence_s: Optional[float] = optional(written=True)  # None: not silence, a failure or a closed link
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPart(Message):
+    """One of a CUDA out-of-memory record's `memory.parts` (docs/errors.md): what a part
+    of the trainer held on a device."""
+
+    part: str  # target, drafter-N, drafter-N CUDA graphs
+    device: str  # cuda:N
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ErrorRecord(Message):
     """One errors.jsonl record: a thread that failed (docs/errors.md), written by the
     trainer. Every key may be missing in a record of an older release (and in the
@@ -70,6 +91,18 @@ class ErrorRecord(Message):
 
     def to_json(self) -> Dict[str, Any]:
         return {"raw": self.raw} if self.raw is not None else super().to_json()
+
+    PEER_FAILED = "PeerFailed"  # the exc_type of a rank stopping because another failed
+
+    def peer_failure(self) -> Optional[PeerFailure]:
+        """The detail of a PeerFailed record; None for any other."""
+        if self.exc_type != self.PEER_FAILED or self.detail is None:
+            return None
+        return PeerFailure.from_json(self.detail)
+
+    def memory_parts(self) -> Tuple[MemoryPart, ...]:
+        """What the trainer noted each part held, from a CUDA out-of-memory record."""
+        return tuple(MemoryPart.from_json(part) for part in (self.memory or {}).get("parts", ()))
 
     def summary(self) -> str:
         """`exc_type: message`, or the raw text."""
