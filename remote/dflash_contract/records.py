@@ -29,7 +29,7 @@ class ErrorFrame(Message):
     file: str
     line: Optional[int]
     func: str
-    code: str
+    code: Optional[str]
 
 
 @dataclasses.dataclass(frozen=True)
