@@ -70,7 +70,7 @@ class TrainerPlan:
     reason: str = "launch"  # launch | resume | restart
     resume_from: Optional[Tuple[int, str]] = None  # (step, checkpoint folder) this attempt starts from
     history: Tuple[Dict[str, Any], ...] = ()  # the ended attempts' entries (run.json `attempts`)
-    distributed: Optional[Dict[str, Any]] = None  # this host's place in a run on several hosts
+    distributed: Optional[RunPlace] = None  # this host's place in a run on several hosts
 
     @property
     def argv(self) -> Tuple[str, ...]:
@@ -185,11 +185,11 @@ def _tell_peers(plan: TrainerPlan, exit_record: ExitRecord) -> None:
     spares the peers their timeouts."""
     if plan.distributed is None or not exit_record.signal or os.path.exists(plan.run.stop_requested):
         return
-    if plan.distributed.get("rank") == 0:  # the store lived in this trainer: the peers see it gone
+    if plan.distributed.rank == 0:  # the store lived in this trainer: the peers see it gone
         return
-    rank, hosts = plan.distributed.get("rank"), plan.distributed.get("hosts") or []
+    rank, hosts = plan.distributed.rank, plan.distributed.hosts or ()
     # The name the peers and the CLI know this host by (the inventory's), not the machine's own.
-    name = hosts[rank] if isinstance(rank, int) and 0 <= rank < len(hosts) else socket.gethostname()
+    name = hosts[rank] if 0 <= rank < len(hosts) else socket.gethostname()
     message = "the trainer on %s was killed by %s%s" % (
         name, exit_record.signal, " (the kernel's OOM killer)" if exit_record.oom_killed else "")
     argv = [plan.python, "-m", "dflash_train.peer_notice", "--message", message,
@@ -346,7 +346,7 @@ def _record_start(plan: TrainerPlan, trainer: Any, failure: Optional[warm.WarmFa
         resources=tuple(plan.resources),
         supervisor=ProcessRef(pid=os.getpid(), start_time=procfs.start_time(os.getpid())),
         source=plan.source, restart=plan.restart,
-        distributed=None if plan.distributed is None else RunPlace.from_json(plan.distributed),
+        distributed=plan.distributed,
         attempt=plan.attempt, attempts=tuple(plan.history) + (entry,),
     )
     write_json_atomic(run.run_json, record.to_json())
