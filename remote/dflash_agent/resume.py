@@ -31,7 +31,7 @@ import subprocess
 from typing import Optional, Tuple, Union
 
 
-from dflash_contract.records import RunPlace, RunRecord, attempt_errors
+from dflash_contract.records import RunRecord, attempt_errors
 from dflash_contract.replies import CorruptCheckpoint, ResumeCheckReply, ResumeReply
 from dflash_contract.states import RunState
 
@@ -137,7 +137,7 @@ def _resume_locked(ws: Workspace, run: RunDir,
 def _place(run: RunDir, record: RunRecord, request: ResumeRequest) -> Optional[Distributed]:
     """This host's place in the resumed run: the request's, which must be the one run.json
     records (the rendezvous address defaults to the launch's; the port is new)."""
-    recorded = record.distributed  # type: Optional[RunPlace]
+    recorded = record.distributed
     given = request.distributed
     if recorded and given is None:
         # Only rank 0's host holds the checkpoints, and every host's trainer must start
