@@ -15,6 +15,8 @@ import re
 import shlex
 from typing import Callable
 
+from dflash_contract.records import ErrorRecord
+
 from dflash_train.memory.ledger import GRAPHS_SUFFIX  # torch-free: it imports torch only to measure
 
 # How an exception line of a traceback starts: `torch.OutOfMemoryError: …`, `AssertionError`.
@@ -33,7 +35,7 @@ class Failure:
     """An error record and where it was recorded: `hosts` are the run's hosts in rank
     order (empty when not known, as for a run on one host)."""
 
-    record: dict
+    record: ErrorRecord
     run_id: str
     host: str
     hosts: tuple[str, ...] = ()
@@ -41,13 +43,13 @@ class Failure:
     @property
     def text(self) -> str:
         """What the patterns search: the message, then the whole chained traceback."""
-        return f"{self.record.get('message') or ''}\n{self.record.get('traceback') or ''}"
+        return f"{self.record.message or ''}\n{self.record.traceback or ''}"
 
     @functools.cached_property
     def raised(self) -> frozenset[str]:
         """The class names of the record's exception and of every exception in its chain."""
-        names = set(_EXCEPTION_LINE.findall(self.record.get("traceback") or ""))
-        return frozenset(names | {self.record.get("exc_type") or ""})
+        names = set(_EXCEPTION_LINE.findall(self.record.traceback or ""))
+        return frozenset(names | {self.record.exc_type or ""})
 
     @property
     def rank(self) -> int | None:
@@ -112,7 +114,7 @@ def _cuda_oom(match: re.Match[str], failure: Failure) -> str:
     used = re.search(rf"this process has ({_SIZE}) memory in use", text)
     line += (f": {used[1]} of its {match['total']} in use by this process, {match['free']} free" if used else
              f" with {match['free']} of its {match['total']} free")
-    parts = [p for p in (failure.record.get("memory") or {}).get("parts", []) if p.get("device") == f"cuda:{gpu}"]
+    parts = [p for p in failure.record.memory_parts() if p.device == f"cuda:{gpu}"]
     if not parts:  # nothing noted there (yet, or by an older trainer): torch's figures say if graphs held most
         pools = re.search(rf"with ({_SIZE}) allocated in private pools \(e\.g\., CUDA Graphs\)", text)
         allocated = re.search(rf"Of the allocated memory ({_SIZE}) is allocated by PyTorch", text)
@@ -121,11 +123,11 @@ def _cuda_oom(match: re.Match[str], failure: Failure) -> str:
         if pools and allocated and 2 * _bytes(pools[1]) > _bytes(allocated[1]):
             return f"{line}; {GRAPHS_HOLD_MOST}; {DRY_RUN}"
         return f"{line}; {LOWER_BUDGET}; {DRY_RUN}"
-    line += "; this run held there: " + ", ".join(f"{p['part']} {_gib(p['bytes'])}" for p in parts)
-    graphs = sum(p["bytes"] for p in parts if p["part"].endswith(GRAPHS_SUFFIX))
-    drafters = [p for p in parts if p["part"].startswith("drafter-") and not p["part"].endswith(GRAPHS_SUFFIX)]
-    target = sum(p["bytes"] for p in parts if p["part"] == "target")
-    held = sum(p["bytes"] for p in drafters)
+    line += "; this run held there: " + ", ".join(f"{p.part} {_gib(p.bytes)}" for p in parts)
+    graphs = sum(p.bytes for p in parts if p.part.endswith(GRAPHS_SUFFIX))
+    drafters = [p for p in parts if p.part.startswith("drafter-") and not p.part.endswith(GRAPHS_SUFFIX)]
+    target = sum(p.bytes for p in parts if p.part == "target")
+    held = sum(p.bytes for p in drafters)
     if graphs > max(held, target):
         advice = GRAPHS_HOLD_MOST
     elif held > target and len(drafters) > 1:
@@ -156,12 +158,11 @@ def _recompile(match: re.Match[str], failure: Failure) -> str:
 # -- ranks that went silent ---------------------------------------------------------------
 
 def _peer_failed(match: re.Match[str], failure: Failure) -> str:
-    detail = failure.record.get("detail") or {}
-    rank = detail.get("peer_rank")
-    rank = rank if isinstance(rank, int) else int(match["rank"])
-    message = (detail.get("peer_message") or match["cause"]).split("\n")[0]
-    if detail.get("peer_exc_type"):
-        return (f"{failure.who(rank)} failed first ({detail['peer_exc_type']}: {message}); its traceback: "
+    peer = failure.record.peer_failure()
+    rank = int(match["rank"]) if peer is None else peer.peer_rank
+    message = ((peer.peer_message if peer else None) or match["cause"]).split("\n")[0]
+    if peer is not None and peer.peer_exc_type:
+        return (f"{failure.who(rank)} failed first ({peer.peer_exc_type}: {message}); its traceback: "
                 f"{failure.look(rank)}")
     return (f"{failure.who(rank)} went silent ({message}); how it ended: {failure.look(rank)}; "
             "distributed.peer_timeout_s is how long a silent rank is waited for")

@@ -16,10 +16,10 @@ import fcntl
 import json
 import os
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from dflash_contract.names import ERRORS_JSONL, EVENTS_JSONL, TRAIN_LOG
-from dflash_contract.records import parse_json_line
+from dflash_contract.records import ErrorRecord, parse_json_line
 from dflash_files import atomic, diskspace
 
 from .errors import DflashError, ExitCode
@@ -227,15 +227,15 @@ class RunLogs:
             lines = fh.read().split(b"\n")
         return [json.loads(line) for line in lines[:-1] if line.strip()]
 
-    def load_errors(self) -> list[dict]:
+    def load_errors(self) -> list[ErrorRecord]:
         try:
             lines = (self.dir / ERRORS_JSONL).read_text().splitlines()
         except OSError:
             return []
-        return [json.loads(line) for line in lines if line.strip()]
+        return [ErrorRecord.of_line(line) for line in lines if line.strip()]
 
-    def save_errors(self, records: list[dict]) -> None:
-        text = "".join(json.dumps(r) + "\n" for r in records)
+    def save_errors(self, records: Sequence[ErrorRecord]) -> None:
+        text = "".join(json.dumps(r.to_json()) + "\n" for r in records)
         write_atomic(self.dir / ERRORS_JSONL, text.encode())
 
     def save_traceback(self, text: str) -> Path:

@@ -6,15 +6,15 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
-from dflash_contract.records import ExitRecord
+from dflash_contract.records import ErrorRecord, ExitRecord
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import UNKNOWN_PRECEDENCE, RunState
 
 
 # The record of a rank that stopped because another rank failed (the trainers' store
-# watchdog writes it, with detail {peer_rank, peer_exc_type, peer_message}): never the
-# root cause while the failure it reports is on record.
-PEER_FAILED = "PeerFailed"
+# watchdog writes it, its detail a PeerFailure): never the root cause while the failure
+# it reports is on record.
+PEER_FAILED = ErrorRecord.PEER_FAILED
 # How a state nobody could tell is shown (None: a host that could not be asked): exit 3
 # unless another host failed.
 UNKNOWN = "UNKNOWN"
@@ -79,87 +79,84 @@ def mark_silent_ranks(statuses: list[HostStatus]) -> list[HostStatus]:
     train with the run."""
     marked = list(statuses)
     for witness in statuses:
-        detail = (witness.status.peer_failure if witness.status else None) or {}
-        rank = detail.get("peer_rank")
-        if detail.get("peer_exc_type") or not isinstance(rank, int) or not 0 <= rank < len(marked):
+        peer = witness.status.peer_failure if witness.status else None
+        if peer is None or peer.peer_exc_type or not 0 <= peer.peer_rank < len(marked):
             continue
+        rank = peer.peer_rank
         state = marked[rank].state
         if state is not None and not state.terminal:
             marked[rank] = dataclasses.replace(marked[rank], silent=f"{witness.host} (rank {witness.rank}) stopped "
-                                                                    f"hearing from it: {detail.get('peer_message', '')}")
+                                                                    f"hearing from it: {peer.peer_message}")
     return marked
 
 
-def in_time_order(records_by_host: Mapping[str, Sequence[dict]]) -> list[tuple[str, dict]]:
+def in_time_order(records_by_host: Mapping[str, Sequence[ErrorRecord]]) -> list[tuple[str, ErrorRecord]]:
     """(host, record) of every host's error records. One host's keep their file order
     (appended as threads failed); several hosts' are merged by their time stamps."""
     tagged = [(host, record) for host, records in records_by_host.items() for record in records]
     if len(records_by_host) < 2:
         return tagged
-    def stamp(item: tuple[str, dict]) -> float:
-        ts = item[1].get("ts")
-        return ts if isinstance(ts, (int, float)) else math.inf
+    def stamp(item: tuple[str, ErrorRecord]) -> float:
+        return math.inf if item[1].ts is None else item[1].ts
     return sorted(tagged, key=stamp)
 
 
-def root_cause(records: Sequence[tuple[str, dict]]) -> tuple[str, dict] | None:
+def root_cause(records: Sequence[tuple[str, ErrorRecord]]) -> tuple[str, ErrorRecord] | None:
     """The run's root cause: the earliest record that is not a rank stopping because a
     peer failed, else the earliest (a peer that failed without a record of its own:
     `blamed_host` names it)."""
     for item in records:
-        if item[1].get("exc_type") != PEER_FAILED:
+        if item[1].exc_type != PEER_FAILED:
             return item
     return records[0] if records else None
 
 
-def blamed_host(cause: tuple[str, dict], hosts: Sequence[str]) -> str | None:
+def blamed_host(cause: tuple[str, ErrorRecord], hosts: Sequence[str]) -> str | None:
     """For a root cause that is a PeerFailed record (no rank recorded a failure of its
     own: the peer was killed, or went silent), the host of the peer it names; else None."""
-    record = cause[1]
-    rank = (record.get("detail") or {}).get("peer_rank")
-    if record.get("exc_type") != PEER_FAILED or not isinstance(rank, int) or not 0 <= rank < len(hosts):
+    peer = cause[1].peer_failure()
+    if peer is None or not 0 <= peer.peer_rank < len(hosts):
         return None
-    return hosts[rank] if hosts[rank] != cause[0] else None
+    return hosts[peer.peer_rank] if hosts[peer.peer_rank] != cause[0] else None
 
 
-def blamed_line(hosts: Sequence[str], exit_info: ExitRecord | None, cause: tuple[str, dict],
-                own: Sequence[dict] = ()) -> str:
+def blamed_line(hosts: Sequence[str], exit_info: ExitRecord | None, cause: tuple[str, ErrorRecord],
+                own: Sequence[ErrorRecord] = ()) -> str:
     """What is known of a failing rank that left no record of its own (`blamed_host`):
     what the rank that noticed saw, and how its process ended (or that it still runs).
     `own`, the blamed rank's records of that attempt: when it too went unheard from a
     peer (a PeerFailed for a silence) while the witness found it silent, both were alive
     and lost each other, which is the network between them."""
     witness, record = cause
-    detail = record.get("detail") or {}
+    peer = record.peer_failure()
     how = None if exit_info is None else exit_info.ended_by()
     ended = "still runs" if how is None else f"was {how}" if how.startswith("killed") else f"ended with {how}"
-    lost = next((r for r in own if r.get("exc_type") == PEER_FAILED and silence(r) is not None), None)
-    rank = detail.get("peer_rank")
-    if lost is not None and silence(record) is not None and isinstance(rank, int) and 0 <= rank < len(hosts):
-        peer = (lost.get("detail") or {}).get("peer_rank")
-        other = f"{hosts[peer]} (rank {peer})" if isinstance(peer, int) and 0 <= peer < len(hosts) else "its peer"
+    lost = next((r.peer_failure() for r in own if silence(r) is not None), None)
+    if lost is not None and peer is not None and peer.silence_s is not None and 0 <= peer.peer_rank < len(hosts):
+        rank, other_rank = peer.peer_rank, lost.peer_rank
+        other = f"{hosts[other_rank]} (rank {other_rank})" if 0 <= other_rank < len(hosts) else "its peer"
         return (f"a network partition: {hosts[rank]} (rank {rank}) and {other} stopped hearing each other while both "
-                f"ran ({witness} (rank {hosts.index(witness)}): {detail.get('peer_message', '')}; {hosts[rank]}: "
-                f"{(lost.get('detail') or {}).get('peer_message', '')}); its trainer {ended}")
-    return (f"{detail.get('peer_message') or record.get('message', '')} (seen by {witness}, rank "
+                f"ran ({witness} (rank {hosts.index(witness)}): {peer.peer_message}; {hosts[rank]}: "
+                f"{lost.peer_message}); its trainer {ended}")
+    return (f"{(peer.peer_message if peer else None) or record.message or ''} (seen by {witness}, rank "
             f"{hosts.index(witness)}); its trainer {ended}, with no error record of its own")
 
 
-def silence(record: dict) -> float | None:
+def silence(record: ErrorRecord) -> float | None:
     """How long a PeerFailed record's rank heard nothing from its peer before it stopped
     (None: the peer failed, or went away: a record, a closed connection)."""
-    value = (record.get("detail") or {}).get("silence_s")
-    return value if isinstance(value, (int, float)) else None
+    peer = record.peer_failure()
+    return None if peer is None else peer.silence_s
 
 
-def peer_failed_line(record: dict, hosts: Sequence[str]) -> str:
+def peer_failed_line(record: ErrorRecord, hosts: Sequence[str]) -> str:
     """One line for a PeerFailed record: its traceback is the watchdog's, not the cause."""
-    detail = record.get("detail") or {}
-    rank = detail.get("peer_rank")
-    where = f"rank {rank}" + (f" ({hosts[rank]})" if isinstance(rank, int) and 0 <= rank < len(hosts) else "")
-    message = detail.get("peer_message", record.get("message", ""))
+    peer = record.peer_failure()
+    rank = None if peer is None else peer.peer_rank
+    where = f"rank {rank}" + (f" ({hosts[rank]})" if rank is not None and 0 <= rank < len(hosts) else "")
+    message = peer.peer_message if peer is not None else record.message or ""
     if silence(record) is not None:  # alive or not: nothing came from it
         return f"stopped because {where} went silent: {message}"
-    if not detail.get("peer_exc_type"):  # the peer vanished without a record (killed, store gone)
+    if peer is None or not peer.peer_exc_type:  # the peer vanished without a record (killed, store gone)
         return f"stopped because {where} is gone: {message}"
-    return f"stopped because {where} failed: {detail['peer_exc_type']}: {message}"
+    return f"stopped because {where} failed: {peer.peer_exc_type}: {message}"

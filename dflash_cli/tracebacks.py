@@ -7,6 +7,7 @@ import json
 import re
 
 
+from dflash_contract.records import ErrorRecord
 from dflash_contract.replies import ReportReply
 
 from . import console
@@ -15,19 +16,19 @@ from .local_state import RunRef
 _THREAD_TAG = re.compile(r"^\S+ \[([^\]]+)\] ")
 
 
-def header(record: dict, ref: RunRef, several_attempts: bool = False) -> str:
-    step = f" at step {record['step']}" if record.get("step") is not None else ""
+def header(record: ErrorRecord, ref: RunRef, several_attempts: bool = False) -> str:
+    step = f" at step {record.step}" if record.step is not None else ""
     if several_attempts:
-        step += f" of attempt {record.get('attempt') or 0}"
-    return (f"==> run {ref.run_id} on {ref.host}: thread {record.get('thread')} failed in "
-            f"{record.get('phase')}{step} at {console.utc_time(record.get('ts', 0), 'milliseconds')} "
-            f"({record.get('exc_type')}) <==\n")
+        step += f" of attempt {record.attempt or 0}"
+    return (f"==> run {ref.run_id} on {ref.host}: thread {record.thread} failed in "
+            f"{record.phase}{step} at {console.utc_time(record.ts or 0, 'milliseconds')} "
+            f"({record.exc_type}) <==\n")
 
 
-def render_record(record: dict, ref: RunRef, several_attempts: bool = False) -> str:
+def render_record(record: ErrorRecord, ref: RunRef, several_attempts: bool = False) -> str:
     """Header line, then the traceback text exactly as the thread formatted it (or, for
     a line of errors.jsonl that is not JSON, that line as it is)."""
-    text = record.get("traceback", record.get("raw", ""))
+    text = record.traceback if record.traceback is not None else record.raw or ""
     return header(record, ref, several_attempts) + text + ("" if text.endswith("\n") else "\n")
 
 

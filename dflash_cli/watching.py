@@ -26,7 +26,7 @@ from typing import Any, Iterator, Union
 from dflash_contract import requests
 from dflash_contract.follow import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, GpuMessage, LogMessage,
                                     RotatedMessage, StateMessage)
-from dflash_contract.records import attempt_errors
+from dflash_contract.records import ErrorRecord, attempt_errors
 from dflash_contract.replies import Gpu, ReportReply
 from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
 from dflash_contract.states import RunState
@@ -112,7 +112,7 @@ class ErrorRecorded:
     root cause's traceback was saved (None: not this record, or no local state)."""
     host: str
     message: ErrorMessage
-    record: dict[str, Any]
+    record: ErrorRecord
     diagnosis: str | None
     traceback_saved: Path | None
 
@@ -176,11 +176,11 @@ class Ended:
     state: RunState | None
     states: dict[str, RunState | None]
     exit_code: ExitCode
-    root_cause: tuple[str, dict[str, Any]] | None
+    root_cause: tuple[str, ErrorRecord] | None
     blamed: str | None
     exits: dict[str, dict[str, Any] | None]
     diagnosis: str | None
-    records: dict[str, tuple[dict[str, Any], ...]] = dataclasses.field(default_factory=dict)
+    records: dict[str, tuple[ErrorRecord, ...]] = dataclasses.field(default_factory=dict)
 
 
 WatchItem = Union[Following, Log, Rotated, Events, ErrorRecorded, Gpus, StateChange, HostEnded, Unfollowed, Ended]
@@ -303,15 +303,15 @@ class Watcher:
         index, record = message.index, message.record
         if index < len(self.records):
             return None
-        if record is None:  # a line of errors.jsonl that is not JSON: shown as it is
-            record = {"thread": "?", "phase": "?", "exc_type": "unreadable errors.jsonl line",
-                      "traceback": message.raw or ""}
+        if record is None:  # a line of errors.jsonl that is no record: shown as it is
+            record = ErrorRecord(thread="?", phase="?", exc_type="unreadable errors.jsonl line",
+                                 traceback=message.raw or "")
         self.records.append(record)
         saved = None
         if self.claim:
             self.logs.save_errors(self.records)
             if multihost.root_cause([(self.ref.host, r) for r in self.records])[1] is record:
-                saved = self.logs.save_traceback(record.get("traceback", ""))
+                saved = self.logs.save_traceback(record.traceback or "")
         self.cursor = dataclasses.replace(self.cursor, errors_seen=len(self.records))
         self.save_cursor(force=True)
         diagnosed = None if message.record is None else diagnosis.diagnose(

@@ -84,17 +84,17 @@ def test_watch_hands_on_log_events_errors_states_and_the_end_of_a_failing_run(ag
     assert [event["type"] for event in events] == ["step"] and events[0]["loss"] == 2.5  # no heartbeat
 
     (error,) = [item for item in middle if isinstance(item, dflash.ErrorRecorded)]
-    assert error.record["thread"] == "drafter-1" and error.record["message"] == "api boom"
+    assert error.record.thread == "drafter-1" and error.record.message == "api boom"
     assert error.diagnosis is None  # no failure dflash knows
     assert error.traceback_saved == following.local_dir / "traceback.txt"
-    assert error.traceback_saved.read_text() == error.record["traceback"]
-    assert "RuntimeError: api boom" in error.record["traceback"]
+    assert error.traceback_saved.read_text() == error.record.traceback
+    assert "RuntimeError: api boom" in error.record.traceback
 
     assert isinstance(host_ended, dflash.HostEnded) and host_ended.state == RunState.FAILED
     assert host_ended.unexplained is None  # its record explains it
     assert isinstance(ended, dflash.Ended)
     assert (ended.state, ended.exit_code, ended.hosts) == (RunState.FAILED, ExitCode.RUN_FAILED, ("local",))
-    assert ended.root_cause[0] == "local" and ended.root_cause[1]["message"] == "api boom"
+    assert ended.root_cause[0] == "local" and ended.root_cause[1].message == "api boom"
     # what was handed on is what was kept
     assert (following.local_dir / "train.log").read_text() == remote_log
     assert [json.loads(line)["type"] for line in (following.local_dir / "events.jsonl").read_text().splitlines()] \
@@ -157,8 +157,8 @@ def test_a_garbled_errors_jsonl_line_comes_as_it_is(agent, hosts, tmp_path):  # 
     items = list(dflash.watch("api-garbled", host="local", hosts_file=hosts, logs_dir=tmp_path / "logs"))
     garbled, real = [item for item in items if isinstance(item, dflash.ErrorRecorded)]
     assert garbled.message.record is None and garbled.message.raw == '{"thread": "drafter-1", cut short by a kill'
-    assert garbled.record["exc_type"] == "unreadable errors.jsonl line" and garbled.diagnosis is None
-    assert real.record["message"] == "real" and items[-1].exit_code == ExitCode.RUN_FAILED
+    assert garbled.record.exc_type == "unreadable errors.jsonl line" and garbled.diagnosis is None
+    assert real.record.message == "real" and items[-1].exit_code == ExitCode.RUN_FAILED
 
 
 def test_a_run_killed_without_a_record_ends_with_what_its_host_knows(agent, hosts, tmp_path):  # noqa: F811

@@ -205,9 +205,11 @@ def fabricate_run(workspace: Path, run_id: str, exit_code: int | None, superviso
     run_dir.mkdir(parents=True)
     ended = time.time()
     (run_dir / "run.json").write_text(json.dumps({
-        "run_id": run_id, "pid": 2 ** 22 + 1, "pgid": 2 ** 22 + 1, "start_time": 1,
-        "boot_id": procfs.boot_id(), "started_at": ended - 60, "stall_after": 300.0,
-        "release_id": "r", "supervisor": {"pid": supervisor, "start_time": None if supervisor is None else 1}}))
+        "run_id": run_id, "name": None, "release_id": "r", "release_dir": str(workspace / "releases" / "r"),
+        "workspace": str(workspace), "config": "", "config_source": "config.yaml", "argv": ["python3"],
+        "cwd": str(run_dir), "env_keys": [], "pid": 2 ** 22 + 1, "pgid": 2 ** 22 + 1, "start_time": 1,
+        "boot_id": procfs.boot_id(), "host": "node", "started_at": ended - 60, "stall_after": 300.0,
+        "resources": [], "supervisor": {"pid": supervisor, "start_time": None if supervisor is None else 1}}))
     if exit_code is not None:
         (run_dir / "exit.json").write_text(json.dumps({"exit_code": exit_code, "signal": None, "oom_killed": False,
                                                        "ended_at": ended, "exec_error": None}))

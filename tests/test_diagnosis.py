@@ -25,6 +25,7 @@ from dflash_train.faults import FaultInjector
 from dflash_train.jobs.common import ThreadFailed
 from dflash_train.model.objective import DrafterInputs
 from dflash_train.runlog import error_record
+from dflash_contract.records import ErrorRecord
 from dflash_train.data.tiny import ensure_tiny_assets
 from dflash_train.compiling.step_build import stray_compile
 
@@ -84,7 +85,7 @@ AssertionError
 '''
 # A real OOM on an H200 (torch 2.11) after the memory ledger noted a 4 GiB target and a drafter
 # with a CUDA graph: the record runlog wrote, message and `memory`.
-H200_OOM = {"exc_type": "OutOfMemoryError", "traceback": "", "message": (
+H200_OOM = ErrorRecord.from_json({"exc_type": "OutOfMemoryError", "traceback": "", "message": (
     "CUDA out of memory. Tried to allocate 200.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which 134.18 GiB "
     "is free. Including non-PyTorch memory, this process has 5.61 GiB memory in use. Of the allocated memory 4.88 GiB "
     "is allocated by PyTorch, with 258.00 MiB allocated in private pools (e.g., CUDA Graphs), and 2.00 MiB is reserved "
@@ -94,7 +95,7 @@ H200_OOM = {"exc_type": "OutOfMemoryError", "traceback": "", "message": (
     "memory": {"devices": {"cuda:0": {"allocated": 4966057472, "reserved": 5238685696, "max_allocated": 5234496000}},
                "parts": [{"part": "target", "device": "cuda:0", "bytes": 4294967296},
                          {"part": "drafter-0", "device": "cuda:0", "bytes": 671090176},
-                         {"part": "drafter-0 CUDA graphs", "device": "cuda:0", "bytes": 270532096}]}}
+                         {"part": "drafter-0 CUDA graphs", "device": "cuda:0", "bytes": 270532096}]}})
 
 
 def caught(action) -> BaseException:
@@ -117,12 +118,12 @@ def raising(exc: BaseException, cause: BaseException | None = None):
     return action
 
 
-def recorded(exc: BaseException, thread: str = "drafter-1") -> dict:
+def recorded(exc: BaseException, thread: str = "drafter-1") -> ErrorRecord:
     """The errors.jsonl record the trainer writes for `exc`."""
     return error_record(exc, thread=thread, thread_ident=threading.get_ident(), phase="train", step=3)
 
 
-def line(record: dict, host: str = "ct200", hosts: tuple[str, ...] = ()) -> str | None:
+def line(record: ErrorRecord, host: str = "ct200", hosts: tuple[str, ...] = ()) -> str | None:
     return diagnose(Failure(record, "my run-1", host, hosts))
 
 
@@ -156,8 +157,8 @@ def test_a_model_neither_cached_nor_downloadable_names_the_hosts_cache(tmp_path,
 
 def test_cuda_oom_says_the_gpu_and_the_sizes_and_without_a_ledger_the_token_budget():
     record = recorded(caught(raising(torch.OutOfMemoryError(OOM))))
-    assert record["exc_type"] == "OutOfMemoryError"
-    assert record["memory"]["devices"] == {}  # CPU torch: no CUDA device ran
+    assert record.exc_type == "OutOfMemoryError"
+    assert record.memory["devices"] == {}  # CPU torch: no CUDA device ran
     assert line(record) == (
         "CUDA out of memory on GPU 0 (cuda:0) allocating 34.80 GiB: 131.50 GiB of its 139.81 GiB in use by this "
         "process, 7.12 GiB free; lower data.token_budget or data.block_token_budget (the step's activations grow "
@@ -178,7 +179,7 @@ def test_cuda_oom_seen_through_the_coordinators_wrapper_carries_the_memory_too()
     oom = torch.cuda.OutOfMemoryError(OOM)  # the same class as torch.OutOfMemoryError
     record = recorded(caught(raising(ThreadFailed("drafter-1 failed: OutOfMemoryError: CUDA out of memory."), oom)),
                       thread="coordinator")
-    assert record["exc_type"] == "ThreadFailed" and "memory" in record
+    assert record.exc_type == "ThreadFailed" and record.memory is not None
     assert line(record).startswith("CUDA out of memory on GPU 0 (cuda:0) allocating 34.80 GiB")
 
 
@@ -197,7 +198,8 @@ def held(part: str, gib: float, device: str = "cuda:0") -> dict:
     ([held("drafter-0", 50), held("drafter-1", 50, "cuda:1")], "lower data.token_budget"),  # one drafter here
 ])
 def test_cuda_oom_names_what_the_run_held_on_that_gpu_and_the_knob_of_what_held_most(parts, advice):
-    record = {**recorded(caught(raising(torch.OutOfMemoryError(OOM)))), "memory": {"devices": {}, "parts": parts}}
+    record = dataclasses.replace(recorded(caught(raising(torch.OutOfMemoryError(OOM)))),
+                                 memory={"devices": {}, "parts": parts})
     here = ", ".join(f"{p['part']} {p['bytes'] / GIB:.1f} GiB" for p in parts if p["device"] == "cuda:0")
     assert f"; this run held there: {here}; {advice}" in line(record)
 
@@ -306,7 +308,7 @@ def test_a_rank_that_could_not_join_points_at_rank_0s_address():
                          "is the wait")
 
 
-def collective_failed(cause: BaseException) -> dict:
+def collective_failed(cause: BaseException) -> ErrorRecord:
     """The trainer's record of a broken all-reduce no rank recorded a reason for."""
     wrapper = CollectiveFailed(f"the gradient all-reduce with the other 1 rank(s) failed and no rank recorded why "
                                f"({type(cause).__name__}: {str(cause).splitlines()[0]})")
@@ -346,7 +348,7 @@ def test_a_store_that_does_not_answer_is_rank_0_gone():
 # -- CUDA-graph trees in threads ------------------------------------------------------------
 
 def test_the_cuda_graph_trees_tls_assertion_points_at_compile_cudagraphs():
-    record = {"exc_type": "AssertionError", "message": "", "traceback": TLS_ASSERTION}
+    record = ErrorRecord(exc_type="AssertionError", message="", traceback=TLS_ASSERTION)
     assert line(record) == ("torch <= 2.12's CUDA-graph trees (torch.compile mode=reduce-overhead) fail in every "
                             "thread but the first that used them; `compile: cudagraphs` (dflash captures each "
                             "drafter's whole step itself) is the safe path with several drafter threads")

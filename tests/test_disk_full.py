@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflash_contract.records import ErrorRecord
 from dflash_files.checkpoint_files import LATEST
 from dflash_files.diskspace import RESERVE_BYTES, DiskFull, free_bytes
 from dflash_run import dflash_in_process
@@ -123,9 +124,9 @@ def test_the_error_record_is_written_into_its_reserve_on_a_disk_full_to_its_last
     with tmpfs(tmp_path / "disk", size_mib=2) as disk:
         errors = ErrorLog(disk / "errors.jsonl")
         fill(disk)
-        errors.append({"exc_type": "DiskFull", "message": "the first failure"})
+        errors.append(ErrorRecord(exc_type="DiskFull", message="the first failure"))
         with pytest.raises(DiskFull, match=re.escape(f"writing {disk}/errors.jsonl (")):
-            errors.append({"exc_type": "DiskFull", "message": "x" * RESERVE_BYTES})  # the reserve is gone
+            errors.append(ErrorRecord(exc_type="DiskFull", message="x" * RESERVE_BYTES))  # the reserve is gone
         assert [json.loads(line)["message"] for line in (disk / "errors.jsonl").read_text().splitlines()] == [
             "the first failure"]  # whole lines only: the failed one left nothing behind
 

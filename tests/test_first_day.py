@@ -18,7 +18,7 @@ def _record(thread: str) -> dict:
     try:
         raise RuntimeError(f"{thread} broke")
     except RuntimeError as exc:
-        return {**error_record(exc, thread=thread, thread_ident=threading.get_ident(), phase="train", step=3),
+        return {**error_record(exc, thread=thread, thread_ident=threading.get_ident(), phase="train", step=3).to_json(),
                 "attempt": 0}
 
 

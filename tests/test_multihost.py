@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_contract.records import ExitRecord
+from dflash_contract.records import ErrorRecord, ExitRecord, PeerFailure
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import RunState
 from dflash_files import procfs
@@ -134,8 +134,13 @@ def test_the_run_state_is_the_worst_host_state(states, expected):
     assert aggregate_state({f"h{i}": s and RunState(s) for i, s in enumerate(states)}) == expected
 
 
-def record(ts: float, exc_type: str, thread: str = "drafter-0") -> dict:
-    return {"ts": ts, "exc_type": exc_type, "thread": thread}
+def record(ts: float, exc_type: str, thread: str = "drafter-0") -> ErrorRecord:
+    return ErrorRecord(ts=ts, exc_type=exc_type, thread=thread)
+
+
+def peer_failed(**detail) -> ErrorRecord:
+    """A PeerFailed record with `detail`, read as errors.jsonl holds it."""
+    return ErrorRecord.from_json({"exc_type": "PeerFailed", "detail": detail})
 
 
 def test_the_root_cause_is_the_earliest_record_that_is_not_a_peer_failure():
@@ -144,17 +149,17 @@ def test_the_root_cause_is_the_earliest_record_that_is_not_a_peer_failure():
     by_host = {"ct200": [record(10.0, "PeerFailed", "coordinator"), record(10.5, "RuntimeError", "coordinator")],
                "ct202": [record(10.2, "RuntimeError", "drafter-1"), record(10.3, "RuntimeError", "coordinator")]}
     merged = in_time_order(by_host)
-    assert [(h, r["ts"]) for h, r in merged] == [("ct200", 10.0), ("ct202", 10.2), ("ct202", 10.3), ("ct200", 10.5)]
+    assert [(h, r.ts) for h, r in merged] == [("ct200", 10.0), ("ct202", 10.2), ("ct202", 10.3), ("ct200", 10.5)]
     assert root_cause(merged) == ("ct202", by_host["ct202"][0])
     only_peers = in_time_order({"ct200": [record(3.0, "PeerFailed")], "ct202": []})
     assert root_cause(only_peers)[0] == "ct200"
     assert root_cause([]) is None
-    gone = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "peer_message": "no sign"}}
+    gone = peer_failed(peer_rank=0, peer_exc_type=None, peer_message="no sign")
     assert peer_failed_line(gone, ["ct200", "ct202"]) == "stopped because rank 0 (ct200) is gone: no sign"
-    failed = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": "KeyError", "peer_message": "x"}}
+    failed = peer_failed(peer_rank=1, peer_exc_type="KeyError", peer_message="x")
     assert peer_failed_line(failed, ["ct200", "ct202"]) == "stopped because rank 1 (ct202) failed: KeyError: x"
     # One host keeps its file order (records are appended as threads fail).
-    assert in_time_order({"a": [record(2.0, "X"), record(1.0, "Y")]})[0][1]["ts"] == 2.0
+    assert in_time_order({"a": [record(2.0, "X"), record(1.0, "Y")]})[0][1].ts == 2.0
 
 
 def test_the_run_id_alone_finds_every_host_of_the_run(tmp_path):
@@ -172,9 +177,9 @@ def test_the_run_id_alone_finds_every_host_of_the_run(tmp_path):
 
 
 def test_a_rank_without_a_record_of_its_own_is_blamed_and_shown_silent():
-    gone = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": None,
-                                                 "peer_message": "no sign of life from rank 1 for 30s"}}
-    failed = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": "KeyError", "peer_message": "x"}}
+    gone = peer_failed(peer_rank=1, peer_exc_type=None,
+                       peer_message="no sign of life from rank 1 for 30s")
+    failed = peer_failed(peer_rank=1, peer_exc_type="KeyError", peer_message="x")
     hosts = ["ct200", "ct202"]
     assert blamed_host(("ct200", gone), hosts) == "ct202"
     assert blamed_host(("ct202", record(1.0, "RuntimeError")), hosts) is None  # a record of its own
@@ -183,23 +188,23 @@ def test_a_rank_without_a_record_of_its_own_is_blamed_and_shown_silent():
         "no sign of life from rank 1 for 30s (seen by ct200, rank 0); its trainer was killed by SIGKILL, "
         "with no error record of its own")
     assert blamed_line(hosts, None, ("ct200", gone)).endswith("its trainer still runs, with no error record of its own")
-    rows = [host_status("ct200", 0, "FAILED", gone["detail"]), host_status("ct202", 1, "RUNNING", None)]
+    rows = [host_status("ct200", 0, "FAILED", gone.peer_failure()), host_status("ct202", 1, "RUNNING", None)]
     marked = mark_silent_ranks(rows)
     assert [r.state for r in marked] == ["FAILED", "STALLED"] and rows[1].state == "RUNNING"
     assert marked[1].silent == "ct200 (rank 0) stopped hearing from it: no sign of life from rank 1 for 30s"
     assert marked[1].to_json()["state"] == "STALLED" and marked[1].to_json()["silent"] == marked[1].silent
     # A peer that failed with a record of its own is not silent; a row that ended stays as it ended.
-    assert mark_silent_ranks([host_status("ct200", 0, "FAILED", failed["detail"]), rows[1]])[1].state == "RUNNING"
+    assert mark_silent_ranks([host_status("ct200", 0, "FAILED", failed.peer_failure()), rows[1]])[1].state == "RUNNING"
     assert mark_silent_ranks([rows[0], host_status("ct202", 1, "FAILED", None)])[1].state == "FAILED"
 
 
 def test_two_ranks_each_silent_to_the_other_are_named_a_network_partition():
-    lost_peer = {"exc_type": "PeerFailed", "detail": {"peer_rank": 1, "peer_exc_type": None, "silence_s": 30,
-                                                      "peer_message": "no sign of life from rank 1 for 30s"}}
-    lost_store = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "silence_s": 30,
-                                                       "peer_message": "the store … did not answer for 30s"}}
-    store_gone = {"exc_type": "PeerFailed", "detail": {"peer_rank": 0, "peer_exc_type": None, "silence_s": None,
-                                                       "peer_message": "the store … stopped answering: rank 0 is gone"}}
+    lost_peer = peer_failed(peer_rank=1, peer_exc_type=None, silence_s=30,
+                            peer_message="no sign of life from rank 1 for 30s")
+    lost_store = peer_failed(peer_rank=0, peer_exc_type=None, silence_s=30,
+                             peer_message="the store … did not answer for 30s")
+    store_gone = peer_failed(peer_rank=0, peer_exc_type=None, silence_s=None,
+                             peer_message="the store … stopped answering: rank 0 is gone")
     hosts = ["ct200", "ct202"]
     exit_1 = ExitRecord(exit_code=1, signal=None, oom_killed=False, ended_at=1.0, exec_error=None)
     assert blamed_line(hosts, exit_1, ("ct200", lost_peer), [lost_store]) == (
@@ -213,7 +218,7 @@ def test_two_ranks_each_silent_to_the_other_are_named_a_network_partition():
     assert peer_failed_line(store_gone, hosts).startswith("stopped because rank 0 (ct200) is gone: ")
 
 
-def host_status(host: str, rank: int, state: str, peer_failure: dict | None) -> HostStatus:
+def host_status(host: str, rank: int, state: str, peer_failure: PeerFailure | None) -> HostStatus:
     """A host's row of a run on several hosts whose status is `state`, naming `peer_failure`."""
     status = RunStatus(run_id="pair-1", name="pair", state=RunState(state), reason=None, pid=1, started_at=1.0,
                        ended_at=None, exit=None, errors=0, last_heartbeat=None, release_id=None, source=None,

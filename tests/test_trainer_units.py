@@ -544,10 +544,10 @@ def test_error_record_has_the_chain_and_the_root_frames():
     except RuntimeError as exc:
         record = error_record(exc, thread="drafter-3", thread_ident=12, phase="train", step=7)
         text = "".join(traceback.format_exception(exc))
-    assert record["traceback"] == text and "direct cause" in text
-    assert record["exc_type"] == "RuntimeError" and record["message"] == "outer"
-    assert record["frames"][-1]["func"] == "inner" and record["frames"][-1]["code"] == 'raise KeyError("deep")'
-    assert {"ts", "run_id", "thread", "thread_ident", "phase", "step", "release_id"} <= set(record)
+    assert record.traceback == text and "direct cause" in text
+    assert record.exc_type == "RuntimeError" and record.message == "outer"
+    assert record.frames[-1].func == "inner" and record.frames[-1].code == 'raise KeyError("deep")'
+    assert {"ts", "run_id", "thread", "thread_ident", "phase", "step", "release_id"} <= set(record.to_json())
 
 
 def test_checkpoints_are_atomic_pruned_and_load_back(tmp_path):
@@ -823,9 +823,9 @@ def test_error_record_carries_the_detail_of_its_root_cause():
             raise RuntimeError("drafter-0 failed") from exc
     except RuntimeError as outer:
         record = error_record(outer, thread="coordinator", thread_ident=1, phase="train", step=None)
-    assert record["detail"] == {"quantity": "loss", "value": "nan"}
-    assert json.loads(json.dumps(record, allow_nan=False))["detail"]["value"] == "nan"  # strict JSON
-    assert "detail" not in error_record(ValueError("x"), thread="t", thread_ident=1, phase="train", step=1)
+    assert record.detail == {"quantity": "loss", "value": "nan"}
+    assert json.loads(json.dumps(record.to_json(), allow_nan=False))["detail"]["value"] == "nan"  # strict JSON
+    assert "detail" not in error_record(ValueError("x"), thread="t", thread_ident=1, phase="train", step=1).to_json()
 
 
 def test_the_memory_ledger_keeps_every_threads_notes_and_an_oom_record_carries_them():
@@ -848,9 +848,9 @@ def test_the_memory_ledger_keeps_every_threads_notes_and_an_oom_record_carries_t
     assert ledger.mark("cpu") is None and ledger.note_since(None, "drafter-0") == []
     oom = error_record(torch.OutOfMemoryError("CUDA out of memory."), thread="t", thread_ident=1, phase="train",
                        step=1)
-    assert oom["memory"] == {"devices": {}, "parts": ledger.snapshot()}  # CPU torch: no CUDA device ran
+    assert oom.memory == {"devices": {}, "parts": ledger.snapshot()}  # CPU torch: no CUDA device ran
     assert "memory" not in error_record(RuntimeError("CUDA out of memory."), thread="t", thread_ident=1,
-                                        phase="train", step=1)
+                                        phase="train", step=1).to_json()
 
 
 @pytest.mark.parametrize("poison", [math.nan, math.inf])

@@ -122,19 +122,19 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
     reports = _reports(session, ref)
     every = {host: list(report.errors) for host, report in reports.items()}  # file order, attempt after attempt
     # The state is the latest attempt's, and so is the root cause; --all shows earlier attempts' too.
-    attempts = {host: int(report.run.get("attempt") or 0) for host, report in reports.items()}
+    attempts = {host: report.run.attempt_number for host, report in reports.items()}
     latest = {host: attempt_errors(records, attempts[host]) for host, records in every.items()}
     for host, records in every.items():
         logs = RunLogs(session.logs_dir, RunRef(host, ref.run_id))
         if records:
             logs.save_errors(records)
         if latest[host]:
-            logs.save_traceback(multihost.root_cause([(host, r) for r in latest[host]])[1].get("traceback", ""))
+            logs.save_traceback(multihost.root_cause([(host, r) for r in latest[host]])[1].traceback or "")
     records = multihost.in_time_order(every if all_records else latest)
     several_attempts = any(attempt > 0 for attempt in attempts.values())
     if thread:
-        threads = sorted({str(r.get("thread")) for _, r in records})
-        records = [(host, r) for host, r in records if r.get("thread") == thread]
+        threads = sorted({str(r.thread) for _, r in records})
+        records = [(host, r) for host, r in records if r.thread == thread]
         if not records:
             have = (f"threads with records: {', '.join(threads)}" if threads else
                     "no thread has a record" + ("" if all_records else " in the latest attempt (--all: every one)"))
@@ -183,7 +183,7 @@ def _run_hosts(ref: RunRef, reports: dict[str, ReportReply]) -> tuple[str, ...]:
     """The run's hosts in rank order, also when asked for one host's part (--host): from
     the run.json of a host of a run on several (its `distributed`)."""
     for report in reports.values():
-        hosts = (report.run.get("distributed") or {}).get("hosts")
+        hosts = report.run.distributed.hosts if report.run.distributed else None
         if hosts:
             return tuple(hosts)
     return ref.hosts

@@ -125,12 +125,12 @@ class Printer:
 
     def on_error(self, item: ErrorRecorded) -> None:
         label, record = self.label(item.host), item.record
-        if not self.as_json and record.get("exc_type") == multihost.PEER_FAILED:
-            console.say(console.printable(f"{label}thread {record.get('thread')}: "
+        if not self.as_json and record.exc_type == multihost.PEER_FAILED:
+            console.say(console.printable(f"{label}thread {record.thread}: "
                                           + multihost.peer_failed_line(record, self.ref.hosts)))
         elif not self.as_json:
             on = f" on {item.host}" if label else ""
-            console.human.rule(f"thread {record.get('thread')} failed{on}", style="red")
+            console.human.rule(f"thread {record.thread} failed{on}", style="red")
             self.show_remote(render_record(record, RunRef(item.host, self.ref.run_id)))
         if item.traceback_saved is not None:
             console.say(f"{label}traceback saved to {item.traceback_saved}")
@@ -154,8 +154,8 @@ class Printer:
                         + multihost.blamed_line(item.hosts, item.exits.get(item.blamed), item.root_cause,
                                                 item.records.get(item.blamed, ())))
             else:
-                line = (f"root cause on {host} (rank {item.hosts.index(host)}): thread {record.get('thread')} "
-                        f"{record.get('exc_type')}: {record.get('message', '')}".rstrip())
+                line = (f"root cause on {host} (rank {item.hosts.index(host)}): thread {record.thread} "
+                        f"{record.exc_type}: {record.message or ''}".rstrip())
             console.say(console.printable(line))
         console.say(f"run {item.run_id} ended: {multihost.state_name(item.state)} "
                     f"({', '.join(f'{host} {multihost.state_name(s)}' for host, s in item.states.items())})")

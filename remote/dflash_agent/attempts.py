@@ -16,7 +16,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from dflash_contract.events import ATTEMPT
-from dflash_contract.records import ExitRecord
+from dflash_contract.records import ErrorRecord, ExitRecord, RunRecord
 from dflash_contract.states import RunState
 from dflash_files.checkpoint_files import CHECKPOINT_FILES, CHECKPOINTS_DIR, STEP_FOLDER
 from dflash_files.diskspace import NO_SPACE
@@ -47,26 +47,20 @@ def newest_checkpoint(run: RunDir) -> Optional[Tuple[int, str]]:
     return folders[-1] if folders else None
 
 
-def attempt_of(record: Dict[str, Any]) -> int:
-    """The latest attempt's number (0 for a run.json from before attempts existed)."""
-    return int(record.get("attempt") or 0)
-
-
-def history(record: Dict[str, Any]) -> List[Dict[str, Any]]:
+def history(record: RunRecord) -> List[Dict[str, Any]]:
     """run.json's `attempts`; one entry made from the top-level fields for a run.json
     written before attempts existed."""
-    attempts = record.get("attempts")
-    if isinstance(attempts, list) and attempts:
-        return [dict(a) for a in attempts]
-    return [{"attempt": 0, "reason": "launch", "started_at": record.get("started_at"),
-             "pid": record.get("pid"), "release_id": record.get("release_id"), "resume_from": None}]
+    if record.attempts:
+        return [dict(a) for a in record.attempts]
+    return [{"attempt": 0, "reason": "launch", "started_at": record.started_at,
+             "pid": record.pid, "release_id": record.release_id, "resume_from": None}]
 
 
-def failed_step(errors: List[Dict[str, Any]], last_step: Optional[int]) -> Optional[int]:
+def failed_step(errors: List[ErrorRecord], last_step: Optional[int]) -> Optional[int]:
     """Where an attempt failed: its root cause's step, else the last step it reported."""
     for record in errors:
-        if record.get("step") is not None:
-            return int(record["step"])
+        if record.step is not None:
+            return record.step
     return last_step
 
 
@@ -149,7 +143,7 @@ def check_policy(policy: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def restart_cause(exit_record: ExitRecord, errors: List[Dict[str, Any]]) -> Optional[str]:
+def restart_cause(exit_record: ExitRecord, errors: List[ErrorRecord]) -> Optional[str]:
     """"failure" (an error record, or a non-zero exit), "killed" (a signal, no record),
     or None for a clean exit."""
     if errors:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Dict
 
+from dflash_contract.records import RunRecord
 from dflash_contract.replies import StacksReply, StopReply
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
@@ -49,22 +49,22 @@ def stop(run: RunDir, grace: float) -> StopReply:
     # A supervisor restarting the run writes the new attempt's run.json, then looks for
     # stop_requested.json before letting it start: reading run.json again after writing
     # that file finds any trainer that started all the same.
-    while record["pgid"] not in signalled:
-        signalled.add(record["pgid"])
+    while record.pgid not in signalled:
+        signalled.add(record.pgid)
         killed = _end_group(run, record, grace) or killed
         record = read_record(run)
     # exit.json comes from the supervisor, if it is alive to write it.
-    supervisor = record.get("supervisor") or {}
+    supervisor = record.supervisor
     _wait(lambda: os.path.exists(run.exit_json)
-          or not procfs.identity_alive(supervisor.get("pid"), supervisor.get("start_time")),
+          or not procfs.identity_alive(supervisor.pid, supervisor.start_time),
           EXIT_JSON_WAIT_S)
     return StopReply(run_id=run.run_id, state=derive_state(observe(run, record)), killed=killed)
 
 
-def _end_group(run: RunDir, record: Dict[str, Any], grace: float) -> bool:
+def _end_group(run: RunDir, record: RunRecord, grace: float) -> bool:
     """SIGTERM to the trainer's process group, SIGKILL after `grace`; True if it took that."""
-    pgid, leader_start = record["pgid"], record.get("start_time")
-    if record.get("boot_id") != procfs.boot_id() or not procfs.group_is_ours(pgid, leader_start):
+    pgid, leader_start = record.pgid, record.start_time
+    if record.boot_id != procfs.boot_id() or not procfs.group_is_ours(pgid, leader_start):
         return False
 
     def group_empty() -> bool:
@@ -82,7 +82,7 @@ def _end_group(run: RunDir, record: Dict[str, Any], grace: float) -> bool:
 
 def stacks(run: RunDir, timeout: float) -> StacksReply:
     record = read_record(run)
-    pid = record["pid"]
+    pid = record.pid
     if trainer_liveness(record) != ALIVE:
         raise AgentError("run %r is not running (%s)" % (run.run_id, derive_state(observe(run, record))),
                          "conflict")

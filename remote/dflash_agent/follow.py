@@ -39,7 +39,7 @@ from typing import Iterator, List, Optional, Tuple
 from dflash_contract.events import HEARTBEAT
 from dflash_contract.follow import (EndMessage, ErrorMessage, EventsMessage, FollowMessage, GpuMessage, LogMessage,
                                     RotatedMessage, StateMessage)
-from dflash_contract.records import parse_json_line
+from dflash_contract.records import ErrorRecord, RunRecord, parse_json_line
 from dflash_contract.replies import Gpu
 from dflash_contract.requests import FINGERPRINT_BYTES, fingerprint
 
@@ -333,11 +333,11 @@ class ErrorsFollower:
             index, self._index = self._index, self._index + 1
             if index < self._seen:
                 continue
-            record = parse_json_line(line)
-            if isinstance(record, dict):
+            record = ErrorRecord.of_line(decode_bytes(line))
+            if record.raw is None:
                 yield ErrorMessage(index=index, record=record)
             else:
-                yield ErrorMessage(index=index, record=None, raw=decode_bytes(line))
+                yield ErrorMessage(index=index, record=None, raw=record.raw)
 
 
 class EventsFollower:
@@ -449,7 +449,8 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
             # The state is taken before reading: if it is terminal, everything the run
             # wrote is already on disk, and the reads below drain it. run.json is read
             # anew: a restart puts another attempt's trainer in it.
-            record = read_json(run.run_json) or record
+            written = read_json(run.run_json)
+            record = record if written is None else RunRecord.from_json(written)
             obs = observe(run, record)
             state = derive_state(obs)
             terminal = state.terminal
@@ -465,7 +466,7 @@ def follow(ws: Workspace, request: FollowRequest, out: Output) -> int:
                 out.send(StateMessage(state=state, ts=time.time()))
                 last_state = state
             if terminal:
-                out.send(EndMessage(state=state, exit=obs.exit, attempt=int(record.get("attempt") or 0),
+                out.send(EndMessage(state=state, exit=obs.exit, attempt=record.attempt_number,
                                     offset=logs.sent, segment=logs.segment))
                 return 0
             time.sleep(request.poll)

@@ -39,6 +39,7 @@ import traceback
 from typing import Any, Dict, Optional, Tuple, Union
 
 from dflash_contract.names import RELEASE_DIR_ENV, RELEASE_ID_ENV, RUN_ID_ENV, WORKSPACE_ENV
+from dflash_contract.records import RunPlace
 from dflash_contract.replies import LaunchCheckReply, LaunchReply
 from dflash_files.atomic import write_atomic
 from dflash_files.config_paths import PathRequirement
@@ -83,10 +84,10 @@ class Distributed:
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
                 "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
-    def record(self) -> Dict[str, Any]:
+    def record(self) -> RunPlace:
         """run.json's `distributed`."""
-        return {"rank": self.rank, "world_size": self.world_size, "master_addr": self.master_addr,
-                "master_port": self.master_port, "hosts": list(self.hosts)}
+        return RunPlace(rank=self.rank, world_size=self.world_size, master_addr=self.master_addr,
+                        master_port=self.master_port, hosts=self.hosts)
 
 
 @dataclasses.dataclass(frozen=True)

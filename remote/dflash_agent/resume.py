@@ -28,10 +28,10 @@ import fcntl
 import os
 import shlex
 import subprocess
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 
-from dflash_contract.records import attempt_errors
+from dflash_contract.records import RunRecord, attempt_errors
 from dflash_contract.replies import CorruptCheckpoint, ResumeCheckReply, ResumeReply
 from dflash_contract.states import RunState
 
@@ -95,13 +95,13 @@ def _resume_locked(ws: Workspace, run: RunDir,
     else:
         checkpoint = (request.step, FROM_RANK0)
     release_id, release_root = _release(ws, record, request.release)
-    python = (record.get("argv") or [None])[0] or "python3"
+    python = (record.argv or (None,))[0] or "python3"
     env = trainer_env(ws, run, release_id, release_root, request.env, distributed)
     preflight.check(ws.root, release_root, python, env, request.modules, ())
     if checkpoint[1] != FROM_RANK0:
         _check_fit(python, env, run, checkpoint)
-    resources = tuple(record.get("resources") or ())
-    attempt = attempts.attempt_of(record)
+    resources = record.resources
+    attempt = record.attempt_number
     if request.check_only:
         locks.check_free(ws, resources, False)
         picks_port = distributed is not None and distributed.master_port == 0
@@ -114,49 +114,49 @@ def _resume_locked(ws: Workspace, run: RunDir,
     ended = attempts.closed(history[-1], obs.exit, state,
                             attempts.failed_step(errors, summarize_events(run.events).step))
     plan = TrainerPlan(
-        workspace=ws, run=run, name=record.get("name"), release_id=release_id, release_root=release_root,
-        config_source=record.get("config_source") or run.config, python=python, env=env,
+        workspace=ws, run=run, name=record.name, release_id=release_id, release_root=release_root,
+        config_source=record.config_source or run.config, python=python, env=env,
         env_keys=tuple(key for key, _ in request.env), resources=resources,
-        stall_after=float(record.get("stall_after") or 300.0),
-        startup_stall_after=float(record.get("startup_stall_after") or 300.0),
-        source=record.get("source") if release_id == record.get("release_id") else None,
-        overrides=tuple(record.get("overrides") or ()), restart=record.get("restart"), attempt=attempt + 1, reason="resume", resume_from=checkpoint,
+        stall_after=float(record.stall_after),
+        startup_stall_after=float(record.startup_stall_after or 300.0),
+        source=record.source if release_id == record.release_id else None,
+        overrides=record.overrides or (), restart=record.restart, attempt=attempt + 1, reason="resume", resume_from=checkpoint,
         history=tuple(history[:-1]) + (ended,), distributed=distributed.record() if distributed else None)
     try:
         report = start_supervisor(plan)
     except BaseException:
-        if read_json(run.run_json) == record:  # nothing started: the locks are ours to drop
+        if read_json(run.run_json) == record.to_json():  # nothing started: the locks are ours to drop
             locks.release(ws, resources, run.run_id)
         raise
     return ResumeReply(run_id=run.run_id, attempt=attempt + 1, previous_state=state, step=checkpoint[0],
                        checkpoint=checkpoint[1], pid=report["pid"], release_id=release_id,
-                       previous_release_id=record.get("release_id"), release=request.release,
+                       previous_release_id=record.release_id, release=request.release,
                        corrupt=corrupt or None)
 
 
-def _place(run: RunDir, record: Dict[str, Any], request: ResumeRequest) -> Optional[Distributed]:
+def _place(run: RunDir, record: RunRecord, request: ResumeRequest) -> Optional[Distributed]:
     """This host's place in the resumed run: the request's, which must be the one run.json
     records (the rendezvous address defaults to the launch's; the port is new)."""
-    recorded = record.get("distributed")
+    recorded = record.distributed
     given = request.distributed
     if recorded and given is None:
         # Only rank 0's host holds the checkpoints, and every host's trainer must start
         # again together: resuming one host's part alone would wait for peers that ended.
         raise AgentError("run %r is one part of a run on several hosts (%s): resume it on all of them "
-                         "together (dflash resume %s)" % (run.run_id, ", ".join(recorded.get("hosts") or []),
+                         "together (dflash resume %s)" % (run.run_id, ", ".join(recorded.hosts or ()),
                                                           run.run_id), "conflict")
     if given is None:
         return None
     if not recorded:
         raise AgentError("run %r runs on this host alone: resume it without --rank" % run.run_id, "usage")
     if not given.master_addr:
-        given = dataclasses.replace(given, master_addr=str(recorded.get("master_addr") or ""))
+        given = dataclasses.replace(given, master_addr=recorded.master_addr)
     if not given.hosts:
-        given = dataclasses.replace(given, hosts=tuple(recorded.get("hosts") or ()))
+        given = dataclasses.replace(given, hosts=recorded.hosts or ())
     given.check(request.check_only)
-    if (given.rank, given.world_size) != (recorded.get("rank"), recorded.get("world_size")):
+    if (given.rank, given.world_size) != (recorded.rank, recorded.world_size):
         raise AgentError("run %r is rank %s of %s here, not rank %d of %d" % (
-            run.run_id, recorded.get("rank"), recorded.get("world_size"), given.rank, given.world_size), "conflict")
+            run.run_id, recorded.rank, recorded.world_size, given.rank, given.world_size), "conflict")
     return given
 
 
@@ -188,14 +188,14 @@ def _checkpoint(run: RunDir, step: Optional[int],
     return pick.checkpoint, pick.corrupt
 
 
-def _release(ws: Workspace, record: Dict[str, Any], which: str) -> Tuple[str, str]:
+def _release(ws: Workspace, record: RunRecord, which: str) -> Tuple[str, str]:
     if which == "current":
         return ws.current_release()
-    root = record.get("release_dir") or ""
+    root = record.release_dir
     if not os.path.isfile(os.path.join(root, "MANIFEST")):
         raise AgentError("the run's release %s is no longer in %s; resume with --release current"
-                         % (record.get("release_id"), root), "not_found")
-    return str(record.get("release_id")), root
+                         % (record.release_id, root), "not_found")
+    return record.release_id, root
 
 
 def _check_fit(python: str, env: Tuple[Tuple[str, str], ...], run: RunDir, checkpoint: Tuple[int, str]) -> None:

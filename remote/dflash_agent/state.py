@@ -12,7 +12,8 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
-from dflash_contract.records import ExitRecord, attempt_errors, parse_json_line
+from dflash_contract.checker import ProtocolError
+from dflash_contract.records import ErrorRecord, ExitRecord, PeerFailure, RunRecord, attempt_errors, parse_json_line
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import RunState
 from dflash_contract.events import ATTEMPT, DONE, HEARTBEAT, PHASE, STARTUP, STEP, TS, TYPE, TYPES, JobPhase, StartupState
@@ -72,7 +73,7 @@ class Observation:
     frozen: bool = False
     # The detail of the attempt's first PeerFailed record {peer_rank, peer_exc_type,
     # peer_message}: this rank stopped because of that one (RunStatus `peer_failure`).
-    peer_failure: Optional[Dict[str, Any]] = None
+    peer_failure: Optional[PeerFailure] = None
 
 
 def derive_state(obs: Observation) -> RunState:
@@ -140,9 +141,9 @@ def summarize_events(path: str) -> EventSummary:
                         startup_since=since)
 
 
-def error_records(path: str) -> List[Dict[str, Any]]:
-    """Every errors.jsonl record, oldest (the root cause) first. A line that is not JSON
-    is kept as {"raw": text} rather than dropped."""
+def error_records(path: str) -> List[ErrorRecord]:
+    """Every errors.jsonl record, oldest (the root cause) first. A line that is not a
+    record is kept as {"raw": text} rather than dropped."""
     try:
         with open(path, "rb") as handle:
             data = handle.read()
@@ -152,28 +153,26 @@ def error_records(path: str) -> List[Dict[str, Any]]:
     for line in data.split(b"\n")[:-1]:
         if not line.strip():
             continue
-        record = parse_json_line(line)
-        records.append(record if isinstance(record, dict) else {"raw": decode_bytes(line)})
+        records.append(ErrorRecord.of_line(decode_bytes(line)))
     return records
 
 
-def trainer_liveness(record: Dict[str, Any]) -> str:
-    recorded_boot = record.get("boot_id")
+def trainer_liveness(record: RunRecord) -> str:
+    recorded_boot = record.boot_id
     current_boot = procfs.boot_id()
     if recorded_boot and current_boot and recorded_boot != current_boot:
         return GONE  # the host rebooted since the launch
-    if procfs.identity_alive(record.get("pid"), record.get("start_time")):
+    if procfs.identity_alive(record.pid, record.start_time):
         return ALIVE
-    supervisor = record.get("supervisor") or {}
-    if procfs.identity_alive(supervisor.get("pid"), supervisor.get("start_time")):
+    if procfs.identity_alive(record.supervisor.pid, record.supervisor.start_time):
         return ENDING
     return GONE
 
 
-def is_frozen(record: Dict[str, Any]) -> bool:
+def is_frozen(record: RunRecord) -> bool:
     """Whether the trainer process is stopped by a signal or a tracer (state T or t)."""
-    stat = procfs.read_stat(record.get("pid") or 0)
-    return stat is not None and stat.start_time == record.get("start_time") and stat.state in ("T", "t")
+    stat = procfs.read_stat(record.pid)
+    return stat is not None and stat.start_time == record.start_time and stat.state in ("T", "t")
 
 
 def read_exit(run: RunDir) -> Optional[ExitRecord]:
@@ -182,7 +181,7 @@ def read_exit(run: RunDir) -> Optional[ExitRecord]:
     return None if written is None else ExitRecord.from_json(written)
 
 
-def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
+def observe(run: RunDir, record: RunRecord) -> Observation:
     """The facts about a started run's latest attempt (record = its run.json)."""
     exit_record = read_exit(run)
     trainer = GONE
@@ -191,11 +190,11 @@ def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
         if trainer == GONE:
             # The supervisor may have written exit.json and exited between our two looks.
             exit_record = read_exit(run)
-    errors = attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))
+    errors = attempt_errors(error_records(run.errors), record.attempt_number)
     return Observation(
-        started_at=float(record.get("started_at") or 0.0),
-        stall_after=float(record.get("stall_after") or 300.0),
-        startup_stall_after=float(record.get("startup_stall_after") or 300.0),
+        started_at=float(record.started_at),
+        stall_after=float(record.stall_after),
+        startup_stall_after=float(record.startup_stall_after or 300.0),
         now=time.time(),
         trainer=trainer,
         exit=exit_record,
@@ -203,12 +202,12 @@ def observe(run: RunDir, record: Dict[str, Any]) -> Observation:
         stop_requested=os.path.exists(run.stop_requested),
         events=summarize_events(run.events),
         frozen=trainer == ALIVE and is_frozen(record),
-        peer_failure=next((r.get("detail") for r in errors if r.get("exc_type") == "PeerFailed"), None),
+        peer_failure=next((r.peer_failure() for r in errors if r.exc_type == ErrorRecord.PEER_FAILED), None),
     )
 
 
 class UnreadableRecord(AgentError):
-    """run.json is there but holds no JSON object (cut short, spoiled): kind host, naming
+    """run.json is there but is no run.json (cut short, spoiled, a key missing): kind host, naming
     the file. The run cannot be shown, followed or resumed until it is repaired or
     removed; the host's other runs are not its concern."""
 
@@ -219,9 +218,9 @@ class UnreadableRecord(AgentError):
         self.problem = problem
 
 
-def read_record(run: RunDir) -> Dict[str, Any]:
-    """run.json; FileNotFoundError when there is none, UnreadableRecord when it holds no
-    JSON object."""
+def read_record(run: RunDir) -> RunRecord:
+    """run.json; FileNotFoundError when there is none, UnreadableRecord when it is not
+    one (records.RunRecord, read strictly)."""
     try:
         record = read_json(run.run_json)
     except ValueError as exc:  # not JSON, or not UTF-8
@@ -230,13 +229,16 @@ def read_record(run: RunDir) -> Dict[str, Any]:
         raise FileNotFoundError(run.run_json)
     if not isinstance(record, dict):
         raise UnreadableRecord(run, "a JSON %s, not an object" % type(record).__name__)
-    return record
+    try:
+        return RunRecord.from_json(record)
+    except ProtocolError as exc:
+        raise UnreadableRecord(run, str(exc))
 
 
-def agent_error(run: RunDir, record: Dict[str, Any]) -> Optional[str]:
+def agent_error(run: RunDir, record: RunRecord) -> Optional[str]:
     """The last error the latest attempt's supervisor wrote in agent.log, or None; read
     from the log's end (an earlier attempt's supervisor has another pid)."""
-    pid = str((record.get("supervisor") or {}).get("pid"))
+    pid = str(record.supervisor.pid)
     text = read_tail_text(run.agent_log, 1000, AGENT_LOG_TAIL_BYTES)
     for line in reversed(text.splitlines()):
         match = _AGENT_ERROR.match(line)
@@ -245,7 +247,7 @@ def agent_error(run: RunDir, record: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state: RunState) -> Optional[str]:
+def failure_reason(run: RunDir, record: RunRecord, obs: Observation, state: RunState) -> Optional[str]:
     """Why a FAILED, LOST or DEGRADED run's latest attempt failed, in one line: its first
     error record (`exc_type: message`), else exit.json's `error`, else the kernel's OOM
     killer when exit.json says it ended the trainer, else a boot of the host since the
@@ -253,11 +255,9 @@ def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state:
     how exit.json says the trainer ended; None when nothing says, or for another state."""
     if not (state.failed or state is RunState.DEGRADED):
         return None
-    errors = attempt_errors(error_records(run.errors), int(record.get("attempt") or 0))
+    errors = attempt_errors(error_records(run.errors), record.attempt_number)
     if errors:
-        first = errors[0]
-        text = first["raw"] if "raw" in first else "%s: %s" % (first.get("exc_type"), first.get("message"))
-        return text.splitlines()[0]  # never empty: error_records skips blank lines
+        return errors[0].summary().splitlines()[0]  # never empty: error_records skips blank lines
     ended = obs.exit
     if ended is not None and ended.error:
         return ended.error
@@ -270,10 +270,10 @@ def failure_reason(run: RunDir, record: Dict[str, Any], obs: Observation, state:
     return agent_error(run, record) or _ended_by(ended)
 
 
-def _booted_since(record: Dict[str, Any]) -> Optional[str]:
+def _booted_since(record: RunRecord) -> Optional[str]:
     """The host booted again since the attempt started (its boot id changed): every
     process of the run ended with it."""
-    recorded, current = record.get("boot_id"), procfs.boot_id()
+    recorded, current = record.boot_id, procfs.boot_id()
     if not recorded or not current or recorded == current:
         return None
     return ("the host booted again since the run started (boot id %s then, %s now): its trainer ended with it"
@@ -303,36 +303,36 @@ def run_status(run: RunDir, with_config: bool = False, verify: bool = False) -> 
         checkpoint_step, corrupt = _newest_checkpoint_step(run), None
     return RunStatus(
         run_id=run.run_id,
-        name=record.get("name"),
+        name=record.name,
         state=state,
         reason=failure_reason(run, record, obs, state),
-        pid=record.get("pid"),
-        started_at=record.get("started_at"),
+        pid=record.pid,
+        started_at=record.started_at,
         ended_at=_ended_at(obs),
         exit=obs.exit,
         errors=obs.error_count,
         last_heartbeat=obs.events.last_heartbeat,
-        release_id=record.get("release_id"),
-        source=record.get("source"),
-        overrides=tuple(record.get("overrides") or ()),
+        release_id=record.release_id,
+        source=record.source,
+        overrides=record.overrides or (),
         step=obs.events.step,
         startup=obs.events.startup,
         startup_elapsed_s=(None if obs.events.startup_since is None
                            else round(obs.now - obs.events.startup_since, 1)),
         peer_failure=obs.peer_failure,
-        attempt=int(record.get("attempt") or 0),
-        attempts=len(record.get("attempts") or ()) or 1,
+        attempt=record.attempt_number,
+        attempts=len(record.attempts or ()) or 1,
         resume_step=_resume_step(record),
         checkpoint_step=checkpoint_step,
         export=_export(run),
-        config=record.get("config") if with_config else None,
+        config=record.config if with_config else None,
         corrupt_checkpoints=corrupt,
     )
 
 
-def _resume_step(record: Dict[str, Any]) -> Optional[int]:
+def _resume_step(record: RunRecord) -> Optional[int]:
     """The checkpoint step the latest attempt started from (None: from the start)."""
-    entries = record.get("attempts") or [{}]
+    entries = record.attempts or ({},)
     return (entries[-1].get("resume_from") or {}).get("step")
 
 

@@ -31,7 +31,7 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from dflash_contract.names import ATTEMPT_ENV
-from dflash_contract.records import ExitRecord, attempt_errors
+from dflash_contract.records import ExitRecord, ProcessRef, RunPlace, RunRecord, attempt_errors
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
@@ -70,7 +70,7 @@ class TrainerPlan:
     reason: str = "launch"  # launch | resume | restart
     resume_from: Optional[Tuple[int, str]] = None  # (step, checkpoint folder) this attempt starts from
     history: Tuple[Dict[str, Any], ...] = ()  # the ended attempts' entries (run.json `attempts`)
-    distributed: Optional[Dict[str, Any]] = None  # this host's place in a run on several hosts
+    distributed: Optional[RunPlace] = None  # this host's place in a run on several hosts
 
     @property
     def argv(self) -> Tuple[str, ...]:
@@ -185,11 +185,11 @@ def _tell_peers(plan: TrainerPlan, exit_record: ExitRecord) -> None:
     spares the peers their timeouts."""
     if plan.distributed is None or not exit_record.signal or os.path.exists(plan.run.stop_requested):
         return
-    if plan.distributed.get("rank") == 0:  # the store lived in this trainer: the peers see it gone
+    if plan.distributed.rank == 0:  # the store lived in this trainer: the peers see it gone
         return
-    rank, hosts = plan.distributed.get("rank"), plan.distributed.get("hosts") or []
+    rank, hosts = plan.distributed.rank, plan.distributed.hosts or ()
     # The name the peers and the CLI know this host by (the inventory's), not the machine's own.
-    name = hosts[rank] if isinstance(rank, int) and 0 <= rank < len(hosts) else socket.gethostname()
+    name = hosts[rank] if 0 <= rank < len(hosts) else socket.gethostname()
     message = "the trainer on %s was killed by %s%s" % (
         name, exit_record.signal, " (the kernel's OOM killer)" if exit_record.oom_killed else "")
     argv = [plan.python, "-m", "dflash_train.peer_notice", "--message", message,
@@ -333,22 +333,23 @@ def _record_start(plan: TrainerPlan, trainer: Any, failure: Optional[warm.WarmFa
              "release_id": plan.release_id, "started_by": "exec" if failure else "warm",
              "resume_from": None if plan.resume_from is None else
              {"step": plan.resume_from[0], "path": plan.resume_from[1]}}
-    record = {
-        "run_id": run.run_id, "name": plan.name, "release_id": plan.release_id,
-        "release_dir": plan.release_root, "workspace": plan.workspace.root,
-        "config": _read_text(run.config), "config_source": plan.config_source,
-        "overrides": list(plan.overrides),
-        "argv": list(plan.argv), "cwd": run.path, "env_keys": list(plan.env_keys),
-        "pid": pid, "pgid": pid, "start_time": start_ticks, "boot_id": procfs.boot_id(),
-        "host": socket.gethostname(), "started_at": started_at,
-        "started_by": "exec" if failure else "warm", "warm_reason": None if failure is None else str(failure),
-        "stall_after": plan.stall_after, "startup_stall_after": plan.startup_stall_after,
-        "resources": list(plan.resources),
-        "supervisor": {"pid": os.getpid(), "start_time": procfs.start_time(os.getpid())},
-        "source": plan.source, "restart": plan.restart, "distributed": plan.distributed,
-        "attempt": plan.attempt, "attempts": list(plan.history) + [entry],
-    }
-    write_json_atomic(run.run_json, record)
+    record = RunRecord(
+        run_id=run.run_id, name=plan.name, release_id=plan.release_id,
+        release_dir=plan.release_root, workspace=plan.workspace.root,
+        config=_read_text(run.config), config_source=plan.config_source,
+        overrides=tuple(plan.overrides),
+        argv=tuple(plan.argv), cwd=run.path, env_keys=tuple(plan.env_keys),
+        pid=pid, pgid=pid, start_time=start_ticks, boot_id=procfs.boot_id(),
+        host=socket.gethostname(), started_at=started_at,
+        started_by="exec" if failure else "warm", warm_reason=None if failure is None else str(failure),
+        stall_after=plan.stall_after, startup_stall_after=plan.startup_stall_after,
+        resources=tuple(plan.resources),
+        supervisor=ProcessRef(pid=os.getpid(), start_time=procfs.start_time(os.getpid())),
+        source=plan.source, restart=plan.restart,
+        distributed=plan.distributed,
+        attempt=plan.attempt, attempts=tuple(plan.history) + (entry,),
+    )
+    write_json_atomic(run.run_json, record.to_json())
     if plan.attempt > 0:
         attempts.append_markers(run, plan.attempt, plan.reason,
                                 None if plan.resume_from is None else plan.resume_from[0], plan.release_id)

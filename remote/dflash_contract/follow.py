@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any, Dict, Optional, Tuple, Type, Union
 
 from .checker import M, Message, ProtocolError, optional, read, shown
-from .records import ExitRecord
+from .records import ErrorRecord, ExitRecord
 from .replies import ErrorReply, Gpu
 from .states import RunState
 
@@ -73,7 +73,7 @@ class ErrorMessage(FollowMessage):
 
     T = "error"
     index: int  # its position in errors.jsonl
-    record: Optional[Dict[str, Any]]  # None for a line that is not JSON...
+    record: Optional[ErrorRecord]  # None for a line that is no record...
     raw: Optional[str] = optional()  # ... which comes as it is
 
 

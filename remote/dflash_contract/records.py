@@ -1,9 +1,9 @@
 """What the agent and the trainer write in a run's folder, as the CLI and the agent read
-it (docs/layout.md): exit.json typed, JSON lines, and which of errors.jsonl's records
-are one attempt's."""
+it (docs/layout.md): run.json and exit.json typed, JSON lines, and which of
+errors.jsonl's records are one attempt's."""
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .checker import Message, optional
 
@@ -16,10 +16,97 @@ def parse_json_line(line: bytes) -> Optional[Any]:
         return None
 
 
-def attempt_errors(records: List[Dict[str, Any]], attempt: int) -> List[Dict[str, Any]]:
+def attempt_errors(records: List["ErrorRecord"], attempt: int) -> List["ErrorRecord"]:
     """The error records of one attempt of the run (a record without `attempt`, or a line
     that is not JSON, counts as attempt 0's: written before attempts existed)."""
-    return [r for r in records if int(r.get("attempt") or 0) == attempt]
+    return [r for r in records if (r.attempt or 0) == attempt]
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorFrame(Message):
+    """One frame of an error record's root cause, innermost last."""
+
+    file: str
+    line: Optional[int]
+    func: str
+    code: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerFailure(Message):
+    """A PeerFailed record's `detail` (docs/errors.md): the rank of the peer that failed
+    or went silent, and what it said."""
+
+    peer_rank: int
+    peer_exc_type: Optional[str]  # None: the peer died or went silent without a word
+    peer_message: str
+    silence_s: Optional[float] = optional(written=True)  # None: not silence, a failure or a closed link
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPart(Message):
+    """One of a CUDA out-of-memory record's `memory.parts` (docs/errors.md): what a part
+    of the trainer held on a device."""
+
+    part: str  # target, drafter-N, drafter-N CUDA graphs
+    device: str  # cuda:N
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorRecord(Message):
+    """One errors.jsonl record: a thread that failed (docs/errors.md), written by the
+    trainer. Every key may be missing in a record of an older release (and in the
+    `{"raw": text}` form of a line that is no record); `detail` and `memory` are the
+    facts of their kinds, as docs/errors.md gives them."""
+
+    ts: Optional[float] = optional()
+    run_id: Optional[str] = optional(written=True)
+    thread: Optional[str] = optional()
+    thread_ident: Optional[int] = optional(written=True)
+    phase: Optional[str] = optional()  # startup, train or shutdown
+    step: Optional[int] = optional(written=True)
+    exc_type: Optional[str] = optional()
+    message: Optional[str] = optional()
+    traceback: Optional[str] = optional()
+    frames: Optional[Tuple[ErrorFrame, ...]] = optional()
+    release_id: Optional[str] = optional(written=True)
+    attempt: Optional[int] = optional()  # None: written before attempts existed (attempt 0)
+    detail: Optional[Dict[str, Any]] = optional()  # facts beyond the message, by exc_type
+    memory: Optional[Dict[str, Any]] = optional()  # who held the memory, for a CUDA OOM
+    raw: Optional[str] = optional()  # the text of a line that is no record
+
+    @classmethod
+    def describe(cls) -> str:
+        return "errors.jsonl record"
+
+    @classmethod
+    def of_line(cls, line: str) -> "ErrorRecord":
+        """A line of errors.jsonl: its record, or, for a line that is not one (torn,
+        spoiled), the `{"raw": text}` form that keeps its text."""
+        try:
+            return cls.from_json(json.loads(line))
+        except ValueError:  # not JSON, or not a record (ProtocolError)
+            return cls(raw=line)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"raw": self.raw} if self.raw is not None else super().to_json()
+
+    PEER_FAILED = "PeerFailed"  # the exc_type of a rank stopping because another failed
+
+    def peer_failure(self) -> Optional[PeerFailure]:
+        """The detail of a PeerFailed record; None for any other."""
+        if self.exc_type != self.PEER_FAILED or self.detail is None:
+            return None
+        return PeerFailure.from_json(self.detail)
+
+    def memory_parts(self) -> Tuple[MemoryPart, ...]:
+        """What the trainer noted each part held, from a CUDA out-of-memory record."""
+        return tuple(MemoryPart.from_json(part) for part in (self.memory or {}).get("parts", ()))
+
+    def summary(self) -> str:
+        """`exc_type: message`, or the raw text."""
+        return self.raw if self.raw is not None else "%s: %s" % (self.exc_type, self.message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,3 +151,69 @@ class AbortRecord(Message):
     @classmethod
     def describe(cls) -> str:
         return "abort record"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessRef(Message):
+    """A process as run.json names it: its pid and its start time in clock ticks since
+    boot (pids are reused; the pair is not)."""
+
+    pid: Optional[int]
+    start_time: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlace(Message):
+    """run.json's `distributed`: this host's place in a run on several hosts
+    (docs/multihost.md)."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    hosts: Optional[Tuple[str, ...]] = optional()  # the CLI's host names, in rank order
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord(Message):
+    """run.json: the run's latest attempt, written by its supervisor before the trainer
+    starts (docs/layout.md). The keys the first release wrote are required; those added
+    since may be missing in a run of an older release, and read as None."""
+
+    run_id: str
+    name: Optional[str]
+    release_id: str
+    release_dir: str
+    workspace: str
+    config: str  # config.yaml's text
+    config_source: str
+    argv: Tuple[str, ...]
+    cwd: str
+    env_keys: Tuple[str, ...]
+    pid: int
+    pgid: int
+    start_time: Optional[int]  # the trainer's, in clock ticks since boot
+    boot_id: Optional[str]
+    host: str
+    started_at: float
+    stall_after: float
+    resources: Tuple[str, ...]
+    supervisor: ProcessRef
+    overrides: Optional[Tuple[str, ...]] = optional()
+    started_by: Optional[str] = optional()  # "warm" or "exec"
+    warm_reason: Optional[str] = optional(written=True)  # why not "warm"
+    startup_stall_after: Optional[float] = optional()
+    source: Optional[Dict[str, Any]] = optional(written=True)  # where the release came from
+    restart: Optional[Dict[str, Any]] = optional(written=True)  # the restart policy
+    distributed: Optional[RunPlace] = optional(written=True)
+    attempt: Optional[int] = optional()  # None: written before attempts existed (attempt 0)
+    attempts: Optional[Tuple[Dict[str, Any], ...]] = optional()  # each attempt's entry (docs/runs.md)
+
+    @classmethod
+    def describe(cls) -> str:
+        return "run.json"
+
+    @property
+    def attempt_number(self) -> int:
+        """The latest attempt's number (0 for a run.json from before attempts existed)."""
+        return self.attempt or 0

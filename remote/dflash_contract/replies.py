@@ -5,10 +5,9 @@ the `follow` stream).
 Each type is a checker.Message: the agent prints its `to_json()`, the CLI reads it with
 `from_json()`, strictly.
 
-exit.json is records.ExitRecord; what the run directory's other files hold is passed on
-as it is, typed Dict[str, Any]: run.json, errors.jsonl's records and events.jsonl's
-events are the supervisor's and the trainer's formats (docs/layout.md), read by whoever
-reads those files.
+run.json, exit.json and errors.jsonl's records are records.RunRecord, ExitRecord and
+ErrorRecord; events.jsonl's events are passed on as they are, typed Dict[str, Any]: the
+trainer's format (docs/events.md), read by whoever reads that file.
 
 Standard library only, and Python 3.8's: the agent imports it from its release, the CLI
 from its own tree.
@@ -18,7 +17,7 @@ import enum
 from typing import Any, Dict, Optional, Tuple
 
 from .checker import Message, optional
-from .records import ExitRecord
+from .records import ErrorRecord, ExitRecord, PeerFailure, RunRecord
 from .states import RunState
 
 
@@ -165,7 +164,7 @@ class RunStatus(Message):
     startup_elapsed_s: Optional[float]  # how long it has been under way
     # The latest attempt's first PeerFailed record's detail {peer_rank, peer_exc_type,
     # peer_message}: this rank stopped for that peer.
-    peer_failure: Optional[Dict[str, Any]]
+    peer_failure: Optional[PeerFailure]
     attempt: int
     attempts: int  # how many
     resume_step: Optional[int]  # the checkpoint step the latest attempt started from
@@ -182,7 +181,7 @@ class RunStatus(Message):
 
 @dataclasses.dataclass(frozen=True)
 class UnreadableRun(Message):
-    """A run whose run.json holds no JSON object (cut short, spoiled): named instead of listed."""
+    """A run whose run.json is no run.json (cut short, spoiled, a key missing): named instead of listed."""
 
     run_id: str
     path: str  # its run.json
@@ -233,9 +232,9 @@ class ReportReply(Reply):
     VERB = "report"
     run_id: str
     state: RunState
-    run: Dict[str, Any]  # run.json
+    run: RunRecord
     exit: Optional[ExitRecord]  # exit.json
-    errors: Tuple[Dict[str, Any], ...]  # every errors.jsonl record; a line that is not JSON as {"raw": text}
+    errors: Tuple[ErrorRecord, ...]  # every errors.jsonl record; a line that is no record as {"raw": text}
     faulthandler: str  # faulthandler.log's last 4 MiB
     last_stacks: str  # its newest dump
     log_tail: str  # the last --log-lines lines of train.log

@@ -24,6 +24,7 @@ from typing import Any
 
 from dflash_contract.names import ATTEMPT_ENV, RELEASE_ID_ENV, RUN_ID_ENV
 from dflash_contract.events import DONE, EventType
+from dflash_contract.records import ErrorFrame, ErrorRecord
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
 
 from .memory import ledger
@@ -260,36 +261,31 @@ def _bounded(text: str, limit: int) -> str:
 
 
 def error_record(exc: BaseException, *, thread: str, thread_ident: int | None,
-                 phase: str, step: int | None) -> dict[str, Any]:
+                 phase: str, step: int | None) -> ErrorRecord:
     """docs/errors.md's errors.jsonl record for `exc`, its message and traceback bounded;
     `detail` when an exception of its chain carries one (a dict of facts beyond the
     message: a non-finite step's values, a full disk's path and free bytes); `memory`
     for a CUDA out-of-memory error (who held what, memory/ledger.py)."""
     cause = root_cause(exc)
-    frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": f.line or ""}
-              for f in traceback.extract_tb(cause.__traceback__)][-MAX_FRAMES:]
-    record = {
-        "ts": time.time(),
-        "run_id": os.environ.get(RUN_ID_ENV),
-        "thread": thread,
-        "thread_ident": thread_ident,
-        "phase": phase,
-        "step": step,
-        "exc_type": type(exc).__name__,
-        "message": _bounded(str(exc), MAX_MESSAGE_CHARS),
-        "traceback": _bounded("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-                              MAX_TRACEBACK_CHARS),
-        "frames": frames,
-        "release_id": os.environ.get(RELEASE_ID_ENV),
-        "attempt": attempt_number(),
-    }
-    detail = _innermost_detail(exc)
-    if detail is not None:
-        record["detail"] = detail
-    memory = ledger.after_oom(exc)
-    if memory is not None:
-        record["memory"] = memory
-    return record
+    frames = tuple(ErrorFrame(file=f.filename, line=f.lineno, func=f.name, code=f.line or "")
+                   for f in traceback.extract_tb(cause.__traceback__))[-MAX_FRAMES:]
+    return ErrorRecord(
+        ts=time.time(),
+        run_id=os.environ.get(RUN_ID_ENV),
+        thread=thread,
+        thread_ident=thread_ident,
+        phase=phase,
+        step=step,
+        exc_type=type(exc).__name__,
+        message=_bounded(str(exc), MAX_MESSAGE_CHARS),
+        traceback=_bounded("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                           MAX_TRACEBACK_CHARS),
+        frames=frames,
+        release_id=os.environ.get(RELEASE_ID_ENV),
+        attempt=attempt_number(),
+        detail=_innermost_detail(exc),
+        memory=ledger.after_oom(exc),
+    )
 
 
 class ThreadNames:
@@ -322,20 +318,20 @@ def dump_header(reason: str) -> str:
     return f"=== stacks of every thread: {reason} at {utc_stamp()}Z ===\n"
 
 
-class ErrorLog(JsonLines):
+class ErrorLog:
     """errors.jsonl, with its reserve (`errors.jsonl.reserve` beside it) made at start:
     a record the disk has no room for is written again once the reserve is given back,
     so the first failure of a run on a full disk is recorded all the same."""
 
     def __init__(self, path: Path):
-        super().__init__(path, fsync=True)
+        self._lines = JsonLines(path, fsync=True)
         self.reserve = Reserve(f"{path}.reserve")
         self.reserve.make()
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, record: ErrorRecord) -> None:
         try:
-            super().append(record)
+            self._lines.append(record.to_json())
         except DiskFull:
             if not self.reserve.release():
                 raise
-            super().append(record)
+            self._lines.append(record.to_json())

@@ -201,9 +201,11 @@ class Agent:
         (by default: this very process, started now, on this boot)."""
         run_dir = self.run_dir(run_id)
         run_dir.mkdir(parents=True)
-        record = {"run_id": run_id, "pid": os.getpid(), "pgid": os.getpid(),
-                  "start_time": procfs.start_time(os.getpid()), "boot_id": procfs.boot_id(),
-                  "started_at": time.time(), "stall_after": 300.0, "release_id": "rel-0001",
+        record = {"run_id": run_id, "name": None, "release_id": "rel-0001", "release_dir": "", "workspace": "",
+                  "config": "", "config_source": "config.yaml", "argv": ["python3"], "cwd": str(run_dir),
+                  "env_keys": [], "pid": os.getpid(), "pgid": os.getpid(),
+                  "start_time": procfs.start_time(os.getpid()), "boot_id": procfs.boot_id(), "host": "node",
+                  "started_at": time.time(), "stall_after": 300.0, "resources": [],
                   "supervisor": {"pid": None, "start_time": None}}
         record.update(fields)
         (run_dir / "run.json").write_text(json.dumps(record))
