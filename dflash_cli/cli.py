@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
-from . import completion, console, retry, run_hosts, run_names
+from . import completion, console, results, retry, run_hosts, run_names
 from .commands import GPU_INTERVAL_S
-from .errors import DflashError, ExitCode
+from .errors import BadOption, DflashError, ExitCode
 from .local_state import RunRef, latest_or_refuse
 from .project_tree import LARGE_RELEASE_BYTES, in_state_root
 from .run_hosts import Reach
@@ -62,6 +63,8 @@ class _Group(click.Group):
 def _fail(ctx: click.Context, exc: DflashError) -> None:
     """The core's error as a message and its exit code; under --json also as one JSON
     object on stdout (docs/cli.md "--json")."""
+    if isinstance(exc, BadOption):
+        exc.message = exc.named(_flag(ctx, exc.option))
     console.human.print(f"dflash: error: {exc.message}", style="red", markup=False,
                         highlight=False, soft_wrap=True)
     if exc.hint:
@@ -69,6 +72,25 @@ def _fail(ctx: click.Context, exc: DflashError) -> None:
     if ctx.meta.get(JSON_ASKED):
         console.data(console.json_line({"error": exc.message, "hint": exc.hint, "exit_code": int(exc.exit_code)}))
     ctx.exit(int(exc.exit_code))
+
+
+def _flag(ctx: click.Context, option: str) -> str:
+    """The --flag of the running command whose parameter is the core's `option` (the
+    API's spelling, which each command's parameter takes)."""
+    group = ctx.command
+    command = group.get_command(ctx, ctx.invoked_subcommand) if isinstance(group, click.Group) else group
+    for param in command.params if command else ():
+        if param.name == option and isinstance(param, click.Option):
+            return max(param.opts, key=len)
+    return option
+
+
+def _finish(result: object, as_json: bool) -> NoReturn:
+    """A verb's result printed (results.py) and the process's exit with its code."""
+    results.render(result, as_json)
+    if (error := results.refusal(result)) is not None:
+        raise error
+    sys.exit(int(results.exit_code(result)))
 
 
 def _json_option(what: str):
@@ -214,7 +236,7 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
 @click.option("--allow-large", is_flag=True, help=_ALLOW_LARGE_HELP)
 @click.option("--master-addr", metavar="ADDRESS",
               help="Several hosts: where the others reach the first (default: its inventory address).")
-@click.option("--master-port", type=click.IntRange(1, 65535), metavar="PORT",
+@click.option("--master-port", type=int, metavar="PORT",
               help="Several hosts: the first host's rendezvous port (default: one free there).")
 @click.option("--dry-run", is_flag=True,
               help="Print the GPU memory estimate of every device against the host's GPUs; deploy and "
@@ -259,12 +281,12 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
                                    overrides=overrides, allow_large=allow_large, master_addr=master_addr,
                                    master_port=master_port)
     if dry_run:
-        sys.exit(launch.dry_run(session, options, as_json=as_json))
+        _finish(launch.dry_run(session, options), as_json)
     if follow:
         _require_trackers(session)
-    launched = launch.run(session, options, as_json=as_json)
-    if follow:
-        sys.exit(_watch_after(session, launched.ref, as_json))
+    launched = launch.start(session, options)
+    results.render(launched, as_json)
+    sys.exit(_watch_after(session, launched.ref, as_json) if follow else int(results.exit_code(launched)))
 
 
 @main.command("resume")
@@ -273,7 +295,7 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
 @click.option("--follow", is_flag=True, help="Watch the run after resuming it (as `dflash watch`).")
 @click.option("--release", type=click.Choice(["current"]),
               help="Run the host's current release instead of the run's own (`current`).")
-@click.option("--step", type=click.IntRange(min=1),
+@click.option("--step", type=int,
               help="Resume from the checkpoint of this step (default: the newest complete one).")
 @_json_option("The attempt started as one JSON object on stdout (with --follow: then the watch's JSON lines)")
 @click.pass_obj
@@ -292,13 +314,13 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
     """
     from .commands import resume
 
+    options = resume.ResumeOptions(release == "current", step)
     ref = _chosen_run(session, run_id, host_name, Reach.EVERY)
     if follow:
         _require_trackers(session)
-    code = resume.run(session, ref, current_release=release == "current", step=step, as_json=as_json)
-    if follow:
-        code = _watch_after(session, ref, as_json)
-    sys.exit(code)
+    resumed = resume.start(session, ref, options)
+    results.render(resumed, as_json)
+    sys.exit(_watch_after(session, ref, as_json) if follow else int(results.exit_code(resumed)))
 
 
 def _require_trackers(session: Session) -> None:
@@ -429,15 +451,13 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
     from .commands import status
 
     ref = _chosen_run(session, run_id, host_name, Reach.FIRST if show_config else Reach.ANY)
-    if show_config:
-        sys.exit(status.run_config(session, ref, as_json=as_json))
-    sys.exit(status.run_status(session, ref, as_json=as_json))
+    _finish(status.config(session, ref) if show_config else status.status(session, ref), as_json)
 
 
 @main.command("stop")
 @_run_argument()
 @_host_option()
-@click.option("--grace", default=10.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--grace", default=10.0, show_default=True, type=float,
               help="Seconds between SIGTERM and SIGKILL.")
 @_json_option("The outcome as one JSON object on stdout: the run's state and each host's")
 @click.pass_obj
@@ -448,15 +468,16 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
     """
     from .commands import stop
 
+    options = stop.StopOptions(grace)
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(stop.run(session, ref, grace=grace, as_json=as_json))
+    _finish(stop.stop(session, ref, options), as_json)
 
 
 @main.command("pull")
 @_run_argument()
 @_host_option()
 @click.option("--checkpoint", is_flag=True, help="Also the run's newest checkpoint, to checkpoint/<step>/.")
-@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
+@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=float,
               help="Seconds to keep reconnecting after a dropped connection before exit 3.")
 @_json_option("What was pulled as one JSON object on stdout: the local folders and their files")
 @click.pass_obj
@@ -473,8 +494,9 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
     """
     from .commands import pull
 
+    options = pull.PullOptions(checkpoint, retry_for)
     ref = _chosen_run(session, run_id, host_name, Reach.FIRST)
-    sys.exit(pull.run(session, ref, checkpoint=checkpoint, retry_for=retry_for, as_json=as_json))
+    _finish(pull.pull(session, ref, options), as_json)
 
 
 @main.command("plot")
@@ -518,7 +540,7 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
     """
     from .commands import status
 
-    sys.exit(status.list_runs(session, host_names=list(host_names), as_json=as_json))
+    _finish(status.list_runs(session, list(host_names)), as_json)
 
 
 @main.command("diff")

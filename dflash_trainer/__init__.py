@@ -99,8 +99,6 @@ def launch(hosts: str | Sequence[str], config: str | os.PathLike, *, name: str |
     are `--set`'s KEY=VALUE strings (VALUE read as YAML)."""
     from dflash_cli.commands import launch as verb
 
-    if master_port is not None and not 1 <= master_port <= 65535:
-        raise DflashError(f"master_port {master_port}: a TCP port is 1 to 65535", ExitCode.USAGE)
     options = verb.LaunchOptions((hosts,) if isinstance(hosts, str) else tuple(hosts), Path(config), name=name,
                                  force=force, source_dir=None if source is None else Path(source),
                                  overrides=(overrides,) if isinstance(overrides, str) else tuple(overrides),
@@ -161,7 +159,7 @@ def status(run: str | None = None, *, host: str | None = None, hosts_file: str |
 
     with _session(hosts_file, logs_dir, accept_new_host_key) as session:
         ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.ANY, naming=_naming("status"))
-        return verb.status_of(session, ref)
+        return verb.status(session, ref).status
 
 
 @_typed
@@ -188,10 +186,10 @@ def pull(run: str | None = None, *, host: str | None = None, checkpoint: bool = 
     from dflash_cli import run_hosts
     from dflash_cli.commands import pull as verb
 
-    _at_least("retry_for", retry_for, 0)
+    options = verb.PullOptions(checkpoint, retry_for)
     with _session(hosts_file, logs_dir, accept_new_host_key) as session:
         ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.FIRST, naming=_naming("pull"))
-        return verb.pull(session, ref, checkpoint, retry_for=retry_for)
+        return verb.pull(session, ref, options)
 
 
 @_typed
@@ -204,10 +202,10 @@ def resume(run: str | None = None, *, host: str | None = None, current_release: 
     from dflash_cli import run_hosts
     from dflash_cli.commands import resume as verb
 
-    _at_least("step", step, 1)
+    options = verb.ResumeOptions(current_release, step)
     with _session(hosts_file, logs_dir, accept_new_host_key) as session:
         ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.EVERY, naming=_naming("resume"))
-        return verb.start(session, ref, current_release=current_release, step=step)
+        return verb.start(session, ref, options)
 
 
 def _open(hosts_file: str | os.PathLike | None, logs_dir: str | os.PathLike | None,

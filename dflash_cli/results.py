@@ -1,0 +1,255 @@
+"""The CLI's one place that turns a verb's result into output and an exit code.
+
+`render(result, as_json)` prints it: as text, the data on stdout and the details on
+stderr; with --json, one JSON object on stdout (docs/cli.md "--json"). `exit_code(result)`
+is what the process exits with. The verbs' cores (commands/) compute their result and
+print no outcome; the Python API (dflash_trainer) returns the same results. A renderer
+per result type, found by the type's name so that rendering one verb's result does not
+import every verb.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import console, multihost
+from .errors import DflashError, ExitCode
+
+if TYPE_CHECKING:
+    from .commands.status import ConfigResult, RunsListing, StatusResult
+    from .commands.launch import DryRun, Launched
+    from .commands.pull import PullResult
+    from .commands.resume import Resumed
+    from .commands.stop import StopResult
+    from .multihost import RunOnHosts
+
+
+def render(result: Any, as_json: bool) -> None:
+    _RENDERERS[type(result).__name__](result, as_json)
+
+
+def exit_code(result: Any) -> ExitCode:
+    """The exit code of a verb's result: that of its worst host's error where it has
+    any, else the result's own (`_EXIT_CODES`), else OK."""
+    code = _EXIT_CODES.get(type(result).__name__)
+    return ExitCode.OK if code is None else code(result)
+
+
+def refusal(result: Any) -> DflashError | None:
+    """The error a result ends in once rendered (a dry run's problems), else None."""
+    return getattr(result, "refusal", None)
+
+
+def _worst_error(outcomes: tuple[tuple[str, Any], ...]) -> ExitCode:
+    return max((outcome.exit_code for _, outcome in outcomes if isinstance(outcome, DflashError)),
+               default=ExitCode.OK)
+
+
+def _stop(result: StopResult, as_json: bool) -> None:
+    for host, outcome in result.hosts:
+        if isinstance(outcome, DflashError):
+            console.warn(f"run {result.run_id} on {host}: not stopped: {outcome.message}")
+        else:
+            how = "killed after the grace period" if outcome.killed else "ended"
+            console.say(f"run {result.run_id} on {host} {how}: {outcome.state}")
+    state = multihost.state_name(result.state)
+    if as_json:
+        console.data(console.json_line({"run_id": result.run_id, "state": state,
+                                        "hosts": [console.host_outcome(h, o) for h, o in result.hosts]}))
+    else:
+        console.data(f"{state}\n")
+
+
+def _status(result: StatusResult, as_json: bool) -> None:
+    """One run's state on stdout, its table and what to look at next on stderr; a run on
+    several hosts: the state of the whole and a row per host."""
+    from dflash_contract.states import RunState
+
+    from . import provenance
+    from .commands import status as verb
+
+    ref, status = result.ref, result.status
+    if as_json:
+        console.data(console.json_line(status.to_json()))
+        return
+    if isinstance(status, multihost.RunOnHosts):
+        _status_on_hosts(status)
+        return
+    console.data(f"{status.state}\n")
+    console.human.print(verb.runs_table(f"run {ref.run_id} on {ref.host}", [status]))
+    if status.source:
+        console.say(f"source: {provenance.summary(status.source)}")
+    if line := verb.overrides_line(status):
+        console.say(line)
+    if status.reason:
+        console.say(console.printable(f"reason: {status.reason}"))
+    if status.state == RunState.STALLED:
+        console.say(verb.stacks_hint(ref.run_id, ref.host))
+    for line in verb.corrupt_lines(ref.host, status):
+        console.warn(line)
+    if status.export:
+        console.say(verb.export_line(ref.run_id, ref.host, status.export))
+    if status.state != RunState.SUCCEEDED:
+        console.say(verb.resume_point(status))
+
+
+def _status_on_hosts(status: RunOnHosts) -> None:
+    from dflash_contract.states import RunState
+
+    from . import provenance
+    from .commands import status as verb
+
+    shown = multihost.state_name(status.state)
+    console.data(f"{shown}\n")
+    console.human.print(verb.hosts_table(f"run {status.run_id} on {len(status.hosts)} hosts: {shown}",
+                                         list(status.hosts)))
+    for s in status.hosts:
+        if s.error:
+            console.warn(s.error)
+        if s.silent:
+            console.warn(f"{s.host} (rank {s.rank}) is {s.state}: {s.silent}")
+        if s.status and s.status.reason:
+            console.say(console.printable(f"{s.host}: reason: {s.status.reason}"))
+        if s.state == RunState.STALLED:
+            console.say(verb.stacks_hint(status.run_id, s.host))
+        for line in verb.corrupt_lines(s.host, s.status) if s.status else ():
+            console.warn(line)
+    source = next((s.status.source for s in status.hosts if s.status and s.status.source), None)
+    if source:
+        console.say(f"source: {provenance.summary(source)}")
+    first = status.hosts[0]
+    if first.status and first.status.export:
+        console.say(verb.export_line(status.run_id, first.host, first.status.export))
+
+
+def _status_exit_code(result: StatusResult) -> ExitCode:
+    """The run state's (errors.exit_code_for_state, docs/cli.md "CLI exit codes"); 2 when
+    it is unknown only for want of the hosts the inventory lost."""
+    from .errors import exit_code_for_state
+
+    return ExitCode.USAGE if result.inventory_lost else exit_code_for_state(result.status.state)
+
+
+def _config(result: ConfigResult, as_json: bool) -> None:
+    """The config as YAML on stdout (--json: in the status object), the state and the
+    overrides on stderr."""
+    from .commands import status as verb
+
+    status = result.status
+    if as_json:
+        console.data(console.json_line(status.to_json()))
+        return
+    console.data(status.config if status.config.endswith("\n") else status.config + "\n")
+    console.say(f"run {result.ref.run_id} on {result.ref.host}: {status.state}")
+    if line := verb.overrides_line(status):
+        console.say(line)
+
+
+def _runs(result: RunsListing, as_json: bool) -> None:
+    """`host<TAB>run<TAB>state` per run on stdout (--json: an object per run), a table per
+    host on stderr; a run that could not be read is named there."""
+    from .commands import status as verb
+
+    for listed in result.hosts:
+        if as_json:
+            for r in listed.runs:
+                console.data(console.json_line({"host": listed.host, **r.to_json(),
+                                                "changed": listed.changes.get(r.run_id)}))
+        else:
+            for r in listed.runs:
+                console.data(f"{listed.host}\t{r.run_id}\t{r.state}\n")
+            console.human.print(verb.runs_table(f"runs on {listed.host}", list(listed.runs), listed.changes))
+        for bad in listed.unreadable:
+            console.warn(console.printable(f"host {listed.host}: run {bad.run_id} not listed: {bad.path} cannot be "
+                                           f"read ({bad.error})"))
+
+
+def _pull(result: PullResult, as_json: bool) -> None:
+    """Each local folder on stdout (--json: the PullResult as one object), a summary on
+    stderr."""
+    removed = f", {result.removed} removed (no longer on the host)" if result.removed else ""
+    console.say(f"pulled {result.pulled} files, {result.bytes_received} bytes, {result.skipped} skipped"
+                f"{removed}: {', '.join(str(folder) for folder in result.folders)}")
+    if as_json:
+        console.data(console.json_line(result))
+    else:
+        for folder in result.folders:
+            console.data(f"{folder}\n")
+
+
+def _resumed(result: Resumed, as_json: bool) -> None:
+    """The attempt started said on stderr (--json: the Resumed as one object on stdout)."""
+    if as_json:
+        console.data(console.json_line(result))
+    reply = result.started[0]
+    which = _which_release(reply, result.current_release)
+    for bad in result.corrupt:
+        console.warn(console.printable(f"{result.hosts[0]}: the checkpoint at step {bad.step} is corrupt, "
+                                       f"not resumed from: {bad.problem} ({bad.path})"))
+    newest = " (the newest intact one)" if result.corrupt else ""
+    if result.master_port is None:
+        console.say(f"{result.hosts[0]}: run {result.run_id} ({reply.previous_state}) resumed as attempt "
+                    f"{reply.attempt} from its checkpoint at step {reply.step}{newest} (pid {reply.pid}, {which})")
+        return
+    console.say(f"run {result.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} on "
+                f"{len(result.hosts)} hosts from rank 0's checkpoint at step {result.step}{newest} "
+                f"({which}; rendezvous port {result.master_port})")
+    for rank, (host, started) in enumerate(zip(result.hosts, result.started)):
+        console.say(f"{host}: rank {rank}, pid {started.pid}")
+
+
+def _which_release(reply: Any, current_release: bool) -> str:
+    release = reply.release_id
+    if not current_release:
+        which = "the run's own"
+    elif release == reply.previous_release_id:
+        which = "the host's current, the same as the run's"
+    else:
+        which = f"the host's current; the run had {reply.previous_release_id}"
+    return f"release {release}: {which}"
+
+
+def _launched(result: Launched, as_json: bool) -> None:
+    """The run id on stdout (--json: the Launched as one object), each host's trainer on
+    stderr."""
+    for rank, (host, reply) in enumerate(zip(result.hosts, result.started)):
+        rank_of = f" as rank {rank} of {len(result.hosts)}" if result.rendezvous else ""
+        console.say(f"{host}: started run {result.run_id}{rank_of} (pid {reply.pid}, release {reply.release_id})")
+    if result.rendezvous:
+        console.say(f"rendezvous at {result.rendezvous} ({result.hosts[0]})")
+    console.data(console.json_line(result) if as_json else result.run_id + "\n")
+
+
+def _dry_run(result: DryRun, as_json: bool) -> None:
+    """Every check's verdict and the estimate term by term on stderr (--json: one object
+    on stdout, each host's verdicts, problems and estimate)."""
+    from . import fit_check, host_check
+
+    reports = list(result.reports)
+    if as_json:
+        console.data(console.json_line({
+            "dry_run": True, "ok": not any(report.problems() for report in reports), "unchecked": result.unchecked,
+            "hosts": [{"host": report.host, "verdicts": report.verdicts, "problems": report.problems(),
+                       "fit": report.fit} for report in reports]}))
+        return
+    host_check.show(reports)
+    if result.unchecked is not None:
+        console.say(f"{result.config_path}: {result.unchecked}")
+    fit_check.show([report.fit for report in reports if report.fit is not None])
+
+
+_RENDERERS: dict[str, Callable[[Any, bool], None]] = {
+    "StopResult": _stop,
+    "StatusResult": _status,
+    "ConfigResult": _config,
+    "RunsListing": _runs,
+    "PullResult": _pull,
+    "Resumed": _resumed,
+    "Launched": _launched,
+    "DryRun": _dry_run,
+}
+
+_EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
+    "StopResult": lambda result: _worst_error(result.hosts),
+    "StatusResult": _status_exit_code,
+    "RunsListing": lambda result: ExitCode.USAGE if any(listed.unreadable for listed in result.hosts) else ExitCode.OK,
+}
