@@ -14,7 +14,7 @@ from typing import NoReturn
 import click
 
 from . import completion, console, results, retry, run_hosts, run_names
-from .commands import GPU_INTERVAL_S
+from .commands import GPU_INTERVAL_S, WatchOptions
 from .errors import BadOption, DflashError, ExitCode
 from .local_state import RunRef, latest_or_refuse
 from .project_tree import LARGE_RELEASE_BYTES, in_state_root
@@ -334,23 +334,23 @@ def _watch_after(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     """--follow: `dflash watch RUN` with its defaults, once the run is started."""
     from .commands import watch
 
-    return watch.run(session, ref, tail=None, interval=GPU_INTERVAL_S, as_json=as_json, retry_for=retry.RETRY_FOR_S)
+    return watch.run(session, ref, WatchOptions(), as_json=as_json)
 
 
 @main.command("watch")
 @_run_argument()
 @_host_option()
-@click.option("--tail", type=click.IntRange(min=0), help="First show the last N lines of the log.")
-@click.option("--interval", default=GPU_INTERVAL_S, show_default=True, type=click.FloatRange(min=0.5),
+@click.option("--tail", type=int, help="First show the last N lines of the log.")
+@click.option("--interval", "gpu_interval", default=GPU_INTERVAL_S, show_default=True, type=float,
               help="Seconds between GPU lines.")
 @_json_option("Print every message as a JSON line on stdout")
-@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
+@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=float,
               help="Seconds to keep reconnecting to an unreachable host before exit 3.")
-@click.option("--trackers/--no-trackers", "use_trackers", default=True, show_default=True,
+@click.option("--trackers/--no-trackers", default=True, show_default=True,
               help="Send the run's scalars to the trackers of dflash.yaml (W&B, MLflow, trackio).")
 @click.pass_obj
 def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail: int | None,
-              interval: float, as_json: bool, retry_for: float, use_trackers: bool) -> None:
+              gpu_interval: float, as_json: bool, retry_for: float, trackers: bool) -> None:
     """Follow RUN live (default: the latest run): log lines, GPU line, failures.
 
     When a thread records an error its full traceback is printed at once and saved
@@ -367,9 +367,9 @@ def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail:
     """
     from .commands import watch
 
+    options = WatchOptions(tail, gpu_interval, retry_for, trackers)
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(watch.run(session, ref, tail=tail, interval=interval, as_json=as_json, retry_for=retry_for,
-                       use_trackers=use_trackers))
+    sys.exit(watch.run(session, ref, options, as_json=as_json))
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:

@@ -122,11 +122,10 @@ def watch(run: str | None = None, *, host: str | None = None, tail: int | None =
     item received. A host that stays unreachable for `retry_for` seconds raises
     DflashError (exit code 3)."""
     from dflash_cli import run_hosts, watching
+    from dflash_cli.commands import WatchOptions
     from dflash_cli.trackers.config import TrackerSettings
 
-    _at_least("tail", tail, 0)
-    _at_least("gpu_interval", gpu_interval, 0.5)
-    _at_least("retry_for", retry_for, 0)
+    options = WatchOptions(tail, gpu_interval, retry_for, trackers)
     session = _open(hosts_file, logs_dir, accept_new_host_key, cli_config_file)
     try:
         ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.ANY, naming=_naming("watch"))
@@ -142,8 +141,8 @@ def watch(run: str | None = None, *, host: str | None = None, tail: int | None =
 
     def items() -> Iterator[WatchItem]:
         with contextlib.closing(session):
-            yield from watching.follow(session, ref, tail=tail, interval=gpu_interval, retry_for=retry_for,
-                                       trackers=settings)
+            yield from watching.follow(session, ref, tail=options.tail, interval=options.gpu_interval,
+                                       retry_for=options.retry_for, trackers=settings)
 
     return items()
 
@@ -223,12 +222,6 @@ def _session(hosts_file: str | os.PathLike | None, logs_dir: str | os.PathLike |
 def _naming(function: str) -> str:
     """How a call names a run and its host, for the hint when it names none."""
     return f"dflash.{function}(RUN, host=HOST)"
-
-
-def _at_least(name: str, value: float | None, low: float) -> None:
-    """The range checks the CLI's options make."""
-    if value is not None and value < low:
-        raise DflashError(f"{name} {value}: expected at least {low}", ExitCode.USAGE)
 
 
 def _check_arguments(function: Callable[..., Any], args: tuple, kwargs: dict) -> None:
