@@ -406,8 +406,8 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
     from .commands import fetch_traceback
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(fetch_traceback.run(session, ref, thread=thread, all_records=all_records, output=output,
-                                 stacks=show_stacks, as_json=as_json))
+    _finish(fetch_traceback.fetch(session, ref, thread=thread, all_records=all_records, stacks=show_stacks,
+                                  output=output), as_json)
 
 
 @main.command("stacks")
@@ -425,8 +425,7 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
     from .commands import fetch_traceback
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(fetch_traceback.run(session, ref, thread=None, all_records=False, output=None, stacks=True,
-                                 as_json=as_json))
+    _finish(fetch_traceback.fetch(session, ref, stacks=True), as_json)
 
 
 @main.command("status")

@@ -16,6 +16,7 @@ from .errors import DflashError, ExitCode
 
 if TYPE_CHECKING:
     from .commands.status import ConfigResult, RunsListing, StatusResult
+    from .commands.fetch_traceback import Fetched
     from .commands.launch import DryRun, Launched
     from .commands.pull import PullResult
     from .commands.resume import Resumed
@@ -237,6 +238,31 @@ def _dry_run(result: DryRun, as_json: bool) -> None:
     fit_check.show([report.fit for report in reports if report.fit is not None])
 
 
+def _fetched(result: Fetched, as_json: bool) -> None:
+    """The text on stdout (or "written to" it on stderr), its diagnosis line after it on
+    stderr; --json: the Traceback as one object on stdout (the text as the host wrote it,
+    unescaped)."""
+    from dflash_contract.states import RunState
+
+    found = result.traceback
+    if as_json:
+        console.data(console.json_line(found))
+        return
+    if found.summary:
+        console.say(console.printable(found.summary))
+    if found.text is None:
+        console.say(f"run {found.run_id} on {', '.join(found.hosts)}: no error recorded"
+                    f"{' and no stack dump' if found.stacks or found.state == RunState.STOPPED else ''} "
+                    f"(state {found.state})")
+        return
+    if result.written_to is not None:
+        console.say(f"written to {result.written_to}")
+    else:
+        console.remote_text(found.text)
+    if found.diagnosis is not None:
+        console.say(console.printable(f"diagnosis: {found.diagnosis}"))
+
+
 _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "StopResult": _stop,
     "StatusResult": _status,
@@ -246,10 +272,13 @@ _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "Resumed": _resumed,
     "Launched": _launched,
     "DryRun": _dry_run,
+    "Fetched": _fetched,
 }
 
 _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
     "StopResult": lambda result: _worst_error(result.hosts),
     "StatusResult": _status_exit_code,
+    # a failed run that no record explains
+    "Fetched": lambda result: ExitCode.OK if result.traceback.explained else ExitCode.RUN_FAILED,
     "RunsListing": lambda result: ExitCode.USAGE if any(listed.unreadable for listed in result.hosts) else ExitCode.OK,
 }
