@@ -127,7 +127,9 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
     from .commands import version
 
     try:
-        ctx.exit(int(version.run()))
+        found = version.version()
+        results.render(found, as_json=False)
+        ctx.exit(int(results.exit_code(found)))
     except DflashError as exc:
         _fail(ctx, exc)
 
@@ -570,7 +572,7 @@ def diff_cmd(session: Session, run_a: str, run_b: str, paths: tuple[str, ...], h
 @main.command("gc")
 @click.argument("host_names", nargs=-1, metavar="HOST...", shell_complete=completion.hosts)
 @click.option("--all", "all_hosts", is_flag=True, help="Every host of the inventory.")
-@click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--keep", type=int, default=0, show_default=True,
               help="Unused releases to keep on each host, newest first.")
 @_json_option("One JSON object per host on stdout: what was removed, or its error")
 @click.pass_obj
@@ -583,7 +585,7 @@ def gc_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, keep:
     """
     from .commands import gc
 
-    sys.exit(gc.run(session, host_names=list(host_names), all_hosts=all_hosts, keep=keep, as_json=as_json))
+    _finish(gc.gc(session, list(host_names), all_hosts=all_hosts, keep=keep), as_json)
 
 
 @main.group("cache", cls=_Group)

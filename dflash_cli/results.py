@@ -17,10 +17,12 @@ from .errors import DflashError, ExitCode
 if TYPE_CHECKING:
     from .commands.status import ConfigResult, RunsListing, StatusResult
     from .commands.fetch_traceback import Fetched
+    from .commands.gc import GcResult
     from .commands.launch import DryRun, Launched
     from .commands.pull import PullResult
     from .commands.resume import Resumed
     from .commands.stop import StopResult
+    from .commands.version import Version
     from .multihost import RunOnHosts
 
 
@@ -263,6 +265,36 @@ def _fetched(result: Fetched, as_json: bool) -> None:
         console.say(console.printable(f"diagnosis: {found.diagnosis}"))
 
 
+def _gc(result: GcResult, as_json: bool) -> None:
+    """`host<TAB>release<TAB>bytes` per removed release on stdout (--json: one object per
+    host, its error for one that failed), the space freed per host in a table on stderr."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="releases removed", title_justify="left")
+    for column in ("host", "removed", "kept", "freed"):
+        table.add_column(column)
+    for name, outcome in result.hosts:
+        if as_json:
+            console.data(console.json_line(console.host_outcome(name, outcome)))
+        if isinstance(outcome, DflashError):
+            table.add_row(name, Text(f"failed: {outcome.message}", style="red"), "", "")
+            continue
+        for removed in outcome.removed:
+            if not as_json:
+                console.data(f"{name}\t{removed.release_id}\t{removed.bytes}\n")
+        table.add_row(name, str(len(outcome.removed)), str(len(outcome.kept)),
+                      f"{outcome.freed_bytes / (1 << 20):.1f} MiB")
+    if not as_json:
+        console.human.print(table)
+
+
+def _version(result: Version, as_json: bool) -> None:
+    """`dflash X.Y.Z` and `release <id>` on stdout."""
+    console.data(f"dflash {result.dflash_version or '(version unknown: not installed)'}\n"
+                 f"release {result.release_id}\n")
+
+
 _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "StopResult": _stop,
     "StatusResult": _status,
@@ -273,11 +305,14 @@ _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "Launched": _launched,
     "DryRun": _dry_run,
     "Fetched": _fetched,
+    "GcResult": _gc,
+    "Version": _version,
 }
 
 _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
     "StopResult": lambda result: _worst_error(result.hosts),
     "StatusResult": _status_exit_code,
+    "GcResult": lambda result: _worst_error(result.hosts),
     # a failed run that no record explains
     "Fetched": lambda result: ExitCode.OK if result.traceback.explained else ExitCode.RUN_FAILED,
     "RunsListing": lambda result: ExitCode.USAGE if any(listed.unreadable for listed in result.hosts) else ExitCode.OK,
