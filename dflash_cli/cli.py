@@ -609,7 +609,7 @@ def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...],
     """
     from .commands import cache
 
-    sys.exit(cache.run(session, source_name=source, destination_names=list(destinations), as_json=as_json))
+    _finish(cache.copy(session, source, list(destinations)), as_json)
 
 
 @main.command("hosts")

@@ -16,6 +16,7 @@ from .errors import DflashError, ExitCode
 
 if TYPE_CHECKING:
     from .commands.status import ConfigResult, RunsListing, StatusResult
+    from .commands.cache import CacheCopied
     from .commands.fetch_traceback import Fetched
     from .commands.gc import GcResult
     from .commands.launch import DryRun, Launched
@@ -295,6 +296,16 @@ def _version(result: Version, as_json: bool) -> None:
                  f"release {result.release_id}\n")
 
 
+def _cache_copied(result: CacheCopied, as_json: bool) -> None:
+    """A line on stderr per key skipped, with the reason; --json: one object per key and
+    destination on stdout."""
+    for done in result.keys:
+        if not done.copied:
+            console.say(f"compile artifacts for {done.key} not copied to {done.destination}: it {done.reason}")
+        if as_json:
+            console.data(console.json_line(done))
+
+
 _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "StopResult": _stop,
     "StatusResult": _status,
@@ -307,6 +318,7 @@ _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "Fetched": _fetched,
     "GcResult": _gc,
     "Version": _version,
+    "CacheCopied": _cache_copied,
 }
 
 _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
