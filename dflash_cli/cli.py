@@ -1,4 +1,5 @@
-"""The click layer: parse options, call a verb's run(...), turn DflashError into an exit code.
+"""The click layer: parse options, call a verb's core, render its result (results.py) and
+exit with its code; turn DflashError into a message and an exit code.
 
 Command docstrings are the --help text. Each command imports its verb's module when it
 runs: `--help` and the other verbs do not pay for its imports (deploy's alone cost as

@@ -1,7 +1,11 @@
 """One module per verb, imported by its click command when it runs (`stacks` is
-fetch_traceback's with stacks=True). Each `run` takes the session (and the run it acts
-on) positionally, everything else by keyword. A verb's module imports the core, never
-another verb's: what several verbs share lives in the core."""
+fetch_traceback's with stacks=True). A verb's core function takes the session (and the
+run it acts on) positionally, everything else by keyword or in its options dataclass,
+whose ranges it checks (errors.BadOption); it returns one result and prints none of it:
+results.py renders it, for the CLI, and the Python API returns it. A verb's module
+imports the core, never another verb's: what several verbs share lives in the core.
+Not yet so: deploy, setup, hosts, init, diff, plot and completion still print their
+outcome from `run` and return the exit code."""
 from __future__ import annotations
 
 import dataclasses
