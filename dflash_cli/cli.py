@@ -524,7 +524,7 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     for ref in refs:  # the events mirrored here are drawn all the same
         if note := run_hosts.note_left(session, ref):
             console.warn(note)
-    sys.exit(plot.run(session.logs_dir, refs, output=output, as_json=as_json))
+    _finish(plot.plot(session.logs_dir, refs, output=output), as_json)
 
 
 @main.command("runs")
@@ -566,8 +566,7 @@ def diff_cmd(session: Session, run_a: str, run_b: str, paths: tuple[str, ...], h
     """
     from .commands import diff
 
-    sys.exit(diff.run(session, run_a=run_a, run_b=run_b, host=host_name, paths=paths, stat=stat, config=config,
-                      as_json=as_json))
+    _finish(diff.diff(session, run_a, run_b, host=host_name, paths=paths, stat=stat, config=config), as_json)
 
 
 @main.command("gc")

@@ -17,9 +17,11 @@ from .errors import DflashError, ExitCode
 if TYPE_CHECKING:
     from .commands.status import ConfigResult, RunsListing, StatusResult
     from .commands.cache import CacheCopied
+    from .commands.diff import RunsDiff
     from .commands.fetch_traceback import Fetched
     from .commands.gc import GcResult
     from .commands.launch import DryRun, Launched
+    from .commands.plot import Plotted
     from .commands.pull import PullResult
     from .commands.resume import Resumed
     from .commands.stop import StopResult
@@ -306,6 +308,48 @@ def _cache_copied(result: CacheCopied, as_json: bool) -> None:
             console.data(console.json_line(done))
 
 
+def _plotted(result: Plotted, as_json: bool) -> None:
+    """The PNG's path on stdout (--json: one object, with the runs)."""
+    if as_json:
+        console.data(console.json_line({"path": result.path, "runs": [{"host": ref.host, "run_id": ref.run_id}
+                                                                      for ref in result.refs]}))
+    else:
+        console.data(f"{result.path}\n")
+
+
+def _runs_diff(result: RunsDiff, as_json: bool) -> None:
+    """The unified diff on stdout, or with --stat `added<TAB>removed<TAB>path` per file
+    and a table on stderr; --json: one object, the runs, their releases and each file's
+    diff and counts."""
+    from rich.table import Table
+
+    from .release_store import summary
+
+    refs, diffs = result.refs, result.diffs
+    if as_json:
+        runs = [{"host": ref.host, "run_id": ref.run_id, "release_id": release[1] if release else None}
+                for ref, release in zip(refs, result.releases or (None, None))]
+        console.data(console.json_line({
+            "run_a": runs[0], "run_b": runs[1], "config": result.config, "summary": summary(list(diffs)),
+            "files": [{"path": d.change.path, "added": d.added if d.compared else None,
+                       "removed": d.removed if d.compared else None, "compared": d.compared, "diff": d.text}
+                      for d in diffs]}))
+    elif result.stat:
+        table = Table(title=f"{refs[0].run_id} → {refs[1].run_id}: {summary(list(diffs))}", title_justify="left")
+        for column in ("file", "+", "−"):
+            table.add_column(column, justify="left" if column == "file" else "right")
+        for d in diffs:
+            added, removed = (str(d.added), str(d.removed)) if d.compared else ("-", "-")  # as git --numstat
+            table.add_row(d.change.path, added, removed)
+            console.data(f"{added}\t{removed}\t{d.change.path}\n")
+        console.human.print(table)
+    else:
+        for d in diffs:
+            console.data(d.text)
+        if not diffs:
+            console.say("no difference")
+
+
 _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "StopResult": _stop,
     "StatusResult": _status,
@@ -319,6 +363,8 @@ _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "GcResult": _gc,
     "Version": _version,
     "CacheCopied": _cache_copied,
+    "Plotted": _plotted,
+    "RunsDiff": _runs_diff,
 }
 
 _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
