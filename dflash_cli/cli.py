@@ -651,7 +651,7 @@ def init_cmd(host_names: tuple[str, ...], force: bool, as_json: bool) -> None:
     """
     from .commands import init
 
-    sys.exit(init.run(named=list(host_names), force=force, as_json=as_json))
+    _finish(init.initialize(list(host_names), force), as_json)
 
 
 @main.command("completion")
@@ -672,4 +672,4 @@ def completion_cmd(ctx: click.Context, shell: str | None, do_install: bool, as_j
     """
     from .commands import completion as verb
 
-    sys.exit(verb.run(ctx.find_root().command, shell=shell, do_install=do_install, as_json=as_json))
+    _finish(verb.completion(ctx.find_root().command, shell=shell, do_install=do_install), as_json)

@@ -17,9 +17,11 @@ from .errors import DflashError, ExitCode
 if TYPE_CHECKING:
     from .commands.status import ConfigResult, RunsListing, StatusResult
     from .commands.cache import CacheCopied
+    from .commands.completion import Installed, Script
     from .commands.diff import RunsDiff
     from .commands.fetch_traceback import Fetched
     from .commands.gc import GcResult
+    from .commands.init import Initialized
     from .commands.launch import DryRun, Launched
     from .commands.plot import Plotted
     from .commands.pull import PullResult
@@ -350,6 +352,31 @@ def _runs_diff(result: RunsDiff, as_json: bool) -> None:
             console.say("no difference")
 
 
+def _initialized(result: Initialized, as_json: bool) -> None:
+    """The files' paths on stdout (--json: one object), the hosts taken in on stderr."""
+    if as_json:
+        console.data(console.json_line(result))
+        return
+    for path in result.files:
+        console.data(f"{path}\n")
+    console.say(f"hosts from {result.ssh_config}: " + (", ".join(result.hosts) or "none taken in")
+                + (f"; commented out: {', '.join(result.commented)}" if result.commented else ""))
+
+
+def _script(result: Script, as_json: bool) -> None:
+    console.data(console.json_line(result) if as_json else result.script)
+
+
+def _installed(result: Installed, as_json: bool) -> None:
+    if as_json:
+        console.data(console.json_line(result))
+        return
+    console.say(f"{result.shell}: the completion script is {result.script}"
+                + (f"; {result.startup_file} reads it" if result.startup_file else "")
+                + ("" if result.startup_file is None or result.line_added else " (it did already)")
+                + "; it takes effect in a new shell")
+
+
 _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "StopResult": _stop,
     "StatusResult": _status,
@@ -365,6 +392,9 @@ _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "CacheCopied": _cache_copied,
     "Plotted": _plotted,
     "RunsDiff": _runs_diff,
+    "Initialized": _initialized,
+    "Script": _script,
+    "Installed": _installed,
 }
 
 _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
