@@ -633,7 +633,7 @@ def hosts_cmd(session: Session, names: tuple[str, ...], do_check: bool, as_json:
     """
     from .commands import hosts
 
-    sys.exit(hosts.run(session, names=names, do_check=do_check, as_json=as_json, verbose=verbose))
+    _finish(hosts.hosts(session, names, do_check=do_check, verbose=verbose), as_json)
 
 
 @main.command("init")

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .commands.diff import RunsDiff
     from .commands.fetch_traceback import Fetched
     from .commands.gc import GcResult
+    from .commands.hosts import HostsListing
     from .commands.init import Initialized
     from .commands.launch import DryRun, Launched
     from .commands.plot import Plotted
@@ -377,6 +378,38 @@ def _installed(result: Installed, as_json: bool) -> None:
                 + "; it takes effect in a new shell")
 
 
+def _hosts(result: HostsListing, as_json: bool) -> None:
+    """One object per host on stdout with --json (the whole answer: no table); else the
+    host names on stdout (without --check), the table, the groups and with -v each host's
+    SSH options on stderr."""
+    from .commands import hosts as verb
+
+    if as_json:
+        for entry in result.hosts:
+            console.data(console.json_line(verb.to_json(entry)))
+        return
+    if not result.checked:
+        for entry in result.hosts:
+            console.data(f"{entry.host.name}\n")
+    console.human.print(verb.hosts_table(result))
+    for name, members in result.groups:
+        console.say(f"group {name}: {', '.join(members)} (one run, rank 0 first)")
+    for entry in result.hosts:
+        if entry.ssh is not None:
+            console.human.print(verb.options_table(entry.host.name, entry.ssh))
+
+
+def _hosts_exit_code(result: HostsListing) -> ExitCode:
+    """3 when a host is unreachable, 2 when one failed otherwise or is not ok."""
+    from .errors import UnreachableError
+
+    failures = [entry.found for entry in result.hosts if isinstance(entry.found, DflashError)]
+    if any(isinstance(failure, UnreachableError) for failure in failures):
+        return ExitCode.UNREACHABLE
+    unfit = [entry for entry in result.hosts if entry.status not in (None, "ok")]
+    return ExitCode.USAGE if failures or unfit else ExitCode.OK
+
+
 _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "StopResult": _stop,
     "StatusResult": _status,
@@ -395,12 +428,14 @@ _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "Initialized": _initialized,
     "Script": _script,
     "Installed": _installed,
+    "HostsListing": _hosts,
 }
 
 _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
     "StopResult": lambda result: _worst_error(result.hosts),
     "StatusResult": _status_exit_code,
     "GcResult": lambda result: _worst_error(result.hosts),
+    "HostsListing": _hosts_exit_code,
     # a failed run that no record explains
     "Fetched": lambda result: ExitCode.OK if result.traceback.explained else ExitCode.RUN_FAILED,
     "RunsListing": lambda result: ExitCode.USAGE if any(listed.unreadable for listed in result.hosts) else ExitCode.OK,
