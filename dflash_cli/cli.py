@@ -220,8 +220,8 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
     """
     from .commands import setup
 
-    sys.exit(setup.run(session, host_names=list(host_names), all_hosts=all_hosts, torch=torch_version,
-                       index_url=index_url, as_json=as_json))
+    _finish(setup.setup(session, list(host_names), all_hosts=all_hosts, torch=torch_version,
+                        index_url=index_url), as_json)
 
 
 @main.command("launch")

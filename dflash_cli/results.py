@@ -15,6 +15,7 @@ from . import console, multihost
 from .errors import DflashError, ExitCode
 
 if TYPE_CHECKING:
+    from .commands.setup import SetupDone
     from .commands.status import ConfigResult, RunsListing, StatusResult
     from .commands.cache import CacheCopied
     from .commands.completion import Installed, Script
@@ -410,6 +411,25 @@ def _hosts_exit_code(result: HostsListing) -> ExitCode:
     return ExitCode.USAGE if failures or unfit else ExitCode.OK
 
 
+def _setup_done(result: SetupDone, as_json: bool) -> None:
+    """A table of results on stderr and `HOST<TAB>STATUS<TAB>ENV` lines on stdout (--json:
+    one object per host, and no table); a failure's message whole, where the table's cell
+    wraps it."""
+    from .commands import setup as verb
+
+    if not as_json:
+        console.human.print(verb.results_table(result))
+    for name, outcome in result.hosts:
+        if as_json:
+            console.data(console.json_line(console.host_outcome(name, outcome)))
+        if isinstance(outcome, DflashError):
+            console.say(f"error: {outcome.message}")
+            if outcome.hint:
+                console.say(f"{name}: hint: {outcome.hint}")
+        elif not as_json:
+            console.data(f"{name}\t{outcome.status}\t{outcome.env}\n")
+
+
 _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "StopResult": _stop,
     "StatusResult": _status,
@@ -429,6 +449,7 @@ _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "Script": _script,
     "Installed": _installed,
     "HostsListing": _hosts,
+    "SetupDone": _setup_done,
 }
 
 _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
@@ -436,6 +457,7 @@ _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
     "StatusResult": _status_exit_code,
     "GcResult": lambda result: _worst_error(result.hosts),
     "HostsListing": _hosts_exit_code,
+    "SetupDone": lambda result: _worst_error(result.hosts),
     # a failed run that no record explains
     "Fetched": lambda result: ExitCode.OK if result.traceback.explained else ExitCode.RUN_FAILED,
     "RunsListing": lambda result: ExitCode.USAGE if any(listed.unreadable for listed in result.hosts) else ExitCode.OK,
