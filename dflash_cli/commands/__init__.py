@@ -4,8 +4,7 @@ run it acts on) positionally, everything else by keyword or in its options datac
 whose ranges it checks (errors.BadOption); it returns one result and prints none of it:
 results.py renders it, for the CLI, and the Python API returns it. A verb's module
 imports the core, never another verb's: what several verbs share lives in the core.
-Not yet so: deploy, setup, hosts, init, diff, plot and completion still print their
-outcome from `run` and return the exit code."""
+deploy alone still prints its outcome from its `run` and returns the exit code."""
 from __future__ import annotations
 
 import dataclasses
