@@ -15,8 +15,6 @@ from . import console, multihost
 from .errors import DflashError, ExitCode
 
 if TYPE_CHECKING:
-    from .commands.setup import SetupDone
-    from .commands.status import ConfigResult, RunsListing, StatusResult
     from .commands.cache import CacheCopied
     from .commands.completion import Installed, Script
     from .commands.diff import RunsDiff
@@ -28,6 +26,8 @@ if TYPE_CHECKING:
     from .commands.plot import Plotted
     from .commands.pull import PullResult
     from .commands.resume import Resumed
+    from .commands.setup import SetupDone
+    from .commands.status import ConfigResult, RunsListing, StatusResult
     from .commands.stop import StopResult
     from .commands.version import Version
     from .multihost import RunOnHosts
@@ -38,8 +38,8 @@ def render(result: Any, as_json: bool) -> None:
 
 
 def exit_code(result: Any) -> ExitCode:
-    """The exit code of a verb's result: that of its worst host's error where it has
-    any, else the result's own (`_EXIT_CODES`), else OK."""
+    """The exit code of a verb's result (`_EXIT_CODES`: a verb about several hosts, its
+    worst host's error's; a run's, its state's); OK for a result not listed there."""
     code = _EXIT_CODES.get(type(result).__name__)
     return ExitCode.OK if code is None else code(result)
 
