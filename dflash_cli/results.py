@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import console, multihost
+from . import console
 from .errors import DflashError, ExitCode
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ def _worst_error(outcomes: tuple[tuple[str, Any], ...]) -> ExitCode:
 
 
 def _stop(result: StopResult, as_json: bool) -> None:
+    from . import multihost
+
     for host, outcome in result.hosts:
         if isinstance(outcome, DflashError):
             console.warn(f"run {result.run_id} on {host}: not stopped: {outcome.message}")
@@ -76,12 +78,13 @@ def _status(result: StatusResult, as_json: bool) -> None:
 
     from . import provenance
     from .commands import status as verb
+    from .multihost import RunOnHosts
 
     ref, status = result.ref, result.status
     if as_json:
         console.data(console.json_line(status.to_json()))
         return
-    if isinstance(status, multihost.RunOnHosts):
+    if isinstance(status, RunOnHosts):
         _status_on_hosts(status)
         return
     console.data(f"{status.state}\n")
@@ -105,7 +108,7 @@ def _status(result: StatusResult, as_json: bool) -> None:
 def _status_on_hosts(status: RunOnHosts) -> None:
     from dflash_contract.states import RunState
 
-    from . import provenance
+    from . import multihost, provenance
     from .commands import status as verb
 
     shown = multihost.state_name(status.state)

@@ -9,7 +9,7 @@ from dflash_contract import requests
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import RunState
 
-from .. import console, multihost, provenance, run_hosts
+from .. import console, multihost, run_hosts
 from ..errors import DflashError, ExitCode
 from ..local_state import RunRef, latest_host
 from ..multihost import HostStatus, RunOnHosts
