@@ -1,4 +1,5 @@
-"""The click layer: parse options, call a verb's run(...), turn DflashError into an exit code.
+"""The click layer: parse options, call a verb's core, render its result (results.py) and
+exit with its code; turn DflashError into a message and an exit code.
 
 Command docstrings are the --help text. Each command imports its verb's module when it
 runs: `--help` and the other verbs do not pay for its imports (deploy's alone cost as
@@ -9,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
-from . import completion, console, retry, run_hosts, run_names
-from .commands import GPU_INTERVAL_S
-from .errors import DflashError, ExitCode
+from . import completion, console, results, retry, run_hosts, run_names
+from .commands import GPU_INTERVAL_S, WatchOptions
+from .errors import BadOption, DflashError, ExitCode
 from .local_state import RunRef, latest_or_refuse
 from .project_tree import LARGE_RELEASE_BYTES, in_state_root
 from .run_hosts import Reach
@@ -62,6 +64,8 @@ class _Group(click.Group):
 def _fail(ctx: click.Context, exc: DflashError) -> None:
     """The core's error as a message and its exit code; under --json also as one JSON
     object on stdout (docs/cli.md "--json")."""
+    if isinstance(exc, BadOption):
+        exc.message = exc.named(_flag(ctx, exc.option))
     console.human.print(f"dflash: error: {exc.message}", style="red", markup=False,
                         highlight=False, soft_wrap=True)
     if exc.hint:
@@ -69,6 +73,25 @@ def _fail(ctx: click.Context, exc: DflashError) -> None:
     if ctx.meta.get(JSON_ASKED):
         console.data(console.json_line({"error": exc.message, "hint": exc.hint, "exit_code": int(exc.exit_code)}))
     ctx.exit(int(exc.exit_code))
+
+
+def _flag(ctx: click.Context, option: str) -> str:
+    """The --flag of the running command whose parameter is the core's `option` (the
+    API's spelling, which each command's parameter takes)."""
+    group = ctx.command
+    command = group.get_command(ctx, ctx.invoked_subcommand) if isinstance(group, click.Group) else group
+    for param in command.params if command else ():
+        if param.name == option and isinstance(param, click.Option):
+            return max(param.opts, key=len)
+    return option
+
+
+def _finish(result: object, as_json: bool) -> NoReturn:
+    """A verb's result printed (results.py) and the process's exit with its code."""
+    results.render(result, as_json)
+    if (error := results.refusal(result)) is not None:
+        raise error
+    sys.exit(int(results.exit_code(result)))
 
 
 def _json_option(what: str):
@@ -105,7 +128,9 @@ def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> No
     from .commands import version
 
     try:
-        ctx.exit(int(version.run()))
+        found = version.version()
+        results.render(found, as_json=False)
+        ctx.exit(int(results.exit_code(found)))
     except DflashError as exc:
         _fail(ctx, exc)
 
@@ -195,8 +220,8 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
     """
     from .commands import setup
 
-    sys.exit(setup.run(session, host_names=list(host_names), all_hosts=all_hosts, torch=torch_version,
-                       index_url=index_url, as_json=as_json))
+    _finish(setup.setup(session, list(host_names), all_hosts=all_hosts, torch=torch_version,
+                        index_url=index_url), as_json)
 
 
 @main.command("launch")
@@ -214,7 +239,7 @@ def setup_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, to
 @click.option("--allow-large", is_flag=True, help=_ALLOW_LARGE_HELP)
 @click.option("--master-addr", metavar="ADDRESS",
               help="Several hosts: where the others reach the first (default: its inventory address).")
-@click.option("--master-port", type=click.IntRange(1, 65535), metavar="PORT",
+@click.option("--master-port", type=int, metavar="PORT",
               help="Several hosts: the first host's rendezvous port (default: one free there).")
 @click.option("--dry-run", is_flag=True,
               help="Print the GPU memory estimate of every device against the host's GPUs; deploy and "
@@ -259,12 +284,12 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
                                    overrides=overrides, allow_large=allow_large, master_addr=master_addr,
                                    master_port=master_port)
     if dry_run:
-        sys.exit(launch.dry_run(session, options, as_json=as_json))
+        _finish(launch.dry_run(session, options), as_json)
     if follow:
         _require_trackers(session)
-    launched = launch.run(session, options, as_json=as_json)
-    if follow:
-        sys.exit(_watch_after(session, launched.ref, as_json))
+    launched = launch.start(session, options)
+    results.render(launched, as_json)
+    sys.exit(_watch_after(session, launched.ref, as_json) if follow else int(results.exit_code(launched)))
 
 
 @main.command("resume")
@@ -273,7 +298,7 @@ def launch_cmd(session: Session, host_names: tuple[str, ...], config_path: Path,
 @click.option("--follow", is_flag=True, help="Watch the run after resuming it (as `dflash watch`).")
 @click.option("--release", type=click.Choice(["current"]),
               help="Run the host's current release instead of the run's own (`current`).")
-@click.option("--step", type=click.IntRange(min=1),
+@click.option("--step", type=int,
               help="Resume from the checkpoint of this step (default: the newest complete one).")
 @_json_option("The attempt started as one JSON object on stdout (with --follow: then the watch's JSON lines)")
 @click.pass_obj
@@ -292,13 +317,13 @@ def resume_cmd(session: Session, run_id: str | None, host_name: str | None, foll
     """
     from .commands import resume
 
+    options = resume.ResumeOptions(release == "current", step)
     ref = _chosen_run(session, run_id, host_name, Reach.EVERY)
     if follow:
         _require_trackers(session)
-    code = resume.run(session, ref, current_release=release == "current", step=step, as_json=as_json)
-    if follow:
-        code = _watch_after(session, ref, as_json)
-    sys.exit(code)
+    resumed = resume.start(session, ref, options)
+    results.render(resumed, as_json)
+    sys.exit(_watch_after(session, ref, as_json) if follow else int(results.exit_code(resumed)))
 
 
 def _require_trackers(session: Session) -> None:
@@ -312,23 +337,23 @@ def _watch_after(session: Session, ref: RunRef, as_json: bool) -> ExitCode:
     """--follow: `dflash watch RUN` with its defaults, once the run is started."""
     from .commands import watch
 
-    return watch.run(session, ref, tail=None, interval=GPU_INTERVAL_S, as_json=as_json, retry_for=retry.RETRY_FOR_S)
+    return watch.run(session, ref, WatchOptions(), as_json=as_json)
 
 
 @main.command("watch")
 @_run_argument()
 @_host_option()
-@click.option("--tail", type=click.IntRange(min=0), help="First show the last N lines of the log.")
-@click.option("--interval", default=GPU_INTERVAL_S, show_default=True, type=click.FloatRange(min=0.5),
+@click.option("--tail", type=int, help="First show the last N lines of the log.")
+@click.option("--interval", "gpu_interval", default=GPU_INTERVAL_S, show_default=True, type=float,
               help="Seconds between GPU lines.")
 @_json_option("Print every message as a JSON line on stdout")
-@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
+@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=float,
               help="Seconds to keep reconnecting to an unreachable host before exit 3.")
-@click.option("--trackers/--no-trackers", "use_trackers", default=True, show_default=True,
+@click.option("--trackers/--no-trackers", default=True, show_default=True,
               help="Send the run's scalars to the trackers of dflash.yaml (W&B, MLflow, trackio).")
 @click.pass_obj
 def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail: int | None,
-              interval: float, as_json: bool, retry_for: float, use_trackers: bool) -> None:
+              gpu_interval: float, as_json: bool, retry_for: float, trackers: bool) -> None:
     """Follow RUN live (default: the latest run): log lines, GPU line, failures.
 
     When a thread records an error its full traceback is printed at once and saved
@@ -345,9 +370,9 @@ def watch_cmd(session: Session, run_id: str | None, host_name: str | None, tail:
     """
     from .commands import watch
 
+    options = WatchOptions(tail, gpu_interval, retry_for, trackers)
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(watch.run(session, ref, tail=tail, interval=interval, as_json=as_json, retry_for=retry_for,
-                       use_trackers=use_trackers))
+    sys.exit(watch.run(session, ref, options, as_json=as_json))
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
@@ -384,8 +409,8 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
     from .commands import fetch_traceback
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(fetch_traceback.run(session, ref, thread=thread, all_records=all_records, output=output,
-                                 stacks=show_stacks, as_json=as_json))
+    _finish(fetch_traceback.fetch(session, ref, thread=thread, all_records=all_records, stacks=show_stacks,
+                                  output=output), as_json)
 
 
 @main.command("stacks")
@@ -403,8 +428,7 @@ def stacks_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
     from .commands import fetch_traceback
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(fetch_traceback.run(session, ref, thread=None, all_records=False, output=None, stacks=True,
-                                 as_json=as_json))
+    _finish(fetch_traceback.fetch(session, ref, stacks=True), as_json)
 
 
 @main.command("status")
@@ -429,15 +453,13 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
     from .commands import status
 
     ref = _chosen_run(session, run_id, host_name, Reach.FIRST if show_config else Reach.ANY)
-    if show_config:
-        sys.exit(status.run_config(session, ref, as_json=as_json))
-    sys.exit(status.run_status(session, ref, as_json=as_json))
+    _finish(status.config(session, ref) if show_config else status.status(session, ref), as_json)
 
 
 @main.command("stop")
 @_run_argument()
 @_host_option()
-@click.option("--grace", default=10.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--grace", default=10.0, show_default=True, type=float,
               help="Seconds between SIGTERM and SIGKILL.")
 @_json_option("The outcome as one JSON object on stdout: the run's state and each host's")
 @click.pass_obj
@@ -448,15 +470,16 @@ def stop_cmd(session: Session, run_id: str | None, host_name: str | None, grace:
     """
     from .commands import stop
 
+    options = stop.StopOptions(grace)
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    sys.exit(stop.run(session, ref, grace=grace, as_json=as_json))
+    _finish(stop.stop(session, ref, options), as_json)
 
 
 @main.command("pull")
 @_run_argument()
 @_host_option()
 @click.option("--checkpoint", is_flag=True, help="Also the run's newest checkpoint, to checkpoint/<step>/.")
-@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=click.FloatRange(min=0),
+@click.option("--retry-for", default=retry.RETRY_FOR_S, show_default=True, type=float,
               help="Seconds to keep reconnecting after a dropped connection before exit 3.")
 @_json_option("What was pulled as one JSON object on stdout: the local folders and their files")
 @click.pass_obj
@@ -473,8 +496,9 @@ def pull_cmd(session: Session, run_id: str | None, host_name: str | None, checkp
     """
     from .commands import pull
 
+    options = pull.PullOptions(checkpoint, retry_for)
     ref = _chosen_run(session, run_id, host_name, Reach.FIRST)
-    sys.exit(pull.run(session, ref, checkpoint=checkpoint, retry_for=retry_for, as_json=as_json))
+    _finish(pull.pull(session, ref, options), as_json)
 
 
 @main.command("plot")
@@ -500,7 +524,7 @@ def plot_cmd(session: Session, run_ids: tuple[str, ...], host_name: str | None, 
     for ref in refs:  # the events mirrored here are drawn all the same
         if note := run_hosts.note_left(session, ref):
             console.warn(note)
-    sys.exit(plot.run(session.logs_dir, refs, output=output, as_json=as_json))
+    _finish(plot.plot(session.logs_dir, refs, output=output), as_json)
 
 
 @main.command("runs")
@@ -518,7 +542,7 @@ def runs_cmd(session: Session, host_names: tuple[str, ...], as_json: bool) -> No
     """
     from .commands import status
 
-    sys.exit(status.list_runs(session, host_names=list(host_names), as_json=as_json))
+    _finish(status.list_runs(session, list(host_names)), as_json)
 
 
 @main.command("diff")
@@ -542,14 +566,13 @@ def diff_cmd(session: Session, run_a: str, run_b: str, paths: tuple[str, ...], h
     """
     from .commands import diff
 
-    sys.exit(diff.run(session, run_a=run_a, run_b=run_b, host=host_name, paths=paths, stat=stat, config=config,
-                      as_json=as_json))
+    _finish(diff.diff(session, run_a, run_b, host=host_name, paths=paths, stat=stat, config=config), as_json)
 
 
 @main.command("gc")
 @click.argument("host_names", nargs=-1, metavar="HOST...", shell_complete=completion.hosts)
 @click.option("--all", "all_hosts", is_flag=True, help="Every host of the inventory.")
-@click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--keep", type=int, default=0, show_default=True,
               help="Unused releases to keep on each host, newest first.")
 @_json_option("One JSON object per host on stdout: what was removed, or its error")
 @click.pass_obj
@@ -562,7 +585,7 @@ def gc_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, keep:
     """
     from .commands import gc
 
-    sys.exit(gc.run(session, host_names=list(host_names), all_hosts=all_hosts, keep=keep, as_json=as_json))
+    _finish(gc.gc(session, list(host_names), all_hosts=all_hosts, keep=keep), as_json)
 
 
 @main.group("cache", cls=_Group)
@@ -586,7 +609,7 @@ def cache_copy_cmd(session: Session, source: str, destinations: tuple[str, ...],
     """
     from .commands import cache
 
-    sys.exit(cache.run(session, source_name=source, destination_names=list(destinations), as_json=as_json))
+    _finish(cache.copy(session, source, list(destinations)), as_json)
 
 
 @main.command("hosts")
@@ -610,7 +633,7 @@ def hosts_cmd(session: Session, names: tuple[str, ...], do_check: bool, as_json:
     """
     from .commands import hosts
 
-    sys.exit(hosts.run(session, names=names, do_check=do_check, as_json=as_json, verbose=verbose))
+    _finish(hosts.hosts(session, names, do_check=do_check, verbose=verbose), as_json)
 
 
 @main.command("init")
@@ -628,7 +651,7 @@ def init_cmd(host_names: tuple[str, ...], force: bool, as_json: bool) -> None:
     """
     from .commands import init
 
-    sys.exit(init.run(named=list(host_names), force=force, as_json=as_json))
+    _finish(init.initialize(list(host_names), force), as_json)
 
 
 @main.command("completion")
@@ -649,4 +672,4 @@ def completion_cmd(ctx: click.Context, shell: str | None, do_install: bool, as_j
     """
     from .commands import completion as verb
 
-    sys.exit(verb.run(ctx.find_root().command, shell=shell, do_install=do_install, as_json=as_json))
+    _finish(verb.completion(ctx.find_root().command, shell=shell, do_install=do_install), as_json)

@@ -47,3 +47,25 @@ class UnreachableError(DflashError):
 class ConnectionLost(UnreachableError):
     """The connection dropped while a command ran: the host was reachable a moment ago,
     so an idempotent command is worth running again (the transport reconnects)."""
+
+
+class BadOption(DflashError):
+    """An option's value the verb cannot take. `option` is the parameter as the Python API
+    spells it (`master_port`); the CLI names its --flag instead (cli.py), so the range is
+    stated once, here in the core, for both."""
+
+    def __init__(self, option: str, value: object, problem: str):
+        self.option = option
+        self.value = value
+        self.problem = problem
+        super().__init__(self.named(option), ExitCode.USAGE)
+
+    def named(self, spelled: str) -> str:
+        """The message with the option spelled `spelled`."""
+        return f"{spelled} {self.value}: {self.problem}"
+
+
+def at_least(option: str, value: float | None, low: float) -> None:
+    """BadOption unless `value` (None: not given) is at least `low`."""
+    if value is not None and value < low:
+        raise BadOption(option, value, f"expected at least {low}")

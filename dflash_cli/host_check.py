@@ -189,9 +189,13 @@ def show(reports: list[HostReport]) -> None:
                         ("ok" if verdict.problem is None else f"REFUSED: {verdict.problem}"))
 
 
-def refuse(reports: list[HostReport], consequence: str, hint: str | None = None) -> None:
-    """DflashError (exit 2) naming every problem of every host."""
+def refusal(reports: list[HostReport], consequence: str, hint: str | None = None) -> DflashError | None:
+    """The DflashError (exit 2) naming every problem of every host; None when none has any."""
     problems = [problem for report in reports for problem in report.problems()]
-    if problems:
-        raise DflashError("; ".join(problems) + f" ({consequence})", ExitCode.USAGE, hint=hint)
+    return DflashError("; ".join(problems) + f" ({consequence})", ExitCode.USAGE, hint=hint) if problems else None
+
+
+def refuse(reports: list[HostReport], consequence: str, hint: str | None = None) -> None:
+    if (error := refusal(reports, consequence, hint)) is not None:
+        raise error
 

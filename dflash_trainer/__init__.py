@@ -99,8 +99,6 @@ def launch(hosts: str | Sequence[str], config: str | os.PathLike, *, name: str |
     are `--set`'s KEY=VALUE strings (VALUE read as YAML)."""
     from dflash_cli.commands import launch as verb
 
-    if master_port is not None and not 1 <= master_port <= 65535:
-        raise DflashError(f"master_port {master_port}: a TCP port is 1 to 65535", ExitCode.USAGE)
     options = verb.LaunchOptions((hosts,) if isinstance(hosts, str) else tuple(hosts), Path(config), name=name,
                                  force=force, source_dir=None if source is None else Path(source),
                                  overrides=(overrides,) if isinstance(overrides, str) else tuple(overrides),
@@ -124,11 +122,10 @@ def watch(run: str | None = None, *, host: str | None = None, tail: int | None =
     item received. A host that stays unreachable for `retry_for` seconds raises
     DflashError (exit code 3)."""
     from dflash_cli import run_hosts, watching
+    from dflash_cli.commands import WatchOptions
     from dflash_cli.trackers.config import TrackerSettings
 
-    _at_least("tail", tail, 0)
-    _at_least("gpu_interval", gpu_interval, 0.5)
-    _at_least("retry_for", retry_for, 0)
+    options = WatchOptions(tail, gpu_interval, retry_for, trackers)
     session = _open(hosts_file, logs_dir, accept_new_host_key, cli_config_file)
     try:
         ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.ANY, naming=_naming("watch"))
@@ -144,8 +141,8 @@ def watch(run: str | None = None, *, host: str | None = None, tail: int | None =
 
     def items() -> Iterator[WatchItem]:
         with contextlib.closing(session):
-            yield from watching.follow(session, ref, tail=tail, interval=gpu_interval, retry_for=retry_for,
-                                       trackers=settings)
+            yield from watching.follow(session, ref, tail=options.tail, interval=options.gpu_interval,
+                                       retry_for=options.retry_for, trackers=settings)
 
     return items()
 
@@ -161,7 +158,7 @@ def status(run: str | None = None, *, host: str | None = None, hosts_file: str |
 
     with _session(hosts_file, logs_dir, accept_new_host_key) as session:
         ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.ANY, naming=_naming("status"))
-        return verb.status_of(session, ref)
+        return verb.status(session, ref).status
 
 
 @_typed
@@ -188,10 +185,10 @@ def pull(run: str | None = None, *, host: str | None = None, checkpoint: bool = 
     from dflash_cli import run_hosts
     from dflash_cli.commands import pull as verb
 
-    _at_least("retry_for", retry_for, 0)
+    options = verb.PullOptions(checkpoint, retry_for)
     with _session(hosts_file, logs_dir, accept_new_host_key) as session:
         ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.FIRST, naming=_naming("pull"))
-        return verb.pull(session, ref, checkpoint, retry_for=retry_for)
+        return verb.pull(session, ref, options)
 
 
 @_typed
@@ -204,10 +201,10 @@ def resume(run: str | None = None, *, host: str | None = None, current_release: 
     from dflash_cli import run_hosts
     from dflash_cli.commands import resume as verb
 
-    _at_least("step", step, 1)
+    options = verb.ResumeOptions(current_release, step)
     with _session(hosts_file, logs_dir, accept_new_host_key) as session:
         ref = run_hosts.chosen_run(session, run, host, run_hosts.Reach.EVERY, naming=_naming("resume"))
-        return verb.start(session, ref, current_release=current_release, step=step)
+        return verb.start(session, ref, options)
 
 
 def _open(hosts_file: str | os.PathLike | None, logs_dir: str | os.PathLike | None,
@@ -225,12 +222,6 @@ def _session(hosts_file: str | os.PathLike | None, logs_dir: str | os.PathLike |
 def _naming(function: str) -> str:
     """How a call names a run and its host, for the hint when it names none."""
     return f"dflash.{function}(RUN, host=HOST)"
-
-
-def _at_least(name: str, value: float | None, low: float) -> None:
-    """The range checks the CLI's options make."""
-    if value is not None and value < low:
-        raise DflashError(f"{name} {value}: expected at least {low}", ExitCode.USAGE)
 
 
 def _check_arguments(function: Callable[..., Any], args: tuple, kwargs: dict) -> None:

@@ -243,3 +243,20 @@ def test_plot_draws_the_recorded_run_whose_host_left_the_inventory_and_says_so(m
     broken.write_text("hosts: [not, a, mapping]\n")
     again = dflash_in_process("--logs-dir", str(logs), "plot", "-o", str(out), hosts=broken)
     assert (again.returncode, again.stderr) == (0, "")
+
+
+def test_every_result_rendered_is_a_result_type_of_a_verb():
+    """results.py finds a result's renderer and exit code by the type's name (so that
+    rendering one verb's result imports no other verb): each name it knows must be a
+    dataclass of a verb module, or a rename would leave its verb printing nothing."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    from dflash_cli import commands, results
+
+    types = {name: value for module in pkgutil.iter_modules(commands.__path__)
+             for name, value in vars(importlib.import_module(f"dflash_cli.commands.{module.name}")).items()
+             if isinstance(value, type) and dataclasses.is_dataclass(value)}
+    named = set(results._RENDERERS) | set(results._EXIT_CODES)
+    assert named - set(types) == set()

@@ -138,7 +138,7 @@ def in_process_pull(trained: Trained, logs: Path, **kwargs) -> tuple[pull.PullRe
     """pull.pull in this process, and what its connection carried: round trips and bytes."""
     session = Session(str(trained.hosts), logs)
     try:
-        result = pull.pull(session, RunRef(HOST, trained.run_id), checkpoint=False, **kwargs)
+        result = pull.pull(session, RunRef(HOST, trained.run_id), pull.PullOptions(**kwargs))
         transport = session.transport(session.host(HOST))
         return result, {"round_trips": transport.round_trips, "bytes_received": transport.bytes_received}
     finally:

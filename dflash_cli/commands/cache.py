@@ -1,18 +1,34 @@
 """dflash cache copy: a host's compile artifacts to other hosts, so they start warm."""
 from __future__ import annotations
 
-from .. import console
+import dataclasses
+
 from ..compile_artifacts import copy_offer, gpu_of, host_cache, missing
 from ..errors import DflashError, ExitCode
 from ..session import Session
 
 
-def run(session: Session, *, source_name: str, destination_names: list[str], as_json: bool = False) -> ExitCode:
+@dataclasses.dataclass(frozen=True)
+class KeyCopy:
+    """One compile cache key's outcome at one destination: copied, or skipped and why."""
+    key: str
+    source: str
+    destination: str
+    copied: bool
+    reason: str | None = None  # why it was skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheCopied:
+    """`cache copy`: every key's outcome at every destination, in the order they were done."""
+    keys: tuple[KeyCopy, ...]
+
+
+def copy(session: Session, source_name: str, destination_names: list[str]) -> CacheCopied:
     """Copy SOURCE's compile artifacts (every key of its workspace's compile cache) to each
     DESTINATION that has none of that key and has its GPU model (for CPU code: the same CPU
     model); the bytes are checked against their sha256 on the way and on arrival. A key a
-    destination cannot use, or has already, is said and skipped (with `as_json`, one JSON
-    object per key and destination on stdout says which). Exit 3 when a host cannot be
+    destination cannot use, or has already, is skipped with the reason. Exit 3 when a host cannot be
     reached, 2 when SOURCE offers nothing."""
     if not destination_names:
         raise DflashError("name at least one host to copy to", ExitCode.USAGE)
@@ -27,6 +43,7 @@ def run(session: Session, *, source_name: str, destination_names: list[str], as_
     if not source.offers:
         raise DflashError(f"{source_name} has no compile artifacts (a run saves them after its first compile)",
                           ExitCode.USAGE)
+    done = []
     for name in destination_names:
         destination = listed[name]
         wanted = missing(source, destination)
@@ -35,13 +52,8 @@ def run(session: Session, *, source_name: str, destination_names: list[str], as_
                 reason = ("has them already" if key in destination.offers else
                           f"has no {gpu_of(offer)}" if gpu_of(offer) != "cpu" else
                           "has another CPU model")
-                console.say(f"compile artifacts for {key} not copied to {name}: it {reason}")
-                if as_json:
-                    console.data(console.json_line({"key": key, "source": source_name, "destination": name,
-                                                    "copied": False, "reason": reason}))
+                done.append(KeyCopy(key, source_name, name, False, reason))
         for offer in wanted:
             copy_offer(session, source, name, offer)
-            if as_json:
-                console.data(console.json_line({"key": offer.key, "source": source_name,
-                                                "destination": name, "copied": True, "reason": None}))
-    return ExitCode.OK
+            done.append(KeyCopy(offer.key, source_name, name, True))
+    return CacheCopied(tuple(done))

@@ -9,7 +9,6 @@ from pathlib import Path
 import click
 from click.shell_completion import get_completion_class
 
-from .. import console
 from ..completion import COMPLETE_VAR, PROG, SHELLS
 from ..errors import DflashError, ExitCode
 from ..local_state import write_atomic
@@ -76,18 +75,14 @@ def _quoted(path: Path) -> str:
     return "'" + str(path).replace("'", "'\\''") + "'"
 
 
-def run(group: click.Group, *, shell: str | None, do_install: bool, as_json: bool) -> ExitCode:
+@dataclasses.dataclass(frozen=True)
+class Script:
+    """The completion script of `shell`, for the shell to evaluate."""
+    shell: str
+    script: str
+
+
+def completion(group: click.Group, *, shell: str | None = None, do_install: bool = False) -> Script | Installed:
+    """The script (`shell`, default: $SHELL's), or with `do_install` where it went."""
     name = chosen_shell(shell)
-    if not do_install:
-        source = script(group, name)
-        console.data(console.json_line({"shell": name, "script": source}) if as_json else source)
-        return ExitCode.OK
-    done = install(group, name)
-    if as_json:
-        console.data(console.json_line(done))
-    else:
-        console.say(f"{name}: the completion script is {done.script}"
-                    + (f"; {done.startup_file} reads it" if done.startup_file else "")
-                    + ("" if done.startup_file is None or done.line_added else " (it did already)")
-                    + "; it takes effect in a new shell")
-    return ExitCode.OK
+    return install(group, name) if do_install else Script(name, script(group, name))

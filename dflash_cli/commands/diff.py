@@ -1,15 +1,14 @@
 """dflash diff: what differs between the code (or configs) two runs ran, from their releases."""
 from __future__ import annotations
 
-from rich.table import Table
-
+import dataclasses
 
 from dflash_contract import requests
 
 from .. import console, run_hosts, run_names
 from ..errors import DflashError, ExitCode
 from ..local_state import RunRef
-from ..release_store import FileChange, ReleaseStore, file_diff, summary
+from ..release_store import FileChange, FileDiff, ReleaseStore, file_diff
 from ..session import Session
 
 
@@ -25,11 +24,22 @@ def parse_run(session: Session, text: str, host: str | None) -> RunRef:
     return ref
 
 
-def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tuple[str, ...],
-        stat: bool, config: bool, as_json: bool = False) -> ExitCode:
-    """The unified diff on stdout (or --stat's table; with `as_json`, one JSON object:
-    the runs, their releases and each file's diff and counts); exit 0 whether or not
-    they differ."""
+@dataclasses.dataclass(frozen=True)
+class RunsDiff:
+    """What RUN_B's release (or config.yaml) changed from RUN_A's: the runs, their
+    releases ((host, release id) each; none for `config`), and each file that differs.
+    `stat`: shown as lines added and removed per file rather than as the diff."""
+    refs: tuple[RunRef, RunRef]
+    releases: tuple[tuple[str, str], ...]
+    config: bool
+    diffs: tuple[FileDiff, ...]
+    stat: bool = False
+
+
+def diff(session: Session, run_a: str, run_b: str, *, host: str | None = None, paths: tuple[str, ...] = (),
+         stat: bool = False, config: bool = False) -> RunsDiff:
+    """The releases' files compared (fetched once into <logs>/releases/), or the runs'
+    config.yaml; no difference is no error."""
     refs = [parse_run(session, text, host) for text in (run_a, run_b)]
     releases: list[tuple[str, str]] = []
     if config:
@@ -48,26 +58,4 @@ def run(session: Session, *, run_a: str, run_b: str, host: str | None, paths: tu
         console.say(f"{refs[0].run_id}: release {releases[0][1]} on {refs[0].host}; "
                     f"{refs[1].run_id}: release {releases[1][1]} on {refs[1].host}")
         diffs = ReleaseStore(session).diff(releases[0], releases[1], paths)
-    if as_json:
-        runs = [{"host": ref.host, "run_id": ref.run_id, "release_id": release[1] if release else None}
-                for ref, release in zip(refs, releases or [None, None])]
-        console.data(console.json_line({
-            "run_a": runs[0], "run_b": runs[1], "config": config, "summary": summary(diffs),
-            "files": [{"path": d.change.path, "added": d.added if d.compared else None,
-                       "removed": d.removed if d.compared else None, "compared": d.compared, "diff": d.text}
-                      for d in diffs]}))
-    elif stat:
-        table = Table(title=f"{refs[0].run_id} → {refs[1].run_id}: {summary(diffs)}", title_justify="left")
-        for column in ("file", "+", "−"):
-            table.add_column(column, justify="left" if column == "file" else "right")
-        for d in diffs:
-            added, removed = (str(d.added), str(d.removed)) if d.compared else ("-", "-")  # as git --numstat
-            table.add_row(d.change.path, added, removed)
-            console.data(f"{added}\t{removed}\t{d.change.path}\n")
-        console.human.print(table)
-    else:
-        for d in diffs:
-            console.data(d.text)
-        if not diffs:
-            console.say("no difference")
-    return ExitCode.OK
+    return RunsDiff((refs[0], refs[1]), tuple(releases), config, tuple(diffs), stat)

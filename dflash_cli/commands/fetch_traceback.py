@@ -74,33 +74,22 @@ class Traceback:
     stacks: bool = False  # `text` is every thread's stacks (or there is no dump)
 
 
-def run(session: Session, ref: RunRef, *, thread: str | None, all_records: bool,
-        output: Path | None, stacks: bool, as_json: bool = False) -> ExitCode:
-    """`find`'s text on stdout (or in `output`), its diagnosis line after it on stderr;
-    with `as_json`, the Traceback as one JSON object on stdout (the text as the host
-    wrote it, unescaped), and `output` still written."""
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """`fetch-traceback`: what `find` found, and the file its text was written to (-o;
+    None: printed)."""
+    traceback: Traceback
+    written_to: Path | None = None
+
+
+def fetch(session: Session, ref: RunRef, *, thread: str | None = None, all_records: bool = False,
+          stacks: bool = False, output: Path | None = None) -> Fetched:
+    """`find`, its text written to `output` where one is given and there is text."""
     found = find(session, ref, thread=thread, all_records=all_records, stacks=stacks)
-    code = ExitCode.OK if found.explained else ExitCode.RUN_FAILED
-    if as_json:
-        if output and found.text is not None:
-            _write(output, found.text)
-        console.data(console.json_line(found))
-        return code
-    if found.summary:
-        console.say(console.printable(found.summary))
-    if found.text is None:
-        console.say(f"run {ref.run_id} on {', '.join(found.hosts)}: no error recorded"
-                    f"{' and no stack dump' if found.stacks or found.state == RunState.STOPPED else ''} "
-                    f"(state {found.state})")
-        return ExitCode.OK
-    if output:
-        _write(output, found.text)
-        console.say(f"written to {output}")
-    else:
-        console.remote_text(found.text)
-    if found.diagnosis is not None:
-        console.say(console.printable(f"diagnosis: {found.diagnosis}"))
-    return code
+    if output is None or found.text is None:
+        return Fetched(found)
+    _write(output, found.text)
+    return Fetched(found, output)
 
 
 def _write(output: Path, text: str) -> None:

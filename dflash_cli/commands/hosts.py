@@ -3,7 +3,6 @@ it is ready to train (docs/hosts.md "Host environments")."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Sequence
 
 from dflash_contract.names import IMPORT_TIMEOUT_S, TRAINER_PACKAGES
@@ -11,10 +10,10 @@ from dflash_contract.replies import HostProbe
 from rich.table import Table
 from rich.text import Text
 
-from .. import console, requirements
+from .. import requirements
 from ..agent_client import run_probe
 from ..deployment import check_host
-from ..errors import DflashError, ExitCode, UnreachableError
+from ..errors import DflashError, UnreachableError
 from ..host_check import PROBE_MODULES, loader, sources
 from ..inventory import Host
 from ..session import Session
@@ -88,68 +87,93 @@ def ssh_options(session: Session, host: Host) -> dict:
             "options": [{"option": o, "value": v, "source": src} for o, v, src in options.explain()]}
 
 
-def _print_options(name: str, resolved: dict) -> None:
+@dataclasses.dataclass(frozen=True)
+class HostEntry:
+    """One host listed: where it is reached (`client`: the SSH client that reaches it),
+    with --check what was found (or its error) and its status line, with -v how its
+    SSH options resolve."""
+    host: Host
+    client: str | None
+    groups: tuple[str, ...]
+    found: HostCheck | DflashError | None = None
+    status: str | None = None  # `ok`, or what to do; None: not checked, or no answer
+    ssh: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HostsListing:
+    """`hosts`: each host listed in inventory order, and the groups named (all, when no
+    name was given)."""
+    source: str  # the inventory's file
+    checked: bool
+    hosts: tuple[HostEntry, ...]
+    groups: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def hosts(session: Session, names: Sequence[str] = (), *, do_check: bool = False,
+          verbose: bool = False) -> HostsListing:
+    """`names`: hosts and groups to list (each host once, in inventory order); none: all."""
+    named = {host.name for name in names for host in session.inventory.expand([name])}
+    listed = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts) if not names or n in named]
+    needs = requirements.load() if do_check else None
+    groups = session.inventory.groups
+    results = session.on_each_host(listed, lambda host: check(session, host)) if do_check else {}
+    entries = []
+    for host in listed:
+        found = results.get(host.name)
+        entries.append(HostEntry(
+            host, _client(host), tuple(name for name, members in groups.items() if host.name in members), found,
+            status(host, found, needs) if isinstance(found, HostCheck) else None,
+            ssh_options(session, host) if verbose and host.ssh else None))
+    return HostsListing(str(session.inventory.source), do_check, tuple(entries),
+                        tuple((n, tuple(m)) for n, m in groups.items() if not names or n in names))
+
+
+def row(entry: HostEntry, checked: bool) -> list[str]:
+    """The host's row of the hosts table."""
+    host, found = entry.host, entry.found
+    # with --check: which SSH client was used to reach it
+    where = f"{_where(host)} ({entry.client})" if checked and entry.client else _where(host)
+    cells = [host.name, host.transport, where, host.workspace]
+    if isinstance(found, DflashError):
+        cells += [f"unreachable: {found.message}" if isinstance(found, UnreachableError)
+                  else f"error: {found.message}", "", "", "", "", ""]
+    elif found is not None:
+        facts = found.facts
+        gpus = ", ".join(f"{g.index}:{g.name}" for g in facts.gpus) or "none"
+        cells += [entry.status, facts.python, facts.packages["torch"] or "-",
+                  facts.packages["transformers"] or "-", facts.gpus_problem or gpus, facts.current_release or "-"]
+    return cells
+
+
+def hosts_table(listing: HostsListing) -> FittedTable:
+    return FittedTable(f"hosts ({listing.source})", _CHECKED if listing.checked else _LISTED,
+                       [row(entry, listing.checked) for entry in listing.hosts])
+
+
+def to_json(entry: HostEntry) -> dict:
+    """The host's object of `hosts --json`."""
+    host, found = entry.host, entry.found
+    out = {"host": host.name, "transport": host.transport, "where": _where(host), "workspace": host.workspace}
+    if entry.client:
+        out["ssh_client"] = entry.client
+    out["groups"] = list(entry.groups)
+    if isinstance(found, DflashError):
+        out["error"] = found.message
+    elif found is not None:
+        out.update(found.facts.to_json(), release_modified=found.release_modified, status=entry.status,
+                   missing_packages=missing_packages(found.facts))
+    if entry.ssh is not None:
+        out["ssh"] = entry.ssh
+    return out
+
+
+def options_table(name: str, resolved: dict) -> Table:
+    """A host's SSH options (-v): each option, its value and where it came from."""
     table = Table(title=f"{name}: ssh options (resolved by {resolved['resolved_by']}; "
                         f"connects with the {resolved['client']} client)", title_justify="left")
     for column in ("option", "value", "from"):
         table.add_column(column)
-    for row in resolved["options"]:
-        table.add_row(*map(Text, (row["option"], row["value"], row["source"])))
-    console.human.print(table)
-
-
-def run(session: Session, *, names: Sequence[str] = (), do_check: bool, as_json: bool,
-        verbose: bool) -> ExitCode:
-    """`names`: hosts and groups to list (each host once, in inventory order); none: all."""
-    named = {host.name for name in names for host in session.inventory.expand([name])}
-    hosts = [session.inventory.hosts[n] for n in sorted(session.inventory.hosts) if not names or n in named]
-    needs = requirements.load() if do_check else None
-    groups = session.inventory.groups
-    results = session.on_each_host(hosts, lambda host: check(session, host)) if do_check else {}
-    statuses: dict[str, str] = {}  # host -> its status with --check, when it answered
-    rows = []
-    for host in hosts:
-        client = _client(host)
-        # with --check: which SSH client was used to reach it
-        where = f"{_where(host)} ({client})" if do_check and client else _where(host)
-        row = [host.name, host.transport, where, host.workspace]
-        result = results.get(host.name)
-        if isinstance(result, DflashError):
-            row += [f"unreachable: {result.message}" if isinstance(result, UnreachableError)
-                    else f"error: {result.message}", "", "", "", "", ""]
-        elif result is not None:
-            facts = result.facts
-            found = ", ".join(f"{g.index}:{g.name}" for g in facts.gpus) or "none"
-            statuses[host.name] = status(host, result, needs)
-            row += [statuses[host.name], facts.python, facts.packages["torch"] or "-",
-                    facts.packages["transformers"] or "-", facts.gpus_problem or found, facts.current_release or "-"]
-        rows.append(row)
-        if as_json:
-            entry = {"host": host.name, "transport": host.transport, "where": _where(host),
-                     "workspace": host.workspace}
-            if client:
-                entry["ssh_client"] = client
-            entry["groups"] = [name for name, members in groups.items() if host.name in members]
-            if isinstance(result, DflashError):
-                entry["error"] = result.message
-            elif result is not None:
-                entry.update(result.facts.to_json(), release_modified=result.release_modified,
-                             status=statuses[host.name], missing_packages=missing_packages(result.facts))
-            if verbose and host.ssh:
-                entry["ssh"] = ssh_options(session, host)
-            console.data(json.dumps(entry) + "\n")
-        elif not do_check:
-            console.data(f"{host.name}\n")
-    if not as_json:  # --json is the whole answer; a table on stderr would be noise
-        console.human.print(FittedTable(f"hosts ({session.inventory.source})", _CHECKED if do_check else _LISTED,
-                                        rows))
-        for name, members in ((n, m) for n, m in groups.items() if not names or n in names):
-            console.say(f"group {name}: {', '.join(members)} (one run, rank 0 first)")
-        for host in hosts if verbose else ():
-            if host.ssh:
-                _print_options(host.name, ssh_options(session, host))
-    failures = [r for r in results.values() if isinstance(r, DflashError)]
-    if any(isinstance(f, UnreachableError) for f in failures):
-        return ExitCode.UNREACHABLE
-    unfit = [name for name, text in statuses.items() if text != "ok"]
-    return ExitCode.USAGE if failures or unfit else ExitCode.OK
+    for option in resolved["options"]:
+        table.add_row(*map(Text, (option["option"], option["value"], option["source"])))
+    return table

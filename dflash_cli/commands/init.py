@@ -8,7 +8,6 @@ from pathlib import Path
 
 import paramiko
 
-from .. import console
 from ..errors import DflashError, ExitCode
 from ..inventory import DEFAULT_INVENTORY, LOCAL_WORKSPACE
 from ..local_config import DEFAULT_LOCAL_CONFIG
@@ -119,15 +118,3 @@ def initialize(named: list[str], force: bool) -> Initialized:
         write_atomic(path, text.encode())
     return Initialized(root, tuple(files), ssh_config, tuple(named),
                        tuple(alias for alias, _ in found if alias not in named))
-
-
-def run(*, named: list[str], force: bool, as_json: bool) -> ExitCode:
-    done = initialize(named, force)
-    if as_json:
-        console.data(console.json_line(done))
-        return ExitCode.OK
-    for path in done.files:
-        console.data(f"{path}\n")
-    console.say(f"hosts from {done.ssh_config}: " + (", ".join(done.hosts) or "none taken in")
-                + (f"; commented out: {', '.join(done.commented)}" if done.commented else ""))
-    return ExitCode.OK

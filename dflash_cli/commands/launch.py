@@ -17,7 +17,7 @@ from dflash_train.config import JobConfig, load_job_config, resolved_yaml  # tor
 from .. import console, evaluate_drafter, fit_check, host_check
 from ..compile_artifacts import seed_hosts
 from ..deployment import deploy_host, source_tree
-from ..errors import DflashError, ExitCode
+from ..errors import BadOption, DflashError, ExitCode
 from ..inventory import Host, is_address
 from ..local_state import RunRef, set_latest
 from ..progress import cancel_on_ctrl_c, transfer_bars
@@ -41,6 +41,10 @@ class LaunchOptions:
     allow_large: bool = False  # send a release over the size threshold
     master_addr: str | None = None  # several hosts: where the others reach rank 0
     master_port: int | None = None  # several hosts: rank 0's rendezvous port; None: one free there
+
+    def __post_init__(self) -> None:
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise BadOption("master_port", self.master_port, "a TCP port is 1 to 65535")
 
     @property
     def run_name(self) -> str:
@@ -213,43 +217,28 @@ def _refuse_unless_ready(session: Session, hosts: list[Host], config: JobConfig,
     fit_check.report([report.fit for report in reports if report.fit is not None])
 
 
-def dry_run(session: Session, options: LaunchOptions, *, as_json: bool = False) -> ExitCode:
-    """Every check `run` makes before it starts anything, each one's verdict printed (with
-    `as_json`: one JSON object on stdout, each host's verdicts, problems and estimate), and
-    nothing deployed or started: OK when all pass, else a DflashError (exit 2) naming every
-    problem. The checks the agent makes as it starts the run (the run id, the GPUs' locks)
-    are not made."""
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+    """`launch --dry-run`: every host's checks (their verdicts, problems and memory
+    estimate), why the fit was not checked (None: it was), and the refusal naming every
+    problem (None: all pass)."""
+    config_path: Path
+    reports: tuple[host_check.HostReport, ...]
+    unchecked: str | None
+    refusal: DflashError | None
+
+
+def dry_run(session: Session, options: LaunchOptions) -> DryRun:
+    """Every check `start` makes before it starts anything, nothing deployed or started.
+    The checks the agent makes as it starts the run (the run id, the GPUs' locks) are not
+    made."""
     check_name(options.run_name)
     hosts = session.inventory.expand(options.host_names)
     config = evaluate_drafter.resolved(session, hosts[0].name, load_config(options.config_path, options.overrides))
     _check_layout(hosts, config, options)
     reports = check_hosts(session, hosts, config, options.source_dir)
-    reason = fit_check.unchecked(config)
-    if as_json:
-        console.data(console.json_line({
-            "dry_run": True, "ok": not any(report.problems() for report in reports), "unchecked": reason,
-            "hosts": [{"host": report.host, "verdicts": report.verdicts, "problems": report.problems(),
-                       "fit": report.fit} for report in reports]}))
-    else:
-        host_check.show(reports)
-        if reason is not None:
-            console.say(f"{options.config_path}: {reason}")
-        fit_check.show([report.fit for report in reports if report.fit is not None])
-    host_check.refuse(reports, "a dry run: nothing was deployed or started")
-    return ExitCode.OK
-
-
-def run(session: Session, options: LaunchOptions, *, as_json: bool = False) -> Launched:
-    """`start`, and what it started said: the run id on stdout (with `as_json`: the
-    Launched as one JSON object), each host's trainer on stderr."""
-    launched = start(session, options)
-    for rank, (host, reply) in enumerate(zip(launched.hosts, launched.started)):
-        rank_of = f" as rank {rank} of {len(launched.hosts)}" if launched.rendezvous else ""
-        console.say(f"{host}: started run {launched.run_id}{rank_of} (pid {reply.pid}, release {reply.release_id})")
-    if launched.rendezvous:
-        console.say(f"rendezvous at {launched.rendezvous} ({launched.hosts[0]})")
-    console.data(console.json_line(launched) if as_json else launched.run_id + "\n")
-    return launched
+    return DryRun(options.config_path, tuple(reports), fit_check.unchecked(config),
+                  host_check.refusal(reports, "a dry run: nothing was deployed or started"))
 
 
 def start(session: Session, options: LaunchOptions) -> Launched:

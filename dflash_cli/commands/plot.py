@@ -4,6 +4,7 @@ asked of the hosts: a run never watched has no events here, and is an error nami
 command that brings them)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -11,7 +12,6 @@ import matplotlib
 from dflash_contract.events import EVAL, STEP, EventType
 from matplotlib.figure import Figure
 
-from .. import console
 from ..errors import DflashError, ExitCode
 from ..local_state import RunLogs, RunRef, write_atomic
 from ..scalars import history_of
@@ -65,16 +65,18 @@ def figure(runs: dict[str, list[dict]]):
     return fig
 
 
-def run(logs_dir: Path, refs: list[RunRef], *, output: Path | None, as_json: bool = False) -> ExitCode:
-    """The PNG written; its path on stdout (with `as_json`: one JSON object, with the runs)."""
+@dataclasses.dataclass(frozen=True)
+class Plotted:
+    """The PNG written and the runs drawn in it."""
+    path: Path
+    refs: tuple[RunRef, ...]
+
+
+def plot(logs_dir: Path, refs: list[RunRef], *, output: Path | None = None) -> Plotted:
+    """The PNG written to `output` (default: ./<first run>.png)."""
     runs = load(logs_dir, refs)
     path = output or Path(f"{refs[0].run_id}.png")
     png = io.BytesIO()
     figure(runs).savefig(png, format="png", dpi=100)
     write_atomic(path, png.getvalue())
-    if as_json:
-        console.data(console.json_line({"path": path, "runs": [{"host": ref.host, "run_id": ref.run_id}
-                                                               for ref in refs]}))
-    else:
-        console.data(f"{path}\n")
-    return ExitCode.OK
+    return Plotted(path, tuple(refs))

@@ -42,7 +42,7 @@ from dflash_files.diskspace import NO_SPACE
 from .. import console
 from ..agent_client import AgentClient
 from ..host_replies import parse_reply
-from ..errors import DflashError, ExitCode, UnreachableError
+from ..errors import DflashError, ExitCode, UnreachableError, at_least
 from ..local_state import RunLogs, RunRef, inside, local_disk_full, local_writes, write_atomic
 from ..progress import PROGRESS_ABOVE_BYTES, transfer_bars
 from ..retry import RETRY_FOR_S, Reconnects, retry_dropped
@@ -68,7 +68,19 @@ class RemoteFile:
 
 
 @dataclasses.dataclass(frozen=True)
+class PullOptions:
+    """What a pull was asked for, checked as it is made."""
+    checkpoint: bool = False  # also the run's newest checkpoint
+    retry_for: float = RETRY_FOR_S  # seconds to keep reconnecting after a dropped connection
+
+    def __post_init__(self) -> None:
+        at_least("retry_for", self.retry_for, 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class PullResult:
+    run_id: str
+    host: str
     folders: tuple[Path, ...]  # the local folders, export first
     pulled: int  # files received (whole or the rest of a part)
     bytes_received: int  # file bytes that came over the connection
@@ -253,7 +265,7 @@ class Puller:
                 keep = {local for local, _ in wanted}
                 removed = sum(self.pulled.remove_others(folder, keep, self.ref.host) for folder in folders)
                 skipped = sum(1 for local, f in wanted if self.received.get(local) != f.sha256)
-                return PullResult(folders, len(wanted) - skipped, self.bytes_received, skipped, removed)
+                return PullResult(self.ref.run_id, self.ref.host, folders, len(wanted) - skipped, self.bytes_received, skipped, removed)
             console.say(f"run {self.ref.run_id}: a folder was replaced on {self.ref.host} while it was "
                         "pulled; listing it again")
         raise DflashError(f"run {self.ref.run_id}: its files kept changing on {self.ref.host} during "
@@ -381,26 +393,14 @@ def _part_length(part: Path, size: int) -> int:
     return have
 
 
-def pull(session: Session, ref: RunRef, checkpoint: bool, bars: Progress | None = None,
-         retry_for: float = RETRY_FOR_S) -> PullResult:
-    return Puller(session.agent(ref.host), RunLogs(session.logs_dir, ref), bars, retry_for).sync(checkpoint)
-
-
-def run(session: Session, ref: RunRef, *, checkpoint: bool, retry_for: float, as_json: bool = False) -> ExitCode:
-    """Prints each local folder on stdout (with `as_json`: the PullResult as one JSON
-    object), a summary on stderr."""
+def pull(session: Session, ref: RunRef, options: PullOptions = PullOptions()) -> PullResult:
+    """The run's export (and with `options.checkpoint` its newest checkpoint) brought to
+    logs/<host>/<run>/, its progress drawn on stderr. Ctrl-C keeps what came (said on
+    stderr) and is raised on: the next pull goes on from it."""
     try:
         with transfer_bars() as bars:
-            result = pull(session, ref, checkpoint, bars, retry_for)
+            return Puller(session.agent(ref.host), RunLogs(session.logs_dir, ref), bars,
+                          options.retry_for).sync(options.checkpoint)
     except KeyboardInterrupt:
         console.say(f"interrupted: what came is kept; dflash pull {ref.run_id} resumes it")
-        return ExitCode.INTERRUPTED
-    removed = f", {result.removed} removed (no longer on the host)" if result.removed else ""
-    console.say(f"pulled {result.pulled} files, {result.bytes_received} bytes, {result.skipped} skipped"
-                f"{removed}: {', '.join(str(folder) for folder in result.folders)}")
-    if as_json:
-        console.data(console.json_line({"run_id": ref.run_id, "host": ref.host, **dataclasses.asdict(result)}))
-    else:
-        for folder in result.folders:
-            console.data(f"{folder}\n")
-    return ExitCode.OK
+        raise

@@ -8,12 +8,21 @@ from dflash_contract import requests
 from dflash_contract.names import TRAINER_PACKAGES
 from dflash_contract.replies import CorruptCheckpoint, ResumeCheckReply, ResumeReply
 
-from .. import console
-from ..errors import DflashError, ExitCode
+from ..errors import DflashError, ExitCode, at_least
 from ..inventory import Host
 from ..local_state import RunRef, set_latest
 from ..run_start import refuse, start_together
 from ..session import Session
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeOptions:
+    """What a resume was asked for, checked as it is made."""
+    current_release: bool = False  # the host's current release instead of the run's
+    step: int | None = None  # the checkpoint's step; None: the newest intact one
+
+    def __post_init__(self) -> None:
+        at_least("step", self.step, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,34 +48,11 @@ class Resumed:
         return self.started[0].step
 
 
-def run(session: Session, ref: RunRef, *, current_release: bool, step: int | None, as_json: bool = False) -> ExitCode:
-    """`start`, and the attempt it started said on stderr (with `as_json`: the Resumed as
-    one JSON object on stdout too)."""
-    resumed = start(session, ref, current_release=current_release, step=step)
-    if as_json:
-        console.data(console.json_line(resumed))
-    reply = resumed.started[0]
-    which = _which_release(reply, current_release)
-    for bad in resumed.corrupt:
-        console.warn(console.printable(f"{resumed.hosts[0]}: the checkpoint at step {bad.step} is corrupt, "
-                                       f"not resumed from: {bad.problem} ({bad.path})"))
-    newest = " (the newest intact one)" if resumed.corrupt else ""
-    if resumed.master_port is None:
-        console.say(f"{ref.host}: run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} "
-                    f"from its checkpoint at step {reply.step}{newest} (pid {reply.pid}, {which})")
-        return ExitCode.OK
-    console.say(f"run {ref.run_id} ({reply.previous_state}) resumed as attempt {reply.attempt} on "
-                f"{len(resumed.hosts)} hosts from rank 0's checkpoint at step {resumed.step}{newest} "
-                f"({which}; rendezvous port {resumed.master_port})")
-    for rank, (host, started) in enumerate(zip(resumed.hosts, resumed.started)):
-        console.say(f"{host}: rank {rank}, pid {started.pid}")
-    return ExitCode.OK
-
-
-def start(session: Session, ref: RunRef, *, current_release: bool, step: int | None) -> Resumed:
+def start(session: Session, ref: RunRef, options: ResumeOptions = ResumeOptions()) -> Resumed:
     """Start the attempt; the host refuses (exit 2, with the reason) a live run, one
     without an intact checkpoint (or a corrupt one at `step`), and a checkpoint that does
     not fit the config."""
+    current_release, step = options.current_release, options.step
     if ref.multihost:
         return _resume_on_hosts(session, ref, current_release, step)
     host = session.host(ref.host)
@@ -114,14 +100,3 @@ def _resume_on_hosts(session: Session, ref: RunRef, current_release: bool, step:
     set_latest(session.logs_dir, ref)
     return Resumed(ref.run_id, ref.hosts, tuple(started[name] for name in ref.hosts), current_release, port,
                    corrupt=checks[first.name].corrupt or ())
-
-
-def _which_release(reply: ResumeReply, current_release: bool) -> str:
-    release = reply.release_id
-    if not current_release:
-        which = "the run's own"
-    elif release == reply.previous_release_id:
-        which = "the host's current, the same as the run's"
-    else:
-        which = f"the host's current; the run had {reply.previous_release_id}"
-    return f"release {release}: {which}"

@@ -134,10 +134,15 @@ def setup_bars() -> Iterator[Progress | None]:
         yield bars
 
 
-def run(session: Session, *, host_names: list[str], all_hosts: bool, torch: str | None,
-        index_url: str | None, as_json: bool = False) -> ExitCode:
-    """Set up each host in parallel; a table of results on stderr, `HOST STATUS ENV`
-    lines on stdout (with `as_json`: one JSON object per host, and no table)."""
+@dataclasses.dataclass(frozen=True)
+class SetupDone:
+    """`setup`: each host's outcome, in the order named: its SetupResult, or its error."""
+    hosts: tuple[tuple[str, SetupResult | DflashError], ...]
+
+
+def setup(session: Session, host_names: list[str], *, all_hosts: bool = False, torch: str | None = None,
+          index_url: str | None = None) -> SetupDone:
+    """Set up each host in parallel, pip's output streaming to stderr."""
     if all_hosts:
         host_names = sorted(session.inventory.hosts)
     if not host_names:
@@ -148,33 +153,21 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, torch: str 
                "index_url": index_url}
     with setup_bars() as bars, cancel_on_ctrl_c("the setups") as cancel:
         results = session.on_each_host(hosts, lambda host: setup_host(session, host, request, bars, cancel))
-    if not as_json:
-        _print_table(results, host_names)
     for host in hosts:
         outcome = results[host.name]
-        if as_json:
-            console.data(console.json_line(console.host_outcome(host.name, outcome)))
-        if isinstance(outcome, SetupResult):
-            if host.python_named:
-                console.warn(f"{host.name}: the inventory names python {host.python}, which stays the "
-                             f"trainer's interpreter; remove `python:` from {host.name} to use {outcome.env}")
-            if not as_json:
-                console.data(f"{host.name}\t{outcome.status}\t{outcome.env}\n")
-        else:  # whole, where the table's cell wraps it
-            console.say(f"error: {outcome.message}")
-            if outcome.hint:
-                console.say(f"{host.name}: hint: {outcome.hint}")
-    return max((r.exit_code for r in results.values() if isinstance(r, DflashError)), default=ExitCode.OK)
+        if isinstance(outcome, SetupResult) and host.python_named:
+            console.warn(f"{host.name}: the inventory names python {host.python}, which stays the "
+                         f"trainer's interpreter; remove `python:` from {host.name} to use {outcome.env}")
+    return SetupDone(tuple((name, results[name]) for name in host_names))
 
 
-def _print_table(results: dict, order: list[str]) -> None:
+def results_table(done: SetupDone) -> Table:
     table = Table(title="trainer environments", title_justify="left")
     for column in ("host", "result", "environment", "torch from", "round trips", "seconds"):
         table.add_column(column, justify="right" if column in ("round trips", "seconds") else "left")
-    for name in order:
-        r = results[name]
+    for name, r in done.hosts:
         if isinstance(r, DflashError):
             table.add_row(name, Text(f"failed: {r.message}", style="red"), "", "", "", "")
         else:
             table.add_row(name, r.status, r.env, r.torch_index, str(r.round_trips), f"{r.seconds:.2f}")
-    console.human.print(table)
+    return table

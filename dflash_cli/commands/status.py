@@ -1,7 +1,7 @@
 """dflash status / dflash runs: run states as the agent derives them on the host."""
 from __future__ import annotations
 
-import json
+import dataclasses
 import shlex
 
 
@@ -9,8 +9,8 @@ from dflash_contract import requests
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import RunState
 
-from .. import console, multihost, provenance, run_hosts
-from ..errors import DflashError, ExitCode, exit_code_for_state
+from .. import console, multihost, run_hosts
+from ..errors import DflashError, ExitCode
 from ..local_state import RunRef, latest_host
 from ..multihost import HostStatus, RunOnHosts
 from ..release_store import ReleaseStore, change_since
@@ -119,38 +119,21 @@ def status_of(session: Session, ref: RunRef) -> RunStatus | RunOnHosts:
     return RunOnHosts(ref.run_id, multihost.aggregate_state({s.host: s.state for s in statuses}), tuple(statuses))
 
 
-def exit_code(session: Session, ref: RunRef, status: RunStatus | RunOnHosts) -> ExitCode:
-    """`status`'s exit code: the run state's (errors.exit_code_for_state, docs/cli.md "CLI
-    exit codes"); 2 when it is unknown only for want of the hosts the inventory lost (its
-    fix is the inventory's)."""
-    if isinstance(status, RunOnHosts):
-        unknown = {s.host for s in status.hosts if s.state is None}
-        if status.state is None and unknown <= set(run_hosts.left(session, ref)):
-            return ExitCode.USAGE
-    return exit_code_for_state(status.state)
+@dataclasses.dataclass(frozen=True)
+class StatusResult:
+    """`status`: one run's status (`status_of`). `inventory_lost`: the run's state is
+    unknown only for want of hosts the inventory lost (exit 2: its fix is the inventory's)."""
+    ref: RunRef
+    status: RunStatus | RunOnHosts
+    inventory_lost: bool = False
 
 
-def _show_hosts(status: RunOnHosts) -> None:
-    shown = multihost.state_name(status.state)
-    console.data(f"{shown}\n")
-    console.human.print(hosts_table(f"run {status.run_id} on {len(status.hosts)} hosts: {shown}", list(status.hosts)))
-    for s in status.hosts:
-        if s.error:
-            console.warn(s.error)
-        if s.silent:
-            console.warn(f"{s.host} (rank {s.rank}) is {s.state}: {s.silent}")
-        if s.status and s.status.reason:
-            console.say(console.printable(f"{s.host}: reason: {s.status.reason}"))
-        if s.state == RunState.STALLED:
-            console.say(stacks_hint(status.run_id, s.host))
-        for line in corrupt_lines(s.host, s.status) if s.status else ():
-            console.warn(line)
-    source = next((s.status.source for s in status.hosts if s.status and s.status.source), None)
-    if source:
-        console.say(f"source: {provenance.summary(source)}")
-    first = status.hosts[0]
-    if first.status and first.status.export:
-        console.say(export_line(status.run_id, first.host, first.status.export))
+def status(session: Session, ref: RunRef) -> StatusResult:
+    found = status_of(session, ref)
+    lost = False
+    if isinstance(found, RunOnHosts) and found.state is None:
+        lost = {s.host for s in found.hosts if s.state is None} <= set(run_hosts.left(session, ref))
+    return StatusResult(ref, found, lost)
 
 
 def stacks_hint(run_id: str, host: str) -> str:
@@ -164,56 +147,43 @@ def export_line(run_id: str, host: str, path: str) -> str:
             f"dflash pull {shlex.quote(run_id)} --host {shlex.quote(host)} brings it here)")
 
 
-def run_status(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
-    """Print one run's state; the exit code says it too (`exit_code`). A run on several
-    hosts: the state of the whole and a row per host."""
-    status = status_of(session, ref)
-    if as_json:
-        console.data(json.dumps(status.to_json()) + "\n")
-    elif isinstance(status, RunOnHosts):
-        _show_hosts(status)
-    else:
-        console.data(f"{status.state}\n")
-        console.human.print(runs_table(f"run {ref.run_id} on {ref.host}", [status]))
-        if status.source:
-            console.say(f"source: {provenance.summary(status.source)}")
-        if line := overrides_line(status):
-            console.say(line)
-        if status.reason:
-            console.say(console.printable(f"reason: {status.reason}"))
-        if status.state == RunState.STALLED:
-            console.say(stacks_hint(ref.run_id, ref.host))
-        for line in corrupt_lines(ref.host, status):
-            console.warn(line)
-        if status.export:
-            console.say(export_line(ref.run_id, ref.host, status.export))
-        if status.state != RunState.SUCCEEDED:
-            console.say(resume_point(status))
-    return exit_code(session, ref, status)
+@dataclasses.dataclass(frozen=True)
+class ConfigResult:
+    """`status --config`: the run's status holding the config it was started with."""
+    ref: RunRef
+    status: RunStatus
 
 
-def run_config(session: Session, ref: RunRef, *, as_json: bool) -> ExitCode:
-    """Print the config the run was started with (its config.yaml: resolved, for a run
-    launched by this dflash) on stdout; its state and overrides on stderr. Exit 0 once
-    printed, whatever the state: this asks for the config, not for the run's health."""
-    status = session.agent(ref.host).run_status(ref.run_id, config=True)
-    if status.config is None:
+def config(session: Session, ref: RunRef) -> ConfigResult:
+    """The config the run was started with (its config.yaml: resolved, for a run
+    launched by this dflash), with its state and overrides. Exit 0 whatever the state:
+    this asks for the config, not for the run's health."""
+    found = session.agent(ref.host).run_status(ref.run_id, config=True)
+    if found.config is None:
         raise DflashError(f"run {ref.run_id} on {ref.host} recorded no config", ExitCode.USAGE)
-    if as_json:
-        console.data(json.dumps(status.to_json()) + "\n")
-        return ExitCode.OK
-    console.data(status.config if status.config.endswith("\n") else status.config + "\n")
-    console.say(f"run {ref.run_id} on {ref.host}: {status.state}")
-    if line := overrides_line(status):
-        console.say(line)
-    return ExitCode.OK
+    return ConfigResult(ref, found)
 
 
-def list_runs(session: Session, *, host_names: list[str], as_json: bool) -> ExitCode:
+@dataclasses.dataclass(frozen=True)
+class HostRuns:
+    """One host's runs, newest first, what each changed since the run before it (run id
+    -> change_since's record) and the runs whose run.json could not be read."""
+    host: str
+    runs: tuple[RunStatus, ...]
+    changes: dict[str, dict]
+    unreadable: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunsListing:
+    """`runs`: each host's runs (exit 2 when a run.json could not be read)."""
+    hosts: tuple[HostRuns, ...]
+
+
+def list_runs(session: Session, host_names: list[str]) -> RunsListing:
     """Each host's runs, newest first, with what each changed since the run before it on
     that host (MANIFESTs compared, differing files fetched once into the local cache).
-    No host named: the latest run's, else local. A run whose run.json cannot be read is
-    named on stderr, the others listed all the same, and the exit code is 2."""
+    No host named: the latest run's, else local."""
     if not host_names:
         latest = latest_host(session.logs_dir)
         if latest not in session.inventory.hosts:  # the inventory changed since that run
@@ -222,21 +192,11 @@ def list_runs(session: Session, *, host_names: list[str], as_json: bool) -> Exit
             latest = "local"
         host_names = [latest]
     store = ReleaseStore(session)
-    code = ExitCode.OK
+    listed = []
     for name in host_names:
         reply = session.agent(name).call(requests.Status())
-        runs = list(reply.runs)
+        runs = tuple(reply.runs)
         changes = {newer.run_id: change_since(store, name, older, newer.release_id)
                    for newer, older in zip(runs, runs[1:]) if newer.release_id and older.release_id}
-        if as_json:
-            for r in runs:
-                console.data(json.dumps({"host": name, **r.to_json(), "changed": changes.get(r.run_id)}) + "\n")
-        else:
-            for r in runs:
-                console.data(f"{name}\t{r.run_id}\t{r.state}\n")
-            console.human.print(runs_table(f"runs on {name}", runs, changes))
-        for bad in reply.unreadable or ():
-            console.warn(console.printable(f"host {name}: run {bad.run_id} not listed: {bad.path} cannot be read "
-                                          f"({bad.error})"))
-            code = ExitCode.USAGE
-    return code
+        listed.append(HostRuns(name, runs, changes, tuple(reply.unreadable or ())))
+    return RunsListing(tuple(listed))

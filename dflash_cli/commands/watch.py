@@ -19,6 +19,7 @@ from rich.text import Text
 from dflash_contract.replies import Gpu
 
 from .. import console, multihost
+from . import WatchOptions
 from ..errors import ExitCode
 from ..local_state import RunRef
 from ..session import Session
@@ -180,19 +181,19 @@ class Printer:
             self.live = None
 
 
-def run(session: Session, ref: RunRef, *, tail: int | None, interval: float, as_json: bool,
-        retry_for: float, use_trackers: bool = True) -> ExitCode:
+def run(session: Session, ref: RunRef, options: WatchOptions, *, as_json: bool) -> ExitCode:
     """Print the run's items until it ends; its outcome as the exit code (docs/cli.md "CLI
-    exit codes"). Ctrl-C detaches: the run keeps going.
-    `use_trackers`: feed the trackers of dflash.yaml (their packages are checked first)."""
+    exit codes"). Ctrl-C detaches: the run keeps going. The trackers of dflash.yaml
+    (unless `options.trackers` is False) have their packages checked first."""
     trackers = TrackerSettings()
-    if use_trackers:
+    if options.trackers:
         local = session.local_config
         trackers = checked_settings(local.trackers, local.source)
     printer = Printer(ref, as_json)
     if not ref.multihost and not as_json and console.human.is_terminal and sys.stdout.isatty():
         printer.start_status_line()
-    items = follow(session, ref, tail=tail, interval=interval, retry_for=retry_for, trackers=trackers)
+    items = follow(session, ref, tail=options.tail, interval=options.gpu_interval, retry_for=options.retry_for,
+                   trackers=trackers)
     try:
         for item in items:
             printer.show(item)
