@@ -280,7 +280,7 @@ def test_the_readme_example_runs_as_it_stands(make_inventory, tmp_path, monkeypa
     assert launched.hosts == ("local",) and launched.run_id.startswith("api-demo-")
     assert (ended.state, ended.exit_code) == (RunState.SUCCEEDED, ExitCode.OK)
     assert "step 4/4: loss " in out and "final state: SUCCEEDED exit code 0" in out
-    assert (failed.state, record["exc_type"], record["thread"]) == (RunState.FAILED, "InjectedFault", "drafter-1")
+    assert (failed.state, record.exc_type, record.thread) == (RunState.FAILED, "InjectedFault", "drafter-1")
     assert "InjectedFault: injected fault in drafter-1 at startup" in out
     assert re.search(r"^USAGE \(2\): .*'nowhere'", out, re.MULTILINE), out
     assert (tmp_path / "logs" / "local" / launched.run_id / "events.jsonl").exists()
