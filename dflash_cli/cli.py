@@ -191,8 +191,8 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
     """
     from .commands import deploy
 
-    sys.exit(deploy.run(session, host_names=list(host_names), all_hosts=all_hosts, verify=verify,
-                        source_dir=source_dir, allow_large=allow_large, as_json=as_json))
+    _finish(deploy.deploy(session, list(host_names), all_hosts=all_hosts, verify=verify, source_dir=source_dir,
+                          allow_large=allow_large), as_json)
 
 
 @main.command("setup")
