@@ -65,7 +65,7 @@ def _fail(ctx: click.Context, exc: DflashError) -> None:
     """The core's error as a message and its exit code; under --json also as one JSON
     object on stdout (docs/cli.md "--json")."""
     if isinstance(exc, BadOption):
-        exc.message = exc.named(_flag(ctx, exc.option))
+        exc.message = exc.named({option: _flag(ctx, option) for option in exc.options})
     console.human.print(f"dflash: error: {exc.message}", style="red", markup=False,
                         highlight=False, soft_wrap=True)
     if exc.hint:
@@ -389,13 +389,13 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None)
 @click.option("--all", "all_records", is_flag=True, help="Every error record, earliest first.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), callback=_output_file,
               help="Write to FILE.")
-@click.option("--stacks", "show_stacks", is_flag=True,
+@click.option("--stacks", is_flag=True,
               help="Every thread's stack instead: a fresh dump of a live run, else the last dump.")
 @_json_option("What was found as one JSON object on stdout: the text, the root cause's record, the diagnosis")
 @click.pass_obj
 def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | None,
                         thread: str | None, all_records: bool, output: Path | None,
-                        show_stacks: bool, as_json: bool) -> None:
+                        stacks: bool, as_json: bool) -> None:
     """Print the complete traceback of the run's root cause (its earliest error record).
 
     The text is exactly what the failing thread formatted, chained causes included,
@@ -409,7 +409,7 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
     from .commands import fetch_traceback
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    _finish(fetch_traceback.fetch(session, ref, thread=thread, all_records=all_records, stacks=show_stacks,
+    _finish(fetch_traceback.fetch(session, ref, thread=thread, all_records=all_records, stacks=stacks,
                                   output=output), as_json)
 
 
