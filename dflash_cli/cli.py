@@ -15,7 +15,7 @@ from typing import NoReturn
 import click
 
 from . import completion, console, results, retry, run_hosts, run_names
-from .commands import GPU_INTERVAL_S, WatchOptions
+from .commands import GPU_INTERVAL_S, GRACE_S, WatchOptions
 from .errors import BadOption, DflashError, ExitCode
 from .local_state import RunRef, latest_or_refuse
 from .project_tree import LARGE_RELEASE_BYTES, in_state_root
@@ -459,7 +459,7 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
 @main.command("stop")
 @_run_argument()
 @_host_option()
-@click.option("--grace", default=10.0, show_default=True, type=float,
+@click.option("--grace", default=GRACE_S, show_default=True, type=float,
               help="Seconds between SIGTERM and SIGKILL.")
 @_json_option("The outcome as one JSON object on stdout: the run's state and each host's")
 @click.pass_obj

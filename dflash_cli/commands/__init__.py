@@ -15,6 +15,10 @@ from ..retry import RETRY_FOR_S
 #: that the CLI's option default does not import the watch verb)
 GPU_INTERVAL_S = 5.0
 
+#: seconds between SIGTERM and SIGKILL: `stop`'s default (here, so that the CLI's option
+#: default does not import the stop verb)
+GRACE_S = 10.0
+
 
 @dataclasses.dataclass(frozen=True)
 class WatchOptions:
