@@ -15,7 +15,7 @@ from typing import NoReturn
 import click
 
 from . import completion, console, results, retry, run_hosts, run_names
-from .commands import GPU_INTERVAL_S, WatchOptions
+from .commands import GPU_INTERVAL_S, GRACE_S, WatchOptions
 from .errors import BadOption, DflashError, ExitCode
 from .local_state import RunRef, latest_or_refuse
 from .project_tree import LARGE_RELEASE_BYTES, in_state_root
@@ -65,7 +65,7 @@ def _fail(ctx: click.Context, exc: DflashError) -> None:
     """The core's error as a message and its exit code; under --json also as one JSON
     object on stdout (docs/cli.md "--json")."""
     if isinstance(exc, BadOption):
-        exc.message = exc.named(_flag(ctx, exc.option))
+        exc.message = exc.named({option: _flag(ctx, option) for option in exc.options})
     console.human.print(f"dflash: error: {exc.message}", style="red", markup=False,
                         highlight=False, soft_wrap=True)
     if exc.hint:
@@ -191,8 +191,8 @@ def deploy_cmd(session: Session, host_names: tuple[str, ...], all_hosts: bool, v
     """
     from .commands import deploy
 
-    sys.exit(deploy.run(session, host_names=list(host_names), all_hosts=all_hosts, verify=verify,
-                        source_dir=source_dir, allow_large=allow_large, as_json=as_json))
+    _finish(deploy.deploy(session, list(host_names), all_hosts=all_hosts, verify=verify, source_dir=source_dir,
+                          allow_large=allow_large), as_json)
 
 
 @main.command("setup")
@@ -389,13 +389,13 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None)
 @click.option("--all", "all_records", is_flag=True, help="Every error record, earliest first.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), callback=_output_file,
               help="Write to FILE.")
-@click.option("--stacks", "show_stacks", is_flag=True,
+@click.option("--stacks", is_flag=True,
               help="Every thread's stack instead: a fresh dump of a live run, else the last dump.")
 @_json_option("What was found as one JSON object on stdout: the text, the root cause's record, the diagnosis")
 @click.pass_obj
 def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | None,
                         thread: str | None, all_records: bool, output: Path | None,
-                        show_stacks: bool, as_json: bool) -> None:
+                        stacks: bool, as_json: bool) -> None:
     """Print the complete traceback of the run's root cause (its earliest error record).
 
     The text is exactly what the failing thread formatted, chained causes included,
@@ -409,7 +409,7 @@ def fetch_traceback_cmd(session: Session, run_id: str | None, host_name: str | N
     from .commands import fetch_traceback
 
     ref = _chosen_run(session, run_id, host_name, Reach.ANY)
-    _finish(fetch_traceback.fetch(session, ref, thread=thread, all_records=all_records, stacks=show_stacks,
+    _finish(fetch_traceback.fetch(session, ref, thread=thread, all_records=all_records, stacks=stacks,
                                   output=output), as_json)
 
 
@@ -459,7 +459,7 @@ def status_cmd(session: Session, run_id: str | None, host_name: str | None, as_j
 @main.command("stop")
 @_run_argument()
 @_host_option()
-@click.option("--grace", default=10.0, show_default=True, type=float,
+@click.option("--grace", default=GRACE_S, show_default=True, type=float,
               help="Seconds between SIGTERM and SIGKILL.")
 @_json_option("The outcome as one JSON object on stdout: the run's state and each host's")
 @click.pass_obj

@@ -50,22 +50,25 @@ class ConnectionLost(UnreachableError):
 
 
 class BadOption(DflashError):
-    """An option's value the verb cannot take. `option` is the parameter as the Python API
-    spells it (`master_port`); the CLI names its --flag instead (cli.py), so the range is
-    stated once, here in the core, for both."""
+    """Options the verb cannot take: a value out of its range, or options that do not go
+    together. `problem` names each of `options` as `{option}`, the parameter as the Python
+    API spells it (`{master_port}`): the API's message reads so, the CLI's names its --flag
+    instead (cli.py), so the rule is stated once, here in the core, for both."""
 
-    def __init__(self, option: str, value: object, problem: str):
-        self.option = option
-        self.value = value
+    def __init__(self, problem: str, *options: str):
         self.problem = problem
-        super().__init__(self.named(option), ExitCode.USAGE)
+        self.options = options
+        super().__init__(self.named({option: option for option in options}), ExitCode.USAGE)
 
-    def named(self, spelled: str) -> str:
-        """The message with the option spelled `spelled`."""
-        return f"{spelled} {self.value}: {self.problem}"
+    def named(self, spelled: dict[str, str]) -> str:
+        """The message with each option spelled as `spelled` says."""
+        message = self.problem
+        for option in self.options:
+            message = message.replace(f"{{{option}}}", spelled[option])
+        return message
 
 
 def at_least(option: str, value: float | None, low: float) -> None:
     """BadOption unless `value` (None: not given) is at least `low`."""
     if value is not None and value < low:
-        raise BadOption(option, value, f"expected at least {low}")
+        raise BadOption(f"{{{option}}} {value}: expected at least {low}", option)

@@ -17,6 +17,7 @@ from .errors import DflashError, ExitCode
 if TYPE_CHECKING:
     from .commands.cache import CacheCopied
     from .commands.completion import Installed, Script
+    from .commands.deploy import DeployDone
     from .commands.diff import RunsDiff
     from .commands.fetch_traceback import Fetched
     from .commands.gc import GcResult
@@ -433,6 +434,28 @@ def _setup_done(result: SetupDone, as_json: bool) -> None:
             console.data(f"{name}\t{outcome.status}\t{outcome.env}\n")
 
 
+def _deploy_done(result: DeployDone, as_json: bool) -> None:
+    """A table of results on stderr and `HOST<TAB>RELEASE<TAB>RESULT` lines on stdout
+    (--json: one object per host, and no table); a failure's hint, and after Ctrl-C each
+    release that went live anyway, on stderr."""
+    from .commands import deploy as verb
+    from .deployment import DeployResult
+
+    if not as_json:
+        console.human.print(verb.results_table(result))
+    for name, outcome in result.hosts:
+        if isinstance(outcome, DflashError) and outcome.hint:
+            console.say(f"{name}: hint: {outcome.hint}")
+        if result.interrupted and isinstance(outcome, DeployResult):
+            console.say(f"{name}: release {outcome.release_id} is live ({outcome.status} "
+                        "before the interrupt took effect)")
+    for name, outcome in result.hosts:
+        if as_json:
+            console.data(console.json_line(console.host_outcome(name, outcome)))
+        elif isinstance(outcome, DeployResult):
+            console.data(f"{name}\t{outcome.release_id}\t{outcome.status}\n")
+
+
 _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "StopResult": _stop,
     "StatusResult": _status,
@@ -453,6 +476,7 @@ _RENDERERS: dict[str, Callable[[Any, bool], None]] = {
     "Installed": _installed,
     "HostsListing": _hosts,
     "SetupDone": _setup_done,
+    "DeployDone": _deploy_done,
 }
 
 _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
@@ -461,6 +485,7 @@ _EXIT_CODES: dict[str, Callable[[Any], ExitCode]] = {
     "GcResult": lambda result: _worst_error(result.hosts),
     "HostsListing": _hosts_exit_code,
     "SetupDone": lambda result: _worst_error(result.hosts),
+    "DeployDone": lambda result: ExitCode.INTERRUPTED if result.interrupted else _worst_error(result.hosts),
     # a failed run that no record explains
     "Fetched": lambda result: ExitCode.OK if result.traceback.explained else ExitCode.RUN_FAILED,
     "RunsListing": lambda result: ExitCode.USAGE if any(listed.unreadable for listed in result.hosts) else ExitCode.OK,

@@ -195,9 +195,12 @@ def test_bad_input_is_one_error_type_with_its_exit_code(make_inventory, tmp_path
                                          ExitCode.USAGE).message
     assert "--set optim.lr=-1" in refused(lambda: dflash.launch("local", config, overrides=["optim.lr=-1"], **where),
                                           ExitCode.USAGE).message
-    assert "--name" in refused(lambda: dflash.launch("local", config, name="-x", **where), ExitCode.USAGE).message
+    assert "name '-x': a run name has 1 to 179 characters" in refused(
+        lambda: dflash.launch("local", config, name="-x", **where), ExitCode.USAGE).message
     assert "master_port" in refused(lambda: dflash.launch("local", config, master_port=0, **where),
                                     ExitCode.USAGE).message
+    assert refused(lambda: dflash.launch("local", config, master_port=29500, **where), ExitCode.USAGE).message == (
+        "master_addr and master_port are for a run on several hosts; local is one")
     assert not (tmp_path / "local ws").exists()  # nothing was deployed
 
     none_yet = refused(lambda: dflash.watch(**where), ExitCode.USAGE)  # at the call, not at the first item
@@ -248,6 +251,14 @@ def test_launch_returns_the_run_id_and_hosts_and_the_run_becomes_the_latest(make
         assert started.release_id == release.scan(REPO).release_id
         assert json.loads((logs / "latest.json").read_text())["run_id"] == launched.run_id
         assert dflash.status(hosts_file=hosts, logs_dir=logs).run_id == launched.run_id  # the latest run
+        # Options that do not go together: named as the function spells them, by the CLI as its flags.
+        mixed = refused(lambda: dflash.fetch_traceback(launched.run_id, host="local", stacks=True, thread="drafter-0",
+                                                       hosts_file=hosts, logs_dir=logs), ExitCode.USAGE)
+        assert mixed.message == "stacks shows every thread's stack; it does not combine with thread or all_records"
+        flags = dflash_in_process("--logs-dir", str(logs), "fetch-traceback", launched.run_id, "--host", "local",
+                                  "--stacks", "--all", hosts=hosts)
+        assert flags.returncode == 2 and flags.stderr == ("dflash: error: --stacks shows every thread's stack; it does "
+                                                          "not combine with --thread or --all\n"), flags.stderr
     finally:
         stopped = dflash_in_process("--logs-dir", str(logs), "stop", launched.run_id, "--host", "local", "--grace",
                                     "0", hosts=hosts)

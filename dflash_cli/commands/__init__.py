@@ -3,8 +3,7 @@ fetch_traceback's with stacks=True). A verb's core function takes the session (a
 run it acts on) positionally, everything else by keyword or in its options dataclass,
 whose ranges it checks (errors.BadOption); it returns one result and prints none of it:
 results.py renders it, for the CLI, and the Python API returns it. A verb's module
-imports the core, never another verb's: what several verbs share lives in the core.
-deploy alone still prints its outcome from its `run` and returns the exit code."""
+imports the core, never another verb's: what several verbs share lives in the core."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +14,10 @@ from ..retry import RETRY_FOR_S
 #: seconds between GPU samples: defaults of `watch` and of `launch --follow` (here, so
 #: that the CLI's option default does not import the watch verb)
 GPU_INTERVAL_S = 5.0
+
+#: seconds between SIGTERM and SIGKILL: `stop`'s default (here, so that the CLI's option
+#: default does not import the stop verb)
+GRACE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """dflash deploy: a content-addressed release of remote/ and configs/ on each host."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import console, release
 from ..deployment import DeployResult, deploy_host, described_source, start_probes
 from ..errors import DflashError, ExitCode
 from ..progress import cancel_on_ctrl_c, transfer_bars
@@ -14,10 +14,21 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
-def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: bool,
-        source_dir: Path | None, allow_large: bool, as_json: bool = False) -> ExitCode:
-    """Deploy to each host in parallel; a table of results on stderr (with `as_json`, one
-    JSON object per host on stdout instead)."""
+@dataclasses.dataclass(frozen=True)
+class DeployDone:
+    """`deploy`: the release sent and each host's outcome, in the order named: its
+    DeployResult (deployed or unchanged), or its error; `interrupted` when Ctrl-C stopped
+    the uploads."""
+    release_id: str
+    files: int
+    total_bytes: int
+    hosts: tuple[tuple[str, DeployResult | DflashError], ...]
+    interrupted: bool
+
+
+def deploy(session: Session, host_names: list[str], *, all_hosts: bool = False, verify: bool = False,
+           source_dir: Path | None = None, allow_large: bool = False) -> DeployDone:
+    """Deploy to each host in parallel, a progress bar per host on stderr."""
     if all_hosts:
         host_names = sorted(session.inventory.hosts)
     if not host_names:
@@ -36,50 +47,25 @@ def run(session: Session, *, host_names: list[str], all_hosts: bool, verify: boo
         for probe in early.values():
             probe.ask(tree.release_id)
         described_source(source, tree, kept=False)  # while the hosts look
-        table = _table(tree)
         with transfer_bars() as bars:
             results = session.on_each_host(
                 hosts, lambda host: deploy_host(session, host, tree, bars, verify, cancel, early=early[host.name]))
-    if not as_json:
-        _print_table(table, results, host_names)
-    failures = [r for r in results.values() if isinstance(r, DflashError)]
-    for name in host_names:
-        outcome = results[name]
-        if isinstance(outcome, DflashError) and outcome.hint:
-            console.say(f"{name}: hint: {outcome.hint}")
-        if cancel.is_set() and isinstance(outcome, DeployResult):
-            console.say(f"{name}: release {outcome.release_id} is live ({outcome.status} "
-                        "before the interrupt took effect)")
-    for name in host_names:
-        outcome = results[name]
-        if as_json:
-            console.data(console.json_line(console.host_outcome(name, outcome)))
-        elif isinstance(outcome, DeployResult):
-            console.data(f"{name}\t{outcome.release_id}\t{outcome.status}\n")
-    if cancel.is_set():
-        return ExitCode.INTERRUPTED
-    return max((f.exit_code for f in failures), default=ExitCode.OK)
+    return DeployDone(tree.release_id, len(tree.files), tree.total_bytes,
+                      tuple((name, results[name]) for name in host_names), cancel.is_set())
 
 
-def _table(tree: release.Release) -> Table:
-    """The results' table, with no row yet."""
-    from rich.table import Table  # imported once the hosts were asked
-
-    table = Table(title=f"release {tree.release_id} ({len(tree.files)} files, "
-                        f"{tree.total_bytes / 1024:.0f} KiB)", title_justify="left")
-    for column in ("host", "result", "files sent", "reused", "bytes sent", "round trips", "seconds"):
-        table.add_column(column, justify="left" if column in ("host", "result") else "right")
-    return table
-
-
-def _print_table(table: Table, results: dict, order: list[str]) -> None:
+def results_table(done: DeployDone) -> Table:
+    from rich.table import Table  # imported once the hosts were done
     from rich.text import Text
 
-    for name in order:
-        r = results[name]
+    table = Table(title=f"release {done.release_id} ({done.files} files, {done.total_bytes / 1024:.0f} KiB)",
+                  title_justify="left")
+    for column in ("host", "result", "files sent", "reused", "bytes sent", "round trips", "seconds"):
+        table.add_column(column, justify="left" if column in ("host", "result") else "right")
+    for name, r in done.hosts:
         if isinstance(r, DflashError):
             table.add_row(name, Text(f"failed: {r.message}", style="red"), "", "", "", "", "")
         else:
             table.add_row(name, r.status, str(r.files_sent), str(r.files_reused), str(r.bytes_sent),
                           str(r.round_trips), f"{r.seconds:.2f}")
-    console.human.print(table)
+    return table

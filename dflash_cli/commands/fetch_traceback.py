@@ -12,7 +12,7 @@ from dflash_contract.replies import ReportReply
 from dflash_contract.states import RunState
 
 from .. import console, diagnosis, multihost, run_hosts
-from ..errors import DflashError, ExitCode
+from ..errors import BadOption, DflashError, ExitCode
 from ..local_state import RunLogs, RunRef
 from ..session import Session
 from ..tracebacks import render_no_record, render_record
@@ -106,8 +106,8 @@ def find(session: Session, ref: RunRef, *, thread: str | None = None, all_record
     (PeerFailed), on whichever host it is, and the summary names that host. The records
     are kept under logs/<host>/<run>/ (errors.jsonl, traceback.txt)."""
     if stacks and (thread or all_records):
-        raise DflashError("--stacks shows every thread's stack; it does not combine with "
-                          "--thread or --all", ExitCode.USAGE)
+        raise BadOption("{stacks} shows every thread's stack; it does not combine with "
+                        "{thread} or {all_records}", "stacks", "thread", "all_records")
     reports = _reports(session, ref)
     every = {host: list(report.errors) for host, report in reports.items()}  # file order, attempt after attempt
     # The state is the latest attempt's, and so is the root cause; --all shows earlier attempts' too.

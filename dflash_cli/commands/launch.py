@@ -44,7 +44,7 @@ class LaunchOptions:
 
     def __post_init__(self) -> None:
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
-            raise BadOption("master_port", self.master_port, "a TCP port is 1 to 65535")
+            raise BadOption(f"{{master_port}} {self.master_port}: a TCP port is 1 to 65535", "master_port")
 
     @property
     def run_name(self) -> str:
@@ -88,8 +88,8 @@ def check_name(name: str) -> None:
     """A run name becomes the start of a run id: one path component on the host, and an
     argument of later commands (`dflash watch RUN`), so it may not look like an option."""
     if not name.strip() or name[0] in ".-" or _BAD_NAME.search(name) or len(name) > MAX_NAME:
-        raise DflashError(f"--name {name!r}: a run name has 1 to {MAX_NAME} characters, does not start "
-                          "with '.' or '-', and holds no '/' or control characters", ExitCode.USAGE)
+        raise BadOption(f"{{name}} {name!r}: a run name has 1 to {MAX_NAME} characters, does not start "
+                        "with '.' or '-', and holds no '/' or control characters", "name")
 
 
 def host_paths(config: JobConfig) -> list[tuple[str, str, str]]:
@@ -190,11 +190,11 @@ def _check_layout(hosts: list[Host], config: JobConfig, options: LaunchOptions) 
     rank 0 (returned); None for a run on one host."""
     if len(hosts) == 1:
         if options.master_addr is not None or options.master_port is not None:
-            raise DflashError("--master-addr and --master-port are for a run on several hosts; "
-                              f"{hosts[0].name} is one", ExitCode.USAGE)
+            raise BadOption("{master_addr} and {master_port} are for a run on several hosts; "
+                            f"{hosts[0].name} is one", "master_addr", "master_port")
         return None
     if options.master_addr is not None and not is_address(options.master_addr):
-        raise DflashError(f"--master-addr {options.master_addr!r}: expected a host name or IP address", ExitCode.USAGE)
+        raise BadOption(f"{{master_addr}} {options.master_addr!r}: expected a host name or IP address", "master_addr")
     if config.restart.max > 0:
         # Each host's supervisor restarts only its own trainer, which would wait for peers
         # that ended: restarting together needs a coordinator (docs/multihost.md "Resume and restart").

@@ -11,12 +11,13 @@ from .. import multihost, run_hosts
 from ..errors import DflashError, at_least
 from ..local_state import RunRef
 from ..session import Session
+from . import GRACE_S
 
 
 @dataclasses.dataclass(frozen=True)
 class StopOptions:
     """What a stop was asked for, checked as it is made."""
-    grace: float = 10.0  # seconds between SIGTERM and SIGKILL
+    grace: float = GRACE_S  # seconds between SIGTERM and SIGKILL
 
     def __post_init__(self) -> None:
         at_least("grace", self.grace, 0)
