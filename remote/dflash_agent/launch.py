@@ -39,7 +39,7 @@ import traceback
 from typing import Any, Dict, Optional, Tuple, Union
 
 from dflash_contract.names import RELEASE_DIR_ENV, RELEASE_ID_ENV, RUN_ID_ENV, WORKSPACE_ENV
-from dflash_contract.records import RunPlace
+from dflash_contract.records import ReleaseSource, RestartPolicy, RunPlace
 from dflash_contract.replies import LaunchCheckReply, LaunchReply
 from dflash_files.atomic import write_atomic
 from dflash_files.config_paths import PathRequirement
@@ -101,11 +101,11 @@ class LaunchRequest:
     python: str = sys.executable
     stall_after: float = 300.0
     startup_stall_after: float = 300.0
-    source: Optional[Dict[str, Any]] = None  # where the release came from; names its release_id
+    source: Optional[ReleaseSource] = None  # where the release came from; names its release_id
     modules: Tuple[str, ...] = ()  # the trainer's interpreter must find these
     paths: Tuple[PathRequirement, ...] = ()  # the config's host paths that must exist
     overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE the CLI resolved the config with
-    restart: Optional[Dict[str, Any]] = None  # the config's restart policy (attempts.py)
+    restart: Optional[RestartPolicy] = None  # the config's restart policy (attempts.py)
     release: Optional[str] = None  # the installed release to run; None: the current one
     distributed: Optional[Distributed] = None  # None: a run on this host alone
     check_only: bool = False  # check what a launch would, start nothing (several hosts)
@@ -175,9 +175,9 @@ def launch(ws: Workspace, request: LaunchRequest) -> Union[LaunchReply, LaunchCh
         release_id, release_root = ws.current_release()
     else:
         release_id, release_root = request.release, release_dir(ws, request.release)
-    if request.source is not None and request.source.get("release_id") != release_id:
+    if request.source is not None and request.source.release_id != release_id:
         raise AgentError("the release to run is %s, not %s whose source was given (another deploy "
-                         "ran in between?)" % (release_id, request.source.get("release_id")), "conflict")
+                         "ran in between?)" % (release_id, request.source.release_id), "conflict")
     config = _read_config(request, release_root)
     run = ws.run(request.run_id)
     env = trainer_env(ws, run, release_id, release_root, request.env, request.distributed)
