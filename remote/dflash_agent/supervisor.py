@@ -31,7 +31,8 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from dflash_contract.names import ATTEMPT_ENV
-from dflash_contract.records import AttemptEntry, CheckpointRef, ExitRecord, ProcessRef, ReleaseSource, RestartPolicy, RunPlace, RunRecord, attempt_errors
+from dflash_contract.records import (AttemptEntry, CheckpointRef, ExitRecord, ProcessRef, ReleaseSource, RestartPolicy,
+                                     RunPlace, RunRecord, attempt_errors)
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
@@ -41,6 +42,7 @@ from .jsonio import AgentError
 from .jsonio import encode_line
 from .layout import RunDir, Workspace
 from .state import GONE, Observation, derive_state, error_records, summarize_events
+from .supervisor_report import SupervisorReport
 
 STOP_POLL_S = 0.2  # during a restart's back-off, how often stop_requested.json is looked for
 # How long the notice of a killed trainer tries to reach its peers' store: a rank 0 still
@@ -202,9 +204,9 @@ def _tell_peers(plan: TrainerPlan, exit_record: ExitRecord) -> None:
         log("could not tell the peers: %s: %s" % (type(exc).__name__, exc))
 
 
-def _report(fd: Optional[int], message: Dict[str, Any]) -> None:
+def _report(fd: Optional[int], message: SupervisorReport) -> None:
     if fd is not None:
-        _send(fd, message)
+        _send(fd, message.to_json())
         os.close(fd)
 
 
@@ -292,8 +294,9 @@ def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[AttemptEn
                 trainer.wait()
                 raise
         except BaseException as exc:
-            _report(report_fd, {"ok": False, "error": "%s: %s" % (type(exc).__name__, exc),
-                                "errno": getattr(exc, "errno", None), "filename": getattr(exc, "filename", None)})
+            _report(report_fd, SupervisorReport(ok=False, error="%s: %s" % (type(exc).__name__, exc),
+                                                errno=getattr(exc, "errno", None),
+                                                filename=getattr(exc, "filename", None)))
             raise
         try:
             _go(plan, trainer)
@@ -303,7 +306,7 @@ def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[AttemptEn
     pid = trainer.pid
     log("trainer pid %d started (attempt %d) by %s: %r" % (
         pid, plan.attempt, "exec" if failure else "the warm interpreter", list(plan.argv)))
-    _report(report_fd, {"ok": True, "pid": pid, "pgid": pid})
+    _report(report_fd, SupervisorReport(ok=True, pid=pid, pgid=pid))
     if failure is not None:
         _start_warm(plan, failure)
 
