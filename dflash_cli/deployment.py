@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_contract.checker import Message, ProtocolError
 from dflash_contract.deploy import CheckAnswer, InstallAnswer, ProbeAnswer, ReceiverError
+from dflash_contract.records import ReleaseSource
 from dflash_files.diskspace import NO_SPACE
 
 from . import console, host_scripts, provenance, release
@@ -290,13 +291,13 @@ def listed_source(source_dir: Path | None, allow_large: bool = False) -> tuple[r
     return source, listing
 
 
-def hashed_source(source: release.SourceTree, listing: release.Listing) -> tuple[release.Release, dict]:
+def hashed_source(source: release.SourceTree, listing: release.Listing) -> tuple[release.Release, ReleaseSource]:
     """`source_tree`'s second half: the release hashed and where it came from, said on stderr."""
     tree = listing.hashed()
     return tree, described_source(source, tree)
 
 
-def described_source(source: release.SourceTree, tree: release.Release, *, kept: bool = True) -> dict:
+def described_source(source: release.SourceTree, tree: release.Release, *, kept: bool = True) -> ReleaseSource:
     """Where `tree` came from (provenance.describe), said on stderr; `kept`: the record is
     kept (run.json), so it names dflash's version even where the line does not."""
     record = provenance.describe(source, tree, version=kept)

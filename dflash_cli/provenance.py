@@ -13,6 +13,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from dflash_contract.records import ReleaseSource
+
 from . import DISTRIBUTION, release
 
 #: run.json lists at most this many modified paths: the record travels to the host as one
@@ -21,13 +23,13 @@ MODIFIED_LISTED = 200
 _NAMES_SHOWN = 3
 
 
-def describe(source: release.SourceTree, tree: release.Release, *, version: bool = True) -> dict[str, Any]:
+def describe(source: release.SourceTree, tree: release.Release, *, version: bool = True) -> ReleaseSource:
     """run.json's `source` for the release `tree` scanned from `source`. `version` False
     leaves dflash_version None unless `summary` names it (the bundled copy): looking it
     up imports importlib.metadata, CPU spent on a line that does not show it."""
     version = _dflash_version() if version or source.kind == "bundled" else None
-    return {"kind": source.kind, "path": str(source.root), "release_id": tree.release_id,
-            "dflash_version": version, **_git_state(source.root, tree)}
+    return ReleaseSource(kind=source.kind, path=str(source.root), release_id=tree.release_id, dflash_version=version,
+                         **_git_state(source.root, tree))
 
 
 def _dflash_version() -> str | None:
@@ -39,25 +41,25 @@ def _dflash_version() -> str | None:
         return None
 
 
-def summary(source: dict[str, Any]) -> str:
+def summary(source: ReleaseSource) -> str:
     """One line: `/path (git abc1234, modified: 2 files [...], diff sha256 …)`."""
     details = []
-    if source.get("kind") == "bundled":
-        head = f"bundled with dflash {source.get('dflash_version') or '(version unknown)'}"
-        details.append(source.get("path"))
+    if source.kind == "bundled":
+        head = f"bundled with dflash {source.dflash_version or '(version unknown)'}"
+        details.append(source.path)
     else:
-        head = source.get("path")
-    if source.get("git_commit"):
-        details.append(f"git {source['git_commit'][:7]}")
-        modified, count = source.get("modified") or [], source.get("modified_count") or 0
-        if source.get("dirty"):
-            names = ", ".join(modified[:_NAMES_SHOWN]) + (", …" if count > _NAMES_SHOWN else "")
+        head = source.path
+    if source.git_commit:
+        details.append(f"git {source.git_commit[:7]}")
+        count = source.modified_count or 0
+        if source.dirty:
+            names = ", ".join(source.modified[:_NAMES_SHOWN]) + (", …" if count > _NAMES_SHOWN else "")
             details.append(f"modified: {count} file{'s' if count != 1 else ''} [{names}], "
-                           f"diff sha256 {source.get('diff_sha256', '')[:12]}")
+                           f"diff sha256 {(source.diff_sha256 or '')[:12]}")
         else:
             details.append("clean")
     else:
-        details.append(source.get("git_problem") or "no git facts")
+        details.append(source.git_problem or "no git facts")
     return f"{head} ({', '.join(details)})"
 
 
@@ -69,7 +71,7 @@ def _git_state(root: Path, tree: release.Release) -> dict[str, Any]:
     diff_sha256 hashes `git diff HEAD --binary -- remote configs`, then, sorted, NUL
     path NUL sha256 of each deployed file git does not track (untracked or ignored):
     those travel too, so they are part of the patch."""
-    unknown: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None, "modified": [],
+    unknown: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None, "modified": (),
                                "modified_count": 0}
     if shutil.which("git") is None:
         return {**unknown, "git_problem": "git not found"}
@@ -115,7 +117,7 @@ def _git_state(root: Path, tree: release.Release) -> dict[str, Any]:
     for path in sorted(untracked):
         digest.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0" + deployed[path].encode())
     return {"git_commit": commit, "dirty": True, "diff_sha256": digest.hexdigest(),
-            "modified": modified[:MODIFIED_LISTED], "modified_count": len(modified), "git_problem": None}
+            "modified": tuple(modified[:MODIFIED_LISTED]), "modified_count": len(modified), "git_problem": None}
 
 
 def _timed_out(unknown: dict[str, Any]) -> dict[str, Any]:

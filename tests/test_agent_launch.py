@@ -23,6 +23,9 @@ from support.wait import wait_until
 pytestmark = pytest.mark.timeout(60)
 
 WAIT = [{"wait_file": "go"}]
+SOURCE = {"kind": "checkout", "path": "/home/me/dflash", "release_id": RELEASE_ID, "dflash_version": None,
+          "git_commit": "0123456789abcdef0123456789abcdef01234567", "dirty": True, "diff_sha256": "ab" * 32,
+          "modified": ["remote/dflash_train/x.py"], "modified_count": 1, "git_problem": None}
 
 
 def fd_target(pid: int, fd: int) -> str:
@@ -160,7 +163,10 @@ def test_runs_keep_their_release_when_current_moves(agent):
     (["--config", "c.yaml"], "usage", "--run-id"),
     (["--run-id", "x", "--source-json", "[1]"], "usage", "expected a JSON object"),
     # the source describes another release than the one `current` names (a deploy in between)
-    (["--run-id", "x", "--source-json", '{"release_id": "rel-0002"}'], "conflict", "release to run is rel-0001"),
+    (["--run-id", "x", "--source-json", json.dumps({**SOURCE, "release_id": "rel-0002"})], "conflict",
+     "release to run is rel-0001"),
+    # run.json's source is a record of its own keys
+    (["--run-id", "x", "--source-json", '{"release_id": "rel-0001"}'], "usage", "missing"),
 ])
 def test_launch_argument_errors_are_json(agent, args, kind, text):
     config = str(agent.config([]))
@@ -172,7 +178,7 @@ def test_launch_argument_errors_are_json(agent, args, kind, text):
 
 
 def test_source_is_recorded_in_run_json_and_status(agent):
-    source = {"kind": "checkout", "path": "/home/me/dflash", "release_id": RELEASE_ID, "dirty": True}
+    source = SOURCE
     agent.launch("src", [], "--source-json", json.dumps(source))
     assert agent.read("src", "run.json")["source"] == source
     assert agent.status("src")["source"] == source

@@ -17,6 +17,7 @@ from dflash_contract import replies as protocol
 from dflash_contract import follow, requests
 from dflash_contract.checker import ProtocolError
 from dflash_contract.follow import EndMessage, LogMessage, follow_message
+from dflash_contract.records import ReleaseSource, RestartPolicy
 from dflash_contract.replies import ErrorKind, ErrorReply, StatusReply
 from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
@@ -141,6 +142,8 @@ def test_every_request_the_cli_makes_parses_as_the_agent_reads_it():
     """Each typed request's argv, with every option it can give, is what the agent's own
     parser accepts, each value arriving as the request holds it."""
     layout = requests.Layout(1, 2, "10.0.0.1", 29500, ("a", "b"))
+    source = ReleaseSource("checkout", "/src", "rel", None, None, None, None, (), 0, "not a git checkout")
+    restart = RestartPolicy(0, ("failure",), 10.0)
     made = [
         requests.Status(), requests.Status("r 1", config=True), requests.Stop("r 1", 2.5), requests.Stacks("r"),
         requests.Report("r"), requests.RunConfig("r"), requests.Artifacts("r", checkpoint=True),
@@ -149,7 +152,7 @@ def test_every_request_the_cli_makes_parses_as_the_agent_reads_it():
         requests.ReleaseFiles("rel", ("a.py", "b.py")), requests.Gc(3),
         requests.Follow("r", errors_seen=1, gpu_interval=0.5, offset=10, segment=0, events_offset=4, inode=9,
                         fingerprint="2:" + "0" * 64, tail_lines=5),
-        requests.Launch("r", "-", "name", 300.0, 60.0, {"kind": "git"}, {"max": 0}, ("gpu0",), (("K", "--v"),),
+        requests.Launch("r", "-", "name", 300.0, 60.0, source, restart, ("gpu0",), (("K", "--v"),),
                         ("torch",), (("file", "data.path", "x.jsonl"),), ("a=b",), release="rel", force=True,
                         layout=layout, check_only=True),
         requests.Resume("r", "run", 100, (("K", "V"),), ("torch",), dataclasses.replace(layout, master_addr=None),
@@ -164,4 +167,5 @@ def test_every_request_the_cli_makes_parses_as_the_agent_reads_it():
         assert getattr(args, "run_id", None) == getattr(request, "run_id", None)
     launch = parsed(made[-2])
     assert (launch.env, launch.rank, launch.host_names, launch.check_only) == ([("K", "--v")], 1, "a,b", True)
+    assert (launch.source_json, launch.restart_json) == (source, restart)
     assert parsed(made[-3]).fingerprint == "2:" + "0" * 64

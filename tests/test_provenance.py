@@ -134,10 +134,10 @@ def test_dflash_version_is_looked_up_for_a_kept_record_or_a_line_that_shows_it()
     tree = release.scan(REPO)
     checkout, bundled = release.SourceTree(REPO, "checkout"), release.SourceTree(REPO, "bundled")
     installed = metadata.version(DISTRIBUTION)
-    assert provenance.describe(checkout, tree)["dflash_version"] == installed  # launch keeps it in run.json
-    assert provenance.describe(checkout, tree, version=False)["dflash_version"] is None  # deploy's line
+    assert provenance.describe(checkout, tree).dflash_version == installed  # launch keeps it in run.json
+    assert provenance.describe(checkout, tree, version=False).dflash_version is None  # deploy's line
     shown = provenance.describe(bundled, tree, version=False)
-    assert shown["dflash_version"] == installed
+    assert shown.dflash_version == installed
     assert provenance.summary(shown).startswith(f"bundled with dflash {installed} ")
 
 
@@ -158,10 +158,10 @@ def test_a_tree_inside_a_larger_repository_counts_the_untracked_files_it_deploys
     scanned = release.scan(source.root)
     assert "configs/secret.yaml" not in {f.path for f in scanned.files}
     facts = provenance.describe(source, scanned)
-    assert facts["modified"] == ["configs/notes.yaml"] and facts["dirty"] is True
-    assert facts["git_commit"] == git(repo, "rev-parse", "HEAD").decode().strip()
+    assert facts.modified == ("configs/notes.yaml",) and facts.dirty is True
+    assert facts.git_commit == git(repo, "rev-parse", "HEAD").decode().strip()
     sha = hashlib.sha256(b"a: 1\n").hexdigest()
-    assert facts["diff_sha256"] == hashlib.sha256(b"\0configs/notes.yaml\0" + sha.encode()).hexdigest()
+    assert facts.diff_sha256 == hashlib.sha256(b"\0configs/notes.yaml\0" + sha.encode()).hexdigest()
 
     # The same tree where git ignores remote/agent.py too (a copy inside an ignored
     # folder, as a wheel's in a venv): that repository's commit says nothing about it.
@@ -169,7 +169,7 @@ def test_a_tree_inside_a_larger_repository_counts_the_untracked_files_it_deploys
     git(repo, "rm", "-r", "-q", "--cached", "vendor")
     git(repo, "commit", "-q", "-m", "unvendored")
     facts = provenance.describe(source, scanned)
-    assert (facts["git_commit"], facts["dirty"], facts["git_problem"]) == (None, None, "not a git checkout")
+    assert (facts.git_commit, facts.dirty, facts.git_problem) == (None, None, "not a git checkout")
 
 
 def test_without_git_the_source_says_so(tmp_path, monkeypatch):
@@ -177,7 +177,7 @@ def test_without_git_the_source_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # a PATH with no git on it
     source = release.find_source(cwd=project)
     facts = provenance.describe(source, release.scan(source.root))
-    assert (facts["git_commit"], facts["dirty"], facts["git_problem"]) == (None, None, "git not found")
+    assert (facts.git_commit, facts.dirty, facts.git_problem) == (None, None, "git not found")
     assert provenance.summary(facts) == f"{project} (git not found)"
 
 
@@ -263,8 +263,8 @@ def test_a_large_patch_is_counted_whole_and_listed_in_part(tmp_path):
         (many / f"{i:04d}.yaml").write_text(f"i: {i}\n")
     source = release.find_source(cwd=project)
     facts = provenance.describe(source, release.scan(source.root))
-    assert facts["modified_count"] == provenance.MODIFIED_LISTED + 52
-    assert facts["modified"] == sorted(facts["modified"]) and len(facts["modified"]) == provenance.MODIFIED_LISTED
+    assert facts.modified_count == provenance.MODIFIED_LISTED + 52
+    assert list(facts.modified) == sorted(facts.modified) and len(facts.modified) == provenance.MODIFIED_LISTED
     assert f"modified: {provenance.MODIFIED_LISTED + 52} files [configs/many/0000.yaml, " in provenance.summary(facts)
     (many / "0249.yaml").write_text("i: changed\n")  # beyond the listed paths, still in the hash
-    assert provenance.describe(source, release.scan(source.root))["diff_sha256"] != facts["diff_sha256"]
+    assert provenance.describe(source, release.scan(source.root)).diff_sha256 != facts.diff_sha256

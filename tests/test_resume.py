@@ -3,6 +3,7 @@ attempt of the same run id, and the supervisor restarts a failed run under the c
 `restart` policy (docs/runs.md "Attempts"). On the `local` host, with the real trainer."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -12,6 +13,8 @@ import dflash_contract.events
 import pytest
 import yaml
 from dflash_agent import attempts
+from dflash_contract.records import AttemptEntry, RestartPolicy
+from dflash_contract.states import RunState
 from dflash_files import checksums, procfs
 from dflash_files.checkpoint_files import LOADED_FILES
 from dflash_run import dflash_in_process
@@ -327,22 +330,29 @@ def test_a_folder_is_intact_only_when_sha256sums_lists_every_loaded_file_with_it
 
 
 def test_the_restart_policy_stops_at_its_budget_at_a_stop_and_at_a_failure_repeated_at_one_step():
-    policy = {"max": 2, "on": ["failure"], "backoff_s": 4}
-    launch = {"attempt": 0, "reason": "launch"}
+    policy = RestartPolicy(max=2, on=("failure",), backoff_s=4)
+
+    def entry(attempt: int, reason: str) -> AttemptEntry:
+        return AttemptEntry(attempt=attempt, reason=reason, started_at=0.0, pid=1, release_id="rel", resume_from=None)
+
+    def ended(started: AttemptEntry, state: RunState, step: int) -> AttemptEntry:
+        return dataclasses.replace(started, state=state, step=step, ended_at=1.0)
+
+    launch = entry(0, "launch")
     assert attempts.restart_refusal(policy, [launch], "failure", 7, False) is None
     assert attempts.backoff(policy, [launch]) == 4
     assert attempts.restart_refusal(policy, [launch], None, 7, False) == "it succeeded"
     assert attempts.restart_refusal(policy, [launch], "failure", 7, True) == "it was stopped"
     assert attempts.restart_refusal(policy, [launch], "killed", 7, False) == "restart.on does not name 'killed'"
     assert attempts.restart_refusal(None, [launch], "failure", 7, False) == "the config sets no restart"
-    failed_at_7 = dict(launch, state="FAILED", step=7)
-    restart = {"attempt": 1, "reason": "restart"}
+    failed_at_7 = ended(launch, RunState.FAILED, 7)
+    restart = entry(1, "restart")
     assert attempts.backoff(policy, [failed_at_7, restart]) == 8  # doubled
     assert attempts.restart_refusal(policy, [failed_at_7, restart], "failure", 9, False) is None
     assert "failed at step 7 twice in a row" in attempts.restart_refusal(policy, [failed_at_7, restart], "failure",
                                                                          7, False)
-    budget = [failed_at_7, dict(restart, state="FAILED", step=9), {"attempt": 2, "reason": "restart"}]
+    budget = [failed_at_7, ended(restart, RunState.FAILED, 9), entry(2, "restart")]
     assert attempts.restart_refusal(policy, budget, "failure", 11, False) == "restart.max (2) reached"
     # A resume by hand renews the budget.
-    by_hand = budget[:2] + [dict(budget[2], state="STOPPED", step=10), {"attempt": 3, "reason": "resume"}]
+    by_hand = budget[:2] + [ended(budget[2], RunState.STOPPED, 10), entry(3, "resume")]
     assert attempts.restart_refusal(policy, by_hand, "failure", 11, False) is None

@@ -11,6 +11,7 @@ from rich.console import Console
 from dflash_cli.commands.status import hosts_table, runs_table
 from dflash_cli.multihost import HostStatus
 from dflash_cli.tables import FittedTable
+from dflash_contract.records import ReleaseSource
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import RunState
 from dflash_run import dflash_in_process
@@ -19,11 +20,14 @@ from support_agent.harness import agent  # noqa: F401  (fixture)
 RUNS = ["tiny-cpu-20260101-120000-ab12", "tiny-cpu-20260101-110000-cd34", "tiny-cpu-20260101-100000-ef56"]
 RUN_HEADERS = ["run", "state", "step", "errors", "started", "ended", "release", "source", "changed since previous run"]
 
+SOURCE = ReleaseSource(kind="checkout", path="/src/dflash", release_id="6c8bbc43f3bbfdb8", dflash_version=None,
+                       git_commit="1a2b3c4d5e6f", dirty=True, diff_sha256="ab" * 32, modified=("configs/x.yaml",))
+
 
 def run_status(run_id: str, state: RunState, step: int | None, startup: str | None = None) -> RunStatus:
     return RunStatus(run_id=run_id, name="tiny-cpu", state=state, reason=None, pid=1, started_at=1764430000.0,
                      ended_at=1764430100.0 if state.terminal else None, exit=None, errors=0, last_heartbeat=None,
-                     release_id="6c8bbc43f3bbfdb8", source={"git_commit": "1a2b3c4d5e6f", "dirty": True}, overrides=(),
+                     release_id="6c8bbc43f3bbfdb8", source=SOURCE, overrides=(),
                      step=step, startup=startup, startup_elapsed_s=12.0 if startup else None, peer_failure=None,
                      attempt=0, attempts=1, resume_step=None, checkpoint_step=None, export=None)
 

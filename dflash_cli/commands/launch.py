@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dflash_contract import requests
 from dflash_contract.names import MAX_RUN_ID, TRAINER_PACKAGES
+from dflash_contract.records import ReleaseSource, RestartPolicy
 from dflash_contract.replies import LaunchReply
 import dflash_schema
 from dflash_train.config import JobConfig, load_job_config, resolved_yaml  # torch-free by contract
@@ -135,7 +136,7 @@ def say_what_is_new(session: Session, host_name: str, tree: Release) -> None:
     console.say(f"{host_name}: {change_since(store, host_name, previous, tree.release_id)['text']}")
 
 
-def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_large: bool) -> dict:
+def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_large: bool) -> ReleaseSource:
     """The source tree installed on every host, in parallel, and its agent the one this
     launch asks there from now on; its provenance record for run.json. `current` is left
     as it is: the agent makes the release current as the run starts, so a launch refused
@@ -161,14 +162,15 @@ def _deploy(session: Session, hosts: list[Host], source_dir: Path | None, allow_
     return source
 
 
-def _request(host: Host, config: JobConfig, run_id: str, options: LaunchOptions, source: dict,
+def _request(host: Host, config: JobConfig, run_id: str, options: LaunchOptions, source: ReleaseSource,
              layout: requests.Layout | None = None, check_only: bool = False) -> requests.Launch:
     """The agent's launch for `host`, its part of the run at `layout` (None: the only one)."""
+    restart = RestartPolicy(config.restart.max, config.restart.on, config.restart.backoff_s)
     return requests.Launch(
-        run_id, "-", options.run_name, config.stall_after, config.startup_stall_after, source,
-        config.restart.as_json(), tuple(config.resources()), tuple(host.env.items()), TRAINER_PACKAGES,
+        run_id, "-", options.run_name, config.stall_after, config.startup_stall_after, source, restart,
+        tuple(config.resources()), tuple(host.env.items()), TRAINER_PACKAGES,
         tuple(rank_paths(config, layout.rank if layout else 0)), tuple(options.overrides),
-        release=source["release_id"],  # installed by _deploy; current once the run starts
+        release=source.release_id,  # installed by _deploy; current once the run starts
         force=options.force, layout=layout, check_only=check_only)
 
 

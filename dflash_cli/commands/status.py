@@ -6,6 +6,7 @@ import shlex
 
 
 from dflash_contract import requests
+from dflash_contract.records import ReleaseSource
 from dflash_contract.replies import RunStatus
 from dflash_contract.states import RunState
 
@@ -65,11 +66,9 @@ def overrides_line(status: RunStatus) -> str | None:
     return "overrides: " + " ".join(f"--set {o}" for o in status.overrides) if status.overrides else None
 
 
-def source_commit(source: dict | None) -> str:
+def source_commit(source: ReleaseSource | None) -> str:
     """`1a2b3c4` for a clean checkout, `1a2b3c4*` with uncommitted changes, else `-`."""
-    if not source or not source.get("git_commit"):
-        return "-"
-    return source["git_commit"][:7] + ("*" if source.get("dirty") else "")
+    return (source.commit_mark() if source else None) or "-"
 
 
 def resume_point(status: RunStatus) -> str:

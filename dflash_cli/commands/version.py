@@ -16,4 +16,4 @@ def version() -> Version:
     """The tree is chosen as `deploy` without --source chooses it, and said on stderr
     (its `source:` line) as `deploy` says it."""
     tree, source = source_tree(None)
-    return Version(source["dflash_version"], tree.release_id)
+    return Version(source.dflash_version, tree.release_id)

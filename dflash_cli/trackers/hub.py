@@ -81,14 +81,14 @@ def tracked_run(status: RunStatus, ref: RunRef, hosts: tuple[str, ...]) -> Track
         config = yaml.safe_load(status.config) if status.config else None
     except yaml.YAMLError:
         config = None
-    source = status.source or {}
     provenance = {
         "run_id": ref.run_id, "name": status.name, "host": ref.host, "hosts": list(hosts) or [ref.host],
         "release_id": status.release_id, "attempt": status.attempt, "overrides": list(status.overrides),
-        "source": {key: source.get(key) for key in ("kind", "path", "git_commit", "dirty", "diff_sha256",
-                                                    "modified_count", "dflash_version", "git_problem")},
+        "source": {key: getattr(status.source, key, None) for key in (
+            "kind", "path", "git_commit", "dirty", "diff_sha256", "modified_count", "dflash_version", "git_problem")},
     }
-    return TrackedRun(ref.run_id, ref.host, status.name, config if isinstance(config, dict) else {}, provenance)
+    return TrackedRun(ref.run_id, ref.host, status.name, config if isinstance(config, dict) else {}, provenance,
+                      status.source.git_commit if status.source else None)
 
 
 class Trackers:

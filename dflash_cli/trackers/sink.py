@@ -21,13 +21,10 @@ class TrackedRun:
     name: str | None  # the run's name (its config's file name, or --name)
     config: dict[str, Any]  # the resolved training config, as config.yaml holds it
     provenance: dict[str, Any]  # run id, hosts, release, overrides, attempt, source commit and diff hash
+    git_commit: str | None  # the source's, as the trackers' own field for it
 
     def run_name(self, template: str) -> str:
         return template.format(run_id=self.run_id, name=self.name or self.run_id, host=self.host)
-
-    @property
-    def git_commit(self) -> str | None:
-        return self.provenance["source"].get("git_commit")
 
 
 class Sink:

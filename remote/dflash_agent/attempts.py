@@ -11,12 +11,13 @@ attempt with nothing else to know.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from dflash_contract.events import ATTEMPT
-from dflash_contract.records import ErrorRecord, ExitRecord, RunRecord
+from dflash_contract.records import AttemptEntry, ErrorRecord, ExitRecord, RestartPolicy, RunRecord
 from dflash_contract.states import RunState
 from dflash_files.checkpoint_files import CHECKPOINT_FILES, CHECKPOINTS_DIR, STEP_FOLDER
 from dflash_files.diskspace import NO_SPACE
@@ -47,13 +48,13 @@ def newest_checkpoint(run: RunDir) -> Optional[Tuple[int, str]]:
     return folders[-1] if folders else None
 
 
-def history(record: RunRecord) -> List[Dict[str, Any]]:
+def history(record: RunRecord) -> List[AttemptEntry]:
     """run.json's `attempts`; one entry made from the top-level fields for a run.json
     written before attempts existed."""
     if record.attempts:
-        return [dict(a) for a in record.attempts]
-    return [{"attempt": 0, "reason": "launch", "started_at": record.started_at,
-             "pid": record.pid, "release_id": record.release_id, "resume_from": None}]
+        return list(record.attempts)
+    return [AttemptEntry(attempt=0, reason="launch", started_at=record.started_at, pid=record.pid,
+                         release_id=record.release_id, resume_from=None)]
 
 
 def failed_step(errors: List[ErrorRecord], last_step: Optional[int]) -> Optional[int]:
@@ -64,13 +65,12 @@ def failed_step(errors: List[ErrorRecord], last_step: Optional[int]) -> Optional
     return last_step
 
 
-def closed(entry: Dict[str, Any], exit_record: Optional[ExitRecord], state: RunState,
-           step: Optional[int]) -> Dict[str, Any]:
+def closed(entry: AttemptEntry, exit_record: Optional[ExitRecord], state: RunState,
+           step: Optional[int]) -> AttemptEntry:
     """An attempt's entry once it ended: how (exit.json or null), its state, and the step
     it ended at (for a failure: its root cause's step, `failed_step`)."""
-    if exit_record is None:
-        return dict(entry, exit=None, state=state, step=step, ended_at=time.time())
-    return dict(entry, exit=exit_record.to_json(), state=state, step=step, ended_at=exit_record.ended_at or time.time())
+    ended_at = (exit_record.ended_at if exit_record else None) or time.time()
+    return dataclasses.replace(entry, exit=exit_record, state=state, step=step, ended_at=ended_at)
 
 
 def append_markers(run: RunDir, attempt: int, reason: str, resume_step: Optional[int],
@@ -125,24 +125,6 @@ def clear_ended_attempt(run: RunDir) -> None:
 
 # The restart policy (config `restart:`), applied by the supervisor when an attempt ends.
 
-RESTART_CAUSES = ("failure", "killed")
-
-
-def check_policy(policy: Dict[str, Any]) -> Optional[str]:
-    """What is wrong with a restart policy object, or None (the CLI checked the config;
-    this guards the agent's own input)."""
-    if set(policy) - {"max", "on", "backoff_s"}:
-        return "unknown keys %s" % ", ".join(sorted(set(policy) - {"max", "on", "backoff_s"}))
-    if not isinstance(policy.get("max", 0), int) or policy.get("max", 0) < 0:
-        return "max must be an integer >= 0"
-    if not isinstance(policy.get("backoff_s", 0), (int, float)) or policy.get("backoff_s", 0) < 0:
-        return "backoff_s must be a number >= 0"
-    on = policy.get("on", [])
-    if not isinstance(on, list) or any(cause not in RESTART_CAUSES for cause in on):
-        return "on must list some of %s" % ", ".join(RESTART_CAUSES)
-    return None
-
-
 def restart_cause(exit_record: ExitRecord, errors: List[ErrorRecord]) -> Optional[str]:
     """"failure" (an error record, or a non-zero exit), "killed" (a signal, no record),
     or None for a clean exit."""
@@ -153,7 +135,7 @@ def restart_cause(exit_record: ExitRecord, errors: List[ErrorRecord]) -> Optiona
     return "failure" if exit_record.exit_code != 0 else None
 
 
-def restart_refusal(policy: Optional[Dict[str, Any]], attempts: List[Dict[str, Any]], cause: Optional[str],
+def restart_refusal(policy: Optional[RestartPolicy], attempts: List[AttemptEntry], cause: Optional[str],
                     step: Optional[int], stop_requested: bool) -> Optional[str]:
     """Why the attempt that just ended (the last of `attempts`, not yet closed) is not
     restarted, or None when it is. Restarts count since the last attempt started by a
@@ -162,29 +144,28 @@ def restart_refusal(policy: Optional[Dict[str, Any]], attempts: List[Dict[str, A
         return "it succeeded"
     if stop_requested:
         return "it was stopped"
-    if not policy or not policy.get("max"):
+    if not policy or not policy.max:
         return "the config sets no restart"
-    if cause not in (policy.get("on") or ()):
+    if cause not in policy.on:
         return "restart.on does not name %r" % cause
-    restarts = restarts_in_a_row(attempts)
-    if restarts >= int(policy["max"]):
-        return "restart.max (%d) reached" % int(policy["max"])
+    if restarts_in_a_row(attempts) >= policy.max:
+        return "restart.max (%d) reached" % policy.max
     previous = attempts[-2] if len(attempts) > 1 else None
-    if (previous is not None and step is not None and previous.get("state") in [state for state in RunState if state.failed]
-            and previous.get("step") == step):
+    if (previous is not None and step is not None and previous.state is not None and previous.state.failed
+            and previous.step == step):
         return "it failed at step %d twice in a row: a restart would fail there again" % step
     return None
 
 
-def backoff(policy: Dict[str, Any], attempts: List[Dict[str, Any]]) -> float:
+def backoff(policy: RestartPolicy, attempts: List[AttemptEntry]) -> float:
     """backoff_s before the first restart, doubled before each next one."""
-    return float(policy.get("backoff_s") or 0.0) * (2 ** restarts_in_a_row(attempts))
+    return float(policy.backoff_s) * (2 ** restarts_in_a_row(attempts))
 
 
-def restarts_in_a_row(attempts: List[Dict[str, Any]]) -> int:
+def restarts_in_a_row(attempts: List[AttemptEntry]) -> int:
     count = 0
     for entry in reversed(attempts):
-        if entry.get("reason") != "restart":
+        if entry.reason != "restart":
             break
         count += 1
     return count

@@ -10,6 +10,8 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+from dflash_contract.checker import ProtocolError
+from dflash_contract.records import ReleaseSource, RestartPolicy
 from dflash_contract.replies import CompileArtifactsReply, ErrorKind, ErrorReply, GpusReply, InfoReply, Reply
 from dflash_contract.requests import FINGERPRINT_BYTES
 from dflash_files.config_paths import PATH_KINDS
@@ -61,10 +63,19 @@ def _json_object(text: str) -> Dict[str, Any]:
     return value
 
 
-def _restart_policy(text: str) -> Dict[str, Any]:
-    from .attempts import check_policy
-    policy = _json_object(text)
-    problem = check_policy(policy)
+def _release_source(text: str) -> ReleaseSource:
+    try:
+        return ReleaseSource.from_json(_json_object(text))
+    except ProtocolError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
+def _restart_policy(text: str) -> RestartPolicy:
+    try:
+        policy = RestartPolicy.from_json(_json_object(text))
+    except ProtocolError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+    problem = policy.problem()
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return policy
@@ -111,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default=sys.executable or "python3")
     p.add_argument("--stall-after", type=_positive, default=300.0)
     p.add_argument("--startup-stall-after", type=_positive, default=300.0)
-    p.add_argument("--source-json", type=_json_object, help="where the release came from (run.json's source)")
+    p.add_argument("--source-json", type=_release_source, help="where the release came from (run.json's source)")
     p.add_argument("--restart-json", type=_restart_policy,
                    help='the restart policy: {"max": N, "on": ["failure", "killed"], "backoff_s": S}')
     p.add_argument("--require-module", action="append", default=[], metavar="NAME",

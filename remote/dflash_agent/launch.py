@@ -36,10 +36,10 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 from dflash_contract.names import RELEASE_DIR_ENV, RELEASE_ID_ENV, RUN_ID_ENV, WORKSPACE_ENV
-from dflash_contract.records import RunPlace
+from dflash_contract.records import ReleaseSource, RestartPolicy, RunPlace
 from dflash_contract.replies import LaunchCheckReply, LaunchReply
 from dflash_files.atomic import write_atomic
 from dflash_files.config_paths import PathRequirement
@@ -50,6 +50,7 @@ from .jsonio import AgentError, no_space, read_tail_text
 from .layout import RunDir, Workspace
 from .releases import release_dir
 from .supervisor import TrainerPlan, log_error, supervise
+from .supervisor_report import SupervisorReport
 
 REPORT_TIMEOUT_S = 60.0
 # The torch.distributed variables a trainer joins its process group by (init_method
@@ -101,11 +102,11 @@ class LaunchRequest:
     python: str = sys.executable
     stall_after: float = 300.0
     startup_stall_after: float = 300.0
-    source: Optional[Dict[str, Any]] = None  # where the release came from; names its release_id
+    source: Optional[ReleaseSource] = None  # where the release came from; names its release_id
     modules: Tuple[str, ...] = ()  # the trainer's interpreter must find these
     paths: Tuple[PathRequirement, ...] = ()  # the config's host paths that must exist
     overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE the CLI resolved the config with
-    restart: Optional[Dict[str, Any]] = None  # the config's restart policy (attempts.py)
+    restart: Optional[RestartPolicy] = None  # the config's restart policy (attempts.py)
     release: Optional[str] = None  # the installed release to run; None: the current one
     distributed: Optional[Distributed] = None  # None: a run on this host alone
     check_only: bool = False  # check what a launch would, start nothing (several hosts)
@@ -175,9 +176,9 @@ def launch(ws: Workspace, request: LaunchRequest) -> Union[LaunchReply, LaunchCh
         release_id, release_root = ws.current_release()
     else:
         release_id, release_root = request.release, release_dir(ws, request.release)
-    if request.source is not None and request.source.get("release_id") != release_id:
+    if request.source is not None and request.source.release_id != release_id:
         raise AgentError("the release to run is %s, not %s whose source was given (another deploy "
-                         "ran in between?)" % (release_id, request.source.get("release_id")), "conflict")
+                         "ran in between?)" % (release_id, request.source.release_id), "conflict")
     config = _read_config(request, release_root)
     run = ws.run(request.run_id)
     env = trainer_env(ws, run, release_id, release_root, request.env, request.distributed)
@@ -217,7 +218,7 @@ def launch(ws: Workspace, request: LaunchRequest) -> Union[LaunchReply, LaunchCh
             if switched:  # and `current` is put back
                 ws.switch_current(previous)
         raise
-    return LaunchReply(run_id=run.run_id, run_dir=run.path, pid=report["pid"], pgid=report["pgid"],
+    return LaunchReply(run_id=run.run_id, run_dir=run.path, pid=report.pid, pgid=report.pgid,
                        release_id=release_id)
 
 
@@ -239,7 +240,7 @@ def _daemonize(log_path: str, keep_fd: int) -> None:
     os.chdir("/")
 
 
-def start_supervisor(plan: TrainerPlan) -> Dict[str, Any]:
+def start_supervisor(plan: TrainerPlan) -> SupervisorReport:
     report_r, report_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -265,17 +266,17 @@ def start_supervisor(plan: TrainerPlan) -> Dict[str, Any]:
         message = _read_report(report_r)
     finally:
         os.close(report_r)
-    if message.get("errno") in NO_SPACE:
-        raise no_space(message.get("filename"))
-    if not message.get("ok"):
-        detail = message.get("error") or "the supervisor exited without reporting"
+    if message.errno in NO_SPACE:
+        raise no_space(message.filename)
+    if not message.ok:
+        detail = message.error or "the supervisor exited without reporting"
         raise AgentError("launch of run %r failed: %s\n%s" % (
             plan.run.run_id, detail, read_tail_text(plan.run.agent_log, 40)), "internal")
     return message
 
 
-def _read_report(fd: int) -> Dict[str, Any]:
-    """The supervisor's one JSON line, or {} when it closed the pipe without one."""
+def _read_report(fd: int) -> SupervisorReport:
+    """The supervisor's one line; a report of no start when it closed the pipe without one."""
     deadline = time.monotonic() + REPORT_TIMEOUT_S
     data = b""
     while b"\n" not in data:
@@ -287,6 +288,6 @@ def _read_report(fd: int) -> Dict[str, Any]:
             break
         data += chunk
     try:
-        return json.loads(data.decode("utf-8")) if data.strip() else {}
-    except ValueError:
-        return {}
+        return SupervisorReport.from_json(json.loads(data.decode("utf-8")))
+    except ValueError:  # no line, a torn one, or not a report
+        return SupervisorReport(ok=False)

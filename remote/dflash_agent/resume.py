@@ -129,7 +129,7 @@ def _resume_locked(ws: Workspace, run: RunDir,
             locks.release(ws, resources, run.run_id)
         raise
     return ResumeReply(run_id=run.run_id, attempt=attempt + 1, previous_state=state, step=checkpoint[0],
-                       checkpoint=checkpoint[1], pid=report["pid"], release_id=release_id,
+                       checkpoint=checkpoint[1], pid=report.pid, release_id=release_id,
                        previous_release_id=record.release_id, release=request.release,
                        corrupt=corrupt or None)
 

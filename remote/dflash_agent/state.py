@@ -332,8 +332,8 @@ def run_status(run: RunDir, with_config: bool = False, verify: bool = False) -> 
 
 def _resume_step(record: RunRecord) -> Optional[int]:
     """The checkpoint step the latest attempt started from (None: from the start)."""
-    entries = record.attempts or ({},)
-    return (entries[-1].get("resume_from") or {}).get("step")
+    resume_from = record.attempts[-1].resume_from if record.attempts else None
+    return resume_from.step if resume_from else None
 
 
 def _export(run: RunDir) -> Optional[str]:

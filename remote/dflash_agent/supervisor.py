@@ -31,7 +31,8 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from dflash_contract.names import ATTEMPT_ENV
-from dflash_contract.records import ExitRecord, ProcessRef, RunPlace, RunRecord, attempt_errors
+from dflash_contract.records import (AttemptEntry, CheckpointRef, ExitRecord, ProcessRef, ReleaseSource, RestartPolicy,
+                                     RunPlace, RunRecord, attempt_errors)
 from dflash_files import procfs
 from dflash_files.atomic import write_json_atomic
 from dflash_files.diskspace import NO_SPACE, DiskFull, Reserve
@@ -41,6 +42,7 @@ from .jsonio import AgentError
 from .jsonio import encode_line
 from .layout import RunDir, Workspace
 from .state import GONE, Observation, derive_state, error_records, summarize_events
+from .supervisor_report import SupervisorReport
 
 STOP_POLL_S = 0.2  # during a restart's back-off, how often stop_requested.json is looked for
 # How long the notice of a killed trainer tries to reach its peers' store: a rank 0 still
@@ -63,13 +65,13 @@ class TrainerPlan:
     resources: Tuple[str, ...]
     stall_after: float
     startup_stall_after: float
-    source: Optional[Dict[str, Any]] = None  # where the release came from, as the CLI saw it
+    source: Optional[ReleaseSource] = None  # where the release came from, as the CLI saw it
     overrides: Tuple[str, ...] = ()  # the --set KEY=VALUE applied to the user's file
-    restart: Optional[Dict[str, Any]] = None  # the config's restart policy (attempts.py)
+    restart: Optional[RestartPolicy] = None  # the config's restart policy (attempts.py)
     attempt: int = 0  # 0: the launch; then each resume or restart
     reason: str = "launch"  # launch | resume | restart
     resume_from: Optional[Tuple[int, str]] = None  # (step, checkpoint folder) this attempt starts from
-    history: Tuple[Dict[str, Any], ...] = ()  # the ended attempts' entries (run.json `attempts`)
+    history: Tuple[AttemptEntry, ...] = ()  # the ended attempts' entries (run.json `attempts`)
     distributed: Optional[RunPlace] = None  # this host's place in a run on several hosts
 
     @property
@@ -202,9 +204,9 @@ def _tell_peers(plan: TrainerPlan, exit_record: ExitRecord) -> None:
         log("could not tell the peers: %s: %s" % (type(exc).__name__, exc))
 
 
-def _report(fd: Optional[int], message: Dict[str, Any]) -> None:
+def _report(fd: Optional[int], message: SupervisorReport) -> None:
     if fd is not None:
-        _send(fd, message)
+        _send(fd, message.to_json())
         os.close(fd)
 
 
@@ -276,7 +278,7 @@ def _start_warm(plan: TrainerPlan, failure: warm.WarmFailed) -> None:
         log("could not start a warm interpreter: %s: %s" % (type(exc).__name__, exc))
 
 
-def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[AttemptEntry, ExitRecord]:
     """Start one trainer process and wait for it: (its `attempts` entry, its exit record)."""
     trainer, failure = _warm_trainer(plan)
     while True:
@@ -292,8 +294,9 @@ def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str,
                 trainer.wait()
                 raise
         except BaseException as exc:
-            _report(report_fd, {"ok": False, "error": "%s: %s" % (type(exc).__name__, exc),
-                                "errno": getattr(exc, "errno", None), "filename": getattr(exc, "filename", None)})
+            _report(report_fd, SupervisorReport(ok=False, error="%s: %s" % (type(exc).__name__, exc),
+                                                errno=getattr(exc, "errno", None),
+                                                filename=getattr(exc, "filename", None)))
             raise
         try:
             _go(plan, trainer)
@@ -303,7 +306,7 @@ def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str,
     pid = trainer.pid
     log("trainer pid %d started (attempt %d) by %s: %r" % (
         pid, plan.attempt, "exec" if failure else "the warm interpreter", list(plan.argv)))
-    _report(report_fd, {"ok": True, "pid": pid, "pgid": pid})
+    _report(report_fd, SupervisorReport(ok=True, pid=pid, pgid=pid))
     if failure is not None:
         _start_warm(plan, failure)
 
@@ -323,16 +326,16 @@ def _run_attempt(plan: TrainerPlan, report_fd: Optional[int]) -> Tuple[Dict[str,
     return entry, exit_record
 
 
-def _record_start(plan: TrainerPlan, trainer: Any, failure: Optional[warm.WarmFailed]) -> Tuple[Dict[str, Any], Optional[int]]:
+def _record_start(plan: TrainerPlan, trainer: Any,
+                  failure: Optional[warm.WarmFailed]) -> Tuple[AttemptEntry, Optional[int]]:
     """run.json for the trainer forked and waiting for its go: (its `attempts` entry, its
     start time)."""
     run, pid = plan.run, trainer.pid
     start_ticks = procfs.start_time(pid)
     started_at = time.time()
-    entry = {"attempt": plan.attempt, "reason": plan.reason, "started_at": started_at, "pid": pid,
-             "release_id": plan.release_id, "started_by": "exec" if failure else "warm",
-             "resume_from": None if plan.resume_from is None else
-             {"step": plan.resume_from[0], "path": plan.resume_from[1]}}
+    entry = AttemptEntry(attempt=plan.attempt, reason=plan.reason, started_at=started_at, pid=pid,
+                         release_id=plan.release_id, started_by="exec" if failure else "warm",
+                         resume_from=None if plan.resume_from is None else CheckpointRef(*plan.resume_from))
     record = RunRecord(
         run_id=run.run_id, name=plan.name, release_id=plan.release_id,
         release_dir=plan.release_root, workspace=plan.workspace.root,
@@ -368,7 +371,7 @@ def _go(plan: TrainerPlan, trainer: Any) -> None:
     trainer.go(not (plan.attempt > 0 and os.path.exists(plan.run.stop_requested)))
 
 
-def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: ExitRecord) -> Optional[TrainerPlan]:
+def _next_attempt(plan: TrainerPlan, entry: AttemptEntry, exit_record: ExitRecord) -> Optional[TrainerPlan]:
     """The plan of the restart the policy calls for, after its back-off; None when the
     run ends here."""
     run = plan.run
@@ -378,18 +381,18 @@ def _next_attempt(plan: TrainerPlan, entry: Dict[str, Any], exit_record: ExitRec
     history = list(plan.history) + [entry]
     refusal = attempts.restart_refusal(plan.restart, history, cause, step,
                                        os.path.exists(run.stop_requested))
-    if refusal is None:
-        delay = attempts.backoff(plan.restart or {}, history)
+    if refusal is None and plan.restart is not None:  # a refusal is given wherever there is no policy
+        delay = attempts.backoff(plan.restart, history)
         where = "" if step is None else " at step %d" % step
         attempts.log_line(run, "attempt %d ended (%s%s); restarting in %.1f s (restart %d of %d)" % (
-            plan.attempt, cause, where, delay, attempts.restarts_in_a_row(history) + 1, plan.restart["max"]))
+            plan.attempt, cause, where, delay, attempts.restarts_in_a_row(history) + 1, plan.restart.max))
         if _stopped_within(run, delay):
             refusal = "it was stopped"
     if refusal is not None:
-        if cause is not None and plan.restart and plan.restart.get("max"):
+        if cause is not None and plan.restart and plan.restart.max:
             attempts.log_line(run, "attempt %d ended (%s): not restarting: %s" % (plan.attempt, cause, refusal))
         return None
-    state = derive_state(Observation(started_at=entry["started_at"], stall_after=plan.stall_after, now=time.time(),
+    state = derive_state(Observation(started_at=entry.started_at, stall_after=plan.stall_after, now=time.time(),
                                      trainer=GONE, exit=exit_record, error_count=len(errors)))
     pick = checkpoints.newest_intact(run)
     for bad in pick.corrupt:

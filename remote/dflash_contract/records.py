@@ -3,9 +3,10 @@ it (docs/layout.md): run.json and exit.json typed, JSON lines, and which of
 errors.jsonl's records are one attempt's."""
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from .checker import Message, optional
+from .states import RunState
 
 
 def parse_json_line(line: bytes) -> Optional[Any]:
@@ -175,6 +176,95 @@ class RunPlace(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class ReleaseSource(Message):
+    """run.json's `source`: the tree a release was made from and its git state, as the CLI
+    saw it when it deployed (docs/releases.md). The git facts are None, with `git_problem`
+    saying why, where the tree is not a git checkout."""
+
+    kind: str  # how the tree was chosen: the project stood in, --source DIR, or "bundled"
+    path: str
+    release_id: str
+    dflash_version: Optional[str]  # None: not installed, or not looked up
+    git_commit: Optional[str]
+    dirty: Optional[bool]
+    diff_sha256: Optional[str]  # of the uncommitted changes that were deployed
+    modified: Tuple[str, ...]  # the first of the changed paths
+    modified_count: Optional[int] = optional(written=True)  # every changed path
+    git_problem: Optional[str] = optional(written=True)  # always written; a default as it follows one
+
+    @classmethod
+    def describe(cls) -> str:
+        return "run.json source"
+
+    def commit_mark(self) -> Optional[str]:
+        """`1a2b3c4` for a clean checkout, `1a2b3c4*` with uncommitted changes, None without git."""
+        if not self.git_commit:
+            return None
+        return self.git_commit[:7] + ("*" if self.dirty else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy(Message):
+    """run.json's `restart`: the config's `restart:`, which the run's supervisor applies
+    when an attempt ends (docs/runs.md "Attempts: resume and restart")."""
+
+    max: int  # restarts at most in a row; 0: none
+    on: Tuple[Literal["failure", "killed"], ...]  # the causes restarted
+    backoff_s: float  # before the first restart; doubled before each next one
+
+    @classmethod
+    def describe(cls) -> str:
+        return "restart policy"
+
+    def problem(self) -> Optional[str]:
+        """What is wrong with the policy's values, or None (the CLI checked the config;
+        this guards the agent's own input)."""
+        if self.max < 0:
+            return "max must be an integer >= 0"
+        if self.backoff_s < 0:
+            return "backoff_s must be a number >= 0"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef(Message):
+    """The checkpoint an attempt started from."""
+
+    step: int
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptEntry(Message):
+    """One of run.json's `attempts` (docs/runs.md "Attempts: resume and restart"): how an
+    attempt started and, once it ended, how. The four keys of its end are written only
+    then (`exit` null when nobody wrote exit.json)."""
+
+    attempt: int
+    reason: str  # launch, resume or restart
+    started_at: float
+    pid: int
+    release_id: str
+    resume_from: Optional[CheckpointRef]  # None: from the start
+    started_by: Optional[str] = optional()  # "warm" or "exec"; missing in an older release's
+    exit: Optional[ExitRecord] = optional(written=True)
+    state: Optional[RunState] = optional(written=True)  # how it ended: STOPPED, FAILED, LOST
+    step: Optional[int] = optional(written=True)  # its root cause's step for a failure, else its last
+    ended_at: Optional[float] = optional(written=True)  # None: not ended
+
+    @classmethod
+    def describe(cls) -> str:
+        return "run.json attempt"
+
+    def to_json(self) -> Dict[str, Any]:
+        out = super().to_json()
+        if self.ended_at is None:  # still running: the keys of its end are not there yet
+            for key in ("exit", "state", "step", "ended_at"):
+                del out[key]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class RunRecord(Message):
     """run.json: the run's latest attempt, written by its supervisor before the trainer
     starts (docs/layout.md). The keys the first release wrote are required; those added
@@ -203,11 +293,11 @@ class RunRecord(Message):
     started_by: Optional[str] = optional()  # "warm" or "exec"
     warm_reason: Optional[str] = optional(written=True)  # why not "warm"
     startup_stall_after: Optional[float] = optional()
-    source: Optional[Dict[str, Any]] = optional(written=True)  # where the release came from
-    restart: Optional[Dict[str, Any]] = optional(written=True)  # the restart policy
+    source: Optional[ReleaseSource] = optional(written=True)  # where the release came from
+    restart: Optional[RestartPolicy] = optional(written=True)
     distributed: Optional[RunPlace] = optional(written=True)
     attempt: Optional[int] = optional()  # None: written before attempts existed (attempt 0)
-    attempts: Optional[Tuple[Dict[str, Any], ...]] = optional()  # each attempt's entry (docs/runs.md)
+    attempts: Optional[Tuple[AttemptEntry, ...]] = optional()
 
     @classmethod
     def describe(cls) -> str:

@@ -17,7 +17,7 @@ import enum
 from typing import Any, Dict, Optional, Tuple
 
 from .checker import Message, optional
-from .records import ErrorRecord, ExitRecord, PeerFailure, RunRecord
+from .records import ErrorRecord, ExitRecord, PeerFailure, ReleaseSource, RunRecord
 from .states import RunState
 
 
@@ -157,7 +157,7 @@ class RunStatus(Message):
     errors: int  # the latest attempt's error records
     last_heartbeat: Optional[float]
     release_id: Optional[str]
-    source: Optional[Dict[str, Any]]  # run.json's: where the release came from
+    source: Optional[ReleaseSource]  # run.json's: where the release came from
     overrides: Tuple[str, ...]  # the `--set KEY=VALUE` the config was resolved with
     step: Optional[int]  # the latest attempt's last step
     startup: Optional[str]  # the start-up phase under way before the first step (its label)

@@ -6,6 +6,8 @@ import hashlib
 import json
 from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
+from .checker import Message
+from .records import ReleaseSource, RestartPolicy
 from .replies import (ArtifactsReply, CompileArtifactsReply, GcReply, LaunchCheckReply, LaunchReply,
                       ReceiveCompileArtifactsReply, ReleaseFilesReply, ReportReply, Reply, ResumeCheckReply, ResumeReply,
                       RunConfigReply, StacksReply, StatusReply, StopReply)
@@ -56,7 +58,8 @@ class Request(Verb, Generic[R]):
 
 
 def _options(options: Any) -> List[str]:
-    """The fields of a dataclass as options; a field holding a dataclass gives its own."""
+    """The fields of a dataclass as options; a field holding a dataclass gives its own,
+    unless the field says how its value is written (a record sent whole as JSON)."""
     out = []  # type: List[str]
     for field in dataclasses.fields(options):
         value = getattr(options, field.name)
@@ -66,7 +69,7 @@ def _options(options: Any) -> List[str]:
             continue
         if value is True:
             out.append(flag)
-        elif dataclasses.is_dataclass(value):
+        elif dataclasses.is_dataclass(value) and field.metadata.get(_RENDER) is None:
             out += _options(value)
         elif isinstance(value, (list, tuple)) and field.metadata.get(_EACH, True):
             out += ["%s=%s" % (flag, render(item)) for item in value]
@@ -76,7 +79,7 @@ def _options(options: Any) -> List[str]:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value)
+    return json.dumps(value.to_json() if isinstance(value, Message) else value)
 
 
 def _pair(item: Tuple[str, str]) -> str:
@@ -237,8 +240,8 @@ class Launch(Request[Union[LaunchReply, LaunchCheckReply]]):
     name: str
     stall_after: float
     startup_stall_after: float
-    source: Dict[str, Any] = option("--source-json", _json)
-    restart: Dict[str, Any] = option("--restart-json", _json)
+    source: ReleaseSource = option("--source-json", _json)
+    restart: RestartPolicy = option("--restart-json", _json)
     resources: Tuple[str, ...] = option("--resource", default=())
     env: Tuple[Tuple[str, str], ...] = option(render=_pair, default=())
     require_modules: Tuple[str, ...] = option("--require-module", default=())

@@ -378,9 +378,6 @@ class RestartConfig:
         if not self.on:
             raise ValueError("on: name at least one of failure, killed")
 
-    def as_json(self) -> dict:
-        return {"max": self.max, "on": list(self.on), "backoff_s": self.backoff_s}
-
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
