@@ -17,6 +17,7 @@ from dflash_cli import release
 from dflash_cli.cli import main
 from dflash_cli.commands.status import source_commit
 from dflash_cli.release_store import FileChange, file_diff
+from dflash_contract.records import ReleaseSource
 from dflash_run import dflash, dflash_argv, dflash_env
 from support import copy_release_dirs
 from support.disk import fill, tmpfs
@@ -204,6 +205,10 @@ def test_allow_large_sends_a_big_file_in_bounded_memory(make_inventory, tmp_path
 
 
 def test_runs_marks_a_source_with_uncommitted_changes():
+    def source(commit, dirty):
+        return ReleaseSource(kind="checkout", path="/src", release_id="rel", dflash_version=None,
+                             git_commit=commit, dirty=dirty, diff_sha256=None, modified=())
+
     commit = "1a2b3c4d5e6f"
-    assert [source_commit(s) for s in ({"git_commit": commit, "dirty": True}, {"git_commit": commit, "dirty": False},
-                                       {"git_commit": None}, None)] == ["1a2b3c4*", "1a2b3c4", "-", "-"]
+    assert [source_commit(s) for s in (source(commit, True), source(commit, False),
+                                       source(None, None), None)] == ["1a2b3c4*", "1a2b3c4", "-", "-"]

@@ -34,7 +34,6 @@ from ..config import JobConfig
 from ..data.batches import BatchShape
 from ..devices import canonical
 from ..model.objective import DraftObjective, DrafterInputs
-from ..runlog import say
 from .stable_pickles import stable_cache_keys
 from .cudagraphs import bucket_shapes, build_cudagraph_train_step
 from . import precompiled as precompiled_step

@@ -18,7 +18,7 @@ from ..compiling.step_build import StepStats, TrainStep
 from ..config import JobConfig
 from ..data.batches import HostBatch
 from ..devices import CAPTURE_LOCK, Fence, is_cuda
-from ..model.drafter import DFlashDrafter, drafter_on
+from ..model.drafter import drafter_on
 from ..model.objective import DraftObjective, DrafterInputs
 from .distributed import Layout
 from .gradients import Averaged, Posted, step_facts

@@ -23,7 +23,7 @@ from ..checkpoint.writer import CheckpointWriter
 from ..config import EvalConfig, resolved_yaml
 from ..devices import is_cuda
 from ..faults import FaultInjector
-from ..model.drafter import DFlashDrafter, cpu_weights, drafter_on, export_drafter
+from ..model.drafter import cpu_weights, drafter_on, export_drafter
 from ..model.speculative import evaluate, evaluation_decoder
 from ..model.target import FeatureTap
 from ..runlog import EventLog, say
