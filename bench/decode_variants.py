@@ -1,6 +1,7 @@
 """Variants of the decode's pieces at the Qwen3-8B shape, timed side by side on cuda:0.
 
     PYTHONPATH=remote:bench python3 bench/decode_variants.py [--parts flex,alone,prefill]
+        [--flex-shapes 64x1,256x1,1x1,1x16]
 
 flex: FlexAttention over per-row caches (fast_layers.PositionMask's mask) at the regenerate
 and evaluator shapes, per kernel option set, ms per layer (a CUDA graph of a step's 36
@@ -40,7 +41,11 @@ def timed(function, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def flex_part() -> None:
+FLEX_SHAPES = {"64x1": (64, 1, 300, 1300), "256x1": (256, 1, 300, 1300),  # regenerate's decode step
+               "1x1": (1, 1, 600, 601), "1x16": (1, 16, 600, 601)}  # the evaluator's target alone and verify
+
+
+def flex_part(shapes: list[str]) -> None:
     import random
 
     import torch
@@ -57,7 +62,7 @@ def flex_part() -> None:
     capacity = 1408
     print("\n## flex: ms per layer's attention (a CUDA graph of 36 layers' attention, median of 30 replays, over 4 "
           "caches in turn), keys up to each row's own position")
-    for rows, queries, low, high in ((64, 1, 300, 1300), (256, 1, 300, 1300), (1, 1, 600, 601), (1, 16, 600, 601)):
+    for rows, queries, low, high in (FLEX_SHAPES[shape] for shape in shapes):
         keys = [torch.randn(rows, 8, capacity, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         values = [torch.randn_like(k) for k in keys]
         q = torch.randn(rows, 32, queries, 128, device="cuda", dtype=torch.bfloat16)
@@ -154,14 +159,18 @@ def prefill_part(target) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="flex,alone,prefill")
+    parser.add_argument("--flex-shapes", default=",".join(FLEX_SHAPES),
+                        help="rows x queries of the flex part's cases: " + ", ".join(FLEX_SHAPES))
     args = parser.parse_args()
+    if unknown := set(args.flex_shapes.split(",")) - set(FLEX_SHAPES):
+        parser.error(f"--flex-shapes: no case {', '.join(sorted(unknown))}")
     import torch
 
     parts = args.parts.split(",")
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     if "flex" in parts:
         try:
-            flex_part()
+            flex_part(args.flex_shapes.split(","))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     if {"alone", "prefill"} & set(parts):
