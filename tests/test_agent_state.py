@@ -9,12 +9,13 @@ import signal
 
 import pytest
 
-from dflash_agent import attempts, jsonio
+from dflash_agent import attempts, jsonio, resume
 from dflash_contract.records import ExitRecord
 from dflash_contract.states import RunState
 from dflash_files import procfs
 from dflash_agent.layout import RunDir
-from dflash_agent.state import ALIVE, ENDING, GONE, EventSummary, Observation, derive_state, summarize_events
+from dflash_agent.state import (ALIVE, ENDING, GONE, EventSummary, Observation, derive_state, read_record,
+                                 summarize_events)
 from support_agent.harness import agent  # noqa: F401  (fixture)
 from support_agent.harness import dead_pid
 from support.wait import wait_until
@@ -270,3 +271,19 @@ def test_trainer_outliving_its_supervisor_is_running_then_lost(agent):
     status = agent.wait_state("orphan", RunState.LOST)
     assert status["exit"] is None
     assert not (agent.run_dir("orphan") / "exit.json").exists()
+
+
+def test_a_resume_that_started_nothing_knows_run_json_as_it_read_it_even_of_an_older_release(agent):
+    # The keys of the first release only: a failed resume must still see its run.json as
+    # unchanged (and drop the locks it took), though this release would write more keys.
+    run_dir = agent.fabricate_run("old")
+    run = RunDir("old", str(run_dir))
+    record = read_record(run)
+    assert resume.still_recorded(run, record)
+    written = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**written, "pid": dead_pid(), "attempt": 1}))  # a new attempt's
+    assert not resume.still_recorded(run, record)
+    (run_dir / "run.json").write_text(json.dumps(written)[:40])  # torn: whose it is cannot be told
+    assert not resume.still_recorded(run, record)
+    (run_dir / "run.json").unlink()
+    assert not resume.still_recorded(run, record)

@@ -36,7 +36,7 @@ from dflash_contract.replies import CorruptCheckpoint, ResumeCheckReply, ResumeR
 from dflash_contract.states import RunState
 
 from . import attempts, checkpoints, locks, preflight
-from .jsonio import AgentError, read_json
+from .jsonio import AgentError
 from .launch import Distributed, free_port, start_supervisor, trainer_env
 from .layout import RunDir, Workspace
 from .state import derive_state, error_records, observe, read_record, summarize_events
@@ -125,13 +125,23 @@ def _resume_locked(ws: Workspace, run: RunDir,
     try:
         report = start_supervisor(plan)
     except BaseException:
-        if read_json(run.run_json) == record.to_json():  # nothing started: the locks are ours to drop
+        if still_recorded(run, record):  # nothing started: the locks are ours to drop
             locks.release(ws, resources, run.run_id)
         raise
     return ResumeReply(run_id=run.run_id, attempt=attempt + 1, previous_state=state, step=checkpoint[0],
                        checkpoint=checkpoint[1], pid=report.pid, release_id=release_id,
                        previous_release_id=record.release_id, release=request.release,
                        corrupt=corrupt or None)
+
+
+def still_recorded(run: RunDir, record: RunRecord) -> bool:
+    """Whether run.json still holds `record`: no supervisor wrote a new attempt's. Compared
+    as records, so a run.json an older release wrote (a key it lacks, which this release
+    writes as null) compares equal to itself."""
+    try:
+        return read_record(run) == record
+    except (OSError, AgentError):  # gone or spoiled since: whose it is cannot be told
+        return False
 
 
 def _place(run: RunDir, record: RunRecord, request: ResumeRequest) -> Optional[Distributed]:

@@ -381,7 +381,8 @@ def _next_attempt(plan: TrainerPlan, entry: AttemptEntry, exit_record: ExitRecor
     history = list(plan.history) + [entry]
     refusal = attempts.restart_refusal(plan.restart, history, cause, step,
                                        os.path.exists(run.stop_requested))
-    if refusal is None and plan.restart is not None:  # a refusal is given wherever there is no policy
+    if refusal is None:
+        assert plan.restart is not None  # restart_refusal gives one wherever there is no policy
         delay = attempts.backoff(plan.restart, history)
         where = "" if step is None else " at step %d" % step
         attempts.log_line(run, "attempt %d ended (%s%s); restarting in %.1f s (restart %d of %d)" % (
