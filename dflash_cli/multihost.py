@@ -11,10 +11,6 @@ from dflash_contract.replies import RunStatus
 from dflash_contract.states import UNKNOWN_PRECEDENCE, RunState
 
 
-# The record of a rank that stopped because another rank failed (the trainers' store
-# watchdog writes it, its detail a PeerFailure): never the root cause while the failure
-# it reports is on record.
-PEER_FAILED = ErrorRecord.PEER_FAILED
 # How a state nobody could tell is shown (None: a host that could not be asked): exit 3
 # unless another host failed.
 UNKNOWN = "UNKNOWN"
@@ -106,7 +102,7 @@ def root_cause(records: Sequence[tuple[str, ErrorRecord]]) -> tuple[str, ErrorRe
     peer failed, else the earliest (a peer that failed without a record of its own:
     `blamed_host` names it)."""
     for item in records:
-        if item[1].exc_type != PEER_FAILED:
+        if item[1].exc_type != ErrorRecord.PEER_FAILED:
             return item
     return records[0] if records else None
 

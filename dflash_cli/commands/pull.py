@@ -265,7 +265,8 @@ class Puller:
                 keep = {local for local, _ in wanted}
                 removed = sum(self.pulled.remove_others(folder, keep, self.ref.host) for folder in folders)
                 skipped = sum(1 for local, f in wanted if self.received.get(local) != f.sha256)
-                return PullResult(self.ref.run_id, self.ref.host, folders, len(wanted) - skipped, self.bytes_received, skipped, removed)
+                return PullResult(self.ref.run_id, self.ref.host, folders, len(wanted) - skipped,
+                                  self.bytes_received, skipped, removed)
             console.say(f"run {self.ref.run_id}: a folder was replaced on {self.ref.host} while it was "
                         "pulled; listing it again")
         raise DflashError(f"run {self.ref.run_id}: its files kept changing on {self.ref.host} during "

@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.text import Text
 
 
+from dflash_contract.records import ErrorRecord
 from dflash_contract.replies import Gpu
 
 from .. import console, multihost
@@ -126,7 +127,7 @@ class Printer:
 
     def on_error(self, item: ErrorRecorded) -> None:
         label, record = self.label(item.host), item.record
-        if not self.as_json and record.exc_type == multihost.PEER_FAILED:
+        if not self.as_json and record.exc_type == ErrorRecord.PEER_FAILED:
             console.say(console.printable(f"{label}thread {record.thread}: "
                                           + multihost.peer_failed_line(record, self.ref.hosts)))
         elif not self.as_json:
