@@ -5,7 +5,9 @@
 - record reads by string key: `x["key"]` and `x.get("key")` in the CLI, the API and the
   agent whose key is one of run.json's, exit.json's, an errors.jsonl record's or the abort
   record's (an over-count: another dict with such a key counts too);
-- CLI imports of the agent: bench/import_graph.py's cli->agent imports.
+- CLI imports of the agent: bench/import_graph.py's cli->agent imports;
+- imports inside function bodies in dflash_cli (lazy imports: each one a module a verb
+  defers, or a circle hidden).
 
     python3 bench/contract_measures.py [REPO_ROOT]
 """
@@ -74,12 +76,23 @@ def cli_agent_imports(root: Path) -> list[str]:
     return found
 
 
+def imports_in_functions(root: Path) -> list[str]:
+    found = []
+    for path in python_files(root, ("dflash_cli",)):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found += [f"{path.relative_to(root)}:{node.lineno}" for node in ast.walk(function)
+                          if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return sorted(set(found))
+
+
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     for title, rows in (("run-state tables", state_tables(root)), ("record reads by string key", record_reads(root)),
-                        ("CLI imports of the agent", cli_agent_imports(root))):
+                        ("CLI imports of the agent", cli_agent_imports(root)),
+                        ("imports inside functions in dflash_cli", imports_in_functions(root))):
         print(f"{title}: {len(rows)}")
-        if title != "record reads by string key":
+        if title in ("run-state tables", "CLI imports of the agent"):
             for row in rows:
                 print(f"   {row}")
 
