@@ -2,6 +2,7 @@
 
     PYTHONPATH=remote python3 bench/eval_speed.py [--max-new-tokens 128] [--prompts 2] [--prompt-tokens 512]
     PYTHONPATH=remote python3 bench/eval_speed.py --cpu-check
+    PYTHONPATH=remote python3 bench/eval_speed.py --modes compiled --inductor landed,tuned,autotune --profile
 
 The evaluator's fast decode (dflash_train.model.fast_decode.FastDecoder: static KV cache,
 drafter cache, CUDA graphs) on a target with the Qwen3-8B architecture and random bf16
@@ -24,6 +25,11 @@ target alone its own weights a token. A random drafter's drafts are almost never
 accepted, so a step gains about one token and the measured speed-up is about
 (target ms per token) / (verify step ms); a drafter accepting tau tokens a step would
 show about tau times that: printed for --tau (the reference DFlash drafters reach about 6).
+
+`--inductor` compiles the steps once per named set of Inductor options (INDUCTOR_SETS;
+`landed` is what the job compiles); `--profile` then records one replay of each graphed
+step (draft, verify, target alone) under torch.profiler and prints its kernels by kind
+(bench/decode_profile.py's table).
 
 Both modes and the target alone must decode the same tokens: with random bf16 weights
 the logits are nearly flat, so a different kernel order can flip a near-tie (a
@@ -87,6 +93,36 @@ class StepClock:
                 "verify_ms": round(verify, 3), "host_ms": round(step - draft - verify, 3)}
 
 
+# Inductor options for every compiled step of the decode, by name: `landed` keeps what the
+# job compiles (fast_layers.compile_step: only the one-token steps tuned).
+INDUCTOR_SETS = {"landed": None, "tuned": {"coordinate_descent_tuning": True},
+                 "autotune": {"max_autotune": True, "coordinate_descent_tuning": True}}
+
+
+def compile_step_for(name: str | None, landed):
+    """What stands for fast_layers.compile_step under the set `name` (`landed`: the job's own)."""
+    import torch
+
+    options = INDUCTOR_SETS[name] if name else None
+    if options is None:
+        return landed
+    return lambda function, one_token=False: torch.compile(function, dynamic=False, options=options)
+
+
+def profile_steps(decoder, label: str, position: int) -> None:
+    """One replay of each graphed step under torch.profiler, from `position` (the state reset
+    there, so the replays stay inside the cache)."""
+    import torch
+    from decode_profile import profile
+
+    for name in ("draft", "verify", "alone"):
+        with torch.inference_mode():
+            decoder.start.fill_(position)
+            decoder.verified_start.fill_(position)
+            decoder.position.fill_(position)
+            profile(decoder._steps[name], f"{label}: {name}")
+
+
 def parameter_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -126,15 +162,22 @@ def main() -> None:
                         help="compiled (compile_steps and CUDA graphs), graphs (CUDA graphs on), eager (off)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.8, help="the GPU's memory bandwidth, TB/s")
     parser.add_argument("--tau", type=float, default=6.0, help="an acceptance length to project the speed-up to")
+    parser.add_argument("--inductor", default="landed",
+                        help="compiled mode: Inductor option sets to compile the steps with, comma-separated: "
+                             + ", ".join(INDUCTOR_SETS))
+    parser.add_argument("--profile", action="store_true", help="profile one replay of each graphed step")
     parser.add_argument("--cpu-check", action="store_true", help="micro target on the CPU, fp32")
     parser.add_argument("--drafter-dtype", default=None,
                         help="the drafter's dtype (default: the target's); float32 is what an export loaded as "
                              "stored in fp32 runs in")
     args = parser.parse_args()
+    if unknown := set(args.inductor.split(",")) - set(INDUCTOR_SETS):
+        parser.error(f"--inductor: no set {', '.join(sorted(unknown))}")
     import torch
 
     from dflash_train.config import DrafterConfig
     from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids, drafter_hf_config
+    from dflash_train.model import fast_decode, fast_layers
     from dflash_train.model.fast_decode import FastDecoder
     from dflash_train.model.speculative import speculative_decode
     from dflash_train.model.target import FeatureTap
@@ -177,10 +220,15 @@ def main() -> None:
                     "bandwidth_tbs": args.bandwidth_tbs, "limits": limits, "modes": {}}
     if not cpu:
         report["gpu"] = torch.cuda.get_device_name(0)
-    for mode in args.modes.split(","):
+    runs = [(mode if name in (None, "landed") else f"compiled/{name}", mode, name)
+            for mode in args.modes.split(",") for name in (args.inductor.split(",") if mode == "compiled" else [None])]
+    landed_compile = fast_layers.compile_step
+    for mode, kind, inductor in runs:
+        torch._dynamo.reset()
+        fast_layers.compile_step = fast_decode.compile_step = compile_step_for(inductor, landed_compile)
         started = time.perf_counter()
-        decoder = FastDecoder(drafter, tap, embed, head, capacity, cuda_graphs=mode != "eager",
-                              compile_steps=mode == "compiled", fuse=True)
+        decoder = FastDecoder(drafter, tap, embed, head, capacity, cuda_graphs=kind != "eager",
+                              compile_steps=kind == "compiled", fuse=True)
         decoder.capture()
         captured = time.perf_counter() - started
         result = measure(decoder, prompts, max_new_tokens, cuda=not cpu)
@@ -191,13 +239,17 @@ def main() -> None:
                                                    / result["ms_per_verify_step"], 2)
         report["modes"][mode] = result
         print(f"[{mode}] {json.dumps({k: v for k, v in result.items() if k != 'tokens'})}", flush=True)
+        if args.profile and decoder.cuda_graphs:
+            profile_steps(decoder, mode, prompt_tokens)
         del decoder
         if not cpu:
             torch.cuda.empty_cache()
 
     outputs = {mode: result.pop("tokens") for mode, result in report["modes"].items()}
     first = next(iter(outputs.values()))
-    report["graphs_same_as_eager"] = len({json.dumps(o["spec"]) for m, o in outputs.items() if m != "compiled"}) == 1
+    uncompiled = {json.dumps(o["spec"]) for m, o in outputs.items() if not m.startswith("compiled")}
+    # graphs and eager are compared only when both ran
+    report["graphs_same_as_eager"] = len(uncompiled) == 1 if {"graphs", "eager"} <= set(outputs) else None
     report["speculative_same_as_target_alone"] = all(o["spec"] == o["alone"] for o in outputs.values())
     if cpu:
         reference = [speculative_decode(drafter, tap, embed, head, p, max_new_tokens, set(), kv_cache=False).tokens
@@ -217,12 +269,13 @@ def main() -> None:
         print(f"| {mode} | {r['ms_per_verify_step']} | {r['draft_ms']} | {r['verify_ms']} | {r['host_ms']} | "
               f"{r['verify_step_vs_limit']} | {r['target_ms_per_token']} | {r['target_vs_limit']} | {r['speedup']} | "
               f"{r['projected_speedup_at_tau']} |")
-    print(f"\ngraphs decode the eager tokens: {report['graphs_same_as_eager']}; speculative = target alone: "
+    same = report["graphs_same_as_eager"]
+    print(f"\ngraphs decode the eager tokens: {'not compared' if same is None else same}; speculative = target alone: "
           f"{report['speculative_same_as_target_alone']}")
     if cpu:
         print(f"fast decode = reference path = generate: {report['same_as_reference_and_generate']}")
         if not (report["same_as_reference_and_generate"] and report["speculative_same_as_target_alone"]
-                and report["graphs_same_as_eager"]):
+                and same is not False):
             raise SystemExit("--cpu-check: the decodes differ in fp32")
 
 
