@@ -1,6 +1,6 @@
 """Where a graphed decode step's device time goes, at the Qwen3-8B shape: kernels by kind.
 
-    PYTHONPATH=remote:bench python3 bench/decode_profile.py [--slots 64,256] [--attention sdpa,flex]
+    PYTHONPATH=remote:bench python3 bench/decode_profile.py [--slots 64,256] [--attention sdpa,flex,split]
 
 A random-weight Qwen3-8B-architecture target in bf16 (bench/gpu_trainer.py), on cuda:0.
 For each slot count and attention of job: regenerate's decoder (model/batched_decode.py),
@@ -66,7 +66,7 @@ def profile(replay, label: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", default="64,256")
-    parser.add_argument("--attention", default="sdpa,flex")
+    parser.add_argument("--attention", default="sdpa,flex,split")
     parser.add_argument("--capacity", type=int, default=1088)
     args = parser.parse_args()
     import random
@@ -91,7 +91,7 @@ def main() -> None:
                 rows = list(range(slots))
                 decoder._set(rows, position=positions, live=[0] * slots, token=[17] * slots,
                              prompt_index=rows, count=[1] * slots)
-                length = decoder.capacity if attention == "flex" else \
+                length = decoder.capacity if attention != "sdpa" else \
                     min(round_up(max(positions) + 1, decoder.length_step), decoder.capacity)
                 step = decoder._step_for(length)
                 profile(step, f"regenerate step, {slots} rows, {attention}, attention length {length}")

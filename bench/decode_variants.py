@@ -1,19 +1,23 @@
 """Variants of the decode's pieces at the Qwen3-8B shape, timed side by side on cuda:0.
 
-    PYTHONPATH=remote:bench python3 bench/decode_variants.py [--parts flex,alone,prefill]
+    PYTHONPATH=remote:bench python3 bench/decode_variants.py [--parts flex,split,alone,prefill]
         [--flex-shapes 64x1,256x1,1x1,1x16]
 
 flex: FlexAttention over per-row caches (fast_layers.PositionMask's mask) at the regenerate
 and evaluator shapes, per kernel option set, ms per layer (a CUDA graph of a step's 36
 layers' attention: timed one call at a time, the host's launch would be what is measured).
-alone: the evaluator's target-alone token (model/static_target.py, compiled and graphed)
-with and without fast_layers.TOKEN_STEP_OPTIONS. prefill: one prefill chunk of job:
+split: the same cases through model/decode_attention.SplitAttention (keys cut into chunks,
+one program per row, KV head and chunk) per chunk length, against FlexAttention, each
+output's error against an fp32 SDPA reference; and where the time of each at 1x16 goes
+by kernel (torch.profiler over one graph replay). alone: the evaluator's target-alone token
+(model/static_target.py, compiled and graphed) with and without fast_layers.TOKEN_STEP_OPTIONS. prefill: one prefill chunk of job:
 regenerate, its layer functions eager and compiled.
 Each part prints its own table; a part that fails prints its error and the next runs.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -100,7 +104,75 @@ def flex_part(shapes: list[str]) -> None:
             except Exception as error:  # noqa: BLE001 - a variant that cannot build is a row, not the end
                 print(f"| {option} | failed: {type(error).__name__}: {str(error)[:160]} |", flush=True)
             torch._dynamo.reset()
-        del keys, values
+        keys.clear(), values.clear()  # the caches freed before the next case
+        torch.cuda.empty_cache()
+
+
+def _attention_case(shape: str, capacity: int, generator):
+    """A flex case's caches (4 in turn, as a step's layers read different ones), queries,
+    positions and live bytes a layer."""
+    import torch
+
+    rows, queries, low, high = FLEX_SHAPES[shape]
+    keys = [torch.randn(rows, 8, capacity, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    values = [torch.randn_like(k) for k in keys]
+    q = torch.randn(rows, queries, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # as projected
+    start = torch.tensor([generator.randrange(low, high) for _ in range(rows)], device="cuda")
+    positions = start.unsqueeze(1) + torch.arange(queries, device="cuda")
+    live = sum(int(p) + queries for p in start.tolist())
+    return keys, values, q, positions, live * 8 * 128 * 2 * 2
+
+
+def split_part(shapes: list[str]) -> None:
+    import random
+
+    import torch
+
+    from decode_profile import profile
+
+    from dflash_train.model import fast_layers
+    from dflash_train.model.decode_attention import SplitAttention
+    from dflash_train.model.decode_graphs import graphed
+
+    torch._dynamo.config.recompile_limit = 64
+    generator = random.Random(0)
+    capacity = 1408
+    print("\n## split: ms per layer's attention, SplitAttention per chunk length against FlexAttention (a CUDA "
+          "graph of 36 layers, median of 30 replays); error: relative to an fp32 SDPA reference")
+    for shape in shapes:
+        keys, values, q, positions, kv_bytes = _attention_case(shape, capacity, generator)
+        rows, queries = positions.shape
+        seen = torch.arange(capacity, device="cuda") <= positions.unsqueeze(-1)  # (B, Q, C)
+        reference = fast_layers.attend(q.float(), keys[0].float(), values[0].float(), seen, 0.088)
+        print(f"\n{shape}: {rows} rows x {queries} queries, {kv_bytes / 1e6:.0f} MB of live keys and values a layer")
+        print("| attention | chunks | ms | GB/s | error |")
+        variants = [("flex", None)] + [("split", split) for split in (None, 64, 128, 256, 512, capacity)]
+        for name, split in variants:
+            try:
+                if name == "flex":
+                    attend = fast_layers.PositionMask(rows, queries, capacity, torch.device("cuda"))
+                    chunks = "-"
+                else:
+                    attend = SplitAttention(rows, queries, capacity, torch.device("cuda"), 32, 8, 128, split)
+                    chunks = f"{attend.chunks} of {attend.split}"
+                attend.set(positions)
+
+                def layers():
+                    for i in range(36):
+                        attend(q, keys[i % 4], values[i % 4], 0.088)
+
+                with torch.inference_mode():
+                    out = attend(q, keys[0], values[0], 0.088).float()
+                    error = ((out - reference).norm() / reference.norm()).item()
+                    ms = timed(graphed(layers, torch.device("cuda"))) / 36
+                label = name if split is None else f"{name} {split}"
+                print(f"| {label} | {chunks} | {ms:.4f} | {kv_bytes / ms / 1e6:.0f} | {error:.1e} |", flush=True)
+                if split is None and shape == "1x16":  # where each one's time goes, by kernel
+                    profile(graphed(layers, torch.device("cuda")), f"{label} {shape}, 36 layers")
+            except Exception as error:  # noqa: BLE001 - a variant that cannot build is a row, not the end
+                print(f"| {name} {split} | failed: {type(error).__name__}: {str(error)[:300]} |", flush=True)
+            torch._dynamo.reset()
+        keys.clear(), values.clear()
         torch.cuda.empty_cache()
 
 
@@ -149,7 +221,8 @@ def prefill_part(target) -> None:
         for functions in ((project_and_store, output_and_mlp), compiled):
             decoder._prefill_project, decoder._prefill_output = functions
             with torch.inference_mode():
-                times.append(timed(lambda: decoder._prefill_rows(list(range(rows)), requests, width), repeats=8))
+                times.append(timed(functools.partial(decoder._prefill_rows, list(range(rows)), requests, width),
+                                   repeats=8))
         print(f"| {rows} x {width} | {times[0]:.1f} | {times[1]:.1f} | {rows * width / times[0] * 1000:.0f} | "
               f"{rows * width / times[1] * 1000:.0f} |", flush=True)
     del decoder
@@ -158,7 +231,7 @@ def prefill_part(target) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="flex,alone,prefill")
+    parser.add_argument("--parts", default="flex,split,alone,prefill")
     parser.add_argument("--flex-shapes", default=",".join(FLEX_SHAPES),
                         help="rows x queries of the flex part's cases: " + ", ".join(FLEX_SHAPES))
     args = parser.parse_args()
@@ -168,11 +241,12 @@ def main() -> None:
 
     parts = args.parts.split(",")
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
-    if "flex" in parts:
-        try:
-            flex_part(args.flex_shapes.split(","))
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+    for name, run in (("flex", flex_part), ("split", split_part)):
+        if name in parts:
+            try:
+                run(args.flex_shapes.split(","))
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
     if {"alone", "prefill"} & set(parts):
         target, _ = make_target(QWEN3_8B_TARGET, "cuda:0", "bfloat16")
         target.requires_grad_(False).eval()

@@ -16,8 +16,9 @@ after a capture and a warm-up of each (build_s: the decoder's build and capture,
 compile included).
 
 Printed per mode: ms per verify step (wall, host included) and its split, draft and
-verify (device time between CUDA events around each step) and host (the rest: the step's
-read of the verdict, the Python loop, launch gaps); the target alone's ms per token; the
+verify (device time between CUDA events around each step) and host (the rest: what the
+GPU waits for between steps; the decode launches a step before reading the last, so the
+host's read and loop mostly hide behind it); the target alone's ms per token; the
 speed-up as the evaluate job reports it (tokens/s over the target alone's tokens/s); and
 the distance from the weight-bandwidth limit: a verify step reads the target's weights,
 the drafter's and the head once (--bandwidth-tbs, the H200's 4.8 TB/s by default), the
@@ -77,17 +78,19 @@ class StepClock:
         end.record()
         self.events.append((name, begin, end))
 
-    def split_ms(self, finished: float) -> dict:
-        """Per verify step: draft, verify (device ms), host (the rest of the wall ms)."""
+    def split_ms(self, finished: float, steps: int) -> dict:
+        """Per verify step of the decode's `steps`: draft, verify (device ms, over the steps
+        launched: one more where the decode launched one past its end), host (the rest of
+        the wall ms)."""
         import torch
         if self.cuda:
             torch.cuda.synchronize()
         times = {"draft": 0.0, "verify": 0.0}
         for name, begin, end in self.events:
             times[name] += begin.elapsed_time(end) if self.cuda else 1000 * (end - begin)
-        steps = len(self.starts)
-        wall = 1000 * (finished - self.starts[0]) if steps else 0.0
-        draft, verify = times["draft"] / max(steps, 1), times["verify"] / max(steps, 1)
+        launched = len(self.starts)
+        wall = 1000 * (finished - self.starts[0]) if launched else 0.0
+        draft, verify = times["draft"] / max(launched, 1), times["verify"] / max(launched, 1)
         step = wall / max(steps, 1)
         return {"verify_steps": steps, "ms_per_verify_step": round(step, 3), "draft_ms": round(draft, 3),
                 "verify_ms": round(verify, 3), "host_ms": round(step - draft - verify, 3)}
@@ -135,7 +138,7 @@ def measure(decoder, prompts: list[list[int]], max_new_tokens: int, cuda: bool) 
     for prompt in prompts:
         clock = StepClock(cuda)
         decoded = decoder.decode(prompt, max_new_tokens, set(), probe=clock)
-        splits.append(clock.split_ms(time.perf_counter()))
+        splits.append(clock.split_ms(time.perf_counter(), len(decoded.accepted)))
         spec_s += decoded.seconds
         spec_tokens += len(decoded.tokens) - 1
         alone = decoder.decode_alone(prompt, max_new_tokens, set())
@@ -165,6 +168,9 @@ def main() -> None:
     parser.add_argument("--inductor", default="landed",
                         help="compiled mode: Inductor option sets to compile the steps with, comma-separated: "
                              + ", ".join(INDUCTOR_SETS))
+    parser.add_argument("--attention", default=None,
+                        help="compiled mode: the steps' attention, comma-separated: split, flex (fast_layers."
+                             "STEP_ATTENTION; default: the landed one)")
     parser.add_argument("--profile", action="store_true", help="profile one replay of each graphed step")
     parser.add_argument("--cpu-check", action="store_true", help="micro target on the CPU, fp32")
     parser.add_argument("--drafter-dtype", default=None,
@@ -173,6 +179,8 @@ def main() -> None:
     args = parser.parse_args()
     if unknown := set(args.inductor.split(",")) - set(INDUCTOR_SETS):
         parser.error(f"--inductor: no set {', '.join(sorted(unknown))}")
+    if args.attention and (unknown := set(args.attention.split(",")) - {"split", "flex"}):
+        parser.error(f"--attention: no attention {', '.join(sorted(unknown))}")
     import torch
 
     from dflash_train.config import DrafterConfig
@@ -220,12 +228,19 @@ def main() -> None:
                     "bandwidth_tbs": args.bandwidth_tbs, "limits": limits, "modes": {}}
     if not cpu:
         report["gpu"] = torch.cuda.get_device_name(0)
-    runs = [(mode if name in (None, "landed") else f"compiled/{name}", mode, name)
-            for mode in args.modes.split(",") for name in (args.inductor.split(",") if mode == "compiled" else [None])]
+    landed_attention = fast_layers.STEP_ATTENTION
+    attentions = args.attention.split(",") if args.attention else [landed_attention]
+    runs = [(mode if name in (None, "landed") else f"compiled/{name}", mode, name, attention)
+            for mode in args.modes.split(",") for name in (args.inductor.split(",") if mode == "compiled" else [None])
+            for attention in (attentions if mode == "compiled" else [landed_attention])]
+    if len(attentions) > 1:
+        runs = [(f"{mode}/{attention}" if kind == "compiled" else mode, kind, name, attention)
+                for mode, kind, name, attention in runs]
     landed_compile = fast_layers.compile_step
-    for mode, kind, inductor in runs:
+    for mode, kind, inductor, attention in runs:
         torch._dynamo.reset()
         fast_layers.compile_step = fast_decode.compile_step = compile_step_for(inductor, landed_compile)
+        fast_layers.STEP_ATTENTION = attention
         started = time.perf_counter()
         decoder = FastDecoder(drafter, tap, embed, head, capacity, cuda_graphs=kind != "eager",
                               compile_steps=kind == "compiled", fuse=True)

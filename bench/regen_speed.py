@@ -24,6 +24,7 @@ the same with 3 and 5 rows. $OUT/regen_speed.json holds everything when OUT is s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -84,7 +85,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--bandwidth-tbs", type=float, default=4.8)
-    parser.add_argument("--attention", default="auto", help="the decoder's attention: auto, flex or sdpa")
+    parser.add_argument("--attention", default="auto", help="the decoder's attention, comma-separated: auto, split, flex, sdpa")
     parser.add_argument("--cpu-check", action="store_true")
     args = parser.parse_args()
     if args.cpu_check:
@@ -107,10 +108,10 @@ def main() -> None:
                for _ in range(args.prompts)]
     report = {"gpu": torch.cuda.get_device_name(0), "weights_bytes": weights, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "bandwidth_tbs": args.bandwidth_tbs, "runs": []}
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
+    for batch, attention in ((int(b), a) for b in args.batch_sizes.split(",") for a in args.attention.split(",")):
         capacity = max(map(len, prompts)) + args.max_new_tokens
         built = time.perf_counter()
-        decoder = BatchedDecoder(target, batch, capacity, args.max_new_tokens, set(), None, attention=args.attention)
+        decoder = BatchedDecoder(target, batch, capacity, args.max_new_tokens, set(), None, attention=attention)
         decoder.warm_up()
         torch.cuda.synchronize()
         warm = time.perf_counter() - built
@@ -160,13 +161,17 @@ def main() -> None:
         report["runs"].append(run)
         print(json.dumps(run), flush=True)
         del decoder
+        # its caches freed before the next decoder is built: its graphed steps' closures hold
+        # it in a reference cycle, and Dynamo's caches its compiled steps
+        torch._dynamo.reset()
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "regen_speed.json").write_text(json.dumps(report, indent=1))
-    print("\n| batch | tokens/s | ms/step | bound ms/step | bound tokens/s | prefill s | warm-up s |")
+    print("\n| batch | attention | tokens/s | ms/step | bound ms/step | bound tokens/s | prefill s | warm-up s |")
     for run in report["runs"]:
-        print(f"| {run['batch_size']} | {run['tokens_per_s']} | {run['ms_per_step']} | {run['bound_ms_per_step']} | "
+        print(f"| {run['batch_size']} | {run['attention']} | {run['tokens_per_s']} | {run['ms_per_step']} | {run['bound_ms_per_step']} | "
               f"{run['bound_tokens_per_s']} | {run['prefill_s']} | {run['warm_up_s']} |")
 
 

@@ -104,10 +104,13 @@ def test_kv_cached_verification_is_lossless_and_accepts_as_the_uncached_one(trai
 def test_fast_decode_is_lossless_and_accepts_as_the_reference_with_and_without_the_drafter_cache(trained):
     """One decoder (its buffers reused across prompts of different lengths): the output is
     the target's greedy decode token for token, and its acceptance per verify step is the
-    full re-run's, with the drafter's context keys and values kept and without; the
-    target alone through the same static cache decodes the same tokens."""
+    full re-run's, with the drafter's context keys and values kept and without, and with
+    each step launched before the last is read (as on CUDA: the step launched past a
+    decode's end leaves the next prompt's decode as it would be); the target alone
+    through the same static cache decodes the same tokens, overlapped or not."""
     prompts = trained["prompts"][:3] + [[2, 6] + [10 + i for i in range(12)] + [3, 2, 7], [2, 6]]
-    decoders = {"drafter cache": _fast(trained), "no drafter cache": _fast(trained, drafter_cache=False)}
+    decoders = {"drafter cache": _fast(trained, overlap=False), "overlapped": _fast(trained, overlap=True),
+                "no drafter cache": _fast(trained, drafter_cache=False)}
     accepted_any = []
     for prompt in prompts:
         greedy = _greedy(trained["target"], prompt, 40)
@@ -118,6 +121,7 @@ def test_fast_decode_is_lossless_and_accepts_as_the_reference_with_and_without_t
             assert fast.tokens == greedy, name
             assert fast.accepted == reference.accepted, name
         assert decoders["drafter cache"].decode_alone(prompt, 40, set()).tokens == greedy
+        assert decoders["overlapped"].decode_alone(prompt, 40, set()).tokens == greedy
         accepted_any += reference.accepted
     assert max(accepted_any) > 1, "the trained drafter must get drafts accepted, or nothing was compared"
 
@@ -379,10 +383,12 @@ def test_decoding_ends_at_an_end_token_inside_an_accepted_block():
     ended = speculative_decode(drafter, tap, embed, head, prompt, 48, {stop})
     assert ended.tokens == greedy[:greedy.index(stop) + 1]
     assert ended.accepted == free.accepted[:step + 1]
-    fast = FastDecoder(drafter, tap, embed, head, 128)
-    decoded = fast.decode(prompt, 48, {stop})
-    assert (decoded.tokens, decoded.accepted) == (ended.tokens, ended.accepted)
-    assert fast.decode_alone(prompt, 48, {stop}).tokens == ended.tokens
+    for overlap in (False, True):  # overlapped: the step launched past the end token is not counted
+        fast = FastDecoder(drafter, tap, embed, head, 128, overlap=overlap)
+        for _ in range(2):  # and what it moved does not reach the next decode
+            decoded = fast.decode(prompt, 48, {stop})
+            assert (decoded.tokens, decoded.accepted) == (ended.tokens, ended.accepted), overlap
+            assert fast.decode_alone(prompt, 48, {stop}).tokens == ended.tokens, overlap
 
 
 @pytest.mark.slow(seconds=1, why="speculative decoding on CPU with the module's trained drafter")

@@ -6,8 +6,8 @@
   max_new_tokens), allocated once (fast_layers.FastLayers.kv_cache);
 * a decode step advances every row by one token: the target's layers over the rows'
   newest tokens at their own positions, attention reading each row's keys up to its own
-  position (FlexAttention with a block mask set on the device, fast_layers.PositionMask;
-  without compiling, SDPA over the first L positions, L the smallest multiple of
+  position (fast_layers.step_attention, from positions set on the device; without
+  compiling, SDPA over the first L positions, L the smallest multiple of
   `length_step` past every live row's position), and the next tokens chosen on the device
   (model/sampling.py); one host read per step;
 * the step's state (tokens, positions, which rows are live, sampling counters) stays on
@@ -35,7 +35,8 @@ import torch
 from ..config import SamplingConfig
 from ..memory.plan import PREFILL_TOKENS
 from .decode_graphs import graphed
-from .fast_layers import (FLEX_BLOCK, FastLayers, PositionMask, attend, attend_causal, compile_step, output_and_mlp,
+from . import fast_layers
+from .fast_layers import (FLEX_BLOCK, FastLayers, attend, attend_causal, compile_step, output_and_mlp,
                           project_and_store)
 from .sampling import Chooser
 
@@ -74,14 +75,16 @@ class BatchedDecoder:
                  sampling: SamplingConfig | None, compile_steps: bool = True, cuda_graphs: bool = True,
                  length_step: int = 256, prefill_tokens: int = PREFILL_TOKENS, attention: str = "auto"):
         """`compile_steps` and `cuda_graphs` apply on CUDA only. `fuse`s the model's
-        projections: the model must be this decoder's alone. `attention`: "flex" reads
-        each row's keys up to its own position (FlexAttention, compiled: CUDA only),
-        "sdpa" every row's up to the step's attention length; "auto": flex when compiling
-        on CUDA (fast_layers.PositionMask)."""
+        projections: the model must be this decoder's alone. `attention`: "split" or
+        "flex" reads each row's keys up to its own position (fast_layers.step_attention:
+        compiled steps on CUDA only), "sdpa" every row's up to the step's attention
+        length; "auto": fast_layers.STEP_ATTENTION when compiling on CUDA, else sdpa."""
         on_cuda = next(model.parameters()).device.type == "cuda"
         self.layers = FastLayers(model, compile_steps=compile_steps and on_cuda, fuse=True)
-        self.attention = ("flex" if self.layers.compiled else "sdpa") if attention == "auto" else attention
-        multiple = FLEX_BLOCK if self.attention == "flex" else PAD_MULTIPLE
+        self.attention = attention if attention != "auto" else \
+            fast_layers.STEP_ATTENTION if self.layers.compiled else "sdpa"
+        per_row = self.attention in fast_layers.STEP_ATTENTIONS
+        multiple = FLEX_BLOCK if per_row else PAD_MULTIPLE
         self.slots, self.capacity = slots, round_up(capacity, multiple)
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.length_step, self.prefill_tokens = length_step, prefill_tokens
@@ -106,12 +109,13 @@ class BatchedDecoder:
         self.chosen = zeros()
         self._steps: dict[int, Callable[[], None]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self._flex = PositionMask(slots, 1, self.capacity, device) if self.attention == "flex" else None
+        self._per_row = fast_layers.step_attention(self.attention, slots, 1, self.capacity, device,
+                                                   self.layers.geometry) if per_row else None
 
     def lengths(self) -> list[int]:
         """The attention lengths the steps use: multiples of length_step up to capacity
-        (flex: the capacity alone, each row's own length being read from the mask)."""
-        if self.attention == "flex":
+        (per-row attention: the capacity alone, each row's own length being read on the device)."""
+        if self._per_row is not None:
             return [self.capacity]
         return sorted({min(round_up(n, self.length_step), self.capacity)
                        for n in range(self.length_step, self.capacity + self.length_step, self.length_step)})
@@ -153,9 +157,9 @@ class BatchedDecoder:
         at = self.position.unsqueeze(1)  # (S, 1)
         hidden = layers.embed(self.token.unsqueeze(1))  # (S, 1, hidden)
         cos, sin = self.cos[at], self.sin[at]  # (S, 1, D)
-        if self._flex is not None:
-            self._flex.set(at)
-            attention = self._flex
+        if self._per_row is not None:
+            self._per_row.set(at)
+            attention = self._per_row
         else:
             seen = (self.key_index[:length] <= at).unsqueeze(1)  # (S, 1, L)
 
@@ -280,7 +284,7 @@ class BatchedDecoder:
             if not live:
                 return
             furthest = max(len(row.request.tokens) + len(row.tokens) for row in live.values())
-            length = self.capacity if self.attention == "flex" else \
+            length = self.capacity if self._per_row is not None else \
                 min(round_up(furthest, self.length_step), self.capacity)
             self._step_for(length)()
             chosen = self.chosen.tolist()  # the step's one host read

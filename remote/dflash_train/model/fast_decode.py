@@ -14,7 +14,12 @@ positions (prompt + new tokens + a block):
   training's forward does (the comparison the tests make);
 * a step's state stays on the device: the verify step computes the accepted length and
   moves the anchor position and token itself, so the host reads one small tensor a step
-  (the drafts and the target's verdict: the tokens gained) and launches the next;
+  (the drafts and the target's verdict: the tokens gained), and on CUDA it reads it a
+  step late (`Readback`): the next step is launched first and runs while the host reads
+  and acts on this one (on_step's reports included), so the GPU waits for no host work.
+  The step launched past the decode's end (an end token, or max_new_tokens reached) is
+  wasted, and moves state the next prefill sets anew; without the drafter cache the
+  draft needs the host's context, so that decode reads each step before the next;
 * with `compile_steps` (evaluate.compile / eval.compile, on CUDA), the steps' target layers
   (model/static_target.py) and the drafter's context extension and block run through
   `torch.compile`, compiled at their first run (the capture's warm-up): fused kernels
@@ -33,8 +38,9 @@ so a masked NaN key would still poison a row.
 `decode` is lossless: the tokens are the target's greedy decode, and the acceptance is
 the reference path's (model/speculative.py `speculative_decode`), which the tests check.
 `decode_alone` is the baseline of the speed-up: the target alone through the same static
-cache (and graphs), one token a forward. Both time the decode after the prefill, with
-the device synchronised, as the reference benchmark does.
+cache (and graphs), one token a forward, its token read a step late as `decode`'s
+report is. Both time the decode from the prefill's end, the device synchronised, to the
+host's read of the last token, as the reference benchmark does.
 """
 from __future__ import annotations
 
@@ -60,7 +66,29 @@ Probe = Callable[[str, Callable[[], None]], None]
 class Decoded:
     tokens: list[int]  # the new tokens
     accepted: list[int]  # tokens gained per verify forward (1 = only the bonus token); empty for the target alone
-    seconds: float = 0.0  # the decode after the prefill (the first token), device synchronised
+    seconds: float = 0.0  # from the prefill's end (device synchronised) to the host's read of the last token
+
+
+class Readback:
+    """A small device tensor read on the host without waiting for later work: `send(slot)`
+    queues its copy into one of two host buffers behind the work launched so far,
+    `receive(slot)` waits for that copy alone (on CUDA: pinned buffers and an event each;
+    elsewhere the copy is made at once)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, cuda = tensor, tensor.device.type == "cuda"
+        self.buffers = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+
+    def send(self, slot: int) -> None:
+        self.buffers[slot].copy_(self.tensor, non_blocking=self.events is not None)
+        if self.events is not None:  # on the tensor's device's stream, whichever device is current
+            self.events[slot].record(torch.cuda.current_stream(self.tensor.device))
+
+    def receive(self, slot: int) -> list[int]:
+        if self.events is not None:
+            self.events[slot].synchronize()
+        return self.buffers[slot].tolist()
 
 
 def synchronize(device: torch.device) -> None:
@@ -93,11 +121,14 @@ def accepted_length(drafts: list[int], verdict: list[int]) -> int:
 
 
 class FastDecoder:
-    """`lm_head_weight` is kept in the drafter's dtype (cast once here, not per block)."""
+    """`lm_head_weight` is kept in the drafter's dtype (cast once here, not per block).
+    `overlap`: launch each step before reading the last (default: on CUDA, where the host
+    then works while the GPU runs; elsewhere a launch runs at once, so it only adds the
+    wasted step)."""
 
     def __init__(self, drafter: DFlashDrafter, tap: FeatureTap, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, capacity: int, cuda_graphs: bool = True, drafter_cache: bool = True,
-                 compile_steps: bool = False, fuse: bool = False):
+                 compile_steps: bool = False, fuse: bool = False, overlap: bool | None = None):
         with torch.inference_mode():
             self.drafter, self.embed = drafter, embed_weight
             self.head = lm_head_weight.to(drafter.fc.weight.dtype)
@@ -120,7 +151,9 @@ class FastDecoder:
             # target-alone state: the newest token and its position
             self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
             self.position = torch.zeros(1, dtype=torch.long, device=device)
+            self.report_readback, self.token_readback = Readback(self.report), Readback(self.token.view(1))
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.overlap = device.type == "cuda" if overlap is None else overlap
         self.compiled = compile_steps
         # The prefill extends the drafter's context eagerly (its length varies); a step, at
         # one shape, through the compiled function when compiling.
@@ -214,10 +247,21 @@ class FastDecoder:
         started = time.perf_counter()
         if probe is not None:
             draft, verify = (lambda step=draft: probe("draft", step)), (lambda step=verify: probe("verify", step))
-        while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+
+        def launch(slot: int) -> None:
             draft()
             verify()
-            report = self.report.tolist()  # the step's one host sync
+            self.report_readback.send(slot)
+
+        slot, more = 0, len(tokens) < max_new_tokens and tokens[-1] not in stop_ids
+        if more:
+            launch(slot)
+        while more:
+            # a step gains a token at least: one that cannot end the decode has a successor
+            ahead = self.overlap and self.drafter_kv is not None and len(tokens) + 1 < max_new_tokens
+            if ahead:
+                launch(1 - slot)
+            report = self.report_readback.receive(slot)  # the step's one host sync
             drafts, verdict = report[:size - 1], report[size - 1:]
             agree = accepted_length(drafts, verdict)
             gained = drafts[:agree] + [verdict[agree]]
@@ -227,6 +271,9 @@ class FastDecoder:
             stop = next((i for i, token in enumerate(gained) if token in stop_ids), None)
             tokens += gained if stop is None else gained[:stop + 1]
             on_step()
+            more, slot = len(tokens) < max_new_tokens and tokens[-1] not in stop_ids, 1 - slot
+            if more and not ahead:
+                launch(slot)
         seconds = time.perf_counter() - started
         self.context = None
         return Decoded(tokens[:max_new_tokens], accepted, seconds)
@@ -250,8 +297,21 @@ class FastDecoder:
         tokens = [first]
         synchronize(self.device)
         started = time.perf_counter()
-        while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+
+        def launch(slot: int) -> None:
             step()
-            tokens.append(int(self.token))  # the step's one host sync
+            self.token_readback.send(slot)
+
+        slot, more = 0, len(tokens) < max_new_tokens and tokens[-1] not in stop_ids
+        if more:
+            launch(slot)
+        while more:
+            ahead = self.overlap and len(tokens) + 1 < max_new_tokens
+            if ahead:
+                launch(1 - slot)
+            tokens += self.token_readback.receive(slot)  # the step's one host sync
             on_step()
+            more, slot = len(tokens) < max_new_tokens and tokens[-1] not in stop_ids, 1 - slot
+            if more and not ahead:
+                launch(slot)
         return Decoded(tokens, [], time.perf_counter() - started)

@@ -10,10 +10,10 @@ modules, for three reasons:
 * attention reads each key-value head once, where the modules' attention first copies every
   KV head once per query head (transformers' repeat_kv), which at a batch of hundreds of
   cached sequences is most of a decode step's memory traffic: compiled steps on CUDA
-  attend through FlexAttention with grouped queries and a block mask set from the
-  positions on the device (`PositionMask`: each row's keys up to its own position); the
-  other paths lay the query heads that share a KV head along the query axis of one SDPA
-  call (`attend`);
+  attend through `step_attention` (each row's keys up to its own position, read from
+  positions set on the device: model/decode_attention.py's split-KV kernels, or
+  FlexAttention's `PositionMask` to compare with); the other paths lay the query heads
+  that share a KV head along the query axis of one SDPA call (`attend`);
 * `fuse_projections` makes q, k and v one matrix and gate and up another, as views that the
   modules keep using: fewer, larger matrix products, with no second copy of the weights.
 
@@ -37,6 +37,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SUPPORTED = ("qwen3", "qwen2", "llama")
 ATTENTION = ("sdpa", "eager")
 FLEX_BLOCK = 128  # FlexAttention's key block: a flex-attended cache holds a multiple of it
+# How compiled decode steps on CUDA attend over per-row caches (step_attention): "split"
+# (model/decode_attention.py) reads each key once and spreads a short cache's keys over
+# programs; "flex" (PositionMask) is FlexAttention's decoding kernel, slower at every step
+# shape measured (bench/RESULTS-h200.md) and kept to compare with.
+STEP_ATTENTION = "split"
+STEP_ATTENTIONS = ("split", "flex")
 # Inductor settings for the steps that advance each row by one token (the target alone,
 # job: regenerate's decode): their generated kernels' block sizes are tuned for the step's
 # one shape while compiling, which pays there (bench/RESULTS-h200.md) and not in the
@@ -240,7 +246,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torc
     out = F.scaled_dot_product_attention(grouped, keys, values,
                                          attn_mask=mask.reshape(batch, 1, group * length, seen.shape[-1]),
                                          scale=scale)
-    return out.view(batch, heads, length, dim)
+    return out.reshape(batch, heads, length, dim)  # SDPA may return it transposed in memory
 
 
 def attend_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -288,6 +294,17 @@ class PositionMask:
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         return self._attend(q, keys, values, block_mask=self.mask, scale=scale, enable_gqa=True)
+
+
+def step_attention(kind: str, rows: int, queries: int, capacity: int, device: torch.device, g: Geometry):
+    """The attention (`kind`, one of STEP_ATTENTIONS) of compiled CUDA steps of `rows` rows
+    of `queries` new positions over per-row caches: `set(positions)` each step, then
+    `(q, keys, values, scale)`; the query at position p sees the keys at positions <= p."""
+    if kind == "flex":
+        return PositionMask(rows, queries, capacity, device)
+    from .decode_attention import SplitAttention  # Triton: CUDA only
+
+    return SplitAttention(rows, queries, capacity, device, g.heads, g.kv_heads, g.head_dim)
 
 
 def output_and_mlp(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeights, g: Geometry) -> torch.Tensor:

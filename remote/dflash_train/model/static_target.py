@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .fast_layers import FLEX_BLOCK, FastLayers, PositionMask, attend, fast_refusal, output_and_mlp, project_and_store
+from . import fast_layers
+from .fast_layers import FLEX_BLOCK, FastLayers, attend, fast_refusal, output_and_mlp, project_and_store
 from .target import FeatureTap
 
 
@@ -34,21 +35,21 @@ def static_refusal(config: Any) -> str | None:
 class StaticTarget:
     """`fuse`: fuse the model's projections (fast_layers.fuse_projections) for this decode:
     only for a model no other thread runs. Compiled steps on CUDA attend through
-    FlexAttention (fast_layers.PositionMask: only the blocks up to the step's positions are
-    read), the rest through SDPA."""
+    fast_layers.step_attention (only the keys up to the step's positions are read), the
+    rest through SDPA."""
 
     def __init__(self, tap: FeatureTap, capacity: int, compile_steps: bool = False, fuse: bool = False):
         self.layers = FastLayers(tap.model, compile_steps=compile_steps, fuse=fuse)
         self.layer_ids = tap.layer_ids
-        self.flex = self.layers.compiled and self.layers.device.type == "cuda"
-        if self.flex:
+        self.per_row = self.layers.compiled and self.layers.device.type == "cuda"  # step_attention
+        if self.per_row:
             capacity = -(-capacity // FLEX_BLOCK) * FLEX_BLOCK
         self.device, self.dtype, self.capacity = self.layers.device, self.layers.dtype, capacity
         self.keys, self.values = self.layers.kv_cache(1, capacity)
         self.key_index = torch.arange(capacity, device=self.device)
         self.rows = torch.zeros(1, dtype=torch.long, device=self.device)
         self.cos, self.sin = self.layers.rope_table(capacity)
-        self._masks: dict[int, PositionMask] = {}  # by the step's query count
+        self._attentions: dict[int, object] = {}  # fast_layers.step_attention's, by the step's query count
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_logits_only: bool = False,
@@ -66,8 +67,8 @@ class StaticTarget:
         at = positions.unsqueeze(0)  # (1, Q)
         hidden = layers.embed(input_ids)
         cos, sin = self.cos[at], self.sin[at]
-        if step and self.flex:
-            attention = self._mask(at)
+        if step and self.per_row:
+            attention = self._step_attention(at)
         else:
             seen = (self.key_index.unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(0)  # (1, Q, capacity)
 
@@ -85,10 +86,11 @@ class StaticTarget:
         return logits, torch.cat([tapped[i] for i in self.layer_ids], dim=-1)
 
 
-    def _mask(self, at: torch.Tensor) -> PositionMask:
-        """The flex mask of this step's shape, set to its positions (1, Q)."""
-        if at.shape[1] not in self._masks:
-            self._masks[at.shape[1]] = PositionMask(1, at.shape[1], self.capacity, self.device)
-        mask = self._masks[at.shape[1]]
-        mask.set(at)
-        return mask
+    def _step_attention(self, at: torch.Tensor):
+        """The step attention of this step's shape, set to its positions (1, Q)."""
+        if at.shape[1] not in self._attentions:
+            self._attentions[at.shape[1]] = fast_layers.step_attention(
+                fast_layers.STEP_ATTENTION, 1, at.shape[1], self.capacity, self.device, self.layers.geometry)
+        attention = self._attentions[at.shape[1]]
+        attention.set(at)
+        return attention
