@@ -66,14 +66,10 @@ def flex_part(shapes: list[str]) -> None:
     capacity = 1408
     print("\n## flex: ms per layer's attention (a CUDA graph of 36 layers' attention, median of 30 replays, over 4 "
           "caches in turn), keys up to each row's own position")
-    for rows, queries, low, high in (FLEX_SHAPES[shape] for shape in shapes):
-        keys = [torch.randn(rows, 8, capacity, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        values = [torch.randn_like(k) for k in keys]
+    for shape in shapes:
+        keys, values, positions, kv_bytes = _attention_case(shape, capacity, generator)
+        rows, queries = positions.shape
         q = torch.randn(rows, 32, queries, 128, device="cuda", dtype=torch.bfloat16)
-        start = torch.tensor([generator.randrange(low, high) for _ in range(rows)], device="cuda")
-        positions = start.unsqueeze(1) + torch.arange(queries, device="cuda")
-        live = sum(int(p) + queries for p in start.tolist())
-        kv_bytes = live * 8 * 128 * 2 * 2
         print(f"\n{rows} rows x {queries} queries, {kv_bytes / 1e6:.0f} MB of live keys and values a layer")
         print("| kernel options | ms | GB/s | rel. diff from default |")
         reference = None
@@ -109,18 +105,17 @@ def flex_part(shapes: list[str]) -> None:
 
 
 def _attention_case(shape: str, capacity: int, generator):
-    """A flex case's caches (4 in turn, as a step's layers read different ones), queries,
-    positions and live bytes a layer."""
+    """A flex case's caches (4 in turn, as a step's layers read different ones), positions
+    (rows, queries) and live bytes a layer."""
     import torch
 
     rows, queries, low, high = FLEX_SHAPES[shape]
     keys = [torch.randn(rows, 8, capacity, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     values = [torch.randn_like(k) for k in keys]
-    q = torch.randn(rows, queries, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # as projected
     start = torch.tensor([generator.randrange(low, high) for _ in range(rows)], device="cuda")
     positions = start.unsqueeze(1) + torch.arange(queries, device="cuda")
     live = sum(int(p) + queries for p in start.tolist())
-    return keys, values, q, positions, live * 8 * 128 * 2 * 2
+    return keys, values, positions, live * 8 * 128 * 2 * 2
 
 
 def split_part(shapes: list[str]) -> None:
@@ -140,8 +135,9 @@ def split_part(shapes: list[str]) -> None:
     print("\n## split: ms per layer's attention, SplitAttention per chunk length against FlexAttention (a CUDA "
           "graph of 36 layers, median of 30 replays); error: relative to an fp32 SDPA reference")
     for shape in shapes:
-        keys, values, q, positions, kv_bytes = _attention_case(shape, capacity, generator)
+        keys, values, positions, kv_bytes = _attention_case(shape, capacity, generator)
         rows, queries = positions.shape
+        q = torch.randn(rows, queries, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # as projected
         seen = torch.arange(capacity, device="cuda") <= positions.unsqueeze(-1)  # (B, Q, C)
         reference = fast_layers.attend(q.float(), keys[0].float(), values[0].float(), seen, 0.088)
         print(f"\n{shape}: {rows} rows x {queries} queries, {kv_bytes / 1e6:.0f} MB of live keys and values a layer")

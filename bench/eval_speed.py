@@ -170,7 +170,7 @@ def main() -> None:
                              + ", ".join(INDUCTOR_SETS))
     parser.add_argument("--attention", default=None,
                         help="compiled mode: the steps' attention, comma-separated: split, flex (fast_layers."
-                             "STEP_ATTENTION; default: the landed one)")
+                             "STEP_ATTENTIONS; default: STEP_ATTENTION, the landed one)")
     parser.add_argument("--profile", action="store_true", help="profile one replay of each graphed step")
     parser.add_argument("--cpu-check", action="store_true", help="micro target on the CPU, fp32")
     parser.add_argument("--drafter-dtype", default=None,
@@ -179,8 +179,6 @@ def main() -> None:
     args = parser.parse_args()
     if unknown := set(args.inductor.split(",")) - set(INDUCTOR_SETS):
         parser.error(f"--inductor: no set {', '.join(sorted(unknown))}")
-    if args.attention and (unknown := set(args.attention.split(",")) - {"split", "flex"}):
-        parser.error(f"--attention: no attention {', '.join(sorted(unknown))}")
     import torch
 
     from dflash_train.config import DrafterConfig
@@ -190,6 +188,8 @@ def main() -> None:
     from dflash_train.model.speculative import speculative_decode
     from dflash_train.model.target import FeatureTap
 
+    if args.attention and (unknown := set(args.attention.split(",")) - set(fast_layers.STEP_ATTENTIONS)):
+        parser.error(f"--attention: no attention {', '.join(sorted(unknown))}")
     cpu = args.cpu_check
     if cpu:
         torch.set_num_threads(1)  # a micro model: more threads only wait on each other

@@ -85,7 +85,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--bandwidth-tbs", type=float, default=4.8)
-    parser.add_argument("--attention", default="auto", help="the decoder's attention, comma-separated: auto, split, flex, sdpa")
+    parser.add_argument("--attention", default="auto",
+                        help="the decoder's attention, comma-separated: auto, split, flex, sdpa")
     parser.add_argument("--cpu-check", action="store_true")
     args = parser.parse_args()
     if args.cpu_check:
@@ -171,8 +172,8 @@ def main() -> None:
         (Path(os.environ["OUT"]) / "regen_speed.json").write_text(json.dumps(report, indent=1))
     print("\n| batch | attention | tokens/s | ms/step | bound ms/step | bound tokens/s | prefill s | warm-up s |")
     for run in report["runs"]:
-        print(f"| {run['batch_size']} | {run['attention']} | {run['tokens_per_s']} | {run['ms_per_step']} | {run['bound_ms_per_step']} | "
-              f"{run['bound_tokens_per_s']} | {run['prefill_s']} | {run['warm_up_s']} |")
+        print(f"| {run['batch_size']} | {run['attention']} | {run['tokens_per_s']} | {run['ms_per_step']} | "
+              f"{run['bound_ms_per_step']} | {run['bound_tokens_per_s']} | {run['prefill_s']} | {run['warm_up_s']} |")
 
 
 if __name__ == "__main__":

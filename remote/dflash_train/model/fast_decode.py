@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -220,6 +220,34 @@ class FastDecoder:
         self.start.add_(agree + 1)
         self.block[0, :1] = verdict.gather(0, agree.view(1))  # the bonus token: the next anchor
 
+    def _reads(self, launch: Callable[[], None], readback: Readback, tokens: list[int], max_new_tokens: int,
+               stop_ids: set[int], may_overlap: bool) -> Iterator[list[int]]:
+        """Each step's read (`readback` after `launch`) until `tokens`, which the caller
+        extends from each read before asking for the next, reach max_new_tokens or end in a
+        stop id. With overlap (and `may_overlap`), the next step is launched before this
+        one is read, unless this one surely ends the decode (every step gains a token)."""
+        def done() -> bool:
+            return len(tokens) >= max_new_tokens or tokens[-1] in stop_ids
+
+        def step_into(slot: int) -> None:
+            launch()
+            readback.send(slot)
+
+        slot = 0
+        if done():
+            return
+        step_into(slot)
+        while True:
+            ahead = self.overlap and may_overlap and len(tokens) + 1 < max_new_tokens
+            if ahead:
+                step_into(1 - slot)
+            yield readback.receive(slot)  # the step's one host sync
+            slot = 1 - slot
+            if done():
+                return
+            if not ahead:
+                step_into(slot)
+
     @torch.inference_mode()
     def decode(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
                on_step: Callable[[], None] = lambda: None, probe: Probe | None = None) -> Decoded:
@@ -248,20 +276,13 @@ class FastDecoder:
         if probe is not None:
             draft, verify = (lambda step=draft: probe("draft", step)), (lambda step=verify: probe("verify", step))
 
-        def launch(slot: int) -> None:
+        def launch() -> None:
             draft()
             verify()
-            self.report_readback.send(slot)
 
-        slot, more = 0, len(tokens) < max_new_tokens and tokens[-1] not in stop_ids
-        if more:
-            launch(slot)
-        while more:
-            # a step gains a token at least: one that cannot end the decode has a successor
-            ahead = self.overlap and self.drafter_kv is not None and len(tokens) + 1 < max_new_tokens
-            if ahead:
-                launch(1 - slot)
-            report = self.report_readback.receive(slot)  # the step's one host sync
+        # without the drafter cache a draft needs the context the host adds after each read
+        for report in self._reads(launch, self.report_readback, tokens, max_new_tokens, stop_ids,
+                                  self.drafter_kv is not None):
             drafts, verdict = report[:size - 1], report[size - 1:]
             agree = accepted_length(drafts, verdict)
             gained = drafts[:agree] + [verdict[agree]]
@@ -271,9 +292,6 @@ class FastDecoder:
             stop = next((i for i, token in enumerate(gained) if token in stop_ids), None)
             tokens += gained if stop is None else gained[:stop + 1]
             on_step()
-            more, slot = len(tokens) < max_new_tokens and tokens[-1] not in stop_ids, 1 - slot
-            if more and not ahead:
-                launch(slot)
         seconds = time.perf_counter() - started
         self.context = None
         return Decoded(tokens[:max_new_tokens], accepted, seconds)
@@ -297,21 +315,7 @@ class FastDecoder:
         tokens = [first]
         synchronize(self.device)
         started = time.perf_counter()
-
-        def launch(slot: int) -> None:
-            step()
-            self.token_readback.send(slot)
-
-        slot, more = 0, len(tokens) < max_new_tokens and tokens[-1] not in stop_ids
-        if more:
-            launch(slot)
-        while more:
-            ahead = self.overlap and len(tokens) + 1 < max_new_tokens
-            if ahead:
-                launch(1 - slot)
-            tokens += self.token_readback.receive(slot)  # the step's one host sync
+        for token in self._reads(step, self.token_readback, tokens, max_new_tokens, stop_ids, True):
+            tokens += token
             on_step()
-            more, slot = len(tokens) < max_new_tokens and tokens[-1] not in stop_ids, 1 - slot
-            if more and not ahead:
-                launch(slot)
         return Decoded(tokens, [], time.perf_counter() - started)
