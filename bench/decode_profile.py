@@ -59,7 +59,7 @@ def profile(replay, label: str) -> None:
           f"{sum(len(v) for v in kinds.values())}, {total / 1000:.3f} ms of kernel time")
     for name, values in sorted(kinds.items(), key=lambda item: -sum(item[1])):
         print(f"  {name:18s} {sum(values) / 1000:7.3f} ms  {len(values):5d} kernels")
-    for name, values in sorted(names.items(), key=lambda item: -sum(item[1]))[:8]:
+    for name, values in sorted(names.items(), key=lambda item: -sum(item[1]))[:14]:
         print(f"    {sum(values) / 1000:7.3f} ms {len(values):4d}x {name[:110]}")
 
 

@@ -183,7 +183,7 @@ def main() -> None:
 
     from dflash_train.config import DrafterConfig
     from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids, drafter_hf_config
-    from dflash_train.model import fast_decode, fast_layers
+    from dflash_train.model import fast_layers
     from dflash_train.model.fast_decode import FastDecoder
     from dflash_train.model.speculative import speculative_decode
     from dflash_train.model.target import FeatureTap
@@ -239,7 +239,7 @@ def main() -> None:
     landed_compile = fast_layers.compile_step
     for mode, kind, inductor, attention in runs:
         torch._dynamo.reset()
-        fast_layers.compile_step = fast_decode.compile_step = compile_step_for(inductor, landed_compile)
+        fast_layers.compile_step = compile_step_for(inductor, landed_compile)
         fast_layers.STEP_ATTENTION = attention
         started = time.perf_counter()
         decoder = FastDecoder(drafter, tap, embed, head, capacity, cuda_graphs=kind != "eager",

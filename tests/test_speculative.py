@@ -295,6 +295,54 @@ def test_compiled_decode_steps_are_lossless_and_a_new_prompt_length_compiles_not
     assert counters["stats"]["unique_graphs"] == compiled, "a prompt of another length compiled again"
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.slow(seconds=25, why="torch.compile (Inductor's C++ on CPU) of a drafter's step functions")
+@pytest.mark.parametrize("compile_steps", [False, True], ids=["plain", "compiled"])
+def test_the_fast_drafter_writes_and_drafts_what_the_modules_cached_path_does(compile_steps):
+    """FastDrafter (fused projections, fast_layers' layer functions) against modeling_dflash's
+    extend_context and draft_cached on a copy of the same drafter: the same keys and values
+    in every layer's cache and the same drafts, over a prefill and two blocks, the second
+    extension and block overlapping (the context's keys past the accepted length must be
+    the block's)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model.drafter import DFlashDrafter, drafter_hf_config
+    from dflash_train.model.fast_drafter import FastDrafter
+
+    target = _random_target("qwen3")
+    reference = DFlashDrafter(drafter_hf_config(target.config, DrafterConfig(num_layers=3, block_size=4), (1, 3), 5))
+    reference.reset_parameters(torch.Generator().manual_seed(3))
+    reference.eval()
+    fast_module = copy.deepcopy(reference)
+    fast = FastDrafter(fast_module, 32, compile_steps=compile_steps)
+    assert fast_module.layers[0].self_attn.k_proj.weight.data_ptr() != \
+        reference.layers[0].self_attn.k_proj.weight.data_ptr()
+    head = target.get_output_embeddings().weight.detach()
+    width = 2 * target.config.hidden_size
+    generator = torch.Generator().manual_seed(4)
+    caches = reference.context_cache(32), fast_module.context_cache(32)
+    key_index = torch.arange(32)
+    with torch.inference_mode():
+        prompt = torch.randn(1, 7, width, generator=generator)
+        reference.extend_context(prompt, torch.arange(7), caches[0])
+        fast.extend(prompt, torch.arange(7), caches[1])
+        for verified, start in ((7, 7), (7, 9)):  # the second block starts inside the first's context
+            features = torch.randn(1, 4, width, generator=generator)
+            positions = torch.arange(4)
+            reference.extend_context(features, verified + positions, caches[0])
+            fast.extend(features, verified + positions, caches[1], step=True)
+            block = torch.randn(1, 4, target.config.hidden_size, generator=generator)
+            hidden = reference.draft_cached(block, start + positions, caches[0], (key_index < start + 4)[None, None, None])
+            expected = F.linear(hidden[0, 1:], head).argmax(-1)
+            assert fast.drafts(block, start + positions, caches[1], head).tolist() == expected.tolist()
+            for (keys, values), (fast_keys, fast_values) in zip(*caches):
+                torch.testing.assert_close(fast_keys, keys, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(fast_values, values, rtol=1e-5, atol=1e-5)
+
+
 def test_a_target_whose_layer_types_have_their_own_rope_gets_a_drafter_that_decodes_losslessly():
     """Gemma 3 keeps RoPE parameters per layer type ({full_attention: ..., sliding_attention:
     ...}): the drafter takes its full-attention layers' (it attends to its whole context),

@@ -37,7 +37,7 @@ from ..memory.plan import PREFILL_TOKENS
 from .decode_graphs import graphed
 from . import fast_layers
 from .fast_layers import (FLEX_BLOCK, FastLayers, attend, attend_causal, compile_step, output_and_mlp,
-                          project_and_store)
+                          project_and_store, run_layers)
 from .sampling import Chooser
 
 PAD_MULTIPLE = 64  # a prefill row's length is rounded up to this
@@ -165,10 +165,9 @@ class BatchedDecoder:
 
             def attention(q, keys, values, scale):
                 return attend(q, keys[:, :, :length], values[:, :, :length], seen, scale)
-        for w, keys, values in zip(layers.weights, self.keys, self.values):
-            q = layers.token_project(hidden, w, g, cos, sin, keys, values, self.rows, at)
-            hidden = layers.token_output(attention(q, keys, values, g.scale), hidden, w, g)
-        logits = layers.final(hidden)[:, 0]  # (S, V)
+        hidden, _ = run_layers(layers.token, hidden, layers.weights, self.keys, self.values, g, cos, sin, self.rows,
+                               at, attention)
+        logits = layers.final(hidden, layers.token)[:, 0]  # (S, V)
         self.chosen.copy_(self._step_choose(logits, self.prompt_index, self.count))
         self.token.copy_(self.chosen)
         self.position.add_(self.live)

@@ -9,7 +9,8 @@ positions (prompt + new tokens + a block):
   verified block's target features are projected into every layer's keys and values
   once (modeling_dflash `extend_context`), at the positions just verified; the ones past
   the accepted length are overwritten by the next block's own keys, which a drafted block
-  writes at its positions before attending to context and block (`draft_cached`). Without
+  writes at its positions before attending to context and block (`draft_cached`); both
+  run as functions of the drafter's fused weights (model/fast_drafter.py). Without
   the drafter cache the drafter re-projects the whole context at every block, as
   training's forward does (the comparison the tests make);
 * a step's state stays on the device: the verify step computes the accepted length and
@@ -21,10 +22,10 @@ positions (prompt + new tokens + a block):
   wasted, and moves state the next prefill sets anew; without the drafter cache the
   draft needs the host's context, so that decode reads each step before the next;
 * with `compile_steps` (evaluate.compile / eval.compile, on CUDA), the steps' target layers
-  (model/static_target.py) and the drafter's context extension and block run through
-  `torch.compile`, compiled at their first run (the capture's warm-up): fused kernels
-  make a step faster, for a compile in start-up (bench/RESULTS-h200.md, "Evaluation at
-  the hardware's speed");
+  (model/static_target.py) and the drafter's context extension and block
+  (model/fast_drafter.py) run through `torch.compile`, compiled at their first run (the
+  capture's warm-up): fused kernels make a step faster, for a compile in start-up
+  (bench/RESULTS-h200.md, "Evaluation at the hardware's speed");
 * on CUDA, with `cuda_graphs`, the draft step and the verify step (and the target-alone
   step) are CUDA graphs (model/decode_graphs.py), captured by `capture` (a training
   run's evaluator, in start-up) or at the first decode; the prefill, whose length
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 
 from .decode_graphs import graphed
 from .drafter import DFlashDrafter
-from .fast_layers import compile_step
+from .fast_drafter import FastDrafter
 from .objective import dense_block_mask
 from .static_target import StaticTarget
 from .target import FeatureTap
@@ -146,7 +147,6 @@ class FastDecoder:
             self.report = torch.zeros(2 * size - 1, dtype=torch.long, device=device)
             self.offsets = torch.arange(size, device=device)
             self.drafter_kv = drafter.context_cache(capacity) if drafter_cache else None
-            self.key_index = torch.arange(capacity, device=device)
             self.context: torch.Tensor | None = None  # without the drafter cache: every context position's features
             # target-alone state: the newest token and its position
             self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -155,10 +155,7 @@ class FastDecoder:
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.overlap = device.type == "cuda" if overlap is None else overlap
         self.compiled = compile_steps
-        # The prefill extends the drafter's context eagerly (its length varies); a step, at
-        # one shape, through the compiled function when compiling.
-        self._extend_step = compile_step(drafter.extend_context) if compile_steps else drafter.extend_context
-        self._draft_block = compile_step(drafter.draft_cached) if compile_steps else drafter.draft_cached
+        self.fast_drafter = FastDrafter(drafter, capacity, compile_steps) if drafter_cache else None
         self._steps: dict[str, Callable[[], None]] = {}
 
     def _step(self, name: str, step: Callable[[], None]) -> Callable[[], None]:
@@ -195,16 +192,13 @@ class FastDecoder:
 
     def _draft(self) -> None:
         """Drafts into block[1:]: the last verified block's features join the context first."""
-        size = self.block_size
         self.block[:, 1:] = self.drafter.mask_token_id
         if self.drafter_kv is None:
             self.block[0, 1:] = draft_tokens(self.drafter, self.embed, self.head, self.context, self.block)
             return
-        self._extend_step(self.features, self.verified_start + self.offsets, self.drafter_kv)
-        positions = self.start + self.offsets
-        key_valid = (self.key_index < self.start + size)[None, None, None]
-        hidden = self._draft_block(F.embedding(self.block, self.embed), positions, self.drafter_kv, key_valid)
-        self.block[0, 1:] = F.linear(hidden[0, 1:], self.head).argmax(-1)
+        self.fast_drafter.extend(self.features, self.verified_start + self.offsets, self.drafter_kv, step=True)
+        self.block[0, 1:] = self.fast_drafter.drafts(F.embedding(self.block, self.embed), self.start + self.offsets,
+                                                     self.drafter_kv, self.head)
 
     def _verify(self) -> None:
         """The target on the block; the gained tokens into `report`; the state moved on."""
@@ -263,7 +257,7 @@ class FastDecoder:
         first, features = self._prefill(prompt, features=True)
         assert features is not None
         if self.drafter_kv is not None:
-            self.drafter.extend_context(features, torch.arange(len(prompt), device=self.device), self.drafter_kv)
+            self.fast_drafter.extend(features, torch.arange(len(prompt), device=self.device), self.drafter_kv)
         else:
             self.context = features
         self.start.fill_(len(prompt))

@@ -5,8 +5,9 @@ The decode paths (model/static_target.py for the evaluator, model/batched_decode
 modules, for three reasons:
 
 * one compiled graph serves every layer: the weights are arguments, so Dynamo compiles
-  `project_and_store` and `output_and_mlp` once per step shape, not once per layer (a
-  compiled module's forward bakes its layer in);
+  `project_and_store`, `output_and_project` and `output_and_mlp` once per step shape, not
+  once per layer (a compiled module's forward bakes its layer in); `run_layers` joins each
+  layer's output to the next layer's projection, so a graph ends at each attention only;
 * attention reads each key-value head once, where the modules' attention first copies every
   KV head once per query head (transformers' repeat_kv), which at a batch of hundreds of
   cached sequences is most of a decode step's memory traffic: compiled steps on CUDA
@@ -27,7 +28,7 @@ heads, D head dim, C cached positions per row.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Collection
 
 import torch
 import torch.nn.functional as F
@@ -130,14 +131,20 @@ def fuse_projections(model: nn.Module) -> None:
     another; the modules' parameters become views of them, so the model computes what it
     did and holds no second copy. Done once per model (later calls see it done); only for
     a model no other thread is using, since its parameters are replaced."""
-    if getattr(model, "_dflash_fused", False):
+    fuse_layers(model, model.get_decoder().layers)
+
+
+def fuse_layers(owner: nn.Module, layers: nn.ModuleList) -> None:
+    """fuse_projections over `layers` (self_attn.{q,k,v}_proj, mlp.{gate,up}_proj), marked
+    done on `owner`: a target's decoder layers, or a drafter's."""
+    if getattr(owner, "_dflash_fused", False):
         return
     with torch.no_grad():
-        for layer in model.get_decoder().layers:
+        for layer in layers:
             attention, mlp = layer.self_attn, layer.mlp
             _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
             _fuse(mlp.gate_proj, mlp.up_proj)
-    model._dflash_fused = True
+    owner._dflash_fused = True
 
 
 def _fuse(*linears: nn.Linear) -> None:
@@ -195,9 +202,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE by rotate_half, as these families apply it; cos and sin broadcast over x."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _linear3(x: torch.Tensor, weights, biases) -> tuple[torch.Tensor, ...]:
@@ -225,8 +233,7 @@ def project_and_store(hidden: torch.Tensor, w: LayerWeights, g: Geometry, cos: t
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, g.eps), rms_norm(k, w.k_norm, g.eps)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, Q, 1, D): every head
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     index = rows.unsqueeze(1).expand(batch, length)
     keys[index, :, positions] = k  # (B, Q, KVH, D) into (N, KVH, C, D)
     values[index, :, positions] = v
@@ -319,12 +326,69 @@ def output_and_mlp(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeig
     return hidden + F.linear(F.silu(gate) * up, w.down)
 
 
+def output_and_project(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeights, next_w: LayerWeights,
+                       g: Geometry, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """output_and_mlp of one layer, then project_and_store of the next (`next_w`, writing
+    into its `keys`/`values`) -> (the layer's output, the next layer's queries). One graph
+    when compiled: the residual add that ends a layer and the RMSNorm that starts the next
+    become one kernel, where two graphs launch one each."""
+    hidden = output_and_mlp(attention, residual, w, g)
+    return hidden, project_and_store(hidden, next_w, g, cos, sin, keys, values, rows, positions)
+
+
+def final_logits(hidden: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor,
+                 head_bias: torch.Tensor | None) -> torch.Tensor:
+    """The last layer's output (..., hidden) -> logits (..., V): the final RMSNorm, the head."""
+    return F.linear(rms_norm(hidden, norm, eps), head, head_bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerFunctions:
+    """What `run_layers` calls, and the head after it: plain or compiled, one graph per
+    step shape each."""
+    project: Callable  # project_and_store: the first layer's
+    output_and_project: Callable  # each layer's output with the next one's projection
+    output: Callable  # output_and_mlp: the last layer's
+    final: Callable  # final_logits
+
+    @staticmethod
+    def compiled(one_token: bool = False) -> LayerFunctions:
+        return LayerFunctions(*(compile_step(f, one_token=one_token) for f in PLAIN_FUNCTIONS))
+
+
+def run_layers(functions: LayerFunctions, hidden: torch.Tensor, weights: list[LayerWeights], keys: list[torch.Tensor],
+               values: list[torch.Tensor], g: Geometry, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+               positions: torch.Tensor, attention: Callable, taps: Collection[int] = ()
+               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """hidden (B, Q, hidden) of new positions (B, Q) through the layers of `weights`, layer
+    i writing its keys and values into keys[i], values[i] at `rows` and those positions,
+    then attending through `attention(q, keys, values, scale)` -> the last layer's output,
+    and {i: layer i's output} for the layer indices in `taps`."""
+    tapped: dict[int, torch.Tensor] = {}
+    q = functions.project(hidden, weights[0], g, cos, sin, keys[0], values[0], rows, positions)
+    for index, w in enumerate(weights):
+        out = attention(q, keys[index], values[index], g.scale)
+        if index + 1 < len(weights):
+            hidden, q = functions.output_and_project(out, hidden, w, weights[index + 1], g, cos, sin,
+                                                     keys[index + 1], values[index + 1], rows, positions)
+        else:
+            hidden = functions.output(out, hidden, w, g)
+        if index in taps:
+            tapped[index] = hidden
+    return hidden, tapped
+
+
+PLAIN_FUNCTIONS = (project_and_store, output_and_project, output_and_mlp, final_logits)
+PLAIN = LayerFunctions(*PLAIN_FUNCTIONS)
+
+
 class FastLayers:
-    """A target's layers as LayerWeights, with the two per-layer functions: compiled for
-    fixed-shape steps when `compile_steps` (one graph per step shape for every layer, which
-    the decode's CUDA graphs capture; `token_*` for steps of one token a row, tuned for
-    them), plain otherwise. `fuse`: fuse_projections first (only for a model this decode
-    owns)."""
+    """A target's layers as LayerWeights, with the LayerFunctions that run them: `step`,
+    compiled for fixed-shape steps when `compile_steps` (one graph per function and step
+    shape for every layer, which the decode's CUDA graphs capture), `token` likewise for
+    steps of one token a row, tuned for them; plain otherwise. `fuse`: fuse_projections
+    first (only for a model this decode owns)."""
 
     def __init__(self, model: nn.Module, compile_steps: bool = False, fuse: bool = False):
         if problem := fast_refusal(model.config):
@@ -341,10 +405,8 @@ class FastLayers:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.compiled = compile_steps
-        self.step_project = compile_step(project_and_store) if compile_steps else project_and_store
-        self.step_output = compile_step(output_and_mlp) if compile_steps else output_and_mlp
-        self.token_project = compile_step(project_and_store, one_token=True) if compile_steps else project_and_store
-        self.token_output = compile_step(output_and_mlp, one_token=True) if compile_steps else output_and_mlp
+        self.step = LayerFunctions.compiled() if compile_steps else PLAIN
+        self.token = LayerFunctions.compiled(one_token=True) if compile_steps else PLAIN
 
     def rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (positions, D) in the model's dtype: the rotary module's own values at
@@ -366,6 +428,7 @@ class FastLayers:
         g = self.geometry
         return len(self.weights) * 2 * g.kv_heads * g.head_dim * self.embed.weight.element_size()
 
-    def final(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(rms_norm(hidden, self.final_norm, self.geometry.eps))
+    def final(self, hidden: torch.Tensor, functions: LayerFunctions = PLAIN) -> torch.Tensor:
+        """The last layer's output (..., hidden) -> logits (..., V), through `functions`."""
+        return functions.final(hidden, self.final_norm, self.geometry.eps, self.head.weight, self.head.bias)
 

@@ -12,11 +12,13 @@ from the block tokens only, while keys and values are the same k_proj/v_proj app
 [context features ; block tokens]. Module names match the public DFlash inference code
 (z-lab/dflash `DFlashDraftModel`), so its state dict loads there unchanged too.
 
-Decoding uses the cached path (`context_cache`, `extend_context`, `draft_cached`): the
-context's keys and values are projected once per accepted position into per-layer
-buffers, and a drafted block attends to them plus its own, the same computation as
-`draft` over the whole context (keys and values are per-position: k_norm and RoPE act on
-each row alone). Training runs `draft`, which this path leaves untouched.
+The cached path (`context_cache`, `extend_context`, `draft_cached`) decodes without
+re-projecting the context: its keys and values are projected once per accepted position
+into per-layer buffers, and a drafted block attends to them plus its own, the same
+computation as `draft` over the whole context (keys and values are per-position: k_norm
+and RoPE act on each row alone). An export's users can decode with it; the evaluator's
+decode computes the same as functions of the weights (fast_drafter.py), held to it by the
+tests. Training runs `draft`, which this path leaves untouched.
 """
 from __future__ import annotations
 

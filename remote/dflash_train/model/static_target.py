@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import fast_layers
-from .fast_layers import FLEX_BLOCK, FastLayers, attend, fast_refusal, output_and_mlp, project_and_store
+from .fast_layers import FLEX_BLOCK, FastLayers, attend, fast_refusal, run_layers
 from .target import FeatureTap
 
 
@@ -59,11 +59,9 @@ class StaticTarget:
         (1, Q, n*H), or None when not asked for. `step`: a fixed-shape decode step (the
         compiled functions, when built with them)."""
         layers, g = self.layers, self.layers.geometry
-        project, output = project_and_store, output_and_mlp
+        functions = fast_layers.PLAIN
         if step:
-            one_token = input_ids.shape[1] == 1
-            project = layers.token_project if one_token else layers.step_project
-            output = layers.token_output if one_token else layers.step_output
+            functions = layers.token if input_ids.shape[1] == 1 else layers.step
         at = positions.unsqueeze(0)  # (1, Q)
         hidden = layers.embed(input_ids)
         cos, sin = self.cos[at], self.sin[at]
@@ -74,17 +72,12 @@ class StaticTarget:
 
             def attention(q, keys, values, scale):
                 return attend(q, keys, values, seen, scale)
-        tapped: dict[int, torch.Tensor] = {}
-        for index, (w, keys, values) in enumerate(zip(layers.weights, self.keys, self.values)):
-            q = project(hidden, w, g, cos, sin, keys, values, self.rows, at)
-            hidden = output(attention(q, keys, values, g.scale), hidden, w, g)
-            if index in self.layer_ids:
-                tapped[index] = hidden
-        logits = layers.final(hidden[:, -1:] if last_logits_only else hidden)
+        hidden, tapped = run_layers(functions, hidden, layers.weights, self.keys, self.values, g, cos, sin, self.rows,
+                                    at, attention, self.layer_ids if features else ())
+        logits = layers.final(hidden[:, -1:] if last_logits_only else hidden, functions)
         if not features:
             return logits, None
         return logits, torch.cat([tapped[i] for i in self.layer_ids], dim=-1)
-
 
     def _step_attention(self, at: torch.Tensor):
         """The step attention of this step's shape, set to its positions (1, Q)."""
