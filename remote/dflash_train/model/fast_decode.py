@@ -122,7 +122,10 @@ def accepted_length(drafts: list[int], verdict: list[int]) -> int:
 
 
 class FastDecoder:
-    """`lm_head_weight` is kept in the drafter's dtype (cast once here, not per block).
+    """The drafter is the decoder's own: with the drafter cache its projections are fused
+    (model/fast_drafter.py), so it must be no module another thread trains (a snapshot
+    loaded into it by load_state_dict is fine). `lm_head_weight` is kept in the drafter's
+    dtype (cast once here, not per block).
     `overlap`: launch each step before reading the last (default: on CUDA, where the host
     then works while the GPU runs; elsewhere a launch runs at once, so it only adds the
     wasted step)."""
