@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import ast
 import json
+import threading
 from pathlib import Path
 
 import dflash_contract.events
 import pytest
-from dflash_contract.events import STARTUP, STEP, EventError, EventType
+from dflash_contract.events import DONE, STARTUP, STEP, EventError, EventType
 from dflash_contract.events.__main__ import markdown
 from dflash_contract.events.fields import INT, Field
 from dflash_train.runlog import EventLog
@@ -44,6 +45,35 @@ def test_emit_refuses_an_event_that_does_not_fit_naming_its_type_and_field(tmp_p
     assert str(refused.value).startswith(f"step event: field {field!r}: {problem}")
     [kept] = written(tmp_path / "events.jsonl")  # the refused one is not written
     assert kept == {"ts": kept["ts"], "type": "step", "thread": "MainThread", **A_STEP}
+
+
+def test_done_is_the_last_event_whichever_thread_writes_after_it(tmp_path, capfd):
+    # The start-up pulse and threads that outlived the stop write while the coordinator ends
+    # the run: the file ends with the done event all the same.
+    log = EventLog(tmp_path / "events.jsonl")
+    ending, under_way = threading.Event(), threading.Barrier(5)
+
+    def pulse():
+        under_way.wait()
+        while not ending.is_set():
+            log.emit(STARTUP, phase="load target", state="alive", label="load target", elapsed_s=1.0, cpu_s=0.5,
+                     io_bytes=0)
+    pulses = [threading.Thread(target=pulse) for _ in range(4)]
+    for thread in pulses:
+        thread.start()
+    try:
+        under_way.wait()
+        log.emit(DONE, exit_code=1, threads_alive=["startup-pulse"])
+        after = threading.Thread(target=log.emit, args=(STEP,), kwargs=A_STEP)
+        after.start()
+        after.join()
+    finally:
+        ending.set()
+        for thread in pulses:
+            thread.join()
+    events = written(tmp_path / "events.jsonl")
+    assert [e["type"] for e in events].index("done") == len(events) - 1
+    assert "step event not written: it came after the done event" in capfd.readouterr().out
 
 
 def test_a_start_up_phase_and_its_detail_are_declared(tmp_path):

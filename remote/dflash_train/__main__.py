@@ -96,6 +96,7 @@ def finish(events: EventLog, errors: ErrorLog, writers, fault_log, code: int, al
     """Report and leave at once: os._exit, because a hung daemon thread must not be able to
     delay or crash interpreter shutdown. Nothing written here may keep it from exiting
     with `code`: on a full disk the `done` event is said to be missing, in the log."""
+    startup_phases.end_pulse()  # a start-up that failed ends with its run
     emit_done(events, code, alive)
     say(f"exit code {code}")
     for writer in writers:

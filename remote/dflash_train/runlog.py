@@ -208,9 +208,19 @@ class EventLog(JsonLines):
 
     def __init__(self, path: Path):
         super().__init__(path, fsync=False)
+        self._order = threading.Lock()  # the `done` check and the write, as one
+        self._done = False
 
     def emit(self, kind: EventType, **fields: Any) -> None:
-        self.append(kind.record(time.time(), fields, thread=threading.current_thread().name))
+        """Write one event; after `done`, the process's last, none is written (a thread that
+        outlived the stop, the start-up pulse waking as the run ends): said in the log."""
+        record = kind.record(time.time(), fields, thread=threading.current_thread().name)
+        with self._order:
+            if self._done:
+                say(f"{kind.name} event not written: it came after the done event")
+                return
+            self.append(record)
+            self._done = kind is DONE
 
 
 def emit_done(events: EventLog, code: int, alive: list[str]) -> None:

@@ -274,7 +274,8 @@ PROGRESS = EventType("progress", "The regenerate job wrote answers (at most one 
 ))
 
 DONE = EventType("done", "The trainer's last act: its own record of how it ended, which decides the state of a "
-                 "run whose supervisor died before writing exit.json.", BY_TRAINER, (
+                 "run whose supervisor died before writing exit.json. It is the attempt's last event: the trainer "
+                 "writes none after it.", BY_TRAINER, (
                      Field("exit_code", INT, "the trainer's exit status"),
                      Field("threads_alive", ListOf(STR), "threads that outlived the stop"),
                  ))

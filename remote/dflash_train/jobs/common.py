@@ -93,6 +93,7 @@ def end_now(events: EventLog, fault_log, grace_s: float, code: int) -> None:
     startup step that does not look at the stop event): stacks, the done event, exit."""
     alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     report_threads_still_running(alive, grace_s, fault_log)
+    startup_phases.end_pulse()
     emit_done(events, code, alive)
     os._exit(code)
 
