@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from . import fast_layers
 from .drafter import DFlashDrafter
-from .fast_layers import (Geometry, LayerFunctions, LayerWeights, attend, layer_weights, rms_norm, rotate,
-                          run_layers)
+from .fast_layers import (Geometry, LayerFunctions, LayerWeights, attend, final_logits, layer_weights, rms_norm,
+                          rotate, run_layers)
 
 
 def drafter_geometry(drafter: DFlashDrafter) -> Geometry:
@@ -58,7 +58,7 @@ def extend_context(features: torch.Tensor, fc: torch.Tensor, hidden_norm: torch.
 def drafted(hidden: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
     """The final hidden states (1, Q, H) -> the drafted tokens (Q-1,): the target's head on
     the normed positions after the anchor, greedy."""
-    return F.linear(rms_norm(hidden[0, 1:], norm, eps), head).argmax(-1)
+    return final_logits(hidden[0, 1:], norm, eps, head, None).argmax(-1)
 
 
 class FastDrafter:
@@ -80,7 +80,6 @@ class FastDrafter:
         self.cos, self.sin = cos[0], sin[0]  # (C, D)
         self.key_index = torch.arange(capacity, device=device)
         self.rows = torch.zeros(1, dtype=torch.long, device=device)
-        self.compiled = compile_steps
         self._layers = LayerFunctions.compiled() if compile_steps else fast_layers.PLAIN
         self._extend_step = fast_layers.compile_step(extend_context) if compile_steps else extend_context
         self._drafted = fast_layers.compile_step(drafted) if compile_steps else drafted
