@@ -7,8 +7,9 @@ flex: FlexAttention over per-row caches (fast_layers.PositionMask's mask) at the
 and evaluator shapes, per kernel option set, ms per layer (a CUDA graph of a step's 36
 layers' attention: timed one call at a time, the host's launch would be what is measured).
 split: the same cases through model/decode_attention.SplitAttention (keys cut into chunks,
-one program per row, KV head and chunk) per chunk length, against FlexAttention, each
-output's error against an fp32 SDPA reference; and where the time of each at 1x16 goes
+one program per row, KV head and chunk) per chunk length, its chunks merged by a second
+kernel or folded (merged by their last program), against FlexAttention, each output's
+error against an fp32 SDPA reference; and where the time of each at 1x16 and 1x1 goes
 by kernel (torch.profiler over one graph replay). alone: the evaluator's target-alone token
 (model/static_target.py, compiled and graphed) with and without fast_layers.TOKEN_STEP_OPTIONS. prefill: one prefill chunk of job:
 regenerate, its layer functions eager and compiled.
@@ -142,14 +143,16 @@ def split_part(shapes: list[str]) -> None:
         reference = fast_layers.attend(q.float(), keys[0].float(), values[0].float(), seen, 0.088)
         print(f"\n{shape}: {rows} rows x {queries} queries, {kv_bytes / 1e6:.0f} MB of live keys and values a layer")
         print("| attention | chunks | ms | GB/s | error |")
-        variants = [("flex", None)] + [("split", split) for split in (None, 64, 128, 256, 512, capacity)]
+        variants = [("flex", None)] + [("split", split) for split in (None, 64, 128, 256, 512, capacity)] \
+            + [("split folded", split) for split in (None, 128, 256)]
         for name, split in variants:
             try:
                 if name == "flex":
                     attend = fast_layers.PositionMask(rows, queries, capacity, torch.device("cuda"))
                     chunks = "-"
                 else:
-                    attend = SplitAttention(rows, queries, capacity, torch.device("cuda"), 32, 8, 128, split)
+                    attend = SplitAttention(rows, queries, capacity, torch.device("cuda"), 32, 8, 128, split,
+                                            fold=name == "split folded")
                     chunks = f"{attend.chunks} of {attend.split}"
                 attend.set(positions)
 
@@ -163,7 +166,7 @@ def split_part(shapes: list[str]) -> None:
                     ms = timed(graphed(layers, torch.device("cuda"))) / 36
                 label = name if split is None else f"{name} {split}"
                 print(f"| {label} | {chunks} | {ms:.4f} | {kv_bytes / ms / 1e6:.0f} | {error:.1e} |", flush=True)
-                if split is None and shape == "1x16":  # where each one's time goes, by kernel
+                if split is None and shape in ("1x16", "1x1"):  # where each one's time goes, by kernel
                     profile(graphed(layers, torch.device("cuda")), f"{label} {shape}, 36 layers")
             except Exception as error:  # noqa: BLE001 - a variant that cannot build is a row, not the end
                 print(f"| {name} {split} | failed: {type(error).__name__}: {str(error)[:300]} |", flush=True)

@@ -96,20 +96,25 @@ class StepClock:
                 "verify_ms": round(verify, 3), "host_ms": round(step - draft - verify, 3)}
 
 
-# Inductor options for every compiled step of the decode, by name: `landed` keeps what the
-# job compiles (fast_layers.compile_step: only the one-token steps tuned).
+# Inductor options for every compiled step of the decode, by name, over what the job
+# compiles (`landed`: fast_layers.compile_step, the one-token steps tuned): `combo` lets
+# Inductor launch independent kernels of a graph as one (a step's q, k and v, say).
 INDUCTOR_SETS = {"landed": None, "tuned": {"coordinate_descent_tuning": True},
-                 "autotune": {"max_autotune": True, "coordinate_descent_tuning": True}}
+                 "autotune": {"max_autotune": True, "coordinate_descent_tuning": True},
+                 "combo": {"combo_kernels": True}}
 
 
 def compile_step_for(name: str | None, landed):
     """What stands for fast_layers.compile_step under the set `name` (`landed`: the job's own)."""
     import torch
 
+    from dflash_train.model.fast_layers import TOKEN_STEP_OPTIONS
+
     options = INDUCTOR_SETS[name] if name else None
     if options is None:
         return landed
-    return lambda function, one_token=False: torch.compile(function, dynamic=False, options=options)
+    return lambda function, one_token=False: torch.compile(
+        function, dynamic=False, options={**(TOKEN_STEP_OPTIONS if one_token else {}), **options})
 
 
 def profile_steps(decoder, label: str, position: int) -> None:
