@@ -1,6 +1,6 @@
 """Variants of the decode's pieces at the Qwen3-8B shape, timed side by side on cuda:0.
 
-    PYTHONPATH=remote:bench python3 bench/decode_variants.py [--parts flex,split,alone,prefill]
+    PYTHONPATH=remote:bench python3 bench/decode_variants.py [--parts flex,split,products,alone,prefill]
         [--flex-shapes 64x1,256x1,1x1,1x16]
 
 flex: FlexAttention over per-row caches (fast_layers.PositionMask's mask) at the regenerate
@@ -10,8 +10,10 @@ split: the same cases through model/decode_attention.SplitAttention (keys cut in
 one program per row, KV head and chunk) per chunk length, its chunks merged by a second
 kernel or folded (merged by their last program), against FlexAttention, each output's
 error against an fp32 SDPA reference; and where the time of each at 1x16 and 1x1 goes
-by kernel (torch.profiler over one graph replay). alone: the evaluator's target-alone token
-(model/static_target.py, compiled and graphed) with and without fast_layers.TOKEN_STEP_OPTIONS. prefill: one prefill chunk of job:
+by kernel (torch.profiler over one graph replay). products: each product of the 16- and
+64-position steps as cuBLAS's F.linear and as fast_layers.split_linear's parts. alone:
+the evaluator's target-alone token (model/static_target.py, compiled and graphed) with
+and without fast_layers.TOKEN_STEP_OPTIONS. prefill: one prefill chunk of job:
 regenerate, its layer functions eager and compiled.
 Each part prints its own table; a part that fails prints its error and the next runs.
 """
@@ -175,6 +177,57 @@ def split_part(shapes: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
+# fast_layers.SPLIT_K's roles at the 8B shapes: (K, N)
+PRODUCT_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096),
+                  "fc": (20480, 4096), "kv": (4096, 2048)}
+PRODUCT_ROWS = (16, 64)  # the verify and draft steps; job: regenerate's at batch 64
+
+
+def products_part() -> None:
+    """Each product a step makes, with a residual add after it, as F.linear (cuBLAS, which
+    splits K where it chooses) and as fast_layers.split_linear over 2, 4 and 8 parts: per
+    role and row count, 36 distinct weights in one CUDA graph."""
+    import torch
+    import torch.nn.functional as F
+
+    from dflash_train.model.decode_graphs import graphed
+    from dflash_train.model.fast_layers import split_linear
+
+    print("\n## products: us a product with the residual add after it (a CUDA graph of 36, distinct weights, "
+          "median of 30 replays), TB/s of its weight, error against fp32")
+    print("| role (K x N) | rows | F.linear | split 2 | split 4 | split 8 |\n| --- | --- | --- | --- | --- | --- |")
+    for role, (width, outputs) in PRODUCT_SHAPES.items():
+        weights = [torch.randn(outputs, width, device="cuda", dtype=torch.bfloat16) / width ** 0.5 for _ in range(36)]
+        weight_bytes = 2 * width * outputs
+        for rows in PRODUCT_ROWS:
+            x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn(rows, outputs, device="cuda", dtype=torch.bfloat16)
+            reference = x.float() @ weights[0].float().T
+            cells = []
+            for splits in (0, 2, 4, 8):
+                def step(x, w, residual, splits=splits):
+                    return residual + (split_linear(x, w, None, splits) if splits else F.linear(x, w))
+
+                compiled = torch.compile(step, dynamic=False)
+                try:
+                    with torch.inference_mode():
+                        out = compiled(x, weights[0], torch.zeros_like(residual)).float()
+                        error = ((out - reference).norm() / reference.norm()).item()
+
+                        def layers():
+                            for w in weights:
+                                compiled(x, w, residual)
+
+                        us = timed(graphed(layers, torch.device("cuda"))) / 36 * 1000
+                    cells.append(f"{us:.1f} us, {weight_bytes / us / 1e6:.2f} TB/s, {error:.0e}")
+                except Exception as error:  # noqa: BLE001 - a variant that cannot build is a cell, not the end
+                    cells.append(f"failed: {type(error).__name__}: {str(error)[:200]}")
+                torch._dynamo.reset()
+            print(f"| {role} ({width} x {outputs}) | {rows} | {' | '.join(cells)} |", flush=True)
+        weights.clear()
+        torch.cuda.empty_cache()
+
+
 def alone_part(target) -> None:
     import torch
 
@@ -230,7 +283,7 @@ def prefill_part(target) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="flex,split,alone,prefill")
+    parser.add_argument("--parts", default="flex,split,products,alone,prefill")
     parser.add_argument("--flex-shapes", default=",".join(FLEX_SHAPES),
                         help="rows x queries of the flex part's cases: " + ", ".join(FLEX_SHAPES))
     args = parser.parse_args()
@@ -246,6 +299,11 @@ def main() -> None:
                 run(args.flex_shapes.split(","))
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
+    if "products" in parts:
+        try:
+            products_part()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
     if {"alone", "prefill"} & set(parts):
         target, _ = make_target(QWEN3_8B_TARGET, "cuda:0", "bfloat16")
         target.requires_grad_(False).eval()

@@ -30,7 +30,8 @@ show about tau times that: printed for --tau (the reference DFlash drafters reac
 `--inductor` compiles the steps once per named set of Inductor options (INDUCTOR_SETS;
 `landed` is what the job compiles); `--profile` then records one replay of each graphed
 step (draft, verify, target alone) under torch.profiler and prints its kernels by kind
-(bench/decode_profile.py's table).
+(bench/decode_profile.py's table); `--split-k` builds once per fast_layers.SPLIT_K table
+(which products of the 16-position steps split their K, into how many parts).
 
 Both modes and the target alone must decode the same tokens: with random bf16 weights
 the logits are nearly flat, so a different kernel order can flip a near-tie (a
@@ -117,6 +118,20 @@ def compile_step_for(name: str | None, landed):
         function, dynamic=False, options={**(TOKEN_STEP_OPTIONS if one_token else {}), **options})
 
 
+def split_table(text: str, parser) -> dict[str, int]:
+    """'qkv=4,o=4' -> {"qkv": 4, "o": 4}; 'none' -> {}."""
+    if text == "none":
+        return {}
+    try:
+        return {role: int(parts) for role, parts in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        parser.error(f"--split-k: {text!r} is not 'role=parts,...' or 'none'")
+
+
+def split_label(table: dict[str, int]) -> str:
+    return ",".join(f"{role}={parts}" for role, parts in table.items()) or "none"
+
+
 def profile_steps(decoder, label: str, position: int) -> None:
     """One replay of each graphed step under torch.profiler, from `position` (the state reset
     there, so the replays stay inside the cache)."""
@@ -176,6 +191,9 @@ def main() -> None:
     parser.add_argument("--attention", default=None,
                         help="compiled mode: the steps' attention, comma-separated: split, flex (fast_layers."
                              "STEP_ATTENTIONS; default: STEP_ATTENTION, the landed one)")
+    parser.add_argument("--split-k", default=None,
+                        help="compiled mode: fast_layers.SPLIT_K tables to build with, separated by '/', each "
+                             "'role=parts,...' or 'none' (cuBLAS's own products; default: the landed table)")
     parser.add_argument("--profile", action="store_true", help="profile one replay of each graphed step")
     parser.add_argument("--cpu-check", action="store_true", help="micro target on the CPU, fp32")
     parser.add_argument("--drafter-dtype", default=None,
@@ -241,11 +259,17 @@ def main() -> None:
     if len(attentions) > 1:
         runs = [(f"{mode}/{attention}" if kind == "compiled" else mode, kind, name, attention)
                 for mode, kind, name, attention in runs]
+    landed_split = fast_layers.SPLIT_K
+    splits = [split_table(text, parser) for text in args.split_k.split("/")] if args.split_k else [landed_split]
+    runs = [(f"{mode}/split {split_label(split)}" if kind == "compiled" and len(splits) > 1 else mode, kind, name,
+             attention, split if kind == "compiled" else landed_split)
+            for mode, kind, name, attention in runs for split in (splits if kind == "compiled" else [landed_split])]
     landed_compile = fast_layers.compile_step
-    for mode, kind, inductor, attention in runs:
+    for mode, kind, inductor, attention, split in runs:
         torch._dynamo.reset()
         fast_layers.compile_step = compile_step_for(inductor, landed_compile)
         fast_layers.STEP_ATTENTION = attention
+        fast_layers.SPLIT_K = split
         started = time.perf_counter()
         decoder = FastDecoder(drafter, tap, embed, head, capacity, cuda_graphs=kind != "eager",
                               compile_steps=kind == "compiled", fuse=True)
@@ -257,6 +281,8 @@ def main() -> None:
         result["target_vs_limit"] = round(result["target_ms_per_token"] / limits["target_ms_per_token"], 2)
         result["projected_speedup_at_tau"] = round(args.tau * result["target_ms_per_token"]
                                                    / result["ms_per_verify_step"], 2)
+        while mode in report["modes"]:  # a variant named twice: both kept
+            mode += " (again)"
         report["modes"][mode] = result
         print(f"[{mode}] {json.dumps({k: v for k, v in result.items() if k != 'tokens'})}", flush=True)
         if args.profile and decoder.cuda_graphs:

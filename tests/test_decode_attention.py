@@ -84,3 +84,16 @@ def test_split_attention_replayed_from_a_cuda_graph_follows_the_positions(fold):
         replay()
         assert _error(out, expected) < 1e-2, first
         keys.normal_()
+
+
+@pytest.mark.parametrize("rows,queries,folds", [
+    (1, 1, True),  # the target alone: G x 1 = 4 query rows a KV head, one merge program's worth
+    (1, 16, False),  # the verify and draft steps: 64 rows, which the merge kernel spreads over programs
+    (64, 1, False),  # regenerate's step: one chunk, nothing to merge
+])
+def test_split_attention_folds_its_merge_only_where_one_program_merges_a_kv_head(rows, queries, folds):
+    from dflash_train.model.decode_attention import SplitAttention
+
+    attention = SplitAttention(rows, queries, 640 if rows == 1 else 1152, torch.device("cuda"), 32, 8, 128)
+    assert attention.fold is folds
+    assert attention.chunks > 1 or rows == 64

@@ -49,6 +49,15 @@ STEP_ATTENTIONS = ("split", "flex")
 # one shape while compiling, which pays there (bench/RESULTS-h200.md) and not in the
 # verify and draft steps, whose compiles it only lengthens.
 TOKEN_STEP_OPTIONS = {"coordinate_descent_tuning": True}
+# A layer's output products (o, and the MLP's down) at steps of a few positions (the verify
+# and draft steps' 16) make few output tiles: cuBLAS splits their K and sums the parts in a
+# reduction kernel of its own, two a layer. On CUDA, at steps of 2 to SPLIT_K_ROWS
+# positions, those SPLIT_K names run as that many batched products over K's parts instead
+# (split_linear), and in a compiled step the kernel that adds the residual sums their fp32
+# parts: no reduction kernels. Splitting the step's other products, or into more parts,
+# gained nothing or lost (bench/RESULTS-h200.md).
+SPLIT_K = {"o": 2, "down": 2}
+SPLIT_K_ROWS = 16
 # RoPE types whose frequencies depend on the sequence's length (transformers'
 # dynamic_rope_update): a table made once would be wrong past the original length.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -214,6 +223,29 @@ def _linear3(x: torch.Tensor, weights, biases) -> tuple[torch.Tensor, ...]:
     return (F.linear(x, weights, biases),)
 
 
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, splits: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (..., K) as `splits` products over K's parts, each
+    into fp32, summed: (S, M, K/S) @ (S, K/S, N), both views, nothing copied."""
+    *lead, width = x.shape
+    outputs = weight.shape[0]
+    part = width // splits
+    xs = x.reshape(-1, splits, part).transpose(0, 1)  # (S, M, K/S)
+    ws = weight.view(outputs, splits, part).permute(1, 2, 0)  # (S, K/S, N): the columns of each part
+    out = torch.bmm(xs, ws, out_dtype=torch.float32).sum(0)  # (M, N)
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype).view(*lead, outputs)
+
+
+def step_linear(role: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for a layer's output product `role` (o, down): split over K where SPLIT_K says."""
+    splits = SPLIT_K.get(role, 0)
+    rows, width = x.numel() // x.shape[-1], x.shape[-1]
+    if splits and x.is_cuda and 1 < rows <= SPLIT_K_ROWS and width % splits == 0 and weight.is_contiguous():
+        return split_linear(x, weight, bias, splits)
+    return F.linear(x, weight, bias)
+
+
 def project_and_store(hidden: torch.Tensor, w: LayerWeights, g: Geometry, cos: torch.Tensor, sin: torch.Tensor,
                       keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
                       ) -> torch.Tensor:
@@ -317,13 +349,13 @@ def step_attention(kind: str, rows: int, queries: int, capacity: int, device: to
 def output_and_mlp(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeights, g: Geometry) -> torch.Tensor:
     """attention (B, H, Q, D) and the layer's input (B, Q, hidden) -> the layer's output."""
     batch, _, length, _ = attention.shape
-    hidden = residual + F.linear(attention.transpose(1, 2).reshape(batch, length, -1), w.o, w.o_bias)
+    hidden = residual + step_linear("o", attention.transpose(1, 2).reshape(batch, length, -1), w.o, w.o_bias)
     x = rms_norm(hidden, w.post_norm, g.eps)
     if isinstance(w.gate_up, tuple):
         gate, up = F.linear(x, w.gate_up[0]), F.linear(x, w.gate_up[1])
     else:
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate) * up, w.down)
+    return hidden + step_linear("down", F.silu(gate) * up, w.down, None)
 
 
 def output_and_project(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeights, next_w: LayerWeights,
