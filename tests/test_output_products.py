@@ -43,3 +43,16 @@ def test_step_linear_splits_the_few_position_steps_on_cuda_only(rows, splits, ro
         assert out.shape == (1, rows, 64)
     assert len(calls) == (1 if splits and role == "o" else 0)
     assert not calls or calls[0][0].is_cuda and calls[0][3] == 4
+
+
+def test_step_linear_leaves_the_split_to_cublas_on_a_torch_without_products_into_fp32(monkeypatch):
+    """torch before 2.8 has no bmm into fp32 from bf16 (the project takes torch from 2.6)."""
+    from dflash_train.model import fast_layers
+
+    calls = []
+    monkeypatch.setattr(fast_layers, "split_linear", lambda *args: calls.append(args) or F.linear(*args[:3]))
+    monkeypatch.setattr(fast_layers, "BMM_INTO_FP32", False)
+    x = torch.randn(1, 16, 256, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(64, 256, dtype=torch.bfloat16, device="cuda")
+    assert torch.allclose(fast_layers.step_linear("o", x, weight, None), F.linear(x, weight))
+    assert calls == []

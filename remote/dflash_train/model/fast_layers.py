@@ -55,9 +55,11 @@ TOKEN_STEP_OPTIONS = {"coordinate_descent_tuning": True}
 # positions, those SPLIT_K names run as that many batched products over K's parts instead
 # (split_linear), and in a compiled step the kernel that adds the residual sums their fp32
 # parts: no reduction kernels. Splitting the step's other products, or into more parts,
-# gained nothing or lost (bench/RESULTS-h200.md).
+# gained nothing or lost (bench/RESULTS-h200.md). A product into fp32 from bf16 inputs
+# came with torch 2.8: before it, cuBLAS splits them as it chooses.
 SPLIT_K = {"o": 2, "down": 2}
 SPLIT_K_ROWS = 16
+BMM_INTO_FP32 = hasattr(torch.ops.aten.bmm, "dtype")
 # RoPE types whose frequencies depend on the sequence's length (transformers'
 # dynamic_rope_update): a table made once would be wrong past the original length.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -241,7 +243,8 @@ def step_linear(role: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """F.linear for a layer's output product `role` (o, down): split over K where SPLIT_K says."""
     splits = SPLIT_K.get(role, 0)
     rows, width = x.numel() // x.shape[-1], x.shape[-1]
-    if splits and x.is_cuda and 1 < rows <= SPLIT_K_ROWS and width % splits == 0 and weight.is_contiguous():
+    if (splits and BMM_INTO_FP32 and x.is_cuda and 1 < rows <= SPLIT_K_ROWS and width % splits == 0
+            and weight.is_contiguous()):
         return split_linear(x, weight, bias, splits)
     return F.linear(x, weight, bias)
 
