@@ -169,19 +169,35 @@ def _receivers_in(workspace: Path) -> list[int]:
 
 
 def interrupt_midway(proc: subprocess.Popen, err: Path, uploads: list[tuple[Callable[[], bool], Path]]) -> None:
-    """Ctrl-C to the CLI with every upload midway: for each (under way?, receiver's workspace)
-    in turn, once that upload is under way its receivers are stopped (SIGSTOP); they resume
-    only once the CLI says it is stopping the uploads. However fast the machine, no upload
-    can complete before the interrupt takes effect."""
-    stopped: list[int] = []
+    """Ctrl-C to the CLI with every upload midway, for (under way?, receiver's workspace) pairs.
+
+    Every receiver is stopped (SIGSTOP) as soon as it exists, before it can have read much;
+    then each in turn runs alone until its upload is under way and is stopped again. They
+    resume only once the CLI says it is stopping the uploads. However fast the machine, no
+    upload can complete before the interrupt takes effect: at most a few polls' worth of
+    data arrives while a receiver runs, and the rest is still with the CLI."""
+    stopped: set[int] = set()
+
+    def hold(pids: list[int]) -> None:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.add(pid)
+
+    def held_all() -> bool:  # one pass over every workspace: none runs unwatched while another is awaited
+        for _, workspace in uploads:
+            hold([pid for pid in _receivers_in(workspace) if pid not in stopped])
+        return all(set(_receivers_in(workspace)) & stopped for _, workspace in uploads)
+
     try:
+        wait_until(held_all, what="every upload's receiver to start", interval=0.005)
         for under_way, workspace in uploads:
-            wait_until(under_way, what=f"the upload to {workspace} to start", interval=FIRST_INTERVAL_S)
             receivers = _receivers_in(workspace)
-            assert receivers, f"no receiver working on {workspace}"
             for pid in receivers:
-                os.kill(pid, signal.SIGSTOP)
-                stopped.append(pid)
+                os.kill(pid, signal.SIGCONT)
+            try:
+                wait_until(under_way, what=f"the upload to {workspace} to start", interval=0.002)
+            finally:
+                hold(receivers)
         proc.send_signal(signal.SIGINT)
         wait_until(lambda: "interrupting: stopping" in err.read_text(), what="the CLI to take the interrupt")
     finally:
