@@ -220,8 +220,8 @@ def products_part() -> None:
 
                         us = timed(graphed(layers, torch.device("cuda"))) / 36 * 1000
                     cells.append(f"{us:.1f} us, {weight_bytes / us / 1e6:.2f} TB/s, {error:.0e}")
-                except Exception as error:  # noqa: BLE001 - a variant that cannot build is a cell, not the end
-                    cells.append(f"failed: {type(error).__name__}: {str(error)[:200]}")
+                except Exception as failure:  # noqa: BLE001 - a variant that cannot build is a cell, not the end
+                    cells.append(f"failed: {type(failure).__name__}: {str(failure)[:200]}")
                 torch._dynamo.reset()
             print(f"| {role} ({width} x {outputs}) | {rows} | {' | '.join(cells)} |", flush=True)
         weights.clear()

@@ -262,7 +262,7 @@ def main() -> None:
     landed_split = fast_layers.SPLIT_K
     splits = [split_table(text, parser) for text in args.split_k.split("/")] if args.split_k else [landed_split]
     runs = [(f"{mode}/split {split_label(split)}" if kind == "compiled" and len(splits) > 1 else mode, kind, name,
-             attention, split if kind == "compiled" else landed_split)
+             attention, split)
             for mode, kind, name, attention in runs for split in (splits if kind == "compiled" else [landed_split])]
     landed_compile = fast_layers.compile_step
     for mode, kind, inductor, attention, split in runs:

@@ -184,9 +184,10 @@ def interrupt_midway(proc: subprocess.Popen, err: Path, uploads: list[tuple[Call
             stopped.add(pid)
 
     def held_all() -> bool:  # one pass over every workspace: none runs unwatched while another is awaited
-        for _, workspace in uploads:
-            hold([pid for pid in _receivers_in(workspace) if pid not in stopped])
-        return all(set(_receivers_in(workspace)) & stopped for _, workspace in uploads)
+        found = [_receivers_in(workspace) for _, workspace in uploads]
+        for receivers in found:
+            hold([pid for pid in receivers if pid not in stopped])
+        return all(found)
 
     try:
         wait_until(held_all, what="every upload's receiver to start", interval=0.005)
