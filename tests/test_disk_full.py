@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import traceback
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,31 @@ def test_a_checkpoint_the_disk_cannot_hold_names_the_full_disk_and_leaves_the_pr
         assert "unexpected pos" in str(raised.value.__cause__)  # what torch.save itself says
         assert (root / LATEST).resolve().name == "step_000001" and intact(root / "step_000001")
         assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000001"]  # no staging folder left
+
+
+@pytest.mark.parametrize("writer,weights,optimizer_floats", [
+    ("save_torch", 16, 1 << 18),  # the optimizer state's file (torch.save) fails
+    ("save_file", (1 << 18) - 16, 16),  # the weights' file (safetensors) fails
+])
+def test_a_disk_that_fills_while_a_checkpoint_is_written_is_named_full(tmp_path, writer, weights, optimizer_floats):
+    """At the start there is room for the checkpoint's tensors, as when another writer
+    takes it from under the checkpoint: the free space then said nothing, the writer's
+    own error must."""
+    page = 4096
+    with tmpfs(tmp_path / "disk", size_mib=4) as disk:
+        root = disk / "checkpoints"
+        second = snapshot(2, optimizer_floats)
+        second.weights["w"] = torch.ones(weights)
+        filler = fill(disk)
+        pages = -(-second.nbytes() // page)  # the tensors' bytes in whole pages: less than their files take
+        os.truncate(filler, (-(-filler.stat().st_size // page) - pages) * page)
+        assert free_bytes(str(disk)) == pages * page >= second.nbytes()
+        with pytest.raises(DiskFull) as raised:
+            write_checkpoint(root, second, keep=2, config_yaml="seed: 0\n")
+        assert re.fullmatch(re.escape(f"no space left on device writing {root}/step_000002 (") + r"\d+"
+                            + re.escape(f" bytes free on {disk})"), str(raised.value))
+        assert writer in [frame.name for frame in traceback.extract_tb(raised.value.__cause__.__traceback__)]
+        assert list(root.iterdir()) == []  # no staging folder left
 
 
 def test_the_error_record_is_written_into_its_reserve_on_a_disk_full_to_its_last_byte(tmp_path):

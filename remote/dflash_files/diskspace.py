@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from typing import Any, Dict, Optional
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, no inodes left, or a quota reached
@@ -16,13 +17,20 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, no inodes left, or a quo
 RESERVE_BYTES = 256 * 1024
 
 
+# How a Rust writer's error quotes the OS error it met (std::io::Error's Display), as
+# safetensors' SafetensorError does: "I/O error: No space left on device (os error 28)".
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 def is_no_space(exc: BaseException) -> bool:
     """Whether `exc`, or an exception it was raised from or during, is an OSError for
-    want of space."""
+    want of space, or quotes one as a Rust writer does."""
     seen = set()
     current: Optional[BaseException] = exc
     while current is not None and id(current) not in seen:
         if isinstance(current, OSError) and current.errno in NO_SPACE:
+            return True
+        if any(int(code) in NO_SPACE for code in RUST_OS_ERROR.findall(str(current))):
             return True
         seen.add(id(current))
         current = current.__cause__ or current.__context__

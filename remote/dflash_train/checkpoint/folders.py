@@ -59,11 +59,14 @@ def replace_dir(final: Path, fill: Callable[[Path], None], needed: int = 0) -> N
     into place. A previous `final` stays whole until the new one is; it is missing only
     between two renames (a folder cannot be renamed over a non-empty one), never while
     one is being deleted. A failure for want of space raises DiskFull naming `final`:
-    told by ENOSPC in the exception's chain, or, as the writers do not all say it
-    (torch.save: `[enforce fail at inline_container.cc:…] . unexpected pos …`;
-    safetensors: a SafetensorError quoting the OS error), by less free at the start
-    than the `needed` bytes. (Free space after the failure tells nothing: the failed
-    writer, which the exception's frames hold, keeps its unlinked file's blocks.)"""
+    told by less free at the start than the `needed` bytes, or, where the disk filled
+    while `fill` wrote (another writer on it), by the OS error in the exception's chain
+    (dflash_files.diskspace.is_no_space: ENOSPC raised, or quoted as safetensors quotes
+    it). `fill` must let it through: torch.save into a path says only `[enforce fail at
+    inline_container.cc:…] . unexpected pos …`, into a file object of ours its
+    RuntimeError is raised during our write's OSError (save_torch). Free space after the
+    failure tells nothing: the failed writer, which the exception's frames hold, keeps
+    its unlinked file's blocks."""
     free = free_bytes(str(final.parent))
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; these folders are for others to read
@@ -189,13 +192,20 @@ def take_snapshot(state: TrainingState, model: torch.nn.Module, optimizer, sched
     return CheckpointSnapshot(dataclasses.replace(state, losses=list(state.losses)), copies, optimizer_states)
 
 
+def save_torch(value: Any, path: Path) -> None:
+    """torch.save(value, path) through a file of ours: a write that fails for want of
+    space raises its OSError, and torch's own error is raised during it (replace_dir)."""
+    with open(path, "wb") as handle:
+        torch.save(value, handle)
+
+
 def write_checkpoint(root: Path, snapshot: CheckpointSnapshot, keep: int, config_yaml: str) -> Path:
     """Write `snapshot` as root/step_NNNNNN (atomically), point `latest` at it, prune."""
     from safetensors.torch import save_file
 
     def fill(staging: Path) -> None:
         save_file(snapshot.weights, str(staging / WEIGHTS_FILE))
-        torch.save(snapshot.optimizer, staging / OPTIMIZER_FILE)
+        save_torch(snapshot.optimizer, staging / OPTIMIZER_FILE)
         snapshot.state.write(staging)
         (staging / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
 
