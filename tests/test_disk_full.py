@@ -95,11 +95,12 @@ def test_a_disk_full_to_its_last_byte_fails_the_run_naming_it_and_the_checkpoint
             kill_run(run_dir)  # whatever a run that did not end left running on the lazily unmounted disk
 
 
-def snapshot(step: int, optimizer_floats: int) -> CheckpointSnapshot:
-    """A checkpoint's content: small weights (model.safetensors fits anywhere here) and
-    an optimizer state of `optimizer_floats` float32s, which torch.save writes."""
+def snapshot(step: int, optimizer_floats: int, weight_floats: int = 16) -> CheckpointSnapshot:
+    """A checkpoint's content: weights of `weight_floats` float32s, which safetensors
+    writes (by default small: model.safetensors fits anywhere here), and an optimizer
+    state of `optimizer_floats` float32s, which torch.save writes."""
     state = TrainingState(step=step, epoch=0, batch_index=step, replicas=1, losses=[1.0] * step)
-    return CheckpointSnapshot(state, {"w": torch.ones(16)},
+    return CheckpointSnapshot(state, {"w": torch.ones(weight_floats)},
                               {"optimizer": {"state": {0: {"exp_avg": torch.ones(optimizer_floats)}}},
                                "scheduler": {"last_epoch": step}})
 
@@ -132,8 +133,7 @@ def test_a_disk_that_fills_while_a_checkpoint_is_written_is_named_full(tmp_path,
     page = 4096
     with tmpfs(tmp_path / "disk", size_mib=4) as disk:
         root = disk / "checkpoints"
-        second = snapshot(2, optimizer_floats)
-        second.weights["w"] = torch.ones(weights)
+        second = snapshot(2, optimizer_floats, weights)
         filler = fill(disk)
         pages = -(-second.nbytes() // page)  # the tensors' bytes in whole pages: less than their files take
         os.truncate(filler, (-(-filler.stat().st_size // page) - pages) * page)
