@@ -31,7 +31,10 @@ show about tau times that: printed for --tau (the reference DFlash drafters reac
 `landed` is what the job compiles); `--profile` then records one replay of each graphed
 step (draft, verify, target alone) under torch.profiler and prints its kernels by kind
 (bench/decode_profile.py's table); `--split-k` builds once per fast_layers.SPLIT_K table
-(which products of the 16-position steps split their K, into how many parts).
+(which products of the 16-position steps split their K, into how many parts), and
+`--triton` once per fast_layers.TRITON_PRODUCTS table (which of them run through
+model/skinny_products.py's kernel, with which tiles: bench/skinny_products.py's
+--table-out).
 
 Both modes and the target alone must decode the same tokens: with random bf16 weights
 the logits are nearly flat, so a different kernel order can flip a near-tie (a
@@ -132,6 +135,31 @@ def split_label(table: dict[str, int]) -> str:
     return ",".join(f"{role}={parts}" for role, parts in table.items()) or "none"
 
 
+def triton_table(text: str, parser) -> dict:
+    """'gate_up=2:64:128:3:4:1,down=...' (parts:block_n:block_k[:stages[:warps[:swap]]]) ->
+    {"gate_up": Tiles(2, 64, 128, 3, 4, True), ...}; 'none' -> {}."""
+    from dflash_train.model.fast_layers import Tiles
+
+    if text == "none":
+        return {}
+    try:
+        table = {}
+        for item in text.split(","):
+            role, tiles = item.split("=")
+            numbers = [int(n) for n in tiles.split(":")]
+            if not 3 <= len(numbers) <= 6:
+                raise ValueError(item)
+            table[role] = Tiles(*numbers[:5], *(bool(n) for n in numbers[5:]))
+        return table
+    except ValueError:
+        parser.error(f"--triton: {text!r} is not 'role=parts:block_n:block_k[:stages[:warps[:swap]]],...' or 'none'")
+
+
+def triton_label(table: dict) -> str:
+    return ",".join(f"{role}={t.parts}:{t.block_n}:{t.block_k}:{t.stages}:{t.warps}:{int(t.swap)}"
+                    for role, t in table.items()) or "none"
+
+
 def profile_steps(decoder, label: str, position: int) -> None:
     """One replay of each graphed step under torch.profiler, from `position` (the state reset
     there, so the replays stay inside the cache)."""
@@ -194,6 +222,10 @@ def main() -> None:
     parser.add_argument("--split-k", default=None,
                         help="compiled mode: fast_layers.SPLIT_K tables to build with, separated by '/', each "
                              "'role=parts,...' or 'none' (cuBLAS's own products; default: the landed table)")
+    parser.add_argument("--triton", default=None,
+                        help="compiled mode: fast_layers.TRITON_PRODUCTS tables to build with, separated by '/', "
+                             "each 'role=parts:block_n:block_k[:stages[:warps[:swap]]],...' or 'none' (default: the "
+                             "landed table)")
     parser.add_argument("--profile", action="store_true", help="profile one replay of each graphed step")
     parser.add_argument("--cpu-check", action="store_true", help="micro target on the CPU, fp32")
     parser.add_argument("--drafter-dtype", default=None,
@@ -264,12 +296,19 @@ def main() -> None:
     runs = [(f"{mode}/split {split_label(split)}" if kind == "compiled" and len(splits) > 1 else mode, kind, name,
              attention, split)
             for mode, kind, name, attention in runs for split in (splits if kind == "compiled" else [landed_split])]
+    landed_triton = fast_layers.TRITON_PRODUCTS
+    tritons = [triton_table(text, parser) for text in args.triton.split("/")] if args.triton else [landed_triton]
+    runs = [(f"{mode}/triton {triton_label(table)}" if kind == "compiled" and len(tritons) > 1 else mode, kind, name,
+             attention, split, table)
+            for mode, kind, name, attention, split in runs
+            for table in (tritons if kind == "compiled" else [landed_triton])]
     landed_compile = fast_layers.compile_step
-    for mode, kind, inductor, attention, split in runs:
+    for mode, kind, inductor, attention, split, triton in runs:
         torch._dynamo.reset()
         fast_layers.compile_step = compile_step_for(inductor, landed_compile)
         fast_layers.STEP_ATTENTION = attention
         fast_layers.SPLIT_K = split
+        fast_layers.TRITON_PRODUCTS = triton
         started = time.perf_counter()
         decoder = FastDecoder(drafter, tap, embed, head, capacity, cuda_graphs=kind != "eager",
                               compile_steps=kind == "compiled", fuse=True)

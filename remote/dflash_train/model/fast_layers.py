@@ -28,6 +28,7 @@ heads, D head dim, C cached positions per row.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any, Callable, Collection
 
 import torch
@@ -52,7 +53,8 @@ TOKEN_STEP_OPTIONS = {"coordinate_descent_tuning": True}
 # A layer's output products (o, and the MLP's down) at steps of a few positions (the verify
 # and draft steps' 16) make few output tiles: cuBLAS splits their K and sums the parts in a
 # reduction kernel of its own, two a layer. On CUDA, at steps of 2 to SPLIT_K_ROWS
-# positions, those SPLIT_K names run as that many batched products over K's parts instead
+# positions that no Triton kernel runs (TRITON_PRODUCTS: eager steps, or without Triton),
+# those SPLIT_K names run as that many batched products over K's parts instead
 # (split_linear), and in a compiled step the kernel that adds the residual sums their fp32
 # parts: no reduction kernels. Splitting the step's other products, or into more parts,
 # gained nothing or lost (bench/RESULTS-h200.md). A product into fp32 from bf16 inputs
@@ -60,6 +62,33 @@ TOKEN_STEP_OPTIONS = {"coordinate_descent_tuning": True}
 SPLIT_K = {"o": 2, "down": 2}
 SPLIT_K_ROWS = 16
 BMM_INTO_FP32 = hasattr(torch.ops.aten.bmm, "dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """How model/skinny_products.py's kernel computes one product: `parts` shares of K,
+    `block_n` outputs by `block_k` of K per tile, `stages` loads in flight, `warps` per
+    program, `swap`: the weight on the tensor cores' tall side."""
+    parts: int
+    block_n: int
+    block_k: int
+    stages: int = 3
+    warps: int = 4
+    swap: bool = False
+
+
+# The products of compiled steps on CUDA, at 2 to SPLIT_K_ROWS positions (the verify and
+# draft steps), that run through model/skinny_products.py's Triton kernel with these
+# tiles, where they fit the product's shape: bench/skinny_products.py's best at the 8B
+# shapes on an H200, each faster than cuBLAS and the split (bench/RESULTS-h200.md).
+TRITON_PRODUCTS: dict[str, Tiles] = {
+    "qkv": Tiles(2, 64, 128, stages=4, swap=True),
+    "o": Tiles(4, 64, 128, swap=True),
+    "gate_up": Tiles(1, 64, 128, swap=True),
+    "down": Tiles(2, 64, 256, stages=4, swap=True),
+}
+TRITON = importlib.util.find_spec("triton") is not None
+
 # RoPE types whose frequencies depend on the sequence's length (transformers'
 # dynamic_rope_update): a table made once would be wrong past the original length.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -222,7 +251,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def _linear3(x: torch.Tensor, weights, biases) -> tuple[torch.Tensor, ...]:
     if isinstance(weights, tuple):
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases or (None,) * len(weights)))
-    return (F.linear(x, weights, biases),)
+    return (step_linear("qkv", x, weights, biases),)
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, splits: int) -> torch.Tensor:
@@ -239,8 +268,39 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.to(x.dtype).view(*lead, outputs)
 
 
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (..., K) through model/skinny_products.py's kernel:
+    its fp32 parts over K summed (in the consumer's kernel, when compiled)."""
+    from .skinny_products import product_parts  # Triton: CUDA only
+
+    *lead, width = x.shape
+    out = product_parts(x.reshape(-1, width), weight, tiles.parts, tiles.block_n, tiles.block_k, tiles.stages,
+                        tiles.warps, tiles.swap).sum(0)  # (M, N)
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype).view(*lead, weight.shape[0])
+
+
+def triton_tiles(role: str, x: torch.Tensor, weight: torch.Tensor) -> Tiles | None:
+    """The tiles of the Triton kernel for a layer's product `role` of x (..., K) by
+    `weight`, or None: on CUDA, at 2 to SPLIT_K_ROWS positions, where TRITON_PRODUCTS
+    names the role and its tiles fit the shape."""
+    tiles = TRITON_PRODUCTS.get(role)
+    rows, width = x.numel() // x.shape[-1], x.shape[-1]
+    if not (tiles and TRITON and x.is_cuda and 1 < rows <= SPLIT_K_ROWS and weight.is_contiguous()):
+        return None
+    from .skinny_products import fits
+
+    return tiles if fits(rows, weight.shape[0], width, tiles.parts, tiles.block_n, tiles.block_k) else None
+
+
 def step_linear(role: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for a layer's output product `role` (o, down): split over K where SPLIT_K says."""
+    """F.linear for a layer's product `role` (qkv, o, gate_up, down): in a compiled step,
+    through the Triton kernel where triton_tiles gives tiles (compiled with the step, so
+    an eager step never compiles a kernel when it first runs, in whichever thread); else
+    split over K where SPLIT_K says, on CUDA at 2 to SPLIT_K_ROWS positions."""
+    if torch.compiler.is_compiling() and (tiles := triton_tiles(role, x, weight)):
+        return triton_linear(x, weight, bias, tiles)
     splits = SPLIT_K.get(role, 0)
     rows, width = x.numel() // x.shape[-1], x.shape[-1]
     if (splits and BMM_INTO_FP32 and x.is_cuda and 1 < rows <= SPLIT_K_ROWS and width % splits == 0
@@ -357,7 +417,7 @@ def output_and_mlp(attention: torch.Tensor, residual: torch.Tensor, w: LayerWeig
     if isinstance(w.gate_up, tuple):
         gate, up = F.linear(x, w.gate_up[0]), F.linear(x, w.gate_up[1])
     else:
-        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+        gate, up = step_linear("gate_up", x, w.gate_up, None).chunk(2, dim=-1)
     return hidden + step_linear("down", F.silu(gate) * up, w.down, None)
 
 
