@@ -56,6 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_threads import QWEN3_8B, write_report  # noqa: E402
 from gpu_trainer import MICRO_TARGET, QWEN3_8B_TARGET, VOCAB_WORDS, make_target  # noqa: E402
+from skinny_products import parse_tiles, tile_label  # noqa: E402
 
 
 class StepClock:
@@ -136,28 +137,18 @@ def split_label(table: dict[str, int]) -> str:
 
 
 def triton_table(text: str, parser) -> dict:
-    """'gate_up=2:64:128:3:4:1,down=...' (parts:block_n:block_k[:stages[:warps[:swap]]]) ->
+    """'gate_up=2:64:128:3:4:1,down=...' (skinny_products.parse_tiles' tiles) ->
     {"gate_up": Tiles(2, 64, 128, 3, 4, True), ...}; 'none' -> {}."""
-    from dflash_train.model.fast_layers import Tiles
-
     if text == "none":
         return {}
     try:
-        table = {}
-        for item in text.split(","):
-            role, tiles = item.split("=")
-            numbers = [int(n) for n in tiles.split(":")]
-            if not 3 <= len(numbers) <= 6:
-                raise ValueError(item)
-            table[role] = Tiles(*numbers[:5], *(bool(n) for n in numbers[5:]))
-        return table
+        return {role: parse_tiles(tiles) for role, tiles in (item.split("=") for item in text.split(","))}
     except ValueError:
         parser.error(f"--triton: {text!r} is not 'role=parts:block_n:block_k[:stages[:warps[:swap]]],...' or 'none'")
 
 
 def triton_label(table: dict) -> str:
-    return ",".join(f"{role}={t.parts}:{t.block_n}:{t.block_k}:{t.stages}:{t.warps}:{int(t.swap)}"
-                    for role, t in table.items()) or "none"
+    return ",".join(f"{role}={tile_label(tiles)}" for role, tiles in table.items()) or "none"
 
 
 def profile_steps(decoder, label: str, position: int) -> None:

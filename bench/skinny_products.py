@@ -69,7 +69,18 @@ def time_us(product, weights: list) -> float:
 
 
 def tile_label(t) -> str:
+    """fast_layers.Tiles -> 'parts:block_n:block_k:stages:warps:swap' (parse_tiles' input)."""
     return f"{t.parts}:{t.block_n}:{t.block_k}:{t.stages}:{t.warps}:{int(t.swap)}"
+
+
+def parse_tiles(text: str):
+    """'parts:block_n:block_k[:stages[:warps[:swap]]]' -> fast_layers.Tiles; ValueError if not."""
+    from dflash_train.model.fast_layers import Tiles
+
+    numbers = [int(n) for n in text.split(":")]
+    if not 3 <= len(numbers) <= 6:
+        raise ValueError(f"{text!r} has {len(numbers)} numbers")
+    return Tiles(*numbers[:5], *(bool(n) for n in numbers[5:]))
 
 
 def main() -> None:
