@@ -140,7 +140,8 @@ def main() -> None:
                 return None
             error = (got - exact).abs().max().item() / scale
             if error > 1e-2:
-                raise SystemExit(f"{role} {tile_label(t)}: the parts sum to the product with relative error {error:.3g}")
+                raise SystemExit(f"{role} {tile_label(t)}: the parts sum to the product with relative error "
+                                 f"{error:.3g}")
             return time_us(run, weights)
 
         coarse = [Tiles(parts, block_n, block_k, 3, 4, swap)

@@ -21,9 +21,13 @@ import dflash_contract.events
 import pytest
 from dflash_train.config import load_job_config, resolved_yaml
 from support.train_configs import TINY_CPU
-from support.trainer import ForkedRun, Launched, end, start_trainer
+from support.trainer import FORK_SERVER, ForkedRun, Launched, end, start_trainer
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} \[[\w-]+\] ")
+# The first frame of a stack in a faulthandler dump (most recent call first: its last line),
+# written whole
+FIRST_FRAME = re.compile(r'^  File (?:".*", line \d+ in (?:_bootstrap|_run_module_as_main)'
+                         rf'|"{re.escape(str(FORK_SERVER))}", line \d+ in <module>)\n', re.MULTILINE)
 
 # Small enough to start fast; every fault test shares its cache entry.
 SMALL = """
@@ -213,12 +217,16 @@ def test_hang_stops_heartbeats_and_sigusr1_dumps_every_thread(launch):
     run.proc.send_signal(signal.SIGUSR1)
     dump = run.run_dir / "faulthandler.log"
 
-    def threads_dumped() -> int:
+    def whole_stacks_dumped() -> int:
+        """The threads in the dump, or 0 while faulthandler is still writing one: each stack
+        ends at its first frame, a thread's _bootstrap or the main thread's entry (the fork
+        server's module, or runpy's for a new interpreter)."""
         text = dump.read_text()
-        return text.count("Thread 0x") + text.count("Current thread 0x")
+        headers = text.count("Thread 0x") + text.count("Current thread 0x")
+        return headers if len(FIRST_FRAME.findall(text)) == headers else 0
 
     # coordinator, prefetch, target, 2 drafters
-    run.wait_for("every thread's stack", lambda: "_hang" in dump.read_text() and threads_dumped() >= 5, 10)
+    run.wait_for("every thread's stack", lambda: "_hang" in dump.read_text() and whole_stacks_dumped() >= 5, 10)
     text = dump.read_text()
     assert "wait_until_ready" not in text and "_hang" in text and "exchange" in text  # drafter-0 waits for its peer
     # faulthandler names threads by ident only: threads.json holds every dumped one's name,
