@@ -122,33 +122,19 @@ def compile_step_for(name: str | None, landed):
         function, dynamic=False, options={**(TOKEN_STEP_OPTIONS if one_token else {}), **options})
 
 
-def split_table(text: str, parser) -> dict[str, int]:
-    """'qkv=4,o=4' -> {"qkv": 4, "o": 4}; 'none' -> {}."""
+def role_table(text: str, parse, option: str, form: str, parser) -> dict:
+    """'role=value,...' -> {role: parse(value)} (parse raises ValueError on a bad value);
+    'none' -> {}. `form` is the value's shape, for --`option`'s error."""
     if text == "none":
         return {}
     try:
-        return {role: int(parts) for role, parts in (item.split("=") for item in text.split(","))}
+        return {role: parse(value) for role, value in (item.split("=") for item in text.split(","))}
     except ValueError:
-        parser.error(f"--split-k: {text!r} is not 'role=parts,...' or 'none'")
+        parser.error(f"--{option}: {text!r} is not 'role={form},...' or 'none'")
 
 
-def split_label(table: dict[str, int]) -> str:
-    return ",".join(f"{role}={parts}" for role, parts in table.items()) or "none"
-
-
-def triton_table(text: str, parser) -> dict:
-    """'gate_up=2:64:128:3:4:1,down=...' (skinny_products.parse_tiles' tiles) ->
-    {"gate_up": Tiles(2, 64, 128, 3, 4, True), ...}; 'none' -> {}."""
-    if text == "none":
-        return {}
-    try:
-        return {role: parse_tiles(tiles) for role, tiles in (item.split("=") for item in text.split(","))}
-    except ValueError:
-        parser.error(f"--triton: {text!r} is not 'role=parts:block_n:block_k[:stages[:warps[:swap]]],...' or 'none'")
-
-
-def triton_label(table: dict) -> str:
-    return ",".join(f"{role}={tile_label(tiles)}" for role, tiles in table.items()) or "none"
+def table_label(table: dict, label=str) -> str:
+    return ",".join(f"{role}={label(value)}" for role, value in table.items()) or "none"
 
 
 def profile_steps(decoder, label: str, position: int) -> None:
@@ -283,13 +269,15 @@ def main() -> None:
         runs = [(f"{mode}/{attention}" if kind == "compiled" else mode, kind, name, attention)
                 for mode, kind, name, attention in runs]
     landed_split = fast_layers.SPLIT_K
-    splits = [split_table(text, parser) for text in args.split_k.split("/")] if args.split_k else [landed_split]
-    runs = [(f"{mode}/split {split_label(split)}" if kind == "compiled" and len(splits) > 1 else mode, kind, name,
+    splits = ([role_table(text, int, "split-k", "parts", parser) for text in args.split_k.split("/")]
+              if args.split_k else [landed_split])
+    runs = [(f"{mode}/split {table_label(split)}" if kind == "compiled" and len(splits) > 1 else mode, kind, name,
              attention, split)
             for mode, kind, name, attention in runs for split in (splits if kind == "compiled" else [landed_split])]
     landed_triton = fast_layers.TRITON_PRODUCTS
-    tritons = [triton_table(text, parser) for text in args.triton.split("/")] if args.triton else [landed_triton]
-    runs = [(f"{mode}/triton {triton_label(table)}" if kind == "compiled" and len(tritons) > 1 else mode, kind, name,
+    tritons = ([role_table(text, parse_tiles, "triton", "parts:block_n:block_k[:stages[:warps[:swap]]]", parser)
+                for text in args.triton.split("/")] if args.triton else [landed_triton])
+    runs = [(f"{mode}/triton {table_label(table, tile_label)}" if kind == "compiled" and len(tritons) > 1 else mode, kind, name,
              attention, split, table)
             for mode, kind, name, attention, split in runs
             for table in (tritons if kind == "compiled" else [landed_triton])]

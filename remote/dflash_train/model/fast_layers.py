@@ -281,16 +281,22 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.to(x.dtype).view(*lead, weight.shape[0])
 
 
+def _few_positions_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x (..., K) is a step of 2 to SPLIT_K_ROWS positions on CUDA, by a dense weight: a
+    product cuBLAS tiles poorly (TRITON_PRODUCTS, SPLIT_K)."""
+    return x.is_cuda and 1 < x.numel() // x.shape[-1] <= SPLIT_K_ROWS and weight.is_contiguous()
+
+
 def triton_tiles(role: str, x: torch.Tensor, weight: torch.Tensor) -> Tiles | None:
     """The tiles of the Triton kernel for a layer's product `role` of x (..., K) by
     `weight`, or None: on CUDA, at 2 to SPLIT_K_ROWS positions, where TRITON_PRODUCTS
     names the role and its tiles fit the shape."""
     tiles = TRITON_PRODUCTS.get(role)
-    rows, width = x.numel() // x.shape[-1], x.shape[-1]
-    if not (tiles and TRITON and x.is_cuda and 1 < rows <= SPLIT_K_ROWS and weight.is_contiguous()):
+    if not (tiles and TRITON and _few_positions_on_cuda(x, weight)):
         return None
     from .skinny_products import fits
 
+    rows, width = x.numel() // x.shape[-1], x.shape[-1]
     return tiles if fits(rows, weight.shape[0], width, tiles.parts, tiles.block_n, tiles.block_k) else None
 
 
@@ -302,9 +308,7 @@ def step_linear(role: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if torch.compiler.is_compiling() and (tiles := triton_tiles(role, x, weight)):
         return triton_linear(x, weight, bias, tiles)
     splits = SPLIT_K.get(role, 0)
-    rows, width = x.numel() // x.shape[-1], x.shape[-1]
-    if (splits and BMM_INTO_FP32 and x.is_cuda and 1 < rows <= SPLIT_K_ROWS and width % splits == 0
-            and weight.is_contiguous()):
+    if splits and BMM_INTO_FP32 and _few_positions_on_cuda(x, weight) and x.shape[-1] % splits == 0:
         return split_linear(x, weight, bias, splits)
     return F.linear(x, weight, bias)
 
